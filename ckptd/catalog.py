@@ -1,0 +1,245 @@
+"""The catalog: a SQLite cache of what storage holds, rebuilt from storage at start and kept fresh.
+
+Storage is the source of truth (DESIGN invariant 1). The catalog only remembers what a scan of storage
+found, so that answering ``latest-good`` or ``resume`` does not re-read every step's metadata. Killing
+ckptd loses nothing: the next start drops the cache and scans again.
+
+A refresh lists each job directory and inspects only the step directories it has not seen in a final
+state (committed or corrupt); a step that vanished from storage leaves the catalog.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from trainer_client.layout import StepInspection, inspect_step, step_entries
+from trainer_client.protocol import CheckpointInfo, JobInfo, StepState, TrainingMetadata, is_valid_job_name
+from trainer_client.storage import Storage
+
+_log = logging.getLogger(__name__)
+
+_FINAL_STATES = (StepState.COMMITTED.value, StepState.CORRUPT.value)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    name TEXT PRIMARY KEY,
+    path TEXT NOT NULL,
+    scanned_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS steps (
+    job TEXT NOT NULL,
+    dirname TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    path TEXT NOT NULL,
+    reason TEXT,
+    committed_at REAL,
+    training TEXT,
+    PRIMARY KEY (job, dirname)
+);
+CREATE INDEX IF NOT EXISTS steps_by_state ON steps (job, state, step);
+"""
+
+
+class Catalog:
+    """What the checkpoint root holds, per job and step, with the commit rule applied."""
+
+    def __init__(self, storage: Storage, db_path: Path | str, *, save_timeout_s: float = 3600.0) -> None:
+        self.storage = storage
+        self.save_timeout_s = save_timeout_s
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=OFF")  # a cache: storage is the truth
+        self._db.executescript(_SCHEMA)
+        self.ready = threading.Event()
+        self.last_refresh: float | None = None
+        self.last_error: str | None = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    # ---- building -------------------------------------------------------------------------------
+
+    def rebuild(self) -> None:
+        """Forget everything and scan storage again (what every start does)."""
+        with self._lock:
+            self._db.executescript("DROP TABLE IF EXISTS steps; DROP TABLE IF EXISTS jobs;" + _SCHEMA)
+        self.refresh()
+        self.ready.set()
+
+    def refresh(self) -> None:
+        """Bring the catalog in line with storage: new jobs, new steps, steps that changed or vanished."""
+        self.storage.invalidate()
+        job_entries = [e for e in self.storage.list_dir(self.storage.root) if e.is_dir]
+        names = {e.name for e in job_entries if is_valid_job_name(e.name)}
+        with self._tx() as db:
+            for (name,) in db.execute("SELECT name FROM jobs").fetchall():
+                if name not in names:
+                    db.execute("DELETE FROM jobs WHERE name = ?", (name,))
+                    db.execute("DELETE FROM steps WHERE job = ?", (name,))
+        for entry in job_entries:
+            if entry.name in names:
+                self.refresh_job(entry.name)
+        self.last_refresh = time.time()
+        self.last_error = None
+
+    def refresh_job(self, job: str) -> None:
+        """Rescan one job directory; inspects only steps not yet seen in a final state."""
+        job_path = self.storage.join(job)
+        self.storage.invalidate(job_path)
+        if not self.storage.is_dir(job_path):
+            with self._tx() as db:
+                db.execute("DELETE FROM jobs WHERE name = ?", (job,))
+                db.execute("DELETE FROM steps WHERE job = ?", (job,))
+            return
+        with self._lock:
+            known = {
+                row[0]: row[1]
+                for row in self._db.execute("SELECT dirname, state FROM steps WHERE job = ?", (job,))
+            }
+        entries = step_entries(self.storage, job_path)
+        present = {entry.name for _, entry in entries}
+        now = time.time()
+        found: list[tuple[str, StepInspection]] = []
+        for _, entry in entries:
+            if known.get(entry.name) in _FINAL_STATES:
+                continue
+            inspection = inspect_step(self.storage, entry, save_timeout_s=self.save_timeout_s, now=now)
+            if inspection is not None:
+                found.append((entry.name, inspection))
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO jobs (name, path, scanned_at) VALUES (?, ?, ?) "
+                "ON CONFLICT(name) DO UPDATE SET scanned_at = excluded.scanned_at",
+                (job, self.storage.url_of(job_path), now),
+            )
+            for dirname in set(known) - present:
+                db.execute("DELETE FROM steps WHERE job = ? AND dirname = ?", (job, dirname))
+            for dirname, ins in found:
+                db.execute(
+                    "INSERT OR REPLACE INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        job,
+                        dirname,
+                        ins.step,
+                        ins.state.value,
+                        self.storage.url_of(ins.path),
+                        ins.reason,
+                        ins.committed_at,
+                        ins.training.model_dump_json() if ins.training else None,
+                    ),
+                )
+
+    # ---- reading --------------------------------------------------------------------------------
+
+    def has_job(self, job: str) -> bool:
+        with self._lock:
+            return self._db.execute("SELECT 1 FROM jobs WHERE name = ?", (job,)).fetchone() is not None
+
+    def jobs(self) -> list[JobInfo]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT j.name, j.path, COUNT(s.step), MAX(s.step), "
+                "MAX(CASE WHEN s.state = ? THEN s.step END) "
+                "FROM jobs j LEFT JOIN steps s ON s.job = j.name GROUP BY j.name ORDER BY j.name",
+                (StepState.COMMITTED.value,),
+            ).fetchall()
+        return [
+            JobInfo(name=r[0], path=r[1], steps=r[2], latest_step=r[3], latest_good_step=r[4]) for r in rows
+        ]
+
+    def checkpoints(self, job: str) -> list[CheckpointInfo]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT step, state, path, reason, committed_at, training FROM steps "
+                "WHERE job = ? ORDER BY step, dirname",
+                (job,),
+            ).fetchall()
+        return [_info(r) for r in rows]
+
+    def latest_good(self, job: str, at_most: int | None = None) -> CheckpointInfo | None:
+        """The newest committed step (at or below ``at_most`` when given)."""
+        limit = at_most if at_most is not None else 2**63 - 1
+        with self._lock:
+            row = self._db.execute(
+                "SELECT step, state, path, reason, committed_at, training FROM steps "
+                "WHERE job = ? AND state = ? AND step <= ? ORDER BY step DESC LIMIT 1",
+                (job, StepState.COMMITTED.value, limit),
+            ).fetchone()
+        return _info(row) if row else None
+
+    def step(self, job: str, step: int) -> CheckpointInfo | None:
+        """The catalogued directory of ``step`` (the committed one when several exist)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT step, state, path, reason, committed_at, training FROM steps "
+                "WHERE job = ? AND step = ? ORDER BY state = ? DESC LIMIT 1",
+                (job, step, StepState.COMMITTED.value),
+            ).fetchone()
+        return _info(row) if row else None
+
+
+def _info(row: tuple[object, ...]) -> CheckpointInfo:
+    step, state, path, reason, committed_at, training = row
+    return CheckpointInfo(
+        step=int(step),  # type: ignore[call-overload]
+        state=StepState(str(state)),
+        path=str(path),
+        reason=str(reason) if reason is not None else None,
+        committed_at=float(committed_at) if committed_at is not None else None,  # type: ignore[arg-type]
+        training=TrainingMetadata.model_validate(json.loads(str(training))) if training else None,
+    )
+
+
+class Refresher:
+    """A daemon thread that rebuilds the catalog once, then refreshes it every ``interval_s``."""
+
+    def __init__(self, catalog: Catalog, interval_s: float) -> None:
+        self.catalog = catalog
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ckptd-refresher", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        first = True
+        while not self._stop.is_set():
+            try:
+                if first:
+                    self.catalog.rebuild()
+                    first = False
+                else:
+                    self.catalog.refresh()
+            except Exception as exc:  # keep serving the last good view; report it on /readyz
+                self.catalog.last_error = f"{type(exc).__name__}: {exc}"
+                _log.warning("catalog refresh failed: %s", self.catalog.last_error)
+            self._stop.wait(self.interval_s)
+
+
+__all__ = ["Catalog", "Refresher"]

@@ -1,0 +1,177 @@
+"""The ``ckptd`` command: serve the API, or inspect a checkpoint root without a server.
+
+``serve`` runs the FastAPI app under uvicorn. ``ls``, ``show`` and ``plan`` apply the same commit rule and
+planner as the server, straight on storage; every command exits 0 only when its answer is good.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections.abc import Sequence
+
+from ckptd import __version__
+from ckptd.catalog import Catalog
+from ckptd.config import Settings
+from trainer_client.layout import read_saved_sharding
+from trainer_client.planning import PlanningError, resume_plan
+from trainer_client.protocol import ResumeRequest, SliceAlive, StepState
+from trainer_client.storage import Storage, StorageError
+
+EXIT_OK = 0
+EXIT_BAD = 1
+EXIT_USAGE = 2
+
+
+def _split_job(target: str) -> tuple[str, str]:
+    """``ROOT/JOB`` -> (root, job)."""
+    target = target.rstrip("/")
+    if "/" not in target:
+        raise SystemExit(f"ckptd: expected ROOT/JOB, got {target!r}")
+    root, job = target.rsplit("/", 1)
+    return root or "/", job
+
+
+def _catalog(root: str) -> Catalog:
+    storage = Storage(root)
+    if not storage.is_dir(storage.root):
+        raise SystemExit(f"ckptd: {root} is not a directory")
+    cat = Catalog(storage, tempfile.mkstemp(suffix=".sqlite3")[1])
+    cat.rebuild()
+    return cat
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ckptd.app import create_app
+
+    overrides = {k: v for k, v in {"root": args.root, "host": args.host, "port": args.port,
+                                   "state_dir": args.state_dir}.items() if v is not None}
+    settings = Settings(**overrides)
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                access_log=False)
+    return EXIT_OK
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    cat = _catalog(args.root)
+    jobs = cat.jobs()
+    if args.json:
+        print(json.dumps([j.model_dump(mode="json") for j in jobs], indent=2))
+    else:
+        print(f"{'JOB':<32} {'STEPS':>6} {'LATEST':>8} {'LATEST-GOOD':>12}")
+        for j in jobs:
+            print(f"{j.name:<32} {j.steps:>6} {j.latest_step!s:>8} {j.latest_good_step!s:>12}")
+    return EXIT_OK
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    root, job = _split_job(args.target)
+    cat = _catalog(root)
+    if not cat.has_job(job):
+        print(f"ckptd: no job {job!r} under {root}", file=sys.stderr)
+        return EXIT_BAD
+    checkpoints = cat.checkpoints(job)
+    if args.json:
+        print(json.dumps([c.model_dump(mode="json") for c in checkpoints], indent=2))
+    else:
+        print(f"{'STEP':>10} {'STATE':<10} {'DATA-POS':>10} REASON")
+        for c in checkpoints:
+            pos = c.training.data_position if c.training else "-"
+            print(f"{c.step:>10} {c.state.value:<10} {pos!s:>10} {c.reason or ''}")
+    good = cat.latest_good(job)
+    print(f"latest-good: {good.step if good else 'none'}", file=sys.stderr)
+    return EXIT_OK if good is not None else EXIT_BAD
+
+
+def _parse_slices(text: str | None) -> list[SliceAlive] | None:
+    """``"0:2,1:2,3:2"`` -> slices 0, 1 and 3 with 2 devices each."""
+    if not text:
+        return None
+    out = []
+    for part in text.split(","):
+        index, _, devices = part.partition(":")
+        out.append(SliceAlive(index=int(index), devices=int(devices)))
+    return out
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    root, job = _split_job(args.target)
+    cat = _catalog(root)
+    info = cat.latest_good(job) if args.step is None else cat.step(job, args.step)
+    if info is None or info.state is not StepState.COMMITTED:
+        print(f"ckptd: job {job!r} has no committed step{'' if args.step is None else f' {args.step}'}",
+              file=sys.stderr)
+        return EXIT_BAD
+    request = ResumeRequest(policy=args.policy, alive_devices=args.devices, slices=_parse_slices(args.slices),
+                            step=args.step)
+    sharding = read_saved_sharding(cat.storage, info.path) if not (info.training and info.training.arrays) \
+        else (None, {})
+    try:
+        plan = resume_plan(job=job, step=info.step, path=info.path, request=request, training=info.training,
+                           saved_sharding=sharding)
+    except PlanningError as exc:
+        print(f"ckptd: {exc.code.value}: {exc.message}", file=sys.stderr)
+        return EXIT_BAD
+    if args.json:
+        print(plan.model_dump_json(indent=2))
+        return EXIT_OK
+    print(f"step {plan.step}  path {plan.path}")
+    print(f"mesh {dict(zip(plan.mesh.axis_names, plan.mesh.shape, strict=True))}  idle devices {plan.idle_devices}")
+    print(f"data position {plan.data_position}  global batch {plan.global_batch}")
+    for name, spec in plan.arrays.items():
+        print(f"  {name:<40} {spec.shape!s:<20} {spec.dtype or '':<10} {spec.partition_spec}"
+              f"{'  (changed)' if spec.changed else ''}")
+    for note in plan.notes:
+        print(f"note: {note}")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ckptd", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"ckptd {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve the HTTP API (env CKPTD_ROOT, CKPTD_HOST, CKPTD_PORT)")
+    serve.add_argument("--root", help="checkpoint root: a directory or gs://bucket/prefix")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--state-dir", help="where the catalog cache lives")
+    serve.set_defaults(func=_cmd_serve)
+
+    ls = sub.add_parser("ls", help="list the jobs of a root")
+    ls.add_argument("root")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=_cmd_ls)
+
+    show = sub.add_parser("show", help="list a job's steps and their states")
+    show.add_argument("target", metavar="ROOT/JOB")
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(func=_cmd_show)
+
+    plan = sub.add_parser("plan", help="print the resume plan for the devices given")
+    plan.add_argument("target", metavar="ROOT/JOB")
+    plan.add_argument("--devices", type=int, required=True)
+    plan.add_argument("--slices", help="alive slices as INDEX:DEVICES,... e.g. 0:2,1:2,3:2")
+    plan.add_argument("--policy", choices=["pause", "resize"], default="resize")
+    plan.add_argument("--step", type=int)
+    plan.add_argument("--json", action="store_true")
+    plan.set_defaults(func=_cmd_plan)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except StorageError as exc:
+        print(f"ckptd: storage error: {exc}", file=sys.stderr)
+        return EXIT_BAD
+
+
+if __name__ == "__main__":
+    sys.exit(main())

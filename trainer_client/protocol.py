@@ -1,0 +1,223 @@
+"""The wire contract between the ckptd sidecar and trainer_client.
+
+One module, imported by both sides: the route templates, the JSON models of every request and response,
+the error body and the stable error codes. The server builds its FastAPI routes and its OpenAPI schema
+from these models; the client parses answers with the same models, so the two cannot drift apart.
+
+This module imports neither jax nor FastAPI: the sidecar's core and the client both load it cheaply.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+API_PREFIX = "/v1"
+ROUTE_HEALTHZ = "/healthz"
+ROUTE_READYZ = "/readyz"
+ROUTE_METRICS = "/metrics"
+ROUTE_JOBS = f"{API_PREFIX}/jobs"
+ROUTE_CHECKPOINTS = f"{API_PREFIX}/jobs/{{job}}/checkpoints"
+ROUTE_LATEST_GOOD = f"{API_PREFIX}/jobs/{{job}}/checkpoints/latest-good"
+ROUTE_RESUME = f"{API_PREFIX}/jobs/{{job}}/resume"
+
+# A job name is one path segment of the root: letters, digits, '.', '_', '-', not starting with '.'.
+JOB_NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$"
+_JOB_NAME_RE = re.compile(JOB_NAME_PATTERN)
+MAX_STEP = 2**63 - 1
+
+
+def is_valid_job_name(name: str) -> bool:
+    """True when ``name`` is a single safe path segment (no '/', no '..', no leading '.')."""
+    return bool(_JOB_NAME_RE.fullmatch(name))
+
+
+class ErrorCode(StrEnum):
+    """Stable error codes; each maps to one HTTP status (see ``ERROR_STATUS``)."""
+
+    INVALID_REQUEST = "INVALID_REQUEST"
+    INVALID_JOB_NAME = "INVALID_JOB_NAME"
+    JOB_NOT_FOUND = "JOB_NOT_FOUND"
+    STEP_NOT_FOUND = "STEP_NOT_FOUND"
+    NO_GOOD_CHECKPOINT = "NO_GOOD_CHECKPOINT"
+    STEP_NOT_GOOD = "STEP_NOT_GOOD"
+    NOT_ENOUGH_DEVICES = "NOT_ENOUGH_DEVICES"
+    NO_VALID_MESH = "NO_VALID_MESH"
+    ROUTE_NOT_FOUND = "ROUTE_NOT_FOUND"
+    METHOD_NOT_ALLOWED = "METHOD_NOT_ALLOWED"
+    UNAUTHORIZED = "UNAUTHORIZED"
+    NOT_READY = "NOT_READY"
+    STORAGE_ERROR = "STORAGE_ERROR"
+    INTERNAL = "INTERNAL"
+
+
+ERROR_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.INVALID_REQUEST: 422,
+    ErrorCode.INVALID_JOB_NAME: 400,
+    ErrorCode.JOB_NOT_FOUND: 404,
+    ErrorCode.STEP_NOT_FOUND: 404,
+    ErrorCode.NO_GOOD_CHECKPOINT: 404,
+    ErrorCode.STEP_NOT_GOOD: 409,
+    ErrorCode.NOT_ENOUGH_DEVICES: 409,
+    ErrorCode.NO_VALID_MESH: 409,
+    ErrorCode.ROUTE_NOT_FOUND: 404,
+    ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.NOT_READY: 503,
+    ErrorCode.STORAGE_ERROR: 503,
+    ErrorCode.INTERNAL: 500,
+}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorBody(_Model):
+    """The one error body every failing request gets."""
+
+    code: ErrorCode
+    message: str
+    detail: dict[str, object] | None = None
+
+
+class Health(_Model):
+    status: Literal["ok", "not_ready"]
+    detail: dict[str, object] = Field(default_factory=dict)
+
+
+class StepState(StrEnum):
+    """Lifecycle states of a step directory (DESIGN: States of a step)."""
+
+    WRITING = "writing"  # a tmp directory younger than the save timeout
+    ABANDONED = "abandoned"  # a tmp directory older than the save timeout: a crashed save
+    COMMITTED = "committed"  # finalized by Orbax and structurally sound
+    CORRUPT = "corrupt"  # finalized, but its Orbax metadata is missing or unreadable
+
+
+class MeshSpec(_Model):
+    """A named device mesh: ``axis_names[i]`` has ``shape[i]`` devices."""
+
+    axis_names: list[str]
+    shape: list[Annotated[int, Field(ge=1)]]
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+PartitionSpecJSON = list[str | list[str] | None]
+
+
+class ArraySpec(_Model):
+    """One array of the saved state, as a resume plan lays it out."""
+
+    shape: list[int] | None = None
+    dtype: str | None = None
+    partition_spec: PartitionSpecJSON
+    changed: bool = False
+
+
+class TrainingMetadata(_Model):
+    """What trainer_client records with every step (in Orbax's custom metadata, key ``ckptd``)."""
+
+    step: int
+    data_position: int = Field(description="global sample index the next step reads from")
+    global_batch: int
+    mesh: MeshSpec
+    slices: list[int] = Field(default_factory=list, description="indices of the slices that saved it")
+    wall_time: float
+    arrays: dict[str, ArraySpec] = Field(default_factory=dict)
+
+
+class CheckpointInfo(_Model):
+    step: int
+    state: StepState
+    path: str
+    reason: str | None = Field(default=None, description="why a step is not committed")
+    committed_at: float | None = None
+    training: TrainingMetadata | None = None
+
+
+class JobInfo(_Model):
+    name: str
+    path: str
+    steps: int
+    latest_step: int | None
+    latest_good_step: int | None
+
+
+class JobList(_Model):
+    jobs: list[JobInfo]
+
+
+class CheckpointList(_Model):
+    job: str
+    checkpoints: list[CheckpointInfo]
+
+
+class SliceAlive(_Model):
+    index: Annotated[int, Field(ge=0)]
+    devices: Annotated[int, Field(ge=0)]
+
+
+class ResumeRequest(_Model):
+    """Body of ``POST /v1/jobs/{job}/resume``."""
+
+    policy: Literal["pause", "resize"] = "resize"
+    alive_devices: Annotated[int, Field(ge=0, le=1_000_000)]
+    slices: list[SliceAlive] | None = None
+    step: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = None
+
+
+class ResumePlan(_Model):
+    """Where to resume and how to lay the state out on the devices alive."""
+
+    job: str
+    step: int
+    path: str
+    policy: Literal["pause", "resize"]
+    mesh: MeshSpec
+    saved_mesh: MeshSpec | None
+    arrays: dict[str, ArraySpec] = Field(default_factory=dict)
+    data_position: int | None = None
+    global_batch: int | None = None
+    idle_devices: int = 0
+    source: Literal["ckptd", "storage_scan"] = "ckptd"
+    notes: list[str] = Field(default_factory=list)
+
+
+__all__ = [
+    "API_PREFIX",
+    "ERROR_STATUS",
+    "JOB_NAME_PATTERN",
+    "MAX_STEP",
+    "ROUTE_CHECKPOINTS",
+    "ROUTE_HEALTHZ",
+    "ROUTE_JOBS",
+    "ROUTE_LATEST_GOOD",
+    "ROUTE_METRICS",
+    "ROUTE_READYZ",
+    "ROUTE_RESUME",
+    "ArraySpec",
+    "CheckpointInfo",
+    "CheckpointList",
+    "ErrorBody",
+    "ErrorCode",
+    "Health",
+    "JobInfo",
+    "JobList",
+    "MeshSpec",
+    "ResumePlan",
+    "ResumeRequest",
+    "SliceAlive",
+    "StepState",
+    "TrainingMetadata",
+    "is_valid_job_name",
+]
