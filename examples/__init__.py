@@ -1,0 +1,1 @@
+"""Runnable examples of trainer_client: the demo model and the `make demo` script."""

@@ -1,0 +1,133 @@
+"""``make demo``: lose a slice mid-run and keep training in the same process.
+
+Starts a real ckptd (``python -m ckptd serve``) on 127.0.0.1 over a local directory, trains the demo
+MLP on 8 fake CPU devices grouped into 4 slices, takes slice 2 down mid-run, recovers on 3 slices in the
+same PID, grows back to 4 when the slice returns, finishes and stops the server. Prints a timeline and,
+as its last line, ``report: PATH`` naming a JSON report.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import httpx  # noqa: E402
+import jax  # noqa: E402
+
+from examples.elastic_mlp import TrainLog, make_train_fn  # noqa: E402
+from trainer_client.client import CkptdClient  # noqa: E402
+from trainer_client.config import ClientSettings  # noqa: E402
+from trainer_client.elastic import ElasticConfig, ElasticRunner, Event  # noqa: E402
+from trainer_client.slices import SimulatedSlices, SliceFault  # noqa: E402
+
+JOB = "demo-mlp"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_ckptd(root: Path, state_dir: Path, port: int) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "CKPTD_REFRESH_INTERVAL_S": "0.5"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckptd", "serve", "--root", str(root), "--host", "127.0.0.1",
+         "--port", str(port), "--state-dir", str(state_dir)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ckptd exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=0.5).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("ckptd did not become ready within 30 s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="demo-output", help="directory for checkpoints and the report")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--fail-at", type=int, default=35, help="step at which slice 2 goes down")
+    parser.add_argument("--down-for", type=float, default=3.0, help="seconds until the slice returns")
+    parser.add_argument("--policy", choices=["pause", "resize"], default="resize")
+    args = parser.parse_args(argv)
+
+    out = Path(args.out).resolve()
+    shutil.rmtree(out, ignore_errors=True)
+    root, state_dir = out / "checkpoints", out / "ckptd-state"
+    (root / JOB).mkdir(parents=True)
+    port = free_port()
+    server = start_ckptd(root, state_dir, port)
+    print(f"ckptd serving {root} on http://127.0.0.1:{port} (pid {server.pid})")
+    print(f"trainer pid {os.getpid()}, {jax.device_count()} devices in 4 slices, policy {args.policy}")
+
+    def show(event: Event) -> None:
+        step = "" if event.step is None else f"step {event.step:>4}"
+        print(f"  [{event.t:7.2f}s] {event.kind:<20} {step:<10} {event.detail}", flush=True)
+
+    quiet = {"checkpoint_started"}
+    config = ElasticConfig(
+        job=JOB, mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=48,
+        checkpoint_period=10, elastic_timeout_s=60, elastic_max_retries=5, policy=args.policy,
+        scale_up_check_interval_s=0.5,
+    )
+    slices = SimulatedSlices(num_slices=4, faults=[SliceFault(2, args.fail_at, args.down_for)])
+    log = TrainLog()
+    pid_before = os.getpid()
+    try:
+        client = CkptdClient(ClientSettings(url=f"http://127.0.0.1:{port}"), root=str(root))
+        runner = ElasticRunner(config, slices=slices, client=client, checkpoint_dir=str(root / JOB),
+                               on_event=lambda e: None if e.kind in quiet else show(e))
+        result = runner.run(make_train_fn(args.steps, log))
+        runner.checkpointer.close()
+        client.close()
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    first, last = min(log.losses), max(log.losses)
+    report = {
+        "pid_before": pid_before,
+        "pid_after": result.pid,
+        "policy": args.policy,
+        "events": [{"kind": e.kind, "step": e.step, "time": round(e.t, 4), "detail": e.detail}
+                   for e in result.events],
+        "recoveries": [r.__dict__ for r in result.recoveries],
+        "recovery_seconds": [round(r.seconds or 0.0, 4) for r in result.recoveries],
+        "lost_steps": sum(r.lost_steps or 0 for r in result.recoveries),
+        "final_step": result.final_step,
+        "first_loss": log.losses[first],
+        "final_loss": log.losses[last],
+        "steps_computed": log.steps_run,
+    }
+    report_path = out / "report.json"
+    report_path.write_text(json.dumps(report, indent=2))
+    print("\nrecoveries:")
+    for r in result.recoveries:
+        print(f"  {r.kind:<10} at step {r.failed_at_step}: mesh {r.mesh_before} -> {r.mesh_after}, "
+              f"restored step {r.restored_step}, lost {r.lost_steps} steps, {r.seconds:.2f}s to first step")
+    print(f"loss {report['first_loss']:.4f} (step {first}) -> {report['final_loss']:.4f} (step {last}); "
+          f"same pid: {pid_before == result.pid}")
+    print(f"report: {report_path}")
+    return 0 if pid_before == result.pid and report["final_loss"] < report["first_loss"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

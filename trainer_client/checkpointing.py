@@ -1,0 +1,186 @@
+"""Saving and restoring the training state through Orbax, with what a resume plan needs recorded.
+
+Every step is written by a plain ``orbax.checkpoint.CheckpointManager`` in Orbax's own layout (so plain
+Orbax can restore it and ckptd can adopt it), asynchronously so the loop is blocked only for the
+device-to-host copy. ckptd's training metadata (step, data position, global batch, mesh, slices, each
+array's shape/dtype/partition spec) rides in Orbax's ``custom_metadata`` under the key ``ckptd``.
+
+Restores go by the step directory a resume plan names, with target shardings on the new mesh, so the
+state is laid out for the devices alive now. After an elastic event the manager is replaced, never
+reused: Orbax's in-memory step cache can keep a failed async save (a known field failure).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from trainer_client.layout import CUSTOM_METADATA_KEY
+from trainer_client.protocol import ArraySpec, MeshSpec, PartitionSpecJSON, TrainingMetadata
+
+_log = logging.getLogger(__name__)
+
+PyTree = Any
+DEFAULT_ITEM = "default"
+
+
+def leaf_name(path: tuple[Any, ...]) -> str:
+    """The dotted leaf path Orbax uses in ``_sharding`` (``params.w``, ``opt.0.mu.b``)."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return ".".join(parts)
+
+
+def spec_to_json(spec: PartitionSpec) -> PartitionSpecJSON:
+    out: PartitionSpecJSON = []
+    for entry in spec:
+        if entry is None:
+            out.append(None)
+        elif isinstance(entry, str):
+            out.append(entry)
+        else:
+            out.append([str(a) for a in entry])
+    return out
+
+
+def spec_from_json(spec: PartitionSpecJSON) -> PartitionSpec:
+    return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in spec])
+
+
+def mesh_spec(mesh: Mesh) -> MeshSpec:
+    return MeshSpec(axis_names=[str(a) for a in mesh.axis_names], shape=[int(s) for s in mesh.devices.shape])
+
+
+def array_specs(state: PyTree) -> dict[str, ArraySpec]:
+    """Shape, dtype and partition spec of every array leaf, keyed by dotted leaf path."""
+    out: dict[str, ArraySpec] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        sharding = getattr(leaf, "sharding", None)
+        spec = spec_to_json(sharding.spec) if isinstance(sharding, NamedSharding) else []
+        out[leaf_name(path)] = ArraySpec(
+            shape=[int(d) for d in getattr(leaf, "shape", ())],
+            dtype=str(getattr(leaf, "dtype", "")) or None,
+            partition_spec=spec,
+        )
+    return out
+
+
+def target_shardings(
+    abstract_state: PyTree, mesh: Mesh, specs: PyTree, plan_arrays: Mapping[str, ArraySpec] | None = None
+) -> PyTree:
+    """``ShapeDtypeStruct`` leaves with ``NamedSharding(mesh, spec)``; a plan's changed specs win."""
+    flat_specs = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    leaves = jax.tree_util.tree_flatten_with_path(abstract_state)[0]
+    treedef = jax.tree_util.tree_structure(abstract_state)
+    if len(flat_specs) != len(leaves):
+        raise ValueError(f"{len(flat_specs)} partition specs for {len(leaves)} arrays")
+    out = []
+    for (path, leaf), spec in zip(leaves, flat_specs, strict=True):
+        planned = (plan_arrays or {}).get(leaf_name(path))
+        if planned is not None and planned.changed:
+            spec = spec_from_json(planned.partition_spec)
+        out.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec)))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+class Checkpointer:
+    """One job directory's Orbax manager, async saves with ckptd metadata, restores by plan."""
+
+    def __init__(self, directory: str, *, async_save: bool = True) -> None:
+        self.directory = directory
+        self.async_save = async_save
+        self._manager = self._new_manager()
+        self.saved_steps: list[int] = []
+        self.last_save_blocked_s: float | None = None
+
+    def _new_manager(self) -> ocp.CheckpointManager:
+        options = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=self.async_save,
+            create=True,
+            max_to_keep=None,  # retention is ckptd's job: it never deletes the newest good step
+        )
+        return ocp.CheckpointManager(self.directory, options=options)
+
+    def save(
+        self,
+        step: int,
+        state: PyTree,
+        *,
+        data_position: int,
+        global_batch: int,
+        mesh: Mesh,
+        slices: list[int],
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Start saving ``state`` as ``step``; returns once the device-to-host copy is done."""
+        meta = TrainingMetadata(
+            step=step,
+            data_position=data_position,
+            global_batch=global_batch,
+            mesh=mesh_spec(mesh),
+            slices=slices,
+            wall_time=time.time(),
+            arrays=array_specs(state),
+        )
+        custom = {CUSTOM_METADATA_KEY: meta.model_dump(mode="json"), **dict(extra or {})}
+        started = time.perf_counter()
+        self._manager.save(step, args=ocp.args.StandardSave(state), custom_metadata=custom, force=True)
+        self.last_save_blocked_s = time.perf_counter() - started
+        self.saved_steps.append(step)
+
+    def wait(self) -> None:
+        """Block until every started save is finalized on storage."""
+        self._manager.wait_until_finished()
+
+    def reset(self) -> None:
+        """Drop the manager (after an elastic event) and start a fresh one.
+
+        A pending save is given the chance to finish; if it fails, the step stays uncommitted on storage
+        and ckptd will never name it — the fresh manager does not inherit the old one's step cache.
+        """
+        try:
+            self._manager.wait_until_finished()
+        except Exception as exc:
+            _log.warning("pending checkpoint save failed during an elastic event: %s", exc)
+        try:
+            self._manager.close()
+        except Exception as exc:
+            _log.warning("closing the checkpoint manager failed: %s", exc)
+        self._manager = self._new_manager()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+
+def restore(step_path: str, target: PyTree, item: str = DEFAULT_ITEM) -> PyTree:
+    """Restore the step directory ``step_path`` onto ``target``'s shapes, dtypes and shardings."""
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+        return checkpointer.restore(f"{step_path.rstrip('/')}/{item}", target)
+    finally:
+        checkpointer.close()
+
+
+__all__ = [
+    "Checkpointer",
+    "array_specs",
+    "leaf_name",
+    "mesh_spec",
+    "restore",
+    "spec_from_json",
+    "spec_to_json",
+    "target_shardings",
+]

@@ -1,0 +1,156 @@
+"""The trainer's HTTP client of ckptd, with timeouts, retries and a storage fallback for resumes.
+
+Training never waits on the sidecar (DESIGN invariant 5): saves go through Orbax and never call ckptd.
+Only a resume needs an answer; when ckptd cannot give one before ``resume_deadline_s`` the client scans
+storage itself with the same commit rule and the same planner (``trainer_client.layout`` and
+``trainer_client.planning``), so the plan is the one ckptd would have given. A refusal from ckptd (its
+error body, e.g. ``NOT_ENOUGH_DEVICES``) is an answer, not an outage: it is raised, never bypassed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import httpx
+from pydantic import ValidationError
+
+from trainer_client import protocol as p
+from trainer_client.config import ClientSettings
+from trainer_client.errors import CkptdRequestError, CkptdUnavailable, NoCheckpointError
+from trainer_client.layout import latest_committed, read_saved_sharding
+from trainer_client.planning import PlanningError, resume_plan
+from trainer_client.retry import RetryPolicy, retry
+from trainer_client.storage import Storage, StorageError
+
+_log = logging.getLogger(__name__)
+
+# Answers that mean "ckptd cannot answer right now", worth a retry and then the fallback.
+_UNAVAILABLE_STATUSES = {502, 503, 504}
+
+
+class CkptdClient:
+    """Talks to one ckptd; knows the checkpoint root so it can answer resumes without it."""
+
+    def __init__(
+        self,
+        settings: ClientSettings | None = None,
+        *,
+        root: str | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.settings = settings or ClientSettings()
+        self.root = root
+        headers = {"Authorization": f"Bearer {self.settings.token}"} if self.settings.token else {}
+        self._http = httpx.Client(
+            base_url=self.settings.url,
+            timeout=httpx.Timeout(self.settings.timeout_s),
+            headers=headers,
+            transport=transport,
+        )
+        self._policy = RetryPolicy(
+            max_attempts=4, initial_backoff_s=0.1, max_backoff_s=1.0, deadline_s=self.settings.resume_deadline_s
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> CkptdClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- raw calls ------------------------------------------------------------------------------
+
+    def _request(self, method: str, url: str, json: Any = None) -> Any:
+        @retry(self._policy, retry_on=(CkptdUnavailable,))
+        def once() -> Any:
+            try:
+                response = self._http.request(method, url, json=json)
+            except httpx.HTTPError as exc:
+                raise CkptdUnavailable(f"ckptd at {self.settings.url} did not answer: {exc}") from exc
+            if response.status_code in _UNAVAILABLE_STATUSES:
+                raise CkptdUnavailable(f"ckptd answered {response.status_code}: {response.text[:200]}")
+            if response.status_code >= 400:
+                try:
+                    body = p.ErrorBody.model_validate_json(response.content)
+                    raise CkptdRequestError(response.status_code, body.code.value, body.message)
+                except ValidationError:
+                    raise CkptdRequestError(
+                        response.status_code, "UNKNOWN", response.text[:200]
+                    ) from None
+            return response.json()
+
+        return once()
+
+    def healthy(self) -> bool:
+        try:
+            return bool(self._http.get(p.ROUTE_HEALTHZ).status_code == 200)
+        except httpx.HTTPError:
+            return False
+
+    def jobs(self) -> p.JobList:
+        return p.JobList.model_validate(self._request("GET", p.ROUTE_JOBS))
+
+    def checkpoints(self, job: str) -> p.CheckpointList:
+        return p.CheckpointList.model_validate(self._request("GET", p.ROUTE_CHECKPOINTS.format(job=job)))
+
+    def latest_good(self, job: str) -> p.CheckpointInfo | None:
+        try:
+            return p.CheckpointInfo.model_validate(self._request("GET", p.ROUTE_LATEST_GOOD.format(job=job)))
+        except CkptdRequestError as exc:
+            if exc.code in (p.ErrorCode.NO_GOOD_CHECKPOINT.value, p.ErrorCode.JOB_NOT_FOUND.value):
+                return None
+            raise
+
+    # ---- the one call that matters after a failure ------------------------------------------------
+
+    def resume(self, job: str, request: p.ResumeRequest) -> p.ResumePlan:
+        """The resume plan from ckptd, or from a storage scan when ckptd cannot answer in time.
+
+        Raises ``NoCheckpointError`` when there is no committed step, ``CkptdRequestError`` when ckptd
+        refuses (e.g. not enough devices for the policy).
+        """
+        started = time.monotonic()
+        try:
+            body = self._request("POST", p.ROUTE_RESUME.format(job=job), json=request.model_dump(mode="json"))
+            return p.ResumePlan.model_validate(body)
+        except CkptdRequestError as exc:
+            if exc.code in (p.ErrorCode.NO_GOOD_CHECKPOINT.value, p.ErrorCode.JOB_NOT_FOUND.value):
+                raise NoCheckpointError(f"job {job!r}: {exc.message}") from exc
+            raise
+        except CkptdUnavailable as exc:
+            if self.root is None:
+                raise
+            _log.warning(
+                "ckptd unavailable after %.2fs (%s); scanning storage for the resume plan",
+                time.monotonic() - started, exc,
+            )
+            return self.resume_from_storage(job, request)
+
+    def resume_from_storage(self, job: str, request: p.ResumeRequest) -> p.ResumePlan:
+        """The same plan ckptd would give, computed here from storage (the fallback)."""
+        if self.root is None:
+            raise CkptdUnavailable("no storage root configured for the fallback scan")
+        storage = Storage(self.root)
+        job_path = storage.join(job)
+        try:
+            found = latest_committed(storage, job_path, at_most=request.step)
+        except StorageError as exc:
+            raise CkptdUnavailable(f"neither ckptd nor storage answered: {exc}") from exc
+        if found is None or (request.step is not None and found.step != request.step):
+            raise NoCheckpointError(f"job {job!r} has no committed step in {storage.url_of(job_path)}")
+        sharding = read_saved_sharding(storage, found.path) if not (
+            found.training and found.training.arrays) else (None, {})
+        try:
+            return resume_plan(
+                job=job, step=found.step, path=storage.url_of(found.path), request=request,
+                training=found.training, saved_sharding=sharding, source="storage_scan",
+            )
+        except PlanningError as exc:
+            raise CkptdRequestError(409, exc.code.value, exc.message) from exc
+
+
+__all__ = ["CkptdClient"]

@@ -1,0 +1,307 @@
+"""The elastic runner: survive slice failures inside the running process (same PID, no relaunch).
+
+``ElasticRunner.run(train_fn)`` calls the user's training function with an ``ElasticContext``. When a
+slice dies the JAX runtime raises (``JaxRuntimeError`` with ``DATA_LOSS``; classified by pathwaysutils);
+the runner catches it, lets every reference to the old arrays go, waits for slices as the policy says
+(``pause``: all of them, ``resize``: what is alive), asks ckptd for the resume plan (or scans storage
+when ckptd cannot answer), rebuilds the mesh from the plan and calls the training function again, which
+restores onto the new mesh through ``ctx.restore_or_init``. Under ``resize`` a returning slice is noticed
+at a step boundary: the current state is saved first, so growing back loses no steps.
+
+Options mirror MaxText's elastic flags: ``checkpoint_period``, ``elastic_timeout_s``,
+``elastic_max_retries``, and the policy.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, TypeVar
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from pathwaysutils.elastic.manager import ScaleUpSignalError
+
+from trainer_client.checkpointing import Checkpointer, restore, target_shardings
+from trainer_client.client import CkptdClient
+from trainer_client.errors import ElasticRetriesExhausted, ElasticTimeoutError, NoCheckpointError
+from trainer_client.planning import choose_mesh
+from trainer_client.protocol import MeshSpec, ResumePlan, ResumeRequest, SliceAlive
+from trainer_client.slices import SliceProvider, is_slice_down_error
+
+_log = logging.getLogger(__name__)
+
+PyTree = Any
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ElasticConfig:
+    """What the runner needs to know about the job (MaxText-style elastic options)."""
+
+    job: str
+    mesh_axes: tuple[str, ...]
+    mesh_shape: tuple[int, ...]
+    global_batch: int
+    checkpoint_period: int = 10
+    elastic_timeout_s: float = 300.0
+    elastic_max_retries: int = 10
+    policy: Literal["pause", "resize"] = "resize"
+    poll_interval_s: float = 0.25
+    scale_up_check_interval_s: float = 1.0
+    min_slices: int = 1
+
+    @property
+    def full_mesh(self) -> MeshSpec:
+        return MeshSpec(axis_names=list(self.mesh_axes), shape=list(self.mesh_shape))
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str
+    step: int | None
+    t: float  # seconds since the run started
+    detail: str = ""
+
+
+@dataclass
+class Recovery:
+    """One elastic event, from detection to the first completed step on the new mesh."""
+
+    kind: Literal["slice_down", "scale_up"]
+    failed_at_step: int
+    detected_t: float
+    restored_step: int | None = None
+    lost_steps: int | None = None
+    mesh_before: list[int] = field(default_factory=list)
+    mesh_after: list[int] = field(default_factory=list)
+    seconds: float | None = None
+
+
+@dataclass
+class ElasticResult(Generic[T]):
+    value: T
+    pid: int
+    events: list[Event]
+    recoveries: list[Recovery]
+    final_step: int | None
+
+
+class ElasticContext:
+    """What one attempt of the training function gets: the mesh, the plan, and the step hooks."""
+
+    def __init__(self, runner: ElasticRunner, mesh: Mesh, plan: ResumePlan | None, active: frozenset[int]):
+        self.runner = runner
+        self.mesh = mesh
+        self.plan = plan
+        self.active_slices = active
+        self.global_batch = runner.config.global_batch
+        self.start_step = 0
+        self.last_step: int | None = None
+        self._first_step_done = False
+        self._last_scale_check = time.monotonic()
+
+    # ---- state ----------------------------------------------------------------------------------
+
+    def restore_or_init(
+        self, init_fn: Callable[[], PyTree], specs_fn: Callable[[PyTree], PyTree]
+    ) -> tuple[PyTree, int, int]:
+        """``(state, step, data_position)``: restored from the plan's step onto this mesh, or freshly
+        initialised (step 0, position 0) when the job has no committed checkpoint yet.
+
+        ``specs_fn(abstract_state)`` gives a ``PartitionSpec`` per leaf in this mesh's axis names.
+        """
+        abstract = jax.eval_shape(init_fn)
+        specs = specs_fn(abstract)
+        if self.plan is None:
+            shardings = jax.tree_util.tree_map(
+                lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+            )
+            state = jax.jit(init_fn, out_shardings=shardings)()
+            self.start_step, position = 0, 0
+            self.runner.emit("initialized", 0, f"fresh state on mesh {list(self.mesh.devices.shape)}")
+        else:
+            target = target_shardings(abstract, self.mesh, specs, self.plan.arrays)
+            state = restore(self.plan.path, target)
+            jax.block_until_ready(state)
+            self.start_step = self.plan.step
+            position = self.plan.data_position or 0
+            self.runner.emit("restored", self.plan.step, f"from {self.plan.path}")
+        self.last_step = self.start_step
+        return state, self.start_step, position
+
+    def save(self, step: int, state: PyTree, data_position: int) -> None:
+        """Start an async save of ``state`` as ``step`` (the loop is blocked only for the copy)."""
+        self.runner.checkpointer.save(
+            step, state, data_position=data_position, global_batch=self.global_batch, mesh=self.mesh,
+            slices=sorted(self.active_slices),
+        )
+        self.runner.emit("checkpoint_started", step, f"{self.runner.checkpointer.last_save_blocked_s:.3f}s blocked")
+
+    # ---- the hook called at the top of every step -----------------------------------------------
+
+    def step_boundary(self, step: int, state: PyTree, data_position: int) -> None:
+        """Call before computing ``step`` (``state`` holds ``step`` completed steps).
+
+        Reports the first step done after a recovery, fires injected faults (CPU simulation), saves every
+        ``checkpoint_period`` steps, and under ``resize`` grows back when lost slices have returned.
+        """
+        if not self._first_step_done and step > self.start_step:
+            jax.block_until_ready(state)
+            self._first_step_done = True
+            self.runner._first_step_done(step)
+        self.last_step = step
+        self.runner.slices.at_step_boundary(step, self.active_slices)
+        period = self.runner.config.checkpoint_period
+        if step > self.start_step and period > 0 and step % period == 0:
+            self.save(step, state, data_position)
+        if self.runner.config.policy == "resize":
+            self._maybe_scale_up(step, state, data_position)
+
+    def _maybe_scale_up(self, step: int, state: PyTree, data_position: int) -> None:
+        now = time.monotonic()
+        if now - self._last_scale_check < self.runner.config.scale_up_check_interval_s:
+            return
+        self._last_scale_check = now
+        if set(self.runner.slices.slice_to_devices) == set(self.active_slices):
+            return
+        back = self.runner.slices.healthy_slices() - self.active_slices
+        if not back:
+            return
+        if step not in self.runner.checkpointer.saved_steps:
+            self.save(step, state, data_position)
+        self.runner.checkpointer.wait()  # the step we grow from must be committed
+        raise ScaleUpSignalError(f"slice(s) {sorted(back)} healthy again at step {step}")
+
+
+class ElasticRunner:
+    """Runs a training function through slice failures, in this process."""
+
+    def __init__(
+        self,
+        config: ElasticConfig,
+        *,
+        slices: SliceProvider,
+        client: CkptdClient,
+        checkpoint_dir: str,
+        on_event: Callable[[Event], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.slices = slices
+        self.client = client
+        self.checkpointer = Checkpointer(checkpoint_dir)
+        self.on_event = on_event
+        self.events: list[Event] = []
+        self.recoveries: list[Recovery] = []
+        self._t0 = time.monotonic()
+
+    def emit(self, kind: str, step: int | None = None, detail: str = "") -> None:
+        event = Event(kind, step, time.monotonic() - self._t0, detail)
+        self.events.append(event)
+        _log.info("elastic event %s step=%s %s", kind, step, detail)
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def _first_step_done(self, step: int) -> None:
+        self.emit("first_step_done", step)
+        if self.recoveries and self.recoveries[-1].seconds is None:
+            rec = self.recoveries[-1]
+            rec.seconds = self.events[-1].t - rec.detected_t
+
+    # ---- the loop around the user's function ---------------------------------------------------
+
+    def run(self, train_fn: Callable[[ElasticContext], T]) -> ElasticResult[T]:
+        self._t0 = time.monotonic()
+        self.emit("start", None, f"pid {os.getpid()}, policy {self.config.policy}")
+        active = self._wait_for_slices(self.config.policy)
+        failures = 0
+        while True:
+            plan = self._plan(active)
+            mesh = self._build_mesh(plan.mesh if plan else self._fresh_mesh(active), active)
+            if self.recoveries and not self.recoveries[-1].mesh_after:
+                rec = self.recoveries[-1]
+                rec.mesh_after = [int(s) for s in mesh.devices.shape]
+                rec.restored_step = plan.step if plan else 0
+                rec.lost_steps = rec.failed_at_step - rec.restored_step
+            ctx = ElasticContext(self, mesh, plan, active)
+            try:
+                value = train_fn(ctx)
+                self.checkpointer.wait()
+                self.emit("finished", ctx.last_step)
+                return ElasticResult(value, os.getpid(), list(self.events), list(self.recoveries), ctx.last_step)
+            except ScaleUpSignalError as exc:
+                self._record("scale_up", ctx, str(exc))
+            except Exception as exc:
+                if not is_slice_down_error(exc):
+                    raise
+                failures += 1
+                self._record("slice_down", ctx, str(exc).splitlines()[0][:300])
+                if failures > self.config.elastic_max_retries:
+                    raise ElasticRetriesExhausted(
+                        f"{failures} slice failures exceed elastic_max_retries="
+                        f"{self.config.elastic_max_retries}"
+                    ) from exc
+            # Out of the except block: the traceback and the frames holding the old arrays are gone.
+            del ctx
+            gc.collect()
+            self.checkpointer.reset()
+            active = self._wait_for_slices(self.config.policy)
+
+    def _record(self, kind: Literal["slice_down", "scale_up"], ctx: ElasticContext, detail: str) -> None:
+        step = ctx.last_step if ctx.last_step is not None else ctx.start_step
+        self.emit("failure_detected" if kind == "slice_down" else "scale_up_detected", step, detail)
+        self.recoveries.append(
+            Recovery(kind, step, self.events[-1].t, mesh_before=[int(s) for s in ctx.mesh.devices.shape])
+        )
+
+    def _wait_for_slices(self, policy: str) -> frozenset[int]:
+        """Healthy slices once the policy is satisfied: all of them (pause) or at least ``min_slices``."""
+        everything = frozenset(self.slices.slice_to_devices)
+        needed = len(everything) if policy == "pause" else self.config.min_slices
+        deadline = time.monotonic() + self.config.elastic_timeout_s
+        healthy = self.slices.healthy_slices()
+        if len(healthy) < needed:
+            self.emit("waiting_for_slices", None, f"{len(healthy)}/{len(everything)} healthy, need {needed}")
+        while len(healthy) < needed:
+            if time.monotonic() >= deadline:
+                raise ElasticTimeoutError(
+                    f"only {len(healthy)} of {len(everything)} slices healthy after "
+                    f"{self.config.elastic_timeout_s}s; policy {policy!r} needs {needed}"
+                )
+            time.sleep(self.config.poll_interval_s)
+            healthy = self.slices.healthy_slices()
+        self.emit("slices_ready", None, f"slices {sorted(healthy)}")
+        return healthy
+
+    def _plan(self, active: frozenset[int]) -> ResumePlan | None:
+        slices = [SliceAlive(index=k, devices=len(self.slices.slice_to_devices[k])) for k in sorted(active)]
+        request = ResumeRequest(
+            policy=self.config.policy, alive_devices=sum(s.devices for s in slices), slices=slices
+        )
+        try:
+            plan = self.client.resume(self.config.job, request)
+        except NoCheckpointError:
+            return None
+        self.emit("plan_received", plan.step,
+                  f"mesh {plan.mesh.shape} from {plan.source}, data position {plan.data_position}")
+        return plan
+
+    def _fresh_mesh(self, active: frozenset[int]) -> MeshSpec:
+        alive = sum(len(self.slices.slice_to_devices[k]) for k in active)
+        return choose_mesh(self.config.full_mesh, alive, "resize")[0]
+
+    def _build_mesh(self, spec: MeshSpec, active: frozenset[int]) -> Mesh:
+        """Devices of the healthy slices, slice by slice, reshaped to the planned mesh."""
+        devices = [d for k in sorted(active) for d in self.slices.slice_to_devices[k]]
+        if len(devices) < spec.size:
+            raise ValueError(f"the plan needs {spec.size} devices, {len(devices)} are healthy")
+        grid = np.array(devices[: spec.size], dtype=object).reshape(spec.shape)
+        return Mesh(grid, tuple(spec.axis_names))
+
+
+__all__ = ["ElasticConfig", "ElasticContext", "ElasticResult", "ElasticRunner", "Event", "Recovery"]

@@ -1,0 +1,131 @@
+"""Which slices exist and which are healthy: pathwaysutils on real Pathways, simulated slices on CPU.
+
+Both providers expose the same three things to the elastic runner: the slice-to-devices map, the set
+of healthy slices (pathwaysutils' ``get_active_slice_indices`` with a health checker), and a hook run at
+every step boundary. On Pathways the runtime itself raises ``JaxRuntimeError(DATA_LOSS)`` when a slice
+dies; on CPU the ``SimulatedSlices`` fault injector raises the same exception at the step boundary it was
+told to, keeps that slice failing health checks for a while, then lets it come back.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence, Set
+from dataclasses import dataclass
+from typing import Protocol
+
+import jax
+from pathwaysutils.elastic import elastic
+
+
+def is_slice_down_error(error: BaseException) -> bool:
+    """pathwaysutils' classification: a ``JaxRuntimeError`` with DATA_LOSS (or a few other codes)."""
+    return isinstance(error, Exception) and bool(elastic.is_error_due_to_slice_down(error, log_traceback=False))
+
+
+class SliceProvider(Protocol):
+    slice_to_devices: Mapping[int, Sequence[jax.Device]]
+
+    def healthy_slices(self) -> frozenset[int]: ...
+
+    def at_step_boundary(self, step: int, active: Set[int]) -> None: ...
+
+
+class PathwaysSlices:
+    """Real slices, from ``device.slice_index``, health-checked by pathwaysutils' tiny pmap per slice."""
+
+    def __init__(self, devices: Sequence[jax.Device] | None = None) -> None:
+        self.slice_to_devices = elastic.get_slice_to_devices(list(devices or jax.devices()))
+
+    def healthy_slices(self) -> frozenset[int]:
+        return frozenset(elastic.get_active_slice_indices(self.slice_to_devices))
+
+    def at_step_boundary(self, step: int, active: Set[int]) -> None:
+        """Nothing to do: the Pathways runtime raises on its own when a slice dies."""
+
+
+@dataclass(frozen=True)
+class SliceFault:
+    """Take ``slice_index`` down at the boundary of ``at_step``; it returns after ``down_for_s``
+    seconds (``None``: never)."""
+
+    slice_index: int
+    at_step: int
+    down_for_s: float | None = 5.0
+
+
+class _SimulatedHealthChecker(elastic.SliceHealthChecker):
+    """A pathwaysutils health checker that consults the simulation instead of running a pmap."""
+
+    def __init__(self, slices: SimulatedSlices) -> None:
+        super().__init__(slices.slice_to_devices)
+        self._slices = slices
+
+    def dispatch(self) -> None:
+        self._healthy = self._slices.healthy_now()
+
+    def validate(self) -> Set[int]:
+        return self._healthy
+
+
+class SimulatedSlices:
+    """N fake CPU devices grouped into ``num_slices`` equal slices, with scheduled slice failures."""
+
+    def __init__(
+        self,
+        devices: Sequence[jax.Device] | None = None,
+        *,
+        num_slices: int,
+        faults: Sequence[SliceFault] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        devices = list(devices or jax.devices())
+        if num_slices < 1 or len(devices) % num_slices:
+            raise ValueError(f"{len(devices)} devices do not split into {num_slices} equal slices")
+        per = len(devices) // num_slices
+        self.slice_to_devices: dict[int, list[jax.Device]] = {
+            k: devices[k * per : (k + 1) * per] for k in range(num_slices)
+        }
+        self.faults = sorted(faults, key=lambda f: f.at_step)
+        self._fired: set[int] = set()
+        self._down_until: dict[int, float] = {}
+        self._clock = clock
+        self._lock = threading.Lock()
+
+    def healthy_now(self) -> frozenset[int]:
+        now = self._clock()
+        with self._lock:
+            down = {k for k, until in self._down_until.items() if until > now}
+        return frozenset(self.slice_to_devices) - down
+
+    def healthy_slices(self) -> frozenset[int]:
+        """Through pathwaysutils' own health-check entry point, with the simulated checker."""
+        return frozenset(
+            elastic.get_active_slice_indices(self.slice_to_devices, checker=_SimulatedHealthChecker(self))
+        )
+
+    def take_down(self, slice_index: int, down_for_s: float | None) -> None:
+        with self._lock:
+            self._down_until[slice_index] = (
+                float("inf") if down_for_s is None else self._clock() + down_for_s
+            )
+
+    def bring_back(self, slice_index: int) -> None:
+        with self._lock:
+            self._down_until.pop(slice_index, None)
+
+    def at_step_boundary(self, step: int, active: Set[int]) -> None:
+        """Fire the faults scheduled for ``step``; raise like Pathways when an active slice is down."""
+        for i, fault in enumerate(self.faults):
+            if fault.at_step == step and i not in self._fired and fault.slice_index in active:
+                self._fired.add(i)
+                self.take_down(fault.slice_index, fault.down_for_s)
+        lost = sorted(set(active) - self.healthy_now())
+        if lost:
+            raise jax.errors.JaxRuntimeError(
+                f"DATA_LOSS: slice(s) {lost} stopped responding at step {step} (simulated by ckptd)"
+            )
+
+
+__all__ = ["PathwaysSlices", "SimulatedSlices", "SliceFault", "SliceProvider", "is_slice_down_error"]
