@@ -79,9 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ckptd serving {root} on http://127.0.0.1:{port} (pid {server.pid})")
     print(f"trainer pid {os.getpid()}, {jax.device_count()} devices in 4 slices, policy {args.policy}")
 
+    previous = [0.0]
+
     def show(event: Event) -> None:
         step = "" if event.step is None else f"step {event.step:>4}"
-        print(f"  [{event.t:7.2f}s] {event.kind:<20} {step:<10} {event.detail}", flush=True)
+        took = event.t - previous[0]
+        previous[0] = event.t
+        print(f"  [{event.t:7.2f}s +{took:5.2f}s] {event.kind:<18} {step:<10} {event.detail}", flush=True)
 
     quiet = {"checkpoint_started"}
     config = ElasticConfig(

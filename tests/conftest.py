@@ -11,23 +11,23 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import json  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable, Iterator, Mapping, Sequence  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any, Protocol, TypeVar  # noqa: E402
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
-import httpx  # noqa: E402
-import pytest  # noqa: E402
-import uvicorn  # noqa: E402
+import httpx
+import pytest
+import uvicorn
 
-from ckptd.app import create_app  # noqa: E402
-from ckptd.config import Settings  # noqa: E402
+from ckptd.app import create_app
+from ckptd.config import Settings
 
 T = TypeVar("T")
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from trainer_client.protocol import ArraySpec, CheckpointInfo, MeshSpec, StepState, TrainingMetadata
+from trainer_client.protocol import MAX_STEP, ArraySpec, CheckpointInfo, MeshSpec, StepState, TrainingMetadata
 from trainer_client.storage import Entry, Storage
 
 TMP_DIR_SUFFIX = ".orbax-checkpoint-tmp"
@@ -44,7 +44,7 @@ class StepName:
 def parse_step_name(name: str) -> StepName | None:
     """``"120"`` -> step 120; ``"120.orbax-checkpoint-tmp[-N]"`` -> tmp step 120; anything else None."""
     m = _STEP_NAME.fullmatch(name)
-    if m is None:
+    if m is None or int(m.group("step")) > MAX_STEP:  # beyond int64: no catalog row or request can hold it
         return None
     return StepName(int(m.group("step")), m.group("tmp") is not None)
 

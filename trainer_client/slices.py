@@ -117,11 +117,13 @@ class SimulatedSlices:
 
     def at_step_boundary(self, step: int, active: Set[int]) -> None:
         """Fire the faults scheduled for ``step``; raise like Pathways when an active slice is down."""
+        fired = set()
         for i, fault in enumerate(self.faults):
             if fault.at_step == step and i not in self._fired and fault.slice_index in active:
                 self._fired.add(i)
+                fired.add(fault.slice_index)
                 self.take_down(fault.slice_index, fault.down_for_s)
-        lost = sorted(set(active) - self.healthy_now())
+        lost = sorted(fired | (set(active) - self.healthy_now()))
         if lost:
             raise jax.errors.JaxRuntimeError(
                 f"DATA_LOSS: slice(s) {lost} stopped responding at step {step} (simulated by ckptd)"
