@@ -156,6 +156,8 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
 
     @app.get(p.ROUTE_METRICS, tags=["health"], response_class=Response)
     def metrics_endpoint() -> Response:
+        metrics.latest_good.clear()  # jobs and steps that left storage must leave the metrics too
+        metrics.steps.clear()
         for job in cat.jobs():
             if job.latest_good_step is not None:
                 metrics.latest_good.labels(job.name).set(job.latest_good_step)

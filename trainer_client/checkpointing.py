@@ -98,9 +98,12 @@ def target_shardings(
 class Checkpointer:
     """One job directory's Orbax manager, async saves with ckptd metadata, restores by plan."""
 
-    def __init__(self, directory: str, *, async_save: bool = True) -> None:
+    def __init__(self, directory: str, *, async_save: bool = True, atomicity: str | None = None) -> None:
+        """``atomicity``: None (Orbax's default for the storage: rename on local disk, commit file on
+        ``gs://``), ``"commit_file"`` or ``"atomic_rename"``; ckptd's commit rule is right for all."""
         self.directory = directory
         self.async_save = async_save
+        self.atomicity = atomicity
         self._manager = self._new_manager()
         self.saved_steps: list[int] = []
         self.last_save_blocked_s: float | None = None
@@ -110,6 +113,10 @@ class Checkpointer:
             enable_async_checkpointing=self.async_save,
             create=True,
             max_to_keep=None,  # retention is ckptd's job: it never deletes the newest good step
+            atomicity_options=(
+                ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode(self.atomicity))
+                if self.atomicity else None
+            ),
         )
         return ocp.CheckpointManager(self.directory, options=options)
 
