@@ -4,8 +4,8 @@ Storage is the source of truth (DESIGN invariant 1). The catalog only remembers 
 found, so that answering ``latest-good`` or ``resume`` does not re-read every step's metadata. Killing
 ckptd loses nothing: the next start drops the cache and scans again.
 
-A refresh lists each job directory and inspects only the step directories it has not seen in a final
-state (committed or corrupt); a step that vanished from storage leaves the catalog.
+A refresh lists each job directory and inspects only the step directories it has not yet seen
+committed; a step that vanished from storage leaves the catalog.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from trainer_client.storage import Storage
 
 _log = logging.getLogger(__name__)
 
-_FINAL_STATES = (StepState.COMMITTED.value, StepState.CORRUPT.value)
+# A committed step is immutable: it is inspected once. Corrupt ones are looked at again on every refresh
+# (rare, and a directory copied in by a tool may show its marker before its metadata).
+_FINAL_STATES = (StepState.COMMITTED.value,)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -104,7 +106,7 @@ class Catalog:
         self.last_error = None
 
     def refresh_job(self, job: str) -> None:
-        """Rescan one job directory; inspects only steps not yet seen in a final state."""
+        """Rescan one job directory; inspects only steps not yet seen committed."""
         job_path = self.storage.join(job)
         self.storage.invalidate(job_path)
         if not self.storage.is_dir(job_path):

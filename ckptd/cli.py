@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from collections.abc import Sequence
 
 from ckptd import __version__
@@ -38,7 +37,7 @@ def _catalog(root: str) -> Catalog:
     storage = Storage(root)
     if not storage.is_dir(storage.root):
         raise SystemExit(f"ckptd: {root} is not a directory")
-    cat = Catalog(storage, tempfile.mkstemp(suffix=".sqlite3")[1])
+    cat = Catalog(storage, ":memory:")  # one-shot: nothing to keep, no file left behind
     cat.rebuild()
     return cat
 

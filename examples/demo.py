@@ -13,23 +13,23 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import shutil  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
-import httpx  # noqa: E402
-import jax  # noqa: E402
+import httpx
+import jax
 
-from examples.elastic_mlp import TrainLog, make_train_fn  # noqa: E402
-from trainer_client.client import CkptdClient  # noqa: E402
-from trainer_client.config import ClientSettings  # noqa: E402
-from trainer_client.elastic import ElasticConfig, ElasticRunner, Event  # noqa: E402
-from trainer_client.slices import SimulatedSlices, SliceFault  # noqa: E402
+from examples.elastic_mlp import TrainLog, make_train_fn
+from trainer_client.client import CkptdClient
+from trainer_client.config import ClientSettings
+from trainer_client.elastic import ElasticConfig, ElasticRunner, Event
+from trainer_client.slices import SimulatedSlices, SliceFault
 
 JOB = "demo-mlp"
 
