@@ -113,6 +113,12 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
     async def _storage(_: Request, exc: StorageError) -> JSONResponse:
         return _error_response(ApiError(p.ErrorCode.STORAGE_ERROR, str(exc)))
 
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        # A bug, not the caller's mistake: the one error body still, without internals (Starlette
+        # re-raises the exception afterwards, so the server logs it with its traceback).
+        return _error_response(ApiError(p.ErrorCode.INTERNAL, "internal error; see the ckptd log"))
+
     @app.middleware("http")
     async def _auth_and_count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         if settings.token and request.url.path.startswith(p.API_PREFIX):

@@ -21,7 +21,7 @@ from ckptd.catalog import Catalog
 from ckptd.config import Settings
 from trainer_client import protocol as p
 from trainer_client.layout import CHECKPOINT_METADATA, TMP_DIR_SUFFIX
-from trainer_client.storage import Storage
+from trainer_client.storage import Storage, StorageError
 
 TOKEN = "s3cret"
 
@@ -357,6 +357,31 @@ def test_any_resume_body_gets_an_answer_not_a_500(client: TestClient, body: Any)
     if resp.status_code != 200:
         error = p.ErrorBody.model_validate(resp.json())
         assert resp.status_code == p.ERROR_STATUS[error.code]
+
+
+class _BrokenCatalog(Catalog):
+    """A catalog whose storage fails on one read and that has a bug on another."""
+
+    def latest_good(self, job: str, at_most: int | None = None) -> p.CheckpointInfo | None:
+        raise StorageError("cannot list gs://bucket/ckpt/plain: 503 Service Unavailable")
+
+    def jobs(self) -> list[p.JobInfo]:
+        raise RuntimeError("internal detail that must not leak")
+
+
+def test_storage_errors_and_bugs_still_get_the_error_body(
+    root: Path, tmp_path: Path, settings_factory: Callable[..., Settings]
+) -> None:
+    catalog = _BrokenCatalog(Storage(str(root)), tmp_path / "catalog.sqlite3")
+    catalog.rebuild()
+    app = create_app(settings_factory(root, tmp_path), catalog, background=False)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        body = assert_error(c.get("/v1/jobs/plain/checkpoints/latest-good"), p.ErrorCode.STORAGE_ERROR)
+        assert "gs://bucket/ckpt/plain" in body.message
+        resp = c.get("/v1/jobs")
+        body = assert_error(resp, p.ErrorCode.INTERNAL)
+        assert "must not leak" not in resp.text
+        assert c.get("/v1/jobs/plain/checkpoints").status_code == 200  # the rest keeps working
 
 
 def test_unknown_route_and_wrong_method(client: TestClient) -> None:

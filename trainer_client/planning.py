@@ -75,6 +75,16 @@ def choose_mesh(saved: MeshSpec, alive_devices: int, policy: str) -> tuple[MeshS
         mesh = MeshSpec(axis_names=list(saved.axis_names), shape=shape)
         if best is None or mesh.size > best.size:
             best = mesh
+    if best is None and candidates and alive_devices >= _prod(
+        [s for i, s in enumerate(saved.shape) if i not in candidates]
+    ):
+        # No single data-parallel axis fits: shrink them in order of preference, down to 1 if need be.
+        shape = list(saved.shape)
+        for i in candidates:
+            shape[i] = 1
+        for i in candidates:
+            shape[i] = max(1, alive_devices // _prod(shape[:i] + shape[i + 1 :]))
+        best = MeshSpec(axis_names=list(saved.axis_names), shape=shape)
     if best is None:
         if alive_devices >= saved.size:
             best = MeshSpec(axis_names=list(saved.axis_names), shape=list(saved.shape))

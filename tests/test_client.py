@@ -1,0 +1,75 @@
+"""CkptdClient: retries on outages, falls back to storage only on outages, never on a refusal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from trainer_client import protocol as p
+from trainer_client.client import CkptdClient
+from trainer_client.config import ClientSettings
+from trainer_client.errors import CkptdRequestError, CkptdUnavailable, NoCheckpointError
+from trainer_client.retry import RetryPolicy, retry
+
+
+def _client(handler: Any, root: str | None = None) -> tuple[CkptdClient, list[httpx.Request]]:
+    seen: list[httpx.Request] = []
+
+    def record(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return handler(request)  # type: ignore[no-any-return]
+
+    settings = ClientSettings(url="http://ckptd.test", token="tok", timeout_s=0.5, resume_deadline_s=2.0)
+    return CkptdClient(settings, root=root, transport=httpx.MockTransport(record)), seen
+
+
+def test_a_refusal_is_raised_with_its_code_and_not_retried(tmp_path: Path) -> None:
+    body = {"code": "NOT_ENOUGH_DEVICES", "message": "policy 'pause' needs 8 devices"}
+    client, seen = _client(lambda r: httpx.Response(409, json=body), root=str(tmp_path))
+    with pytest.raises(CkptdRequestError) as err:
+        client.resume("job", p.ResumeRequest(policy="pause", alive_devices=6))
+    assert (err.value.status, err.value.code) == (409, "NOT_ENOUGH_DEVICES")
+    assert len(seen) == 1
+    assert seen[0].headers["authorization"] == "Bearer tok"
+
+
+def test_an_outage_is_retried_then_answered_from_storage(tmp_path: Path) -> None:
+    client, seen = _client(lambda r: httpx.Response(503, json={"code": "NOT_READY", "message": "x"}),
+                           root=str(tmp_path))
+    (tmp_path / "job").mkdir()
+    with pytest.raises(NoCheckpointError):  # storage has nothing committed: said plainly
+        client.resume("job", p.ResumeRequest(alive_devices=8))
+    assert len(seen) == 4  # RetryPolicy(max_attempts=4)
+
+
+def test_no_root_means_the_outage_is_raised() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    client, seen = _client(refuse)
+    with pytest.raises(CkptdUnavailable):
+        client.resume("job", p.ResumeRequest(alive_devices=8))
+    assert len(seen) == 4
+
+
+def test_latest_good_is_none_for_no_checkpoint() -> None:
+    body = {"code": "NO_GOOD_CHECKPOINT", "message": "none"}
+    client, _ = _client(lambda r: httpx.Response(404, json=body))
+    assert client.latest_good("job") is None
+
+
+def test_retry_gives_up_at_the_deadline() -> None:
+    calls = []
+
+    @retry(RetryPolicy(max_attempts=100, initial_backoff_s=0.05, multiplier=1.0, deadline_s=0.2),
+           retry_on=(ValueError,))
+    def flaky() -> None:
+        calls.append(1)
+        raise ValueError("no")
+
+    with pytest.raises(ValueError):
+        flaky()
+    assert 2 <= len(calls) <= 5

@@ -1,0 +1,75 @@
+"""The public API is pinned: what each package exports is exactly its ``__all__``, and it all resolves."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+import trainer_client
+
+PUBLIC_MODULES = [
+    "ckptd",
+    "ckptd.app",
+    "ckptd.catalog",
+    "ckptd.config",
+    "ckptd.errors",
+    "trainer_client",
+    "trainer_client.protocol",
+    "trainer_client.storage",
+    "trainer_client.layout",
+    "trainer_client.planning",
+    "trainer_client.client",
+    "trainer_client.config",
+    "trainer_client.errors",
+    "trainer_client.retry",
+    "trainer_client.checkpointing",
+    "trainer_client.slices",
+    "trainer_client.elastic",
+]
+
+
+@pytest.mark.parametrize("name", PUBLIC_MODULES)
+def test_every_name_in_all_resolves(name: str) -> None:
+    module = importlib.import_module(name)
+    exported = module.__all__
+    assert len(set(exported)) == len(exported), f"{name}.__all__ has duplicates"
+    for member in exported:
+        assert getattr(module, member) is not None, f"{name}.{member}"
+
+
+def test_trainer_client_top_level_names() -> None:
+    assert set(trainer_client.__all__) == {
+        "__version__", "CkptdClient", "ClientSettings", "ElasticConfig", "ElasticContext", "ElasticRunner",
+        "ElasticResult", "Checkpointer", "SimulatedSlices", "PathwaysSlices", "SliceFault", "CkptdError",
+        "CkptdUnavailable", "CkptdRequestError", "NoCheckpointError", "ElasticTimeoutError",
+        "ElasticRetriesExhausted",
+    }
+    with pytest.raises(AttributeError):
+        _ = trainer_client.NotAThing  # type: ignore[attr-defined]
+
+
+def test_error_tree_subclasses_builtins() -> None:
+    from trainer_client import errors
+
+    assert issubclass(errors.CkptdUnavailable, ConnectionError)
+    assert issubclass(errors.NoCheckpointError, LookupError)
+    assert issubclass(errors.ElasticTimeoutError, TimeoutError)
+    for name in errors.__all__:
+        assert issubclass(getattr(errors, name), errors.CkptdError)
+
+
+def test_house_rules_on_imports() -> None:
+    """ckptd's core never imports jax; trainer_client's shared core imports neither jax, ckptd nor FastAPI."""
+    code = (
+        "import sys\n"
+        "import trainer_client.protocol, trainer_client.layout, trainer_client.planning, trainer_client.storage\n"
+        "assert not any(m == 'jax' or m.startswith(('jax.', 'ckptd', 'fastapi')) for m in sys.modules), 'client core'\n"
+        "import ckptd.app, ckptd.catalog, ckptd.cli\n"
+        "assert 'jax' not in sys.modules, 'ckptd core imported jax'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
