@@ -18,6 +18,7 @@ import json
 import re
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -105,18 +106,26 @@ def inspect_step(
     return _inspect_finalized(storage, entry.path, parsed.step)
 
 
+def _read_json_object(storage: Storage, step_path: str, name: str) -> dict[str, Any] | str:
+    """The JSON object in ``step_path/name``, or the reason it is not usable."""
+    try:
+        value = storage.read_json(f"{step_path}/{name}")
+    except FileNotFoundError:
+        return f"{name} missing"
+    except (ValueError, UnicodeDecodeError) as exc:
+        return f"{name} is not JSON: {exc}"
+    if not isinstance(value, dict):
+        return f"{name} is not a JSON object"
+    return value
+
+
 def _inspect_finalized(storage: Storage, path: str, step: int) -> StepInspection:
     def corrupt(reason: str) -> StepInspection:
         return StepInspection(step, path, StepState.CORRUPT, reason, None, None)
 
-    try:
-        meta = storage.read_json(f"{path}/{CHECKPOINT_METADATA}")
-    except FileNotFoundError:
-        return corrupt(f"{CHECKPOINT_METADATA} missing")
-    except (ValueError, UnicodeDecodeError) as exc:
-        return corrupt(f"{CHECKPOINT_METADATA} is not JSON: {exc}")
-    if not isinstance(meta, dict):
-        return corrupt(f"{CHECKPOINT_METADATA} is not a JSON object")
+    meta = _read_json_object(storage, path, CHECKPOINT_METADATA)
+    if isinstance(meta, str):
+        return corrupt(meta)
     handlers = meta.get("item_handlers")
     items: tuple[str, ...]
     if isinstance(handlers, dict):
@@ -126,14 +135,9 @@ def _inspect_finalized(storage: Storage, path: str, step: int) -> StepInspection
     else:
         items = ()
     for item in items:
-        try:
-            item_meta = storage.read_json(f"{path}/{item}/{ITEM_METADATA}")
-        except FileNotFoundError:
-            return corrupt(f"{item}/{ITEM_METADATA} missing")
-        except (ValueError, UnicodeDecodeError) as exc:
-            return corrupt(f"{item}/{ITEM_METADATA} is not JSON: {exc}")
-        if not isinstance(item_meta, dict):
-            return corrupt(f"{item}/{ITEM_METADATA} is not a JSON object")
+        item_meta = _read_json_object(storage, path, f"{item}/{ITEM_METADATA}")
+        if isinstance(item_meta, str):
+            return corrupt(item_meta)
     committed_ns = meta.get("commit_timestamp_nsecs")
     committed_at = committed_ns / 1e9 if isinstance(committed_ns, int | float) else None
     training = None
