@@ -186,7 +186,7 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
 
     @app.get(p.ROUTE_LATEST_GOOD, response_model=p.CheckpointInfo, responses=_ERROR_RESPONSES, tags=["jobs"])
     def latest_good(job: str) -> p.CheckpointInfo:
-        info = cat.latest_good(_job(job))
+        info = cat.confirmed_latest_good(_job(job))
         if info is None:
             raise NoGoodCheckpoint(job)
         return info
@@ -197,11 +197,11 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
         _job(job)
         cat.refresh_job(job)  # the newest committed step, even if the last periodic scan missed it
         if request.step is None:
-            info = cat.latest_good(job)
+            info = cat.confirmed_latest_good(job)
             if info is None:
                 raise NoGoodCheckpoint(job)
         else:
-            info = cat.step(job, request.step)
+            info = cat.confirmed_step(job, request.step)
             if info is None:
                 raise ApiError(p.ErrorCode.STEP_NOT_FOUND, f"job {job!r} has no step {request.step}")
             if info.state is not p.StepState.COMMITTED:

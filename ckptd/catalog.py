@@ -19,9 +19,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from trainer_client.layout import StepInspection, inspect_step, step_entries
+from trainer_client.layout import COMMIT_MARKER, StepInspection, inspect_step, step_entries
 from trainer_client.protocol import CheckpointInfo, JobInfo, StepState, TrainingMetadata, is_valid_job_name
-from trainer_client.storage import Storage
+from trainer_client.storage import Storage, StorageError
 
 _log = logging.getLogger(__name__)
 
@@ -126,7 +126,12 @@ class Catalog:
         for _, entry in entries:
             if known.get(entry.name) in _FINAL_STATES:
                 continue
-            inspection = inspect_step(self.storage, entry, save_timeout_s=self.save_timeout_s, now=now)
+            try:
+                inspection = inspect_step(self.storage, entry, save_timeout_s=self.save_timeout_s, now=now)
+            except StorageError as exc:  # one unreadable step must not hide the others
+                self.last_error = f"{entry.path}: {exc}"
+                _log.warning("cannot inspect %s: %s", entry.path, exc)
+                continue
             if inspection is not None:
                 found.append((entry.name, inspection))
         with self._tx() as db:
@@ -189,6 +194,43 @@ class Catalog:
                 (job, StepState.COMMITTED.value, limit),
             ).fetchone()
         return _info(row) if row else None
+
+    def confirmed_latest_good(self, job: str, at_most: int | None = None) -> CheckpointInfo | None:
+        """``latest_good``, after checking on storage that the step still holds its commit marker.
+
+        A committed step is not re-read by refreshes; if it was deleted or is being rewritten under the
+        same name since, it is re-inspected here and the next newest committed step is tried.
+        """
+        while True:
+            info = self.latest_good(job, at_most)
+            if info is None or self.storage.exists(f"{info.path}/{COMMIT_MARKER}"):
+                return info
+            self._reinspect(job, info)
+
+    def confirmed_step(self, job: str, step: int) -> CheckpointInfo | None:
+        """``step``, with a committed answer checked against storage like ``confirmed_latest_good``."""
+        info = self.step(job, step)
+        if info is not None and info.state is StepState.COMMITTED and not self.storage.exists(
+            f"{info.path}/{COMMIT_MARKER}"
+        ):
+            self._reinspect(job, info)
+            info = self.step(job, step)
+        return info
+
+    def _reinspect(self, job: str, info: CheckpointInfo) -> None:
+        name = info.path.rstrip("/").rsplit("/", 1)[-1]
+        entry = next((e for _, e in step_entries(self.storage, self.storage.join(job)) if e.name == name), None)
+        inspection = (
+            inspect_step(self.storage, entry, save_timeout_s=self.save_timeout_s) if entry is not None else None
+        )
+        with self._tx() as db:
+            if inspection is None:
+                db.execute("DELETE FROM steps WHERE job = ? AND dirname = ?", (job, name))
+            else:
+                db.execute(
+                    "UPDATE steps SET state = ?, reason = ? WHERE job = ? AND dirname = ?",
+                    (inspection.state.value, inspection.reason, job, name),
+                )
 
     def step(self, job: str, step: int) -> CheckpointInfo | None:
         """The catalogued directory of ``step`` (the committed one when several exist)."""

@@ -144,22 +144,41 @@ def write_orbax_steps(
     write_orbax_jobs({job_dir: steps}, custom_metadata=custom_metadata)
 
 
-def training_metadata(step: int, *, global_batch: int = 64) -> dict[str, Any]:
-    """What trainer_client records under Orbax custom metadata key ``ckptd`` (protocol.TrainingMetadata)."""
+def training_metadata(
+    step: int,
+    *,
+    global_batch: int = 64,
+    mesh: tuple[Sequence[str], Sequence[int]] = (("replica", "data"), (4, 2)),
+    arrays: Mapping[str, Mapping[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """What trainer_client records under Orbax custom metadata key ``ckptd`` (protocol.TrainingMetadata).
+
+    By default the mesh is ``(replica=4, data=2)`` with ``params.w`` sharded ``P(None, "data")`` and
+    ``opt.mu`` sharded ``P("replica", "data")``, both f32[4, 8].
+    """
+    if arrays is None:
+        arrays = {
+            "params.w": {"shape": [4, 8], "dtype": "float32", "partition_spec": [None, "data"]},
+            "opt.mu": {"shape": [4, 8], "dtype": "float32", "partition_spec": ["replica", "data"]},
+        }
     return {
         "ckptd": {
             "step": step,
             "data_position": step * global_batch,
             "global_batch": global_batch,
-            "mesh": {"axis_names": ["replica", "data"], "shape": [4, 2]},
+            "mesh": {"axis_names": list(mesh[0]), "shape": list(mesh[1])},
             "slices": [0, 1, 2, 3],
             "wall_time": 1_700_000_000.0 + step,
-            "arrays": {
-                "params.w": {"shape": [4, 8], "dtype": "float32", "partition_spec": [None, "data"]},
-                "opt.mu": {"shape": [4, 8], "dtype": "float32", "partition_spec": ["replica", "data"]},
-            },
+            "arrays": {k: dict(v) for k, v in arrays.items()},
         }
     }
+
+
+# A saved layout with a model-parallel axis: (data=2, model=4); it cannot run on fewer than 4 devices.
+MODEL_PARALLEL_MESH: tuple[tuple[str, ...], tuple[int, ...]] = (("data", "model"), (2, 4))
+MODEL_PARALLEL_ARRAYS: dict[str, dict[str, Any]] = {
+    "params.w": {"shape": [8, 16], "dtype": "float32", "partition_spec": ["data", "model"]},
+}
 
 
 # ---- the server in a thread ----------------------------------------------------------------------
@@ -269,6 +288,12 @@ def settings_factory() -> Callable[..., Settings]:
 def training_metadata_factory() -> Callable[..., dict[str, Any]]:
     """``training_metadata(step)``: Orbax custom metadata as trainer_client records it."""
     return training_metadata
+
+
+@pytest.fixture(scope="session")
+def model_parallel_metadata() -> Callable[[int], dict[str, Any]]:
+    """``training_metadata(step)`` for a job saved on ``(data=2, model=4)``."""
+    return lambda step: training_metadata(step, mesh=MODEL_PARALLEL_MESH, arrays=MODEL_PARALLEL_ARRAYS)
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,12 +32,15 @@ def golden_root(
     tmp_path_factory: pytest.TempPathFactory,
     orbax_jobs_writer: Callable[..., None],
     training_metadata_factory: Callable[..., dict[str, Any]],
+    model_parallel_metadata: Callable[[int], dict[str, Any]],
 ) -> Path:
-    """plain: steps 1, 2, 3 by plain Orbax; meta: steps 10, 20 with ckptd training metadata."""
+    """plain: steps 1, 2, 3 by plain Orbax; meta: steps 10, 20 with ckptd training metadata;
+    tp: step 7 whose ckptd metadata records a (data=2, model=4) mesh."""
     root = tmp_path_factory.mktemp("api-golden")
     orbax_jobs_writer(
-        {root / "plain": [1, 2, 3], root / "meta": [10, 20]},
-        custom_metadata={10: training_metadata_factory(10), 20: training_metadata_factory(20)},
+        {root / "plain": [1, 2, 3], root / "meta": [10, 20], root / "tp": [7]},
+        custom_metadata={10: training_metadata_factory(10), 20: training_metadata_factory(20),
+                         7: model_parallel_metadata(7)},
     )
     return root
 
@@ -137,7 +141,7 @@ def test_list_jobs(client: TestClient, root: Path) -> None:
     resp = client.get("/v1/jobs")
     assert resp.status_code == 200
     jobs = {j.name: j for j in p.JobList.model_validate(resp.json()).jobs}
-    assert set(jobs) == {"empty", "meta", "plain"}  # ".hidden" is not a job name
+    assert set(jobs) == {"empty", "meta", "plain", "tp"}  # ".hidden" is not a job name
     assert jobs["plain"] == p.JobInfo(name="plain", path=str(root / "plain"), steps=5, latest_step=5,
                                       latest_good_step=3)
     assert jobs["meta"].latest_good_step == 20
@@ -221,7 +225,7 @@ def test_resume_shrinks_the_replica_axis(client: TestClient, root: Path) -> None
 @pytest.mark.parametrize(
     ("alive", "policy", "shape", "idle"),
     [(8, "pause", [4, 2], 0), (8, "resize", [4, 2], 0), (7, "resize", [3, 2], 1), (2, "resize", [1, 2], 0),
-     (16, "pause", [8, 2], 0)],
+     (1, "resize", [1, 1], 0), (16, "pause", [8, 2], 0)],
 )
 def test_resume_mesh_for_the_devices_alive(
     client: TestClient, alive: int, policy: str, shape: list[int], idle: int
@@ -255,7 +259,10 @@ def test_resume_errors(client: TestClient) -> None:
     body = assert_error(pause, p.ErrorCode.NOT_ENOUGH_DEVICES)
     assert "8" in body.message and "6" in body.message
     assert_error(resume(client, "plain", alive_devices=0), p.ErrorCode.NOT_ENOUGH_DEVICES)
-    assert_error(resume(client, "plain", alive_devices=1), p.ErrorCode.NO_VALID_MESH)
+    # (data=2, model=4): the model axis needs 4 devices whatever the data axis does.
+    body = assert_error(resume(client, "tp", alive_devices=3), p.ErrorCode.NO_VALID_MESH)
+    assert "model" in body.message
+    assert p.ResumePlan.model_validate(resume(client, "tp", alive_devices=6).json()).mesh.shape == [1, 4]
     body = assert_error(resume(client, "plain", alive_devices=8, step=4), p.ErrorCode.STEP_NOT_GOOD)
     assert "writing" in body.message
     body = assert_error(resume(client, "plain", alive_devices=8, step=5), p.ErrorCode.STEP_NOT_GOOD)
@@ -427,7 +434,7 @@ def test_v1_routes_need_the_bearer_token(token_client: TestClient, method: str, 
 
 
 def test_open_routes_need_no_token(token_client: TestClient) -> None:
-    for path in ("/healthz", "/readyz", "/metrics", "/openapi.json"):
+    for path in ("/healthz", "/readyz", "/metrics", "/openapi.json", "/docs"):
         assert token_client.get(path).status_code == 200, path
 
 
@@ -508,3 +515,14 @@ def test_openapi_documents_every_route(client: TestClient) -> None:
     }
     assert "ErrorBody" in spec["components"]["schemas"]
     assert "409" in spec["paths"][p.ROUTE_RESUME]["post"]["responses"]
+
+
+def test_protocol_doc_matches_the_code() -> None:
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
+    table = {m[1]: int(m[2]) for m in re.finditer(r"^\| `([A-Z_]+)`\s*\| (\d{3}) ", doc, re.M)}
+    assert table == {code.value: status for code, status in p.ERROR_STATUS.items()}
+    for route in (p.ROUTE_HEALTHZ, p.ROUTE_READYZ, p.ROUTE_METRICS, p.ROUTE_JOBS, p.ROUTE_CHECKPOINTS,
+                  p.ROUTE_LATEST_GOOD, p.ROUTE_RESUME):
+        assert f"`{route}`" in doc or f" {route}`" in doc, route
+    for state in p.StepState:
+        assert f"| `{state.value}`" in doc, state

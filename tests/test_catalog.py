@@ -174,6 +174,20 @@ def test_refresh_sees_new_vanished_and_finalized_steps(catalog: Catalog, root: P
     assert good is not None and good.step == 6
 
 
+def test_a_corrupt_step_is_looked_at_again_but_a_committed_one_is_not(catalog: Catalog, root: Path) -> None:
+    catalog.rebuild()
+    alpha = root / "alpha"
+    # A tool copying a step in may show the marker before the metadata: corrupt, then whole.
+    shutil.copy2(alpha / "3" / CHECKPOINT_METADATA, alpha / "5" / CHECKPOINT_METADATA)
+    # A committed step is immutable for the catalog: it is not read again until a rebuild.
+    (alpha / "1" / CHECKPOINT_METADATA).write_text("{garbled")
+    catalog.refresh()
+    assert _states(catalog, "alpha")["5"] == (5, StepState.COMMITTED)
+    assert _states(catalog, "alpha")["1"] == (1, StepState.COMMITTED)
+    catalog.rebuild()
+    assert _states(catalog, "alpha")["1"] == (1, StepState.CORRUPT)
+
+
 def test_tmp_directory_is_abandoned_after_the_save_timeout(root: Path, tmp_path: Path) -> None:
     old = time.time() - 600
     for p in [root / "alpha" / TMP4, *(root / "alpha" / TMP4).iterdir()]:
@@ -262,3 +276,29 @@ def test_refresher_thread_builds_then_follows_storage(
     finally:
         refresher.stop()
     assert not refresher._thread.is_alive()
+
+
+def test_a_committed_step_that_loses_its_marker_is_never_served(tmp_path: Path) -> None:
+    """Rewritten in place (commit-file mode) between two refreshes: the answer checks storage first."""
+    import shutil as _shutil
+
+    from ckptd.catalog import Catalog as _Catalog
+    from trainer_client.storage import Storage as _Storage
+
+    job = tmp_path / "root" / "job"
+    for step in (1, 2):
+        d = job / str(step) / "default"
+        d.mkdir(parents=True)
+        (d / "_METADATA").write_text("{}")
+        (job / str(step) / "_CHECKPOINT_METADATA").write_text('{"item_handlers": {"default": "x"}}')
+        (job / str(step) / "commit_success.txt").write_text("ok")
+    cat = _Catalog(_Storage(str(tmp_path / "root")), tmp_path / "c.sqlite3")
+    cat.rebuild()
+    assert cat.latest_good("job").step == 2  # type: ignore[union-attr]
+    (job / "2" / "commit_success.txt").unlink()  # a new save of step 2 has started in place
+    good = cat.confirmed_latest_good("job")
+    assert good is not None and good.step == 1
+    assert cat.step("job", 2).state.value == "writing"  # type: ignore[union-attr]
+    assert cat.confirmed_step("job", 2).state.value == "writing"  # type: ignore[union-attr]
+    _shutil.rmtree(job / "2")
+    assert cat.confirmed_latest_good("job").step == 1  # type: ignore[union-attr]

@@ -27,10 +27,12 @@ CKPTD = [sys.executable, "-m", "ckptd"]
 
 
 @pytest.fixture(scope="module")
-def golden_root(tmp_path_factory: pytest.TempPathFactory, orbax_jobs_writer: Callable[..., None]) -> Path:
-    """train: steps 10 and 20 saved by plain Orbax in another process; empty: a job with no step."""
+def golden_root(tmp_path_factory: pytest.TempPathFactory, orbax_jobs_writer: Callable[..., None],
+                model_parallel_metadata: Callable[[int], dict[str, Any]]) -> Path:
+    """train: steps 10 and 20 saved by plain Orbax in another process; empty: a job with no step;
+    tp: step 7 whose ckptd metadata records a (data=2, model=4) mesh."""
     root = tmp_path_factory.mktemp("integration") / "root"
-    orbax_jobs_writer({root / "train": [10, 20]})
+    orbax_jobs_writer({root / "train": [10, 20], root / "tp": [7]}, custom_metadata={7: model_parallel_metadata(7)})
     (root / "empty").mkdir()
     return root
 
@@ -68,7 +70,7 @@ def test_latest_good_and_resume_over_http(ckptd_server: Any, golden_root: Path) 
     server = ckptd_server(golden_root)
     with server.client() as c:
         jobs = p.JobList.model_validate(c.get("/v1/jobs").json()).jobs
-        assert [(j.name, j.latest_good_step) for j in jobs] == [("empty", None), ("train", 20)]
+        assert [(j.name, j.latest_good_step) for j in jobs] == [("empty", None), ("tp", 7), ("train", 20)]
 
         info = p.CheckpointInfo.model_validate(c.get("/v1/jobs/train/checkpoints/latest-good").json())
         assert (info.step, info.state, info.path) == (20, p.StepState.COMMITTED,
@@ -206,7 +208,7 @@ def test_cli_ls_show_plan(golden_root: Path, tmp_path: Path,
     ls = _ckptd("ls", str(golden_root), env=env)
     assert ls.returncode == 0, ls.stderr
     rows = {line.split()[0]: line.split()[1:] for line in ls.stdout.splitlines()[1:]}
-    assert rows == {"empty": ["0", "None", "None"], "train": ["2", "20", "20"]}
+    assert rows == {"empty": ["0", "None", "None"], "tp": ["1", "7", "7"], "train": ["2", "20", "20"]}
 
     show = _ckptd("show", f"{golden_root}/train", env=env)
     assert show.returncode == 0, show.stderr
@@ -231,7 +233,7 @@ def test_cli_exit_codes(golden_root: Path, tmp_path: Path, capsys: pytest.Captur
     # In process (same code as the console script, without paying a new interpreter each time).
     assert ckptd_main(["ls", "--json", str(golden_root)]) == 0
     listed = json.loads(capsys.readouterr().out)
-    assert [j["name"] for j in listed] == ["empty", "train"]
+    assert [j["name"] for j in listed] == ["empty", "tp", "train"]
 
     assert ckptd_main(["show", "--json", f"{golden_root}/train"]) == 0
     shown = [p.CheckpointInfo.model_validate(c) for c in json.loads(capsys.readouterr().out)]
@@ -245,7 +247,7 @@ def test_cli_exit_codes(golden_root: Path, tmp_path: Path, capsys: pytest.Captur
 
     assert ckptd_main(["plan", f"{golden_root}/train", "--devices", "6", "--policy", "pause"]) == 1
     assert "NOT_ENOUGH_DEVICES" in capsys.readouterr().err
-    assert ckptd_main(["plan", f"{golden_root}/train", "--devices", "1"]) == 1
+    assert ckptd_main(["plan", f"{golden_root}/tp", "--devices", "3"]) == 1
     assert "NO_VALID_MESH" in capsys.readouterr().err
     assert ckptd_main(["plan", f"{golden_root}/train", "--devices", "8", "--step", "15"]) == 1
     assert ckptd_main(["plan", f"{golden_root}/empty", "--devices", "8"]) == 1

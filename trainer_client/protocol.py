@@ -162,12 +162,18 @@ class CheckpointList(_Model):
     checkpoints: list[CheckpointInfo]
 
 
-class SliceAlive(_Model):
+class _Request(_Model):
+    """Requests are strict: ``true`` or ``"6"`` is not a device count."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class SliceAlive(_Request):
     index: Annotated[int, Field(ge=0)]
     devices: Annotated[int, Field(ge=0)]
 
 
-class ResumeRequest(_Model):
+class ResumeRequest(_Request):
     """Body of ``POST /v1/jobs/{job}/resume``."""
 
     policy: Literal["pause", "resize"] = "resize"
