@@ -150,7 +150,9 @@ def _inspect_finalized(storage: Storage, path: str, step: int) -> StepInspection
     return StepInspection(step, path, StepState.COMMITTED, None, committed_at, training, items)
 
 
-def read_saved_sharding(storage: Storage, step_path: str, item: str = "default") -> tuple[MeshSpec | None, dict[str, ArraySpec]]:
+def read_saved_sharding(
+    storage: Storage, step_path: str, item: str = "default"
+) -> tuple[MeshSpec | None, dict[str, ArraySpec]]:
     """Mesh and per-array partition specs from Orbax's ``<item>/_sharding`` (plain JSON, no jax).
 
     Keys there are base64 of the dotted leaf path. Arrays without a NamedSharding get no entry.

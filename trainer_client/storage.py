@@ -7,6 +7,7 @@ small metadata files happen here: array bytes are Orbax's and tensorstore's busi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import posixpath
@@ -76,8 +77,24 @@ class Storage:
         return self.fs.unstrip_protocol(path)
 
     def invalidate(self, path: str | None = None) -> None:
-        """Forget cached listings (gcsfs caches them) so the next listing sees storage as it is now."""
+        """Forget cached listings (gcsfs caches them) so the next listing sees storage as it is now:
+        all of them, or those of ``path``, its parents and everything under it.
+
+        gcsfs's own ``invalidate_cache(path)`` drops only ``path`` and its parents. A listing it kept of
+        a step directory would hide a ``commit_success.txt`` written since (``exists`` answers "no" from
+        the parent's cached listing) and keep the old size of a rewritten ``_CHECKPOINT_METADATA``.
+        """
+        if path is None:
+            self.fs.invalidate_cache()
+            return
         self.fs.invalidate_cache(path)
+        cache = getattr(self.fs, "dircache", None)
+        if cache is None:
+            return
+        prefix = str(self.fs._strip_protocol(path)).rstrip("/") + "/"
+        for key in [k for k in list(cache) if isinstance(k, str) and k.startswith(prefix)]:
+            with contextlib.suppress(KeyError):  # another thread dropped it first
+                del cache[key]
 
     def list_dir(self, path: str) -> list[Entry]:
         """Children of ``path``; an empty list when ``path`` does not exist."""
@@ -123,13 +140,21 @@ class Storage:
 
     def newest_mtime(self, path: str) -> float | None:
         """The newest modification time of ``path`` or its direct children (object stores have no
-        directory times)."""
+        directory times: there, of its direct child objects, else of any object under it)."""
         times = [e.mtime for e in self.list_dir(path) if e.mtime is not None]
         if not self.is_remote:
-            try:
+            with contextlib.suppress(OSError):
                 times.append(os.stat(path).st_mtime)
-            except OSError:
-                pass
+        elif not times:
+            # No direct child is an object (only "directories", e.g. an item being written): date the
+            # step by the newest object under it, or it would never age into ``abandoned``.
+            try:
+                infos = self.fs.find(path, detail=True)
+            except FileNotFoundError:
+                infos = {}
+            except OSError as exc:
+                raise StorageError(f"cannot list {self.url_of(path)}: {exc}") from exc
+            times = [t for t in (_mtime_of(info) for info in infos.values()) if t is not None]
         return max(times) if times else None
 
 
