@@ -75,6 +75,28 @@ def train_step(state: PyTree, ids: jax.Array) -> tuple[PyTree, jax.Array]:
     return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
 
 
+def make_train_step(accumulation_steps: int = 1, lr_scale: float = 1.0) -> Callable[..., tuple[PyTree, jax.Array]]:
+    """A training step for a batch plan: ``accumulation_steps`` microbatches (ids shaped
+    ``[steps, micro]``) averaged into one update, the update scaled by ``lr_scale``."""
+    if accumulation_steps == 1 and lr_scale == 1.0:
+        return train_step
+
+    def accumulated(state: PyTree, ids: jax.Array) -> tuple[PyTree, jax.Array]:
+        def body(carry: tuple[jax.Array, PyTree], micro_ids: jax.Array) -> tuple[tuple[jax.Array, PyTree], None]:
+            loss, grads = jax.value_and_grad(loss_fn)(state["params"], micro_ids)
+            return (carry[0] + loss, jax.tree_util.tree_map(jnp.add, carry[1], grads)), None
+
+        zero = (jnp.zeros(()), jax.tree_util.tree_map(jnp.zeros_like, state["params"]))
+        micro = ids.reshape(accumulation_steps, -1)
+        (loss, grads), _ = jax.lax.scan(body, zero, micro)
+        grads = jax.tree_util.tree_map(lambda g: g / accumulation_steps, grads)
+        updates, opt = optimizer().update(grads, state["opt"], state["params"])
+        updates = jax.tree_util.tree_map(lambda u: u * lr_scale, updates)
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss / accumulation_steps
+
+    return accumulated
+
+
 @dataclass
 class TrainLog:
     """What a run saw, across every attempt: loss per step and the sample ids consumed per step."""
@@ -91,14 +113,21 @@ def make_train_fn(
 
     def train(ctx: ElasticContext) -> PyTree:
         state, step, position = ctx.restore_or_init(init_state, partition_specs)
-        batch_sharding = NamedSharding(ctx.mesh, PartitionSpec(tuple(ctx.mesh.axis_names)))
-        step_fn = jax.jit(train_step)
-        batch = ctx.global_batch
+        plan = ctx.batch
+        axes = tuple(ctx.mesh.axis_names)
+        accumulate = plan.accumulation_steps > 1
+        layout = PartitionSpec(None, axes) if accumulate else PartitionSpec(axes)
+        batch_sharding = NamedSharding(ctx.mesh, layout)
+        step_fn = jax.jit(make_train_step(plan.accumulation_steps, plan.lr_scale))
+        batch = plan.global_batch
         while step < total_steps:
             ctx.step_boundary(step, state, position)
             if step_hook is not None:
                 step_hook(step)
-            ids = jax.device_put(np.arange(position, position + batch, dtype=np.int32), batch_sharding)
+            ids_host = np.arange(position, position + batch, dtype=np.int32)
+            if accumulate:
+                ids_host = ids_host.reshape(plan.accumulation_steps, plan.micro_batch)
+            ids = jax.device_put(ids_host, batch_sharding)
             state, loss = step_fn(state, ids)
             log.samples[step] = (position, position + batch)
             log.losses[step] = float(loss)
@@ -117,6 +146,7 @@ __all__ = [
     "loss_fn",
     "make_batch",
     "make_train_fn",
+    "make_train_step",
     "partition_specs",
     "train_step",
 ]

@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainer_client.layout import CUSTOM_METADATA_KEY
-from trainer_client.protocol import ArraySpec, MeshSpec, PartitionSpecJSON, TrainingMetadata
+from trainer_client.protocol import ArraySpec, BatchPlan, MeshSpec, PartitionSpecJSON, TrainingMetadata
 
 _log = logging.getLogger(__name__)
 
@@ -129,6 +129,7 @@ class Checkpointer:
         global_batch: int,
         mesh: Mesh,
         slices: list[int],
+        batch: BatchPlan | None = None,
         extra: Mapping[str, Any] | None = None,
     ) -> None:
         """Start saving ``state`` as ``step``; returns once the device-to-host copy is done."""
@@ -140,6 +141,7 @@ class Checkpointer:
             slices=slices,
             wall_time=time.time(),
             arrays=array_specs(state),
+            batch=batch,
         )
         custom = {CUSTOM_METADATA_KEY: meta.model_dump(mode="json"), **dict(extra or {})}
         started = time.perf_counter()

@@ -27,11 +27,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pathwaysutils.elastic.manager import ScaleUpSignalError
 
-from trainer_client.checkpointing import Checkpointer, restore, target_shardings
+from trainer_client.batching import initial_batch
+from trainer_client.checkpointing import Checkpointer, mesh_spec, restore, target_shardings
 from trainer_client.client import CkptdClient
 from trainer_client.errors import ElasticRetriesExhausted, ElasticTimeoutError, NoCheckpointError
-from trainer_client.planning import choose_mesh
-from trainer_client.protocol import MeshSpec, ResumePlan, ResumeRequest, SliceAlive
+from trainer_client.planning import plan_mesh
+from trainer_client.protocol import BatchOptions, BatchPlan, MeshSpec, ResumePlan, ResumeRequest, SliceAlive
 from trainer_client.slices import SliceProvider, is_slice_down_error
 
 _log = logging.getLogger(__name__)
@@ -52,6 +53,10 @@ class ElasticConfig:
     elastic_timeout_s: float = 300.0
     elastic_max_retries: int = 10
     policy: Literal["pause", "resize"] = "resize"
+    batch_mode: Literal["keep_global_batch", "scale_batch"] = "keep_global_batch"
+    lr_scaling: Literal["none", "linear", "sqrt"] = "linear"
+    device_memory_bytes: int | None = None
+    memory_headroom_bytes: int = 0
     poll_interval_s: float = 0.25
     scale_up_check_interval_s: float = 1.0
     min_slices: int = 1
@@ -100,11 +105,19 @@ class ElasticContext:
         self.mesh = mesh
         self.plan = plan
         self.active_slices = active
-        self.global_batch = runner.config.global_batch
+        cfg = runner.config
+        self.batch: BatchPlan = plan.batch if plan is not None and plan.batch is not None else initial_batch(
+            cfg.global_batch, mesh_spec(mesh), cfg.batch_mode
+        )
         self.start_step = 0
         self.last_step: int | None = None
         self._first_step_done = False
         self._last_scale_check = time.monotonic()
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step on this mesh (``batch.accumulation_steps`` microbatches)."""
+        return self.batch.global_batch
 
     # ---- state ----------------------------------------------------------------------------------
 
@@ -139,7 +152,7 @@ class ElasticContext:
         """Start an async save of ``state`` as ``step`` (the loop is blocked only for the copy)."""
         self.runner.checkpointer.save(
             step, state, data_position=data_position, global_batch=self.global_batch, mesh=self.mesh,
-            slices=sorted(self.active_slices),
+            slices=sorted(self.active_slices), batch=self.batch,
         )
         self.runner.emit("checkpoint_started", step, f"{self.runner.checkpointer.last_save_blocked_s:.3f}s blocked")
 
@@ -222,7 +235,8 @@ class ElasticRunner:
         failures = 0
         while True:
             plan = self._plan(active)
-            mesh = self._build_mesh(plan.mesh if plan else self._fresh_mesh(active), active)
+            order = plan.slices_used if plan and plan.slices_used else sorted(active)
+            mesh = self._build_mesh(plan.mesh if plan else self._fresh_mesh(active), order)
             if self.recoveries and not self.recoveries[-1].mesh_after:
                 rec = self.recoveries[-1]
                 rec.mesh_after = [int(s) for s in mesh.devices.shape]
@@ -280,24 +294,30 @@ class ElasticRunner:
 
     def _plan(self, active: frozenset[int]) -> ResumePlan | None:
         slices = [SliceAlive(index=k, devices=len(self.slices.slice_to_devices[k])) for k in sorted(active)]
+        cfg = self.config
         request = ResumeRequest(
-            policy=self.config.policy, alive_devices=sum(s.devices for s in slices), slices=slices
+            policy=cfg.policy, alive_devices=sum(s.devices for s in slices), slices=slices,
+            device_memory_bytes=cfg.device_memory_bytes, memory_headroom_bytes=cfg.memory_headroom_bytes,
+            batch=BatchOptions(mode=cfg.batch_mode, lr_scaling=cfg.lr_scaling),
         )
         try:
             plan = self.client.resume(self.config.job, request)
         except NoCheckpointError:
             return None
+        batch = plan.batch
         self.emit("plan_received", plan.step,
-                  f"mesh {plan.mesh.shape} from {plan.source}, data position {plan.data_position}")
+                  f"mesh {plan.mesh.shape} from {plan.source}, data position {plan.data_position}"
+                  + (f", batch {batch.global_batch} = {batch.accumulation_steps} x {batch.micro_batch}"
+                     if batch else ""))
         return plan
 
     def _fresh_mesh(self, active: frozenset[int]) -> MeshSpec:
         alive = sum(len(self.slices.slice_to_devices[k]) for k in active)
-        return choose_mesh(self.config.full_mesh, alive, "resize")[0]
+        return plan_mesh(self.config.full_mesh, {}, alive, "resize").mesh
 
-    def _build_mesh(self, spec: MeshSpec, active: frozenset[int]) -> Mesh:
-        """Devices of the healthy slices, slice by slice, reshaped to the planned mesh."""
-        devices = [d for k in sorted(active) for d in self.slices.slice_to_devices[k]]
+    def _build_mesh(self, spec: MeshSpec, slice_order: list[int]) -> Mesh:
+        """Devices of the planned slices, slice by slice, reshaped to the planned mesh."""
+        devices = [d for k in slice_order for d in self.slices.slice_to_devices[k]]
         if len(devices) < spec.size:
             raise ValueError(f"the plan needs {spec.size} devices, {len(devices)} are healthy")
         grid = np.array(devices[: spec.size], dtype=object).reshape(spec.shape)

@@ -46,6 +46,7 @@ class ErrorCode(StrEnum):
     STEP_NOT_GOOD = "STEP_NOT_GOOD"
     NOT_ENOUGH_DEVICES = "NOT_ENOUGH_DEVICES"
     NO_VALID_MESH = "NO_VALID_MESH"
+    DOES_NOT_FIT = "DOES_NOT_FIT"
     ROUTE_NOT_FOUND = "ROUTE_NOT_FOUND"
     METHOD_NOT_ALLOWED = "METHOD_NOT_ALLOWED"
     UNAUTHORIZED = "UNAUTHORIZED"
@@ -63,6 +64,7 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.STEP_NOT_GOOD: 409,
     ErrorCode.NOT_ENOUGH_DEVICES: 409,
     ErrorCode.NO_VALID_MESH: 409,
+    ErrorCode.DOES_NOT_FIT: 409,
     ErrorCode.ROUTE_NOT_FOUND: 404,
     ErrorCode.METHOD_NOT_ALLOWED: 405,
     ErrorCode.UNAUTHORIZED: 401,
@@ -124,6 +126,28 @@ class ArraySpec(_Model):
     changed: bool = False
 
 
+class BatchPlan(_Model):
+    """How the batch is processed on a mesh: what a resume plan says and every step records.
+
+    ``global_batch`` samples make one optimizer step, processed as ``accumulation_steps`` microbatches of
+    ``micro_batch`` samples (``per_device_batch`` per data-parallel device). ``base_global_batch`` is the
+    job's own global batch and ``max_per_device_batch`` the per-device batch it ran with on its first mesh;
+    both carry over from plan to plan so shrinking and growing never drift.
+    """
+
+    mode: Literal["keep_global_batch", "scale_batch"]
+    base_global_batch: int = Field(ge=1)
+    global_batch: int = Field(ge=1)
+    accumulation_steps: int = Field(ge=1)
+    micro_batch: int = Field(ge=1)
+    per_device_batch: int = Field(ge=1)
+    max_per_device_batch: int = Field(ge=1)
+    data_parallel_size: int = Field(ge=1)
+    lr_scale: float = 1.0
+    exact: bool = True
+    note: str = ""
+
+
 class TrainingMetadata(_Model):
     """What trainer_client records with every step (in Orbax's custom metadata, key ``ckptd``)."""
 
@@ -134,6 +158,7 @@ class TrainingMetadata(_Model):
     slices: list[int] = Field(default_factory=list, description="indices of the slices that saved it")
     wall_time: float
     arrays: dict[str, ArraySpec] = Field(default_factory=dict)
+    batch: BatchPlan | None = Field(default=None, description="the batch plan in effect when saved")
 
 
 class CheckpointInfo(_Model):
@@ -173,13 +198,34 @@ class SliceAlive(_Request):
     devices: Annotated[int, Field(ge=0)]
 
 
+class BatchOptions(_Request):
+    """How a resized mesh treats the batch."""
+
+    mode: Literal["keep_global_batch", "scale_batch"] = Field(
+        default="keep_global_batch",
+        description="keep_global_batch: gradient accumulation keeps the global batch; "
+        "scale_batch: keep the per-device batch, the global batch follows the device count",
+    )
+    lr_scaling: Literal["none", "linear", "sqrt"] = Field(
+        default="linear", description="learning-rate rule applied when the global batch changes"
+    )
+    max_accumulation_steps: Annotated[int, Field(ge=1, le=4096)] = 64
+
+
 class ResumeRequest(_Request):
     """Body of ``POST /v1/jobs/{job}/resume``."""
 
     policy: Literal["pause", "resize"] = "resize"
     alive_devices: Annotated[int, Field(ge=0, le=1_000_000)]
-    slices: list[SliceAlive] | None = None
+    slices: list[SliceAlive] | None = Field(default=None, max_length=100_000)
     step: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = None
+    device_memory_bytes: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="memory of one device; when given the plan checks the state fits"
+    )
+    memory_headroom_bytes: Annotated[int, Field(ge=0)] = Field(
+        default=0, description="per-device memory to leave free (activations, compiled programs)"
+    )
+    batch: BatchOptions = Field(default_factory=BatchOptions)
 
 
 class ResumePlan(_Model):
@@ -192,9 +238,14 @@ class ResumePlan(_Model):
     mesh: MeshSpec
     saved_mesh: MeshSpec | None
     arrays: dict[str, ArraySpec] = Field(default_factory=dict)
-    data_position: int | None = None
+    data_position: int | None = Field(default=None, description="global sample index to resume reading at")
     global_batch: int | None = None
+    batch: BatchPlan | None = None
     idle_devices: int = 0
+    slices_used: list[int] = Field(default_factory=list, description="slices whose devices form the mesh, in order")
+    idle_slices: list[SliceAlive] = Field(default_factory=list, description="alive devices left out, per slice")
+    bytes_per_device: int | None = Field(default=None, description="state bytes per device on the new mesh")
+    fits_memory: bool | None = None
     source: Literal["ckptd", "storage_scan"] = "ckptd"
     notes: list[str] = Field(default_factory=list)
 
@@ -212,6 +263,8 @@ __all__ = [
     "ROUTE_READYZ",
     "ROUTE_RESUME",
     "ArraySpec",
+    "BatchOptions",
+    "BatchPlan",
     "CheckpointInfo",
     "CheckpointList",
     "ErrorBody",
