@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Sequence
 
@@ -15,8 +16,8 @@ from ckptd import __version__
 from ckptd.catalog import Catalog
 from ckptd.config import Settings
 from trainer_client.layout import read_saved_sharding
-from trainer_client.planning import PlanningError, resume_plan
-from trainer_client.protocol import ResumeRequest, SliceAlive, StepState
+from trainer_client.planning import PlanningError, format_bytes, resume_plan
+from trainer_client.protocol import BatchOptions, ResumePlan, ResumeRequest, SliceAlive, StepState
 from trainer_client.storage import Storage, StorageError
 
 EXIT_OK = 0
@@ -98,6 +99,18 @@ def _parse_slices(text: str | None) -> list[SliceAlive] | None:
     return out
 
 
+_UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+          "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4}
+
+
+def _parse_bytes(text: str) -> int:
+    """``"16GiB"`` -> 17179869184; plain integers are bytes."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 16GiB, 512MiB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     root, job = _split_job(args.target)
     cat = _catalog(root)
@@ -106,8 +119,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"ckptd: job {job!r} has no committed step{'' if args.step is None else f' {args.step}'}",
               file=sys.stderr)
         return EXIT_BAD
-    request = ResumeRequest(policy=args.policy, alive_devices=args.devices, slices=_parse_slices(args.slices),
-                            step=args.step)
+    request = ResumeRequest(
+        policy=args.policy, alive_devices=args.devices, slices=_parse_slices(args.slices), step=args.step,
+        device_memory_bytes=args.device_memory, memory_headroom_bytes=args.headroom or 0,
+        batch=BatchOptions(mode=args.batch_mode, lr_scaling=args.lr_scaling),
+    )
     sharding = read_saved_sharding(cat.storage, info.path) if not (info.training and info.training.arrays) \
         else (None, {})
     try:
@@ -119,15 +135,37 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(plan.model_dump_json(indent=2))
         return EXIT_OK
-    print(f"step {plan.step}  path {plan.path}")
-    print(f"mesh {dict(zip(plan.mesh.axis_names, plan.mesh.shape, strict=True))}  idle devices {plan.idle_devices}")
-    print(f"data position {plan.data_position}  global batch {plan.global_batch}")
-    for name, spec in plan.arrays.items():
-        print(f"  {name:<40} {spec.shape!s:<20} {spec.dtype or '':<10} {spec.partition_spec}"
-              f"{'  (changed)' if spec.changed else ''}")
-    for note in plan.notes:
-        print(f"note: {note}")
+    print(_render_plan(plan))
     return EXIT_OK
+
+
+def _render_plan(plan: ResumePlan) -> str:
+    mesh = ", ".join(f"{a}={s}" for a, s in zip(plan.mesh.axis_names, plan.mesh.shape, strict=True))
+    saved = ", ".join(f"{a}={s}" for a, s in zip(plan.saved_mesh.axis_names, plan.saved_mesh.shape, strict=True)
+                      ) if plan.saved_mesh else "unknown"
+    lines = [
+        f"step           {plan.step}    ({plan.path})",
+        f"mesh           ({mesh})    saved on ({saved})",
+        f"devices        {plan.mesh.size} used, {plan.idle_devices} idle"
+        + (f" (idle: {', '.join(f'slice {s.index}: {s.devices}' for s in plan.idle_slices)})"
+           if plan.idle_slices else ""),
+        f"data position  {plan.data_position}",
+        f"memory         {format_bytes(plan.bytes_per_device)} per device"
+        + ("" if plan.fits_memory is None else " (fits)" if plan.fits_memory else " (does NOT fit)"),
+    ]
+    if plan.batch is not None:
+        b = plan.batch
+        lines.append(
+            f"batch          {b.mode}: global {b.global_batch} = {b.accumulation_steps} x {b.micro_batch} "
+            f"({b.per_device_batch} per device on {b.data_parallel_size}), lr x {b.lr_scale:.4g}"
+            + ("" if b.exact else "  (inexact)")
+        )
+    lines.append(f"{'ARRAY':<40} {'SHAPE':<18} {'DTYPE':<10} PARTITION SPEC")
+    for name, spec in plan.arrays.items():
+        lines.append(f"{name:<40} {spec.shape!s:<18} {spec.dtype or '?':<10} {spec.partition_spec}"
+                     + ("  (changed)" if spec.changed else ""))
+    lines.extend(f"note: {note}" for note in plan.notes)
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--slices", help="alive slices as INDEX:DEVICES,... e.g. 0:2,1:2,3:2")
     plan.add_argument("--policy", choices=["pause", "resize"], default="resize")
     plan.add_argument("--step", type=int)
+    plan.add_argument("--device-memory", type=_parse_bytes, help="memory of one device, e.g. 16GiB")
+    plan.add_argument("--headroom", type=_parse_bytes, help="per-device memory to keep free, e.g. 2GiB")
+    plan.add_argument("--batch-mode", choices=["keep_global_batch", "scale_batch"], default="keep_global_batch")
+    plan.add_argument("--lr-scaling", choices=["none", "linear", "sqrt"], default="linear")
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_cmd_plan)
     return parser

@@ -103,6 +103,7 @@ class TrainLog:
 
     losses: dict[int, float] = field(default_factory=dict)
     samples: dict[int, tuple[int, int]] = field(default_factory=dict)  # step -> [start, stop) sample ids
+    batches: dict[int, tuple[int, float]] = field(default_factory=dict)  # step -> (microbatches, lr scale)
     steps_run: int = 0
 
 
@@ -130,6 +131,7 @@ def make_train_fn(
             ids = jax.device_put(ids_host, batch_sharding)
             state, loss = step_fn(state, ids)
             log.samples[step] = (position, position + batch)
+            log.batches[step] = (plan.accumulation_steps, plan.lr_scale)
             log.losses[step] = float(loss)
             log.steps_run += 1
             position += batch

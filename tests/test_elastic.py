@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -196,3 +197,36 @@ def test_train_step_is_deterministic_on_one_mesh() -> None:
     b, _ = jax.jit(train_step)(state, ids)
     assert all(np.array_equal(x, y) for x, y in zip(_leaves(a), _leaves(b), strict=True))
     assert jax.tree_util.tree_structure(partition_specs(state)) is not None
+
+
+@pytest.mark.parametrize("mode", ["keep_global_batch", "scale_batch"])
+def test_every_sample_is_consumed_exactly_once_across_a_shrink_and_a_regrow(
+    tmp_path: Path, ckptd_server: Any, mode: str
+) -> None:
+    server = ckptd_server(tmp_path)
+    runner = _runner(tmp_path, server.url, "resize", [SliceFault(1, at_step=13, down_for_s=None)], batch_mode=mode)
+    slices = runner.slices
+    assert isinstance(slices, SimulatedSlices)
+
+    def hook(step: int) -> None:
+        if step == 22:
+            slices.bring_back(1)
+
+    log = TrainLog()
+    result = _run(runner, make_train_fn(40, log, step_hook=hook))
+    down, up = result.recoveries
+    assert (down.restored_step, down.mesh_after, up.mesh_after) == (10, [3, 2], [4, 2])
+    counts = Counter(i for step in range(40) for i in range(*log.samples[step]))
+    end = log.samples[39][1]
+    assert sorted(counts) == list(range(end)), "a sample was skipped"
+    assert set(counts.values()) == {1}, "a sample was read twice"
+    shrunk = range(10, up.restored_step)  # the steps that ran on 3 slices
+    for step in range(40):
+        size = log.samples[step][1] - log.samples[step][0]
+        accumulation, lr_scale = log.batches[step]
+        if step in shrunk and mode == "keep_global_batch":
+            assert (size, accumulation, lr_scale) == (BATCH, 2, 1.0)  # 2 x 24 keeps the global batch
+        elif step in shrunk:
+            assert (size, accumulation, lr_scale) == (36, 1, 0.75)  # 6 per device on 6 devices, linear LR
+        else:
+            assert (size, accumulation, lr_scale) == (BATCH, 1, 1.0)

@@ -87,7 +87,7 @@ def test_memory_per_device_and_does_not_fit() -> None:
     # 2 alive: fsdp must shrink to 2 -> 1 MiB per device -> does not fit, and says by how much
     with pytest.raises(PlanningError) as err:
         plan_mesh(saved, arrays, 2, "resize", device_memory_bytes=600_000)
-    assert err.value.code is ErrorCode.DOES_NOT_FIT and "GiB per device" in err.value.message
+    assert err.value.code is ErrorCode.DOES_NOT_FIT and "1.00 MiB per device" in err.value.message
     # headroom counts: (2, 4) no longer fits, so fsdp takes all 8 devices
     tight = plan_mesh(saved, arrays, 8, "resize", device_memory_bytes=600_000, headroom_bytes=100_000)
     assert tight.mesh.shape == [1, 8] and tight.bytes_per_device == 262_144

@@ -48,7 +48,6 @@ from trainer_client.protocol import (
 # Axes a plan may resize, in the order it prefers to resize them.
 DATA_PARALLEL_AXES: tuple[str, ...] = ("replica", "data", "dp", "batch", "fsdp")
 _EXHAUSTIVE_LIMIT = 20_000
-_GIB = 1024**3
 
 
 class PlanningError(ValueError):
@@ -89,6 +88,18 @@ def dtype_bytes(dtype: str | None) -> int:
         return 1
     bits = re.search(r"(\d+)$", name)
     return max(1, int(bits.group(1)) // 8) if bits else 4
+
+
+def format_bytes(n: int | float | None) -> str:
+    """``1536`` -> ``"1.50 KiB"``; None -> ``"unknown"``."""
+    if n is None:
+        return "unknown"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{value:.0f} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} TiB"
 
 
 def _axes_of(entry: str | list[str] | None) -> list[str]:
@@ -239,8 +250,8 @@ def plan_mesh(
         need, mesh = best_miss
         raise PlanningError(
             ErrorCode.DOES_NOT_FIT,
-            f"the state needs {need / _GIB:.2f} GiB per device at best (mesh {_fmt(mesh)}) plus "
-            f"{headroom_bytes / _GIB:.2f} GiB headroom, but a device has {(device_memory_bytes or 0) / _GIB:.2f} GiB "
+            f"the state needs {format_bytes(need)} per device at best (mesh {_fmt(mesh)}) plus "
+            f"{format_bytes(headroom_bytes)} headroom, but a device has {format_bytes(device_memory_bytes)} "
             f"({tried} meshes tried). Wait for the lost slices, or lower the headroom.",
         )
     model = [f"{a}={s}" for a, s in zip(saved_mesh.axis_names, saved_mesh.shape, strict=True)
@@ -361,6 +372,7 @@ __all__ = [
     "candidate_meshes",
     "dtype_bytes",
     "fit_array",
+    "format_bytes",
     "plan_mesh",
     "resume_plan",
 ]
