@@ -12,15 +12,16 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ckptd import __version__
+from ckptd.advisor import advice_for_job
 from ckptd.catalog import Catalog, Refresher
 from ckptd.config import Settings
 from ckptd.errors import ApiError, InvalidJobName, JobNotFound, NoGoodCheckpoint
@@ -204,7 +205,7 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
             info = cat.confirmed_step(job, request.step)
             if info is None:
                 raise ApiError(p.ErrorCode.STEP_NOT_FOUND, f"job {job!r} has no step {request.step}")
-            if info.state is not p.StepState.COMMITTED:
+            if info.state is not p.StepState.VERIFIED:
                 raise ApiError(
                     p.ErrorCode.STEP_NOT_GOOD,
                     f"step {request.step} of job {job!r} is {info.state.value}: {info.reason}",
@@ -220,6 +221,11 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
             raise ApiError(exc.code, exc.message) from exc
         metrics.plan_seconds.observe(time.perf_counter() - started)
         return plan
+
+    @app.get(p.ROUTE_ADVICE, response_model=p.Advice, responses=_ERROR_RESPONSES, tags=["jobs"])
+    def advice(job: str, query: Annotated[p.AdviceQuery, Query()]) -> p.Advice:
+        """Checkpoint periods and recovery policy (ckptd/advisor.py); the job's history fills the gaps."""
+        return advice_for_job(job, cat.checkpoints(_job(job)), query)
 
     return app
 

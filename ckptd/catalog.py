@@ -4,8 +4,8 @@ Storage is the source of truth (DESIGN invariant 1). The catalog only remembers 
 found, so that answering ``latest-good`` or ``resume`` does not re-read every step's metadata. Killing
 ckptd loses nothing: the next start drops the cache and scans again.
 
-A refresh lists each job directory and inspects only the step directories it has not yet seen
-committed; a step that vanished from storage leaves the catalog.
+A refresh lists each job directory and inspects only the step directories it has not yet settled
+(verified or quarantined, see ``ckptd.integrity``); a step that vanished from storage leaves the catalog.
 """
 
 from __future__ import annotations
@@ -17,17 +17,22 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
+from ckptd.integrity import settle
 from trainer_client.layout import COMMIT_MARKER, StepInspection, inspect_step, step_entries
+from trainer_client.manifest import QUARANTINE_FILE
 from trainer_client.protocol import CheckpointInfo, JobInfo, StepState, TrainingMetadata, is_valid_job_name
 from trainer_client.storage import Storage, StorageError
 
 _log = logging.getLogger(__name__)
 
-# A committed step is immutable: it is inspected once. Corrupt ones are looked at again on every refresh
-# (rare, and a directory copied in by a tool may show its marker before its metadata).
-_FINAL_STATES = (StepState.COMMITTED.value,)
+# Verified and quarantined steps are settled: looked at once (answers re-check the marker). Corrupt and
+# unverified ones are looked at again on every refresh (a directory copied in by a tool may show its
+# marker before its metadata; a failed write of a manifest is retried).
+_FINAL_STATES = (StepState.VERIFIED.value, StepState.QUARANTINED.value)
+_GOOD = StepState.VERIFIED.value
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -106,7 +111,7 @@ class Catalog:
         self.last_error = None
 
     def refresh_job(self, job: str) -> None:
-        """Rescan one job directory; inspects only steps not yet seen committed."""
+        """Rescan one job directory; inspects (and settles) only steps not yet verified or quarantined."""
         job_path = self.storage.join(job)
         self.storage.invalidate(job_path)
         if not self.storage.is_dir(job_path):
@@ -132,6 +137,9 @@ class Catalog:
                 self.last_error = f"{entry.path}: {exc}"
                 _log.warning("cannot inspect %s: %s", entry.path, exc)
                 continue
+            if inspection is not None and inspection.state is StepState.COMMITTED:
+                settled = settle(self.storage, inspection)
+                inspection = replace(inspection, state=settled.state, reason=settled.reason)
             if inspection is not None:
                 found.append((entry.name, inspection))
         with self._tx() as db:
@@ -169,7 +177,7 @@ class Catalog:
                 "SELECT j.name, j.path, COUNT(s.step), MAX(s.step), "
                 "MAX(CASE WHEN s.state = ? THEN s.step END) "
                 "FROM jobs j LEFT JOIN steps s ON s.job = j.name GROUP BY j.name ORDER BY j.name",
-                (StepState.COMMITTED.value,),
+                (_GOOD,),
             ).fetchall()
         return [
             JobInfo(name=r[0], path=r[1], steps=r[2], latest_step=r[3], latest_good_step=r[4]) for r in rows
@@ -185,34 +193,38 @@ class Catalog:
         return [_info(r) for r in rows]
 
     def latest_good(self, job: str, at_most: int | None = None) -> CheckpointInfo | None:
-        """The newest committed step (at or below ``at_most`` when given)."""
+        """The newest verified step (at or below ``at_most`` when given), as last catalogued."""
         limit = at_most if at_most is not None else 2**63 - 1
         with self._lock:
             row = self._db.execute(
                 "SELECT step, state, path, reason, committed_at, training FROM steps "
                 "WHERE job = ? AND state = ? AND step <= ? ORDER BY step DESC LIMIT 1",
-                (job, StepState.COMMITTED.value, limit),
+                (job, _GOOD, limit),
             ).fetchone()
         return _info(row) if row else None
 
     def confirmed_latest_good(self, job: str, at_most: int | None = None) -> CheckpointInfo | None:
         """``latest_good``, after checking on storage that the step still holds its commit marker.
 
-        A committed step is not re-read by refreshes; if it was deleted or is being rewritten under the
-        same name since, it is re-inspected here and the next newest committed step is tried.
+        A verified step is not re-read by refreshes; if it was deleted, is being rewritten under the same
+        name, or was quarantined by another ckptd since, it is re-inspected here and the next newest good
+        step is tried.
         """
         while True:
             info = self.latest_good(job, at_most)
-            if info is None or self.storage.exists(f"{info.path}/{COMMIT_MARKER}"):
+            if info is None or self._still_good(info):
                 return info
             self._reinspect(job, info)
+
+    def _still_good(self, info: CheckpointInfo) -> bool:
+        return self.storage.exists(f"{info.path}/{COMMIT_MARKER}") and not self.storage.exists(
+            f"{info.path}/{QUARANTINE_FILE}"
+        )
 
     def confirmed_step(self, job: str, step: int) -> CheckpointInfo | None:
         """``step``, with a committed answer checked against storage like ``confirmed_latest_good``."""
         info = self.step(job, step)
-        if info is not None and info.state is StepState.COMMITTED and not self.storage.exists(
-            f"{info.path}/{COMMIT_MARKER}"
-        ):
+        if info is not None and info.state is StepState.VERIFIED and not self._still_good(info):
             self._reinspect(job, info)
             info = self.step(job, step)
         return info
@@ -223,6 +235,9 @@ class Catalog:
         inspection = (
             inspect_step(self.storage, entry, save_timeout_s=self.save_timeout_s) if entry is not None else None
         )
+        if inspection is not None and inspection.state is StepState.COMMITTED:
+            settled = settle(self.storage, inspection)
+            inspection = replace(inspection, state=settled.state, reason=settled.reason)
         with self._tx() as db:
             if inspection is None:
                 db.execute("DELETE FROM steps WHERE job = ? AND dirname = ?", (job, name))
@@ -232,13 +247,19 @@ class Catalog:
                     (inspection.state.value, inspection.reason, job, name),
                 )
 
+    def mark(self, job: str, step: int, state: StepState, reason: str | None) -> None:
+        """Record what a validation outside the refresh found (``ckptd validate``)."""
+        with self._tx() as db:
+            db.execute("UPDATE steps SET state = ?, reason = ? WHERE job = ? AND step = ? AND state = ?",
+                       (state.value, reason, job, step, _GOOD))
+
     def step(self, job: str, step: int) -> CheckpointInfo | None:
         """The catalogued directory of ``step`` (the committed one when several exist)."""
         with self._lock:
             row = self._db.execute(
                 "SELECT step, state, path, reason, committed_at, training FROM steps "
                 "WHERE job = ? AND step = ? ORDER BY state = ? DESC LIMIT 1",
-                (job, step, StepState.COMMITTED.value),
+                (job, step, _GOOD),
             ).fetchone()
         return _info(row) if row else None
 

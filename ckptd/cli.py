@@ -12,7 +12,9 @@ import re
 import sys
 from collections.abc import Sequence
 
-from ckptd import __version__
+from pydantic import ValidationError
+
+from ckptd import __version__, advise_cmd
 from ckptd.catalog import Catalog
 from ckptd.config import Settings
 from trainer_client.layout import read_saved_sharding
@@ -50,7 +52,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     overrides = {k: v for k, v in {"root": args.root, "host": args.host, "port": args.port,
                                    "state_dir": args.state_dir}.items() if v is not None}
-    settings = Settings(**overrides)
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:  # e.g. an unreadable CKPTD_TOKEN_FILE: one clear line, no traceback
+        for err in exc.errors():
+            where = ".".join(str(x) for x in err["loc"])
+            print(f"ckptd: invalid settings: {where + ': ' if where else ''}{err['msg']}", file=sys.stderr)
+        return EXIT_USAGE
     app = create_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 access_log=False)
@@ -115,8 +123,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     root, job = _split_job(args.target)
     cat = _catalog(root)
     info = cat.latest_good(job) if args.step is None else cat.step(job, args.step)
-    if info is None or info.state is not StepState.COMMITTED:
-        print(f"ckptd: job {job!r} has no committed step{'' if args.step is None else f' {args.step}'}",
+    if info is None or info.state is not StepState.VERIFIED:
+        print(f"ckptd: job {job!r} has no good step{'' if args.step is None else f' {args.step}'}",
               file=sys.stderr)
         return EXIT_BAD
     request = ResumeRequest(
@@ -202,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--lr-scaling", choices=["none", "linear", "sqrt"], default="linear")
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_cmd_plan)
+
+    advise_cmd.add_parser(sub)  # ckptd advise [ROOT/JOB]: periods and recovery policy (ckptd/advise_cmd.py)
     return parser
 
 

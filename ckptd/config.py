@@ -9,19 +9,24 @@ import hashlib
 import os
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Settings(BaseSettings):
     """Configuration of one ckptd process."""
 
-    model_config = SettingsConfigDict(env_prefix="CKPTD_", extra="ignore")
+    # hide_input_in_errors: a validation error must never print the token it was given.
+    model_config = SettingsConfigDict(env_prefix="CKPTD_", extra="ignore", hide_input_in_errors=True)
 
     root: str = Field(default="./checkpoints", description="checkpoint root: a directory or gs://bucket/prefix")
     host: str = "127.0.0.1"
     port: int = Field(default=8471, ge=0, le=65535)
     token: str | None = Field(default=None, description="bearer token required on /v1 routes when set")
+    token_file: str | None = Field(
+        default=None,
+        description="file holding the bearer token (e.g. a mounted Secret); read once at startup into `token`",
+    )
     state_dir: str | None = Field(
         default=None, description="where the catalog cache lives (default: a per-root dir under ~/.cache)"
     )
@@ -30,6 +35,26 @@ class Settings(BaseSettings):
         default=3600.0, gt=0, description="a tmp step older than this is reported abandoned"
     )
     log_level: str = "info"
+
+    @model_validator(mode="after")
+    def _read_token_file(self) -> Settings:
+        """Resolve ``token_file`` into ``token`` (whitespace stripped), so the app only ever reads ``token``.
+
+        A missing, unreadable or empty file is an error at startup: silently serving without auth is worse.
+        """
+        if self.token_file is None:
+            return self
+        if self.token:
+            raise ValueError("set CKPTD_TOKEN or CKPTD_TOKEN_FILE, not both")
+        try:
+            text = Path(self.token_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read the token file {self.token_file!r} (CKPTD_TOKEN_FILE): {exc}") from None
+        token = text.strip()
+        if not token:
+            raise ValueError(f"the token file {self.token_file!r} (CKPTD_TOKEN_FILE) is empty")
+        self.token = token
+        return self
 
     def catalog_path(self) -> Path:
         """The SQLite file of the catalog cache for this root."""

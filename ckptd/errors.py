@@ -35,7 +35,7 @@ class NoGoodCheckpoint(ApiError, LookupError):
     def __init__(self, job: str) -> None:
         super().__init__(
             ErrorCode.NO_GOOD_CHECKPOINT,
-            f"job {job!r} has no committed checkpoint yet (partial and corrupt steps are never served)",
+            f"job {job!r} has no verified checkpoint yet (partial, corrupt and quarantined steps are never served)",
         )
 
 

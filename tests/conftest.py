@@ -72,6 +72,7 @@ def make_settings(root: str | Path, state_dir: str | Path, **overrides: Any) -> 
         "host": "127.0.0.1",
         "port": 0,
         "token": None,
+        "token_file": None,
         "state_dir": str(state_dir),
         "refresh_interval_s": 0.2,
         "save_timeout_s": 3600.0,

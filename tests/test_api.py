@@ -26,6 +26,9 @@ from trainer_client.storage import Storage, StorageError
 
 TOKEN = "s3cret"
 
+# A copied step keeps no ckptd files: it must look like a fresh step to the catalog, which adopts it.
+_CKPTD_FILES = shutil.ignore_patterns("ckptd_*")
+
 
 @pytest.fixture(scope="module")
 def golden_root(
@@ -154,9 +157,9 @@ def test_checkpoints_list_with_states(client: TestClient, root: Path) -> None:
     listing = p.CheckpointList.model_validate(resp.json())
     assert listing.job == "plain"
     assert [(c.step, c.state) for c in listing.checkpoints] == [
-        (1, p.StepState.COMMITTED),
-        (2, p.StepState.COMMITTED),
-        (3, p.StepState.COMMITTED),
+        (1, p.StepState.VERIFIED),
+        (2, p.StepState.VERIFIED),
+        (3, p.StepState.VERIFIED),
         (4, p.StepState.WRITING),
         (5, p.StepState.CORRUPT),
     ]
@@ -174,7 +177,7 @@ def test_latest_good(client: TestClient, root: Path) -> None:
     resp = client.get("/v1/jobs/plain/checkpoints/latest-good")
     assert resp.status_code == 200
     info = p.CheckpointInfo.model_validate(resp.json())
-    assert (info.step, info.state, info.path) == (3, p.StepState.COMMITTED, str(root / "plain" / "3"))
+    assert (info.step, info.state, info.path) == (3, p.StepState.VERIFIED, str(root / "plain" / "3"))
     meta = p.CheckpointInfo.model_validate(client.get("/v1/jobs/meta/checkpoints/latest-good").json())
     assert meta.step == 20 and meta.training is not None and meta.training.global_batch == 64
 
@@ -191,10 +194,10 @@ def test_a_job_and_a_step_that_appear_after_the_scan_are_served(
     private_client: tuple[TestClient, Path],
 ) -> None:
     client, root = private_client
-    shutil.copytree(root / "plain", root / "late")  # no refresh in between (background=False)
+    shutil.copytree(root / "plain", root / "late", ignore=_CKPTD_FILES)  # no refresh in between (background=False)
     info = p.CheckpointInfo.model_validate(client.get("/v1/jobs/late/checkpoints/latest-good").json())
     assert info.step == 3
-    shutil.copytree(root / "plain" / "3", root / "plain" / "6")
+    shutil.copytree(root / "plain" / "3", root / "plain" / "6", ignore=_CKPTD_FILES)
     plan = p.ResumePlan.model_validate(resume(client, "plain", alive_devices=8).json())
     assert plan.step == 6  # a resume rescans its job first
     shutil.rmtree(root / "late")
@@ -493,7 +496,7 @@ def test_metrics(client: TestClient) -> None:
     assert samples[("ckptd_latest_good_step", (("job", "meta"),))] == 20
     assert ("ckptd_latest_good_step", (("job", "empty"),)) not in samples
     assert samples[("ckptd_steps", (("job", "plain"), ("state", "corrupt")))] == 1
-    assert samples[("ckptd_steps", (("job", "plain"), ("state", "committed")))] == 3
+    assert samples[("ckptd_steps", (("job", "plain"), ("state", "verified")))] == 3
     assert samples[("ckptd_http_requests_total", (("route", "/v1/jobs"), ("status", "200")))] >= 1
 
 
@@ -508,7 +511,7 @@ def test_metrics_forget_steps_and_jobs_that_are_gone(private_client: tuple[TestC
     after = _samples(client.get("/metrics").text)
     assert ("ckptd_latest_good_step", (("job", "meta"),)) not in after
     assert ("ckptd_latest_good_step", (("job", "plain"),)) not in after
-    assert ("ckptd_steps", (("job", "plain"), ("state", "committed"))) not in after
+    assert ("ckptd_steps", (("job", "plain"), ("state", "verified"))) not in after
 
 
 def test_openapi_documents_every_route(client: TestClient) -> None:

@@ -7,12 +7,14 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ckptd.catalog import Catalog, Refresher
+from ckptd.integrity import settle
 from trainer_client.layout import (
     CHECKPOINT_METADATA,
     COMMIT_MARKER,
@@ -24,6 +26,9 @@ from trainer_client.protocol import MAX_STEP, CheckpointInfo, JobInfo, StepState
 from trainer_client.storage import Storage
 
 TMP4 = f"4{TMP_DIR_SUFFIX}-1712345678"
+
+# A copied step keeps no ckptd files: it must look like a fresh step to the catalog, which adopts it.
+_CKPTD_FILES = shutil.ignore_patterns("ckptd_*")
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +86,9 @@ def _direct_scan(storage: Storage) -> dict[str, list[CheckpointInfo]]:
         for _, entry in sorted(step_entries(storage, job.path), key=lambda pe: (pe[0].step, pe[1].name)):
             ins = inspect_step(storage, entry)
             assert ins is not None
+            if ins.state is StepState.COMMITTED:  # what the catalog does with a committed step
+                settled = settle(storage, ins)
+                ins = replace(ins, state=settled.state, reason=settled.reason)
             infos.append(ins.to_info(storage))
         out[job.name] = infos
     return out
@@ -104,9 +112,9 @@ def test_rebuild_from_storage(catalog: Catalog, root: Path) -> None:
     assert jobs["beta"].latest_good_step == 5 and jobs["beta"].steps == 1
 
     assert _states(catalog, "alpha") == {
-        "1": (1, StepState.COMMITTED),
-        "2": (2, StepState.COMMITTED),
-        "3": (3, StepState.COMMITTED),
+        "1": (1, StepState.VERIFIED),
+        "2": (2, StepState.VERIFIED),
+        "3": (3, StepState.VERIFIED),
         TMP4: (4, StepState.WRITING),
         "5": (5, StepState.CORRUPT),
         "6": (6, StepState.WRITING),
@@ -120,7 +128,7 @@ def test_latest_good_skips_corrupt_and_writing(catalog: Catalog, root: Path) -> 
     catalog.rebuild()
     good = catalog.latest_good("alpha")
     assert good is not None
-    assert (good.step, good.state, good.path) == (3, StepState.COMMITTED, str(root / "alpha" / "3"))
+    assert (good.step, good.state, good.path) == (3, StepState.VERIFIED, str(root / "alpha" / "3"))
     assert good.committed_at is not None
     at_most = catalog.latest_good("alpha", at_most=2)
     assert at_most is not None and at_most.step == 2
@@ -136,7 +144,7 @@ def test_step_prefers_the_committed_directory(catalog: Catalog, root: Path) -> N
     shutil.copytree(root / "alpha" / "3", root / "alpha" / f"3{TMP_DIR_SUFFIX}-1")
     catalog.rebuild()
     step3 = catalog.step("alpha", 3)
-    assert step3 is not None and step3.state is StepState.COMMITTED
+    assert step3 is not None and step3.state is StepState.VERIFIED
     assert step3.path == str(root / "alpha" / "3")
 
 
@@ -144,7 +152,7 @@ def test_refresh_sees_new_vanished_and_finalized_steps(catalog: Catalog, root: P
     catalog.rebuild()
     alpha = root / "alpha"
 
-    shutil.copytree(alpha / "3", alpha / "7")  # a new committed step
+    shutil.copytree(alpha / "3", alpha / "7", ignore=_CKPTD_FILES)  # a new committed step
     shutil.rmtree(alpha / "2")  # a step deleted by retention
     (alpha / TMP4).rename(alpha / "4")  # rename mode: the tmp directory is finalized
     (alpha / "6" / COMMIT_MARKER).write_text("ok")  # commit-file mode: the marker lands last
@@ -155,12 +163,12 @@ def test_refresh_sees_new_vanished_and_finalized_steps(catalog: Catalog, root: P
 
     assert [j.name for j in catalog.jobs()] == ["alpha", "gamma"]
     assert _states(catalog, "alpha") == {
-        "1": (1, StepState.COMMITTED),
-        "3": (3, StepState.COMMITTED),
-        "4": (4, StepState.COMMITTED),
+        "1": (1, StepState.VERIFIED),
+        "3": (3, StepState.VERIFIED),
+        "4": (4, StepState.VERIFIED),
         "5": (5, StepState.CORRUPT),
-        "6": (6, StepState.COMMITTED),
-        "7": (7, StepState.COMMITTED),
+        "6": (6, StepState.VERIFIED),
+        "7": (7, StepState.VERIFIED),
     }
     good = catalog.latest_good("alpha")
     assert good is not None and good.step == 7
@@ -182,8 +190,8 @@ def test_a_corrupt_step_is_looked_at_again_but_a_committed_one_is_not(catalog: C
     # A committed step is immutable for the catalog: it is not read again until a rebuild.
     (alpha / "1" / CHECKPOINT_METADATA).write_text("{garbled")
     catalog.refresh()
-    assert _states(catalog, "alpha")["5"] == (5, StepState.COMMITTED)
-    assert _states(catalog, "alpha")["1"] == (1, StepState.COMMITTED)
+    assert _states(catalog, "alpha")["5"] == (5, StepState.VERIFIED)
+    assert _states(catalog, "alpha")["1"] == (1, StepState.VERIFIED)
     catalog.rebuild()
     assert _states(catalog, "alpha")["1"] == (1, StepState.CORRUPT)
 
@@ -212,7 +220,7 @@ def test_fresh_start_equals_storage(root: Path, tmp_path: Path) -> None:
     alpha = root / "alpha"
     (alpha / TMP4).rename(alpha / "4")
     cat.refresh()
-    shutil.copytree(alpha / "3", alpha / "9")
+    shutil.copytree(alpha / "3", alpha / "9", ignore=_CKPTD_FILES)
     shutil.rmtree(alpha / "1")
     cat.refresh()
     incremental = _snapshot(cat)
@@ -234,7 +242,7 @@ def test_rebuild_forgets_a_stale_cache(root: Path, tmp_path: Path) -> None:
     db = tmp_path / "catalog.sqlite3"
     first = Catalog(Storage(str(root)), db)
     first.rebuild()
-    assert _states(first, "alpha")["3"] == (3, StepState.COMMITTED)
+    assert _states(first, "alpha")["3"] == (3, StepState.VERIFIED)
     first.close()
 
     # While ckptd is down: step 3 is replaced by a broken copy, step 2 disappears.
@@ -266,7 +274,7 @@ def test_refresher_thread_builds_then_follows_storage(
         good = catalog.latest_good("alpha")
         assert good is not None and good.step == 3
 
-        shutil.copytree(root / "alpha" / "3", root / "alpha" / "11")
+        shutil.copytree(root / "alpha" / "3", root / "alpha" / "11", ignore=_CKPTD_FILES)
 
         def latest() -> int | None:
             info = catalog.latest_good("alpha")

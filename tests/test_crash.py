@@ -88,8 +88,8 @@ def test_sigkill_during_async_save_never_serves_the_partial_step(
     good = client.latest_good("job")
     assert good is not None and good.step == 10
     states = {c.step: c.state for c in client.checkpoints("job").checkpoints}
-    assert states[10] is StepState.COMMITTED
-    assert states.get(20) in (StepState.WRITING, None) and states.get(20) is not StepState.COMMITTED
+    assert states[10] is StepState.VERIFIED
+    assert states.get(20) in (StepState.WRITING, None) and states.get(20) is not StepState.VERIFIED
     plan = client.resume("job", ResumeRequest(policy="resize", alive_devices=8))
     assert plan.step == 10 and plan.data_position == 80
     client.close()

@@ -201,7 +201,7 @@ def _run(gcs: GcsEmulator, trainer: Trainer, root: str, job_url: str, ckptd_serv
         catalog.rebuild()
         jobs = catalog.jobs()
         assert [(j.name, j.path, j.latest_good_step) for j in jobs] == [(JOB, job_url, 20)]
-        assert _states(catalog) == {10: "committed", 20: "committed", 30: "writing"}
+        assert _states(catalog) == {10: "verified", 20: "verified", 30: "writing"}
         writing = next(c for c in catalog.checkpoints(JOB) if c.step == 30)
         assert COMMIT_MARKER in (writing.reason or "")
         good = catalog.latest_good(JOB)
@@ -217,7 +217,7 @@ def _run(gcs: GcsEmulator, trainer: Trainer, root: str, job_url: str, ckptd_serv
         trainer.expect("phase2")
         # what a resume request does: rescan one job; cached listings must not hide the commit of 30
         catalog.refresh_job(JOB)
-        assert _states(catalog) == {10: "committed", 20: "committed", 30: "committed", 40: "committed",
+        assert _states(catalog) == {10: "verified", 20: "verified", 30: "verified", 40: "verified",
                                     50: "writing"}
         thirty = catalog.step(JOB, 30)
         assert thirty is not None and thirty.training is not None and thirty.training.step == 30
@@ -236,8 +236,8 @@ def _run(gcs: GcsEmulator, trainer: Trainer, root: str, job_url: str, ckptd_serv
         assert latest.status_code == 200, latest.text
         assert (latest.json()["step"], latest.json()["path"]) == (40, f"{job_url}/40")
         listed = http.get(f"/v1/jobs/{JOB}/checkpoints").json()["checkpoints"]
-        assert {c["step"]: c["state"] for c in listed} == {10: "committed", 20: "committed", 30: "committed",
-                                                            40: "committed", 50: "writing"}
+        assert {c["step"]: c["state"] for c in listed} == {10: "verified", 20: "verified", 30: "verified",
+                                                            40: "verified", 50: "writing"}
         resp = http.post(f"/v1/jobs/{JOB}/resume", json=request.model_dump(mode="json"))
         assert resp.status_code == 200, resp.text
         plan = ResumePlan.model_validate(resp.json())

@@ -73,7 +73,7 @@ def test_latest_good_and_resume_over_http(ckptd_server: Any, golden_root: Path) 
         assert [(j.name, j.latest_good_step) for j in jobs] == [("empty", None), ("tp", 7), ("train", 20)]
 
         info = p.CheckpointInfo.model_validate(c.get("/v1/jobs/train/checkpoints/latest-good").json())
-        assert (info.step, info.state, info.path) == (20, p.StepState.COMMITTED,
+        assert (info.step, info.state, info.path) == (20, p.StepState.VERIFIED,
                                                        str(golden_root / "train" / "20"))
         _error(c.get("/v1/jobs/empty/checkpoints/latest-good"), p.ErrorCode.NO_GOOD_CHECKPOINT)
         _error(c.get("/v1/jobs/nope/checkpoints/latest-good"), p.ErrorCode.JOB_NOT_FOUND)
@@ -213,8 +213,8 @@ def test_cli_ls_show_plan(golden_root: Path, tmp_path: Path,
     show = _ckptd("show", f"{golden_root}/train", env=env)
     assert show.returncode == 0, show.stderr
     assert "latest-good: 20" in show.stderr
-    assert [line.split()[:2] for line in show.stdout.splitlines()[1:]] == [["10", "committed"],
-                                                                           ["20", "committed"]]
+    assert [line.split()[:2] for line in show.stdout.splitlines()[1:]] == [["10", "verified"],
+                                                                           ["20", "verified"]]
 
     empty = _ckptd("show", f"{golden_root}/empty", env=env)
     assert empty.returncode == 1
@@ -237,7 +237,7 @@ def test_cli_exit_codes(golden_root: Path, tmp_path: Path, capsys: pytest.Captur
 
     assert ckptd_main(["show", "--json", f"{golden_root}/train"]) == 0
     shown = [p.CheckpointInfo.model_validate(c) for c in json.loads(capsys.readouterr().out)]
-    assert [(c.step, c.state) for c in shown] == [(10, p.StepState.COMMITTED), (20, p.StepState.COMMITTED)]
+    assert [(c.step, c.state) for c in shown] == [(10, p.StepState.VERIFIED), (20, p.StepState.VERIFIED)]
 
     assert ckptd_main(["show", f"{golden_root}/nope"]) == 1
     assert "no job 'nope'" in capsys.readouterr().err
@@ -254,7 +254,7 @@ def test_cli_exit_codes(golden_root: Path, tmp_path: Path, capsys: pytest.Captur
 
     assert ckptd_main(["plan", f"{golden_root}/train", "--devices", "6", "--slices", "0:2,1:2,3:2"]) == 0
     text = capsys.readouterr().out
-    assert "'replica': 3" in text and "params.w" in text
+    assert "(replica=3, data=2)" in text and "params.w" in text
 
     for argv in (["ls", str(tmp_path / "missing")], ["show", "no-slash"]):
         with pytest.raises(SystemExit) as exc:

@@ -21,7 +21,10 @@ import jax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from trainer_client.layout import CUSTOM_METADATA_KEY
+from trainer_client.durability import sync_tree
+from trainer_client.layout import CUSTOM_METADATA_KEY, TMP_DIR_SUFFIX
+from trainer_client.manifest import MANIFEST_FILE, build_manifest, write_manifest
+from trainer_client.storage import Storage
 from trainer_client.protocol import ArraySpec, BatchPlan, MeshSpec, PartitionSpecJSON, TrainingMetadata
 
 _log = logging.getLogger(__name__)
@@ -104,6 +107,8 @@ class Checkpointer:
         self.directory = directory
         self.async_save = async_save
         self.atomicity = atomicity
+        self._storage = Storage(directory)
+        self._pending: TrainingMetadata | None = None
         self._manager = self._new_manager()
         self.saved_steps: list[int] = []
         self.last_save_blocked_s: float | None = None
@@ -117,6 +122,8 @@ class Checkpointer:
                 ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode(self.atomicity))
                 if self.atomicity else None
             ),
+            async_options=ocp.options.AsyncOptions(post_finalization_callback=self._before_commit)
+            if self.async_save else None,
         )
         return ocp.CheckpointManager(self.directory, options=options)
 
@@ -145,9 +152,40 @@ class Checkpointer:
         )
         custom = {CUSTOM_METADATA_KEY: meta.model_dump(mode="json"), **dict(extra or {})}
         started = time.perf_counter()
+        self._manager.wait_until_finished()  # one save in flight: the callback below knows its step
+        self._pending = meta
         self._manager.save(step, args=ocp.args.StandardSave(state), custom_metadata=custom, force=True)
+        if not self.async_save:
+            self._before_commit_fallback(step)
         self.last_save_blocked_s = time.perf_counter() - started
         self.saved_steps.append(step)
+
+    def _step_dir_before_commit(self, step: int) -> str:
+        tmp = self._storage.join(f"{step}{TMP_DIR_SUFFIX}")
+        return tmp if self._storage.exists(tmp) else self._storage.join(str(step))
+
+    def _before_commit(self) -> None:
+        """Orbax's post-finalization callback: every file is written, the commit marker is not.
+
+        Writes ckptd's manifest into the step and, on a local disk, fsyncs every file and directory of
+        it, so the commit that follows covers the manifest and reaches stable storage.
+        """
+        meta = self._pending
+        if meta is None:
+            return
+        step_path = self._step_dir_before_commit(meta.step)
+        manifest = build_manifest(
+            self._storage, step_path, step=meta.step, writer="trainer_client", arrays=meta.arrays, training=meta
+        )
+        write_manifest(self._storage, step_path, manifest)
+        if not self._storage.is_remote:
+            sync_tree(step_path)
+
+    def _before_commit_fallback(self, step: int) -> None:
+        """Synchronous saves have no callback: manifest the committed step right after it."""
+        step_path = self._storage.join(str(step))
+        if not self._storage.exists(f"{step_path}/{MANIFEST_FILE}") and self._pending is not None:
+            self._before_commit()
 
     def wait(self) -> None:
         """Block until every started save is finalized on storage."""

@@ -23,6 +23,7 @@ ROUTE_JOBS = f"{API_PREFIX}/jobs"
 ROUTE_CHECKPOINTS = f"{API_PREFIX}/jobs/{{job}}/checkpoints"
 ROUTE_LATEST_GOOD = f"{API_PREFIX}/jobs/{{job}}/checkpoints/latest-good"
 ROUTE_RESUME = f"{API_PREFIX}/jobs/{{job}}/resume"
+ROUTE_ADVICE = f"{API_PREFIX}/jobs/{{job}}/advice"
 
 # A job name is one path segment of the root: letters, digits, '.', '_', '-', not starting with '.'.
 JOB_NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$"
@@ -53,6 +54,7 @@ class ErrorCode(StrEnum):
     NOT_READY = "NOT_READY"
     STORAGE_ERROR = "STORAGE_ERROR"
     INTERNAL = "INTERNAL"
+    MISSING_INPUT = "MISSING_INPUT"
 
 
 ERROR_STATUS: dict[ErrorCode, int] = {
@@ -71,6 +73,7 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.NOT_READY: 503,
     ErrorCode.STORAGE_ERROR: 503,
     ErrorCode.INTERNAL: 500,
+    ErrorCode.MISSING_INPUT: 422,
 }
 
 
@@ -96,7 +99,9 @@ class StepState(StrEnum):
 
     WRITING = "writing"  # a tmp directory younger than the save timeout
     ABANDONED = "abandoned"  # a tmp directory older than the save timeout: a crashed save
-    COMMITTED = "committed"  # finalized by Orbax and structurally sound
+    COMMITTED = "committed"  # finalized by Orbax and structurally sound, not verified yet
+    VERIFIED = "verified"  # committed and its content matches its manifest: a good step
+    QUARANTINED = "quarantined"  # found bad; recorded on storage, files kept, never served
     CORRUPT = "corrupt"  # finalized, but its Orbax metadata is missing or unreadable
 
 
@@ -250,11 +255,142 @@ class ResumePlan(_Model):
     notes: list[str] = Field(default_factory=list)
 
 
+# ---- the goodput advisor (GET /v1/jobs/{job}/advice, ``ckptd advise``) ------------------------------
+
+AdvicePolicy = Literal["pause", "resize", "spare"]
+
+
+class AdviceQuery(_Model):
+    """Inputs of the goodput advisor (query parameters of ``GET /v1/jobs/{job}/advice``).
+
+    Every value left out comes from the job's recorded history when it has one, else from a stated
+    default; the advisor says which inputs are still missing. Times are seconds.
+    """
+
+    step_time_s: Annotated[float, Field(gt=0)] | None = Field(None, description="time of one training step")
+    save_stall_s: Annotated[float, Field(ge=0)] | None = Field(
+        None, description="training blocked per save (device-to-host copy)")
+    persist_time_s: Annotated[float, Field(ge=0)] | None = Field(
+        None, description="save start until it is committed on persistent storage")
+    restore_time_s: Annotated[float, Field(ge=0)] | None = Field(
+        None, description="restore from persistent storage onto the devices")
+    memory_restore_time_s: Annotated[float, Field(ge=0)] | None = Field(
+        None, description="restore from a host-memory snapshot (default: the save stall)")
+    recovery_time_s: Annotated[float, Field(ge=0)] | None = Field(
+        None, description="restored state to first step on the same mesh (pause, spare): recompile, warm-up")
+    resize_recovery_time_s: Annotated[float, Field(ge=0)] | None = Field(
+        None, description="restored state to first step on a smaller mesh (resize; default: recovery time)")
+    scale_up_time_s: Annotated[float, Field(ge=0)] | None = Field(
+        None, description="regrow when a slice returns (resize; default: memory restore + resize recovery)")
+    detect_time_s: Annotated[float, Field(ge=0)] | None = Field(None, description="failure to exception")
+    replace_time_s: Annotated[float, Field(ge=0)] | None = Field(
+        None, description="failure until a replacement slice is ready")
+    spare_switch_time_s: Annotated[float, Field(ge=0)] | None = Field(
+        None, description="time to swap a hot spare slice in")
+    slices: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    chips_per_slice: Annotated[int, Field(ge=1, le=1_000_000)] | None = Field(None, description="for display")
+    mtbf_hours: Annotated[float, Field(gt=0)] | None = Field(None, description="mean time between job failures")
+    failures_per_slice_day: Annotated[float, Field(gt=0)] | None = Field(
+        None, description="failure rate of one slice (instead of mtbf_hours)")
+    spares: Annotated[int, Field(ge=1, le=10_000)] | None = Field(None, description="hot spares (spare policy)")
+    min_slices: Annotated[int, Field(ge=1, le=1_000_000)] | None = Field(
+        None, description="fewest slices a resized job runs on")
+    degraded_efficiency: Annotated[float, Field(gt=0, le=1)] | None = Field(
+        None, description="throughput on k of N slices is k/N times this")
+    host_loss_fraction: Annotated[float, Field(ge=0, le=1)] | None = Field(
+        None, description="share of failures that also lose the host-memory snapshot")
+    persist_overhead_s: Annotated[float, Field(ge=0)] | None = Field(
+        None, description="training time a background persist steals (interference)")
+    memory_tier: bool | None = Field(None, description="keep host-memory snapshots between persistent saves")
+    checkpoint_period_steps: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="the job's current save period, to compare with the optimum")
+    horizon_days: Annotated[float, Field(gt=0, le=3650)] | None = Field(None, description="simulated run length")
+    min_failures: Annotated[int, Field(ge=10, le=100_000)] | None = Field(
+        None, description="simulate at least this many failures per point")
+    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
+
+
+class AdviceInput(_Model):
+    """One number the advisor used, and where it came from."""
+
+    value: float | bool
+    unit: str
+    source: Literal["given", "history", "default", "derived"]
+    note: str = ""
+
+
+class Badput(_Model):
+    """Where the wall time that is not goodput goes, as fractions of the wall time."""
+
+    checkpoint: float
+    detection: float
+    waiting: float
+    restore: float
+    recompile: float
+    lost: float
+    degraded: float
+    scale_up: float
+
+
+class PeriodPoint(_Model):
+    """One simulated point of a period sweep."""
+
+    period_s: float
+    persistent_period_s: float
+    goodput: float
+
+
+class PolicyAdvice(_Model):
+    """The best schedule found for one recovery policy, and what it yields."""
+
+    policy: AdvicePolicy
+    memory_period_s: float | None
+    memory_period_steps: int | None
+    persistent_period_s: float
+    persistent_period_steps: int
+    goodput: float
+    goodput_per_chip: float = Field(description="goodput x job slices / provisioned slices (spares cost)")
+    goodput_at_young_daly: float
+    lost_steps_per_failure: float
+    lost_seconds_per_failure: float
+    downtime_per_failure_s: float = Field(description="detection + waiting + restore + recompile per failure")
+    failures_simulated: int
+    badput: Badput
+    sweep: list[PeriodPoint] = Field(default_factory=list)
+
+
+class YoungDaly(_Model):
+    """The first-order optimum periods and what they assume."""
+
+    mtbf_s: float
+    save_cost_s: float
+    period_s: float = Field(description="sqrt(2 x save cost x MTBF) for the saves that failures roll back to")
+    daly_period_s: float = Field(description="Daly's higher-order estimate")
+    persistent_period_s: float | None = Field(default=None, description="with a memory tier: the persistent one")
+
+
+class Advice(_Model):
+    """Checkpoint periods and recovery policy for a job, with the numbers and the reasoning."""
+
+    job: str | None
+    inputs: dict[str, AdviceInput]
+    mtbf_hours: float
+    young_daly: YoungDaly
+    policies: list[PolicyAdvice]
+    recommended: AdvicePolicy
+    reasoning: list[str]
+    disagreement: list[str] = Field(default_factory=list, description="why the simulation and Young/Daly differ")
+    current_period_goodput: float | None = None
+    simulated_days: float
+    compute_seconds: float
+
+
 __all__ = [
     "API_PREFIX",
     "ERROR_STATUS",
     "JOB_NAME_PATTERN",
     "MAX_STEP",
+    "ROUTE_ADVICE",
     "ROUTE_CHECKPOINTS",
     "ROUTE_HEALTHZ",
     "ROUTE_JOBS",
@@ -262,7 +398,11 @@ __all__ = [
     "ROUTE_METRICS",
     "ROUTE_READYZ",
     "ROUTE_RESUME",
+    "Advice",
+    "AdviceInput",
+    "AdviceQuery",
     "ArraySpec",
+    "Badput",
     "BatchOptions",
     "BatchPlan",
     "CheckpointInfo",
@@ -273,10 +413,13 @@ __all__ = [
     "JobInfo",
     "JobList",
     "MeshSpec",
+    "PeriodPoint",
+    "PolicyAdvice",
     "ResumePlan",
     "ResumeRequest",
     "SliceAlive",
     "StepState",
     "TrainingMetadata",
+    "YoungDaly",
     "is_valid_job_name",
 ]
