@@ -49,6 +49,8 @@ def top_losses(advice: PolicyAdvice, n: int = 2) -> str:
 def _schedule_words(plan: Plan, a: PolicyAdvice) -> str:
     if a.memory_period_s is None:
         return f"saves every {a.persistent_period_steps} steps ({dur(a.persistent_period_s)})"
+    if a.memory_period_steps == a.persistent_period_steps:
+        return f"saves every {a.persistent_period_steps} steps ({dur(a.persistent_period_s)}), each persisted"
     return (f"memory snapshots every {a.memory_period_steps} steps ({dur(a.memory_period_s)}), persisted every "
             f"{a.persistent_period_steps} steps ({dur(a.persistent_period_s)})")
 

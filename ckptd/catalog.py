@@ -20,11 +20,12 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from ckptd.integrity import settle
+from ckptd.integrity import quarantine, settle
 from trainer_client.layout import COMMIT_MARKER, StepInspection, inspect_step, step_entries
 from trainer_client.manifest import QUARANTINE_FILE
 from trainer_client.protocol import CheckpointInfo, JobInfo, StepState, TrainingMetadata, is_valid_job_name
 from trainer_client.storage import Storage, StorageError
+from trainer_client.validation import validate_step
 
 _log = logging.getLogger(__name__)
 
@@ -217,9 +218,18 @@ class Catalog:
             self._reinspect(job, info)
 
     def _still_good(self, info: CheckpointInfo) -> bool:
-        return self.storage.exists(f"{info.path}/{COMMIT_MARKER}") and not self.storage.exists(
-            f"{info.path}/{QUARANTINE_FILE}"
-        )
+        """Checked on storage before a step is named: still committed, not quarantined by anyone, and
+        still passing quick validation (a file deleted or truncated since is caught here, and the
+        step quarantined)."""
+        if not self.storage.exists(f"{info.path}/{COMMIT_MARKER}"):
+            return False
+        if self.storage.exists(f"{info.path}/{QUARANTINE_FILE}"):
+            return False
+        result = validate_step(self.storage, info.path, "quick")
+        if not result.ok:
+            quarantine(self.storage, info.path, "quick validation failed: " + "; ".join(result.problems[:5]),
+                       result.problems)
+        return result.ok
 
     def confirmed_step(self, job: str, step: int) -> CheckpointInfo | None:
         """``step``, with a committed answer checked against storage like ``confirmed_latest_good``."""

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
-from ckptd import __version__, advise_cmd
+from ckptd import __version__, advise_cmd, maintenance_cmd
 from ckptd.catalog import Catalog
 from ckptd.config import Settings
 from trainer_client.layout import read_saved_sharding
@@ -211,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_cmd_plan)
 
+    maintenance_cmd.add_parsers(sub)  # ckptd validate / gc (ckptd/maintenance_cmd.py)
     advise_cmd.add_parser(sub)  # ckptd advise [ROOT/JOB]: periods and recovery policy (ckptd/advise_cmd.py)
     return parser
 

@@ -7,7 +7,7 @@ For every newly committed step ckptd
   manifest marked ``adopted``;
 * quick-validates the manifest (names, sizes, GCS checksums) and quarantines the step when it fails —
   files are never deleted, the record is on storage so every ckptd sees it after any restart;
-* seals the two files Orbax finished after the manifest (``_CHECKPOINT_METADATA``, the commit marker);
+* seals the manifest with the two files Orbax finished after it (``_CHECKPOINT_METADATA``, the marker);
 * on a local disk, fsyncs the commit marker, the final metadata, ckptd's files and the directory entries
   (the step directory and the job directory that received the rename) before reporting the step good.
 
@@ -27,13 +27,11 @@ from trainer_client.layout import CHECKPOINT_METADATA, COMMIT_MARKER, StepInspec
 from trainer_client.manifest import (
     MANIFEST_FILE,
     QUARANTINE_FILE,
-    SEAL_FILE,
     build_manifest,
     quarantine_record,
-    read_seal,
+    seal_manifest,
     write_json_file,
     write_manifest,
-    write_seal,
 )
 from trainer_client.protocol import StepState
 from trainer_client.storage import Storage, StorageError
@@ -63,7 +61,6 @@ def _durable(storage: Storage, step_path: str) -> None:
         f"{step_path}/{COMMIT_MARKER}",
         f"{step_path}/{CHECKPOINT_METADATA}",
         f"{step_path}/{MANIFEST_FILE}",
-        f"{step_path}/{SEAL_FILE}",
         step_path,
         posixpath.dirname(step_path),
     )
@@ -88,8 +85,8 @@ def settle(storage: Storage, inspection: StepInspection) -> Settled:
             reason = "quick validation failed: " + "; ".join(result.problems[:5])
             quarantine(storage, path, reason, result.problems)
             return Settled(StepState.QUARANTINED, reason)
-        if read_seal(storage, path) is None:
-            write_seal(storage, path)
+        if result.manifest is not None and result.manifest.sealed is None:
+            seal_manifest(storage, path, result.manifest)
         _durable(storage, path)
     except (OSError, StorageError, ValueError) as exc:
         return Settled(StepState.COMMITTED, f"not verified yet: {type(exc).__name__}: {exc}")

@@ -30,9 +30,11 @@ from gcs_emulator import GcsEmulator, gcs_emulator
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from trainer_client import array_index
 from trainer_client.array_index import (
     ArrayIndexError,
     ArrayInfo,
+    decode_all_arrays,
     dtype_itemsize,
     normalize_dtype,
     read_array_index,
@@ -303,6 +305,39 @@ def test_missing_step_item_or_bad_url(steps: dict[str, Path], tmp_path: Path) ->
         read_array_index(str(steps["ocdbt-zarr2"]), item="../x")
 
 
+# ---- decoding every chunk (ckptd validate --deep) --------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_decode_all_arrays_on_good_steps(layout: str, steps: dict[str, Path]) -> None:
+    assert decode_all_arrays(str(steps[layout])) == []
+
+
+def test_decode_reads_every_slab(steps: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slabs of whole chunks along axis 0: with tiny slabs the last chunk of params.w is still read."""
+    step_dir = _copy_step(steps["dirs-zarr2"], tmp_path / "s")
+    monkeypatch.setattr(array_index, "_DECODE_SLAB_BYTES", 64)
+    assert decode_all_arrays(str(step_dir)) == []
+    chunk = step_dir / "default" / "params.w" / "3.1"  # f32[8, 16] on (4, 2): chunks of 2 x 8
+    chunk.write_bytes(chunk.read_bytes()[:5])
+    problems = decode_all_arrays(str(step_dir))
+    assert len(problems) == 1 and "params.w: cannot decode" in problems[0], problems
+
+
+def test_decode_finds_a_truncated_ocdbt_data_file(tmp_path: Path) -> None:
+    state = {
+        "big": jnp.asarray(np.random.default_rng(0).standard_normal((256, 256), dtype=np.float32)),
+        "small": jnp.ones((3,)),
+    }
+    save_step(tmp_path / "job", state)
+    step_dir = tmp_path / "job" / str(STEP)
+    data = max((step_dir / "default").glob("ocdbt.process_*/d/*"), key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    assert read_array_index(str(step_dir))["big"] == ArrayInfo((256, 256), "float32")  # metadata intact
+    problems = decode_all_arrays(str(step_dir))
+    assert len(problems) == 1 and "big: cannot decode" in problems[0], problems
+
+
 # ---- dtypes ----------------------------------------------------------------------------------------
 
 
@@ -413,6 +448,7 @@ def test_gcs_step_matches_local(gcs_emulator: GcsEmulator, state: dict[str, Any]
         index = read_array_index(step_url)
         print(f"\ngs:// {layout}: {len(index)} arrays in {(time.perf_counter() - t0) * 1000:.1f} ms")
         assert index == local, layout
+        assert decode_all_arrays(step_url) == [], layout
     with pytest.raises(ArrayIndexError, match="no Orbax item"):
         read_array_index(gcs_emulator.gs("array-index", "ocdbt-zarr2", "999"))
 

@@ -74,6 +74,7 @@ _EXTENDED_ITEMSIZE: dict[str, int] = {
     "uint2": 1,
 }
 _NUMERIC_KINDS = frozenset("biufc")  # bool, signed, unsigned, float, complex
+_DECODE_SLAB_BYTES = 256 * 1024 * 1024
 
 
 class ArrayIndexError(ValueError):
@@ -272,6 +273,55 @@ def _expected_array_names(raw: bytes | None) -> set[str] | None:
         return None
 
 
+@dataclass(frozen=True)
+class _Located:
+    """Where an item's arrays are: its kvstore spec, whether through OCDBT, and each array's zarr driver."""
+
+    spec: dict[str, Any]
+    use_ocdbt: bool
+    index: dict[str, ArrayInfo]
+    drivers: dict[str, str]  # name -> "zarr" (v2) or "zarr3"
+
+
+def _locate(step_url: str | os.PathLike[str], item: str, timeout: float | None) -> _Located:
+    spec = _item_kvstore_spec(step_url, item)
+    where = _describe(spec)
+    try:
+        use_ocdbt, documents, item_metadata = _fetch(spec, timeout)
+    except ArrayIndexError:
+        raise
+    except TimeoutError as exc:
+        raise ArrayIndexError(f"reading array metadata of {where} timed out after {timeout} s") from exc
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise ArrayIndexError(f"cannot read {where}: {exc}") from exc
+    layout = "OCDBT store" if use_ocdbt else "directory"
+    index: dict[str, ArrayInfo] = {}
+    drivers: dict[str, str] = {}
+    for key, raw in documents:
+        zarr3 = key.endswith(_ZARR3_SUFFIX)
+        name = key[: -len(_ZARR3_SUFFIX if zarr3 else _ZARR2_SUFFIX)]
+        try:
+            info = _parse_zarr_metadata(key, raw)
+        except ValueError as exc:
+            raise ArrayIndexError(f"corrupt array metadata {key} in {layout} {where}: {exc}") from exc
+        if info is None:
+            continue
+        if name in index:
+            raise ArrayIndexError(f"array {name!r} has both zarr v2 and v3 metadata in {where}")
+        index[name] = info
+        drivers[name] = "zarr3" if zarr3 else "zarr"
+    expected = _expected_array_names(item_metadata)
+    if expected is not None:
+        missing = sorted(expected - index.keys())
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ArrayIndexError(
+                f"{len(missing)} array(s) listed in {where}{_ITEM_METADATA} have no zarr metadata in the "
+                f"{layout}: {shown}"
+            )
+    return _Located(spec, use_ocdbt, dict(sorted(index.items())), drivers)
+
+
 def read_array_index(
     step_url: str | os.PathLike[str],
     item: str = DEFAULT_ITEM,
@@ -286,40 +336,64 @@ def read_array_index(
     retries), is an unfinished OCDBT save, holds unparseable zarr metadata, or lacks an array that its
     ``_METADATA`` lists.
     """
-    spec = _item_kvstore_spec(step_url, item)
-    where = _describe(spec)
-    try:
-        use_ocdbt, documents, item_metadata = _fetch(spec, timeout)
-    except ArrayIndexError:
-        raise
-    except TimeoutError as exc:
-        raise ArrayIndexError(f"reading array metadata of {where} timed out after {timeout} s") from exc
-    except (ValueError, OSError, RuntimeError) as exc:
-        raise ArrayIndexError(f"cannot read {where}: {exc}") from exc
-    layout = "OCDBT store" if use_ocdbt else "directory"
-    index: dict[str, ArrayInfo] = {}
-    for key, raw in documents:
-        suffix = _ZARR3_SUFFIX if key.endswith(_ZARR3_SUFFIX) else _ZARR2_SUFFIX
-        name = key[: -len(suffix)]
+    return _locate(step_url, item, timeout).index
+
+
+def _slabs(shape: tuple[int, ...], row_bytes: int, chunk_rows: int) -> list[tuple[int, int]]:
+    """Ranges along the first axis, whole chunks each, of about ``_DECODE_SLAB_BYTES`` at most."""
+    if not shape:
+        return [(0, 0)]
+    rows = max(1, _DECODE_SLAB_BYTES // max(1, row_bytes))
+    rows = max(chunk_rows, rows - rows % chunk_rows) if chunk_rows > 0 else rows
+    return [(start, min(start + rows, shape[0])) for start in range(0, shape[0], rows)]
+
+
+def decode_all_arrays(
+    step_url: str | os.PathLike[str],
+    item: str = DEFAULT_ITEM,
+    *,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+) -> list[str]:
+    """Read and decode every chunk of every array in ``<step_url>/<item>`` with tensorstore (deep check).
+
+    Returns one problem line per array that cannot be opened or decoded, or whose opened shape/dtype
+    disagrees with its metadata; an empty list means every array decoded. Arrays are read in slabs of
+    whole chunks of about 256 MiB, so memory stays bounded whatever the array size. ``timeout`` bounds
+    the metadata reads only. Raises ArrayIndexError when the index itself cannot be read
+    (``read_array_index``). Note that a chunk missing from storage decodes as the fill value: missing
+    files are for a manifest comparison to catch, not for this.
+    """
+    located = _locate(step_url, item, timeout)
+    where = _describe(located.spec)
+    context = ts.Context()
+    problems: list[str] = []
+    for name, info in located.index.items():
+        if located.use_ocdbt:
+            kvstore: dict[str, Any] = {"driver": "ocdbt", "base": located.spec, "path": f"{name}/"}
+        else:
+            kvstore = {**located.spec, "path": f"{located.spec['path']}{name}/"}
         try:
-            info = _parse_zarr_metadata(key, raw)
-        except ValueError as exc:
-            raise ArrayIndexError(f"corrupt array metadata {key} in {layout} {where}: {exc}") from exc
-        if info is None:
-            continue
-        if name in index:
-            raise ArrayIndexError(f"array {name!r} has both zarr v2 and v3 metadata in {where}")
-        index[name] = info
-    expected = _expected_array_names(item_metadata)
-    if expected is not None:
-        missing = sorted(expected - index.keys())
-        if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise ArrayIndexError(
-                f"{len(missing)} array(s) listed in {where}{_ITEM_METADATA} have no zarr metadata in the "
-                f"{layout}: {shown}"
-            )
-    return dict(sorted(index.items()))
+            array = ts.open(
+                {"driver": located.drivers[name], "kvstore": kvstore}, open=True, read=True, context=context
+            ).result()
+            if tuple(array.shape) != info.shape or normalize_dtype(array.dtype.name) != info.dtype:
+                problems.append(
+                    f"{name}: opens as {array.dtype.name}{list(array.shape)}, metadata says "
+                    f"{info.dtype}{list(info.shape)}"
+                )
+                continue
+            chunk_shape = array.chunk_layout.read_chunk.shape or ()
+            chunk_rows = int(chunk_shape[0] or 0) if chunk_shape else 0
+            row_bytes = math.prod(info.shape[1:]) * dtype_itemsize(info.dtype)
+            for start, stop in _slabs(info.shape, row_bytes, chunk_rows):
+                view = array[start:stop] if info.shape else array
+                view.read().result()
+        except (ValueError, OSError, RuntimeError) as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            problems.append(f"{name}: cannot decode ({first[:300]})")
+    if problems:
+        problems = [f"{where}{p}" for p in problems]
+    return problems
 
 
 __all__ = [
@@ -327,6 +401,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "ArrayIndexError",
     "ArrayInfo",
+    "decode_all_arrays",
     "dtype_itemsize",
     "normalize_dtype",
     "read_array_index",

@@ -24,8 +24,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from trainer_client.durability import sync_tree
 from trainer_client.layout import CUSTOM_METADATA_KEY, TMP_DIR_SUFFIX
 from trainer_client.manifest import MANIFEST_FILE, build_manifest, write_manifest
-from trainer_client.storage import Storage
 from trainer_client.protocol import ArraySpec, BatchPlan, MeshSpec, PartitionSpecJSON, TrainingMetadata
+from trainer_client.storage import Storage
 
 _log = logging.getLogger(__name__)
 

@@ -19,10 +19,11 @@ from pydantic import ValidationError
 from trainer_client import protocol as p
 from trainer_client.config import ClientSettings
 from trainer_client.errors import CkptdRequestError, CkptdUnavailable, NoCheckpointError
-from trainer_client.layout import latest_committed, read_saved_sharding
+from trainer_client.layout import read_saved_sharding
 from trainer_client.planning import PlanningError, resume_plan
 from trainer_client.retry import RetryPolicy, retry
 from trainer_client.storage import Storage, StorageError
+from trainer_client.validation import latest_good_on_storage
 
 _log = logging.getLogger(__name__)
 
@@ -137,11 +138,11 @@ class CkptdClient:
         storage = Storage(self.root)
         job_path = storage.join(job)
         try:
-            found = latest_committed(storage, job_path, at_most=request.step)
+            found = latest_good_on_storage(storage, job_path, at_most=request.step)
         except StorageError as exc:
             raise CkptdUnavailable(f"neither ckptd nor storage answered: {exc}") from exc
         if found is None or (request.step is not None and found.step != request.step):
-            raise NoCheckpointError(f"job {job!r} has no committed step in {storage.url_of(job_path)}")
+            raise NoCheckpointError(f"job {job!r} has no good step in {storage.url_of(job_path)}")
         sharding = read_saved_sharding(storage, found.path) if not (
             found.training and found.training.arrays) else (None, {})
         try:

@@ -6,20 +6,23 @@ runs before the commit marker and the rename), so a committed step saved by trai
 one. Steps written by plain Orbax get one "at first sight" from ckptd (``writer: "adopted"``).
 
 Two files of a step change after the manifest is written: Orbax rewrites ``_CHECKPOINT_METADATA`` with the
-commit time, and writes ``commit_success.txt``. ckptd records their checksums in a small *seal* file when
-it first verifies the step, so deep validation covers every byte of the step from then on.
+commit time, and writes ``commit_success.txt``. ckptd *seals* the manifest when it first verifies the step:
+it adds their checksums, so deep validation covers every byte of the step from then on. The manifest
+carries a checksum of itself, so a flipped byte in it is caught too.
 
-Orbax ignores all three files (``ckptd_manifest.json``, ``ckptd_seal.json``, ``ckptd_quarantine.json``):
-plain Orbax restores a step that has them. No jax here.
+Orbax ignores ckptd's files (``ckptd_manifest.json``, ``ckptd_quarantine.json``): plain Orbax restores a
+step that has them. No jax here.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import posixpath
+import os
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import google_crc32c
@@ -30,11 +33,10 @@ from trainer_client.protocol import ArraySpec, TrainingMetadata
 from trainer_client.storage import Storage
 
 MANIFEST_FILE = "ckptd_manifest.json"
-SEAL_FILE = "ckptd_seal.json"
 QUARANTINE_FILE = "ckptd_quarantine.json"
 MANIFEST_FORMAT = "ckptd-manifest/1"
 # Files that are not (or not yet) final when the manifest is written, or are ckptd's own.
-UNMANIFESTED = frozenset({CHECKPOINT_METADATA, COMMIT_MARKER, MANIFEST_FILE, SEAL_FILE, QUARANTINE_FILE})
+UNMANIFESTED = frozenset({CHECKPOINT_METADATA, COMMIT_MARKER, MANIFEST_FILE, QUARANTINE_FILE})
 SEALED = (CHECKPOINT_METADATA, COMMIT_MARKER)
 _CHUNK = 8 << 20
 
@@ -56,13 +58,18 @@ class Manifest(_Model):
     files: dict[str, FileEntry]
     arrays: dict[str, ArraySpec] = Field(default_factory=dict)
     training: TrainingMetadata | None = None
+    sealed: dict[str, FileEntry] | None = Field(
+        default=None, description="files Orbax finished after the manifest, checksummed at verification"
+    )
+    sealed_at: float | None = None
+    checksum: str = Field(default="", description="CRC32C of this manifest without this field")
 
+    def expected_files(self) -> dict[str, FileEntry]:
+        return {**self.files, **(self.sealed or {})}
 
-class Seal(_Model):
-    """Checksums of the files Orbax finished after the manifest was written."""
-
-    sealed_at: float
-    files: dict[str, FileEntry]
+    def computed_checksum(self) -> str:
+        body = self.model_dump_json(exclude={"checksum"}).encode("utf-8")
+        return base64.b64encode(google_crc32c.value(body).to_bytes(4, "big")).decode("ascii")
 
 
 def crc32c_b64(value: int) -> str:
@@ -89,24 +96,25 @@ def file_entry(storage: Storage, path: str) -> FileEntry:
     return FileEntry(size=size, crc32c=crc)
 
 
-def list_files(storage: Storage, step_path: str) -> dict[str, int]:
-    """Every file under ``step_path`` (relative posix path -> size)."""
+@dataclass(frozen=True)
+class Listed:
+    """A file as a listing shows it: its size, and the object store's CRC32C where there is one."""
+
+    size: int
+    crc32c: str | None
+
+
+def list_files(storage: Storage, step_path: str) -> dict[str, Listed]:
+    """Every file under ``step_path`` (relative posix path -> size and object CRC32C), one listing."""
     storage.invalidate(step_path)
     base = storage.fs._strip_protocol(step_path).rstrip("/") + "/"
     out = {}
     for name, info in storage.fs.find(step_path, detail=True).items():
         name = str(name)
         if info.get("type") != "directory" and name.startswith(base) and len(name) > len(base):
-            out[name[len(base):]] = int(info.get("size") or 0)
+            crc = info.get("crc32c") if storage.is_remote else None
+            out[name[len(base):]] = Listed(int(info.get("size") or 0), str(crc) if crc else None)
     return out
-
-
-def remote_crc32c(storage: Storage, path: str) -> str | None:
-    """The CRC32C the object store keeps for ``path`` (GCS), or None on a local disk."""
-    if not storage.is_remote:
-        return None
-    value = storage.fs.info(path).get("crc32c")
-    return str(value) if value else None
 
 
 def build_manifest(
@@ -121,53 +129,60 @@ def build_manifest(
     """Checksum every file of the step (but the unmanifested ones). On GCS the object store's own
     CRC32C is used, so nothing is downloaded."""
     files = {}
-    for rel in sorted(list_files(storage, step_path)):
-        if posixpath.basename(rel) in UNMANIFESTED and "/" not in rel:
+    for rel, listed in sorted(list_files(storage, step_path).items()):
+        if rel in UNMANIFESTED:
             continue
-        full = f"{step_path.rstrip('/')}/{rel}"
-        remote = remote_crc32c(storage, full)
-        if remote is not None:
-            files[rel] = FileEntry(size=int(storage.fs.info(full)["size"]), crc32c=remote)
+        if listed.crc32c is not None:
+            files[rel] = FileEntry(size=listed.size, crc32c=listed.crc32c)
         else:
-            files[rel] = file_entry(storage, full)
+            files[rel] = file_entry(storage, f"{step_path.rstrip('/')}/{rel}")
     return Manifest(step=step, writer=writer, created_at=time.time(), files=files, arrays=arrays or {},
                     training=training)
 
 
 def write_json_file(storage: Storage, path: str, payload: str) -> None:
-    with storage.fs.open(path, "wb") as f:
-        f.write(payload.encode("utf-8"))
+    """Write a small file whole: an object store replaces objects atomically; on a local disk the file
+    is written beside and renamed over, so a crash never leaves half a manifest."""
+    data = payload.encode("utf-8")
+    if storage.is_remote:
+        with storage.fs.open(path, "wb") as f:
+            f.write(data)
+        return
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def write_manifest(storage: Storage, step_path: str, manifest: Manifest) -> str:
     path = f"{step_path.rstrip('/')}/{MANIFEST_FILE}"
-    write_json_file(storage, path, manifest.model_dump_json(indent=1))
+    sealed = manifest.model_copy(update={"checksum": ""})
+    sealed = sealed.model_copy(update={"checksum": sealed.computed_checksum()})
+    write_json_file(storage, path, sealed.model_dump_json(indent=1))
     return path
 
 
 def read_manifest(storage: Storage, step_path: str) -> Manifest | None:
-    """The step's manifest; None when it has none. ``ValueError`` when it is unreadable."""
+    """The step's manifest; None when it has none. ``ValueError`` when it is unreadable or its own
+    checksum does not match."""
     try:
         raw = storage.read_bytes(f"{step_path.rstrip('/')}/{MANIFEST_FILE}")
     except FileNotFoundError:
         return None
-    return Manifest.model_validate_json(raw)
+    manifest = Manifest.model_validate_json(raw)
+    if manifest.checksum != manifest.model_copy(update={"checksum": ""}).computed_checksum():
+        raise ValueError("manifest checksum does not match its content")
+    return manifest
 
 
-def read_seal(storage: Storage, step_path: str) -> Seal | None:
-    try:
-        raw = storage.read_bytes(f"{step_path.rstrip('/')}/{SEAL_FILE}")
-    except FileNotFoundError:
-        return None
-    return Seal.model_validate_json(raw)
-
-
-def write_seal(storage: Storage, step_path: str) -> Seal:
-    """Seal the files Orbax finished after the manifest (the commit marker and final step metadata)."""
+def seal_manifest(storage: Storage, step_path: str, manifest: Manifest) -> Manifest:
+    """Add the files Orbax finished after the manifest (final step metadata, commit marker)."""
     files = {name: file_entry(storage, f"{step_path.rstrip('/')}/{name}") for name in SEALED}
-    seal = Seal(sealed_at=time.time(), files=files)
-    write_json_file(storage, f"{step_path.rstrip('/')}/{SEAL_FILE}", seal.model_dump_json(indent=1))
-    return seal
+    sealed = manifest.model_copy(update={"sealed": files, "sealed_at": time.time()})
+    write_manifest(storage, step_path, sealed)
+    return sealed
 
 
 def quarantine_record(step_path: str, reason: str, problems: list[str]) -> str:
@@ -180,11 +195,10 @@ __all__ = [
     "MANIFEST_FILE",
     "QUARANTINE_FILE",
     "SEALED",
-    "SEAL_FILE",
     "UNMANIFESTED",
     "FileEntry",
+    "Listed",
     "Manifest",
-    "Seal",
     "build_manifest",
     "crc32c_b64",
     "crc32c_of",
@@ -192,9 +206,7 @@ __all__ = [
     "list_files",
     "quarantine_record",
     "read_manifest",
-    "read_seal",
-    "remote_crc32c",
+    "seal_manifest",
     "write_json_file",
     "write_manifest",
-    "write_seal",
 ]

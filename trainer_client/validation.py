@@ -3,8 +3,8 @@ byte read back and checksummed, every array chunk decoded). Read-only.
 
 Quick validation downloads nothing: it lists the step and compares each file's size with the manifest,
 and on GCS also the CRC32C the object store keeps. It catches every missing or truncated file. Deep
-validation reads every file back and checks its CRC32C (including the sealed ``_CHECKPOINT_METADATA`` and
-commit marker), so it catches any flipped byte, and then decodes every array with tensorstore.
+validation reads every file back and checks its CRC32C (including ``_CHECKPOINT_METADATA`` and the commit
+marker once the manifest is sealed), so it catches any flipped byte, and then decodes every array with tensorstore.
 
 Used by ckptd's catalog for new steps (quick), by ``ckptd validate [--deep]``, and by the client's
 fallback scan, so all of them reject the same steps. No jax here.
@@ -19,17 +19,15 @@ from typing import Literal
 
 from pydantic import ValidationError
 
-from trainer_client.layout import CHECKPOINT_METADATA, CUSTOM_METADATA_KEY
+from trainer_client.layout import CHECKPOINT_METADATA, CUSTOM_METADATA_KEY, StepInspection, inspect_step, step_entries
 from trainer_client.manifest import (
     QUARANTINE_FILE,
     Manifest,
     file_entry,
     list_files,
     read_manifest,
-    read_seal,
-    remote_crc32c,
 )
-from trainer_client.protocol import TrainingMetadata
+from trainer_client.protocol import StepState, TrainingMetadata
 from trainer_client.storage import Storage, StorageError
 
 Level = Literal["quick", "deep"]
@@ -106,27 +104,20 @@ def validate_step(
     name = step_path.rsplit("/", 1)[-1]
     if name.isdigit() and int(name) != manifest.step:
         problems.append(f"manifest is for step {manifest.step}, not {name}: a copied or moved directory")
-    try:
-        seal = read_seal(storage, step_path)
-    except (ValueError, ValidationError) as exc:
-        problems.append(f"seal unreadable: {str(exc).splitlines()[0][:200]}")
-        seal = None
-    expected = dict(manifest.files)
-    if seal is not None:
-        expected.update(seal.files)
+    expected = manifest.expected_files()
     try:
         present = list_files(storage, step_path)
     except StorageError as exc:
         problems.append(f"cannot list the step: {exc}")
         return result
     for rel, entry in sorted(expected.items()):
-        size = present.get(rel)
-        if size is None:
+        listed = present.get(rel)
+        if listed is None:
             problems.append(f"{rel}: missing")
-        elif size != entry.size:
-            problems.append(f"{rel}: {size} bytes, manifest says {entry.size}")
-        elif storage.is_remote and (crc := remote_crc32c(storage, f"{step_path}/{rel}")) and crc != entry.crc32c:
-            problems.append(f"{rel}: object CRC32C {crc}, manifest says {entry.crc32c}")
+        elif listed.size != entry.size:
+            problems.append(f"{rel}: {listed.size} bytes, manifest says {entry.size}")
+        elif listed.crc32c is not None and listed.crc32c != entry.crc32c:
+            problems.append(f"{rel}: object CRC32C {listed.crc32c}, manifest says {entry.crc32c}")
         result.files_checked += 1
     _check_training(storage, step_path, manifest, problems)
     if level == "deep" and not problems:
@@ -142,4 +133,25 @@ def validate_step(
     return result
 
 
-__all__ = ["Level", "ValidationResult", "read_quarantine", "validate_step"]
+def latest_good_on_storage(
+    storage: Storage, job_path: str, *, at_most: int | None = None
+) -> StepInspection | None:
+    """The client's fallback answer to "latest good": the newest committed step that is not quarantined
+    and passes quick validation against its manifest (read-only; a step plain Orbax wrote, which ckptd
+    would adopt, is accepted on the commit rule and its structure alone)."""
+    storage.invalidate(job_path)
+    for parsed, entry in step_entries(storage, job_path):
+        if parsed.is_tmp or (at_most is not None and parsed.step > at_most):
+            continue
+        inspection = inspect_step(storage, entry)
+        if inspection is None or inspection.state is not StepState.COMMITTED:
+            continue
+        if read_quarantine(storage, entry.path) is not None:
+            continue
+        result = validate_step(storage, entry.path, "quick")
+        if result.ok or result.problems == ["no manifest"]:
+            return inspection
+    return None
+
+
+__all__ = ["Level", "ValidationResult", "latest_good_on_storage", "read_quarantine", "validate_step"]
