@@ -78,37 +78,46 @@ def _why(plan: Plan, by: dict[AdvicePolicy, PolicyAdvice], best: PolicyAdvice) -
             f"counted in goodput per provisioned chip ({pct(spare.goodput_per_chip)}).")
 
 
-def _disagreement(plan: Plan, best: PolicyAdvice) -> list[str]:
+def disagrees(plan: Plan, a: PolicyAdvice) -> bool:
+    """True when the simulated optimum period is more than AGREE_WITHIN away from Young/Daly (in whole steps)."""
+    return abs(period_of(a) / plan.snap(plan.yd.period_s) - 1.0) > AGREE_WITHIN
+
+
+def _disagreement(plan: Plan, policies: list[PolicyAdvice]) -> list[str]:
+    """For each policy whose optimum is off Young/Daly: by how much and why; then the reasons they share."""
     yd, m = plan.yd, plan.model
-    simulated = period_of(best)
-    if abs(simulated / plan.snap(yd.period_s) - 1.0) <= AGREE_WITHIN:
+    off = [a for a in policies if disagrees(plan, a)]
+    if not off:
         return []
-    reasons = [f"The simulated optimum ({dur(simulated)}) differs from Young/Daly ({dur(yd.period_s)}) by "
-               f"{simulated / yd.period_s - 1.0:+.0%} under {best.policy}."]
+    out: list[str] = []
+    for a in off:
+        out.append(f"Under {a.policy} the simulated optimum ({dur(period_of(a))}) differs from Young/Daly "
+                   f"({dur(yd.period_s)}) by {period_of(a) / yd.period_s - 1.0:+.0%}.")
+        if a.policy == "resize" and a.badput.degraded > 0.01:
+            out.append("While running degraded a period of N steps takes longer in wall time and fewer slices can "
+                       "fail, so the failure rate per period differs from the full-speed MTBF.")
+        noise = period_of(a) / (math.sqrt(12.0 * max(1, a.failures_simulated)) * plan.mtbf)
+        if abs(a.goodput - a.goodput_at_young_daly) <= max(0.002, 3 * noise):
+            out.append(f"Its goodput curve is flat near the maximum: {pct(a.goodput_at_young_daly)} at the "
+                       f"Young/Daly period against {pct(a.goodput)} at the simulated optimum, within the "
+                       f"simulation's noise (about {pct(noise)}); either period is fine.")
     mtbf = plan.rollback_mtbf
+    shared = []
     if yd.period_s < plan.step:
-        reasons.append(f"The first-order period is shorter than one step ({dur(plan.step)}): saves happen only at "
-                       "step boundaries.")
+        shared.append(f"The first-order period is shorter than one step ({dur(plan.step)}): saves happen only at "
+                      "step boundaries.")
     if yd.period_s / mtbf > 0.05 or yd.daly_period_s / yd.period_s - 1.0 > 0.03:
-        reasons.append(f"Failures are frequent relative to the save cost: the period is {yd.period_s / mtbf:.0%} of "
-                       f"the MTBF ({dur(mtbf)}), whereas Young/Daly assumes at most one failure per period; "
-                       f"Daly's higher-order estimate is {dur(yd.daly_period_s)}.")
+        shared.append(f"Failures are frequent relative to the save cost: the period is {yd.period_s / mtbf:.0%} "
+                      f"of the MTBF ({dur(mtbf)}), whereas Young/Daly assumes at most one failure per period; "
+                      f"Daly's higher-order estimate is {dur(yd.daly_period_s)}.")
     if not plan.memory_tier and m.persist_time > 0.5 * yd.period_s:
-        reasons.append(f"A save cannot start before the previous one is persisted ({dur(m.persist_time)}), and a "
-                       "failure before the persist finishes falls back one more period: short periods cost more "
-                       "than the first-order formula counts.")
-    if best.policy == "resize" and best.badput.degraded > 0.01:
-        reasons.append("While running degraded a period of N steps takes longer in wall time, so more failures "
-                       "fall into each period than the full-speed MTBF suggests.")
-    noise = simulated / (math.sqrt(12.0 * max(1, best.failures_simulated)) * plan.mtbf)
-    if abs(best.goodput - best.goodput_at_young_daly) <= max(0.002, 3 * noise):
-        reasons.append(f"The goodput curve is flat near its maximum: {pct(best.goodput_at_young_daly)} at the "
-                       f"Young/Daly period against {pct(best.goodput)} at the simulated optimum, a difference within "
-                       f"the simulation's noise (about {pct(noise)}); either period is fine.")
-    elif len(reasons) == 1:
-        reasons.append("Effects outside the first-order formula (saves cut by failures, failures during recovery, "
-                       "recovery from the persistent tier) move the optimum.")
-    return reasons
+        shared.append(f"A save cannot start before the previous one is persisted ({dur(m.persist_time)}), and a "
+                      "failure before the persist finishes falls back one more period: short periods cost more "
+                      "than the first-order formula counts.")
+    if not shared and len(out) == len(off):
+        shared.append("Effects outside the first-order formula (saves cut by failures, failures during recovery, "
+                      "recovery from the persistent tier) move the optimum.")
+    return out + shared
 
 
 def explain(plan: Plan, inputs: dict[str, AdviceInput], policies: list[PolicyAdvice], best: PolicyAdvice,
@@ -149,12 +158,15 @@ def explain(plan: Plan, inputs: dict[str, AdviceInput], policies: list[PolicyAdv
     if ranked[0].goodput_per_chip - ranked[1].goodput_per_chip < 0.002:
         out.append(f"{ranked[0].policy} and {ranked[1].policy} are within 0.2 points of each other: choose by "
                    "operational preference.")
-    disagreement = _disagreement(plan, best)
+    disagreement = _disagreement(plan, policies)
     if disagreement:
-        out.append("The simulated optimum period differs from Young/Daly; see disagreement.")
+        out.append("The simulated optimum period differs from Young/Daly under "
+                   + ", ".join(a.policy for a in policies if disagrees(plan, a)) + "; see disagreement.")
     else:
-        out.append(f"The simulated optimum ({dur(period_of(best))}) is within {AGREE_WITHIN:.0%} of Young/Daly "
-                   f"({dur(yd.period_s)}): the first-order formula holds here.")
+        snapped = "" if plan.snap(yd.period_s) == yd.period_s else f", {plan.steps(yd.period_s)} whole steps"
+        out.append(f"The simulated optimum ({dur(period_of(best))} under {best.policy}) is within "
+                   f"{AGREE_WITHIN:.0%} of Young/Daly ({dur(yd.period_s)}{snapped}) under every policy: the "
+                   "first-order formula holds here.")
     if current is not None:
         steps = float(inputs["checkpoint_period_steps"].value)
         out.append(f"At the job's current period of {steps:g} steps (persistent saves only) goodput would be "
@@ -193,4 +205,4 @@ def render(advice: Advice) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["AGREE_WITHIN", "dur", "explain", "pct", "period_of", "render", "top_losses"]
+__all__ = ["AGREE_WITHIN", "disagrees", "dur", "explain", "pct", "period_of", "render", "top_losses"]

@@ -1,8 +1,8 @@
 """``ckptd validate`` and ``ckptd gc``: checking and pruning a job's steps on storage, without a server.
 
 ``validate`` settles every step the way the server does (adopting, sealing, quarantining), then with
-``--deep`` reads every byte back and decodes every array; it exits 0 only when every checked step is
-good. ``gc`` prints what retention would delete and why, and deletes it unless ``--dry-run``.
+``--deep`` reads every byte back and decodes every array; bad steps (and structurally corrupt ones) are
+quarantined on storage unless ``--no-quarantine``. It exits 0 only when every checked step is good. ``gc`` prints what retention would delete and why, and deletes it unless ``--dry-run``.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ckptd.integrity import validate_and_quarantine
+from ckptd.integrity import quarantine, validate_and_quarantine
 from ckptd.retention import RetentionPolicy, collect, decide
 from trainer_client.array_decode import decode_all_arrays
 from trainer_client.array_index import ArrayIndexError
 from trainer_client.manifest import read_manifest
 from trainer_client.protocol import StepState
+from trainer_client.validation import validate_step
 
 EXIT_OK, EXIT_BAD = 0, 1
 _FINALIZED = (StepState.VERIFIED, StepState.COMMITTED, StepState.QUARANTINED, StepState.CORRUPT)
@@ -66,11 +67,14 @@ def _cmd_validate(args: argparse.Namespace) -> int:
               disable=None if args.deep else True) as bar:
         for c in steps:
             row: dict[str, Any] = {"step": c.step, "path": c.path, "level": "deep" if args.deep else "quick"}
-            if c.state is not StepState.VERIFIED:
+            if c.state is StepState.CORRUPT and not args.no_quarantine:
+                quarantine(cat.storage, c.path, f"corrupt: {c.reason}", [c.reason or "corrupt"])
+                row.update(ok=False, state=StepState.QUARANTINED.value, problems=[c.reason or "corrupt"])
+            elif c.state is not StepState.VERIFIED:
                 row.update(ok=False, state=c.state.value, problems=[c.reason or c.state.value])
             elif args.deep:
-                result = validate_and_quarantine(cat.storage, c.path, "deep", progress=bar.update,
-                                                 decode_arrays=_decode_problems)
+                check = validate_step if args.no_quarantine else validate_and_quarantine
+                result = check(cat.storage, c.path, "deep", progress=bar.update, decode_arrays=_decode_problems)
                 state = StepState.VERIFIED if result.ok else StepState.QUARANTINED
                 if not result.ok:
                     cat.mark(job, c.step, state, "; ".join(result.problems[:5]))
@@ -121,6 +125,8 @@ def add_parsers(sub: Any) -> None:
     validate.add_argument("target", metavar="ROOT/JOB")
     validate.add_argument("step", nargs="?", type=int, help="only this step")
     validate.add_argument("--deep", action="store_true", help="read every byte back and decode every array")
+    validate.add_argument("--no-quarantine", action="store_true",
+                          help="report bad steps without recording them as quarantined on storage")
     validate.add_argument("--json", action="store_true")
     validate.set_defaults(func=_cmd_validate)
 

@@ -190,11 +190,11 @@ def _fetch(spec: dict[str, Any], timeout: float | None) -> tuple[bool, list[tupl
         listing = store.list()
         pending.append(listing)
         all_keys = listing.result(timeout=deadline.left())
-        keys: list[str] = []
+        keys: list[tuple[str, bytes]] = []
         for raw_key in all_keys:
             key = raw_key.decode("utf-8", errors="replace")
             if key.endswith((_ZARR2_SUFFIX, _ZARR3_SUFFIX)):
-                keys.append(key)
+                keys.append((key, raw_key))
             elif not use_ocdbt and key.startswith(_OCDBT_PROCESS_PREFIX) and key.endswith(_OCDBT_MANIFEST):
                 raise ArrayIndexError(
                     f"{_describe(spec)} holds per-process OCDBT stores ({key}) but no merged "
@@ -203,10 +203,10 @@ def _fetch(spec: dict[str, Any], timeout: float | None) -> tuple[bool, list[tupl
         if not keys and item_metadata is None:
             what = "nothing stored there" if not all_keys else f"no {_ITEM_METADATA} and no zarr arrays"
             raise ArrayIndexError(f"no Orbax item at {_describe(spec)} ({what})")
-        reads = [store.read(key) for key in keys]
+        reads = [store.read(raw_key) for _, raw_key in keys]
         pending.extend(reads)
         values: list[tuple[str, bytes]] = []
-        for key, read in zip(keys, reads, strict=True):
+        for (key, _), read in zip(keys, reads, strict=True):
             result = read.result(timeout=deadline.left())
             if result.state != "value":
                 raise ArrayIndexError(f"{_describe(spec)}: {key} was listed but cannot be read")
