@@ -2,7 +2,8 @@
 
 ``validate`` settles every step the way the server does (adopting, sealing, quarantining), then with
 ``--deep`` reads every byte back and decodes every array; bad steps (and structurally corrupt ones) are
-quarantined on storage unless ``--no-quarantine``. It exits 0 only when every checked step is good. ``gc`` prints what retention would delete and why, and deletes it unless ``--dry-run``.
+quarantined on storage unless ``--no-quarantine``. It exits 0 only when every checked step is good.
+``gc`` prints what retention would delete and why, and deletes it unless ``--dry-run``.
 """
 
 from __future__ import annotations
