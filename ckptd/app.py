@@ -25,6 +25,7 @@ from ckptd.advisor import advice_for_job
 from ckptd.catalog import Catalog, Refresher
 from ckptd.config import Settings
 from ckptd.errors import ApiError, InvalidJobName, JobNotFound, NoGoodCheckpoint
+from ckptd.retention import prune
 from trainer_client import protocol as p
 from trainer_client.layout import read_saved_sharding
 from trainer_client.planning import PlanningError, resume_plan
@@ -69,7 +70,12 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
         catalog = Catalog(Storage(settings.root), settings.catalog_path(), save_timeout_s=settings.save_timeout_s)
     cat = catalog
     metrics = _Metrics()
-    refresher = Refresher(cat, settings.refresh_interval_s)
+    policy = settings.retention()
+    refresher = Refresher(
+        cat, settings.refresh_interval_s,
+        maintenance=(lambda: prune(cat, policy)) if policy.prunes_good_steps or policy.clean_abandoned else None,
+        maintenance_interval_s=settings.gc_interval_s,
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -15,7 +15,7 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -287,11 +287,22 @@ def _info(row: tuple[object, ...]) -> CheckpointInfo:
 
 
 class Refresher:
-    """A daemon thread that rebuilds the catalog once, then refreshes it every ``interval_s``."""
+    """A daemon thread that rebuilds the catalog once, then refreshes it every ``interval_s`` and runs
+    ``maintenance`` (retention) every ``maintenance_interval_s``."""
 
-    def __init__(self, catalog: Catalog, interval_s: float) -> None:
+    def __init__(
+        self,
+        catalog: Catalog,
+        interval_s: float,
+        *,
+        maintenance: Callable[[], object] | None = None,
+        maintenance_interval_s: float = 300.0,
+    ) -> None:
         self.catalog = catalog
         self.interval_s = interval_s
+        self.maintenance = maintenance
+        self.maintenance_interval_s = maintenance_interval_s
+        self._last_maintenance = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ckptd-refresher", daemon=True)
 
@@ -311,6 +322,10 @@ class Refresher:
                     first = False
                 else:
                     self.catalog.refresh()
+                due = time.monotonic() - self._last_maintenance >= self.maintenance_interval_s
+                if self.maintenance is not None and due:
+                    self._last_maintenance = time.monotonic()
+                    self.maintenance()
             except Exception as exc:  # keep serving the last good view; report it on /readyz
                 self.catalog.last_error = f"{type(exc).__name__}: {exc}"
                 _log.warning("catalog refresh failed: %s", self.catalog.last_error)

@@ -12,6 +12,8 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ckptd.retention import RetentionPolicy
+
 
 class Settings(BaseSettings):
     """Configuration of one ckptd process."""
@@ -35,6 +37,17 @@ class Settings(BaseSettings):
         default=3600.0, gt=0, description="a tmp step older than this is reported abandoned"
     )
     log_level: str = "info"
+    keep_last: int | None = Field(default=None, ge=1, description="retention: keep the newest N good steps")
+    keep_every: int | None = Field(default=None, ge=1, description="retention: keep steps that are multiples of K")
+    keep_newer_than_s: float | None = Field(
+        default=None, gt=0, description="retention: keep steps committed less than this many seconds ago"
+    )
+    clean_abandoned: bool = Field(default=True, description="delete saves abandoned for longer than save_timeout_s")
+    gc_interval_s: float = Field(default=300.0, gt=0, description="how often retention runs in the server")
+
+    def retention(self) -> RetentionPolicy:
+        return RetentionPolicy(keep_last=self.keep_last, keep_every=self.keep_every,
+                               keep_newer_than_s=self.keep_newer_than_s, clean_abandoned=self.clean_abandoned)
 
     @model_validator(mode="after")
     def _read_token_file(self) -> Settings:

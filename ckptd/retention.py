@@ -13,10 +13,13 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from trainer_client.protocol import CheckpointInfo, StepState
 from trainer_client.storage import Storage
+
+if TYPE_CHECKING:
+    from ckptd.catalog import Catalog
 
 _log = logging.getLogger(__name__)
 
@@ -101,4 +104,14 @@ def collect(storage: Storage, decisions: Iterable[Decision], *, dry_run: bool = 
     return deleted
 
 
-__all__ = ["Decision", "RetentionPolicy", "collect", "decide"]
+def prune(catalog: Catalog, policy: RetentionPolicy) -> list[Decision]:
+    """Apply ``policy`` to every job of a catalog (what the server runs every ``gc_interval_s``)."""
+    deleted: list[Decision] = []
+    for job in catalog.jobs():
+        catalog.refresh_job(job.name)
+        deleted += collect(catalog.storage, decide(catalog.checkpoints(job.name), policy))
+        catalog.refresh_job(job.name)
+    return deleted
+
+
+__all__ = ["Decision", "RetentionPolicy", "collect", "decide", "prune"]

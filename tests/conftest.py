@@ -77,6 +77,11 @@ def make_settings(root: str | Path, state_dir: str | Path, **overrides: Any) -> 
         "refresh_interval_s": 0.2,
         "save_timeout_s": 3600.0,
         "log_level": "warning",
+        "keep_last": None,
+        "keep_every": None,
+        "keep_newer_than_s": None,
+        "clean_abandoned": True,
+        "gc_interval_s": 300.0,
     }
     values.update(overrides)
     return Settings(**values)

@@ -325,3 +325,15 @@ def test_gc_cleans_abandoned_saves_only_after_the_timeout(root: Path) -> None:
     assert all(d.action == "keep" for name, d in decisions.items() if name.isdigit())  # no rule: keep good
     collect(storage, decisions.values())
     assert not (job / "61.orbax-checkpoint-tmp").exists() and (job / "62.orbax-checkpoint-tmp").exists()
+
+
+def test_the_server_applies_retention_in_the_background(root: Path, ckptd_server: Any) -> None:
+    server = ckptd_server(root, keep_last=2, keep_every=25, gc_interval_s=0.1)
+    job = root / "job"
+    deadline = time.monotonic() + 30
+    while len(list(job.iterdir())) > 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sorted(int(p.name) for p in job.iterdir()) == [25, 50, 59, 60]
+    with CkptdClient(ClientSettings(url=server.url)) as client:
+        good = client.latest_good("job")
+        assert good is not None and good.step == 60

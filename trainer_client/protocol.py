@@ -267,46 +267,47 @@ class AdviceQuery(_Model):
     default; the advisor says which inputs are still missing. Times are seconds.
     """
 
-    step_time_s: Annotated[float, Field(gt=0)] | None = Field(None, description="time of one training step")
+    step_time_s: Annotated[float, Field(gt=0)] | None = Field(default=None, description="time of one training step")
     save_stall_s: Annotated[float, Field(ge=0)] | None = Field(
-        None, description="training blocked per save (device-to-host copy)")
+        default=None, description="training blocked per save (device-to-host copy)")
     persist_time_s: Annotated[float, Field(ge=0)] | None = Field(
-        None, description="save start until it is committed on persistent storage")
+        default=None, description="save start until it is committed on persistent storage")
     restore_time_s: Annotated[float, Field(ge=0)] | None = Field(
-        None, description="restore from persistent storage onto the devices")
+        default=None, description="restore from persistent storage onto the devices")
     memory_restore_time_s: Annotated[float, Field(ge=0)] | None = Field(
-        None, description="restore from a host-memory snapshot (default: the save stall)")
+        default=None, description="restore from a host-memory snapshot (default: the save stall)")
     recovery_time_s: Annotated[float, Field(ge=0)] | None = Field(
-        None, description="restored state to first step on the same mesh (pause, spare): recompile, warm-up")
+        default=None, description="restored state to first step on the same mesh (pause, spare): recompile, warm-up")
     resize_recovery_time_s: Annotated[float, Field(ge=0)] | None = Field(
-        None, description="restored state to first step on a smaller mesh (resize; default: recovery time)")
+        default=None, description="restored state to first step on a smaller mesh (resize; default: recovery time)")
     scale_up_time_s: Annotated[float, Field(ge=0)] | None = Field(
-        None, description="regrow when a slice returns (resize; default: memory restore + resize recovery)")
-    detect_time_s: Annotated[float, Field(ge=0)] | None = Field(None, description="failure to exception")
+        default=None, description="regrow when a slice returns (resize; default: memory restore + resize recovery)")
+    detect_time_s: Annotated[float, Field(ge=0)] | None = Field(default=None, description="failure to exception")
     replace_time_s: Annotated[float, Field(ge=0)] | None = Field(
-        None, description="failure until a replacement slice is ready")
+        default=None, description="failure until a replacement slice is ready")
     spare_switch_time_s: Annotated[float, Field(ge=0)] | None = Field(
-        None, description="time to swap a hot spare slice in")
+        default=None, description="time to swap a hot spare slice in")
     slices: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
-    chips_per_slice: Annotated[int, Field(ge=1, le=1_000_000)] | None = Field(None, description="for display")
-    mtbf_hours: Annotated[float, Field(gt=0)] | None = Field(None, description="mean time between job failures")
+    chips_per_slice: Annotated[int, Field(ge=1, le=1_000_000)] | None = Field(default=None, description="for display")
+    mtbf_hours: Annotated[float, Field(gt=0)] | None = Field(default=None, description="mean time between job failures")
     failures_per_slice_day: Annotated[float, Field(gt=0)] | None = Field(
-        None, description="failure rate of one slice (instead of mtbf_hours)")
-    spares: Annotated[int, Field(ge=1, le=10_000)] | None = Field(None, description="hot spares (spare policy)")
+        default=None, description="failure rate of one slice (instead of mtbf_hours)")
+    spares: Annotated[int, Field(ge=1, le=10_000)] | None = Field(default=None, description="hot spares (spare policy)")
     min_slices: Annotated[int, Field(ge=1, le=1_000_000)] | None = Field(
-        None, description="fewest slices a resized job runs on")
+        default=None, description="fewest slices a resized job runs on")
     degraded_efficiency: Annotated[float, Field(gt=0, le=1)] | None = Field(
-        None, description="throughput on k of N slices is k/N times this")
+        default=None, description="throughput on k of N slices is k/N times this")
     host_loss_fraction: Annotated[float, Field(ge=0, le=1)] | None = Field(
-        None, description="share of failures that also lose the host-memory snapshot")
+        default=None, description="share of failures that also lose the host-memory snapshot")
     persist_overhead_s: Annotated[float, Field(ge=0)] | None = Field(
-        None, description="training time a background persist steals (interference)")
-    memory_tier: bool | None = Field(None, description="keep host-memory snapshots between persistent saves")
+        default=None, description="training time a background persist steals (interference)")
+    memory_tier: bool | None = Field(default=None, description="keep host-memory snapshots between persistent saves")
     checkpoint_period_steps: Annotated[int, Field(ge=1)] | None = Field(
-        None, description="the job's current save period, to compare with the optimum")
-    horizon_days: Annotated[float, Field(gt=0, le=3650)] | None = Field(None, description="simulated run length")
+        default=None, description="the job's current save period, to compare with the optimum")
+    horizon_days: Annotated[float, Field(gt=0, le=3650)] | None = Field(
+        default=None, description="simulated run length")
     min_failures: Annotated[int, Field(ge=10, le=100_000)] | None = Field(
-        None, description="simulate at least this many failures per point")
+        default=None, description="simulate at least this many failures per point")
     seed: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
 
 
