@@ -100,12 +100,15 @@ def _disagreement(plan: Plan, policies: list[PolicyAdvice]) -> list[str]:
         if abs(a.goodput - a.goodput_at_young_daly) <= max(0.002, 3 * noise):
             out.append(f"Its goodput curve is flat near the maximum: {pct(a.goodput_at_young_daly)} at the "
                        f"Young/Daly period against {pct(a.goodput)} at the simulated optimum, within the "
-                       f"simulation's noise (about {pct(noise)}); either period is fine.")
+                       f"simulation's noise (about {100 * noise:.2g}%); either period is fine.")
     mtbf = plan.rollback_mtbf
     shared = []
     if yd.period_s < plan.step:
         shared.append(f"The first-order period is shorter than one step ({dur(plan.step)}): saves happen only at "
                       "step boundaries.")
+    elif plan.steps(yd.period_s) <= 10:
+        shared.append(f"The period is only {plan.steps(yd.period_s)} steps of {dur(plan.step)}: one step more or "
+                      "less already moves it by more than 10%.")
     if yd.period_s / mtbf > 0.05 or yd.daly_period_s / yd.period_s - 1.0 > 0.03:
         shared.append(f"Failures are frequent relative to the save cost: the period is {yd.period_s / mtbf:.0%} "
                       f"of the MTBF ({dur(mtbf)}), whereas Young/Daly assumes at most one failure per period; "

@@ -27,8 +27,8 @@ from ckptd.config import Settings
 from ckptd.errors import ApiError, InvalidJobName, JobNotFound, NoGoodCheckpoint
 from ckptd.retention import prune
 from trainer_client import protocol as p
-from trainer_client.layout import read_saved_sharding
 from trainer_client.planning import PlanningError, resume_plan
+from trainer_client.saved_layout import saved_layout
 from trainer_client.storage import Storage, StorageError
 
 _log = logging.getLogger(__name__)
@@ -216,12 +216,11 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
                     p.ErrorCode.STEP_NOT_GOOD,
                     f"step {request.step} of job {job!r} is {info.state.value}: {info.reason}",
                 )
-        needs_sharding = info.training is None or not info.training.arrays
-        sharding = read_saved_sharding(cat.storage, info.path) if needs_sharding else (None, {})
+        layout = saved_layout(cat.storage, info.path, info.training)
         try:
             plan = resume_plan(
                 job=job, step=info.step, path=info.path, request=request,
-                training=info.training, saved_sharding=sharding,
+                training=info.training, saved_layout=layout,
             )
         except PlanningError as exc:
             raise ApiError(exc.code, exc.message) from exc

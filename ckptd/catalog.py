@@ -220,7 +220,10 @@ class Catalog:
     def _still_good(self, info: CheckpointInfo) -> bool:
         """Checked on storage before a step is named: still committed, not quarantined by anyone, and
         still passing quick validation (a file deleted or truncated since is caught here, and the
-        step quarantined)."""
+        step quarantined). Cached listings of the step are dropped first: on ``gs://`` a quarantine
+        record or a manifest another process wrote since would otherwise be invisible (or read with
+        its old size)."""
+        self.storage.invalidate(info.path)
         if not self.storage.exists(f"{info.path}/{COMMIT_MARKER}"):
             return False
         if self.storage.exists(f"{info.path}/{QUARANTINE_FILE}"):

@@ -17,9 +17,9 @@ from pydantic import ValidationError
 from ckptd import __version__, advise_cmd, maintenance_cmd
 from ckptd.catalog import Catalog
 from ckptd.config import Settings
-from trainer_client.layout import read_saved_sharding
 from trainer_client.planning import PlanningError, format_bytes, resume_plan
 from trainer_client.protocol import BatchOptions, ResumePlan, ResumeRequest, SliceAlive, StepState
+from trainer_client.saved_layout import saved_layout
 from trainer_client.storage import Storage, StorageError
 
 EXIT_OK = 0
@@ -132,11 +132,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         device_memory_bytes=args.device_memory, memory_headroom_bytes=args.headroom or 0,
         batch=BatchOptions(mode=args.batch_mode, lr_scaling=args.lr_scaling),
     )
-    sharding = read_saved_sharding(cat.storage, info.path) if not (info.training and info.training.arrays) \
-        else (None, {})
+    layout = saved_layout(cat.storage, info.path, info.training)
     try:
         plan = resume_plan(job=job, step=info.step, path=info.path, request=request, training=info.training,
-                           saved_sharding=sharding)
+                           saved_layout=layout)
     except PlanningError as exc:
         print(f"ckptd: {exc.code.value}: {exc.message}", file=sys.stderr)
         return EXIT_BAD

@@ -18,8 +18,7 @@ from tqdm import tqdm
 
 from ckptd.integrity import quarantine, validate_and_quarantine
 from ckptd.retention import RetentionPolicy, collect, decide
-from trainer_client.array_decode import decode_all_arrays
-from trainer_client.array_index import ArrayIndexError
+from trainer_client.array_index import ArrayIndexError, decode_all_arrays
 from trainer_client.manifest import read_manifest
 from trainer_client.protocol import StepState
 from trainer_client.validation import validate_step

@@ -219,8 +219,12 @@ def test_resume_shrinks_the_replica_axis(client: TestClient, root: Path) -> None
     assert plan.saved_mesh == p.MeshSpec(axis_names=["replica", "data"], shape=[4, 2])
     assert plan.mesh == p.MeshSpec(axis_names=["replica", "data"], shape=[3, 2])
     assert plan.idle_devices == 0
-    assert set(plan.arrays) == {"params.w"}
-    assert plan.arrays["params.w"].partition_spec == [None, "data"]
+    # plain Orbax: specs from _sharding, shapes and dtypes from the arrays' zarr metadata
+    assert set(plan.arrays) == {"params.w", "step"}
+    w = plan.arrays["params.w"]
+    assert (w.partition_spec, w.shape, w.dtype) == ([None, "data"], [4, 8], "float32")
+    assert (plan.arrays["step"].shape, plan.arrays["step"].partition_spec) == ([], [])
+    assert plan.bytes_per_device == 4 * 8 * 4 // 2 + 4
     assert plan.data_position is None  # plain Orbax records no data position
     assert any("resized" in note for note in plan.notes)
 

@@ -124,14 +124,14 @@ def test_resume_plan_states_mesh_batch_data_position_and_idle_slices() -> None:
     request = ResumeRequest(policy="resize", alive_devices=7,
                             slices=[SliceAlive(index=i, devices=d) for i, d in ((0, 2), (1, 2), (2, 1), (3, 2))])
     plan = resume_plan(job="j", step=30, path="/r/j/30", request=request, training=_training(),
-                       saved_sharding=(None, {}))
+                       saved_layout=(None, {}))
     assert (plan.step, plan.data_position, plan.mesh.shape, plan.idle_devices) == (30, 1440, [3, 2], 1)
     assert plan.slices_used == [0, 1, 3] and plan.idle_slices == [SliceAlive(index=2, devices=1)]
     assert plan.arrays["w"].changed and plan.arrays["w"].partition_spec == [None]
     assert plan.batch is not None
     assert (plan.batch.global_batch, plan.batch.accumulation_steps, plan.batch.per_device_batch) == (48, 2, 4)
     assert plan.batch.exact and plan.global_batch == 48
-    scaled = resume_plan(job="j", step=30, path="/r/j/30", training=_training(), saved_sharding=(None, {}),
+    scaled = resume_plan(job="j", step=30, path="/r/j/30", training=_training(), saved_layout=(None, {}),
                          request=request.model_copy(update={"batch": BatchOptions(mode="scale_batch",
                                                                                   lr_scaling="sqrt")}))
     assert scaled.batch is not None and scaled.batch.global_batch == 36
@@ -141,12 +141,12 @@ def test_resume_plan_states_mesh_batch_data_position_and_idle_slices() -> None:
 def test_resume_plan_refuses_inconsistent_slices() -> None:
     bad = ResumeRequest(policy="resize", alive_devices=8, slices=[SliceAlive(index=0, devices=2)])
     with pytest.raises(PlanningError) as err:
-        resume_plan(job="j", step=30, path="/p", request=bad, training=_training(), saved_sharding=(None, {}))
+        resume_plan(job="j", step=30, path="/p", request=bad, training=_training(), saved_layout=(None, {}))
     assert err.value.code is ErrorCode.INVALID_REQUEST
     dup = ResumeRequest(policy="resize", alive_devices=4,
                         slices=[SliceAlive(index=0, devices=2), SliceAlive(index=0, devices=2)])
     with pytest.raises(PlanningError):
-        resume_plan(job="j", step=30, path="/p", request=dup, training=_training(), saved_sharding=(None, {}))
+        resume_plan(job="j", step=30, path="/p", request=dup, training=_training(), saved_layout=(None, {}))
 
 
 # ---- properties against a brute-force oracle ---------------------------------------------------------

@@ -60,7 +60,7 @@ def test_restore_on_the_planned_mesh_is_exact(
     found = latest_committed(storage, storage.join("job"))
     assert found is not None and found.training is not None
     plan = resume_plan(job="job", step=found.step, path=found.path, training=found.training,
-                       saved_sharding=(None, {}), request=ResumeRequest(policy="resize", alive_devices=after))
+                       saved_layout=(None, {}), request=ResumeRequest(policy="resize", alive_devices=after))
     assert plan.mesh.shape == mesh_shape and plan.idle_devices == after - np.prod(mesh_shape)
     mesh = Mesh(np.array(jax.devices()[: plan.mesh.size]).reshape(plan.mesh.shape), tuple(plan.mesh.axis_names))
     sizes = dict(zip(plan.mesh.axis_names, plan.mesh.shape, strict=True))

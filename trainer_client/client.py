@@ -19,9 +19,9 @@ from pydantic import ValidationError
 from trainer_client import protocol as p
 from trainer_client.config import ClientSettings
 from trainer_client.errors import CkptdRequestError, CkptdUnavailable, NoCheckpointError
-from trainer_client.layout import read_saved_sharding
 from trainer_client.planning import PlanningError, resume_plan
 from trainer_client.retry import RetryPolicy, retry
+from trainer_client.saved_layout import saved_layout
 from trainer_client.storage import Storage, StorageError
 from trainer_client.validation import latest_good_on_storage
 
@@ -143,12 +143,11 @@ class CkptdClient:
             raise CkptdUnavailable(f"neither ckptd nor storage answered: {exc}") from exc
         if found is None or (request.step is not None and found.step != request.step):
             raise NoCheckpointError(f"job {job!r} has no good step in {storage.url_of(job_path)}")
-        sharding = read_saved_sharding(storage, found.path) if not (
-            found.training and found.training.arrays) else (None, {})
+        layout = saved_layout(storage, found.path, found.training)
         try:
             return resume_plan(
                 job=job, step=found.step, path=storage.url_of(found.path), request=request,
-                training=found.training, saved_sharding=sharding, source="storage_scan",
+                training=found.training, saved_layout=layout, source="storage_scan",
             )
         except PlanningError as exc:
             raise CkptdRequestError(409, exc.code.value, exc.message) from exc

@@ -291,20 +291,16 @@ def resume_plan(
     path: str,
     request: ResumeRequest,
     training: TrainingMetadata | None,
-    saved_sharding: tuple[MeshSpec | None, dict[str, ArraySpec]],
+    saved_layout: tuple[MeshSpec | None, dict[str, ArraySpec]],
     source: str = "ckptd",
 ) -> ResumePlan:
     """The whole answer to a resume request for one chosen step (pure).
 
-    The saved layout comes from ckptd's training metadata when the step has it, else from Orbax's
-    ``_sharding`` file and the arrays' own zarr metadata (``saved_sharding``), so steps written by
-    plain Orbax get plans too.
+    ``saved_layout`` is the step's (mesh, arrays) as ``trainer_client.saved_layout`` reads it from
+    storage; where it is empty, ckptd's training metadata fills in.
     """
-    if training is not None:
-        saved_mesh: MeshSpec | None = training.mesh
-        saved_arrays = dict(training.arrays) or saved_sharding[1]
-    else:
-        saved_mesh, saved_arrays = saved_sharding
+    saved_mesh = saved_layout[0] or (training.mesh if training is not None else None)
+    saved_arrays = saved_layout[1] or (dict(training.arrays) if training is not None else {})
     alive = request.alive_devices
     if request.slices is not None and sum(s.devices for s in request.slices) != alive:
         raise PlanningError(
