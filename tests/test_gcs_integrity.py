@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import random
 import subprocess
 import sys
@@ -102,7 +103,7 @@ class Wire:
     requests: list[tuple[str, str, int]] = field(default_factory=list)  # (method, url, response bytes)
 
     def downloads(self) -> dict[str, int]:
-        """Object name (from the bucket) -> bytes downloaded, over every media GET."""
+        """Object name (in the bucket, without it) -> bytes downloaded, over every media GET."""
         out: dict[str, int] = {}
         for method, url, size in self.requests:
             if method == "GET" and "alt=media" in url:
@@ -289,7 +290,7 @@ def test_plain_orbax_steps_on_gcs_are_adopted_without_downloading_arrays(golden:
         for step in ORBAX_STEPS:
             info = cat.step("job", step)
             assert info is not None and info.state is StepState.VERIFIED and "adopted" in (info.reason or "")
-            downloaded = w.downloaded_under(f"{gcs.bucket}/{BASE}/adopt/job/{step}")
+            downloaded = w.downloaded_under(f"{BASE}/adopt/job/{step}")
             assert downloaded and not [r for r in downloaded if _is_data(r)], downloaded
             manifest = read_manifest(storage, storage.join("job", str(step)))
             assert manifest is not None and manifest.writer == "adopted" and manifest.sealed is not None
@@ -340,7 +341,7 @@ def test_quick_validation_catches_damage_from_the_listing_alone(golden: Golden) 
             assert result.ok, result.problems
         # Nothing but the manifest and the step's metadata crossed the wire: no array data, and not the
         # damaged object.
-        downloaded = w.downloaded_under(f"{gcs.bucket}/{job}/{step}")
+        downloaded = w.downloaded_under(f"{job}/{step}")
         assert set(downloaded) <= METADATA_FILES, downloaded
         assert sum(w.downloads().values()) == sum(downloaded.values()) < 8192
         assert w.listings() >= 1 and result.bytes_read == 0
@@ -379,7 +380,7 @@ def test_deep_validation_reads_every_object_back(golden: Golden, monkeypatch: py
     assert result.manifest is not None
     expected = result.manifest.expected_files()
     assert result.bytes_read == sum(f.size for f in expected.values())
-    downloaded = w.downloaded_under(f"{gcs.bucket}/{job}/5")
+    downloaded = w.downloaded_under(f"{job}/5")
     assert set(expected) <= set(downloaded), set(expected) - set(downloaded)
     assert all(downloaded[rel] >= f.size for rel, f in expected.items())
 
@@ -443,10 +444,11 @@ def test_validate_deep_cli_quarantines_and_latest_good_falls_back(
         record = json.loads(_download(gcs, f"{job}/6/{QUARANTINE_FILE}"))
         assert "object CRC32C" in record["reason"]
 
-        # The running ckptd never names step 8 again, though quick validation still passes it.
-        assert validate_step(storage, storage.join("job", "8"), "quick").ok
+        # The running ckptd never names step 8 again, though quick validation still passes it (its
+        # cached listing of step 8 predates the record: the answer must not come from that cache).
         assert server.confirmed_latest_good("job").step == 7  # type: ignore[union-attr]
         assert server.step("job", 8).state is StepState.QUARANTINED  # type: ignore[union-attr]
+        assert validate_step(storage, storage.join("job", "8"), "quick").ok
     finally:
         server.close()
 
@@ -530,8 +532,13 @@ def test_durability_paths_skip_fsync_on_gcs(
     tree = _tree(tmp_path)
     monkeypatch.chdir(tmp_path)
     os_fsyncs: list[int] = []
-    real_fsync = __import__("os").fsync
-    monkeypatch.setattr("os.fsync", lambda fd: (os_fsyncs.append(fd), real_fsync(fd))[1])
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        os_fsyncs.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
 
     refuse = _Refuse()
     with using_syncer(refuse):

@@ -98,15 +98,34 @@ def target_shardings(
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def standard_handler(compression: bool) -> ocp.StandardCheckpointHandler:
+    """Orbax's StandardCheckpointHandler with zstd on or off (0.12.8 has no public switch for it on the
+    standard handler; the PyTree handler inside it has one). The layout stays Orbax's own: plain
+    Orbax restores it either way (the zarr metadata says which compressor was used)."""
+    handler = ocp.StandardCheckpointHandler()
+    impl = getattr(getattr(handler, "_impl", None), "_handler_impl", None)
+    if impl is None or not hasattr(impl, "_use_compression"):
+        if not compression:
+            raise RuntimeError("this orbax-checkpoint version offers no way to turn compression off")
+        return handler
+    impl._use_compression = compression
+    return handler
+
+
 class Checkpointer:
     """One job directory's Orbax manager, async saves with ckptd metadata, restores by plan."""
 
-    def __init__(self, directory: str, *, async_save: bool = True, atomicity: str | None = None) -> None:
+    def __init__(
+        self, directory: str, *, async_save: bool = True, atomicity: str | None = None, compression: bool = False
+    ) -> None:
         """``atomicity``: None (Orbax's default for the storage: rename on local disk, commit file on
-        ``gs://``), ``"commit_file"`` or ``"atomic_rename"``; ckptd's commit rule is right for all."""
+        ``gs://``), ``"commit_file"`` or ``"atomic_rename"``; ckptd's commit rule is right for all.
+        ``compression``: Orbax's zstd on the array chunks. Off by default: it makes saving CPU-bound
+        (0.63 GB/s on 2 cores against 1.5 GB/s of raw disk) and trained weights barely compress."""
         self.directory = directory
         self.async_save = async_save
         self.atomicity = atomicity
+        self.compression = compression
         self._storage = Storage(directory)
         self._pending: TrainingMetadata | None = None
         self._manager = self._new_manager()
@@ -125,7 +144,7 @@ class Checkpointer:
             async_options=ocp.options.AsyncOptions(post_finalization_callback=self._before_commit)
             if self.async_save else None,
         )
-        return ocp.CheckpointManager(self.directory, options=options)
+        return ocp.CheckpointManager(self.directory, options=options, item_handlers=standard_handler(self.compression))
 
     def save(
         self,
@@ -229,5 +248,6 @@ __all__ = [
     "restore",
     "spec_from_json",
     "spec_to_json",
+    "standard_handler",
     "target_shardings",
 ]

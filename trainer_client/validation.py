@@ -88,7 +88,8 @@ def validate_step(
     decode_arrays: Callable[[str], list[str]] | None = None,
 ) -> ValidationResult:
     """Check a committed step against its manifest (and seal). ``progress(n_bytes)`` is called as deep
-    validation reads; ``decode_arrays(step_path)`` returns problems found decoding the arrays."""
+    validation reads; ``decode_arrays(step_url)`` returns problems found decoding the arrays (it gets the
+    step's URL, ``gs://...`` on GCS: tensorstore would take a bare ``bucket/...`` path for a local one)."""
     step_path = step_path.rstrip("/")
     result = ValidationResult(step_path, level, None)
     problems = result.problems
@@ -129,7 +130,7 @@ def validate_step(
             if actual.crc32c != entry.crc32c:
                 problems.append(f"{rel}: CRC32C {actual.crc32c}, manifest says {entry.crc32c}")
         if not problems and decode_arrays is not None:
-            problems.extend(decode_arrays(step_path))
+            problems.extend(decode_arrays(storage.url_of(step_path)))
     return result
 
 
