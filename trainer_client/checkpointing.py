@@ -98,6 +98,23 @@ def target_shardings(
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def training_metadata(
+    step: int,
+    state: PyTree,
+    *,
+    data_position: int,
+    global_batch: int,
+    mesh: Mesh,
+    slices: list[int],
+    batch: BatchPlan | None = None,
+) -> TrainingMetadata:
+    """What a resume plan needs to know about ``state`` saved as ``step`` on ``mesh``."""
+    return TrainingMetadata(
+        step=step, data_position=data_position, global_batch=global_batch, mesh=mesh_spec(mesh), slices=slices,
+        wall_time=time.time(), arrays=array_specs(state), batch=batch,
+    )
+
+
 def standard_handler(compression: bool) -> ocp.StandardCheckpointHandler:
     """Orbax's StandardCheckpointHandler with zstd on or off (0.12.8 has no public switch for it on the
     standard handler; the PyTree handler inside it has one). The layout stays Orbax's own: plain
@@ -159,16 +176,15 @@ class Checkpointer:
         extra: Mapping[str, Any] | None = None,
     ) -> None:
         """Start saving ``state`` as ``step``; returns once the device-to-host copy is done."""
-        meta = TrainingMetadata(
-            step=step,
-            data_position=data_position,
-            global_batch=global_batch,
-            mesh=mesh_spec(mesh),
-            slices=slices,
-            wall_time=time.time(),
-            arrays=array_specs(state),
-            batch=batch,
-        )
+        meta = training_metadata(step, state, data_position=data_position, global_batch=global_batch, mesh=mesh,
+                                 slices=slices, batch=batch)
+        self.save_with_metadata(step, state, meta, extra=extra)
+
+    def save_with_metadata(
+        self, step: int, state: PyTree, meta: TrainingMetadata, *, extra: Mapping[str, Any] | None = None
+    ) -> None:
+        """Save with training metadata given as is (ckptd's persister: the layout the trainer had, not the
+        host arrays it is handed)."""
         custom = {CUSTOM_METADATA_KEY: meta.model_dump(mode="json"), **dict(extra or {})}
         started = time.perf_counter()
         self._manager.wait_until_finished()  # one save in flight: the callback below knows its step
@@ -250,4 +266,5 @@ __all__ = [
     "spec_to_json",
     "standard_handler",
     "target_shardings",
+    "training_metadata",
 ]

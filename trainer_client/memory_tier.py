@@ -1,0 +1,151 @@
+"""The host-memory tier on the trainer side: snapshot the state into shared memory, restore from it.
+
+``MemoryTier.save`` copies each array's addressable shards (one replica of each) into a snapshot
+directory in host shared memory (format: ``trainer_client.snapshot_format``); the training loop is
+blocked only for that device-to-host copy. The snapshot belongs to ckptd from then on: it persists the
+snapshots marked ``persist`` to storage in Orbax's layout in the background — also when this process is
+killed right after ``save`` returns — and evicts old ones. Memory is bounded: at most ``max_snapshots``
+per job, and a snapshot that does not fit in the free shared memory is refused with a clear error
+(``MemoryTierFull``) instead of failing halfway.
+
+``restore_snapshot`` builds the arrays for a new mesh straight from a memory map of the snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from trainer_client.checkpointing import leaf_name
+from trainer_client.errors import CkptdError
+from trainer_client.protocol import TrainingMetadata
+from trainer_client.snapshot_format import (
+    DATA_FILE,
+    META_FILE,
+    TREEDEF_FILE,
+    ArrayRecord,
+    ShardRecord,
+    SnapshotMeta,
+    complete_snapshots,
+    evict,
+    evictable,
+    global_arrays,
+    job_dir,
+    read_meta,
+)
+
+_log = logging.getLogger(__name__)
+PyTree = Any
+
+
+class MemoryTierFull(CkptdError, MemoryError):
+    """No room in host memory for another snapshot (too many held, or not enough free memory)."""
+
+
+def _index(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[list[int]]:
+    return [[s.start or 0, shape[d] if s.stop is None else s.stop] for d, s in enumerate(index)]
+
+
+class MemoryTier:
+    """Snapshots of one job's state in host shared memory."""
+
+    def __init__(self, shm_dir: str, job: str, *, max_snapshots: int = 2, reserve_bytes: int = 64 << 20) -> None:
+        if max_snapshots < 1:
+            raise ValueError("max_snapshots must be at least 1")
+        self.dir = job_dir(shm_dir, job)
+        self.max_snapshots = max_snapshots
+        self.reserve_bytes = reserve_bytes
+        self.last_blocked_s: float | None = None
+
+    def _make_room(self, nbytes: int) -> None:
+        held = complete_snapshots(self.dir.parent, self.dir.name)
+        while len(held) >= self.max_snapshots:
+            victim = next((p for p in held if evictable(p)), None)
+            if victim is None:
+                raise MemoryTierFull(
+                    f"{len(held)} snapshots of {self.dir.name!r} are held in {self.dir} and none may be dropped "
+                    f"yet (all wait to be persisted by ckptd); max_snapshots={self.max_snapshots}. Is ckptd running?"
+                )
+            evict(victim)
+            held.remove(victim)
+        free = shutil.disk_usage(self.dir).free
+        if nbytes + self.reserve_bytes > free:
+            raise MemoryTierFull(
+                f"a snapshot of {nbytes / 2**20:.1f} MiB does not fit in {self.dir}: {free / 2**20:.1f} MiB free "
+                f"(keeping {self.reserve_bytes / 2**20:.0f} MiB in reserve). Lower max_snapshots or give the "
+                "shared-memory volume more room."
+            )
+
+    def save(self, step: int, state: PyTree, training: TrainingMetadata, *, persist: bool) -> Path:
+        """Copy ``state`` into a new snapshot of ``step``; returns its directory."""
+        started = time.perf_counter()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+        plan: list[tuple[str, jax.Array, list[Any]]] = []
+        nbytes = 0
+        for path, leaf in leaves:
+            shards = [s for s in leaf.addressable_shards if s.replica_id == 0]
+            plan.append((leaf_name(path), leaf, shards))
+            nbytes += sum(int(np.prod(s.data.shape)) * leaf.dtype.itemsize for s in shards)
+        self._make_room(nbytes)
+        tmp = self.dir / f"{step}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        arrays: dict[str, ArrayRecord] = {}
+        offset = 0
+        with open(tmp / DATA_FILE, "wb") as f:
+            if nbytes:
+                os.posix_fallocate(f.fileno(), 0, nbytes)  # ENOSPC now, not SIGBUS later
+            for name, leaf, shards in plan:
+                records = []
+                for shard in shards:
+                    host = np.ascontiguousarray(np.asarray(shard.data))
+                    f.write(host.reshape(-1).view(np.uint8).data)
+                    records.append(ShardRecord(index=_index(shard.index, leaf.shape), offset=offset,
+                                               nbytes=host.nbytes))
+                    offset += host.nbytes
+                arrays[name] = ArrayRecord(shape=list(leaf.shape), dtype=str(leaf.dtype), shards=records)
+        meta = SnapshotMeta(step=step, created_at=time.time(), persist=persist, nbytes=offset,
+                            leaf_names=[name for name, _, _ in plan], arrays=arrays, training=training)
+        (tmp / TREEDEF_FILE).write_bytes(pickle.dumps(jax.tree_util.tree_structure(state)))
+        (tmp / META_FILE).write_text(meta.model_dump_json())
+        final = self.dir / str(step)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        self.last_blocked_s = time.perf_counter() - started
+        del treedef
+        return final
+
+
+def _slicer(value: np.ndarray) -> Callable[[Any], np.ndarray]:
+    def get(index: Any) -> np.ndarray:
+        return value[index]
+
+    return get
+
+
+def restore_snapshot(path: str | os.PathLike[str], target: PyTree) -> PyTree:
+    """The snapshot's state laid out like ``target`` (``ShapeDtypeStruct`` leaves with shardings)."""
+    meta = read_meta(path)
+    values = global_arrays(path)
+    leaves, treedef = jax.tree_util.tree_flatten(target)
+    if len(leaves) != len(values):
+        raise ValueError(f"snapshot of step {meta.step} has {len(values)} arrays, the target {len(leaves)}")
+    out = []
+    for want, value in zip(leaves, values, strict=True):
+        if tuple(want.shape) != value.shape:
+            raise ValueError(f"snapshot array of shape {value.shape} does not fit a target of shape {want.shape}")
+        out.append(jax.make_array_from_callback(want.shape, want.sharding, _slicer(value), dtype=want.dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+__all__ = ["MemoryTier", "MemoryTierFull", "restore_snapshot"]
