@@ -17,18 +17,25 @@ from typing import Annotated, Any
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ckptd import __version__
 from ckptd.advisor import advice_for_job
 from ckptd.catalog import Catalog, Refresher
+from ckptd.commit_tracker import CommitTracker
 from ckptd.config import Settings
+from ckptd.dashboard import add_dashboard_route
 from ckptd.errors import ApiError, InvalidJobName, JobNotFound, NoGoodCheckpoint
+from ckptd.event_routes import add_event_routes
+from ckptd.events import EventStore, record_retention
+from ckptd.metrics import Metrics
 from ckptd.retention import prune
+from ckptd.snapshots import SnapshotKeeper
 from trainer_client import protocol as p
-from trainer_client.planning import PlanningError, resume_plan
+from trainer_client.planning import PlanningError, memory_snapshot_plan, resume_plan
 from trainer_client.saved_layout import saved_layout
+from trainer_client.snapshot_format import newest_whole
 from trainer_client.storage import Storage, StorageError
 
 _log = logging.getLogger(__name__)
@@ -36,24 +43,6 @@ _log = logging.getLogger(__name__)
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": p.ErrorBody} for status in (400, 401, 404, 409, 422, 503)
 }
-
-
-class _Metrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "ckptd_http_requests", "HTTP requests by route and status", ["route", "status"],
-            registry=self.registry,
-        )
-        self.plan_seconds = Histogram(
-            "ckptd_resume_plan_seconds", "time to answer a resume request", registry=self.registry,
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
-        )
-        self.latest_good = Gauge(
-            "ckptd_latest_good_step", "newest committed step per job", ["job"], registry=self.registry
-        )
-        self.steps = Gauge("ckptd_steps", "catalogued steps by job and state", ["job", "state"],
-                           registry=self.registry)
 
 
 def _error_response(err: ApiError) -> JSONResponse:
@@ -69,23 +58,38 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
     if catalog is None:
         catalog = Catalog(Storage(settings.root), settings.catalog_path(), save_timeout_s=settings.save_timeout_s)
     cat = catalog
-    metrics = _Metrics()
+    metrics = Metrics()  # ckptd/metrics.py
+    events = EventStore(cat.storage)  # ckptd/events.py: <root>/<job>/.ckptd/events/
+    tracker = CommitTracker(cat, metrics, events, interval_s=settings.refresh_interval_s)
     policy = settings.retention()
+    keeper = (  # ckptd/snapshots.py: the host-memory tier, when a shared-memory directory is configured
+        SnapshotKeeper(cat.storage, settings.shm_dir, max_snapshots=settings.max_snapshots,
+                       compression=settings.persist_compression, on_persisted=lambda job, _step: cat.refresh_job(job))
+        if settings.shm_dir else None
+    )
     refresher = Refresher(
         cat, settings.refresh_interval_s,
-        maintenance=(lambda: prune(cat, policy)) if policy.prunes_good_steps or policy.clean_abandoned else None,
+        maintenance=(lambda: record_retention(events, prune(cat, policy)))
+        if policy.prunes_good_steps or policy.clean_abandoned else None,
         maintenance_interval_s=settings.gc_interval_s,
+        on_refresh=keeper.scan if keeper is not None else None,
     )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if background:
+            if keeper is not None:
+                keeper.start()
             refresher.start()
+            tracker.start()
         try:
             yield
         finally:
             if background:
+                tracker.stop()
                 refresher.stop()
+                if keeper is not None:
+                    keeper.stop()
 
     app = FastAPI(
         title="ckptd",
@@ -95,6 +99,10 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
     )
     app.state.catalog = cat
     app.state.settings = settings
+    app.state.events = events
+    app.state.metrics = metrics
+    app.state.tracker = tracker
+    app.state.snapshots = keeper
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -169,17 +177,7 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
 
     @app.get(p.ROUTE_METRICS, tags=["health"], response_class=Response)
     def metrics_endpoint() -> Response:
-        metrics.latest_good.clear()  # jobs and steps that left storage must leave the metrics too
-        metrics.steps.clear()
-        for job in cat.jobs():
-            if job.latest_good_step is not None:
-                metrics.latest_good.labels(job.name).set(job.latest_good_step)
-            counts: dict[str, int] = {}
-            for ck in cat.checkpoints(job.name):
-                counts[ck.state.value] = counts.get(ck.state.value, 0) + 1
-            for state in p.StepState:
-                metrics.steps.labels(job.name, state.value).set(counts.get(state.value, 0))
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.render(cat), media_type=CONTENT_TYPE_LATEST)
 
     @app.get(p.ROUTE_JOBS, response_model=p.JobList, responses=_ERROR_RESPONSES, tags=["jobs"])
     def list_jobs() -> p.JobList:
@@ -198,30 +196,38 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
             raise NoGoodCheckpoint(job)
         return info
 
+    def _good_step(job: str, request: p.ResumeRequest, info: p.CheckpointInfo | None) -> p.CheckpointInfo:
+        if info is None and request.step is None:
+            raise NoGoodCheckpoint(job)
+        if info is None:
+            raise ApiError(p.ErrorCode.STEP_NOT_FOUND, f"job {job!r} has no step {request.step}")
+        if info.state is not p.StepState.VERIFIED:
+            raise ApiError(
+                p.ErrorCode.STEP_NOT_GOOD, f"step {request.step} of job {job!r} is {info.state.value}: {info.reason}"
+            )
+        return info
+
     @app.post(p.ROUTE_RESUME, response_model=p.ResumePlan, responses=_ERROR_RESPONSES, tags=["jobs"])
     def resume(job: str, request: p.ResumeRequest) -> p.ResumePlan:
         started = time.perf_counter()
         _job(job)
+        metrics.resume_requests.labels(job).inc()
         cat.refresh_job(job)  # the newest committed step, even if the last periodic scan missed it
-        if request.step is None:
-            info = cat.confirmed_latest_good(job)
-            if info is None:
-                raise NoGoodCheckpoint(job)
-        else:
-            info = cat.confirmed_step(job, request.step)
-            if info is None:
-                raise ApiError(p.ErrorCode.STEP_NOT_FOUND, f"job {job!r} has no step {request.step}")
-            if info.state is not p.StepState.VERIFIED:
-                raise ApiError(
-                    p.ErrorCode.STEP_NOT_GOOD,
-                    f"step {request.step} of job {job!r} is {info.state.value}: {info.reason}",
-                )
-        layout = saved_layout(cat.storage, info.path, info.training)
+        snapshot = (
+            newest_whole(settings.shm_dir, job, at_most=request.step) if request.use_memory_tier else None
+        )
+        if snapshot is not None and request.step is not None and snapshot[1].step != request.step:
+            snapshot = None
+        info = cat.confirmed_latest_good(job) if request.step is None else cat.confirmed_step(job, request.step)
         try:
-            plan = resume_plan(
-                job=job, step=info.step, path=info.path, request=request,
-                training=info.training, saved_layout=layout,
-            )
+            if snapshot is not None and (info is None or info.state is not p.StepState.VERIFIED
+                                         or snapshot[1].step >= info.step):
+                plan = memory_snapshot_plan(job=job, request=request, snapshot=snapshot)
+            else:
+                info = _good_step(job, request, info)
+                layout = saved_layout(cat.storage, info.path, info.training)
+                plan = resume_plan(job=job, step=info.step, path=info.path, request=request,
+                                   training=info.training, saved_layout=layout)
         except PlanningError as exc:
             raise ApiError(exc.code, exc.message) from exc
         metrics.plan_seconds.observe(time.perf_counter() - started)
@@ -232,6 +238,8 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
         """Checkpoint periods and recovery policy (ckptd/advisor.py); the job's history fills the gaps."""
         return advice_for_job(job, cat.checkpoints(_job(job)), query)
 
+    add_event_routes(app, catalog=cat, store=events, metrics=metrics, check_job=_job)  # ckptd/event_routes.py
+    add_dashboard_route(app)  # GET /: ckptd/dashboard.py
     return app
 
 

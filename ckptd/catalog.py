@@ -300,8 +300,10 @@ class Refresher:
         *,
         maintenance: Callable[[], object] | None = None,
         maintenance_interval_s: float = 300.0,
+        on_refresh: Callable[[], object] | None = None,
     ) -> None:
         self.catalog = catalog
+        self.on_refresh = on_refresh
         self.interval_s = interval_s
         self.maintenance = maintenance
         self.maintenance_interval_s = maintenance_interval_s
@@ -325,6 +327,8 @@ class Refresher:
                     first = False
                 else:
                     self.catalog.refresh()
+                if self.on_refresh is not None:
+                    self.on_refresh()
                 due = time.monotonic() - self._last_maintenance >= self.maintenance_interval_s
                 if self.maintenance is not None and due:
                     self._last_maintenance = time.monotonic()

@@ -44,6 +44,11 @@ class Settings(BaseSettings):
     )
     clean_abandoned: bool = Field(default=True, description="delete saves abandoned for longer than save_timeout_s")
     gc_interval_s: float = Field(default=300.0, gt=0, description="how often retention runs in the server")
+    shm_dir: str | None = Field(
+        default=None, description="host-memory tier: the shared-memory directory trainers snapshot into (off: None)"
+    )
+    max_snapshots: int = Field(default=2, ge=1, description="host-memory tier: snapshots kept per job")
+    persist_compression: bool = Field(default=False, description="zstd when persisting snapshots to storage")
 
     def retention(self) -> RetentionPolicy:
         return RetentionPolicy(keep_last=self.keep_last, keep_every=self.keep_every,

@@ -19,9 +19,10 @@ from pydantic import ValidationError
 from trainer_client import protocol as p
 from trainer_client.config import ClientSettings
 from trainer_client.errors import CkptdRequestError, CkptdUnavailable, NoCheckpointError
-from trainer_client.planning import PlanningError, resume_plan
+from trainer_client.planning import PlanningError, memory_snapshot_plan, resume_plan
 from trainer_client.retry import RetryPolicy, retry
 from trainer_client.saved_layout import saved_layout
+from trainer_client.snapshot_format import newest_whole
 from trainer_client.storage import Storage, StorageError
 from trainer_client.validation import latest_good_on_storage
 
@@ -141,6 +142,14 @@ class CkptdClient:
             found = latest_good_on_storage(storage, job_path, at_most=request.step)
         except StorageError as exc:
             raise CkptdUnavailable(f"neither ckptd nor storage answered: {exc}") from exc
+        snapshot = newest_whole(self.settings.shm_dir, job, at_most=request.step) if request.use_memory_tier else None
+        if snapshot is not None and (request.step is None or snapshot[1].step == request.step) and (
+            found is None or snapshot[1].step >= found.step
+        ):
+            try:
+                return memory_snapshot_plan(job=job, request=request, snapshot=snapshot, source="storage_scan")
+            except PlanningError as exc:
+                raise CkptdRequestError(409, exc.code.value, exc.message) from exc
         if found is None or (request.step is not None and found.step != request.step):
             raise NoCheckpointError(f"job {job!r} has no good step in {storage.url_of(job_path)}")
         layout = saved_layout(storage, found.path, found.training)

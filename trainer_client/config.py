@@ -1,8 +1,9 @@
 """trainer_client's settings: the one place where the library reads its environment (prefix ``CKPTD_``).
 
-``CKPTD_URL`` (where the sidecar listens), ``CKPTD_TOKEN`` (bearer token), ``CKPTD_TIMEOUT_S`` (per
-request) and ``CKPTD_RESUME_DEADLINE_S`` (how long a resume may wait for the sidecar before the client
-scans storage itself).
+``CKPTD_URL`` (where the sidecar listens), ``CKPTD_TOKEN`` (bearer token), ``CKPTD_SHM_DIR`` (the
+host-memory tier), ``CKPTD_TIMEOUT_S`` (per request) and ``CKPTD_RESUME_DEADLINE_S`` (how long a
+resume may wait for the sidecar before the client scans storage itself); ``CKPTD_REPORT_EVENTS`` and ``CKPTD_EVENTS_FLUSH_TIMEOUT_S`` (the background event
+reporter, ``trainer_client.event_reporter``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,15 @@ class ClientSettings(BaseSettings):
     url: str = Field(default="http://127.0.0.1:8471", description="base URL of the ckptd sidecar")
     token: str | None = Field(default=None, description="bearer token sent on /v1 routes")
     timeout_s: float = Field(default=2.0, gt=0, description="timeout of one HTTP request")
+    shm_dir: str | None = Field(
+        default=None, description="host-memory tier directory (the fallback scan looks there too)"
+    )
     resume_deadline_s: float = Field(
         default=5.0, gt=0, description="after this long without an answer a resume scans storage itself"
+    )
+    report_events: bool = Field(default=True, description="report elastic events to ckptd (in the background)")
+    events_flush_timeout_s: float = Field(
+        default=5.0, ge=0, description="at the end of a run, how long to wait for unsent events to reach ckptd"
     )
 
 

@@ -28,11 +28,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pathwaysutils.elastic.manager import ScaleUpSignalError
 
 from trainer_client.batching import initial_batch
-from trainer_client.checkpointing import Checkpointer, mesh_spec, restore, target_shardings
+from trainer_client.checkpointing import Checkpointer, mesh_spec, target_shardings, training_metadata
 from trainer_client.client import CkptdClient
 from trainer_client.errors import ElasticRetriesExhausted, ElasticTimeoutError, NoCheckpointError
+from trainer_client.event_reporter import EventReporter
+from trainer_client.memory_tier import MemoryTier
 from trainer_client.planning import plan_mesh
 from trainer_client.protocol import BatchOptions, BatchPlan, MeshSpec, ResumePlan, ResumeRequest, SliceAlive
+from trainer_client.saver import HealthWatch, Saver, restore_from_plan
 from trainer_client.slices import SliceProvider, is_slice_down_error
 
 _log = logging.getLogger(__name__)
@@ -60,6 +63,9 @@ class ElasticConfig:
     poll_interval_s: float = 0.25
     scale_up_check_interval_s: float = 1.0
     min_slices: int = 1
+    shm_dir: str | None = None  # host-memory tier: a shared-memory directory ckptd also sees
+    memory_period: int | None = None  # memory-only snapshots every N steps (between persistent saves)
+    max_snapshots: int = 2
 
     @property
     def full_mesh(self) -> MeshSpec:
@@ -72,6 +78,8 @@ class Event:
     step: int | None
     t: float  # seconds since the run started
     detail: str = ""
+    wall_time: float = 0.0  # time.time() when emitted
+    fields: dict[str, Any] = field(default_factory=dict)  # structured extras (protocol.ElasticEvent fields)
 
 
 @dataclass
@@ -140,21 +148,23 @@ class ElasticContext:
             self.runner.emit("initialized", 0, f"fresh state on mesh {list(self.mesh.devices.shape)}")
         else:
             target = target_shardings(abstract, self.mesh, specs, self.plan.arrays)
-            state = restore(self.plan.path, target)
+            state = restore_from_plan(self.plan, target)
             jax.block_until_ready(state)
             self.start_step = self.plan.step
             position = self.plan.data_position or 0
-            self.runner.emit("restored", self.plan.step, f"from {self.plan.path}")
+            self.runner.emit("restored", self.plan.step, f"from {self.plan.tier}: {self.plan.path}")
         self.last_step = self.start_step
         return state, self.start_step, position
 
-    def save(self, step: int, state: PyTree, data_position: int) -> None:
-        """Start an async save of ``state`` as ``step`` (the loop is blocked only for the copy)."""
-        self.runner.checkpointer.save(
-            step, state, data_position=data_position, global_batch=self.global_batch, mesh=self.mesh,
-            slices=sorted(self.active_slices), batch=self.batch,
-        )
-        self.runner.emit("checkpoint_started", step, f"{self.runner.checkpointer.last_save_blocked_s:.3f}s blocked")
+    def save(self, step: int, state: PyTree, data_position: int, *, persist: bool = True) -> None:
+        """Save ``state`` as ``step`` (the loop is blocked only for the device-to-host copy): to storage
+        (through ckptd's memory tier when it is on), or only to host memory when ``persist`` is False."""
+        meta = training_metadata(step, state, data_position=data_position, global_batch=self.global_batch,
+                                 mesh=self.mesh, slices=sorted(self.active_slices), batch=self.batch)
+        saver = self.runner.saver
+        tier = saver.save(step, state, meta, persist=persist)
+        self.runner.emit("checkpoint_started", step, f"{tier}, {saver.last_blocked_s or 0.0:.3f}s blocked",
+                         blocked_seconds=saver.last_blocked_s)
 
     # ---- the hook called at the top of every step -----------------------------------------------
 
@@ -170,9 +180,11 @@ class ElasticContext:
             self.runner._first_step_done(step)
         self.last_step = step
         self.runner.slices.at_step_boundary(step, self.active_slices)
-        period = self.runner.config.checkpoint_period
-        if step > self.start_step and period > 0 and step % period == 0:
+        cfg = self.runner.config
+        if step > self.start_step and cfg.checkpoint_period > 0 and step % cfg.checkpoint_period == 0:
             self.save(step, state, data_position)
+        elif step > self.start_step and cfg.memory_period and step % cfg.memory_period == 0 and cfg.shm_dir:
+            self.save(step, state, data_position, persist=False)
         if self.runner.config.policy == "resize":
             self._maybe_scale_up(step, state, data_position)
 
@@ -186,9 +198,9 @@ class ElasticContext:
         back = self.runner.slices.healthy_slices() - self.active_slices
         if not back:
             return
-        if step not in self.runner.checkpointer.saved_steps:
-            self.save(step, state, data_position)
-        self.runner.checkpointer.wait()  # the step we grow from must be committed
+        if step not in self.runner.saver.saved_steps:
+            self.save(step, state, data_position, persist=self.runner.saver.memory is None)
+        self.runner.saver.wait()  # the step we grow from must be whole (in memory) or committed
         raise ScaleUpSignalError(f"slice(s) {sorted(back)} healthy again at step {step}")
 
 
@@ -203,20 +215,28 @@ class ElasticRunner:
         client: CkptdClient,
         checkpoint_dir: str,
         on_event: Callable[[Event], None] | None = None,
+        reporter: EventReporter | None = None,
     ) -> None:
         self.config = config
         self.slices = slices
         self.client = client
+        # Events go to ckptd in the background (trainer_client/event_reporter.py); training never waits.
+        self.reporter = reporter if reporter is not None else (
+            EventReporter(client.settings, config.job) if client.settings.report_events else None)
         self.checkpointer = Checkpointer(checkpoint_dir)
+        memory = MemoryTier(config.shm_dir, config.job, max_snapshots=config.max_snapshots) if config.shm_dir else None
+        self.saver = Saver(self.checkpointer, memory, HealthWatch(client) if memory is not None else None)
         self.on_event = on_event
         self.events: list[Event] = []
         self.recoveries: list[Recovery] = []
         self._t0 = time.monotonic()
 
-    def emit(self, kind: str, step: int | None = None, detail: str = "") -> None:
-        event = Event(kind, step, time.monotonic() - self._t0, detail)
+    def emit(self, kind: str, step: int | None = None, detail: str = "", **fields: Any) -> None:
+        event = Event(kind, step, time.monotonic() - self._t0, detail, time.time(), fields)
         self.events.append(event)
         _log.info("elastic event %s step=%s %s", kind, step, detail)
+        if self.reporter is not None:
+            self.reporter.report(kind, time=event.wall_time, step=step, t=event.t, detail=detail, **fields)
         if self.on_event is not None:
             self.on_event(event)
 
@@ -225,10 +245,26 @@ class ElasticRunner:
         if self.recoveries and self.recoveries[-1].seconds is None:
             rec = self.recoveries[-1]
             rec.seconds = self.events[-1].t - rec.detected_t
+            self.emit("recovered", step, f"{rec.kind} at step {rec.failed_at_step}: {rec.seconds:.2f}s to the "
+                      f"first step, {rec.lost_steps} step(s) lost", recovery_seconds=rec.seconds,
+                      lost_steps=rec.lost_steps, restored_step=rec.restored_step, mesh_before=rec.mesh_before,
+                      mesh_after=rec.mesh_after)
 
     # ---- the loop around the user's function ---------------------------------------------------
 
     def run(self, train_fn: Callable[[ElasticContext], T]) -> ElasticResult[T]:
+        """Run ``train_fn`` through slice failures; the events reach ckptd before this returns (or the
+        reporter gives up after ``events_flush_timeout_s``, at once when ckptd does not answer)."""
+        try:
+            return self._run(train_fn)
+        except BaseException as exc:
+            self.emit("aborted", None, f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}")
+            raise
+        finally:
+            if self.reporter is not None:
+                self.reporter.close(self.client.settings.events_flush_timeout_s)
+
+    def _run(self, train_fn: Callable[[ElasticContext], T]) -> ElasticResult[T]:
         self._t0 = time.monotonic()
         self.emit("start", None, f"pid {os.getpid()}, policy {self.config.policy}")
         active = self._wait_for_slices(self.config.policy)
@@ -246,6 +282,7 @@ class ElasticRunner:
             try:
                 value = train_fn(ctx)
                 self.checkpointer.wait()
+                self.saver.close()
                 self.emit("finished", ctx.last_step)
                 return ElasticResult(value, os.getpid(), list(self.events), list(self.recoveries), ctx.last_step)
             except ScaleUpSignalError as exc:

@@ -30,6 +30,8 @@ import math
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
 
 from trainer_client.batching import initial_batch, plan_batch
 from trainer_client.protocol import (
@@ -44,6 +46,7 @@ from trainer_client.protocol import (
     SliceAlive,
     TrainingMetadata,
 )
+from trainer_client.snapshot_format import SnapshotMeta
 
 # Axes a plan may resize, in the order it prefers to resize them.
 DATA_PARALLEL_AXES: tuple[str, ...] = ("replica", "data", "dp", "batch", "fsdp")
@@ -293,6 +296,7 @@ def resume_plan(
     training: TrainingMetadata | None,
     saved_layout: tuple[MeshSpec | None, dict[str, ArraySpec]],
     source: str = "ckptd",
+    tier: Literal["memory", "storage"] = "storage",
 ) -> ResumePlan:
     """The whole answer to a resume request for one chosen step (pure).
 
@@ -341,6 +345,7 @@ def resume_plan(
         bytes_per_device=planned.bytes_per_device,
         fits_memory=planned.fits_memory,
         source="storage_scan" if source == "storage_scan" else "ckptd",
+        tier=tier,
         notes=notes,
     )
 
@@ -359,6 +364,17 @@ def _batch_for(
     return plan_batch(saved, mesh, options)
 
 
+def memory_snapshot_plan(
+    *, job: str, request: ResumeRequest, snapshot: tuple[Path, SnapshotMeta], source: str = "ckptd"
+) -> ResumePlan:
+    """A plan that restores from a whole host-memory snapshot (``tier: "memory"``)."""
+    path, meta = snapshot
+    return resume_plan(
+        job=job, step=meta.step, path=str(path), request=request, training=meta.training,
+        saved_layout=(meta.training.mesh, dict(meta.training.arrays)), source=source, tier="memory",
+    )
+
+
 __all__ = [
     "DATA_PARALLEL_AXES",
     "MeshPlan",
@@ -369,6 +385,7 @@ __all__ = [
     "dtype_bytes",
     "fit_array",
     "format_bytes",
+    "memory_snapshot_plan",
     "plan_mesh",
     "resume_plan",
 ]

@@ -24,6 +24,9 @@ ROUTE_CHECKPOINTS = f"{API_PREFIX}/jobs/{{job}}/checkpoints"
 ROUTE_LATEST_GOOD = f"{API_PREFIX}/jobs/{{job}}/checkpoints/latest-good"
 ROUTE_RESUME = f"{API_PREFIX}/jobs/{{job}}/resume"
 ROUTE_ADVICE = f"{API_PREFIX}/jobs/{{job}}/advice"
+ROUTE_EVENTS = f"{API_PREFIX}/jobs/{{job}}/events"
+ROUTE_GOODPUT = f"{API_PREFIX}/jobs/{{job}}/goodput"
+ROUTE_DASHBOARD = "/"
 
 # A job name is one path segment of the root: letters, digits, '.', '_', '-', not starting with '.'.
 JOB_NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$"
@@ -231,6 +234,9 @@ class ResumeRequest(_Request):
         default=0, description="per-device memory to leave free (activations, compiled programs)"
     )
     batch: BatchOptions = Field(default_factory=BatchOptions)
+    use_memory_tier: bool = Field(
+        default=True, description="prefer a whole host-memory snapshot at least as new as the newest good step"
+    )
 
 
 class ResumePlan(_Model):
@@ -252,6 +258,9 @@ class ResumePlan(_Model):
     bytes_per_device: int | None = Field(default=None, description="state bytes per device on the new mesh")
     fits_memory: bool | None = None
     source: Literal["ckptd", "storage_scan"] = "ckptd"
+    tier: Literal["memory", "storage"] = Field(
+        default="storage", description="memory: `path` is a host-memory snapshot; storage: an Orbax step"
+    )
     notes: list[str] = Field(default_factory=list)
 
 
@@ -386,13 +395,124 @@ class Advice(_Model):
     compute_seconds: float
 
 
+# ---- elastic events (POST/GET /v1/jobs/{job}/events) and goodput (GET /v1/jobs/{job}/goodput) -----
+
+# What trainer_client's ElasticRunner emits, and what ckptd records itself (``retention_deleted``).
+# Other kinds matching ``EVENT_KIND_PATTERN`` are stored and served; metrics count them as ``other``.
+EVENT_KINDS = (
+    "start", "waiting_for_slices", "slices_ready", "plan_received", "initialized", "restored",
+    "first_step_done", "checkpoint_started", "failure_detected", "scale_up_detected", "recovered",
+    "finished", "aborted", "retention_deleted",
+)
+EVENT_KIND_PATTERN = r"^[a-z][a-z0-9_]{0,63}$"
+MAX_EVENTS_PER_BATCH = 1000
+
+
+class ElasticEvent(_Request):
+    """One event of a training run, as trainer_client reports it (``EventBatch``)."""
+
+    kind: str = Field(pattern=EVENT_KIND_PATTERN, description="what happened (see EVENT_KINDS)")
+    time: Annotated[float, Field(ge=0)] = Field(description="wall-clock time of the event (Unix seconds)")
+    step: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = None
+    t: float | None = Field(default=None, description="seconds since the run started (monotonic clock)")
+    detail: str = Field(default="", max_length=2000)
+    id: str | None = Field(default=None, max_length=200, description="unique per event; resends are deduplicated")
+    run: str | None = Field(default=None, max_length=200, description="the run (process) that emitted it")
+    host: str | None = Field(default=None, max_length=255)
+    pid: Annotated[int, Field(ge=0)] | None = None
+    recovery_seconds: Annotated[float, Field(ge=0)] | None = Field(
+        default=None, description="recovered: failure detected until the first step on the new mesh")
+    lost_steps: Annotated[int, Field(ge=0)] | None = Field(
+        default=None, description="recovered: steps computed since the restored step, done again")
+    restored_step: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = None
+    mesh_before: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=16)
+    mesh_after: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=16)
+    blocked_seconds: Annotated[float, Field(ge=0)] | None = Field(
+        default=None, description="checkpoint_started: how long the training loop was blocked by the save")
+
+
+class EventBatch(_Request):
+    """Body of ``POST /v1/jobs/{job}/events``."""
+
+    events: list[ElasticEvent] = Field(min_length=1, max_length=MAX_EVENTS_PER_BATCH)
+
+
+class EventAck(_Model):
+    """Answer of ``POST /v1/jobs/{job}/events``."""
+
+    job: str
+    accepted: int = Field(description="events stored")
+    duplicates: int = Field(description="events this ckptd had already stored (same id), skipped")
+
+
+class StoredEvent(ElasticEvent):
+    """An event as ckptd stored it, on storage next to the job's checkpoints."""
+
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+    received_at: float
+    source: Literal["trainer", "ckptd"] = "trainer"
+
+
+class EventList(_Model):
+    job: str
+    events: list[StoredEvent] = Field(description="oldest first")
+
+
+class GoodputCauses(_Model):
+    """Badput by cause (seconds, or fractions of the wall time)."""
+
+    checkpoint: float = Field(description="training blocked by checkpoint saves")
+    waiting: float = Field(description="failure detected until enough slices are healthy")
+    restore: float = Field(description="slices ready until the state is restored (plan + restore)")
+    recompile: float = Field(description="first step after a restore minus a normal step")
+    lost: float = Field(description="steps computed since the restored checkpoint, done again")
+    startup: float = Field(description="run start until its first step (initialization, first compile)")
+    down: float = Field(description="no run of the job alive (between runs)")
+
+
+class GoodputSegment(_Model):
+    """A stretch of wall time that was not productive."""
+
+    start: float
+    end: float
+    cause: Literal["waiting", "restore", "recompile", "startup", "down"]
+
+
+class Goodput(_Model):
+    """Productive training time over wall time, with where the rest went (ckptd/goodput.py)."""
+
+    job: str
+    goodput: float | None = Field(description="productive seconds / wall seconds; null without events")
+    wall_seconds: float
+    productive_seconds: float
+    badput_seconds: GoodputCauses
+    badput: GoodputCauses = Field(description="fractions of the wall time")
+    window_start: float | None = None
+    window_end: float | None = None
+    step_time_s: float | None = None
+    step_time_source: Literal["given", "events", "checkpoints"] | None = None
+    runs: int = 0
+    recoveries: int = 0
+    lost_steps: int = 0
+    events: int = 0
+    segments: list[GoodputSegment] = Field(default_factory=list, description="non-productive stretches, oldest first")
+    notes: list[str] = Field(default_factory=list)
+
+
 __all__ = [
     "API_PREFIX",
     "ERROR_STATUS",
+    "EVENT_KINDS",
+    "EVENT_KIND_PATTERN",
     "JOB_NAME_PATTERN",
+    "MAX_EVENTS_PER_BATCH",
     "MAX_STEP",
     "ROUTE_ADVICE",
     "ROUTE_CHECKPOINTS",
+    "ROUTE_DASHBOARD",
+    "ROUTE_EVENTS",
+    "ROUTE_GOODPUT",
     "ROUTE_HEALTHZ",
     "ROUTE_JOBS",
     "ROUTE_LATEST_GOOD",
@@ -408,8 +528,15 @@ __all__ = [
     "BatchPlan",
     "CheckpointInfo",
     "CheckpointList",
+    "ElasticEvent",
     "ErrorBody",
     "ErrorCode",
+    "EventAck",
+    "EventBatch",
+    "EventList",
+    "Goodput",
+    "GoodputCauses",
+    "GoodputSegment",
     "Health",
     "JobInfo",
     "JobList",
@@ -420,6 +547,7 @@ __all__ = [
     "ResumeRequest",
     "SliceAlive",
     "StepState",
+    "StoredEvent",
     "TrainingMetadata",
     "YoungDaly",
     "is_valid_job_name",

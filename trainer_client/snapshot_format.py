@@ -116,6 +116,20 @@ def complete_snapshots(shm_dir: str | os.PathLike[str], job: str) -> list[Path]:
     return sorted(dirs, key=lambda p: int(p.name))
 
 
+def newest_whole(
+    shm_dir: str | os.PathLike[str] | None, job: str, *, at_most: int | None = None
+) -> tuple[Path, SnapshotMeta] | None:
+    """The newest snapshot of ``job`` that is whole (and not beyond ``at_most``), with its metadata."""
+    if shm_dir is None:
+        return None
+    for path in reversed(complete_snapshots(shm_dir, job)):
+        if at_most is not None and int(path.name) > at_most:
+            continue
+        if not problems(path):
+            return path, read_meta(path)
+    return None
+
+
 def is_persisted(path: str | os.PathLike[str]) -> bool:
     return Path(path, PERSISTED_FILE).is_file()
 
@@ -180,6 +194,7 @@ __all__ = [
     "is_persisted",
     "job_dir",
     "mark_persisted",
+    "newest_whole",
     "problems",
     "read_meta",
 ]

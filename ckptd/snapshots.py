@@ -1,0 +1,158 @@
+"""ckptd's side of the host-memory tier: persist the snapshots trainers leave in shared memory, and keep
+memory bounded.
+
+Every few seconds the keeper looks at ``<shm_dir>/<job>/<step>/``. A whole snapshot marked ``persist`` that
+is not on storage yet is written there by a child process (``ckptd.persist_worker``: Orbax's layout, the
+manifest before the commit marker) — whether or not the trainer that made it is still alive. Once the
+step is committed the snapshot is marked persisted and may be evicted; beyond ``max_snapshots`` per job
+the oldest evictable snapshots are dropped. A snapshot that is not whole is reported and dropped (it is a
+copy in memory; the storage tier never loses a step this way).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainer_client.protocol import is_valid_job_name
+from trainer_client.snapshot_format import (
+    complete_snapshots,
+    evict,
+    evictable,
+    is_persisted,
+    mark_persisted,
+    problems,
+    read_meta,
+)
+from trainer_client.storage import Storage
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass
+class KeeperStats:
+    persisted: int = 0
+    failed: int = 0
+    evicted: int = 0
+    broken: int = 0
+    last_error: str | None = None
+    persist_seconds: list[float] = field(default_factory=list)
+
+
+class SnapshotKeeper:
+    """Persists and evicts host-memory snapshots for every job under ``shm_dir``."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        shm_dir: str,
+        *,
+        max_snapshots: int = 2,
+        compression: bool = False,
+        on_persisted: Callable[[str, int], None] | None = None,
+        timeout_s: float = 3600.0,
+    ) -> None:
+        self.storage = storage
+        self.shm_dir = Path(shm_dir)
+        self.max_snapshots = max_snapshots
+        self.compression = compression
+        self.on_persisted = on_persisted
+        self.timeout_s = timeout_s
+        self.stats = KeeperStats()
+        self._queue: queue.Queue[tuple[str, Path] | None] = queue.Queue()
+        self._queued: set[Path] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._persist_loop, name="ckptd-persister", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def jobs(self) -> list[str]:
+        if not self.shm_dir.is_dir():
+            return []
+        return sorted(p.name for p in self.shm_dir.iterdir() if p.is_dir() and is_valid_job_name(p.name))
+
+    def scan(self) -> None:
+        """Queue what needs persisting, drop what is broken or beyond the limit."""
+        for job in self.jobs():
+            held = complete_snapshots(self.shm_dir, job)
+            for path in held:
+                bad = problems(path)
+                if bad:
+                    _log.warning("dropping broken snapshot %s: %s", path, "; ".join(bad))
+                    self.stats.broken += 1
+                    evict(path)
+                    continue
+                if read_meta(path).persist and not is_persisted(path):
+                    with self._lock:
+                        if path not in self._queued:
+                            self._queued.add(path)
+                            self._queue.put((job, path))
+            held = [p for p in complete_snapshots(self.shm_dir, job)]
+            while len(held) > self.max_snapshots:
+                victim = next((p for p in held if evictable(p)), None)
+                if victim is None:
+                    break
+                evict(victim)
+                self.stats.evicted += 1
+                held.remove(victim)
+
+    def _persist_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            job, path = item
+            try:
+                self.persist(job, path)
+            finally:
+                with self._lock:
+                    self._queued.discard(path)
+
+    def persist(self, job: str, path: Path) -> str | None:
+        """Write one snapshot to ``<root>/<job>/<step>`` through the persist worker; the step URL or None."""
+        step = int(path.name)
+        job_url = self.storage.url_of(self.storage.join(job))
+        step_url = f"{job_url}/{step}"
+        if self.storage.exists(f"{self.storage.join(job, str(step))}/commit_success.txt"):
+            mark_persisted(path, step_url)  # already on storage (e.g. saved there directly)
+            return step_url
+        started = time.monotonic()
+        cmd = [sys.executable, "-m", "ckptd.persist_worker", str(path), job_url]
+        if self.compression:
+            cmd.append("--compression")
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout_s, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            self._failed(path, f"{type(exc).__name__}: {exc}")
+            return None
+        if done.returncode != 0:
+            self._failed(path, (done.stderr.strip().splitlines() or ["no output"])[-1])
+            return None
+        if path.exists():
+            mark_persisted(path, step_url)
+        self.stats.persisted += 1
+        self.stats.persist_seconds.append(time.monotonic() - started)
+        _log.info("persisted snapshot %s to %s in %.2fs", path, step_url, time.monotonic() - started)
+        if self.on_persisted is not None:
+            self.on_persisted(job, step)
+        return step_url
+
+    def _failed(self, path: Path, why: str) -> None:
+        self.stats.failed += 1
+        self.stats.last_error = f"{path}: {why}"
+        _log.error("persisting snapshot %s failed: %s", path, why)
+
+
+__all__ = ["KeeperStats", "SnapshotKeeper"]
