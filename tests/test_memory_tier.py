@@ -1,0 +1,192 @@
+"""The host-memory tier: snapshots in shared memory, persisted by ckptd even when the trainer dies, bounded
+memory, plans that prefer a whole snapshot, and same-PID recovery from memory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from examples.elastic_mlp import TrainLog, init_state, make_train_fn, partition_specs
+from trainer_client.checkpointing import Checkpointer, training_metadata
+from trainer_client.client import CkptdClient
+from trainer_client.config import ClientSettings
+from trainer_client.elastic import ElasticConfig, ElasticRunner
+from trainer_client.memory_tier import MemoryTier, MemoryTierFull, restore_snapshot
+from trainer_client.protocol import ResumeRequest
+from trainer_client.slices import SimulatedSlices, SliceFault
+from trainer_client.snapshot_format import DATA_FILE, PERSISTED_FILE, problems, read_meta
+
+
+def _mesh(n: int = 8) -> Mesh:
+    return Mesh(np.array(jax.devices()[:n]).reshape(n // 2, 2), ("replica", "data"))
+
+
+def _shardings(mesh: Mesh) -> Any:
+    specs = partition_specs(jax.eval_shape(init_state))
+    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def _state(mesh: Mesh, seed: int = 0) -> Any:
+    return jax.jit(lambda: init_state(seed), out_shardings=_shardings(mesh))()
+
+
+def _meta(step: int, state: Any, mesh: Mesh) -> Any:
+    return training_metadata(step, state, data_position=step * 48, global_batch=48, mesh=mesh, slices=[0, 1, 2, 3])
+
+
+def _leaves(tree: Any) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def test_a_snapshot_restores_exactly_onto_a_smaller_mesh(tmp_path: Path) -> None:
+    mesh = _mesh()
+    state = _state(mesh, seed=3)
+    tier = MemoryTier(str(tmp_path), "job")
+    path = tier.save(7, state, _meta(7, state, mesh), persist=False)
+    assert problems(path) == [] and read_meta(path).step == 7
+    assert tier.last_blocked_s is not None and tier.last_blocked_s < 5
+    small = _mesh(6)
+    target = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                    jax.eval_shape(init_state), _shardings(small))
+    restored = restore_snapshot(path, target)
+    assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(state)
+    for a, b in zip(_leaves(state), _leaves(restored), strict=True):
+        assert np.array_equal(a, b)
+    assert all(leaf.sharding.mesh.devices.shape == (3, 2) for leaf in jax.tree_util.tree_leaves(restored))
+    # a damaged snapshot is never taken for whole
+    with open(path / DATA_FILE, "r+b") as f:
+        f.truncate(10)
+    assert any("bytes" in p for p in problems(path))
+
+
+def test_memory_is_bounded_with_a_clear_error(tmp_path: Path) -> None:
+    mesh = _mesh()
+    state = _state(mesh)
+    tier = MemoryTier(str(tmp_path), "job", max_snapshots=2)
+    tier.save(1, state, _meta(1, state, mesh), persist=False)
+    tier.save(2, state, _meta(2, state, mesh), persist=True)
+    tier.save(3, state, _meta(3, state, mesh), persist=True)  # evicts 1: it needs no persisting
+    assert sorted(p.name for p in (tmp_path / "job").iterdir()) == ["2", "3"]
+    with pytest.raises(MemoryTierFull, match="wait to be persisted"):
+        tier.save(4, state, _meta(4, state, mesh), persist=True)
+    (tmp_path / "job" / "2" / PERSISTED_FILE).write_text("{}")  # ckptd persisted it: now it may go
+    tier.save(4, state, _meta(4, state, mesh), persist=True)
+    assert sorted(p.name for p in (tmp_path / "job").iterdir()) == ["3", "4"]
+    huge = MemoryTier(str(tmp_path), "other", reserve_bytes=2**62)
+    with pytest.raises(MemoryTierFull, match="does not fit"):
+        huge.save(1, state, _meta(1, state, mesh), persist=False)
+    assert not (tmp_path / "other" / "1").exists()
+
+
+_TRAINER = r"""
+import sys
+import jax, numpy as np
+from jax.sharding import Mesh
+sys.path.insert(0, sys.argv[3])
+from tests.test_memory_tier import _meta, _state
+from trainer_client.memory_tier import MemoryTier
+mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("replica", "data"))
+state = _state(mesh, seed=11)
+MemoryTier(sys.argv[1], sys.argv[2]).save(10, state, _meta(10, state, mesh), persist=True)
+print("SAVED", flush=True)
+import time; time.sleep(120)
+"""
+
+
+def test_ckptd_persists_a_snapshot_of_a_trainer_killed_right_after_save(
+    tmp_path: Path, ckptd_server: Any
+) -> None:
+    shm, root = tmp_path / "shm", tmp_path / "root"
+    (root / "job").mkdir(parents=True)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen([sys.executable, "-c", _TRAINER, str(shm), "job", str(Path(__file__).parent.parent)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.strip() == "SAVED", proc.stderr.read() if proc.stderr else ""
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+
+    server = ckptd_server(root, shm_dir=str(shm), refresh_interval_s=0.2)
+    with CkptdClient(ClientSettings(url=server.url)) as client:
+        deadline = time.monotonic() + 90
+        good = None
+        while time.monotonic() < deadline:
+            good = client.latest_good("job")
+            if good is not None:
+                break
+            time.sleep(0.2)
+        assert good is not None and good.step == 10, "ckptd did not persist the dead trainer's snapshot"
+        while time.monotonic() < deadline and not (shm / "job" / "10" / PERSISTED_FILE).exists():
+            time.sleep(0.1)  # the step commits a moment before the worker exits and ckptd marks it
+        assert (shm / "job" / "10" / PERSISTED_FILE).exists()
+    # plain Orbax restores what ckptd persisted, bit for bit
+    mesh = _mesh()
+    expected = _state(mesh, seed=11)
+    target = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                    jax.eval_shape(init_state), _shardings(mesh))
+    restored = ocp.CheckpointManager(str(root / "job")).restore(10, args=ocp.args.StandardRestore(target))
+    for a, b in zip(_leaves(expected), _leaves(restored), strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_plans_prefer_a_whole_memory_snapshot(tmp_path: Path, ckptd_server: Any) -> None:
+    shm, root = tmp_path / "shm", tmp_path / "root"
+    mesh = _mesh()
+    state = _state(mesh)
+    ck = Checkpointer(str(root / "job"))
+    ck.save(10, state, data_position=480, global_batch=48, mesh=mesh, slices=[0, 1, 2, 3])
+    ck.close()
+    MemoryTier(str(shm), "job").save(15, state, _meta(15, state, mesh), persist=False)
+    server = ckptd_server(root, shm_dir=str(shm))
+    request = ResumeRequest(policy="resize", alive_devices=6)
+    with CkptdClient(ClientSettings(url=server.url, shm_dir=str(shm)), root=str(root)) as client:
+        plan = client.resume("job", request)
+        assert (plan.tier, plan.step, plan.data_position, plan.mesh.shape) == ("memory", 15, 720, [3, 2])
+        storage_only = client.resume("job", request.model_copy(update={"use_memory_tier": False}))
+        assert (storage_only.tier, storage_only.step) == ("storage", 10)
+        fallback = client.resume_from_storage("job", request)
+        assert fallback.model_dump(exclude={"source"}) == plan.model_dump(exclude={"source"})
+        with open(shm / "job" / "15" / DATA_FILE, "r+b") as f:  # damaged: never used
+            f.truncate(1)
+        assert client.resume("job", request).tier == "storage"
+
+
+def test_the_runner_recovers_from_memory_and_persists_through_ckptd(tmp_path: Path, ckptd_server: Any) -> None:
+    shm, root = tmp_path / "shm", tmp_path / "root"
+    (root / "job").mkdir(parents=True)
+    server = ckptd_server(root, shm_dir=str(shm), refresh_interval_s=0.2)
+    config = ElasticConfig(job="job", mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=48,
+                           checkpoint_period=10, memory_period=5, shm_dir=str(shm), policy="resize",
+                           poll_interval_s=0.05, scale_up_check_interval_s=0.0, max_snapshots=3)
+    client = CkptdClient(ClientSettings(url=server.url, shm_dir=str(shm)), root=str(root))
+    runner = ElasticRunner(config, slices=SimulatedSlices(num_slices=4, faults=[SliceFault(2, 17, None)]),
+                           client=client, checkpoint_dir=str(root / "job"))
+    log = TrainLog()
+    try:
+        result = runner.run(make_train_fn(30, log))
+    finally:
+        runner.checkpointer.close()
+        client.close()
+    down = result.recoveries[0]
+    assert (down.failed_at_step, down.restored_step, down.lost_steps) == (17, 15, 2)  # memory period bounds it
+    assert any(e.kind == "restored" and "memory" in e.detail for e in result.events)
+    assert [log.samples[s] for s in range(30)] == [(s * 48, (s + 1) * 48) for s in range(30)]
+    # the persistent saves went to storage through ckptd's persister
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not (root / "job" / "20" / "commit_success.txt").exists():
+        time.sleep(0.2)
+    assert (root / "job" / "10" / "commit_success.txt").exists() and (root / "job" / "20" / "commit_success.txt").exists()
