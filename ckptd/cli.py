@@ -10,15 +10,17 @@ import argparse
 import json
 import re
 import sys
+import time
 from collections.abc import Sequence
 
 from pydantic import ValidationError
+from tqdm import tqdm
 
-from ckptd import __version__, advise_cmd, maintenance_cmd
+from ckptd import __version__, advise_cmd, maintenance_cmd, observe_cmd
 from ckptd.catalog import Catalog
 from ckptd.config import Settings
 from trainer_client.planning import PlanningError, format_bytes, resume_plan
-from trainer_client.protocol import BatchOptions, ResumePlan, ResumeRequest, SliceAlive, StepState
+from trainer_client.protocol import BatchOptions, ResumePlan, ResumeRequest, SliceAlive, StepState, is_valid_job_name
 from trainer_client.saved_layout import saved_layout
 from trainer_client.storage import Storage, StorageError
 
@@ -41,7 +43,12 @@ def _catalog(root: str) -> Catalog:
     if not storage.is_dir(storage.root):
         raise SystemExit(f"ckptd: {root} is not a directory")
     cat = Catalog(storage, ":memory:")  # one-shot: nothing to keep, no file left behind
-    cat.rebuild()
+    # What cat.rebuild() does, job by job, with a progress bar on a terminal (settling steps can take long).
+    jobs = [e.name for e in storage.list_dir(storage.root) if e.is_dir and is_valid_job_name(e.name)]
+    for name in tqdm(jobs, desc="scanning jobs", unit="job", file=sys.stderr, disable=None, leave=False):
+        cat.refresh_job(name)
+    cat.last_refresh = time.time()
+    cat.ready.set()
     return cat
 
 
@@ -212,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     maintenance_cmd.add_parsers(sub)  # ckptd validate / gc (ckptd/maintenance_cmd.py)
     advise_cmd.add_parser(sub)  # ckptd advise [ROOT/JOB]: periods and recovery policy (ckptd/advise_cmd.py)
+    observe_cmd.add_parsers(sub)  # ckptd events / goodput ROOT/JOB, from storage (ckptd/observe_cmd.py)
     return parser
 
 
