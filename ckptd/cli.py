@@ -58,7 +58,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from ckptd.app import create_app
 
     overrides = {k: v for k, v in {"root": args.root, "host": args.host, "port": args.port,
-                                   "state_dir": args.state_dir}.items() if v is not None}
+                                   "state_dir": args.state_dir, "shm_dir": args.shm_dir}.items() if v is not None}
     try:
         settings = Settings(**overrides)
     except ValidationError as exc:  # e.g. an unreadable CKPTD_TOKEN_FILE: one clear line, no traceback
@@ -192,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--state-dir", help="where the catalog cache lives")
+    serve.add_argument("--shm-dir", help="host-memory tier: the shared-memory directory trainers snapshot into")
     serve.set_defaults(func=_cmd_serve)
 
     ls = sub.add_parser("ls", help="list the jobs of a root")

@@ -1,4 +1,4 @@
-"""``python -m ckptd.persist_worker SNAPSHOT_DIR JOB_URL``: write one host-memory snapshot to storage.
+"""``python -m ckptd.persist_worker [--serve | SNAPSHOT_DIR JOB_URL]``: write host-memory snapshots to storage.
 
 Runs as a child process of ckptd, because writing Orbax's layout takes Orbax, and Orbax takes jax —
 which ckptd's own process never imports. The child uses jax on the CPU only (it must never claim the
@@ -16,6 +16,7 @@ import sys
 os.environ["JAX_PLATFORMS"] = "cpu"  # never the host's accelerators
 
 import argparse
+import json
 import pickle
 from pathlib import Path
 
@@ -41,12 +42,34 @@ def persist(snapshot: Path, job_url: str, *, compression: bool = False) -> str:
     return f"{job_url.rstrip('/')}/{meta.step}"
 
 
+def serve(compression: bool) -> int:
+    """Persist one snapshot per request line (``{"snapshot": DIR, "job_url": URL}``), answering one JSON
+    line each (``{"ok": true, "path": URL}`` or ``{"ok": false, "error": ...}``) — so jax and Orbax are
+    imported once, not once per snapshot."""
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            request = json.loads(line)
+            path = persist(Path(request["snapshot"]), request["job_url"], compression=compression)
+            answer: dict[str, object] = {"ok": True, "path": path}
+        except Exception as exc:  # reported to the parent, which logs it and retries later
+            answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(answer), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("snapshot")
-    parser.add_argument("job_url")
+    parser.add_argument("snapshot", nargs="?")
+    parser.add_argument("job_url", nargs="?")
     parser.add_argument("--compression", action="store_true")
+    parser.add_argument("--serve", action="store_true", help="persist the snapshots named on stdin, one per line")
     args = parser.parse_args(argv)
+    if args.serve:
+        return serve(args.compression)
+    if not args.snapshot or not args.job_url:
+        parser.error("SNAPSHOT and JOB_URL are required without --serve")
     try:
         print(persist(Path(args.snapshot), args.job_url, compression=args.compression), flush=True)
     except Exception as exc:  # reported to the parent through stderr and the exit code

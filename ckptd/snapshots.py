@@ -3,7 +3,8 @@ memory bounded.
 
 Every few seconds the keeper looks at ``<shm_dir>/<job>/<step>/``. A whole snapshot marked ``persist`` that
 is not on storage yet is written there by a child process (``ckptd.persist_worker``: Orbax's layout, the
-manifest before the commit marker) — whether or not the trainer that made it is still alive. Once the
+manifest before the commit marker; one long-lived child, so jax and Orbax load once) — whether or not the
+trainer that made it is still alive. Once the
 step is committed the snapshot is marked persisted and may be evicted; beyond ``max_snapshots`` per job
 the oldest evictable snapshots are dropped. A snapshot that is not whole is reported and dropped (it is a
 copy in memory; the storage tier never loses a step this way).
@@ -11,8 +12,10 @@ copy in memory; the storage tier never loses a step this way).
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
+import select
 import subprocess
 import sys
 import threading
@@ -70,6 +73,7 @@ class SnapshotKeeper:
         self._queued: set[Path] = set()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._persist_loop, name="ckptd-persister", daemon=True)
+        self._worker: subprocess.Popen[str] | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -77,6 +81,13 @@ class SnapshotKeeper:
     def stop(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=30)
+        if self._worker is not None and self._worker.poll() is None:
+            if self._worker.stdin is not None:
+                self._worker.stdin.close()
+            try:
+                self._worker.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._worker.kill()
 
     def jobs(self) -> list[str]:
         if not self.shm_dir.is_dir():
@@ -129,16 +140,9 @@ class SnapshotKeeper:
             mark_persisted(path, step_url)  # already on storage (e.g. saved there directly)
             return step_url
         started = time.monotonic()
-        cmd = [sys.executable, "-m", "ckptd.persist_worker", str(path), job_url]
-        if self.compression:
-            cmd.append("--compression")
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout_s, check=False)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            self._failed(path, f"{type(exc).__name__}: {exc}")
-            return None
-        if done.returncode != 0:
-            self._failed(path, (done.stderr.strip().splitlines() or ["no output"])[-1])
+        answer = self._ask_worker({"snapshot": str(path), "job_url": job_url})
+        if not answer.get("ok"):
+            self._failed(path, str(answer.get("error", "no answer")))
             return None
         if path.exists():
             mark_persisted(path, step_url)
@@ -148,6 +152,36 @@ class SnapshotKeeper:
         if self.on_persisted is not None:
             self.on_persisted(job, step)
         return step_url
+
+    def _ask_worker(self, request: dict[str, str]) -> dict[str, object]:
+        """One request to the long-lived persist worker (started, or restarted after a crash, on demand)."""
+        worker = self._worker
+        if worker is None or worker.poll() is not None:
+            cmd = [sys.executable, "-m", "ckptd.persist_worker", "--serve"]
+            if self.compression:
+                cmd.append("--compression")
+            try:
+                worker = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+            except OSError as exc:
+                return {"ok": False, "error": f"cannot start the persist worker: {exc}"}
+            self._worker = worker
+        assert worker.stdin is not None and worker.stdout is not None
+        try:
+            worker.stdin.write(json.dumps(request) + "\n")
+            worker.stdin.flush()
+        except OSError as exc:
+            worker.kill()
+            return {"ok": False, "error": f"persist worker gone: {exc}"}
+        ready, _, _ = select.select([worker.stdout], [], [], self.timeout_s)
+        line = worker.stdout.readline() if ready else ""
+        if not line:
+            worker.kill()
+            return {"ok": False, "error": "persist worker died or timed out"}
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            return {"ok": False, "error": f"persist worker said {line.strip()[:200]!r}"}
+        return answer if isinstance(answer, dict) else {"ok": False, "error": "bad answer"}
 
     def _failed(self, path: Path, why: str) -> None:
         self.stats.failed += 1

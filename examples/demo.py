@@ -1,8 +1,10 @@
 """``make demo``: lose a slice mid-run and keep training in the same process.
 
-Starts a real ckptd (``python -m ckptd serve``) on 127.0.0.1 over a local directory, trains the demo
-MLP on 8 fake CPU devices grouped into 4 slices, takes slice 2 down mid-run, recovers on 3 slices in the
-same PID, grows back to 4 when the slice returns, finishes and stops the server. Prints a timeline and,
+Starts a real ckptd (``python -m ckptd serve``) on 127.0.0.1 over a local directory, with the host-memory
+tier in ``/dev/shm``; trains the demo MLP on 8 fake CPU devices grouped into 4 slices (a memory snapshot
+every 5 steps, a persistent one every 20, which ckptd writes to storage), takes slice 2 down mid-run,
+recovers on 3 slices in the same PID from the newest snapshot in memory (the meshes compiled ahead of time
+in the background), grows back to 4 when the slice returns, finishes and stops the server. Prints a timeline and,
 as its last line, ``report: PATH`` naming a JSON report.
 """
 
@@ -19,6 +21,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,11 +43,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_ckptd(root: Path, state_dir: Path, port: int) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "CKPTD_REFRESH_INTERVAL_S": "0.5"}
+def start_ckptd(root: Path, state_dir: Path, shm_dir: Path, port: int) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "CKPTD_REFRESH_INTERVAL_S": "0.5", "CKPTD_MAX_SNAPSHOTS": "4"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "ckptd", "serve", "--root", str(root), "--host", "127.0.0.1",
-         "--port", str(port), "--state-dir", str(state_dir)],
+         "--port", str(port), "--state-dir", str(state_dir), "--shm-dir", str(shm_dir)],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     deadline = time.monotonic() + 30
@@ -64,19 +67,22 @@ def start_ckptd(root: Path, state_dir: Path, port: int) -> subprocess.Popen[byte
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="demo-output", help="directory for checkpoints and the report")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--fail-at", type=int, default=35, help="step at which slice 2 goes down")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--fail-at", type=int, default=150, help="step at which slice 2 goes down")
     parser.add_argument("--down-for", type=float, default=3.0, help="seconds until the slice returns")
     parser.add_argument("--policy", choices=["pause", "resize"], default="resize")
+    parser.add_argument("--no-memory-tier", action="store_true", help="save to storage only, through Orbax")
     args = parser.parse_args(argv)
 
     out = Path(args.out).resolve()
     shutil.rmtree(out, ignore_errors=True)
     root, state_dir = out / "checkpoints", out / "ckptd-state"
     (root / JOB).mkdir(parents=True)
+    shm_base = Path("/dev/shm") if Path("/dev/shm").is_dir() else out
+    shm_dir = Path(tempfile.mkdtemp(prefix="ckptd-demo-", dir=shm_base))
     port = free_port()
-    server = start_ckptd(root, state_dir, port)
-    print(f"ckptd serving {root} on http://127.0.0.1:{port} (pid {server.pid})")
+    server = start_ckptd(root, state_dir, shm_dir, port)
+    print(f"ckptd serving {root} on http://127.0.0.1:{port} (pid {server.pid}); memory tier in {shm_dir}")
     print(f"trainer pid {os.getpid()}, {jax.device_count()} devices in 4 slices, policy {args.policy}")
 
     previous = [0.0]
@@ -90,14 +96,16 @@ def main(argv: list[str] | None = None) -> int:
     quiet = {"checkpoint_started"}
     config = ElasticConfig(
         job=JOB, mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=48,
-        checkpoint_period=10, elastic_timeout_s=60, elastic_max_retries=5, policy=args.policy,
-        scale_up_check_interval_s=0.5,
+        checkpoint_period=20, elastic_timeout_s=60, elastic_max_retries=5, policy=args.policy,
+        scale_up_check_interval_s=0.5, compilation_cache_dir=str(out / "jax-cache"),
+        shm_dir=None if args.no_memory_tier else str(shm_dir), memory_period=None if args.no_memory_tier else 5,
+        max_snapshots=4,
     )
     slices = SimulatedSlices(num_slices=4, faults=[SliceFault(2, args.fail_at, args.down_for)])
     log = TrainLog()
     pid_before = os.getpid()
     try:
-        client = CkptdClient(ClientSettings(url=f"http://127.0.0.1:{port}"), root=str(root))
+        client = CkptdClient(ClientSettings(url=f"http://127.0.0.1:{port}", shm_dir=str(shm_dir)), root=str(root))
         runner = ElasticRunner(config, slices=slices, client=client, checkpoint_dir=str(root / JOB),
                                on_event=lambda e: None if e.kind in quiet else show(e))
         result = runner.run(make_train_fn(args.steps, log))
@@ -106,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.terminate()
         server.wait(timeout=10)
+        shutil.rmtree(shm_dir, ignore_errors=True)
     first, last = min(log.losses), max(log.losses)
     report = {
         "pid_before": pid_before,

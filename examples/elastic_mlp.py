@@ -8,6 +8,7 @@ mesh axis.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,9 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainer_client.elastic import ElasticContext
+from trainer_client.protocol import BatchPlan
 
 D_IN, HIDDEN, D_OUT = 32, 128, 8
 PyTree = Any
@@ -75,6 +77,33 @@ def train_step(state: PyTree, ids: jax.Array) -> tuple[PyTree, jax.Array]:
     return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
 
 
+@functools.lru_cache(maxsize=32)
+def jitted_step(accumulation_steps: int = 1, lr_scale: float = 1.0) -> Any:
+    """One jitted step per batch plan, shared by every attempt, so a mesh compiled ahead of time (by
+    ``precompile``) is found in jax's cache after a recovery."""
+    return jax.jit(make_train_step(accumulation_steps, lr_scale))
+
+
+def batch_layout(mesh: Mesh, batch: BatchPlan) -> tuple[tuple[int, ...], NamedSharding]:
+    """Shape and sharding of a step's sample ids: ``[global]``, or ``[steps, micro]`` when accumulating."""
+    axes = tuple(mesh.axis_names)
+    if batch.accumulation_steps > 1:
+        return (batch.accumulation_steps, batch.micro_batch), NamedSharding(mesh, PartitionSpec(None, axes))
+    return (batch.global_batch,), NamedSharding(mesh, PartitionSpec(axes))
+
+
+def precompile(mesh: Mesh, batch: BatchPlan) -> None:
+    """Lower and compile the training step for ``mesh`` (the ElasticRunner calls it in the background)."""
+    specs = partition_specs(jax.eval_shape(init_state))
+    abstract = jax.tree_util.tree_map(
+        lambda leaf, spec: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec)),
+        jax.eval_shape(init_state), specs, is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+    shape, sharding = batch_layout(mesh, batch)
+    ids = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+    jitted_step(batch.accumulation_steps, batch.lr_scale).lower(abstract, ids).compile()
+
+
 def make_train_step(accumulation_steps: int = 1, lr_scale: float = 1.0) -> Callable[..., tuple[PyTree, jax.Array]]:
     """A training step for a batch plan: ``accumulation_steps`` microbatches (ids shaped
     ``[steps, micro]``) averaged into one update, the update scaled by ``lr_scale``."""
@@ -108,26 +137,27 @@ class TrainLog:
 
 
 def make_train_fn(
-    total_steps: int, log: TrainLog, *, step_hook: Callable[[int], None] | None = None
+    total_steps: int,
+    log: TrainLog,
+    *,
+    step_hook: Callable[[int], None] | None = None,
+    use_precompile: bool = True,
 ) -> Callable[[ElasticContext], PyTree]:
     """The user's training function, as an ElasticRunner calls it (again after every recovery)."""
 
     def train(ctx: ElasticContext) -> PyTree:
         state, step, position = ctx.restore_or_init(init_state, partition_specs)
+        if use_precompile:
+            ctx.set_precompile(precompile)
         plan = ctx.batch
-        axes = tuple(ctx.mesh.axis_names)
-        accumulate = plan.accumulation_steps > 1
-        layout = PartitionSpec(None, axes) if accumulate else PartitionSpec(axes)
-        batch_sharding = NamedSharding(ctx.mesh, layout)
-        step_fn = jax.jit(make_train_step(plan.accumulation_steps, plan.lr_scale))
+        shape, batch_sharding = batch_layout(ctx.mesh, plan)
+        step_fn = jitted_step(plan.accumulation_steps, plan.lr_scale)
         batch = plan.global_batch
         while step < total_steps:
             ctx.step_boundary(step, state, position)
             if step_hook is not None:
                 step_hook(step)
-            ids_host = np.arange(position, position + batch, dtype=np.int32)
-            if accumulate:
-                ids_host = ids_host.reshape(plan.accumulation_steps, plan.micro_batch)
+            ids_host = np.arange(position, position + batch, dtype=np.int32).reshape(shape)
             ids = jax.device_put(ids_host, batch_sharding)
             state, loss = step_fn(state, ids)
             log.samples[step] = (position, position + batch)
@@ -145,10 +175,12 @@ def make_train_fn(
 __all__ = [
     "TrainLog",
     "init_state",
+    "jitted_step",
     "loss_fn",
     "make_batch",
     "make_train_fn",
     "make_train_step",
     "partition_specs",
+    "precompile",
     "train_step",
 ]

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pathwaysutils.elastic.manager import ScaleUpSignalError
 
@@ -34,6 +33,7 @@ from trainer_client.errors import ElasticRetriesExhausted, ElasticTimeoutError, 
 from trainer_client.event_reporter import EventReporter
 from trainer_client.memory_tier import MemoryTier
 from trainer_client.planning import plan_mesh
+from trainer_client.precompile import PrecompileHook, Precompiler, build_mesh, enable_persistent_cache
 from trainer_client.protocol import BatchOptions, BatchPlan, MeshSpec, ResumePlan, ResumeRequest, SliceAlive
 from trainer_client.saver import HealthWatch, Saver, restore_from_plan
 from trainer_client.slices import SliceProvider, is_slice_down_error
@@ -66,6 +66,8 @@ class ElasticConfig:
     shm_dir: str | None = None  # host-memory tier: a shared-memory directory ckptd also sees
     memory_period: int | None = None  # memory-only snapshots every N steps (between persistent saves)
     max_snapshots: int = 2
+    compilation_cache_dir: str | None = None  # JAX's persistent compilation cache (shared with relaunches)
+    precompile: bool = True  # compile the likely next meshes in the background (needs ctx.set_precompile)
 
     @property
     def full_mesh(self) -> MeshSpec:
@@ -121,6 +123,12 @@ class ElasticContext:
         self.last_step: int | None = None
         self._first_step_done = False
         self._last_scale_check = time.monotonic()
+        self._precompile: PrecompileHook | None = None
+
+    def set_precompile(self, hook: PrecompileHook) -> None:
+        """Register ``hook(mesh, batch_plan)``: lower and compile the training step for ``mesh``. The runner
+        calls it in the background for the meshes an elastic event would lead to next."""
+        self._precompile = hook
 
     @property
     def global_batch(self) -> int:
@@ -178,6 +186,12 @@ class ElasticContext:
             jax.block_until_ready(state)
             self._first_step_done = True
             self.runner._first_step_done(step)
+            cfg = self.runner.config
+            if self._precompile is not None and cfg.precompile:
+                self.runner.precompiler.start(
+                    self._precompile, mesh_spec(self.mesh), self.active_slices, self.runner.slices.slice_to_devices,
+                    self.batch, BatchOptions(mode=cfg.batch_mode, lr_scaling=cfg.lr_scaling),
+                )
         self.last_step = step
         self.runner.slices.at_step_boundary(step, self.active_slices)
         cfg = self.runner.config
@@ -223,6 +237,9 @@ class ElasticRunner:
         # Events go to ckptd in the background (trainer_client/event_reporter.py); training never waits.
         self.reporter = reporter if reporter is not None else (
             EventReporter(client.settings, config.job) if client.settings.report_events else None)
+        if config.compilation_cache_dir:
+            enable_persistent_cache(config.compilation_cache_dir)
+        self.precompiler = Precompiler()
         self.checkpointer = Checkpointer(checkpoint_dir)
         memory = MemoryTier(config.shm_dir, config.job, max_snapshots=config.max_snapshots) if config.shm_dir else None
         self.saver = Saver(self.checkpointer, memory, HealthWatch(client) if memory is not None else None)
@@ -297,6 +314,7 @@ class ElasticRunner:
                         f"{failures} slice failures exceed elastic_max_retries="
                         f"{self.config.elastic_max_retries}"
                     ) from exc
+            self.precompiler.stop()
             # Out of the except block: the traceback and the frames holding the old arrays are gone.
             del ctx
             gc.collect()
@@ -354,11 +372,7 @@ class ElasticRunner:
 
     def _build_mesh(self, spec: MeshSpec, slice_order: list[int]) -> Mesh:
         """Devices of the planned slices, slice by slice, reshaped to the planned mesh."""
-        devices = [d for k in slice_order for d in self.slices.slice_to_devices[k]]
-        if len(devices) < spec.size:
-            raise ValueError(f"the plan needs {spec.size} devices, {len(devices)} are healthy")
-        grid = np.array(devices[: spec.size], dtype=object).reshape(spec.shape)
-        return Mesh(grid, tuple(spec.axis_names))
+        return build_mesh(spec, slice_order, self.slices.slice_to_devices)
 
 
 __all__ = ["ElasticConfig", "ElasticContext", "ElasticResult", "ElasticRunner", "Event", "Recovery"]

@@ -65,7 +65,7 @@ class Saver:
                 self.last_blocked_s = self.memory.last_blocked_s
             except MemoryTierFull as exc:
                 if not persist:
-                    _log.warning("memory snapshot of step %s skipped: %s", step, exc)
+                    _log.info("memory snapshot of step %s skipped: %s", step, exc)
                     return "skipped"
                 _log.warning("memory tier full, saving step %s through Orbax: %s", step, exc)
         if tier == "storage":
