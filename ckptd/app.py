@@ -31,6 +31,7 @@ from ckptd.event_routes import add_event_routes
 from ckptd.events import EventStore, record_retention
 from ckptd.metrics import Metrics
 from ckptd.retention import prune
+from ckptd.route_docs import describe_routes
 from ckptd.snapshots import SnapshotKeeper
 from trainer_client import protocol as p
 from trainer_client.planning import PlanningError, memory_snapshot_plan, resume_plan
@@ -56,7 +57,8 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
     ``background`` the catalog is rebuilt and refreshed by a thread started in the app's lifespan.
     """
     if catalog is None:
-        catalog = Catalog(Storage(settings.root), settings.catalog_path(), save_timeout_s=settings.save_timeout_s)
+        catalog = Catalog(Storage(settings.root), settings.catalog_path(), save_timeout_s=settings.save_timeout_s,
+                          adopt_after_s=settings.adopt_after_s)
     cat = catalog
     metrics = Metrics()  # ckptd/metrics.py
     events = EventStore(cat.storage)  # ckptd/events.py: <root>/<job>/.ckptd/events/
@@ -240,6 +242,7 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
 
     add_event_routes(app, catalog=cat, store=events, metrics=metrics, check_job=_job)  # ckptd/event_routes.py
     add_dashboard_route(app)  # GET /: ckptd/dashboard.py
+    describe_routes(app)  # summaries for the OpenAPI schema and docs/api.md: ckptd/route_docs.py
     return app
 
 

@@ -59,9 +59,12 @@ CREATE INDEX IF NOT EXISTS steps_by_state ON steps (job, state, step);
 class Catalog:
     """What the checkpoint root holds, per job and step, with the commit rule applied."""
 
-    def __init__(self, storage: Storage, db_path: Path | str, *, save_timeout_s: float = 3600.0) -> None:
+    def __init__(
+        self, storage: Storage, db_path: Path | str, *, save_timeout_s: float = 3600.0, adopt_after_s: float = 0.0
+    ) -> None:
         self.storage = storage
         self.save_timeout_s = save_timeout_s
+        self.adopt_after_s = adopt_after_s
         self._lock = threading.RLock()
         self._db = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -139,7 +142,7 @@ class Catalog:
                 _log.warning("cannot inspect %s: %s", entry.path, exc)
                 continue
             if inspection is not None and inspection.state is StepState.COMMITTED:
-                settled = settle(self.storage, inspection)
+                settled = settle(self.storage, inspection, adopt_after_s=self.adopt_after_s)
                 inspection = replace(inspection, state=settled.state, reason=settled.reason)
             if inspection is not None:
                 found.append((entry.name, inspection))
@@ -249,7 +252,7 @@ class Catalog:
             inspect_step(self.storage, entry, save_timeout_s=self.save_timeout_s) if entry is not None else None
         )
         if inspection is not None and inspection.state is StepState.COMMITTED:
-            settled = settle(self.storage, inspection)
+            settled = settle(self.storage, inspection, adopt_after_s=self.adopt_after_s)
             inspection = replace(inspection, state=settled.state, reason=settled.reason)
         with self._tx() as db:
             if inspection is None:

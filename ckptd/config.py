@@ -37,6 +37,9 @@ class Settings(BaseSettings):
         default=3600.0, gt=0, description="a tmp step older than this is reported abandoned"
     )
     log_level: str = "info"
+    adopt_after_s: float = Field(
+        default=2.0, ge=0, description="adopt a step without a manifest once its files are unchanged this long"
+    )
     keep_last: int | None = Field(default=None, ge=1, description="retention: keep the newest N good steps")
     keep_every: int | None = Field(default=None, ge=1, description="retention: keep steps that are multiples of K")
     keep_newer_than_s: float | None = Field(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import posixpath
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ from trainer_client.manifest import (
     MANIFEST_FILE,
     QUARANTINE_FILE,
     build_manifest,
+    newest_file_time,
     quarantine_record,
     seal_manifest,
     write_json_file,
@@ -66,8 +68,11 @@ def _durable(storage: Storage, step_path: str) -> None:
     )
 
 
-def settle(storage: Storage, inspection: StepInspection) -> Settled:
-    """Verify (adopting and sealing as needed) or quarantine a committed step."""
+def settle(storage: Storage, inspection: StepInspection, *, adopt_after_s: float = 0.0) -> Settled:
+    """Verify (adopting and sealing as needed) or quarantine a committed step.
+
+    A step without a manifest is adopted only once none of its files changed for ``adopt_after_s``: a
+    directory copied in by a tool may show its marker before its other files (Orbax writes it last)."""
     path = inspection.path
     try:
         record = read_quarantine(storage, path)
@@ -75,6 +80,9 @@ def settle(storage: Storage, inspection: StepInspection) -> Settled:
             return Settled(StepState.QUARANTINED, str(record.get("reason", "quarantined")))
         result = validate_step(storage, path, "quick")
         if result.problems == ["no manifest"]:
+            newest = newest_file_time(storage, path)
+            if adopt_after_s > 0 and (newest is None or time.time() - newest < adopt_after_s):
+                return Settled(StepState.COMMITTED, f"not verified yet: adopting once unchanged for {adopt_after_s:g}s")
             manifest = build_manifest(
                 storage, path, step=inspection.step, writer="adopted",
                 arrays=inspection.training.arrays if inspection.training else None, training=inspection.training,

@@ -82,6 +82,7 @@ def make_settings(root: str | Path, state_dir: str | Path, **overrides: Any) -> 
         "keep_newer_than_s": None,
         "clean_abandoned": True,
         "gc_interval_s": 300.0,
+        "adopt_after_s": 0.0,  # tests write plain-Orbax steps and look at once
     }
     values.update(overrides)
     return Settings(**values)

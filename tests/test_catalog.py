@@ -274,7 +274,9 @@ def test_refresher_thread_builds_then_follows_storage(
         good = catalog.latest_good("alpha")
         assert good is not None and good.step == 3
 
-        shutil.copytree(root / "alpha" / "3", root / "alpha" / "11", ignore=_CKPTD_FILES)
+        # copied beside, then renamed into place: the refresher never sees half a step
+        shutil.copytree(root / "alpha" / "3", root / "incoming-11", ignore=_CKPTD_FILES)
+        (root / "incoming-11").rename(root / "alpha" / "11")
 
         def latest() -> int | None:
             info = catalog.latest_good("alpha")
@@ -310,3 +312,22 @@ def test_a_committed_step_that_loses_its_marker_is_never_served(tmp_path: Path) 
     assert cat.confirmed_step("job", 2).state.value == "writing"  # type: ignore[union-attr]
     _shutil.rmtree(job / "2")
     assert cat.confirmed_latest_good("job").step == 1  # type: ignore[union-attr]
+
+
+def test_a_step_still_being_copied_in_is_adopted_only_once_it_settles(root: Path, tmp_path: Path) -> None:
+    storage = Storage(str(root))
+    cat = Catalog(storage, tmp_path / "c.sqlite3", adopt_after_s=1.0)
+    try:
+        shutil.copytree(root / "alpha" / "3", root / "alpha" / "12", ignore=_CKPTD_FILES)  # lands now
+        cat.rebuild()
+        fresh = cat.step("alpha", 12)
+        assert fresh is not None and fresh.state is StepState.COMMITTED and "adopting" in (fresh.reason or "")
+        good = cat.latest_good("alpha")
+        assert good is None or good.step != 12
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and cat.step("alpha", 12).state is not StepState.VERIFIED:  # type: ignore[union-attr]
+            time.sleep(0.2)
+            cat.refresh_job("alpha")
+        assert cat.step("alpha", 12).state is StepState.VERIFIED  # type: ignore[union-attr]
+    finally:
+        cat.close()

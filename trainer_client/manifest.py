@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from trainer_client.layout import CHECKPOINT_METADATA, COMMIT_MARKER
 from trainer_client.protocol import ArraySpec, TrainingMetadata
-from trainer_client.storage import Storage
+from trainer_client.storage import Storage, mtime_of, storage_errors
 
 MANIFEST_FILE = "ckptd_manifest.json"
 QUARANTINE_FILE = "ckptd_quarantine.json"
@@ -91,7 +91,7 @@ def crc32c_of(read_chunks: Callable[[], bytes], chunk: int = _CHUNK) -> tuple[in
 
 def file_entry(storage: Storage, path: str) -> FileEntry:
     """Read ``path`` through and checksum it."""
-    with storage.fs.open(path, "rb") as f:
+    with storage_errors(f"cannot read {storage.url_of(path)}"), storage.fs.open(path, "rb") as f:
         size, crc = crc32c_of(lambda: f.read(_CHUNK))
     return FileEntry(size=size, crc32c=crc)
 
@@ -109,12 +109,25 @@ def list_files(storage: Storage, step_path: str) -> dict[str, Listed]:
     storage.invalidate(step_path)
     base = storage.fs._strip_protocol(step_path).rstrip("/") + "/"
     out = {}
-    for name, info in storage.fs.find(step_path, detail=True).items():
+    with storage_errors(f"cannot list {storage.url_of(step_path)}"):
+        found = storage.fs.find(step_path, detail=True)
+    for name, info in found.items():
         name = str(name)
         if info.get("type") != "directory" and name.startswith(base) and len(name) > len(base):
             crc = info.get("crc32c") if storage.is_remote else None
             out[name[len(base):]] = Listed(int(info.get("size") or 0), str(crc) if crc else None)
     return out
+
+
+def newest_file_time(storage: Storage, step_path: str) -> float | None:
+    """When any file under ``step_path`` last changed (None when nothing says). On a local disk the
+    inode change time counts too: a copy that preserves modification times still shows when it landed."""
+    times = []
+    for info in storage.fs.find(step_path, detail=True).values():
+        for value in (mtime_of(info), info.get("created") if not storage.is_remote else None):
+            if isinstance(value, int | float):
+                times.append(float(value))
+    return max(times) if times else None
 
 
 def build_manifest(
@@ -145,7 +158,7 @@ def write_json_file(storage: Storage, path: str, payload: str) -> None:
     is written beside and renamed over, so a crash never leaves half a manifest."""
     data = payload.encode("utf-8")
     if storage.is_remote:
-        with storage.fs.open(path, "wb") as f:
+        with storage_errors(f"cannot write {storage.url_of(path)}"), storage.fs.open(path, "wb") as f:
             f.write(data)
         return
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
@@ -204,6 +217,7 @@ __all__ = [
     "crc32c_of",
     "file_entry",
     "list_files",
+    "newest_file_time",
     "quarantine_record",
     "read_manifest",
     "seal_manifest",

@@ -124,6 +124,11 @@ class Precompiler:
             self._done.add(key)
             self.compiled.append((list(spec.shape), time.perf_counter() - started))
 
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the current pass is done (tests; benchmarks)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
     def stop(self, wait: bool = False) -> None:
         self._stop.set()
         if wait and self._thread is not None:

@@ -11,6 +11,8 @@ import contextlib
 import json
 import os
 import posixpath
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -20,6 +22,34 @@ import fsspec
 
 class StorageError(OSError):
     """Storage could not be listed or read (after the file system's own retries)."""
+
+
+def storage_failures() -> tuple[type[BaseException], ...]:
+    """What file-system backends raise for storage trouble: ``OSError``, plus the exceptions of gcsfs and
+    aiohttp that are not ``OSError`` (gcsfs raises its ``HttpError`` for a 5xx or 429 that outlived its
+    retries). Looked up when needed: importing gcsfs here would fix its class choice before a test or a
+    deployment has set ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT``."""
+    found: list[type[BaseException]] = [OSError]
+    gcsfs_retry = sys.modules.get("gcsfs.retry")
+    if gcsfs_retry is not None:
+        found += [gcsfs_retry.HttpError, gcsfs_retry.ChecksumError]
+    aiohttp = sys.modules.get("aiohttp")
+    if aiohttp is not None:
+        found.append(aiohttp.ClientError)
+    return tuple(found)
+
+
+@contextlib.contextmanager
+def storage_errors(what: str) -> Iterator[None]:
+    """Raise a backend's storage failure as ``StorageError`` (``FileNotFoundError`` passes as it is)."""
+    try:
+        yield
+    except (FileNotFoundError, StorageError):
+        raise
+    except Exception as exc:
+        if isinstance(exc, storage_failures()):
+            raise StorageError(f"{what}: {exc}") from exc
+        raise
 
 
 @dataclass(frozen=True)
@@ -32,7 +62,8 @@ class Entry:
     mtime: float | None
 
 
-def _mtime_of(info: dict[str, Any]) -> float | None:
+def mtime_of(info: dict[str, Any]) -> float | None:
+    """A listing entry's modification time, whatever the file system calls it (seconds since the epoch)."""
     for key in ("mtime", "updated", "LastModified", "created"):
         value = info.get(key)
         if value is None:
@@ -102,7 +133,7 @@ class Storage:
             infos = self.fs.ls(path, detail=True)
         except FileNotFoundError:
             return []
-        except OSError as exc:
+        except storage_failures() as exc:
             raise StorageError(f"cannot list {self.url_of(path)}: {exc}") from exc
         entries = []
         for info in infos:
@@ -110,19 +141,19 @@ class Storage:
             name = posixpath.basename(full)
             if not name or full == path.rstrip("/"):
                 continue
-            entries.append(Entry(name, full, info.get("type") == "directory", _mtime_of(info)))
+            entries.append(Entry(name, full, info.get("type") == "directory", mtime_of(info)))
         return sorted(entries, key=lambda e: e.name)
 
     def exists(self, path: str) -> bool:
         try:
             return bool(self.fs.exists(path))
-        except OSError as exc:
+        except storage_failures() as exc:
             raise StorageError(f"cannot stat {self.url_of(path)}: {exc}") from exc
 
     def is_dir(self, path: str) -> bool:
         try:
             return bool(self.fs.isdir(path))
-        except OSError as exc:
+        except storage_failures() as exc:
             raise StorageError(f"cannot stat {self.url_of(path)}: {exc}") from exc
 
     def read_bytes(self, path: str) -> bytes:
@@ -131,7 +162,7 @@ class Storage:
                 return bytes(f.read())
         except FileNotFoundError:
             raise
-        except OSError as exc:
+        except storage_failures() as exc:
             raise StorageError(f"cannot read {self.url_of(path)}: {exc}") from exc
 
     def read_json(self, path: str) -> Any:
@@ -152,10 +183,10 @@ class Storage:
                 infos = self.fs.find(path, detail=True)
             except FileNotFoundError:
                 infos = {}
-            except OSError as exc:
+            except storage_failures() as exc:
                 raise StorageError(f"cannot list {self.url_of(path)}: {exc}") from exc
-            times = [t for t in (_mtime_of(info) for info in infos.values()) if t is not None]
+            times = [t for t in (mtime_of(info) for info in infos.values()) if t is not None]
         return max(times) if times else None
 
 
-__all__ = ["Entry", "Storage", "StorageError"]
+__all__ = ["Entry", "Storage", "StorageError", "storage_errors", "storage_failures"]
