@@ -80,3 +80,13 @@ def test_house_rules_on_imports() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_every_setting_is_documented() -> None:
+    from pathlib import Path
+
+    from ckptd.config import Settings
+
+    doc = (Path(__file__).parent.parent / "docs" / "protocol.md").read_text()
+    missing = [name for name in Settings.model_fields if f"`CKPTD_{name.upper()}`" not in doc]
+    assert not missing, f"docs/protocol.md does not document {missing}"
