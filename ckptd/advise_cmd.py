@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from ckptd.advice_text import render
 from ckptd.advisor import MissingInputs, advise
+from ckptd.cli_support import open_catalog, split_job
 from ckptd.job_history import JobHistory, job_history
 from trainer_client.protocol import AdviceQuery
 
@@ -54,7 +55,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ckptd.cli import _catalog, _split_job  # the CLI imports this module: import its helpers late
 
     given = {k: getattr(args, k) for k in AdviceQuery.model_fields if getattr(args, k, None) is not None}
     try:
@@ -66,8 +66,8 @@ def run(args: argparse.Namespace) -> int:
     history: JobHistory | None = None
     job = None
     if args.target:
-        root, job = _split_job(args.target)
-        cat = _catalog(root)
+        root, job = split_job(args.target)
+        cat = open_catalog(root)
         if not cat.has_job(job):
             print(f"ckptd: no job {job!r} under {root}", file=sys.stderr)
             return EXIT_BAD

@@ -10,46 +10,26 @@ import argparse
 import json
 import re
 import sys
-import time
 from collections.abc import Sequence
 
 from pydantic import ValidationError
-from tqdm import tqdm
 
 from ckptd import __version__, advise_cmd, maintenance_cmd, observe_cmd
-from ckptd.catalog import Catalog
+from ckptd.cli_support import open_catalog, open_job, split_job
 from ckptd.config import Settings
 from trainer_client.planning import PlanningError, format_bytes, resume_plan
-from trainer_client.protocol import BatchOptions, ResumePlan, ResumeRequest, SliceAlive, StepState, is_valid_job_name
+from trainer_client.protocol import BatchOptions, ResumePlan, ResumeRequest, SliceAlive, StepState
 from trainer_client.saved_layout import saved_layout
-from trainer_client.storage import Storage, StorageError
+from trainer_client.storage import StorageError
 
 EXIT_OK = 0
 EXIT_BAD = 1
 EXIT_USAGE = 2
 
 
-def _split_job(target: str) -> tuple[str, str]:
-    """``ROOT/JOB`` -> (root, job)."""
-    target = target.rstrip("/")
-    if "/" not in target:
-        raise SystemExit(f"ckptd: expected ROOT/JOB, got {target!r}")
-    root, job = target.rsplit("/", 1)
-    return root or "/", job
-
-
-def _catalog(root: str) -> Catalog:
-    storage = Storage(root)
-    if not storage.is_dir(storage.root):
-        raise SystemExit(f"ckptd: {root} is not a directory")
-    cat = Catalog(storage, ":memory:")  # one-shot: nothing to keep, no file left behind
-    # What cat.rebuild() does, job by job, with a progress bar on a terminal (settling steps can take long).
-    jobs = [e.name for e in storage.list_dir(storage.root) if e.is_dir and is_valid_job_name(e.name)]
-    for name in tqdm(jobs, desc="scanning jobs", unit="job", file=sys.stderr, disable=None, leave=False):
-        cat.refresh_job(name)
-    cat.last_refresh = time.time()
-    cat.ready.set()
-    return cat
+# The helpers the subcommand modules share live in ckptd/cli_support.py; these names stay for them.
+_split_job = split_job
+_catalog = open_catalog
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -85,11 +65,10 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    root, job = _split_job(args.target)
-    cat = _catalog(root)
-    if not cat.has_job(job):
-        print(f"ckptd: no job {job!r} under {root}", file=sys.stderr)
+    opened = open_job(args.target)
+    if opened is None:
         return EXIT_BAD
+    cat, job = opened
     checkpoints = cat.checkpoints(job)
     if args.json:
         print(json.dumps([c.model_dump(mode="json") for c in checkpoints], indent=2))

@@ -16,6 +16,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from ckptd.cli_support import EXIT_BAD, EXIT_OK, open_job
 from ckptd.integrity import quarantine, validate_and_quarantine
 from ckptd.retention import RetentionPolicy, collect, decide
 from trainer_client.array_index import ArrayIndexError, decode_all_arrays
@@ -23,7 +24,6 @@ from trainer_client.manifest import read_manifest
 from trainer_client.protocol import StepState
 from trainer_client.validation import validate_step
 
-EXIT_OK, EXIT_BAD = 0, 1
 _FINALIZED = (StepState.VERIFIED, StepState.COMMITTED, StepState.QUARANTINED, StepState.CORRUPT)
 _DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)\s*$")
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -45,13 +45,10 @@ def _decode_problems(step_path: str) -> list[str]:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from ckptd.cli import _catalog, _split_job
-
-    root, job = _split_job(args.target)
-    cat = _catalog(root)  # a rebuild settles every step: adopt, seal, quick-validate, quarantine
-    if not cat.has_job(job):
-        print(f"ckptd: no job {job!r} under {root}", file=sys.stderr)
+    opened = open_job(args.target)  # building the catalog settles every step: adopt, seal, quick-validate
+    if opened is None:
         return EXIT_BAD
+    cat, job = opened
     steps = [c for c in cat.checkpoints(job) if c.state in _FINALIZED and (args.step is None or c.step == args.step)]
     if not steps:
         print(f"ckptd: job {job!r} has no finalized step{'' if args.step is None else f' {args.step}'}",
@@ -95,13 +92,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from ckptd.cli import _catalog, _split_job
-
-    root, job = _split_job(args.target)
-    cat = _catalog(root)
-    if not cat.has_job(job):
-        print(f"ckptd: no job {job!r} under {root}", file=sys.stderr)
+    opened = open_job(args.target)
+    if opened is None:
         return EXIT_BAD
+    cat, job = opened
     policy = RetentionPolicy(keep_last=args.keep_last, keep_every=args.keep_every,
                              keep_newer_than_s=args.keep_newer_than, clean_abandoned=not args.keep_abandoned)
     decisions = decide(cat.checkpoints(job), policy)
