@@ -278,6 +278,10 @@ class ElasticRunner:
             self.emit("aborted", None, f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}")
             raise
         finally:
+            # No background compile may outlive the run: XLA aborts the process if the interpreter exits
+            # while one is in flight.
+            self.precompiler.stop(wait=True)
+            self.saver.close()
             if self.reporter is not None:
                 self.reporter.close(self.client.settings.events_flush_timeout_s)
 
@@ -299,7 +303,6 @@ class ElasticRunner:
             try:
                 value = train_fn(ctx)
                 self.checkpointer.wait()
-                self.saver.close()
                 self.emit("finished", ctx.last_step)
                 return ElasticResult(value, os.getpid(), list(self.events), list(self.recoveries), ctx.last_step)
             except ScaleUpSignalError as exc:

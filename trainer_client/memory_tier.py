@@ -18,7 +18,6 @@ import os
 import pickle
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +37,8 @@ from trainer_client.snapshot_format import (
     complete_snapshots,
     evict,
     evictable,
-    global_arrays,
     job_dir,
+    np_dtype,
     read_meta,
 )
 
@@ -126,25 +125,55 @@ class MemoryTier:
         return final
 
 
-def _slicer(value: np.ndarray) -> Callable[[Any], np.ndarray]:
-    def get(index: Any) -> np.ndarray:
-        return value[index]
+class _ShardReader:
+    """Regions of one array of a snapshot, read straight from the memory map: a region that is exactly a
+    saved shard is a zero-copy view; any other region is assembled from the shards that overlap it."""
 
-    return get
+    def __init__(self, data: np.ndarray, record: ArrayRecord, dtype: np.dtype[Any]) -> None:
+        self.shape = tuple(record.shape)
+        self.dtype = dtype
+        self.shards = []
+        for shard in record.shards:
+            extent = [stop - start for start, stop in shard.index]
+            view = data[shard.offset : shard.offset + shard.nbytes].view(dtype).reshape(extent)
+            self.shards.append((tuple((start, stop) for start, stop in shard.index), view))
+        self.exact = dict(self.shards)
+
+    def __call__(self, index: tuple[slice, ...] | None) -> np.ndarray:
+        index = index or ()
+        bounds = tuple(
+            (s.start or 0, dim if s.stop is None else s.stop) for s, dim in zip(index, self.shape, strict=False)
+        ) + tuple((0, dim) for dim in self.shape[len(index) :])
+        hit = self.exact.get(bounds)
+        if hit is not None:
+            return hit
+        region = np.empty([stop - start for start, stop in bounds], dtype=self.dtype)
+        for shard_bounds, view in self.shards:
+            lo = [max(a[0], b[0]) for a, b in zip(bounds, shard_bounds, strict=True)]
+            hi = [min(a[1], b[1]) for a, b in zip(bounds, shard_bounds, strict=True)]
+            if any(low >= high for low, high in zip(lo, hi, strict=True)):
+                continue
+            dst = tuple(slice(low - b[0], high - b[0]) for low, high, b in zip(lo, hi, bounds, strict=True))
+            src = tuple(slice(low - b[0], high - b[0]) for low, high, b in zip(lo, hi, shard_bounds, strict=True))
+            region[dst] = view[src]
+        return region
 
 
 def restore_snapshot(path: str | os.PathLike[str], target: PyTree) -> PyTree:
-    """The snapshot's state laid out like ``target`` (``ShapeDtypeStruct`` leaves with shardings)."""
+    """The snapshot's state laid out like ``target`` (``ShapeDtypeStruct`` leaves with shardings), each
+    device's shard read from a memory map of the snapshot (no disk, no whole-array copy)."""
     meta = read_meta(path)
-    values = global_arrays(path)
     leaves, treedef = jax.tree_util.tree_flatten(target)
-    if len(leaves) != len(values):
-        raise ValueError(f"snapshot of step {meta.step} has {len(values)} arrays, the target {len(leaves)}")
+    if len(leaves) != len(meta.leaf_names):
+        raise ValueError(f"snapshot of step {meta.step} has {len(meta.leaf_names)} arrays, the target {len(leaves)}")
+    data = np.memmap(Path(path) / DATA_FILE, dtype=np.uint8, mode="r") if meta.nbytes else np.zeros(0, np.uint8)
     out = []
-    for want, value in zip(leaves, values, strict=True):
-        if tuple(want.shape) != value.shape:
-            raise ValueError(f"snapshot array of shape {value.shape} does not fit a target of shape {want.shape}")
-        out.append(jax.make_array_from_callback(want.shape, want.sharding, _slicer(value), dtype=want.dtype))
+    for want, name in zip(leaves, meta.leaf_names, strict=True):
+        record = meta.arrays[name]
+        if tuple(want.shape) != tuple(record.shape):
+            raise ValueError(f"snapshot array {name} of shape {record.shape} does not fit a target of {want.shape}")
+        reader = _ShardReader(data, record, np_dtype(record.dtype))
+        out.append(jax.make_array_from_callback(want.shape, want.sharding, reader, dtype=want.dtype))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -94,7 +94,7 @@ def problems(path: str | os.PathLike[str]) -> list[str]:
     if not (path / TREEDEF_FILE).is_file():
         out.append(f"{TREEDEF_FILE} missing")
     for name, array in meta.arrays.items():
-        itemsize = _np_dtype(array.dtype).itemsize
+        itemsize = np_dtype(array.dtype).itemsize
         covered = 0
         for shard in array.shards:
             volume = math.prod(stop - start for start, stop in shard.index)
@@ -160,7 +160,7 @@ def global_arrays(path: str | os.PathLike[str]) -> list[np.ndarray]:
     out = []
     for name in meta.leaf_names:
         array = meta.arrays[name]
-        dtype = _np_dtype(array.dtype)
+        dtype = np_dtype(array.dtype)
         whole = np.empty(array.shape, dtype=dtype)
         for shard in array.shards:
             window = tuple(slice(start, stop) for start, stop in shard.index)
@@ -170,7 +170,7 @@ def global_arrays(path: str | os.PathLike[str]) -> list[np.ndarray]:
     return out
 
 
-def _np_dtype(name: str) -> np.dtype[np.generic]:
+def np_dtype(name: str) -> np.dtype[np.generic]:
     if name == "bfloat16":
         import ml_dtypes
 
@@ -195,6 +195,7 @@ __all__ = [
     "job_dir",
     "mark_persisted",
     "newest_whole",
+    "np_dtype",
     "problems",
     "read_meta",
 ]
