@@ -7,7 +7,7 @@ PYTHON ?= python3
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: venv demo test test-all lint typecheck check clean
+.PHONY: venv demo test test-all lint typecheck check clean bench chaos
 
 # The virtual environment, with the project and its dev tools installed (re-made when pyproject changes).
 $(VENV)/.installed: pyproject.toml
@@ -20,14 +20,23 @@ venv: $(VENV)/.installed
 demo: venv
 	$(PY) -m examples.demo
 
+# Benchmarks against Orbax, the disk and a relaunch: bench/results.json + docs/benchmarks.md (BENCH_QUICK=1: short form).
+bench: venv
+	$(PY) -m bench.run
+
 test: venv
 	$(PY) -m pytest -q -m "not slow"
 
 test-all: venv
 	$(PY) -m pytest -q
 
+# Long forms of the chaos, load and storage-fault tests (CI runs their short forms in `make test`);
+# CHAOS_SEED=N replays a run, CHAOS_SEED=random draws a new one.
+chaos: venv
+	$(PY) -m pytest -q -s -m chaos
+
 lint: venv
-	$(VENV)/bin/ruff check ckptd trainer_client examples tests
+	$(VENV)/bin/ruff check ckptd trainer_client examples tests bench
 	$(VENV)/bin/ruff format --check ckptd trainer_client examples tests
 
 typecheck: venv

@@ -29,6 +29,7 @@ from ckptd.dashboard import add_dashboard_route
 from ckptd.errors import ApiError, InvalidJobName, JobNotFound, NoGoodCheckpoint
 from ckptd.event_routes import add_event_routes
 from ckptd.events import EventStore, record_retention
+from ckptd.hardening import BodySizeLimit, document_errors, limit_worker_threads
 from ckptd.metrics import Metrics
 from ckptd.retention import prune
 from ckptd.route_docs import describe_routes
@@ -79,6 +80,7 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        limit_worker_threads(settings.worker_threads)  # ckptd/hardening.py
         if background:
             if keeper is not None:
                 keeper.start()
@@ -136,21 +138,29 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
         # re-raises the exception afterwards, so the server logs it with its traceback).
         return _error_response(ApiError(p.ErrorCode.INTERNAL, "internal error; see the ckptd log"))
 
+    def _needs_token(path: str) -> bool:
+        return path.startswith(p.API_PREFIX) or (settings.metrics_require_token and path == p.ROUTE_METRICS)
+
     @app.middleware("http")
     async def _auth_and_count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if settings.token and request.url.path.startswith(p.API_PREFIX):
-            given = request.headers.get("authorization", "")
-            expected = f"Bearer {settings.token}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
+        if settings.token and _needs_token(request.url.path):
+            # RFC 7235: the scheme is case-insensitive; the token is compared in constant time
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), settings.token.encode()):
                 response: Response = _error_response(
                     ApiError(p.ErrorCode.UNAUTHORIZED, "missing or wrong bearer token")
                 )
+                response.headers["WWW-Authenticate"] = 'Bearer realm="ckptd"'
                 metrics.requests.labels("auth", str(response.status_code)).inc()
                 return response
         response = await call_next(request)
         route = request.scope.get("route")
         metrics.requests.labels(getattr(route, "path", "unmatched"), str(response.status_code)).inc()
         return response
+
+    # Outermost (added last): an oversized body is refused before auth, routing or parsing read it.
+    app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes,
+                       on_refused=lambda: metrics.requests.labels("body_limit", "413").inc())
 
     def _job(job: str) -> str:
         if not p.is_valid_job_name(job):
@@ -163,13 +173,15 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
                 raise JobNotFound(job)
         return job
 
+    # The probes are async: they run on the event loop, never queued behind busy worker threads (a
+    # liveness probe that waits on a slow listing would get a loaded ckptd restarted). They touch no storage.
     @app.get(p.ROUTE_HEALTHZ, response_model=p.Health, tags=["health"])
-    def healthz() -> p.Health:
+    async def healthz() -> p.Health:
         return p.Health(status="ok")
 
     @app.get(p.ROUTE_READYZ, response_model=p.Health, tags=["health"],
              responses={503: {"model": p.Health}})
-    def readyz() -> Any:
+    async def readyz() -> Any:
         detail: dict[str, object] = {"root": settings.root, "last_refresh": cat.last_refresh}
         if cat.last_error:
             detail["last_error"] = cat.last_error
@@ -243,6 +255,7 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
     add_event_routes(app, catalog=cat, store=events, metrics=metrics, check_job=_job)  # ckptd/event_routes.py
     add_dashboard_route(app)  # GET /: ckptd/dashboard.py
     describe_routes(app)  # summaries for the OpenAPI schema and docs/api.md: ckptd/route_docs.py
+    document_errors(app, metrics_require_token=settings.metrics_require_token)  # ckptd/hardening.py
     return app
 
 

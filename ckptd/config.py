@@ -24,10 +24,21 @@ class Settings(BaseSettings):
     root: str = Field(default="./checkpoints", description="checkpoint root: a directory or gs://bucket/prefix")
     host: str = "127.0.0.1"
     port: int = Field(default=8471, ge=0, le=65535)
-    token: str | None = Field(default=None, description="bearer token required on /v1 routes when set")
+    token: str | None = Field(default=None, repr=False, description="bearer token required on /v1 routes when set")
     token_file: str | None = Field(
         default=None,
         description="file holding the bearer token (e.g. a mounted Secret); read once at startup into `token`",
+    )
+    metrics_require_token: bool = Field(
+        default=False, description="with a token set, GET /metrics needs it too (default: open for scrapers)"
+    )
+    max_body_bytes: int = Field(
+        default=8 << 20, ge=1024,
+        description="larger request bodies are refused with 413 (the largest valid request is ~3.5 MB)",
+    )
+    worker_threads: int = Field(
+        default=8, ge=1, le=1024,
+        description="threads that run the request handlers: a few keep /healthz prompt when ckptd is busy",
     )
     state_dir: str | None = Field(
         default=None, description="where the catalog cache lives (default: a per-root dir under ~/.cache)"

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from trainer_client.protocol import CheckpointInfo, StepState
-from trainer_client.storage import Storage
+from trainer_client.storage import Storage, storage_errors
 
 if TYPE_CHECKING:
     from ckptd.catalog import Catalog
@@ -96,7 +96,8 @@ def collect(storage: Storage, decisions: Iterable[Decision], *, dry_run: bool = 
         if d.action != "delete":
             continue
         if not dry_run:
-            storage.fs.rm(d.path, recursive=True)
+            with storage_errors(f"cannot delete {d.path}"):
+                storage.fs.rm(d.path, recursive=True)
             _log.info("retention deleted step %s (%s): %s", d.step, d.path, "; ".join(d.reasons))
         deleted.append(d)
     if deleted and not dry_run:

@@ -83,6 +83,9 @@ def make_settings(root: str | Path, state_dir: str | Path, **overrides: Any) -> 
         "clean_abandoned": True,
         "gc_interval_s": 300.0,
         "adopt_after_s": 0.0,  # tests write plain-Orbax steps and look at once
+        "metrics_require_token": False,
+        "max_body_bytes": 8 << 20,
+        "worker_threads": 8,
     }
     values.update(overrides)
     return Settings(**values)

@@ -70,8 +70,10 @@ def test_pause_policy_is_bitwise_equal_to_a_run_without_failures(tmp_path: Path,
     assert (rec.kind, rec.failed_at_step, rec.restored_step, rec.lost_steps) == ("slice_down", 25, 20, 5)
     assert rec.mesh_before == rec.mesh_after == [4, 2]
     kinds = [e.kind for e in failed.events]
-    assert "waiting_for_slices" in kinds  # pause waited for the lost slice
     assert kinds.index("failure_detected") < kinds.index("plan_received") < kinds.index("restored")
+    # pause planned only once every slice was back (whether it had to wait depends on the machine's speed)
+    after = next(e for e in failed.events[kinds.index("failure_detected"):] if e.kind == "slices_ready")
+    assert after.detail == "slices [0, 1, 2, 3]"
     for a, b in zip(_leaves(clean.value), _leaves(failed.value), strict=True):
         assert a.dtype == b.dtype and np.array_equal(a, b), "pause run diverged from the failure-free run"
     assert log.losses[39] < log.losses[0]

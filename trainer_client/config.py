@@ -18,7 +18,7 @@ class ClientSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CKPTD_", extra="ignore")
 
     url: str = Field(default="http://127.0.0.1:8471", description="base URL of the ckptd sidecar")
-    token: str | None = Field(default=None, description="bearer token sent on /v1 routes")
+    token: str | None = Field(default=None, repr=False, description="bearer token sent on /v1 routes")
     timeout_s: float = Field(default=2.0, gt=0, description="timeout of one HTTP request")
     shm_dir: str | None = Field(
         default=None, description="host-memory tier directory (the fallback scan looks there too)"

@@ -13,7 +13,7 @@ import re
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 API_PREFIX = "/v1"
 ROUTE_HEALTHZ = "/healthz"
@@ -58,6 +58,7 @@ class ErrorCode(StrEnum):
     STORAGE_ERROR = "STORAGE_ERROR"
     INTERNAL = "INTERNAL"
     MISSING_INPUT = "MISSING_INPUT"
+    PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"
 
 
 ERROR_STATUS: dict[ErrorCode, int] = {
@@ -77,6 +78,7 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.STORAGE_ERROR: 503,
     ErrorCode.INTERNAL: 500,
     ErrorCode.MISSING_INPUT: 422,
+    ErrorCode.PAYLOAD_TOO_LARGE: 413,
 }
 
 
@@ -195,10 +197,27 @@ class CheckpointList(_Model):
     checkpoints: list[CheckpointInfo]
 
 
+def _integral_floats_as_ints(value: object) -> object:
+    """``6.0`` -> ``6`` throughout a JSON value (bools and other floats untouched)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _integral_floats_as_ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_integral_floats_as_ints(v) for v in value]
+    return value
+
+
 class _Request(_Model):
-    """Requests are strict: ``true`` or ``"6"`` is not a device count."""
+    """Requests are strict: ``true`` or ``"6"`` is not a device count. JSON has one number type, so
+    ``6.0`` is the integer 6 (as JSON Schema says); ``6.5`` is not."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_integers(cls, data: object) -> object:
+        return _integral_floats_as_ints(data)
 
 
 class SliceAlive(_Request):

@@ -1,0 +1,281 @@
+"""What every benchmark family shares: the profile (full, quick, toy), timing, statistics, the machine,
+the page cache, and the record that becomes ``bench/results.json``.
+
+No jax here: ``bench.run`` sets the device flags before anything imports jax.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+SCHEMA = "ckptd-bench/1"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How big and how often. ``full`` is what ``make bench`` runs; ``quick`` (BENCH_QUICK=1) measures every
+    figure on a smaller state with fewer repeats; ``toy`` only proves the harness runs (the smoke test)."""
+
+    name: Literal["full", "quick", "toy"]
+    arrays: int  # the save/persist/restore state: ``arrays`` float32 arrays of rows x cols
+    rows: int  # divisible by 8 and by 6 (sharded by rows over 8 devices, resharded onto 6)
+    cols: int
+    repeats: int  # repeats of every io measurement (each one side by side with its baseline)
+    steps: int  # catalogued steps of the service benchmark
+    state_arrays: int  # arrays in the training metadata of each catalogued step
+    resume_requests: int  # sequential resume requests (p99)
+    bursts: int  # bursts of 64 concurrent resume requests
+    rebuilds: int  # catalog rebuilds timed (a ckptd restart each)
+    recovery_repeats: int
+    drop_caches: bool  # cold restores: drop the page cache before each (needs root)
+    persist_child: bool = True  # run the persist worker as ckptd does (a child process importing jax)
+
+    @property
+    def state_bytes(self) -> int:
+        return self.arrays * self.rows * self.cols * 4
+
+
+PROFILES: dict[str, Profile] = {
+    # 8 x 12288 x 5632 float32 = 2.06 GiB (facts.md's 16384 x 4096 rows do not divide by 6).
+    # The catalog work grows with steps x arrays: 10,000 steps of 1,000 arrays take minutes per rebuild here.
+    "full": Profile("full", 8, 12288, 5632, 5, 10_000, 1000, 500, 5, 1, 5, True),
+    # 8 x 3072 x 2816 float32 = 264 MiB; 1,000 catalogued steps (the key's name says 10k: see "steps").
+    "quick": Profile("quick", 8, 3072, 2816, 3, 1_000, 1000, 300, 3, 1, 3, True),
+    # The smoke test: proves the harness runs (the persist worker runs in-process, not as a child).
+    "toy": Profile("toy", 4, 48, 32, 1, 12, 10, 20, 1, 1, 1, False, persist_child=False),
+}
+
+
+def profile_from_env(name: str | None = None) -> Profile:
+    if name is None:
+        name = "quick" if os.environ.get("BENCH_QUICK", "") not in ("", "0") else "full"
+    return PROFILES[name]
+
+
+# ---- statistics ---------------------------------------------------------------------------------
+
+
+def summary(samples: Sequence[float]) -> dict[str, Any]:
+    """Median and spread of repeated runs, with the raw samples."""
+    values = [float(v) for v in samples]
+    if not values:
+        return {"n": 0, "samples": [], "median": None, "min": None, "max": None}
+    return {
+        "n": len(values),
+        "samples": [round(v, 6) for v in values],
+        "median": round(statistics.median(values), 6),
+        "min": round(min(values), 6),
+        "max": round(max(values), 6),
+    }
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) by linear interpolation between closest ranks."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("no values")
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@dataclass
+class Timer:
+    seconds: float = 0.0
+
+
+@contextmanager
+def timed() -> Iterator[Timer]:
+    timer = Timer()
+    started = time.perf_counter()
+    try:
+        yield timer
+    finally:
+        timer.seconds = time.perf_counter() - started
+
+
+# ---- the record ---------------------------------------------------------------------------------
+
+Op = Literal["<=", ">="]
+
+
+@dataclass
+class Figure:
+    """One key of results.json: the median of its samples against the target."""
+
+    key: str
+    samples: list[float]
+    op: Op
+    target: float
+    unit: str
+    what: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        stats = summary(self.samples)
+        value = stats["median"]
+        passed = value is not None and (value <= self.target if self.op == "<=" else value >= self.target)
+        return {"value": value, "unit": self.unit, "target": f"{self.op} {self.target:g}", "pass": passed,
+                "what": self.what, **stats, "details": self.details}
+
+
+@dataclass
+class Results:
+    profile: Profile
+    figures: dict[str, Figure] = field(default_factory=dict)
+    measurements: dict[str, dict[str, Any]] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    context: dict[str, Any] = field(default_factory=dict)
+
+    def measure(self, name: str, samples: Sequence[float], unit: str, what: str = "") -> dict[str, Any]:
+        """Record a component measurement (raw samples and their spread) and print it."""
+        entry = {"unit": unit, "what": what, **summary(samples)}
+        self.measurements[name] = entry
+        print(f"  {name:<52} median {_fmt(entry['median'])} {unit}  [{_fmt(entry['min'])} .. {_fmt(entry['max'])}]"
+              f"  n={entry['n']}", flush=True)
+        return entry
+
+    def figure(self, fig: Figure) -> dict[str, Any]:
+        self.figures[fig.key] = fig
+        out = fig.to_json()
+        mark = "PASS" if out["pass"] else "MISS"
+        print(f"* {fig.key} = {_fmt(out['value'])} {fig.unit} (target {out['target']}) {mark}"
+              f"  [{_fmt(out['min'])} .. {_fmt(out['max'])}] n={out['n']}", flush=True)
+        return out
+
+    def to_json(self, started: float, finished: float) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "profile": asdict(self.profile),
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+            "duration_s": round(finished - started, 1),
+            "machine": machine(),
+            "context": self.context,
+            "keys": {k: f.to_json() for k, f in self.figures.items()},
+            "measurements": self.measurements,
+            "notes": self.notes,
+            "errors": self.errors,
+        }
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if abs(value) >= 100:
+        return f"{value:.0f}"
+    if abs(value) >= 1:
+        return f"{value:.3f}"
+    return f"{value:.4f}"
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+# ---- the machine and the page cache ---------------------------------------------------------------
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _mem_total_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def _version(module: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:
+        return None
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "memory_gib": _mem_total_gib(),
+        "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "jax": _version("jax"),
+        "orbax-checkpoint": _version("orbax-checkpoint"),
+        "tensorstore": _version("tensorstore"),
+        "numpy": _version("numpy"),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+
+
+def filesystem_of(path: str | os.PathLike[str]) -> str:
+    try:
+        out = subprocess.run(["df", "--output=source,fstype,target", str(path)], capture_output=True, text=True,
+                             check=False, timeout=10).stdout.splitlines()
+        return " ".join(out[-1].split()) if len(out) > 1 else "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def drop_page_cache() -> bool:
+    """sync, then drop the page cache (needs root); False when it cannot be dropped."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def free_gib() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return float("nan")
+
+
+def rmtree(path: str | os.PathLike[str]) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def alternate(i: int, first: Callable[[], None], second: Callable[[], None]) -> None:
+    """Run both, in alternating order by repeat, so neither always runs on a warmer or quieter machine."""
+    if i % 2 == 0:
+        first()
+        second()
+    else:
+        second()
+        first()

@@ -1,0 +1,373 @@
+"""Save, persist and restore: ckptd's data path against a memcpy, the raw disk and plain Orbax, side by side.
+
+One state of ``profile.arrays`` float32 arrays (rows sharded over 8 fake CPU devices, mesh ``("data",)``)
+is saved and restored by every path in turn. Every repeat measures a path *and its baseline* back to back
+(the order rotates from repeat to repeat), and every ratio is formed within one repeat, so the noise of a
+shared 2-core machine hits both sides alike. Figures:
+
+* ``save_stall_ratio_vs_memcpy``: time the training loop is blocked per save — ``Checkpointer.save``
+  returning (async Orbax underneath) and ``MemoryTier.save`` (copy into shared memory) — divided by a plain
+  numpy copy (``np.copy``) of the same bytes; the worse of the two paths per repeat. Plain
+  ``ocp.CheckpointManager.save``'s stall is reported beside it.
+* ``persist_throughput_ratio_vs_raw_disk``: bytes/s of a complete persist — ``Checkpointer`` save until
+  committed (compression off, manifest and fsync included), and ckptd's persist worker run as ckptd runs
+  it (a child process) from a memory snapshot — divided by numpy ``tofile`` + ``fsync`` of the same bytes
+  into the same directory; the worse of the two per repeat. Plain Orbax with its default zstd beside it.
+* ``restore_time_ratio_vs_orbax`` / ``reshard_restore_time_ratio_vs_orbax``: ``trainer_client.checkpointing
+  .restore`` against plain ``ocp.CheckpointManager.restore`` of the same step, onto the same 8-device mesh
+  and onto 6 devices, page cache dropped before each (cold), order alternating.
+* ``memory_tier_restore_speedup_vs_disk``: cold restore from storage ÷ ``restore_snapshot`` from shared
+  memory, same state, same target (the warm-disk speedup beside it).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from bench.common import Figure, Profile, Results, alternate, drop_page_cache, filesystem_of, free_gib, rmtree, timed
+from trainer_client.checkpointing import Checkpointer, restore, standard_handler, training_metadata
+from trainer_client.memory_tier import MemoryTier, restore_snapshot
+
+PyTree = Any
+JOB = "bench-io"
+SPEC = PartitionSpec("data", None)
+
+
+def _make_state(profile: Profile, mesh: Mesh) -> PyTree:
+    """Random normal weights (trained weights barely compress; zeros would flatter zstd)."""
+    rng = np.random.default_rng(0)
+    sharding = NamedSharding(mesh, SPEC)
+    params = {}
+    for i in range(profile.arrays):
+        host = rng.standard_normal((profile.rows, profile.cols), dtype=np.float32)
+        host *= 0.02
+        params[f"layer{i}"] = jax.device_put(host, sharding)
+        del host
+    state = {"params": params}
+    jax.block_until_ready(state)
+    return state
+
+
+def _target(profile: Profile, mesh: Mesh) -> PyTree:
+    sharding = NamedSharding(mesh, SPEC)
+    shape = (profile.rows, profile.cols)
+    return {"params": {f"layer{i}": jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)
+                       for i in range(profile.arrays)}}
+
+
+def _shard_views(state: PyTree) -> list[list[np.ndarray]]:
+    """Per array, its shards' host bytes in row order (zero-copy views of the CPU device buffers)."""
+    out = []
+    for leaf in jax.tree_util.tree_leaves(state):
+        shards = sorted(leaf.addressable_shards, key=lambda s: s.index[0].start or 0)
+        out.append([np.asarray(s.data) for s in shards if s.replica_id == 0])
+    return out
+
+
+def _orbax_manager(directory: Path, *, compression: bool | None) -> ocp.CheckpointManager:
+    """Plain Orbax, as a user would make it; ``compression=None`` keeps Orbax's default handler (zstd)."""
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True, max_to_keep=None, create=True)
+    if compression is None:
+        return ocp.CheckpointManager(str(directory), options=options)
+    return ocp.CheckpointManager(str(directory), options=options, item_handlers=standard_handler(compression))
+
+
+def _block(tree: PyTree) -> None:
+    jax.block_until_ready(tree)
+
+
+def _save_repeat(i: int, profile: Profile, state: PyTree, views: list[list[np.ndarray]], mesh8: Mesh,
+                 tier: MemoryTier, workdir: Path) -> tuple[dict[str, float], Path, Path]:
+    """One repeat of every save and persist measurement; (timings, its snapshot, its Checkpointer step)."""
+    step = 100 * (i + 1)
+    print(f"  repeat {i + 1}/{profile.repeats} ({free_gib():.1f} GiB available)", flush=True)
+    rep: dict[str, float] = {}
+    snapshot: list[Path] = []
+    kept: list[Path] = []
+
+    def meta(step: int) -> Any:
+        return training_metadata(step, state, data_position=step * 64, global_batch=64, mesh=mesh8,
+                                 slices=list(range(8)))
+
+    # -- the stall: memcpy vs the memory tier's copy, alternating --------------------------------
+    def memcpy() -> None:
+        with timed() as t:
+            copies = [np.copy(v) for arr in views for v in arr]
+        rep["memcpy"] = t.seconds
+        with timed() as t:
+            for dst, src in zip(copies, (v for arr in views for v in arr), strict=True):
+                np.copyto(dst, src)
+        rep["memcpy_prefaulted"] = t.seconds
+        del copies
+
+    def tier_save() -> None:
+        with timed() as t:
+            path = tier.save(step, state, meta(step), persist=True)
+        rep["memory_tier_blocked"] = t.seconds
+        snapshot.append(path)
+
+    alternate(i, memcpy, tier_save)
+
+    # -- complete persists against the raw disk, order rotating by repeat --------------------------
+    def raw_disk() -> None:
+        d = workdir / f"raw-{i}"
+        d.mkdir()
+        os.sync()
+        with timed() as t:
+            for j, arr in enumerate(views):
+                with open(d / f"array{j}.bin", "wb") as f:
+                    for v in arr:
+                        v.tofile(f)
+                    f.flush()
+                    os.fsync(f.fileno())
+        rep["raw_disk"] = t.seconds
+        rmtree(d)
+
+    def checkpointer() -> None:
+        d = workdir / f"ckpt-{i}"
+        ck = Checkpointer(str(d))  # compression off: ckptd's default
+        os.sync()
+        with timed() as total:
+            with timed() as t:
+                ck.save(step, state, data_position=step * 64, global_batch=64, mesh=mesh8, slices=list(range(8)))
+            ck.wait()
+        ck.close()
+        rep["checkpointer_blocked"] = t.seconds
+        rep["checkpointer_persist"] = total.seconds
+        kept.append(d / str(step))
+
+    def orbax(compression: bool | None, name: str) -> Callable[[], None]:
+        def run() -> None:
+            d = workdir / f"{name}-{i}"
+            mgr = _orbax_manager(d, compression=compression)
+            os.sync()
+            with timed() as total:
+                with timed() as t:
+                    mgr.save(step, args=ocp.args.StandardSave(state))
+                mgr.wait_until_finished()
+            mgr.close()
+            rep[f"{name}_persist"] = total.seconds
+            if compression is None:
+                rep["orbax_zstd_blocked"] = t.seconds
+            else:
+                rep["orbax_blocked"] = t.seconds
+            rmtree(d)
+
+        return run
+
+    def worker_child() -> None:
+        if not profile.persist_child:  # toy: the in-process figure stands in (no second jax import)
+            return
+        d = workdir / f"worker-{i}"
+        os.sync()
+        with timed() as t:
+            done = subprocess.run([sys.executable, "-m", "ckptd.persist_worker", str(snapshot[0]), str(d)],
+                                  capture_output=True, text=True, check=False, timeout=1800)
+        if done.returncode != 0:
+            raise RuntimeError(f"persist worker failed: {done.stderr[-2000:]}")
+        rep["persist_worker_child"] = t.seconds
+        rmtree(d)
+
+    def worker_inprocess() -> None:
+        from ckptd.persist_worker import persist
+
+        d = workdir / f"worker-inproc-{i}"
+        os.sync()
+        with timed() as t:
+            persist(snapshot[0], str(d))
+        rep["persist_worker_inprocess"] = t.seconds
+        rmtree(d)
+
+    order: list[Callable[[], None]] = [raw_disk, checkpointer, worker_child, orbax(None, "orbax_zstd"),
+                                       orbax(False, "orbax_nocompression"), worker_inprocess]
+    shift = i % len(order)
+    for run in order[shift:] + order[:shift]:
+        run()
+        gc.collect()
+
+    if not profile.persist_child:
+        rep["persist_worker_child"] = rep["persist_worker_inprocess"]
+    return rep, snapshot[0], kept[0]
+
+
+def run_io(profile: Profile, results: Results, workdir: Path, shm_dir: Path) -> None:
+    devices = jax.devices()
+    if len(devices) < 8:
+        raise RuntimeError(f"needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8), got {len(devices)}")
+    mesh8 = Mesh(np.array(devices[:8]), ("data",))
+    mesh6 = Mesh(np.array(devices[:6]), ("data",))
+    workdir.mkdir(parents=True, exist_ok=True)
+    nbytes = profile.state_bytes
+    gib = nbytes / 2**30
+    results.context["io_state"] = {
+        "arrays": profile.arrays, "shape": [profile.rows, profile.cols], "dtype": "float32", "bytes": nbytes,
+        "gib": round(gib, 3), "mesh": "('data',) = 8 fake CPU devices", "reshard_mesh": "('data',) = 6",
+        "storage_dir": str(workdir), "storage_fs": filesystem_of(workdir), "shm_dir": str(shm_dir),
+        "shm_fs": filesystem_of(shm_dir),
+    }
+    print(f"io: state {profile.arrays} x {profile.rows}x{profile.cols} float32 = {gib:.2f} GiB on 8 devices; "
+          f"storage {workdir} ({filesystem_of(workdir)}); {free_gib():.1f} GiB available", flush=True)
+    with timed() as t:
+        state = _make_state(profile, mesh8)
+    print(f"  state made in {t.seconds:.1f}s", flush=True)
+    views = _shard_views(state)
+    assert sum(v.nbytes for arr in views for v in arr) == nbytes
+    tier = MemoryTier(str(shm_dir), JOB, max_snapshots=profile.repeats + 2, reserve_bytes=0)
+
+    s: dict[str, list[float]] = {k: [] for k in (
+        "memcpy", "memcpy_prefaulted", "checkpointer_blocked", "memory_tier_blocked", "orbax_blocked",
+        "raw_disk", "checkpointer_persist", "persist_worker_child", "persist_worker_inprocess",
+        "orbax_zstd_persist", "orbax_nocompression_persist", "orbax_zstd_blocked")}
+    ratio: dict[str, list[float]] = {k: [] for k in (
+        "stall_checkpointer", "stall_memory_tier", "stall_orbax", "persist_checkpointer", "persist_worker_child",
+        "persist_worker_inprocess", "persist_orbax_zstd", "persist_orbax_nocompression")}
+    keep_step_dir: Path | None = None
+    keep_snapshot: Path | None = None
+
+    for i in range(profile.repeats):
+        rep, snap, step_dir = _save_repeat(i, profile, state, views, mesh8, tier, workdir)
+        for k, v in rep.items():
+            s[k].append(v)
+        ratio["stall_checkpointer"].append(rep["checkpointer_blocked"] / rep["memcpy"])
+        ratio["stall_memory_tier"].append(rep["memory_tier_blocked"] / rep["memcpy"])
+        ratio["stall_orbax"].append(rep["orbax_blocked"] / rep["memcpy"])
+        raw_tput = nbytes / rep["raw_disk"]
+        for name, key in (("persist_checkpointer", "checkpointer_persist"),
+                          ("persist_worker_child", "persist_worker_child"),
+                          ("persist_worker_inprocess", "persist_worker_inprocess"),
+                          ("persist_orbax_zstd", "orbax_zstd_persist"),
+                          ("persist_orbax_nocompression", "orbax_nocompression_persist")):
+            ratio[name].append((nbytes / rep[key]) / raw_tput)
+        if i == profile.repeats - 1:
+            keep_snapshot, keep_step_dir = snap, step_dir
+        else:
+            rmtree(snap)
+            rmtree(step_dir.parent)
+        print(f"    memcpy {rep['memcpy']:.3f}s; blocked: checkpointer {rep['checkpointer_blocked']:.3f}s, memory tier "
+              f"{rep['memory_tier_blocked']:.3f}s, orbax {rep['orbax_blocked']:.3f}s; persist: raw disk "
+              f"{nbytes / rep['raw_disk'] / 1e9:.2f} GB/s, checkpointer "
+              f"{nbytes / rep['checkpointer_persist'] / 1e9:.2f}, "
+              f"worker {nbytes / rep['persist_worker_child'] / 1e9:.2f} (in-process "
+              f"{nbytes / rep['persist_worker_inprocess'] / 1e9:.2f}), orbax zstd "
+              f"{nbytes / rep['orbax_zstd_persist'] / 1e9:.2f}, orbax no compression "
+              f"{nbytes / rep['orbax_nocompression_persist'] / 1e9:.2f} GB/s", flush=True)
+
+    for k, series in s.items():
+        results.measure(f"io.{k}_s", series, "s")
+    for k in ("raw_disk", "checkpointer_persist", "persist_worker_child", "persist_worker_inprocess",
+              "orbax_zstd_persist", "orbax_nocompression_persist"):
+        results.measure(f"io.{k}_gbps", [nbytes / x / 1e9 for x in s[k]], "GB/s")
+    for k, series in ratio.items():
+        results.measure(f"io.ratio.{k}", series, "ratio")
+
+    med = {k: results.measurements[f"io.ratio.{k}"]["median"] for k in ratio}
+    results.figure(Figure(
+        "save_stall_ratio_vs_memcpy",
+        [max(a, b) for a, b in zip(ratio["stall_checkpointer"], ratio["stall_memory_tier"], strict=True)],
+        "<=", 1.5, "ratio",
+        "training blocked per save / np.copy of the same bytes; worse of Checkpointer.save and MemoryTier.save",
+        {"checkpointer_median": med["stall_checkpointer"], "memory_tier_median": med["stall_memory_tier"],
+         "orbax_async_save_median": med["stall_orbax"], "state_gib": round(gib, 3)},
+    ))
+    results.figure(Figure(
+        "persist_throughput_ratio_vs_raw_disk",
+        [min(a, b) for a, b in zip(ratio["persist_checkpointer"], ratio["persist_worker_child"], strict=True)],
+        ">=", 0.9, "ratio",
+        "bytes/s of a complete persist / numpy tofile+fsync of the same bytes (same run, same directory); "
+        "worse of Checkpointer (save until committed) and the persist worker (child process, from a snapshot)",
+        {"checkpointer_median": med["persist_checkpointer"], "persist_worker_child_median": med["persist_worker_child"],
+         "persist_worker_inprocess_median": med["persist_worker_inprocess"],
+         "orbax_default_zstd_median": med["persist_orbax_zstd"],
+         "orbax_compression_off_median": med["persist_orbax_nocompression"],
+         "raw_disk_gbps_median": results.measurements["io.raw_disk_gbps"]["median"], "state_gib": round(gib, 3)},
+    ))
+
+    # -- restores ----------------------------------------------------------------------------------
+    del views, state
+    gc.collect()
+    assert keep_step_dir is not None and keep_snapshot is not None
+    _restores(profile, results, keep_step_dir, keep_snapshot, mesh8, mesh6)
+    rmtree(keep_step_dir.parent)
+    rmtree(keep_snapshot)
+
+
+def _restores(profile: Profile, results: Results, step_dir: Path, snapshot: Path, mesh8: Mesh, mesh6: Mesh) -> None:
+    job_dir, step = step_dir.parent, int(step_dir.name)
+    cold = profile.drop_caches and drop_page_cache()
+    results.notes["cold"] = (
+        "cold = `sync; echo 3 > /proc/sys/vm/drop_caches` before every cold restore (the checkpoint files are "
+        "read from disk); shared-memory snapshots are tmpfs pages and stay in RAM"
+        if cold else "page cache NOT dropped (not root, or toy profile): 'cold' restores read warm files")
+    results.context["restore_cold_cache_dropped"] = cold
+    t8, t6 = _target(profile, mesh8), _target(profile, mesh6)
+    s: dict[str, list[float]] = {k: [] for k in (
+        "ckptd_restore_cold", "orbax_restore_cold", "ckptd_reshard_cold", "orbax_reshard_cold", "memory_tier_restore",
+        "ckptd_restore_warm")}
+
+    def timed_restore(name: str, fn: Callable[[], PyTree], *, drop: bool = True) -> None:
+        if drop and cold:
+            drop_page_cache()
+        with timed() as t:
+            out = fn()
+            _block(out)
+        s[name].append(t.seconds)
+        del out
+        gc.collect()
+
+    def ckptd(target: PyTree) -> Callable[[], PyTree]:
+        return lambda: restore(str(step_dir), target)
+
+    def orbax(target: PyTree) -> Callable[[], PyTree]:
+        def run() -> PyTree:
+            mgr = ocp.CheckpointManager(str(job_dir))
+            try:
+                return mgr.restore(step, args=ocp.args.StandardRestore(target))
+            finally:
+                mgr.close()
+
+        return run
+
+    # warm-up: the first restore in a process pays one-off imports and setup, not part of either side
+    _block(restore(str(step_dir), t8))
+    gc.collect()
+    for i in range(profile.repeats):
+        print(f"  restore repeat {i + 1}/{profile.repeats} ({free_gib():.1f} GiB available)", flush=True)
+        alternate(i, lambda: timed_restore("ckptd_restore_cold", ckptd(t8)),
+                  lambda: timed_restore("orbax_restore_cold", orbax(t8)))
+        timed_restore("ckptd_restore_warm", ckptd(t8), drop=False)  # right after a read of the same files
+        alternate(i, lambda: timed_restore("ckptd_reshard_cold", ckptd(t6)),
+                  lambda: timed_restore("orbax_reshard_cold", orbax(t6)))
+        timed_restore("memory_tier_restore", lambda: restore_snapshot(snapshot, t8), drop=False)
+        print(f"    same mesh: ckptd {s['ckptd_restore_cold'][-1]:.3f}s, orbax {s['orbax_restore_cold'][-1]:.3f}s; "
+              f"8->6: ckptd {s['ckptd_reshard_cold'][-1]:.3f}s, orbax {s['orbax_reshard_cold'][-1]:.3f}s; "
+              f"memory tier {s['memory_tier_restore'][-1]:.3f}s, warm disk {s['ckptd_restore_warm'][-1]:.3f}s",
+              flush=True)
+    for k, v in s.items():
+        results.measure(f"io.{k}_s", v, "s")
+    same = [a / b for a, b in zip(s["ckptd_restore_cold"], s["orbax_restore_cold"], strict=True)]
+    reshard = [a / b for a, b in zip(s["ckptd_reshard_cold"], s["orbax_reshard_cold"], strict=True)]
+    speedup = [a / b for a, b in zip(s["ckptd_restore_cold"], s["memory_tier_restore"], strict=True)]
+    warm = [a / b for a, b in zip(s["ckptd_restore_warm"], s["memory_tier_restore"], strict=True)]
+    results.measure("io.ratio.memory_tier_speedup_vs_warm_disk", warm, "x")
+    results.figure(Figure("restore_time_ratio_vs_orbax", same, "<=", 1.0, "ratio",
+                          "ckptd restore (trainer_client.checkpointing.restore) / plain Orbax CheckpointManager."
+                          "restore, same step, same 8-device mesh, cold cache, alternating order",
+                          {"cold_cache_dropped": cold}))
+    results.figure(Figure("reshard_restore_time_ratio_vs_orbax", reshard, "<=", 1.0, "ratio",
+                          "as above, restored onto 6 devices (saved on 8)", {"cold_cache_dropped": cold}))
+    results.figure(Figure("memory_tier_restore_speedup_vs_disk", speedup, ">=", 5.0, "x",
+                          "restore of the step from storage (cold) / restore_snapshot from shared memory, same "
+                          "state onto the same 8-device target",
+                          {"warm_disk_speedup_median": results.measurements[
+                              "io.ratio.memory_tier_speedup_vs_warm_disk"]["median"], "cold_cache_dropped": cold}))

@@ -1,0 +1,94 @@
+"""``python -m bench.run`` (``make bench``; ``BENCH_QUICK=1`` for the short form): measure every figure of
+docs/benchmarks.md on this machine, print each as it is measured, write ``bench/results.json`` and the
+table in ``docs/benchmarks.md``.
+
+Families: ``io`` (save, persist, restore, memory tier: bench/io.py), ``service`` (resume latency, burst,
+catalog rebuild: bench/service.py), ``recovery`` (in-process recovery against a relaunch:
+bench/recovery.py). Work files go to a fresh directory under ``--workdir`` (default: the system temp
+directory) and a shared-memory directory under ``--shm`` (default /dev/shm); both are removed at the end.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from bench.common import Profile, Results, free_gib, profile_from_env, rmtree, write_json
+from bench.report import write_report
+
+FAMILIES = ("io", "service", "recovery")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(profile: Profile, families: tuple[str, ...], out: Path, docs: Path | None, workdir: str | None,
+        shm: str) -> dict[str, object]:
+    started = time.time()
+    results = Results(profile)
+    base = Path(tempfile.mkdtemp(prefix="ckptd-bench-", dir=workdir))
+    shm_base = Path(tempfile.mkdtemp(prefix="ckptd-bench-", dir=shm if Path(shm).is_dir() else None))
+    print(f"bench profile {profile.name}: families {', '.join(families)}; work {base}; shm {shm_base}; "
+          f"{free_gib():.1f} GiB available", flush=True)
+    try:
+        for family in families:
+            print(f"\n== {family} ==", flush=True)
+            t0 = time.perf_counter()
+            try:
+                if family == "io":
+                    from bench.io import run_io
+
+                    run_io(profile, results, base / "io", shm_base)
+                elif family == "service":
+                    from bench.service import run_service
+
+                    run_service(profile, results, base / "service")
+                elif family == "recovery":
+                    from bench.recovery import run_recovery
+
+                    run_recovery(profile, results, base / "recovery", shm_base)
+                else:
+                    raise ValueError(f"unknown family {family!r}")
+            except Exception as exc:  # one family failing must not lose the others' numbers
+                traceback.print_exc()
+                results.errors[family] = f"{type(exc).__name__}: {exc}"
+            results.context[f"{family}_seconds"] = round(time.perf_counter() - t0, 1)
+    finally:
+        rmtree(base)
+        rmtree(shm_base)
+    payload = results.to_json(started, time.time())
+    write_json(out, payload)
+    print(f"\nwrote {out}", flush=True)
+    if docs is not None:
+        write_report(payload, docs)
+        print(f"wrote {docs}", flush=True)
+    return payload
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--profile", choices=["full", "quick", "toy"], default=None,
+                        help="default: quick when BENCH_QUICK=1, else full")
+    parser.add_argument("--only", default=",".join(FAMILIES), help="comma-separated families")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
+    parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "benchmarks.md",
+                        help="the Markdown report to (re)write; 'none' to skip")
+    parser.add_argument("--workdir", default=os.environ.get("BENCH_WORKDIR"),
+                        help="storage for checkpoints (default: the temp directory)")
+    parser.add_argument("--shm", default=os.environ.get("BENCH_SHM", "/dev/shm"))
+    args = parser.parse_args(argv)
+    profile = profile_from_env(args.profile)
+    families = tuple(f for f in args.only.split(",") if f)
+    docs = None if str(args.docs) == "none" else args.docs
+    payload = run(profile, families, args.out, docs, args.workdir, args.shm)
+    return 1 if payload["errors"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,90 @@
+"""ckptd's Prometheus metrics: one registry per app, and the one place that names and documents them.
+
+Three kinds of sources, so that a scrape of ``GET /metrics`` stays fast (it reads only SQLite and memory):
+
+* the catalog, read at scrape time: steps by state, quarantined steps, the latest good step per job;
+* the request path: HTTP requests, resume requests and plan latency, and the elastic events trainers
+  report (``POST /v1/jobs/{job}/events``): events by kind, recovery seconds, lost steps, save stalls;
+* the background tracker (``ckptd.commit_tracker``): commits and bytes committed (from the manifests),
+  save durations, validation failures, goodput per job — everything that needs storage reads.
+
+Counters count what this ckptd process saw since it started (Prometheus handles the reset at a
+restart); steps already on storage when it started are not counted as commits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ckptd.catalog import Catalog
+from trainer_client.protocol import EVENT_KINDS, StepState, StoredEvent
+
+_KNOWN_KINDS = frozenset(EVENT_KINDS)
+_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+_STALL = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    """Every metric ckptd exports, in its own registry (several apps in one process do not collide)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("ckptd_http_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=r)
+        self.resume_requests = Counter("ckptd_resume_requests", "resume requests by job", ["job"], registry=r)
+        self.plan_seconds = Histogram(
+            "ckptd_resume_plan_seconds", "time to answer a resume request", registry=r,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+        )
+        self.latest_good = Gauge("ckptd_latest_good_step", "newest verified step per job", ["job"], registry=r)
+        self.steps = Gauge("ckptd_steps", "catalogued steps by job and state", ["job", "state"], registry=r)
+        self.quarantined = Gauge("ckptd_quarantined_steps", "quarantined steps per job", ["job"], registry=r)
+        self.commits = Counter("ckptd_commits", "steps seen committed by Orbax (finalized)", ["job"], registry=r)
+        self.committed_bytes = Counter("ckptd_committed_bytes", "bytes of the committed steps, from their manifests",
+                                       ["job"], registry=r)
+        self.save_seconds = Histogram("ckptd_save_duration_seconds", "save start until Orbax committed the step",
+                                      ["job"], registry=r, buckets=_SECONDS)
+        self.save_stall = Histogram("ckptd_save_stall_seconds", "training blocked by a save (reported events)",
+                                    ["job"], registry=r, buckets=_STALL)
+        self.validation_failures = Counter("ckptd_validation_failures",
+                                           "steps found bad (quarantined or corrupt)", ["job"], registry=r)
+        self.elastic_events = Counter("ckptd_elastic_events", "elastic events reported by trainers, by kind",
+                                      ["job", "kind"], registry=r)
+        self.recovery_seconds = Histogram("ckptd_recovery_seconds", "failure detected until the first step after it",
+                                          ["job"], registry=r, buckets=_SECONDS)
+        self.lost_steps = Counter("ckptd_lost_steps", "steps done again after recoveries", ["job"], registry=r)
+        self.goodput = Gauge("ckptd_goodput_ratio", "productive training time over wall time (reported events)",
+                             ["job"], registry=r)
+
+    def observe_events(self, job: str, events: Iterable[StoredEvent]) -> None:
+        """Count newly stored events (called once per event, after deduplication)."""
+        for e in events:
+            self.elastic_events.labels(job, e.kind if e.kind in _KNOWN_KINDS else "other").inc()
+            if e.kind == "recovered":
+                if e.recovery_seconds is not None:
+                    self.recovery_seconds.labels(job).observe(e.recovery_seconds)
+                if e.lost_steps:
+                    self.lost_steps.labels(job).inc(e.lost_steps)
+            elif e.kind == "checkpoint_started" and e.blocked_seconds is not None:
+                self.save_stall.labels(job).observe(e.blocked_seconds)
+
+    def render(self, catalog: Catalog) -> bytes:
+        """The text exposition, with the catalog gauges refreshed from SQLite first."""
+        self.latest_good.clear()  # jobs and steps that left storage must leave the metrics too
+        self.steps.clear()
+        self.quarantined.clear()
+        for job in catalog.jobs():
+            if job.latest_good_step is not None:
+                self.latest_good.labels(job.name).set(job.latest_good_step)
+            counts: dict[str, int] = {}
+            for ck in catalog.checkpoints(job.name):
+                counts[ck.state.value] = counts.get(ck.state.value, 0) + 1
+            for state in StepState:
+                self.steps.labels(job.name, state.value).set(counts.get(state.value, 0))
+            self.quarantined.labels(job.name).set(counts.get(StepState.QUARANTINED.value, 0))
+        return generate_latest(self.registry)
+
+
+__all__ = ["Metrics"]
