@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jax
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from examples.elastic_mlp import TrainLog, make_train_fn
+from examples.elastic_mlp import TrainLog, jitted_step, make_train_fn
 from trainer_client import protocol as p
 from trainer_client.client import CkptdClient
 from trainer_client.config import ClientSettings
@@ -163,6 +164,8 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 def test_the_elastic_runner_reports_a_recovery_that_ckptd_turns_into_goodput(
     tmp_path: Path, ckptd_server: Any
 ) -> None:
+    jitted_step.cache_clear()  # the recovery must compile (the recompile badput below is measured)
+    jax.clear_caches()
     server = ckptd_server(tmp_path)
     (tmp_path / "mlp").mkdir()
     config = ElasticConfig(job="mlp", mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=48,
