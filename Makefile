@@ -37,7 +37,6 @@ chaos: venv
 
 lint: venv
 	$(VENV)/bin/ruff check ckptd trainer_client examples tests bench
-	$(VENV)/bin/ruff format --check ckptd trainer_client examples tests
 
 typecheck: venv
 	$(VENV)/bin/mypy
