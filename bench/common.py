@@ -140,6 +140,12 @@ class Results:
     notes: dict[str, str] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     context: dict[str, Any] = field(default_factory=dict)
+    on_progress: Callable[[], None] | None = field(default=None, repr=False)
+
+    def progress(self) -> None:
+        """Write what is measured so far (bench.run sets the writer)."""
+        if self.on_progress is not None:
+            self.on_progress()
 
     def measure(self, name: str, samples: Sequence[float], unit: str, what: str = "") -> dict[str, Any]:
         """Record a component measurement (raw samples and their spread) and print it."""

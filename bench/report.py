@@ -35,7 +35,9 @@ BESIDE: dict[str, list[tuple[str, str, str]]] = {
                                              ("Orbax default (zstd)", "orbax_default_zstd_median", "x"),
                                              ("Orbax, compression off", "orbax_compression_off_median", "x"),
                                              ("raw disk", "raw_disk_gbps_median", "GB/s")],
-    "memory_tier_restore_speedup_vs_disk": [("vs warm disk", "warm_disk_speedup_median", "x")],
+    "memory_tier_restore_speedup_vs_disk": [("vs warm disk", "warm_disk_speedup_median", "x"),
+                                            ("with a pass over every byte", "touched_speedup_median", "x"),
+                                            ("onto 6 devices", "reshard_8_to_6_speedup_median", "x")],
     "inprocess_recovery_speedup_vs_relaunch": [
         ("in-process, precompiled", "inprocess_precompile_s_median", "s"),
         ("no precompile, warm cache", "inprocess_no_precompile_warm_cache_s_median", "s"),
@@ -79,6 +81,9 @@ def render(payload: dict[str, Any]) -> str:
         f"orbax-checkpoint {machine['orbax-checkpoint']}, tensorstore {machine['tensorstore']}.",
         "",
     ]
+    for merged in payload.get("merged_from", []):
+        lines += [f"Kept from the run started {merged['started_at']} (not re-run this time): "
+                  + (", ".join(f"`{k}`" for k in merged["kept"]) or "nothing") + ".", ""]
     if io:
         lines += [
             f"State (save, persist, restore): {io['arrays']} float32 arrays of {io['shape'][0]} x {io['shape'][1]} = "

@@ -16,22 +16,45 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
+import json
 import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 from bench.common import Profile, Results, free_gib, profile_from_env, rmtree, write_json
 from bench.report import write_report
 
-FAMILIES = ("io", "service", "recovery")
+FAMILIES = ("io", "recovery", "service")  # the longest (service) last
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _merge(previous: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
+    """``payload`` over an earlier run's results of the same profile: keys, measurements and context of
+    the families not run this time are kept (and said so in ``merged_from``)."""
+    if previous.get("profile", {}).get("name") != payload["profile"]["name"]:
+        return payload
+    merged = dict(payload)
+    for part in ("keys", "measurements", "context", "notes"):
+        merged[part] = {**previous.get(part, {}), **payload.get(part, {})}
+    merged["errors"] = payload.get("errors", {})
+    merged["merged_from"] = [*previous.get("merged_from", []), {
+        "started_at": previous.get("started_at"), "kept": sorted(set(previous.get("keys", {})) - set(payload["keys"]))}]
+    return merged
+
+
 def run(profile: Profile, families: tuple[str, ...], out: Path, docs: Path | None, workdir: str | None,
-        shm: str) -> dict[str, object]:
+        shm: str, merge: bool = False) -> dict[str, Any]:
     started = time.time()
+    previous = json.loads(out.read_text()) if merge and out.exists() else None
     results = Results(profile)
+
+    def write_so_far() -> None:  # what is measured so far survives a kill
+        so_far = results.to_json(started, time.time())
+        write_json(out, _merge(previous, so_far) if previous else so_far)
+
+    results.on_progress = write_so_far
     base = Path(tempfile.mkdtemp(prefix="ckptd-bench-", dir=workdir))
     shm_base = Path(tempfile.mkdtemp(prefix="ckptd-bench-", dir=shm if Path(shm).is_dir() else None))
     print(f"bench profile {profile.name}: families {', '.join(families)}; work {base}; shm {shm_base}; "
@@ -59,10 +82,13 @@ def run(profile: Profile, families: tuple[str, ...], out: Path, docs: Path | Non
                 traceback.print_exc()
                 results.errors[family] = f"{type(exc).__name__}: {exc}"
             results.context[f"{family}_seconds"] = round(time.perf_counter() - t0, 1)
+            write_so_far()
     finally:
         rmtree(base)
         rmtree(shm_base)
     payload = results.to_json(started, time.time())
+    if previous:
+        payload = _merge(previous, payload)
     write_json(out, payload)
     print(f"\nwrote {out}", flush=True)
     if docs is not None:
@@ -82,11 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=os.environ.get("BENCH_WORKDIR"),
                         help="storage for checkpoints (default: the temp directory)")
     parser.add_argument("--shm", default=os.environ.get("BENCH_SHM", "/dev/shm"))
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other families' figures from an earlier run of the same profile in --out")
     args = parser.parse_args(argv)
     profile = profile_from_env(args.profile)
     families = tuple(f for f in args.only.split(",") if f)
     docs = None if str(args.docs) == "none" else args.docs
-    payload = run(profile, families, args.out, docs, args.workdir, args.shm)
+    payload = run(profile, families, args.out, docs, args.workdir, args.shm, merge=args.merge)
     return 1 if payload["errors"] else 0
 
 

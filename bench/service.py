@@ -132,7 +132,7 @@ def _start_server(root: Path, state_dir: Path) -> tuple[subprocess.Popen[bytes],
         [sys.executable, "-m", "ckptd", "serve", "--root", str(root), "--host", "127.0.0.1", "--port", str(port),
          "--state-dir", str(state_dir)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + 5400  # the first start verifies every step: ~30 min for 10,000 here
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"ckptd exited: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}")
@@ -143,7 +143,7 @@ def _start_server(root: Path, state_dir: Path) -> tuple[subprocess.Popen[bytes],
             pass
         time.sleep(0.05)
     proc.kill()
-    raise RuntimeError("ckptd did not become ready in 600 s")
+    raise RuntimeError("ckptd did not become ready in 5400 s")
 
 
 def _request_body() -> bytes:
@@ -295,6 +295,7 @@ def run_service(profile: Profile, results: Results, workdir: Path) -> None:
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             proc.kill()
+    results.progress()  # the figures so far reach results.json before the long rebuilds
     # -- catalog rebuilds, as at every restart of ckptd (the steps are verified and sealed by now) ------
     rebuilds: list[float] = []
     for i in range(profile.rebuilds):

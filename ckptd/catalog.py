@@ -10,7 +10,6 @@ A refresh lists each job directory and inspects only the step directories it has
 
 from __future__ import annotations
 
-import json
 import logging
 import sqlite3
 import threading
@@ -288,7 +287,7 @@ def _info(row: tuple[object, ...]) -> CheckpointInfo:
         path=str(path),
         reason=str(reason) if reason is not None else None,
         committed_at=float(committed_at) if committed_at is not None else None,  # type: ignore[arg-type]
-        training=TrainingMetadata.model_validate(json.loads(str(training))) if training else None,
+        training=TrainingMetadata.model_validate_json(str(training)) if training else None,
     )
 
 

@@ -534,7 +534,10 @@ def test_ckptd_sigkilled_and_restarted_during_training(tmp_path: Path, size: dic
 
 
 @pytest.mark.timeout(3600)
-@sized({"steps": 100, "faults": 3, "segments": 2}, {"steps": 1000, "faults": 20, "segments": 4})
+@sized(
+    {"steps": 100, "faults": 3, "segments": 2, "down_s": (0.2, 1.5)},
+    {"steps": 1000, "faults": 20, "segments": 4, "down_s": (0.2, 4.0)},
+)
 def test_long_run_with_random_slice_failures(tmp_path: Path, ckptd_server: Any, size: dict[str, int]) -> None:
     """The run is cut into segments that alternate the policy (pause, resize, ...): each segment is a new
     ElasticRunner in this process that resumes where the previous one stopped, so one trajectory sees
@@ -545,7 +548,7 @@ def test_long_run_with_random_slice_failures(tmp_path: Path, ckptd_server: Any, 
     server = ckptd_server(root)
     steps, segments = size["steps"], size["segments"]
     bounds = [round(steps * k / segments) for k in range(segments + 1)]
-    schedule = _fault_schedule(rng, 3, steps - 3, size["faults"], (0.1, 1.2))
+    schedule = _fault_schedule(rng, 3, steps - 3, size["faults"], size["down_s"])
     print(f"[chaos] faults at steps {sorted(schedule)}")
     losses = LossHistory()
     log = TrainLog(losses=losses)
@@ -570,9 +573,10 @@ def test_long_run_with_random_slice_failures(tmp_path: Path, ckptd_server: Any, 
 
     downs = [(policy, r) for policy, r in recoveries if r.kind == "slice_down"]
     ups = [r for _, r in recoveries if r.kind == "scale_up"]
+    shrunk = [r for _, r in downs if r.mesh_after and r.mesh_after != r.mesh_before]
     print(
         f"[chaos] {steps} steps in {elapsed:.0f}s: {len(fired)} slice failures "
-        f"({Counter(p for p, _ in downs)}), {len(ups)} scale-ups, lost steps "
+        f"({Counter(p for p, _ in downs)}), {len(shrunk)} on a smaller mesh, {len(ups)} scale-ups, lost steps "
         f"{sorted(r.lost_steps or 0 for _, r in downs)}, recovery p50 "
         f"{percentile([r.seconds for _, r in recoveries if r.seconds], 50):.2f}s"
     )

@@ -187,10 +187,13 @@ def assert_error_body(status: int, body: bytes, *, allowed: tuple[int, ...] = ()
 
 
 def _unsafe_number(value: Any) -> bool:
-    """A float past 2**53 in a generated body: not an exact integer in JSON. The generator checks bounds in
-    floats, so it makes 2**63 for a maximum of 2**63 - 1; the server is right to refuse that."""
+    """A number the generator mangles at the edge of int64: a float past 2**53 (not an exact integer in
+    JSON) or an int past 2**63 - 1. It checks bounds in floats, so for a maximum of 2**63 - 1 it makes
+    2**63; the server is right to refuse that."""
     if isinstance(value, float):
         return abs(value) >= 2**53
+    if isinstance(value, int) and not isinstance(value, bool):
+        return not -(2**63) <= value <= 2**63 - 1
     if isinstance(value, dict):
         return any(_unsafe_number(v) for v in value.values())
     if isinstance(value, list):
