@@ -229,7 +229,7 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
         started = time.perf_counter()
         _job(job)
         metrics.resume_requests.labels(job).inc()
-        cat.refresh_job(job)  # the newest committed step, even if the last periodic scan missed it
+        cat.refresh_job(job, quick=True)  # the newest committed step, even if the last periodic scan missed it
         snapshot = (
             newest_whole(settings.shm_dir, job, at_most=request.step) if request.use_memory_tier else None
         )

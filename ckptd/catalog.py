@@ -11,6 +11,7 @@ A refresh lists each job directory and inspects only the step directories it has
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -23,7 +24,7 @@ from ckptd.integrity import quarantine, settle
 from trainer_client.layout import COMMIT_MARKER, StepInspection, inspect_step, step_entries
 from trainer_client.manifest import QUARANTINE_FILE
 from trainer_client.protocol import CheckpointInfo, JobInfo, StepState, TrainingMetadata, is_valid_job_name
-from trainer_client.storage import Storage, StorageError
+from trainer_client.storage import Entry, Storage, StorageError
 from trainer_client.validation import validate_step
 
 _log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class Catalog:
         self.storage = storage
         self.save_timeout_s = save_timeout_s
         self.adopt_after_s = adopt_after_s
+        self._scanned_mtime: dict[str, int] = {}
         self._lock = threading.RLock()
         self._db = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -113,9 +115,14 @@ class Catalog:
         self.last_refresh = time.time()
         self.last_error = None
 
-    def refresh_job(self, job: str) -> None:
-        """Rescan one job directory; inspects (and settles) only steps not yet verified or quarantined."""
+    def refresh_job(self, job: str, *, quick: bool = False) -> None:
+        """Rescan one job directory; inspects (and settles) only steps not yet verified or quarantined.
+
+        ``quick`` (what a resume does): on a local disk, when the job directory has not changed since the
+        last scan, only the steps not yet settled are looked at again — no listing of thousands of steps.
+        """
         job_path = self.storage.join(job)
+        dir_mtime = self._dir_mtime_ns(job_path)
         self.storage.invalidate(job_path)
         if not self.storage.is_dir(job_path):
             with self._tx() as db:
@@ -127,8 +134,18 @@ class Catalog:
                 row[0]: row[1]
                 for row in self._db.execute("SELECT dirname, state FROM steps WHERE job = ?", (job,))
             }
-        entries = step_entries(self.storage, job_path)
-        present = {entry.name for _, entry in entries}
+        if quick and dir_mtime is not None and self._scanned_mtime.get(job) == dir_mtime:
+            entries = [
+                (None, Entry(name, self.storage.join(job, name), True, None))
+                for name, state in known.items()
+                if state not in _FINAL_STATES
+            ]
+            present = set(known)
+        else:
+            entries = step_entries(self.storage, job_path)  # type: ignore[assignment]
+            present = {entry.name for _, entry in entries}
+            if dir_mtime is not None:
+                self._scanned_mtime[job] = dir_mtime  # taken before the listing: a later change rescans
         now = time.time()
         found: list[tuple[str, StepInspection]] = []
         for _, entry in entries:
@@ -169,6 +186,14 @@ class Catalog:
                 )
 
     # ---- reading --------------------------------------------------------------------------------
+
+    def _dir_mtime_ns(self, path: str) -> int | None:
+        if self.storage.is_remote:
+            return None  # object stores have no directory times: always list
+        try:
+            return os.stat(path).st_mtime_ns
+        except OSError:
+            return None
 
     def has_job(self, job: str) -> bool:
         with self._lock:

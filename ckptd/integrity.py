@@ -94,8 +94,11 @@ def settle(storage: Storage, inspection: StepInspection, *, adopt_after_s: float
             quarantine(storage, path, reason, result.problems)
             return Settled(StepState.QUARANTINED, reason)
         if result.manifest is not None and result.manifest.sealed is None:
+            # Durable first, then sealed: a sealed manifest means a ckptd already made this step durable,
+            # so a restart does not fsync every step again.
+            _durable(storage, path)
             seal_manifest(storage, path, result.manifest)
-        _durable(storage, path)
+            _durable(storage, path)
     except (OSError, StorageError, ValueError) as exc:
         return Settled(StepState.COMMITTED, f"not verified yet: {type(exc).__name__}: {exc}")
     writer = result.manifest.writer if result.manifest else None

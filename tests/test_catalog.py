@@ -331,3 +331,27 @@ def test_a_step_still_being_copied_in_is_adopted_only_once_it_settles(root: Path
         assert cat.step("alpha", 12).state is StepState.VERIFIED  # type: ignore[union-attr]
     finally:
         cat.close()
+
+
+def test_a_quick_refresh_sees_renames_and_finishing_saves_without_listing(root: Path, tmp_path: Path) -> None:
+    storage = Storage(str(root))
+    cat = Catalog(storage, tmp_path / "q.sqlite3")
+    try:
+        cat.rebuild()
+        alpha = root / "alpha"
+        # a rename into the job directory changes its mtime: the quick refresh lists again
+        shutil.copytree(alpha / "3", root / "incoming", ignore=_CKPTD_FILES)
+        (root / "incoming").rename(alpha / "20")
+        cat.refresh_job("alpha", quick=True)
+        assert cat.step("alpha", 20).state is StepState.VERIFIED  # type: ignore[union-attr]
+        # a save finishing in place (commit-file mode) does not touch the job directory: the quick refresh
+        # looks again at the steps not yet settled
+        shutil.copytree(alpha / "3", alpha / "21", ignore=_CKPTD_FILES)
+        (alpha / "21" / COMMIT_MARKER).rename(root / "marker")
+        cat.refresh_job("alpha")
+        assert cat.step("alpha", 21).state is StepState.WRITING  # type: ignore[union-attr]
+        (root / "marker").rename(alpha / "21" / COMMIT_MARKER)
+        cat.refresh_job("alpha", quick=True)
+        assert cat.step("alpha", 21).state is StepState.VERIFIED  # type: ignore[union-attr]
+    finally:
+        cat.close()

@@ -73,3 +73,26 @@ def test_retry_gives_up_at_the_deadline() -> None:
     with pytest.raises(ValueError):
         flaky()
     assert 2 <= len(calls) <= 5
+
+
+def test_no_good_step_at_ckptd_but_a_committed_one_on_storage_is_not_a_fresh_start(tmp_path: Path) -> None:
+    """ckptd cannot verify steps on read-only or full storage; the job must not start over from step 0."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from trainer_client.checkpointing import Checkpointer
+
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("replica", "data"))
+    ck = Checkpointer(str(tmp_path / "job"))
+    ck.save(7, {"w": jax.device_put(np.ones((8, 8), np.float32), NamedSharding(mesh, P(None, "data")))},
+            data_position=56, global_batch=8, mesh=mesh, slices=[0, 1, 2, 3])
+    ck.close()
+    body = {"code": "NO_GOOD_CHECKPOINT", "message": "job 'job' has no verified checkpoint yet"}
+    client, _ = _client(lambda r: httpx.Response(404, json=body), root=str(tmp_path))
+    plan = client.resume("job", p.ResumeRequest(alive_devices=6))
+    assert (plan.step, plan.source, plan.data_position) == (7, "storage_scan", 56)
+    empty, _ = _client(lambda r: httpx.Response(404, json=body), root=str(tmp_path / "elsewhere"))
+    with pytest.raises(NoCheckpointError):
+        empty.resume("job", p.ResumeRequest(alive_devices=6))

@@ -26,7 +26,7 @@ from trainer_client.client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.durability import Syncer, using_syncer
 from trainer_client.layout import CHECKPOINT_METADATA, COMMIT_MARKER
-from trainer_client.manifest import MANIFEST_FILE, QUARANTINE_FILE, read_manifest
+from trainer_client.manifest import MANIFEST_FILE, QUARANTINE_FILE, read_manifest, write_manifest
 from trainer_client.protocol import ResumeRequest, StepState
 from trainer_client.storage import Storage
 from trainer_client.validation import latest_good_on_storage, validate_step
@@ -232,6 +232,11 @@ class _FailingSyncer(Syncer):
 
 
 def test_a_step_that_cannot_be_made_durable_is_not_reported_good(root: Path) -> None:
+    storage = Storage(str(root))
+    step_path = storage.join("job", str(N_STEPS))
+    manifest = read_manifest(storage, step_path)
+    assert manifest is not None
+    write_manifest(storage, step_path, manifest.model_copy(update={"sealed": None, "sealed_at": None}))  # unsealed
     with using_syncer(_FailingSyncer(root / "job" / str(N_STEPS))):
         cat = Catalog(Storage(str(root)), ":memory:")
         cat.rebuild()

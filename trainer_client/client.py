@@ -120,9 +120,20 @@ class CkptdClient:
             body = self._request("POST", p.ROUTE_RESUME.format(job=job), json=request.model_dump(mode="json"))
             return p.ResumePlan.model_validate(body)
         except CkptdRequestError as exc:
-            if exc.code in (p.ErrorCode.NO_GOOD_CHECKPOINT.value, p.ErrorCode.JOB_NOT_FOUND.value):
-                raise NoCheckpointError(f"job {job!r}: {exc.message}") from exc
-            raise
+            if exc.code not in (p.ErrorCode.NO_GOOD_CHECKPOINT.value, p.ErrorCode.JOB_NOT_FOUND.value):
+                raise
+            # Before a job starts over, make sure storage agrees: ckptd may have no good step because it
+            # cannot verify them (read-only or full storage), while committed steps are there.
+            if self.root is not None:
+                try:
+                    plan = self.resume_from_storage(job, request)
+                except (NoCheckpointError, CkptdUnavailable):
+                    plan = None
+                if plan is not None:
+                    _log.warning("ckptd has no good step of %r but storage has step %s: resuming from it (%s)",
+                                 job, plan.step, exc.message)
+                    return plan
+            raise NoCheckpointError(f"job {job!r}: {exc.message}") from exc
         except CkptdUnavailable as exc:
             if self.root is None:
                 raise
