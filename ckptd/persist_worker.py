@@ -32,7 +32,8 @@ def persist(snapshot: Path, job_url: str, *, compression: bool = False) -> str:
         raise ValueError(f"snapshot {snapshot} is not whole: {'; '.join(bad)}")
     meta = read_meta(snapshot)
     treedef = pickle.loads((snapshot / TREEDEF_FILE).read_bytes())  # written by this job's own trainer
-    state = jax.tree_util.tree_unflatten(treedef, global_arrays(snapshot))
+    # jax arrays, not numpy: Orbax writes jax arrays through its parallel array path, numpy leaves ~7x slower.
+    state = jax.tree_util.tree_unflatten(treedef, [jax.device_put(a) for a in global_arrays(snapshot)])
     checkpointer = Checkpointer(job_url, compression=compression)
     try:
         checkpointer.save_with_metadata(meta.step, state, meta.training)

@@ -99,20 +99,11 @@ class MemoryTier:
         tmp = self.dir / f"{step}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        arrays: dict[str, ArrayRecord] = {}
-        offset = 0
-        with open(tmp / DATA_FILE, "wb") as f:
-            if nbytes:
-                os.posix_fallocate(f.fileno(), 0, nbytes)  # ENOSPC now, not SIGBUS later
-            for name, leaf, shards in plan:
-                records = []
-                for shard in shards:
-                    host = np.ascontiguousarray(np.asarray(shard.data))
-                    f.write(host.reshape(-1).view(np.uint8).data)
-                    records.append(ShardRecord(index=_index(shard.index, leaf.shape), offset=offset,
-                                               nbytes=host.nbytes))
-                    offset += host.nbytes
-                arrays[name] = ArrayRecord(shape=list(leaf.shape), dtype=str(leaf.dtype), shards=records)
+        try:
+            arrays, offset = self._write(tmp, plan)
+        except OSError as exc:  # e.g. ENOSPC: the room checked above was taken meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise MemoryTierFull(f"writing the snapshot of step {step} into {self.dir} failed: {exc}") from exc
         meta = SnapshotMeta(step=step, created_at=time.time(), persist=persist, nbytes=offset,
                             leaf_names=[name for name, _, _ in plan], arrays=arrays, training=training)
         (tmp / TREEDEF_FILE).write_bytes(pickle.dumps(jax.tree_util.tree_structure(state)))
@@ -123,6 +114,23 @@ class MemoryTier:
         self.last_blocked_s = time.perf_counter() - started
         del treedef
         return final
+
+    @staticmethod
+    def _write(tmp: Path, plan: list[tuple[str, jax.Array, list[Any]]]) -> tuple[dict[str, ArrayRecord], int]:
+        """One copy per shard, device to the shared-memory file (no pre-zeroing: that is a second pass)."""
+        arrays: dict[str, ArrayRecord] = {}
+        offset = 0
+        with open(tmp / DATA_FILE, "wb") as f:
+            for name, leaf, shards in plan:
+                records = []
+                for shard in shards:
+                    host = np.ascontiguousarray(np.asarray(shard.data))
+                    f.write(host.reshape(-1).view(np.uint8).data)
+                    records.append(ShardRecord(index=_index(shard.index, leaf.shape), offset=offset,
+                                               nbytes=host.nbytes))
+                    offset += host.nbytes
+                arrays[name] = ArrayRecord(shape=list(leaf.shape), dtype=str(leaf.dtype), shards=records)
+        return arrays, offset
 
 
 class _ShardReader:
