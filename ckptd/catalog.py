@@ -144,8 +144,13 @@ class Catalog:
         else:
             entries = step_entries(self.storage, job_path)  # type: ignore[assignment]
             present = {entry.name for _, entry in entries}
-            if dir_mtime is not None:
-                self._scanned_mtime[job] = dir_mtime  # taken before the listing: a later change rescans
+            # Taken before the listing, so a later change rescans. Directory times are coarse (a clock tick):
+            # a change within the same tick as the listing would keep the time, so a directory that changed
+            # in the last second is not trusted to be unchanged.
+            if dir_mtime is not None and time.time() - dir_mtime / 1e9 > 1.0:
+                self._scanned_mtime[job] = dir_mtime
+            else:
+                self._scanned_mtime.pop(job, None)
         now = time.time()
         found: list[tuple[str, StepInspection]] = []
         for _, entry in entries:

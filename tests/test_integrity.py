@@ -345,3 +345,17 @@ def test_the_server_applies_retention_in_the_background(root: Path, ckptd_server
     with CkptdClient(ClientSettings(url=server.url)) as client:
         good = client.latest_good("job")
         assert good is not None and good.step == 60
+
+
+def test_saving_a_step_that_is_already_on_storage_keeps_it_and_does_not_stop_training(tmp_path: Path) -> None:
+    mesh = _mesh()
+    first = Checkpointer(str(tmp_path / "job"))
+    _save(first, mesh, 10)
+    first.close()
+    before = read_manifest(Storage(str(tmp_path)), str(tmp_path / "job" / "10"))
+    again = Checkpointer(str(tmp_path / "job"))  # after an elastic event took the job back to step 5
+    again.save(10, _state(mesh, 99), data_position=1, global_batch=8, mesh=mesh, slices=[0])
+    again.close()
+    assert 10 not in again.saved_steps
+    after = read_manifest(Storage(str(tmp_path)), str(tmp_path / "job" / "10"))
+    assert before is not None and after is not None and after.files == before.files  # never overwritten

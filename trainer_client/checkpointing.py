@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
 from trainer_client.durability import sync_tree
 from trainer_client.layout import CUSTOM_METADATA_KEY, TMP_DIR_SUFFIX
@@ -189,7 +190,14 @@ class Checkpointer:
         started = time.perf_counter()
         self._manager.wait_until_finished()  # one save in flight: the callback below knows its step
         self._pending = meta
-        self._manager.save(step, args=ocp.args.StandardSave(state), custom_metadata=custom, force=True)
+        try:
+            self._manager.save(step, args=ocp.args.StandardSave(state), custom_metadata=custom, force=True)
+        except StepAlreadyExistsError:
+            # A committed step of this number is already on storage (saved before an elastic event took the
+            # job back to an older step). It is a consistent state of this run: keep it, never overwrite.
+            _log.warning("step %s is already on storage; not saving it again", step)
+            self._pending = None
+            return
         if not self.async_save:
             self._before_commit_fallback(step)
         self.last_save_blocked_s = time.perf_counter() - started
