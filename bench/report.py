@@ -82,7 +82,8 @@ def render(payload: dict[str, Any]) -> str:
         "",
     ]
     for merged in payload.get("merged_from", []):
-        lines += [f"Kept from the run started {merged['started_at']} (not re-run this time): "
+        profile_note = f" ({merged['profile']} profile)" if merged.get("profile") else ""
+        lines += [f"Kept from the run started {merged['started_at']}{profile_note} (not re-run this time): "
                   + (", ".join(f"`{k}`" for k in merged["kept"]) or "nothing") + ".", ""]
     if io:
         lines += [

@@ -20,6 +20,7 @@ import json
 import tempfile
 import time
 import traceback
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -108,10 +109,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=os.environ.get("BENCH_WORKDIR"),
                         help="storage for checkpoints (default: the temp directory)")
     parser.add_argument("--shm", default=os.environ.get("BENCH_SHM", "/dev/shm"))
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=INT",
+                        help="override a profile field, e.g. --set bursts=1 --set rebuilds=0 (repeatable)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the other families' figures from an earlier run of the same profile in --out")
     args = parser.parse_args(argv)
     profile = profile_from_env(args.profile)
+    for item in args.set:
+        name, _, value = item.partition("=")
+        if name not in {f.name for f in fields(Profile)} or name == "name":
+            parser.error(f"--set: no profile field {name!r}")
+        profile = replace(profile, **{name: type(getattr(profile, name))(int(value))})
     families = tuple(f for f in args.only.split(",") if f)
     docs = None if str(args.docs) == "none" else args.docs
     payload = run(profile, families, args.out, docs, args.workdir, args.shm, merge=args.merge)

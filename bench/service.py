@@ -40,6 +40,8 @@ GLOBAL_BATCH = 64
 PER_STEP = (CHECKPOINT_METADATA, MANIFEST_FILE)
 SEQUENTIAL_BUDGET_S = 300.0  # sequential requests stop after this (but not before 100) when answers are slow
 BURST_BUDGET_S = 300.0  # bursts stop after this (but not before 2)
+REQUEST_TIMEOUT_S = 120.0  # an answer slower than this counts as this (a lower bound) and is reported
+BURST_LIMIT_S = 300.0  # a burst not answered whole by then counts as this (a lower bound) and is reported
 
 
 def _template_step(profile: Profile, directory: Path) -> Path:
@@ -175,8 +177,9 @@ def _burst(url: str, body: bytes, n: int) -> tuple[float, list[float]]:
         for s in socks:
             s.sendall(payload)
         while len(done_at) < n:
-            if time.perf_counter() - started > 120:
-                raise RuntimeError(f"burst: {n - len(done_at)} answers missing after 120 s")
+            if time.perf_counter() - started > BURST_LIMIT_S:  # counted as the limit: a lower bound
+                print(f"    burst: {n - len(done_at)} answers missing after {BURST_LIMIT_S:.0f}s", flush=True)
+                return BURST_LIMIT_S, [done_at.get(i, started + BURST_LIMIT_S) - started for i in range(n)]
             for key, _ in sel.select(timeout=1.0):
                 i = key.data
                 chunk = key.fileobj.recv(1 << 20)  # type: ignore[union-attr]
@@ -236,7 +239,8 @@ def run_service(profile: Profile, results: Results, workdir: Path) -> None:
                     "python -m ckptd serve until /readyz = 200, the first catalog build (verify, seal, fsync) included")
     try:
         body = _request_body()
-        with httpx.Client(base_url=url, timeout=30.0) as client:
+        timeouts = 0
+        with httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT_S) as client:
 
             def resume() -> dict[str, Any]:
                 r = client.post(f"/v1/jobs/{JOB}/resume", content=body, headers={"content-type": "application/json"})
@@ -253,16 +257,22 @@ def run_service(profile: Profile, results: Results, workdir: Path) -> None:
                 raise RuntimeError(f"unexpected plan: step {plan['step']}, {len(plan['arrays'])} arrays")
             results.context["service"]["plan"] = {"step": plan["step"], "mesh": plan["mesh"],
                                                   "arrays": len(plan["arrays"]), "bytes": len(json.dumps(plan))}
-            for _ in range(min(20, profile.resume_requests)):
+            for _ in range(min(5, profile.resume_requests)):
                 resume()
             latencies: list[float] = []
             deadline = time.monotonic() + SEQUENTIAL_BUDGET_S
             for n in range(profile.resume_requests):
-                if n >= 100 and time.monotonic() > deadline:  # slow answers: stop at the budget, keep >= 100
+                if n >= 20 and time.monotonic() > deadline:  # slow answers: stop at the budget, keep >= 20
                     break
-                with timed() as t:
-                    resume()
+                try:
+                    with timed() as t:
+                        resume()
+                except httpx.TimeoutException:  # counted as the time waited: a lower bound
+                    timeouts += 1
+                    print(f"    request {n + 1} not answered in {REQUEST_TIMEOUT_S:.0f}s", flush=True)
                 latencies.append(t.seconds * 1000)
+                if timeouts >= 3:
+                    break
         runs = max(1, min(5, len(latencies) // 100))
         size = len(latencies) // runs
         p99s = [percentile(latencies[k * size:(k + 1) * size], 99) for k in range(runs)]
@@ -270,10 +280,13 @@ def run_service(profile: Profile, results: Results, workdir: Path) -> None:
         results.figure(Figure("resume_p99_ms", p99s, "<=", 10.0, "ms",
                               f"p99 of POST /v1/jobs/{{job}}/resume, one client, sequential, {profile.steps} steps "
                               f"of {profile.state_arrays} arrays; samples: p99 of {runs} consecutive runs of {size}",
-                              {"requests": len(latencies), "p50_ms": round(percentile(latencies, 50), 3),
+                              {"requests": len(latencies), "timeouts": timeouts,
+                               "timeout_ms": REQUEST_TIMEOUT_S * 1000,
+                               "p50_ms": round(percentile(latencies, 50), 3),
                                "p90_ms": round(percentile(latencies, 90), 3),
                                "p99_all_ms": round(percentile(latencies, 99), 3), "max_ms": round(max(latencies), 3)}))
-        _burst(url, body, 64)  # warm-up
+        if profile.bursts > 1:
+            _burst(url, body, 64)  # warm-up
         makespans: list[float] = []
         all_lat: list[float] = []
         deadline = time.monotonic() + BURST_BUDGET_S
@@ -297,6 +310,8 @@ def run_service(profile: Profile, results: Results, workdir: Path) -> None:
             proc.kill()
     results.progress()  # the figures so far reach results.json before the long rebuilds
     # -- catalog rebuilds, as at every restart of ckptd (the steps are verified and sealed by now) ------
+    if profile.rebuilds < 1:
+        return
     rebuilds: list[float] = []
     for i in range(profile.rebuilds):
         seconds, states = _rebuild_once(root, state / f"restart{i}" / "catalog.sqlite")
