@@ -300,7 +300,10 @@ def run_service(profile: Profile, results: Results, workdir: Path) -> None:
             time.sleep(0.2)
         results.figure(Figure("resume_burst64_makespan_ms", makespans, "<=", 250.0, "ms",
                               "64 resume requests sent at once over 64 connections opened beforehand, until the "
-                              "last answer", {"per_request_p50_ms": round(percentile(all_lat, 50), 3),
+                              "last answer",
+                              {"answers_missing_at_limit": sum(x >= BURST_LIMIT_S * 1000 for x in all_lat),
+                                              "limit_ms": BURST_LIMIT_S * 1000,
+                                              "per_request_p50_ms": round(percentile(all_lat, 50), 3),
                                               "per_request_max_ms": round(max(all_lat), 3)}))
     finally:
         proc.terminate()

@@ -135,7 +135,7 @@ class MemoryTier:
 
 class _ShardReader:
     """Regions of one array of a snapshot, read straight from the memory map: a region that is exactly a
-    saved shard is a zero-copy view; any other region is assembled from the shards that overlap it."""
+    saved shard is one copy of it; any other region is assembled from the shards that overlap it."""
 
     def __init__(self, data: np.ndarray, record: ArrayRecord, dtype: np.dtype[Any]) -> None:
         self.shape = tuple(record.shape)
@@ -154,7 +154,9 @@ class _ShardReader:
         ) + tuple((0, dim) for dim in self.shape[len(index) :])
         hit = self.exact.get(bounds)
         if hit is not None:
-            return hit
+            # A copy, not the view: the arrays must not alias the read-only map (a step that donates its
+            # input buffers would write into it, and eviction would pull the pages away).
+            return np.array(hit)
         region = np.empty([stop - start for start, stop in bounds], dtype=self.dtype)
         for shard_bounds, view in self.shards:
             lo = [max(a[0], b[0]) for a, b in zip(bounds, shard_bounds, strict=True)]
