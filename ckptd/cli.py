@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Sequence
@@ -48,7 +49,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     app = create_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=False)
+                access_log=False, timeout_keep_alive=math.ceil(settings.keep_alive_s))
     return EXIT_OK
 
 

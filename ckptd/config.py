@@ -40,6 +40,11 @@ class Settings(BaseSettings):
         default=8, ge=1, le=1024,
         description="threads that run the request handlers: a few keep /healthz prompt when ckptd is busy",
     )
+    keep_alive_s: float = Field(
+        default=75.0, gt=0,
+        description="an idle HTTP connection is closed after this long (above the clients' and load balancers' idle "
+        "timeouts, so a request never races the close)",
+    )
     state_dir: str | None = Field(
         default=None, description="where the catalog cache lives (default: a per-root dir under ~/.cache)"
     )

@@ -163,7 +163,7 @@ def test_server_with_token(ckptd_server: Any, golden_root: Path) -> None:
 def test_cli_serve(golden_root: Path, tmp_path: Path, tcp_port: int,
                    subprocess_env: Callable[..., dict[str, str]], poll: Callable[..., Any]) -> None:
     env = subprocess_env(CKPTD_STATE_DIR=str(tmp_path / "state"), CKPTD_REFRESH_INTERVAL_S="0.2",
-                         CKPTD_TOKEN="cli-token", CKPTD_LOG_LEVEL="info")
+                         CKPTD_TOKEN="cli-token", CKPTD_LOG_LEVEL="info", CKPTD_KEEP_ALIVE_S="1.5")
     proc = subprocess.Popen(
         [*CKPTD, "serve", "--root", str(golden_root), "--host", "127.0.0.1", "--port", str(tcp_port)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -181,10 +181,33 @@ def test_cli_serve(golden_root: Path, tmp_path: Path, tcp_port: int,
         poll(ready, timeout=30, interval=0.1, what="ckptd serve: GET /readyz -> 200")
         assert httpx.get(f"{url}/v1/jobs", timeout=5).status_code == 401  # CKPTD_TOKEN took effect
         auth = {"Authorization": "Bearer cli-token"}
-        resp = httpx.post(f"{url}/v1/jobs/train/resume", json={"alive_devices": 6}, headers=auth, timeout=5)
-        plan = p.ResumePlan.model_validate(resp.json())
+        # Plain-Orbax steps are adopted once their files have been still for CKPTD_ADOPT_AFTER_S (default 2 s):
+        # a fresh root may answer NO_GOOD_CHECKPOINT for that long, never a step not yet checksummed.
+        answers: list[httpx.Response] = []
+
+        def resumed() -> bool:
+            answers.append(httpx.post(f"{url}/v1/jobs/train/resume", json={"alive_devices": 6}, headers=auth,
+                                      timeout=5))
+            assert answers[-1].status_code in (200, 404), answers[-1].text
+            return answers[-1].status_code == 200
+
+        poll(resumed, timeout=30, interval=0.2, what="resume -> 200 once the plain-Orbax steps are adopted")
+        plan = p.ResumePlan.model_validate(answers[-1].json())
         assert (plan.step, plan.mesh.shape) == (20, [3, 2])
         assert (tmp_path / "state" / "catalog.sqlite3").exists()  # CKPTD_STATE_DIR took effect
+        # CKPTD_KEEP_ALIVE_S took effect: an idle connection lives that long (a second request on it is
+        # answered), then the server closes it (uvicorn's own default would be 5 s).
+        conn = http.client.HTTPConnection("127.0.0.1", tcp_port, timeout=5)
+        for _ in range(2):
+            time.sleep(0.3)
+            conn.request("GET", "/healthz")
+            assert conn.getresponse().read()
+        idle_since = time.monotonic()
+        assert conn.sock is not None
+        conn.sock.settimeout(30)
+        assert conn.sock.recv(1) == b""  # blocks until the server closes the idle connection
+        assert 1.4 < time.monotonic() - idle_since < 4.5  # ~2 s (uvicorn rounds up to whole seconds), not 5
+        conn.close()
     finally:
         proc.terminate()
         try:
