@@ -31,12 +31,12 @@ from ckptd.event_routes import add_event_routes
 from ckptd.events import EventStore, record_retention
 from ckptd.hardening import BodySizeLimit, document_errors, limit_worker_threads
 from ckptd.metrics import Metrics
+from ckptd.plan_cache import PlanCache
 from ckptd.retention import prune
 from ckptd.route_docs import describe_routes
 from ckptd.snapshots import SnapshotKeeper
 from trainer_client import protocol as p
 from trainer_client.planning import PlanningError, memory_snapshot_plan, resume_plan
-from trainer_client.saved_layout import saved_layout
 from trainer_client.snapshot_format import newest_whole
 from trainer_client.storage import Storage, StorageError
 
@@ -59,9 +59,10 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
     """
     if catalog is None:
         catalog = Catalog(Storage(settings.root), settings.catalog_path(), save_timeout_s=settings.save_timeout_s,
-                          adopt_after_s=settings.adopt_after_s)
+                          adopt_after_s=settings.adopt_after_s, revalidate_after_s=settings.revalidate_after_s)
     cat = catalog
     metrics = Metrics()  # ckptd/metrics.py
+    plans = PlanCache()
     events = EventStore(cat.storage)  # ckptd/events.py: <root>/<job>/.ckptd/events/
     tracker = CommitTracker(cat, metrics, events, interval_s=settings.refresh_interval_s)
     policy = settings.retention()
@@ -225,7 +226,7 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
         return info
 
     @app.post(p.ROUTE_RESUME, response_model=p.ResumePlan, responses=_ERROR_RESPONSES, tags=["jobs"])
-    def resume(job: str, request: p.ResumeRequest) -> p.ResumePlan:
+    def resume(job: str, request: p.ResumeRequest) -> Any:
         started = time.perf_counter()
         _job(job)
         metrics.resume_requests.labels(job).inc()
@@ -239,16 +240,21 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
         try:
             if snapshot is not None and (info is None or info.state is not p.StepState.VERIFIED
                                          or snapshot[1].step >= info.step):
-                plan = memory_snapshot_plan(job=job, request=request, snapshot=snapshot)
+                body = memory_snapshot_plan(job=job, request=request, snapshot=snapshot).model_dump_json().encode()
             else:
-                info = _good_step(job, request, info)
-                layout = saved_layout(cat.storage, info.path, info.training)
-                plan = resume_plan(job=job, step=info.step, path=info.path, request=request,
-                                   training=info.training, saved_layout=layout)
+                good = _good_step(job, request, info)
+                loaded = cat.layout(good)  # the step's arrays, read once and kept (ckptd/catalog.py)
+                training, layout = loaded[0] or good.training, loaded[1]
+                body = plans.answer(  # planned once per (step, request): ckptd/plan_cache.py
+                    good.path, request.model_dump_json(), loaded,
+                    lambda: resume_plan(job=job, step=good.step, path=good.path, request=request,
+                                        training=training, saved_layout=layout).model_dump_json().encode(),
+                )
         except PlanningError as exc:
             raise ApiError(exc.code, exc.message) from exc
         metrics.plan_seconds.observe(time.perf_counter() - started)
-        return plan
+        # The bytes as planned: FastAPI would validate and dump a plan of 1,000 arrays again on every answer.
+        return Response(body, media_type="application/json")
 
     @app.get(p.ROUTE_ADVICE, response_model=p.Advice, responses=_ERROR_RESPONSES, tags=["jobs"])
     def advice(job: str, query: Annotated[p.AdviceQuery, Query()]) -> p.Advice:

@@ -6,6 +6,15 @@ ckptd loses nothing: the next start drops the cache and scans again.
 
 A refresh lists each job directory and inspects only the step directories it has not yet settled
 (verified or quarantined, see ``ckptd.integrity``); a step that vanished from storage leaves the catalog.
+A step that some ckptd already verified carries a verified record (``ckptd_verified.json``): it is
+catalogued from that small file alone, so a start over 10,000 steps reads 10,000 small files, not
+gigabytes of per-array metadata. Rows keep the training metadata without its per-array part; the arrays
+of a step are read when a plan needs them, and kept for the few steps recently planned.
+
+Before a step is named in an answer it is checked on storage: its commit marker is there and no
+quarantine record, on every answer; quick validation against its manifest, when the last one is older
+than ``revalidate_after_s`` (the refresher re-checks each job's newest good step ahead of that, so answers
+rarely wait for it).
 """
 
 from __future__ import annotations
@@ -15,15 +24,39 @@ import os
 import sqlite3
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
 from ckptd.integrity import quarantine, settle
-from trainer_client.layout import COMMIT_MARKER, StepInspection, inspect_step, step_entries
-from trainer_client.manifest import QUARANTINE_FILE
-from trainer_client.protocol import CheckpointInfo, JobInfo, StepState, TrainingMetadata, is_valid_job_name
+from trainer_client.layout import (
+    COMMIT_MARKER,
+    StepInspection,
+    inspect_step,
+    parse_step_name,
+    read_training,
+    step_entries,
+)
+from trainer_client.manifest import (
+    MANIFEST_FILE,
+    QUARANTINE_FILE,
+    VERIFIED_FILE,
+    fingerprints,
+    read_verified_record,
+    training_summary,
+)
+from trainer_client.protocol import (
+    ArraySpec,
+    CheckpointInfo,
+    JobInfo,
+    MeshSpec,
+    StepState,
+    TrainingMetadata,
+    is_valid_job_name,
+)
+from trainer_client.saved_layout import saved_layout
 from trainer_client.storage import Entry, Storage, StorageError
 from trainer_client.validation import validate_step
 
@@ -34,6 +67,9 @@ _log = logging.getLogger(__name__)
 # marker before its metadata; a failed write of a manifest is retried).
 _FINAL_STATES = (StepState.VERIFIED.value, StepState.QUARANTINED.value)
 _GOOD = StepState.VERIFIED.value
+_LAYOUTS_KEPT = 8  # saved layouts (all arrays of a step) kept in memory, most recently planned first
+
+Layout = tuple[MeshSpec | None, dict[str, ArraySpec]]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -60,12 +96,21 @@ class Catalog:
     """What the checkpoint root holds, per job and step, with the commit rule applied."""
 
     def __init__(
-        self, storage: Storage, db_path: Path | str, *, save_timeout_s: float = 3600.0, adopt_after_s: float = 0.0
+        self,
+        storage: Storage,
+        db_path: Path | str,
+        *,
+        save_timeout_s: float = 3600.0,
+        adopt_after_s: float = 0.0,
+        revalidate_after_s: float = 30.0,
     ) -> None:
         self.storage = storage
         self.save_timeout_s = save_timeout_s
         self.adopt_after_s = adopt_after_s
+        self.revalidate_after_s = revalidate_after_s
         self._scanned_mtime: dict[str, int] = {}
+        self._validated_at: dict[str, float] = {}  # step path -> when quick validation last passed (monotonic)
+        self._layouts: OrderedDict[str, tuple[TrainingMetadata | None, Layout]] = OrderedDict()
         self._lock = threading.RLock()
         self._db = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -99,8 +144,11 @@ class Catalog:
         self.refresh()
         self.ready.set()
 
-    def refresh(self) -> None:
-        """Bring the catalog in line with storage: new jobs, new steps, steps that changed or vanished."""
+    def refresh(self, *, quick: bool = False) -> None:
+        """Bring the catalog in line with storage: new jobs, new steps, steps that changed or vanished.
+
+        ``quick`` skips listing the steps of a local job directory unchanged since its last listing (see
+        ``refresh_job``): the refresher's usual pass, with a full one every ``Refresher.full_every``."""
         self.storage.invalidate()
         job_entries = [e for e in self.storage.list_dir(self.storage.root) if e.is_dir]
         names = {e.name for e in job_entries if is_valid_job_name(e.name)}
@@ -111,7 +159,7 @@ class Catalog:
                     db.execute("DELETE FROM steps WHERE job = ?", (name,))
         for entry in job_entries:
             if entry.name in names:
-                self.refresh_job(entry.name)
+                self.refresh_job(entry.name, quick=quick)
         self.last_refresh = time.time()
         self.last_error = None
 
@@ -129,17 +177,19 @@ class Catalog:
                 db.execute("DELETE FROM jobs WHERE name = ?", (job,))
                 db.execute("DELETE FROM steps WHERE job = ?", (job,))
             return
+        unchanged = quick and dir_mtime is not None and self._scanned_mtime.get(job) == dir_mtime
         with self._lock:
-            known = {
-                row[0]: row[1]
-                for row in self._db.execute("SELECT dirname, state FROM steps WHERE job = ?", (job,))
-            }
-        if quick and dir_mtime is not None and self._scanned_mtime.get(job) == dir_mtime:
-            entries = [
-                (None, Entry(name, self.storage.join(job, name), True, None))
-                for name, state in known.items()
-                if state not in _FINAL_STATES
-            ]
+            # An unchanged directory needs only its unsettled steps (a resume must not load 10,000 rows).
+            if unchanged:
+                rows = self._db.execute("SELECT dirname, state FROM steps WHERE job = ? AND state NOT IN (?, ?)",
+                                        (job, *_FINAL_STATES))
+            else:
+                rows = self._db.execute("SELECT dirname, state FROM steps WHERE job = ?", (job,))
+            known = {row[0]: row[1] for row in rows}
+        if unchanged:
+            if not known:
+                return  # nothing new, nothing pending: no write either
+            entries = [(None, Entry(name, self.storage.join(job, name), True, None)) for name in known]
             present = set(known)
         else:
             entries = step_entries(self.storage, job_path)  # type: ignore[assignment]
@@ -156,15 +206,13 @@ class Catalog:
         for _, entry in entries:
             if known.get(entry.name) in _FINAL_STATES:
                 continue
+            self._forget(self.storage.url_of(entry.path))
             try:
-                inspection = inspect_step(self.storage, entry, save_timeout_s=self.save_timeout_s, now=now)
+                inspection = self._from_verified_record(entry) or self._inspect(entry, now)
             except StorageError as exc:  # one unreadable step must not hide the others
                 self.last_error = f"{entry.path}: {exc}"
                 _log.warning("cannot inspect %s: %s", entry.path, exc)
                 continue
-            if inspection is not None and inspection.state is StepState.COMMITTED:
-                settled = settle(self.storage, inspection, adopt_after_s=self.adopt_after_s)
-                inspection = replace(inspection, state=settled.state, reason=settled.reason)
             if inspection is not None:
                 found.append((entry.name, inspection))
         with self._tx() as db:
@@ -186,9 +234,41 @@ class Catalog:
                         self.storage.url_of(ins.path),
                         ins.reason,
                         ins.committed_at,
-                        ins.training.model_dump_json() if ins.training else None,
+                        _summary_json(ins.training),
                     ),
                 )
+
+    def _inspect(self, entry: Entry, now: float | None = None) -> StepInspection | None:
+        """The commit rule and structural checks; a committed step is then verified or quarantined."""
+        inspection = inspect_step(self.storage, entry, save_timeout_s=self.save_timeout_s, now=now)
+        if inspection is not None and inspection.state is StepState.COMMITTED:
+            settled = settle(self.storage, inspection, adopt_after_s=self.adopt_after_s)
+            inspection = replace(inspection, state=settled.state, reason=settled.reason)
+            if settled.state is StepState.VERIFIED:
+                self._validated_at[self.storage.url_of(inspection.path)] = time.monotonic()
+        return inspection
+
+    def _from_verified_record(self, entry: Entry) -> StepInspection | None:
+        """A step some ckptd verified before, from its verified record alone: committed (marker there),
+        manifest there, no quarantine record. None sends the step down the full inspection."""
+        parsed = parse_step_name(entry.name)
+        if parsed is None or parsed.is_tmp or not entry.is_dir:
+            return None
+        children = self.storage.list_dir(entry.path)
+        names = {e.name for e in children}
+        if not {COMMIT_MARKER, MANIFEST_FILE, VERIFIED_FILE} <= names or QUARANTINE_FILE in names:
+            return None
+        record = read_verified_record(self.storage, entry.path)
+        if record is None or record.step != parsed.step or record.fingerprints != fingerprints(children):
+            return None  # no usable verdict, or a file changed since it: verify again
+        reason = "adopted: manifest written by ckptd" if record.writer == "adopted" else None
+        return StepInspection(parsed.step, entry.path, StepState.VERIFIED, reason, record.committed_at,
+                              record.training)
+
+    def _forget(self, path: str) -> None:
+        """Drop what is kept in memory about a step (it is being inspected again)."""
+        self._validated_at.pop(path, None)
+        self._layouts.pop(path, None)
 
     # ---- reading --------------------------------------------------------------------------------
 
@@ -225,6 +305,21 @@ class Catalog:
             ).fetchall()
         return [_info(r) for r in rows]
 
+    def states(self, job: str) -> dict[str, StepState]:
+        """Step path -> state, for every catalogued step of ``job`` (no metadata parsed: cheap to poll)."""
+        with self._lock:
+            rows = self._db.execute("SELECT path, state FROM steps WHERE job = ?", (job,)).fetchall()
+        return {str(path): StepState(str(state)) for path, state in rows}
+
+    def at_path(self, job: str, path: str) -> CheckpointInfo | None:
+        """The catalogued step stored at ``path``."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT step, state, path, reason, committed_at, training FROM steps WHERE job = ? AND path = ?",
+                (job, path),
+            ).fetchone()
+        return _info(row) if row else None
+
     def latest_good(self, job: str, at_most: int | None = None) -> CheckpointInfo | None:
         """The newest verified step (at or below ``at_most`` when given), as last catalogued."""
         limit = at_most if at_most is not None else 2**63 - 1
@@ -260,11 +355,56 @@ class Catalog:
             return False
         if self.storage.exists(f"{info.path}/{QUARANTINE_FILE}"):
             return False
+        checked = self._validated_at.get(info.path)
+        if checked is not None and time.monotonic() - checked < self.revalidate_after_s:
+            return True
+        return self.revalidate(info)
+
+    def revalidate(self, info: CheckpointInfo) -> bool:
+        """Quick validation of a verified step now; a step that fails is quarantined, one rewritten under the
+        same name (other training metadata) is not good until re-inspected."""
         result = validate_step(self.storage, info.path, "quick")
         if not result.ok:
             quarantine(self.storage, info.path, "quick validation failed: " + "; ".join(result.problems[:5]),
                        result.problems)
-        return result.ok
+            return False
+        if result.manifest is not None and training_summary(result.manifest.training) != info.training:
+            return False  # re-inspected by the caller: the catalogued metadata belongs to an older write
+        self._validated_at[info.path] = time.monotonic()
+        return True
+
+    def revalidate_latest(self) -> None:
+        """Quick-validate each job's newest good step when its last check is due within half the interval,
+        and load its arrays: what the refresher does, so answers do not wait for either."""
+        for job in self.jobs():
+            if job.latest_good_step is None:
+                continue
+            info = self.latest_good(job.name)
+            if info is None:
+                continue
+            checked = self._validated_at.get(info.path)
+            due = checked is None or time.monotonic() - checked > self.revalidate_after_s / 2
+            if due and not self.revalidate(info):
+                self._reinspect(job.name, info)
+                continue
+            self.layout(info)
+
+    def layout(self, info: CheckpointInfo) -> tuple[TrainingMetadata | None, Layout]:
+        """The step's full training metadata (arrays included) and saved layout, read once and kept for the
+        ``_LAYOUTS_KEPT`` steps planned most recently (a step's files do not change once it is verified;
+        a step re-inspected is dropped)."""
+        with self._lock:
+            kept = self._layouts.get(info.path)
+            if kept is not None:
+                self._layouts.move_to_end(info.path)
+                return kept
+        training = read_training(self.storage, info.path) if info.training is not None else None
+        loaded = (training, saved_layout(self.storage, info.path, training))
+        with self._lock:
+            self._layouts[info.path] = loaded
+            while len(self._layouts) > _LAYOUTS_KEPT:
+                self._layouts.popitem(last=False)
+        return loaded
 
     def confirmed_step(self, job: str, step: int) -> CheckpointInfo | None:
         """``step``, with a committed answer checked against storage like ``confirmed_latest_good``."""
@@ -277,19 +417,17 @@ class Catalog:
     def _reinspect(self, job: str, info: CheckpointInfo) -> None:
         name = info.path.rstrip("/").rsplit("/", 1)[-1]
         entry = next((e for _, e in step_entries(self.storage, self.storage.join(job)) if e.name == name), None)
-        inspection = (
-            inspect_step(self.storage, entry, save_timeout_s=self.save_timeout_s) if entry is not None else None
-        )
-        if inspection is not None and inspection.state is StepState.COMMITTED:
-            settled = settle(self.storage, inspection, adopt_after_s=self.adopt_after_s)
-            inspection = replace(inspection, state=settled.state, reason=settled.reason)
+        self._forget(info.path)
+        inspection = self._inspect(entry) if entry is not None else None
         with self._tx() as db:
             if inspection is None:
                 db.execute("DELETE FROM steps WHERE job = ? AND dirname = ?", (job, name))
             else:
                 db.execute(
-                    "UPDATE steps SET state = ?, reason = ? WHERE job = ? AND dirname = ?",
-                    (inspection.state.value, inspection.reason, job, name),
+                    "UPDATE steps SET state = ?, reason = ?, committed_at = ?, training = ? "
+                    "WHERE job = ? AND dirname = ?",
+                    (inspection.state.value, inspection.reason, inspection.committed_at,
+                     _summary_json(inspection.training), job, name),
                 )
 
     def mark(self, job: str, step: int, state: StepState, reason: str | None) -> None:
@@ -309,6 +447,11 @@ class Catalog:
         return _info(row) if row else None
 
 
+def _summary_json(training: TrainingMetadata | None) -> str | None:
+    summary = training_summary(training)
+    return summary.model_dump_json() if summary is not None else None
+
+
 def _info(row: tuple[object, ...]) -> CheckpointInfo:
     step, state, path, reason, committed_at, training = row
     return CheckpointInfo(
@@ -322,8 +465,9 @@ def _info(row: tuple[object, ...]) -> CheckpointInfo:
 
 
 class Refresher:
-    """A daemon thread that rebuilds the catalog once, then refreshes it every ``interval_s`` and runs
-    ``maintenance`` (retention) every ``maintenance_interval_s``."""
+    """A daemon thread that rebuilds the catalog once, then refreshes it every ``interval_s`` (listing every
+    step again every ``full_every`` passes) and runs ``maintenance`` (retention) every
+    ``maintenance_interval_s``."""
 
     def __init__(
         self,
@@ -333,8 +477,10 @@ class Refresher:
         maintenance: Callable[[], object] | None = None,
         maintenance_interval_s: float = 300.0,
         on_refresh: Callable[[], object] | None = None,
+        full_every: int = 30,
     ) -> None:
         self.catalog = catalog
+        self.full_every = full_every
         self.on_refresh = on_refresh
         self.interval_s = interval_s
         self.maintenance = maintenance
@@ -352,13 +498,16 @@ class Refresher:
 
     def _run(self) -> None:
         first = True
+        passes = 0
         while not self._stop.is_set():
             try:
                 if first:
                     self.catalog.rebuild()
                     first = False
-                else:
-                    self.catalog.refresh()
+                else:  # listing 10,000 steps every pass would take the GIL from answers: mostly quick passes
+                    passes += 1
+                    self.catalog.refresh(quick=passes % self.full_every != 0)
+                self.catalog.revalidate_latest()
                 if self.on_refresh is not None:
                     self.on_refresh()
                 due = time.monotonic() - self._last_maintenance >= self.maintenance_interval_s

@@ -77,11 +77,14 @@ class CommitTracker:
         for job in jobs:
             self.metrics.commits.labels(job)  # the series exist (at 0) from the first pass on
             self.metrics.validation_failures.labels(job)
-            for ck in self.catalog.checkpoints(job):
-                key = (job, ck.path)
-                states[key] = ck.state
-                if self._baselined:
-                    self._observe(job, ck, self._states.get(key))
+            for path, state in self.catalog.states(job).items():  # no metadata parsed: 10,000 steps poll cheaply
+                key = (job, path)
+                states[key] = state
+                before = self._states.get(key)
+                if self._baselined and state != before:
+                    ck = self.catalog.at_path(job, path)
+                    if ck is not None:
+                        self._observe(job, ck, before)
         self._states = states
         self._baselined = True
         due = time.monotonic() - self._last_goodput >= self.goodput_interval_s

@@ -56,6 +56,10 @@ class Settings(BaseSettings):
     adopt_after_s: float = Field(
         default=2.0, ge=0, description="adopt a step without a manifest once its files are unchanged this long"
     )
+    revalidate_after_s: float = Field(
+        default=30.0, gt=0,
+        description="a good step is quick-validated again before it is named once its last check is this old",
+    )
     keep_last: int | None = Field(default=None, ge=1, description="retention: keep the newest N good steps")
     keep_every: int | None = Field(default=None, ge=1, description="retention: keep steps that are multiples of K")
     keep_newer_than_s: float | None = Field(

@@ -8,6 +8,7 @@ For every newly committed step ckptd
 * quick-validates the manifest (names, sizes, GCS checksums) and quarantines the step when it fails —
   files are never deleted, the record is on storage so every ckptd sees it after any restart;
 * seals the manifest with the two files Orbax finished after it (``_CHECKPOINT_METADATA``, the marker);
+* records the verdict (``ckptd_verified.json``), so a later start catalogues the step from that small file;
 * on a local disk, fsyncs the commit marker, the final metadata, ckptd's files and the directory entries
   (the step directory and the job directory that received the rename) before reporting the step good.
 
@@ -34,6 +35,7 @@ from trainer_client.manifest import (
     seal_manifest,
     write_json_file,
     write_manifest,
+    write_verified_record,
 )
 from trainer_client.protocol import StepState
 from trainer_client.storage import Storage, StorageError
@@ -93,12 +95,15 @@ def settle(storage: Storage, inspection: StepInspection, *, adopt_after_s: float
             reason = "quick validation failed: " + "; ".join(result.problems[:5])
             quarantine(storage, path, reason, result.problems)
             return Settled(StepState.QUARANTINED, reason)
-        if result.manifest is not None and result.manifest.sealed is None:
+        verified = result.manifest
+        if verified is not None and verified.sealed is None:
             # Durable first, then sealed: a sealed manifest means a ckptd already made this step durable,
             # so a restart does not fsync every step again.
             _durable(storage, path)
-            seal_manifest(storage, path, result.manifest)
+            verified = seal_manifest(storage, path, verified)
             _durable(storage, path)
+        if verified is not None:  # the verdict, for every later start: one small file instead of a re-check
+            write_verified_record(storage, path, verified, inspection.committed_at)
     except (OSError, StorageError, ValueError) as exc:
         return Settled(StepState.COMMITTED, f"not verified yet: {type(exc).__name__}: {exc}")
     writer = result.manifest.writer if result.manifest else None

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from ckptd.cli_support import EXIT_BAD, EXIT_OK, open_job
 from ckptd.integrity import quarantine, validate_and_quarantine
-from ckptd.retention import RetentionPolicy, collect, decide
+from ckptd.retention import RetentionPolicy, checked_decisions, collect
 from trainer_client.array_index import ArrayIndexError, decode_all_arrays
 from trainer_client.manifest import read_manifest
 from trainer_client.protocol import StepState
@@ -98,7 +98,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     cat, job = opened
     policy = RetentionPolicy(keep_last=args.keep_last, keep_every=args.keep_every,
                              keep_newer_than_s=args.keep_newer_than, clean_abandoned=not args.keep_abandoned)
-    decisions = decide(cat.checkpoints(job), policy)
+    decisions = checked_decisions(cat, job, policy)
     deleted = collect(cat.storage, decisions, dry_run=args.dry_run)
     if args.json:
         print(json.dumps([{"step": d.step, "path": d.path, "state": d.state.value, "action": d.action,

@@ -105,14 +105,33 @@ def collect(storage: Storage, decisions: Iterable[Decision], *, dry_run: bool = 
     return deleted
 
 
+def checked_decisions(catalog: Catalog, job: str, policy: RetentionPolicy) -> list[Decision]:
+    """``decide`` for a catalogued job, after checking on storage every good step it would delete or keep
+    as one of the newest (``Catalog.confirmed_step``): a step verified long ago may have lost a file
+    since. One that fails is quarantined, so it is kept for inspection and never deleted, and the next
+    good step takes its place among the newest; then the decision is made again."""
+    while True:
+        infos = catalog.checkpoints(job)
+        decisions = decide(infos, policy)
+        good = sorted((c for c in infos if c.state is StepState.VERIFIED), key=lambda c: c.step)
+        suspects = {c.step for c in good[-(policy.keep_last or 1):]}
+        suspects |= {d.step for d in decisions if d.action == "delete" and d.state is StepState.VERIFIED}
+        failed = False
+        for step in sorted(suspects, reverse=True):
+            confirmed = catalog.confirmed_step(job, step)
+            failed = failed or confirmed is None or confirmed.state is not StepState.VERIFIED
+        if not failed:
+            return decisions
+
+
 def prune(catalog: Catalog, policy: RetentionPolicy) -> list[Decision]:
     """Apply ``policy`` to every job of a catalog (what the server runs every ``gc_interval_s``)."""
     deleted: list[Decision] = []
     for job in catalog.jobs():
         catalog.refresh_job(job.name)
-        deleted += collect(catalog.storage, decide(catalog.checkpoints(job.name), policy))
+        deleted += collect(catalog.storage, checked_decisions(catalog, job.name, policy))
         catalog.refresh_job(job.name)
     return deleted
 
 
-__all__ = ["Decision", "RetentionPolicy", "collect", "decide", "prune"]
+__all__ = ["Decision", "RetentionPolicy", "checked_decisions", "collect", "decide", "prune"]

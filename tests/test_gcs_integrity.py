@@ -44,7 +44,15 @@ from trainer_client.array_index import decode_all_arrays
 from trainer_client.checkpointing import Checkpointer
 from trainer_client.durability import Syncer, using_syncer
 from trainer_client.layout import CHECKPOINT_METADATA, COMMIT_MARKER
-from trainer_client.manifest import MANIFEST_FILE, QUARANTINE_FILE, Listed, list_files, read_manifest
+from trainer_client.manifest import (
+    MANIFEST_FILE,
+    QUARANTINE_FILE,
+    VERIFIED_FILE,
+    Listed,
+    list_files,
+    read_manifest,
+    read_verified_record,
+)
 from trainer_client.protocol import StepState
 from trainer_client.storage import Storage
 from trainer_client.validation import latest_good_on_storage, validate_step
@@ -242,7 +250,10 @@ def test_checkpointer_manifests_match_object_crc32c_and_are_sealed(golden: Golde
         assert manifest.sealed is not None and set(manifest.sealed) == {CHECKPOINT_METADATA, COMMIT_MARKER}
         objects = _objects(gcs, f"{BASE}/golden/job/{step}")
         expected = manifest.expected_files()
-        assert set(expected) == set(objects) - {MANIFEST_FILE}
+        assert set(expected) == set(objects) - {MANIFEST_FILE, VERIFIED_FILE}  # ckptd's own files
+        record = read_verified_record(storage, storage.join("job", str(step)))
+        assert record is not None and record.manifest_checksum == manifest.checksum
+        assert set(record.fingerprints) == {CHECKPOINT_METADATA, COMMIT_MARKER, MANIFEST_FILE}
         assert any(_is_data(rel) for rel in expected)
         for rel, entry in expected.items():
             assert (entry.size, entry.crc32c) == (int(objects[rel]["size"]), objects[rel]["crc32c"]), rel
@@ -295,7 +306,7 @@ def test_plain_orbax_steps_on_gcs_are_adopted_without_downloading_arrays(golden:
             manifest = read_manifest(storage, storage.join("job", str(step)))
             assert manifest is not None and manifest.writer == "adopted" and manifest.sealed is not None
             objects = _objects(gcs, f"{BASE}/adopt/job/{step}")
-            assert set(manifest.expected_files()) == set(objects) - {MANIFEST_FILE}
+            assert set(manifest.expected_files()) == set(objects) - {MANIFEST_FILE, VERIFIED_FILE}
             for rel, entry in manifest.expected_files().items():
                 assert (entry.size, entry.crc32c) == (int(objects[rel]["size"]), objects[rel]["crc32c"]), rel
         assert w.listings() > 0

@@ -26,7 +26,7 @@ from trainer_client.client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.durability import Syncer, using_syncer
 from trainer_client.layout import CHECKPOINT_METADATA, COMMIT_MARKER
-from trainer_client.manifest import MANIFEST_FILE, QUARANTINE_FILE, read_manifest, write_manifest
+from trainer_client.manifest import MANIFEST_FILE, QUARANTINE_FILE, VERIFIED_FILE, read_manifest, write_manifest
 from trainer_client.protocol import ResumeRequest, StepState
 from trainer_client.storage import Storage
 from trainer_client.validation import latest_good_on_storage, validate_step
@@ -106,7 +106,10 @@ def test_every_corruption_is_detected_and_latest_good_falls_back(root: Path) -> 
     assert N_STEPS in trials or trials.append(N_STEPS) is None  # the newest step is always hit
     seen_kinds: dict[str, int] = {}
     for step in trials:
-        files = sorted(p for p in (job / str(step)).rglob("*") if p.is_file() and p.stat().st_size > 0)
+        # every file of the checkpoint (ckptd's verified record is a verdict about it, not part of it:
+        # a damaged one is ignored, see test_catalog)
+        files = sorted(p for p in (job / str(step)).rglob("*")
+                       if p.is_file() and p.stat().st_size > 0 and p.name != VERIFIED_FILE)
         target = rng.choice(files)
         kind = rng.choice(["flip", "truncate", "delete"])
         seen_kinds[kind] = seen_kinds.get(kind, 0) + 1

@@ -150,6 +150,19 @@ def _inspect_finalized(storage: Storage, path: str, step: int) -> StepInspection
     return StepInspection(step, path, StepState.COMMITTED, None, committed_at, training, items)
 
 
+def read_training(storage: Storage, step_path: str) -> TrainingMetadata | None:
+    """ckptd's training metadata of a committed step, arrays included (None when the step has none or it
+    does not parse: the step was then never verified with it)."""
+    meta = _read_json_object(storage, step_path, CHECKPOINT_METADATA)
+    custom = meta.get("custom_metadata") if isinstance(meta, dict) else None
+    if not isinstance(custom, dict) or CUSTOM_METADATA_KEY not in custom:
+        return None
+    try:
+        return TrainingMetadata.model_validate(custom[CUSTOM_METADATA_KEY])
+    except ValidationError:
+        return None
+
+
 def read_saved_sharding(
     storage: Storage, step_path: str, item: str = "default"
 ) -> tuple[MeshSpec | None, dict[str, ArraySpec]]:
@@ -222,5 +235,6 @@ __all__ = [
     "latest_committed",
     "parse_step_name",
     "read_saved_sharding",
+    "read_training",
     "step_entries",
 ]

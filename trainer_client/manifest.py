@@ -10,8 +10,14 @@ commit time, and writes ``commit_success.txt``. ckptd *seals* the manifest when 
 it adds their checksums, so deep validation covers every byte of the step from then on. The manifest
 carries a checksum of itself, so a flipped byte in it is caught too.
 
-Orbax ignores ckptd's files (``ckptd_manifest.json``, ``ckptd_quarantine.json``): plain Orbax restores a
-step that has them. No jax here.
+Once a step is verified ckptd writes a small *verified record* beside the manifest (``ckptd_verified.json``:
+when, the manifest's checksum, and the training metadata without its per-array part). It is to a good
+verdict what the quarantine record is to a bad one: any ckptd that starts later catalogues the step from
+that one small file instead of re-reading and re-validating megabytes of metadata per step. A quarantine
+record wins over it; the step named in an answer is still checked against storage first.
+
+Orbax ignores ckptd's files (``ckptd_manifest.json``, ``ckptd_verified.json``, ``ckptd_quarantine.json``):
+plain Orbax restores a step that has them. No jax here.
 """
 
 from __future__ import annotations
@@ -30,13 +36,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from trainer_client.layout import CHECKPOINT_METADATA, COMMIT_MARKER
 from trainer_client.protocol import ArraySpec, TrainingMetadata
-from trainer_client.storage import Storage, mtime_of, storage_errors
+from trainer_client.storage import Entry, Storage, mtime_of, storage_errors
 
 MANIFEST_FILE = "ckptd_manifest.json"
 QUARANTINE_FILE = "ckptd_quarantine.json"
+VERIFIED_FILE = "ckptd_verified.json"
 MANIFEST_FORMAT = "ckptd-manifest/1"
 # Files that are not (or not yet) final when the manifest is written, or are ckptd's own.
-UNMANIFESTED = frozenset({CHECKPOINT_METADATA, COMMIT_MARKER, MANIFEST_FILE, QUARANTINE_FILE})
+UNMANIFESTED = frozenset({CHECKPOINT_METADATA, COMMIT_MARKER, MANIFEST_FILE, QUARANTINE_FILE, VERIFIED_FILE})
 SEALED = (CHECKPOINT_METADATA, COMMIT_MARKER)
 _CHUNK = 8 << 20
 
@@ -169,12 +176,13 @@ def write_json_file(storage: Storage, path: str, payload: str) -> None:
     os.replace(tmp, path)
 
 
-def write_manifest(storage: Storage, step_path: str, manifest: Manifest) -> str:
+def write_manifest(storage: Storage, step_path: str, manifest: Manifest) -> Manifest:
+    """Write ``manifest`` with its own checksum filled in; returns what was written."""
     path = f"{step_path.rstrip('/')}/{MANIFEST_FILE}"
-    sealed = manifest.model_copy(update={"checksum": ""})
-    sealed = sealed.model_copy(update={"checksum": sealed.computed_checksum()})
-    write_json_file(storage, path, sealed.model_dump_json(indent=1))
-    return path
+    written = manifest.model_copy(update={"checksum": ""})
+    written = written.model_copy(update={"checksum": written.computed_checksum()})
+    write_json_file(storage, path, written.model_dump_json(indent=1))
+    return written
 
 
 def read_manifest(storage: Storage, step_path: str) -> Manifest | None:
@@ -193,9 +201,68 @@ def read_manifest(storage: Storage, step_path: str) -> Manifest | None:
 def seal_manifest(storage: Storage, step_path: str, manifest: Manifest) -> Manifest:
     """Add the files Orbax finished after the manifest (final step metadata, commit marker)."""
     files = {name: file_entry(storage, f"{step_path.rstrip('/')}/{name}") for name in SEALED}
-    sealed = manifest.model_copy(update={"sealed": files, "sealed_at": time.time()})
-    write_manifest(storage, step_path, sealed)
-    return sealed
+    return write_manifest(storage, step_path, manifest.model_copy(update={"sealed": files, "sealed_at": time.time()}))
+
+
+# The step's own top-level files a verified record fingerprints: rewriting any of them (a new save under
+# the same name, a broken copy, an unsealed manifest) sends the step through full verification again.
+FINGERPRINTED = (CHECKPOINT_METADATA, COMMIT_MARKER, MANIFEST_FILE)
+
+
+class VerifiedRecord(_Model):
+    """A good verdict, on storage: the step passed quick validation against the manifest with this checksum,
+    when its top-level files had these (size, modification time) fingerprints."""
+
+    format: Literal["ckptd-verified/1"] = "ckptd-verified/1"
+    step: int
+    verified_at: float
+    manifest_checksum: str
+    writer: Literal["trainer_client", "adopted"]
+    committed_at: float | None = None
+    training: TrainingMetadata | None = Field(default=None, description="without its per-array part")
+    fingerprints: dict[str, tuple[int, float]] = Field(default_factory=dict)
+    checksum: str = Field(default="", description="CRC32C of this record without this field")
+
+    def computed_checksum(self) -> str:
+        return crc32c_b64(google_crc32c.value(self.model_dump_json(exclude={"checksum"}).encode("utf-8")))
+
+
+def training_summary(training: TrainingMetadata | None) -> TrainingMetadata | None:
+    """``training`` without ``arrays`` (thousands of entries for a large model): what catalogues keep."""
+    return training.model_copy(update={"arrays": {}}) if training is not None and training.arrays else training
+
+
+def fingerprints(entries: list[Entry]) -> dict[str, tuple[int, float]]:
+    """(size, modification time) of the ``FINGERPRINTED`` files among a step directory's listed children."""
+    return {e.name: (int(e.size or 0), float(e.mtime or 0.0)) for e in entries
+            if e.name in FINGERPRINTED and not e.is_dir}
+
+
+def _fresh_fingerprints(storage: Storage, step_path: str) -> dict[str, tuple[int, float]]:
+    storage.invalidate(step_path)  # a cached listing would predate the seal
+    return fingerprints(storage.list_dir(step_path))
+
+
+def write_verified_record(
+    storage: Storage, step_path: str, manifest: Manifest, committed_at: float | None
+) -> VerifiedRecord:
+    record = VerifiedRecord(step=manifest.step, verified_at=time.time(), manifest_checksum=manifest.checksum,
+                            writer=manifest.writer, committed_at=committed_at,
+                            training=training_summary(manifest.training),
+                            fingerprints=_fresh_fingerprints(storage, step_path))
+    record = record.model_copy(update={"checksum": record.computed_checksum()})
+    write_json_file(storage, f"{step_path.rstrip('/')}/{VERIFIED_FILE}", record.model_dump_json(indent=1))
+    return record
+
+
+def read_verified_record(storage: Storage, step_path: str) -> VerifiedRecord | None:
+    """The step's verified record; None when it has none, it does not parse or its checksum does not match
+    (then the step is verified again the full way, and the record rewritten)."""
+    try:
+        record = VerifiedRecord.model_validate_json(storage.read_bytes(f"{step_path.rstrip('/')}/{VERIFIED_FILE}"))
+    except (FileNotFoundError, ValueError):
+        return None
+    return record if record.checksum == record.computed_checksum() else None
 
 
 def quarantine_record(step_path: str, reason: str, problems: list[str]) -> str:
@@ -205,22 +272,29 @@ def quarantine_record(step_path: str, reason: str, problems: list[str]) -> str:
 
 
 __all__ = [
+    "FINGERPRINTED",
     "MANIFEST_FILE",
     "QUARANTINE_FILE",
     "SEALED",
     "UNMANIFESTED",
+    "VERIFIED_FILE",
     "FileEntry",
     "Listed",
     "Manifest",
+    "VerifiedRecord",
     "build_manifest",
     "crc32c_b64",
     "crc32c_of",
     "file_entry",
+    "fingerprints",
     "list_files",
     "newest_file_time",
     "quarantine_record",
     "read_manifest",
+    "read_verified_record",
     "seal_manifest",
+    "training_summary",
     "write_json_file",
     "write_manifest",
+    "write_verified_record",
 ]

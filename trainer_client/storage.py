@@ -60,6 +60,7 @@ class Entry:
     path: str
     is_dir: bool
     mtime: float | None
+    size: int | None = None
 
 
 def mtime_of(info: dict[str, Any]) -> float | None:
@@ -141,7 +142,9 @@ class Storage:
             name = posixpath.basename(full)
             if not name or full == path.rstrip("/"):
                 continue
-            entries.append(Entry(name, full, info.get("type") == "directory", mtime_of(info)))
+            size = info.get("size")
+            entries.append(Entry(name, full, info.get("type") == "directory", mtime_of(info),
+                                 int(size) if isinstance(size, int | float) else None))
         return sorted(entries, key=lambda e: e.name)
 
     def exists(self, path: str) -> bool:
