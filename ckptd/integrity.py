@@ -80,7 +80,7 @@ def settle(storage: Storage, inspection: StepInspection, *, adopt_after_s: float
         record = read_quarantine(storage, path)
         if record is not None:
             return Settled(StepState.QUARANTINED, str(record.get("reason", "quarantined")))
-        result = validate_step(storage, path, "quick")
+        result = validate_step(storage, path, "quick", recorded_training=inspection.training)
         if result.problems == ["no manifest"]:
             newest = newest_file_time(storage, path)
             if adopt_after_s > 0 and (newest is None or time.time() - newest < adopt_after_s):
@@ -90,7 +90,7 @@ def settle(storage: Storage, inspection: StepInspection, *, adopt_after_s: float
                 arrays=inspection.training.arrays if inspection.training else None, training=inspection.training,
             )
             write_manifest(storage, path, manifest)
-            result = validate_step(storage, path, "quick")
+            result = validate_step(storage, path, "quick", recorded_training=inspection.training)
         if not result.ok:
             reason = "quick validation failed: " + "; ".join(result.problems[:5])
             quarantine(storage, path, reason, result.problems)

@@ -79,8 +79,8 @@ class Metrics:
             if job.latest_good_step is not None:
                 self.latest_good.labels(job.name).set(job.latest_good_step)
             counts: dict[str, int] = {}
-            for ck in catalog.checkpoints(job.name):
-                counts[ck.state.value] = counts.get(ck.state.value, 0) + 1
+            for state in catalog.states(job.name).values():  # no metadata parsed: scrapes stay cheap
+                counts[state.value] = counts.get(state.value, 0) + 1
             for state in StepState:
                 self.steps.labels(job.name, state.value).set(counts.get(state.value, 0))
             self.quarantined.labels(job.name).set(counts.get(StepState.QUARANTINED.value, 0))

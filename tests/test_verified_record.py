@@ -4,6 +4,7 @@ resume plans are made once per (step, request) and shared by concurrent askers."
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -176,3 +177,19 @@ def test_a_refusal_is_not_kept() -> None:
     for n in range(10):  # bounded
         cache.answer("p", str(n), source, lambda: b"x")
     assert len(cache._entries) <= cache.size
+
+
+def test_training_metadata_that_differs_from_the_manifest_is_caught_on_the_full_path(root: Path) -> None:
+    meta = root / "job" / "20" / CHECKPOINT_METADATA
+    text = meta.read_text()
+    doc = json.loads(text)
+    position = doc["custom_metadata"]["ckptd"]["data_position"]
+    other = position + 1 if position % 10 != 9 else position - 1
+    forged = text.replace(f'"data_position": {position}', f'"data_position": {other}')
+    assert forged != text and len(forged) == len(text)  # same size: only the content check can tell
+    meta.write_text(forged)
+    cat = Catalog(Storage(str(root)), ":memory:")
+    cat.rebuild()  # the record's fingerprint of _CHECKPOINT_METADATA no longer holds: verified the full way
+    info = cat.step("job", 20)
+    assert info is not None and info.state is StepState.QUARANTINED
+    assert "training metadata differs from the manifest" in (info.reason or "")

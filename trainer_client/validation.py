@@ -62,8 +62,14 @@ def read_quarantine(storage: Storage, step_path: str) -> dict[str, object] | Non
     return record if isinstance(record, dict) else {"reason": "quarantine record unreadable"}
 
 
-def _check_training(storage: Storage, step_path: str, manifest: Manifest, problems: list[str]) -> None:
+def _check_training(
+    storage: Storage, step_path: str, manifest: Manifest, problems: list[str], recorded_training: object
+) -> None:
     if manifest.training is None:
+        return
+    if isinstance(recorded_training, TrainingMetadata):  # read from the step a moment ago by the caller
+        if recorded_training != manifest.training:
+            problems.append(f"{CHECKPOINT_METADATA}: training metadata differs from the manifest")
         return
     try:
         meta = storage.read_json(f"{step_path}/{CHECKPOINT_METADATA}")
@@ -86,10 +92,13 @@ def validate_step(
     *,
     progress: Callable[[int], None] | None = None,
     decode_arrays: Callable[[str], list[str]] | None = None,
+    recorded_training: TrainingMetadata | None = None,
 ) -> ValidationResult:
     """Check a committed step against its manifest (and seal). ``progress(n_bytes)`` is called as deep
     validation reads; ``decode_arrays(step_url)`` returns problems found decoding the arrays (it gets the
-    step's URL, ``gs://...`` on GCS: tensorstore would take a bare ``bucket/...`` path for a local one)."""
+    step's URL, ``gs://...`` on GCS: tensorstore would take a bare ``bucket/...`` path for a local one).
+    ``recorded_training``: the training metadata the caller just parsed from the step's
+    ``_CHECKPOINT_METADATA``, so it is not read and parsed again (megabytes for a large model)."""
     step_path = step_path.rstrip("/")
     result = ValidationResult(step_path, level, None)
     problems = result.problems
@@ -120,7 +129,7 @@ def validate_step(
         elif listed.crc32c is not None and listed.crc32c != entry.crc32c:
             problems.append(f"{rel}: object CRC32C {listed.crc32c}, manifest says {entry.crc32c}")
         result.files_checked += 1
-    _check_training(storage, step_path, manifest, problems)
+    _check_training(storage, step_path, manifest, problems, recorded_training)
     if level == "deep" and not problems:
         for rel, entry in sorted(expected.items()):
             actual = file_entry(storage, f"{step_path}/{rel}")
