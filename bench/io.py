@@ -11,8 +11,11 @@ shared 2-core machine hits both sides alike. Figures:
   ``ocp.CheckpointManager.save``'s stall is reported beside it.
 * ``persist_throughput_ratio_vs_raw_disk``: bytes/s of a complete persist — ``Checkpointer`` save until
   committed (compression off, manifest and fsync included), and ckptd's persist worker run as ckptd runs
-  it (a child process) from a memory snapshot — divided by numpy ``tofile`` + ``fsync`` of the same bytes
-  into the same directory; the worse of the two per repeat. Plain Orbax with its default zstd beside it.
+  it (one long-lived ``--serve`` child, started before the repeats; a request per snapshot) from a memory
+  snapshot — divided by numpy ``tofile`` + ``fsync`` of the same bytes into the same directory; the worse of
+  the two per repeat. Beside it: the worker's first request (process start and the jax/Orbax import
+  included), the one-shot CLI (``python -m ckptd.persist_worker SNAPSHOT DIR``, a fresh process per
+  snapshot), the worker called in-process, plain Orbax with its default zstd and with compression off.
 * ``restore_time_ratio_vs_orbax`` / ``reshard_restore_time_ratio_vs_orbax``: ``trainer_client.checkpointing
   .restore`` against plain ``ocp.CheckpointManager.restore`` of the same step, onto the same 8-device mesh
   and onto 6 devices, page cache dropped before each (cold), order alternating.
@@ -23,6 +26,7 @@ shared 2-core machine hits both sides alike. Figures:
 from __future__ import annotations
 
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -37,6 +41,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bench.common import Figure, Profile, Results, alternate, drop_page_cache, filesystem_of, free_gib, rmtree, timed
+from ckptd.snapshots import start_persist_worker
 from trainer_client.checkpointing import Checkpointer, restore, standard_handler, training_metadata
 from trainer_client.memory_tier import MemoryTier, restore_snapshot
 
@@ -45,7 +50,7 @@ JOB = "bench-io"
 SPEC = PartitionSpec("data", None)
 
 
-def _make_state(profile: Profile, mesh: Mesh) -> PyTree:
+def make_state(profile: Profile, mesh: Mesh) -> PyTree:
     """Random normal weights (trained weights barely compress; zeros would flatter zstd)."""
     rng = np.random.default_rng(0)
     sharding = NamedSharding(mesh, SPEC)
@@ -76,7 +81,7 @@ def _shard_views(state: PyTree) -> list[list[np.ndarray]]:
     return out
 
 
-def _orbax_manager(directory: Path, *, compression: bool | None) -> ocp.CheckpointManager:
+def orbax_manager(directory: Path, *, compression: bool | None) -> ocp.CheckpointManager:
     """Plain Orbax, as a user would make it; ``compression=None`` keeps Orbax's default handler (zstd)."""
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True, max_to_keep=None, create=True)
     if compression is None:
@@ -88,8 +93,33 @@ def _block(tree: PyTree) -> None:
     jax.block_until_ready(tree)
 
 
+class ServeWorker:
+    """``python -m ckptd.persist_worker --serve``, as ckptd's SnapshotKeeper runs it: one long-lived child
+    for all snapshots, a JSON request line and a JSON answer line per snapshot."""
+
+    def __init__(self) -> None:
+        self.proc = start_persist_worker()  # what SnapshotKeeper starts: niced, compression off
+
+    def persist(self, snapshot: Path, job_dir: Path) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"snapshot": str(snapshot), "job_url": str(job_dir)}) + "\n")
+        self.proc.stdin.flush()
+        answer = json.loads(self.proc.stdout.readline() or '{"ok": false, "error": "the worker died"}')
+        if not answer.get("ok"):
+            raise RuntimeError(f"persist worker failed: {answer.get('error')}")
+        return str(answer["path"])
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
 def _save_repeat(i: int, profile: Profile, state: PyTree, views: list[list[np.ndarray]], mesh8: Mesh,
-                 tier: MemoryTier, workdir: Path) -> tuple[dict[str, float], Path, Path]:
+                 tier: MemoryTier, workdir: Path, worker: ServeWorker | None) -> tuple[dict[str, float], Path, Path]:
     """One repeat of every save and persist measurement; (timings, its snapshot, its Checkpointer step)."""
     step = 100 * (i + 1)
     print(f"  repeat {i + 1}/{profile.repeats} ({free_gib():.1f} GiB available)", flush=True)
@@ -151,7 +181,7 @@ def _save_repeat(i: int, profile: Profile, state: PyTree, views: list[list[np.nd
     def orbax(compression: bool | None, name: str) -> Callable[[], None]:
         def run() -> None:
             d = workdir / f"{name}-{i}"
-            mgr = _orbax_manager(d, compression=compression)
+            mgr = orbax_manager(d, compression=compression)
             os.sync()
             with timed() as total:
                 with timed() as t:
@@ -168,16 +198,26 @@ def _save_repeat(i: int, profile: Profile, state: PyTree, views: list[list[np.nd
         return run
 
     def worker_child() -> None:
-        if not profile.persist_child:  # toy: the in-process figure stands in (no second jax import)
+        if worker is None:  # toy: the in-process figure stands in (no second jax import)
             return
         d = workdir / f"worker-{i}"
+        os.sync()
+        with timed() as t:
+            worker.persist(snapshot[0], d)
+        rep["persist_worker_child"] = t.seconds
+        rmtree(d)
+
+    def worker_oneshot() -> None:
+        if worker is None:
+            return
+        d = workdir / f"worker-oneshot-{i}"
         os.sync()
         with timed() as t:
             done = subprocess.run([sys.executable, "-m", "ckptd.persist_worker", str(snapshot[0]), str(d)],
                                   capture_output=True, text=True, check=False, timeout=1800)
         if done.returncode != 0:
             raise RuntimeError(f"persist worker failed: {done.stderr[-2000:]}")
-        rep["persist_worker_child"] = t.seconds
+        rep["persist_worker_oneshot"] = t.seconds
         rmtree(d)
 
     def worker_inprocess() -> None:
@@ -191,15 +231,28 @@ def _save_repeat(i: int, profile: Profile, state: PyTree, views: list[list[np.nd
         rmtree(d)
 
     order: list[Callable[[], None]] = [raw_disk, checkpointer, worker_child, orbax(None, "orbax_zstd"),
-                                       orbax(False, "orbax_nocompression"), worker_inprocess]
+                                       orbax(False, "orbax_nocompression"), worker_inprocess, worker_oneshot]
     shift = i % len(order)
     for run in order[shift:] + order[:shift]:
         run()
         gc.collect()
 
-    if not profile.persist_child:
-        rep["persist_worker_child"] = rep["persist_worker_inprocess"]
+    if worker is None:
+        rep["persist_worker_child"] = rep["persist_worker_oneshot"] = rep["persist_worker_inprocess"]
     return rep, snapshot[0], kept[0]
+
+
+def _first_request(worker: ServeWorker, state: PyTree, mesh8: Mesh, tier: MemoryTier, workdir: Path) -> float:
+    """Seconds of the worker's first request (started just before: its process start and jax/Orbax import
+    are in it, as in ckptd's first persist), on a snapshot of its own, before anything else is timed."""
+    meta = training_metadata(1, state, data_position=64, global_batch=64, mesh=mesh8, slices=list(range(8)))
+    path = tier.save(1, state, meta, persist=True)
+    os.sync()
+    with timed() as t:
+        worker.persist(path, workdir / "worker-first")
+    rmtree(workdir / "worker-first")
+    rmtree(path)
+    return t.seconds
 
 
 def run_io(profile: Profile, results: Results, workdir: Path, shm_dir: Path) -> None:
@@ -220,7 +273,7 @@ def run_io(profile: Profile, results: Results, workdir: Path, shm_dir: Path) -> 
     print(f"io: state {profile.arrays} x {profile.rows}x{profile.cols} float32 = {gib:.2f} GiB on 8 devices; "
           f"storage {workdir} ({filesystem_of(workdir)}); {free_gib():.1f} GiB available", flush=True)
     with timed() as t:
-        state = _make_state(profile, mesh8)
+        state = make_state(profile, mesh8)
     print(f"  state made in {t.seconds:.1f}s", flush=True)
     views = _shard_views(state)
     assert sum(v.nbytes for arr in views for v in arr) == nbytes
@@ -229,45 +282,57 @@ def run_io(profile: Profile, results: Results, workdir: Path, shm_dir: Path) -> 
     s: dict[str, list[float]] = {k: [] for k in (
         "memcpy", "memcpy_prefaulted", "checkpointer_blocked", "memory_tier_blocked", "orbax_blocked",
         "raw_disk", "checkpointer_persist", "persist_worker_child", "persist_worker_inprocess",
-        "orbax_zstd_persist", "orbax_nocompression_persist", "orbax_zstd_blocked")}
+        "persist_worker_oneshot", "orbax_zstd_persist", "orbax_nocompression_persist", "orbax_zstd_blocked")}
     ratio: dict[str, list[float]] = {k: [] for k in (
         "stall_checkpointer", "stall_memory_tier", "stall_orbax", "persist_checkpointer", "persist_worker_child",
-        "persist_worker_inprocess", "persist_orbax_zstd", "persist_orbax_nocompression")}
+        "persist_worker_inprocess", "persist_worker_oneshot", "persist_orbax_zstd", "persist_orbax_nocompression")}
     keep_step_dir: Path | None = None
     keep_snapshot: Path | None = None
 
-    for i in range(profile.repeats):
-        rep, snap, step_dir = _save_repeat(i, profile, state, views, mesh8, tier, workdir)
-        for k, v in rep.items():
-            s[k].append(v)
-        ratio["stall_checkpointer"].append(rep["checkpointer_blocked"] / rep["memcpy"])
-        ratio["stall_memory_tier"].append(rep["memory_tier_blocked"] / rep["memcpy"])
-        ratio["stall_orbax"].append(rep["orbax_blocked"] / rep["memcpy"])
-        raw_tput = nbytes / rep["raw_disk"]
-        for name, key in (("persist_checkpointer", "checkpointer_persist"),
-                          ("persist_worker_child", "persist_worker_child"),
-                          ("persist_worker_inprocess", "persist_worker_inprocess"),
-                          ("persist_orbax_zstd", "orbax_zstd_persist"),
-                          ("persist_orbax_nocompression", "orbax_nocompression_persist")):
-            ratio[name].append((nbytes / rep[key]) / raw_tput)
-        if i == profile.repeats - 1:
-            keep_snapshot, keep_step_dir = snap, step_dir
-        else:
-            rmtree(snap)
-            rmtree(step_dir.parent)
-        print(f"    memcpy {rep['memcpy']:.3f}s; blocked: checkpointer {rep['checkpointer_blocked']:.3f}s, memory tier "
-              f"{rep['memory_tier_blocked']:.3f}s, orbax {rep['orbax_blocked']:.3f}s; persist: raw disk "
-              f"{nbytes / rep['raw_disk'] / 1e9:.2f} GB/s, checkpointer "
-              f"{nbytes / rep['checkpointer_persist'] / 1e9:.2f}, "
-              f"worker {nbytes / rep['persist_worker_child'] / 1e9:.2f} (in-process "
-              f"{nbytes / rep['persist_worker_inprocess'] / 1e9:.2f}), orbax zstd "
-              f"{nbytes / rep['orbax_zstd_persist'] / 1e9:.2f}, orbax no compression "
-              f"{nbytes / rep['orbax_nocompression_persist'] / 1e9:.2f} GB/s", flush=True)
+    worker = ServeWorker() if profile.persist_child else None
+    try:
+        if worker is not None:
+            first = _first_request(worker, state, mesh8, tier, workdir)
+            results.measure("io.persist_worker_first_request_s", [first], "s",
+                            "the --serve worker's first request: process start, jax/Orbax import, one persist")
+            print(f"  persist worker's first request (start and import included): {first:.2f}s", flush=True)
+        for i in range(profile.repeats):
+            rep, snap, step_dir = _save_repeat(i, profile, state, views, mesh8, tier, workdir, worker)
+            for k, v in rep.items():
+                s[k].append(v)
+            ratio["stall_checkpointer"].append(rep["checkpointer_blocked"] / rep["memcpy"])
+            ratio["stall_memory_tier"].append(rep["memory_tier_blocked"] / rep["memcpy"])
+            ratio["stall_orbax"].append(rep["orbax_blocked"] / rep["memcpy"])
+            raw_tput = nbytes / rep["raw_disk"]
+            for name, key in (("persist_checkpointer", "checkpointer_persist"),
+                              ("persist_worker_child", "persist_worker_child"),
+                              ("persist_worker_inprocess", "persist_worker_inprocess"),
+                              ("persist_worker_oneshot", "persist_worker_oneshot"),
+                              ("persist_orbax_zstd", "orbax_zstd_persist"),
+                              ("persist_orbax_nocompression", "orbax_nocompression_persist")):
+                ratio[name].append((nbytes / rep[key]) / raw_tput)
+            if i == profile.repeats - 1:
+                keep_snapshot, keep_step_dir = snap, step_dir
+            else:
+                rmtree(snap)
+                rmtree(step_dir.parent)
+            print(f"    memcpy {rep['memcpy']:.3f}s; blocked: checkpointer {rep['checkpointer_blocked']:.3f}s, "
+                  f"memory tier {rep['memory_tier_blocked']:.3f}s, orbax {rep['orbax_blocked']:.3f}s; persist: "
+                  f"raw disk {nbytes / rep['raw_disk'] / 1e9:.2f} GB/s, checkpointer "
+                  f"{nbytes / rep['checkpointer_persist'] / 1e9:.2f}, "
+                  f"worker {nbytes / rep['persist_worker_child'] / 1e9:.2f} (in-process "
+                  f"{nbytes / rep['persist_worker_inprocess'] / 1e9:.2f}, one-shot CLI "
+                  f"{nbytes / rep['persist_worker_oneshot'] / 1e9:.2f}), orbax zstd "
+                  f"{nbytes / rep['orbax_zstd_persist'] / 1e9:.2f}, orbax no compression "
+                  f"{nbytes / rep['orbax_nocompression_persist'] / 1e9:.2f} GB/s", flush=True)
+    finally:
+        if worker is not None:
+            worker.close()
 
     for k, series in s.items():
         results.measure(f"io.{k}_s", series, "s")
     for k in ("raw_disk", "checkpointer_persist", "persist_worker_child", "persist_worker_inprocess",
-              "orbax_zstd_persist", "orbax_nocompression_persist"):
+              "persist_worker_oneshot", "orbax_zstd_persist", "orbax_nocompression_persist"):
         results.measure(f"io.{k}_gbps", [nbytes / x / 1e9 for x in s[k]], "GB/s")
     for k, series in ratio.items():
         results.measure(f"io.ratio.{k}", series, "ratio")
@@ -286,9 +351,13 @@ def run_io(profile: Profile, results: Results, workdir: Path, shm_dir: Path) -> 
         [min(a, b) for a, b in zip(ratio["persist_checkpointer"], ratio["persist_worker_child"], strict=True)],
         ">=", 0.9, "ratio",
         "bytes/s of a complete persist / numpy tofile+fsync of the same bytes (same run, same directory); "
-        "worse of Checkpointer (save until committed) and the persist worker (child process, from a snapshot)",
+        "worse of Checkpointer (save until committed) and the persist worker (ckptd's long-lived --serve child, "
+        "from a snapshot)",
         {"checkpointer_median": med["persist_checkpointer"], "persist_worker_child_median": med["persist_worker_child"],
          "persist_worker_inprocess_median": med["persist_worker_inprocess"],
+         "persist_worker_oneshot_median": med["persist_worker_oneshot"],
+         "persist_worker_first_request_s": (results.measurements.get("io.persist_worker_first_request_s") or {}).get(
+             "median"),
          "orbax_default_zstd_median": med["persist_orbax_zstd"],
          "orbax_compression_off_median": med["persist_orbax_nocompression"],
          "raw_disk_gbps_median": results.measurements["io.raw_disk_gbps"]["median"], "state_gib": round(gib, 3)},

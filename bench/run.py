@@ -27,7 +27,7 @@ from typing import Any
 from bench.common import Profile, Results, free_gib, profile_from_env, rmtree, write_json
 from bench.report import write_report
 
-FAMILIES = ("io", "recovery", "service")  # the longest (service) last
+FAMILIES = ("io", "interference", "recovery", "service")  # the longest (service) last
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -69,6 +69,10 @@ def run(profile: Profile, families: tuple[str, ...], out: Path, docs: Path | Non
                     from bench.io import run_io
 
                     run_io(profile, results, base / "io", shm_base)
+                elif family == "interference":
+                    from bench.interference import run_interference
+
+                    run_interference(profile, results, base / "interference", shm_base)
                 elif family == "service":
                     from bench.service import run_service
 

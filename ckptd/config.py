@@ -13,6 +13,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ckptd.retention import RetentionPolicy
+from ckptd.snapshots import DEFAULT_NICE
 
 
 class Settings(BaseSettings):
@@ -72,6 +73,10 @@ class Settings(BaseSettings):
     )
     max_snapshots: int = Field(default=2, ge=1, description="host-memory tier: snapshots kept per job")
     persist_compression: bool = Field(default=False, description="zstd when persisting snapshots to storage")
+    persist_nice: int = Field(
+        default=DEFAULT_NICE, ge=0, le=19,
+        description="the persist worker runs this many nice steps below ckptd: the trainer wins the host's cores",
+    )
 
     def retention(self) -> RetentionPolicy:
         return RetentionPolicy(keep_last=self.keep_last, keep_every=self.keep_every,

@@ -49,6 +49,17 @@ class KeeperStats:
     persist_seconds: list[float] = field(default_factory=list)
 
 
+DEFAULT_NICE = 10  # how far below ckptd the persist worker runs, unless CKPTD_PERSIST_NICE says otherwise
+
+
+def start_persist_worker(*, compression: bool = False, nice: int = DEFAULT_NICE) -> subprocess.Popen[str]:
+    """``python -m ckptd.persist_worker --serve`` with pipes, ``nice`` steps below ckptd's CPU priority (a
+    persist competes with the trainer for the host's cores; the trainer should win)."""
+    cmd = [sys.executable, "-m", "ckptd.persist_worker", "--serve", f"--nice={nice}",
+           *(["--compression"] if compression else [])]
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+
+
 class SnapshotKeeper:
     """Persists and evicts host-memory snapshots for every job under ``shm_dir``."""
 
@@ -61,8 +72,10 @@ class SnapshotKeeper:
         compression: bool = False,
         on_persisted: Callable[[str, int], None] | None = None,
         timeout_s: float = 3600.0,
+        nice: int = DEFAULT_NICE,
     ) -> None:
         self.storage = storage
+        self.nice = nice
         self.shm_dir = Path(shm_dir)
         self.max_snapshots = max_snapshots
         self.compression = compression
@@ -157,11 +170,8 @@ class SnapshotKeeper:
         """One request to the long-lived persist worker (started, or restarted after a crash, on demand)."""
         worker = self._worker
         if worker is None or worker.poll() is not None:
-            cmd = [sys.executable, "-m", "ckptd.persist_worker", "--serve"]
-            if self.compression:
-                cmd.append("--compression")
             try:
-                worker = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+                worker = start_persist_worker(compression=self.compression, nice=self.nice)
             except OSError as exc:
                 return {"ok": False, "error": f"cannot start the persist worker: {exc}"}
             self._worker = worker
@@ -189,4 +199,9 @@ class SnapshotKeeper:
         _log.error("persisting snapshot %s failed: %s", path, why)
 
 
-__all__ = ["KeeperStats", "SnapshotKeeper"]
+__all__ = [
+    "DEFAULT_NICE",
+    "KeeperStats",
+    "SnapshotKeeper",
+    "start_persist_worker",
+]

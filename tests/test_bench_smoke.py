@@ -1,7 +1,8 @@
 """The benchmark harness runs end to end on a toy size and writes valid results (bench/run.py).
 
 The real figures come from ``make bench``; this only proves the harness executes: every io and service
-figure is measured (on a state of a few KiB and a dozen steps) and lands in results.json and the report.
+figure (and the slowdown of training steps beside each background save) is measured, on a state of a few
+KiB and a dozen steps, and lands in results.json and the report.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def test_bench_harness_writes_valid_results(tmp_path: Path) -> None:
             "--profile",
             "toy",
             "--only",
-            "io,service",
+            "io,interference,service",
             "--out",
             str(out),
             "--docs",
@@ -65,3 +66,6 @@ def test_bench_harness_writes_valid_results(tmp_path: Path) -> None:
     assert "<!-- bench:begin" in report and "`resume_p99_ms`" in report
     for key in payload["keys"]:
         assert f"* {key} = " in proc.stdout  # printed as measured
+    for saver in ("checkpointer", "orbax_zstd", "persist_worker"):  # the steps beside each background save
+        slowdown = payload["measurements"][f"interference.slowdown.{saver}"]
+        assert slowdown["n"] >= 1 and slowdown["median"] > 0

@@ -4,6 +4,7 @@ memory, plans that prefer a whole snapshot, and same-PID recovery from memory.""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -139,6 +140,76 @@ def test_ckptd_persists_a_snapshot_of_a_trainer_killed_right_after_save(
                                     jax.eval_shape(init_state), _shardings(mesh))
     restored = ocp.CheckpointManager(str(root / "job")).restore(10, args=ocp.args.StandardRestore(target))
     for a, b in zip(_leaves(expected), _leaves(restored), strict=True):
+        assert np.array_equal(a, b)
+
+
+def _mapped(path: Path) -> list[tuple[int, int]]:
+    """Address ranges of this process's memory maps of ``path``."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith(str(path)):
+            lo, hi = line.split()[0].split("-")
+            ranges.append((int(lo, 16), int(hi, 16)))
+    return ranges
+
+
+def test_the_persist_worker_hands_orbax_the_saved_shards_without_a_copy(tmp_path: Path) -> None:
+    import tensorstore as ts
+
+    from ckptd.persist_worker import persist, snapshot_arrays
+
+    mesh = _mesh()
+    state = _state(mesh, seed=5)
+    path = MemoryTier(str(tmp_path / "shm"), "job").save(12, state, _meta(12, state, mesh), persist=True)
+    meta = read_meta(path)
+    arrays = snapshot_arrays(path)
+    for name, array, leaf in zip(meta.leaf_names, arrays, _leaves(state), strict=True):
+        assert len(array.addressable_shards) == len(meta.arrays[name].shards)  # one device per saved shard
+        assert np.array_equal(np.asarray(array), leaf)
+    if Path("/proc/self/maps").exists():  # each device buffer is the snapshot's own memory
+        ranges = _mapped(path / DATA_FILE)
+        assert all(any(lo <= s.data.unsafe_buffer_pointer() < hi for lo, hi in ranges)
+                   for array in arrays for s in array.addressable_shards)
+    del arrays
+    # fewer devices than shards: coarser shards, the same values
+    for array, leaf in zip(snapshot_arrays(path, jax.devices()[:3]), _leaves(state), strict=True):
+        assert len(array.sharding.device_set) <= 3 and np.array_equal(np.asarray(array), leaf)
+    # a real Orbax step: plain Orbax restores it bit for bit, chunked as the trainer's shards
+    assert persist(path, str(tmp_path / "root" / "job")) == f"{tmp_path / 'root' / 'job'}/12"
+    target = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                    jax.eval_shape(init_state), _shardings(mesh))
+    restored = ocp.CheckpointManager(str(tmp_path / "root" / "job")).restore(12, args=ocp.args.StandardRestore(target))
+    for a, b in zip(_leaves(state), _leaves(restored), strict=True):
+        assert np.array_equal(a, b)
+    name, leaf = next((n, x) for n, x in zip(meta.leaf_names, jax.tree_util.tree_leaves(state), strict=True)
+                      if len(meta.arrays[n].shards) > 1)
+    stored = ts.open({"driver": "zarr", "path": name, "kvstore": {
+        "driver": "ocdbt", "base": f"file://{tmp_path / 'root' / 'job' / '12' / 'default'}"}}).result()
+    assert tuple(stored.chunk_layout.read_chunk.shape) == leaf.sharding.shard_shape(leaf.shape)
+
+
+def test_a_restore_from_memory_aliases_the_snapshot_but_never_writes_it(tmp_path: Path) -> None:
+    mesh = _mesh()
+    state = _state(mesh, seed=9)
+    tier = MemoryTier(str(tmp_path), "job")
+    path = tier.save(3, state, _meta(3, state, mesh), persist=False)
+    before = (path / DATA_FILE).read_bytes()
+    target = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+    restored = restore_snapshot(path, target)
+    if Path("/proc/self/maps").exists():  # zero copy: the shards are the snapshot's pages (copy-on-write)
+        ranges = _mapped(path / DATA_FILE)
+        aliased = [any(lo <= s.data.unsafe_buffer_pointer() < hi for lo, hi in ranges)
+                   for leaf in jax.tree_util.tree_leaves(restored) for s in leaf.addressable_shards]
+        assert sum(aliased) > len(aliased) // 2, aliased  # the aligned, saved shards at least
+    # a step that donates the restored buffers writes into private pages: the snapshot stays as saved
+    bumped = jax.jit(lambda t: jax.tree_util.tree_map(lambda x: x + 1, t), donate_argnums=0)(restored)
+    for a, b in zip(_leaves(state), _leaves(bumped), strict=True):
+        assert np.array_equal(a + 1, b)
+    assert (path / DATA_FILE).read_bytes() == before
+    # and arrays restored from a snapshot outlive its eviction (the mapping keeps the pages)
+    again = restore_snapshot(path, target)
+    shutil.rmtree(path)
+    for a, b in zip(_leaves(state), _leaves(again), strict=True):
         assert np.array_equal(a, b)
 
 

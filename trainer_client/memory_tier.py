@@ -30,15 +30,17 @@ from trainer_client.protocol import TrainingMetadata
 from trainer_client.snapshot_format import (
     DATA_FILE,
     META_FILE,
+    SHARD_ALIGN,
     TREEDEF_FILE,
     ArrayRecord,
+    ShardReader,
     ShardRecord,
     SnapshotMeta,
     complete_snapshots,
     evict,
     evictable,
     job_dir,
-    np_dtype,
+    map_data,
     read_meta,
 )
 
@@ -94,7 +96,7 @@ class MemoryTier:
         for path, leaf in leaves:
             shards = [s for s in leaf.addressable_shards if s.replica_id == 0]
             plan.append((leaf_name(path), leaf, shards))
-            nbytes += sum(int(np.prod(s.data.shape)) * leaf.dtype.itemsize for s in shards)
+            nbytes += sum(int(np.prod(s.data.shape)) * leaf.dtype.itemsize + SHARD_ALIGN for s in shards)
         self._make_room(nbytes)
         tmp = self.dir / f"{step}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -117,13 +119,17 @@ class MemoryTier:
 
     @staticmethod
     def _write(tmp: Path, plan: list[tuple[str, jax.Array, list[Any]]]) -> tuple[dict[str, ArrayRecord], int]:
-        """One copy per shard, device to the shared-memory file (no pre-zeroing: that is a second pass)."""
+        """One copy per shard, device to the shared-memory file (no pre-zeroing: that is a second pass). Each
+        shard starts at a multiple of ``SHARD_ALIGN``, so the persist worker's jax takes a view of it as is."""
         arrays: dict[str, ArrayRecord] = {}
         offset = 0
         with open(tmp / DATA_FILE, "wb") as f:
             for name, leaf, shards in plan:
                 records = []
                 for shard in shards:
+                    pad = -offset % SHARD_ALIGN
+                    f.write(bytes(pad))
+                    offset += pad
                     host = np.ascontiguousarray(np.asarray(shard.data))
                     f.write(host.reshape(-1).view(np.uint8).data)
                     records.append(ShardRecord(index=_index(shard.index, leaf.shape), offset=offset,
@@ -133,56 +139,24 @@ class MemoryTier:
         return arrays, offset
 
 
-class _ShardReader:
-    """Regions of one array of a snapshot, read straight from the memory map: a region that is exactly a
-    saved shard is one copy of it; any other region is assembled from the shards that overlap it."""
-
-    def __init__(self, data: np.ndarray, record: ArrayRecord, dtype: np.dtype[Any]) -> None:
-        self.shape = tuple(record.shape)
-        self.dtype = dtype
-        self.shards = []
-        for shard in record.shards:
-            extent = [stop - start for start, stop in shard.index]
-            view = data[shard.offset : shard.offset + shard.nbytes].view(dtype).reshape(extent)
-            self.shards.append((tuple((start, stop) for start, stop in shard.index), view))
-        self.exact = dict(self.shards)
-
-    def __call__(self, index: tuple[slice, ...] | None) -> np.ndarray:
-        index = index or ()
-        bounds = tuple(
-            (s.start or 0, dim if s.stop is None else s.stop) for s, dim in zip(index, self.shape, strict=False)
-        ) + tuple((0, dim) for dim in self.shape[len(index) :])
-        hit = self.exact.get(bounds)
-        if hit is not None:
-            # A copy, not the view: the arrays must not alias the read-only map (a step that donates its
-            # input buffers would write into it, and eviction would pull the pages away).
-            return np.array(hit)
-        region = np.empty([stop - start for start, stop in bounds], dtype=self.dtype)
-        for shard_bounds, view in self.shards:
-            lo = [max(a[0], b[0]) for a, b in zip(bounds, shard_bounds, strict=True)]
-            hi = [min(a[1], b[1]) for a, b in zip(bounds, shard_bounds, strict=True)]
-            if any(low >= high for low, high in zip(lo, hi, strict=True)):
-                continue
-            dst = tuple(slice(low - b[0], high - b[0]) for low, high, b in zip(lo, hi, bounds, strict=True))
-            src = tuple(slice(low - b[0], high - b[0]) for low, high, b in zip(lo, hi, shard_bounds, strict=True))
-            region[dst] = view[src]
-        return region
-
-
 def restore_snapshot(path: str | os.PathLike[str], target: PyTree) -> PyTree:
     """The snapshot's state laid out like ``target`` (``ShapeDtypeStruct`` leaves with shardings), each
-    device's shard read from a memory map of the snapshot (no disk, no whole-array copy)."""
+    device's shard taken from a copy-on-write memory map of the snapshot: no disk, and no copy where a
+    target shard is a saved shard (other regions are assembled from the shards they overlap)."""
     meta = read_meta(path)
     leaves, treedef = jax.tree_util.tree_flatten(target)
     if len(leaves) != len(meta.leaf_names):
         raise ValueError(f"snapshot of step {meta.step} has {len(meta.leaf_names)} arrays, the target {len(leaves)}")
-    data = np.memmap(Path(path) / DATA_FILE, dtype=np.uint8, mode="r") if meta.nbytes else np.zeros(0, np.uint8)
+    data = map_data(path, meta, private=True)
     out = []
     for want, name in zip(leaves, meta.leaf_names, strict=True):
         record = meta.arrays[name]
         if tuple(want.shape) != tuple(record.shape):
             raise ValueError(f"snapshot array {name} of shape {record.shape} does not fit a target of {want.shape}")
-        reader = _ShardReader(data, record, np_dtype(record.dtype))
+        # Views of a copy-on-write map, not copies: a device's shard aliases the snapshot's pages (on CPU jax
+        # takes an aligned view as is). A step that donates these buffers writes into private pages, never
+        # into the snapshot; evicting the snapshot unlinks the file, and the mapping keeps its pages.
+        reader = ShardReader(data, record, copy=False)
         out.append(jax.make_array_from_callback(want.shape, want.sharding, reader, dtype=want.dtype))
     return jax.tree_util.tree_unflatten(treedef, out)
 

@@ -4,7 +4,7 @@ A snapshot is a directory in host shared memory (``/dev/shm/ckptd/<job>/<step>/`
 containers of a pod mount):
 
 ```
-data.bin         every saved shard's bytes, one after the other (one replica of each shard)
+data.bin         every saved shard's bytes, one after the other, each at a 64-byte boundary (one replica of each)
 treedef.pickle   the state's pytree structure (jax's PyTreeDef, pickled), for an exact restore
 snapshot.json    step, training metadata, and per array: shape, dtype, and each shard's index and offset
 persisted.json   written by ckptd once the step is committed on storage (path, time)
@@ -12,8 +12,9 @@ persisted.json   written by ckptd once the step is committed on storage (path, t
 
 It is written under ``<step>.tmp-<pid>`` and renamed into place when complete, so a directory named by a
 step is whole unless damaged afterwards; ``problems()`` checks that (sizes and shard coverage) before a
-snapshot is ever used. Reading needs numpy only (no jax): ckptd assembles global arrays from it to
-persist the step, and a restore maps it instead of reading disk.
+snapshot is ever used. Reading needs numpy only (no jax): ckptd's persist worker hands the shards to
+Orbax straight from a memory map (``ShardReader``, ``shard_grid``), and a restore maps it instead of
+reading disk.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ DATA_FILE = "data.bin"
 META_FILE = "snapshot.json"
 TREEDEF_FILE = "treedef.pickle"
 PERSISTED_FILE = "persisted.json"
+# Where each shard starts in data.bin: at a multiple of this (XLA's CPU buffers take a view of it as is).
+SHARD_ALIGN = 64
 _STEP_DIR = re.compile(r"^[0-9]{1,19}$")
 
 
@@ -151,23 +154,69 @@ def evict(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def global_arrays(path: str | os.PathLike[str]) -> list[np.ndarray]:
-    """Every array of the snapshot as a whole numpy array, in leaf order, assembled from its shards
-    through a memory map of ``data.bin`` (one copy, no disk)."""
-    path = Path(path)
-    meta = read_meta(path)
-    data = np.memmap(path / DATA_FILE, dtype=np.uint8, mode="r") if meta.nbytes else np.zeros(0, np.uint8)
-    out = []
-    for name in meta.leaf_names:
-        array = meta.arrays[name]
-        dtype = np_dtype(array.dtype)
-        whole = np.empty(array.shape, dtype=dtype)
-        for shard in array.shards:
-            window = tuple(slice(start, stop) for start, stop in shard.index)
-            chunk = data[shard.offset : shard.offset + shard.nbytes].view(dtype)
-            whole[window] = chunk.reshape([stop - start for start, stop in shard.index])
-        out.append(whole)
-    return out
+def map_data(path: str | os.PathLike[str], meta: SnapshotMeta, *, private: bool = False) -> np.ndarray:
+    """``data.bin`` of a snapshot as a memory map of bytes (no read, no copy): read-only, or with ``private``
+    copy-on-write — writes through it (a training step that donates buffers aliasing it) land in private
+    pages of this process, never in the snapshot, and the mapping outlives the snapshot's eviction."""
+    if not meta.nbytes:
+        return np.zeros(0, np.uint8)
+    return np.memmap(Path(path) / DATA_FILE, dtype=np.uint8, mode="c" if private else "r")
+
+
+class ShardReader:
+    """Regions of one array of a snapshot, read from the memory map of its ``data.bin``.
+
+    Called with a tuple of slices (what ``jax.make_array_from_callback`` passes). A region that is exactly a
+    saved shard is that shard: a copy of it, or with ``copy=False`` a read-only view of the map (no copy at
+    all; the caller must not let it be written to, nor outlive the snapshot). Any other region is assembled
+    from the shards that overlap it, into a new array.
+    """
+
+    def __init__(self, data: np.ndarray, record: ArrayRecord, *, copy: bool = True) -> None:
+        self.shape = tuple(record.shape)
+        self.dtype = np_dtype(record.dtype)
+        self.copy = copy
+        self.shards: list[tuple[tuple[tuple[int, int], ...], np.ndarray]] = []
+        for shard in record.shards:
+            extent = [stop - start for start, stop in shard.index]
+            view = data[shard.offset : shard.offset + shard.nbytes].view(self.dtype).reshape(extent)
+            self.shards.append((tuple((start, stop) for start, stop in shard.index), view))
+        self.exact = dict(self.shards)
+
+    def __call__(self, index: tuple[slice, ...] | None) -> np.ndarray:
+        index = index or ()
+        bounds = tuple(
+            (s.start or 0, dim if s.stop is None else s.stop) for s, dim in zip(index, self.shape, strict=False)
+        ) + tuple((0, dim) for dim in self.shape[len(index) :])
+        hit = self.exact.get(bounds)
+        if hit is not None:
+            return np.array(hit) if self.copy else hit
+        region = np.empty([stop - start for start, stop in bounds], dtype=self.dtype)
+        for shard_bounds, view in self.shards:
+            lo = [max(a[0], b[0]) for a, b in zip(bounds, shard_bounds, strict=True)]
+            hi = [min(a[1], b[1]) for a, b in zip(bounds, shard_bounds, strict=True)]
+            if any(low >= high for low, high in zip(lo, hi, strict=True)):
+                continue
+            dst = tuple(slice(low - b[0], high - b[0]) for low, high, b in zip(lo, hi, bounds, strict=True))
+            src = tuple(slice(low - b[0], high - b[0]) for low, high, b in zip(lo, hi, shard_bounds, strict=True))
+            region[dst] = view[src]
+        return region
+
+
+def shard_grid(record: ArrayRecord) -> list[int] | None:
+    """How many shards the saved shards cut each dimension into, when they tile the array as a grid (as a
+    ``NamedSharding``'s shards do); None when they do not."""
+    grid = []
+    for dim, size in enumerate(record.shape):
+        cuts = sorted({(shard.index[dim][0], shard.index[dim][1]) for shard in record.shards})
+        edges = [start for start, _ in cuts] + [cuts[-1][1]] if cuts else []
+        if not cuts or edges[0] != 0 or edges[-1] != size or any(
+            stop != nxt for (_, stop), nxt in zip(cuts, edges[1:], strict=False)
+        ):
+            return None
+        grid.append(len(cuts))
+    cells = {tuple((start, stop) for start, stop in shard.index) for shard in record.shards}
+    return grid if math.prod(grid) == len(record.shards) == len(cells) else None
 
 
 def np_dtype(name: str) -> np.dtype[np.generic]:
@@ -182,20 +231,23 @@ __all__ = [
     "DATA_FILE",
     "META_FILE",
     "PERSISTED_FILE",
+    "SHARD_ALIGN",
     "SNAPSHOT_FORMAT",
     "TREEDEF_FILE",
     "ArrayRecord",
+    "ShardReader",
     "ShardRecord",
     "SnapshotMeta",
     "complete_snapshots",
     "evict",
     "evictable",
-    "global_arrays",
     "is_persisted",
     "job_dir",
+    "map_data",
     "mark_persisted",
     "newest_whole",
     "np_dtype",
     "problems",
     "read_meta",
+    "shard_grid",
 ]
