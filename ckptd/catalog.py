@@ -43,6 +43,7 @@ from trainer_client.manifest import (
     MANIFEST_FILE,
     QUARANTINE_FILE,
     VERIFIED_FILE,
+    Manifest,
     fingerprints,
     read_verified_record,
     training_summary,
@@ -57,7 +58,7 @@ from trainer_client.protocol import (
     is_valid_job_name,
 )
 from trainer_client.saved_layout import saved_layout
-from trainer_client.storage import Entry, Storage, StorageError
+from trainer_client.storage import Entry, Storage, StorageError, mtime_of
 from trainer_client.validation import validate_step
 
 _log = logging.getLogger(__name__)
@@ -109,8 +110,10 @@ class Catalog:
         self.adopt_after_s = adopt_after_s
         self.revalidate_after_s = revalidate_after_s
         self._scanned_mtime: dict[str, int] = {}
+        self.version = 0  # bumped whenever a step's state changes or a step leaves: pollers skip unchanged passes
         self._validated_at: dict[str, float] = {}  # step path -> when quick validation last passed (monotonic)
         self._layouts: OrderedDict[str, tuple[TrainingMetadata | None, Layout]] = OrderedDict()
+        self._manifests: dict[str, tuple[tuple[int, float], Manifest]] = {}  # path -> (size, mtime), manifest
         self._lock = threading.RLock()
         self._db = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -139,6 +142,7 @@ class Catalog:
 
     def rebuild(self) -> None:
         """Forget everything and scan storage again (what every start does)."""
+        self.version += 1
         with self._lock:
             self._db.executescript("DROP TABLE IF EXISTS steps; DROP TABLE IF EXISTS jobs;" + _SCHEMA)
         self.refresh()
@@ -221,8 +225,11 @@ class Catalog:
                 "ON CONFLICT(name) DO UPDATE SET scanned_at = excluded.scanned_at",
                 (job, self.storage.url_of(job_path), now),
             )
-            for dirname in set(known) - present:
+            gone = set(known) - present
+            for dirname in gone:
                 db.execute("DELETE FROM steps WHERE job = ? AND dirname = ?", (job, dirname))
+            if gone or any(known.get(dirname) != ins.state.value for dirname, ins in found):
+                self.version += 1
             for dirname, ins in found:
                 db.execute(
                     "INSERT OR REPLACE INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -269,6 +276,7 @@ class Catalog:
         """Drop what is kept in memory about a step (it is being inspected again)."""
         self._validated_at.pop(path, None)
         self._layouts.pop(path, None)
+        self._manifests.pop(path, None)
 
     # ---- reading --------------------------------------------------------------------------------
 
@@ -363,19 +371,33 @@ class Catalog:
     def revalidate(self, info: CheckpointInfo) -> bool:
         """Quick validation of a verified step now; a step that fails is quarantined, one rewritten under the
         same name (other training metadata) is not good until re-inspected."""
-        result = validate_step(self.storage, info.path, "quick")
+        # The manifest is read again only when it changed (size or time): it is megabytes for a large model.
+        try:
+            stat = self.storage.fs.info(f"{info.path}/{MANIFEST_FILE}")
+            key: tuple[int, float] | None = (int(stat.get("size") or 0), float(mtime_of(stat) or 0.0))
+        except (OSError, ValueError):
+            key = None
+        kept = self._manifests.get(info.path)
+        known = kept[1] if kept is not None and key is not None and kept[0] == key else None
+        result = validate_step(self.storage, info.path, "quick", manifest=known)
         if not result.ok:
             quarantine(self.storage, info.path, "quick validation failed: " + "; ".join(result.problems[:5]),
                        result.problems)
             return False
+        if result.manifest is not None and key is not None:
+            with self._lock:
+                self._manifests.pop(info.path, None)
+                self._manifests[info.path] = (key, result.manifest)
+                while len(self._manifests) > _LAYOUTS_KEPT:  # the most recently checked few (MBs each)
+                    del self._manifests[next(iter(self._manifests))]
         if result.manifest is not None and training_summary(result.manifest.training) != info.training:
             return False  # re-inspected by the caller: the catalogued metadata belongs to an older write
         self._validated_at[info.path] = time.monotonic()
         return True
 
     def revalidate_latest(self) -> None:
-        """Quick-validate each job's newest good step when its last check is due within half the interval,
-        and load its arrays: what the refresher does, so answers do not wait for either."""
+        """Quick-validate each job's newest good step when its last check is 80% of the way to due, and load
+        its arrays: what the refresher does, so answers do not wait for either."""
         for job in self.jobs():
             if job.latest_good_step is None:
                 continue
@@ -383,7 +405,7 @@ class Catalog:
             if info is None:
                 continue
             checked = self._validated_at.get(info.path)
-            due = checked is None or time.monotonic() - checked > self.revalidate_after_s / 2
+            due = checked is None or time.monotonic() - checked > self.revalidate_after_s * 0.8
             if due and not self.revalidate(info):
                 self._reinspect(job.name, info)
                 continue
@@ -419,6 +441,7 @@ class Catalog:
         entry = next((e for _, e in step_entries(self.storage, self.storage.join(job)) if e.name == name), None)
         self._forget(info.path)
         inspection = self._inspect(entry) if entry is not None else None
+        self.version += 1
         with self._tx() as db:
             if inspection is None:
                 db.execute("DELETE FROM steps WHERE job = ? AND dirname = ?", (job, name))
@@ -432,6 +455,7 @@ class Catalog:
 
     def mark(self, job: str, step: int, state: StepState, reason: str | None) -> None:
         """Record what a validation outside the refresh found (``ckptd validate``)."""
+        self.version += 1
         with self._tx() as db:
             db.execute("UPDATE steps SET state = ?, reason = ? WHERE job = ? AND step = ? AND state = ?",
                        (state.value, reason, job, step, _GOOD))

@@ -46,6 +46,8 @@ class CommitTracker:
         self.interval_s = interval_s
         self.goodput_interval_s = goodput_interval_s
         self._states: dict[tuple[str, str], StepState] = {}
+        self._version = -1
+        self._checkpoints: dict[str, tuple[int, list[CheckpointInfo]]] = {}  # job -> (catalog version, steps)
         self._baselined = False
         self._last_goodput = float("-inf")
         self._stop = threading.Event()
@@ -73,6 +75,16 @@ class CommitTracker:
         if not self.catalog.ready.is_set():
             return
         jobs = [j.name for j in self.catalog.jobs()]
+        version = self.catalog.version
+        if version != self._version:  # nothing changed state since the last pass: nothing to compare
+            self._compare(jobs)
+            self._version = version
+        due = time.monotonic() - self._last_goodput >= self.goodput_interval_s
+        if goodput or (goodput is None and due):
+            self._last_goodput = time.monotonic()
+            self._refresh_goodput(jobs)
+
+    def _compare(self, jobs: list[str]) -> None:
         states: dict[tuple[str, str], StepState] = {}
         for job in jobs:
             self.metrics.commits.labels(job)  # the series exist (at 0) from the first pass on
@@ -87,10 +99,6 @@ class CommitTracker:
                         self._observe(job, ck, before)
         self._states = states
         self._baselined = True
-        due = time.monotonic() - self._last_goodput >= self.goodput_interval_s
-        if goodput or (goodput is None and due):
-            self._last_goodput = time.monotonic()
-            self._refresh_goodput(jobs)
 
     def _observe(self, job: str, ck: CheckpointInfo, before: StepState | None) -> None:
         if ck.state in FINALIZED and before not in FINALIZED:
@@ -112,7 +120,11 @@ class CommitTracker:
         values: dict[str, float] = {}
         for job in jobs:
             try:
-                result = compute_goodput(job, self.events.load(job), self.catalog.checkpoints(job))
+                kept = self._checkpoints.get(job)
+                if kept is None or kept[0] != self.catalog.version:  # 10,000 steps are parsed only when changed
+                    kept = (self.catalog.version, self.catalog.checkpoints(job))
+                    self._checkpoints[job] = kept
+                result = compute_goodput(job, self.events.load(job), kept[1])
             except (OSError, StorageError) as exc:
                 _log.info("goodput of %s not refreshed: %s", job, exc)
                 continue

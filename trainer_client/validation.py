@@ -93,17 +93,19 @@ def validate_step(
     progress: Callable[[int], None] | None = None,
     decode_arrays: Callable[[str], list[str]] | None = None,
     recorded_training: TrainingMetadata | None = None,
+    manifest: Manifest | None = None,
 ) -> ValidationResult:
     """Check a committed step against its manifest (and seal). ``progress(n_bytes)`` is called as deep
     validation reads; ``decode_arrays(step_url)`` returns problems found decoding the arrays (it gets the
     step's URL, ``gs://...`` on GCS: tensorstore would take a bare ``bucket/...`` path for a local one).
     ``recorded_training``: the training metadata the caller just parsed from the step's
-    ``_CHECKPOINT_METADATA``, so it is not read and parsed again (megabytes for a large model)."""
+    ``_CHECKPOINT_METADATA``, so it is not read and parsed again (megabytes for a large model);
+    ``manifest``: the step's manifest as the caller read it before (unchanged since), likewise."""
     step_path = step_path.rstrip("/")
     result = ValidationResult(step_path, level, None)
     problems = result.problems
     try:
-        manifest = read_manifest(storage, step_path)
+        manifest = manifest or read_manifest(storage, step_path)
     except (ValueError, ValidationError) as exc:
         problems.append(f"manifest unreadable: {str(exc).splitlines()[0][:200]}")
         return result
