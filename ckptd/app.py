@@ -69,6 +69,7 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
     keeper = (  # ckptd/snapshots.py: the host-memory tier, when a shared-memory directory is configured
         SnapshotKeeper(cat.storage, settings.shm_dir, max_snapshots=settings.max_snapshots,
                        compression=settings.persist_compression, nice=settings.persist_nice,
+                       devices=settings.persist_devices,
                        on_persisted=lambda job, _step: cat.refresh_job(job))
         if settings.shm_dir else None
     )

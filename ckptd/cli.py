@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import re
 import sys
@@ -55,6 +56,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # A 1 ms GIL switch interval (Python's default is 5 ms) keeps a background pass from adding its whole
     # slice to every GIL hand-over of an answer.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    # ckptd's own loggers (persists, quarantines, refresh failures) at the same level as uvicorn's
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 access_log=False, timeout_keep_alive=math.ceil(settings.keep_alive_s))
     return EXIT_OK

@@ -73,6 +73,10 @@ class Settings(BaseSettings):
     )
     max_snapshots: int = Field(default=2, ge=1, description="host-memory tier: snapshots kept per job")
     persist_compression: bool = Field(default=False, description="zstd when persisting snapshots to storage")
+    persist_devices: int = Field(
+        default=16, ge=1, le=1024,
+        description="fake CPU devices the persist worker writes a snapshot's shards from, in parallel",
+    )
     persist_nice: int = Field(
         default=DEFAULT_NICE, ge=0, le=19,
         description="the persist worker runs this many nice steps below ckptd: the trainer wins the host's cores",

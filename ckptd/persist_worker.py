@@ -7,9 +7,9 @@ manifest written before the commit marker, fsynced. Plain Orbax can restore the 
 committed step's URL; a non-zero exit means the step was not committed.
 
 Each array is handed to Orbax sharded as the trainer saved it: one fake CPU device per saved shard
-(``CKPTD_PERSIST_DEVICES`` of them, 16 by default; an array with more shards gets coarser ones), each
-device's buffer a read-only view of the snapshot's memory map (the trainer puts every shard at a 64-byte
-boundary, so XLA takes the view as it is). No byte is copied before Orbax writes it, Orbax writes the
+(``--devices`` of them: ckptd's ``CKPTD_PERSIST_DEVICES``, 16 by default; an array with more shards gets
+coarser ones), each device's buffer a read-only view of the snapshot's memory map (the trainer puts every
+shard at a 64-byte boundary, so XLA takes the view as it is). No byte is copied before Orbax writes it, Orbax writes the
 shards in parallel, and the chunks on storage are the trainer's own.
 """
 
@@ -43,17 +43,7 @@ from trainer_client.snapshot_format import (
     shard_grid,
 )
 
-DEVICES_ENV = "CKPTD_PERSIST_DEVICES"
-DEFAULT_DEVICES = 16
-
-
-def worker_devices() -> int:
-    """How many fake CPU devices the worker process asks jax for (``CKPTD_PERSIST_DEVICES``, default 16)."""
-    value = os.environ.get(DEVICES_ENV, "")
-    try:
-        return max(1, int(value)) if value else DEFAULT_DEVICES
-    except ValueError:
-        raise ValueError(f"{DEVICES_ENV} must be a positive integer, not {value!r}") from None
+DEFAULT_DEVICES = 16  # fake CPU devices the worker asks jax for (ckptd passes CKPTD_PERSIST_DEVICES as --devices)
 
 
 def _coarsen(grid: list[int], devices: int) -> list[int]:
@@ -139,13 +129,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compression", action="store_true")
     parser.add_argument("--serve", action="store_true", help="persist the snapshots named on stdin, one per line")
     parser.add_argument("--nice", type=int, default=0, help="lower this process's CPU priority by N first")
+    parser.add_argument("--devices", type=int, default=DEFAULT_DEVICES,
+                        help="fake CPU devices to write shards from in parallel (at least 1)")
     args = parser.parse_args(argv)
     if args.nice > 0:  # a persist competes with the trainer for the host's cores: the trainer should win
         os.nice(args.nice)
     # Before jax makes its CPU client: one device per saved shard. (Called in a process already using jax,
     # it cannot change: that process's devices will do.)
     with contextlib.suppress(RuntimeError):
-        jax.config.update("jax_num_cpu_devices", worker_devices())
+        jax.config.update("jax_num_cpu_devices", max(1, args.devices))
     if args.serve:
         return serve(args.compression)
     if not args.snapshot or not args.job_url:

@@ -52,11 +52,13 @@ class KeeperStats:
 DEFAULT_NICE = 10  # how far below ckptd the persist worker runs, unless CKPTD_PERSIST_NICE says otherwise
 
 
-def start_persist_worker(*, compression: bool = False, nice: int = DEFAULT_NICE) -> subprocess.Popen[str]:
+def start_persist_worker(
+    *, compression: bool = False, nice: int = DEFAULT_NICE, devices: int | None = None
+) -> subprocess.Popen[str]:
     """``python -m ckptd.persist_worker --serve`` with pipes, ``nice`` steps below ckptd's CPU priority (a
     persist competes with the trainer for the host's cores; the trainer should win)."""
     cmd = [sys.executable, "-m", "ckptd.persist_worker", "--serve", f"--nice={nice}",
-           *(["--compression"] if compression else [])]
+           *([f"--devices={devices}"] if devices else []), *(["--compression"] if compression else [])]
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
 
 
@@ -73,9 +75,11 @@ class SnapshotKeeper:
         on_persisted: Callable[[str, int], None] | None = None,
         timeout_s: float = 3600.0,
         nice: int = DEFAULT_NICE,
+        devices: int | None = None,
     ) -> None:
         self.storage = storage
         self.nice = nice
+        self.devices = devices
         self.shm_dir = Path(shm_dir)
         self.max_snapshots = max_snapshots
         self.compression = compression
@@ -171,7 +175,7 @@ class SnapshotKeeper:
         worker = self._worker
         if worker is None or worker.poll() is not None:
             try:
-                worker = start_persist_worker(compression=self.compression, nice=self.nice)
+                worker = start_persist_worker(compression=self.compression, nice=self.nice, devices=self.devices)
             except OSError as exc:
                 return {"ok": False, "error": f"cannot start the persist worker: {exc}"}
             self._worker = worker

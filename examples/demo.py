@@ -43,17 +43,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_ckptd(root: Path, state_dir: Path, shm_dir: Path, port: int) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "CKPTD_REFRESH_INTERVAL_S": "0.5", "CKPTD_MAX_SNAPSHOTS": "4"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ckptd", "serve", "--root", str(root), "--host", "127.0.0.1",
-         "--port", str(port), "--state-dir", str(state_dir), "--shm-dir", str(shm_dir)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
+def start_ckptd(root: Path, state_dir: Path, shm_dir: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
+    """``ckptd serve`` in its own process, its log (and its persist worker's) in ``log``: a pipe nobody
+    reads would fill up and stall it."""
+    env = {**os.environ, "CKPTD_REFRESH_INTERVAL_S": "0.5", "CKPTD_MAX_SNAPSHOTS": "8"}
+    with log.open("ab") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ckptd", "serve", "--root", str(root), "--host", "127.0.0.1",
+             "--port", str(port), "--state-dir", str(state_dir), "--shm-dir", str(shm_dir)],
+            env=env, stdout=sink, stderr=subprocess.STDOUT,
+        )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"ckptd exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+            raise RuntimeError(f"ckptd exited: {log.read_text(errors='replace')[-4000:]}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=0.5).status_code == 200:
                 return proc
@@ -81,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     shm_base = Path("/dev/shm") if Path("/dev/shm").is_dir() else out
     shm_dir = Path(tempfile.mkdtemp(prefix="ckptd-demo-", dir=shm_base))
     port = free_port()
-    server = start_ckptd(root, state_dir, shm_dir, port)
-    print(f"ckptd serving {root} on http://127.0.0.1:{port} (pid {server.pid}); memory tier in {shm_dir}")
+    server = start_ckptd(root, state_dir, shm_dir, port, out / "ckptd.log")
+    print(f"ckptd serving {root} on http://127.0.0.1:{port} (pid {server.pid}); memory tier in {shm_dir}; "
+          f"log {out / 'ckptd.log'}")
     print(f"trainer pid {os.getpid()}, {jax.device_count()} devices in 4 slices, policy {args.policy}")
 
     previous = [0.0]
@@ -96,10 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     quiet = {"checkpoint_started"}
     config = ElasticConfig(
         job=JOB, mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=48,
-        checkpoint_period=20, elastic_timeout_s=60, elastic_max_retries=5, policy=args.policy,
+        checkpoint_period=50, elastic_timeout_s=60, elastic_max_retries=5, policy=args.policy,
         scale_up_check_interval_s=0.5, compilation_cache_dir=str(out / "jax-cache"),
         shm_dir=None if args.no_memory_tier else str(shm_dir), memory_period=None if args.no_memory_tier else 5,
-        max_snapshots=4,
+        max_snapshots=8,
     )
     slices = SimulatedSlices(num_slices=4, faults=[SliceFault(2, args.fail_at, args.down_for)])
     log = TrainLog()
