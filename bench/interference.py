@@ -117,6 +117,7 @@ def run_interference(profile: Profile, results: Results, workdir: Path, shm_dir:
 
     def persist_worker(d: Path, n: int) -> Callable[[], bool]:
         meta = training_metadata(n, state, data_position=n * 64, global_batch=64, mesh=mesh8, slices=list(range(8)))
+        rmtree(tier.dir)  # the earlier repeats' snapshots (nobody marks them persisted here, as ckptd would)
         snapshot = tier.save(n, state, meta, persist=True)
         if worker is None:  # toy profile: the worker in this process (no second jax import)
             from ckptd.persist_worker import persist

@@ -7,10 +7,9 @@ rescan that one job first), so they answer in milliseconds; array bytes never cr
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
@@ -29,7 +28,7 @@ from ckptd.dashboard import add_dashboard_route
 from ckptd.errors import ApiError, InvalidJobName, JobNotFound, NoGoodCheckpoint
 from ckptd.event_routes import add_event_routes
 from ckptd.events import EventStore, record_retention
-from ckptd.hardening import BodySizeLimit, document_errors, limit_worker_threads
+from ckptd.hardening import BearerAuth, BodySizeLimit, document_errors, limit_worker_threads
 from ckptd.metrics import Metrics
 from ckptd.plan_cache import PlanCache
 from ckptd.retention import prune
@@ -144,22 +143,8 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
     def _needs_token(path: str) -> bool:
         return path.startswith(p.API_PREFIX) or (settings.metrics_require_token and path == p.ROUTE_METRICS)
 
-    @app.middleware("http")
-    async def _auth_and_count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if settings.token and _needs_token(request.url.path):
-            # RFC 7235: the scheme is case-insensitive; the token is compared in constant time
-            scheme, _, given = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), settings.token.encode()):
-                response: Response = _error_response(
-                    ApiError(p.ErrorCode.UNAUTHORIZED, "missing or wrong bearer token")
-                )
-                response.headers["WWW-Authenticate"] = 'Bearer realm="ckptd"'
-                metrics.requests.labels("auth", str(response.status_code)).inc()
-                return response
-        response = await call_next(request)
-        route = request.scope.get("route")
-        metrics.requests.labels(getattr(route, "path", "unmatched"), str(response.status_code)).inc()
-        return response
+    app.add_middleware(BearerAuth, token=settings.token, needs_token=_needs_token,  # ckptd/hardening.py
+                       count=lambda route, status: metrics.requests.labels(route, str(status)).inc())
 
     # Outermost (added last): an oversized body is refused before auth, routing or parsing read it.
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes,

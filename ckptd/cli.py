@@ -57,7 +57,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # slice to every GIL hand-over of an answer.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     # ckptd's own loggers (persists, quarantines, refresh failures) at the same level as uvicorn's
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = 5 if settings.log_level.lower() == "trace" else settings.log_level.upper()  # uvicorn's own level
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 access_log=False, timeout_keep_alive=math.ceil(settings.keep_alive_s))
     return EXIT_OK

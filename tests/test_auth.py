@@ -22,6 +22,7 @@ from chaos_support import CkptdProcess, subprocess_env
 from conftest import training_metadata, write_orbax_jobs
 
 import ckptd.app
+import ckptd.hardening
 from trainer_client import protocol as p
 from trainer_client.client import CkptdClient
 from trainer_client.config import ClientSettings
@@ -162,8 +163,8 @@ def test_trainer_client_sends_the_token_from_its_environment(
 
 
 def test_constant_time_comparison_is_kept() -> None:
-    source = inspect.getsource(ckptd.app)
-    assert "hmac.compare_digest(" in source and "settings.token" in source
+    source = inspect.getsource(ckptd.hardening.BearerAuth)  # what app.py installs with settings.token
+    assert "hmac.compare_digest(" in source and "BearerAuth, token=settings.token" in inspect.getsource(ckptd.app)
 
 
 def test_token_never_in_logs(
