@@ -26,7 +26,6 @@ shared 2-core machine hits both sides alike. Figures:
 from __future__ import annotations
 
 import gc
-import json
 import os
 import subprocess
 import sys
@@ -41,7 +40,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bench.common import Figure, Profile, Results, alternate, drop_page_cache, filesystem_of, free_gib, rmtree, timed
-from ckptd.snapshots import start_persist_worker
+from ckptd.snapshots import ask_persist_worker, start_persist_worker
 from trainer_client.checkpointing import Checkpointer, restore, standard_handler, training_metadata
 from trainer_client.memory_tier import MemoryTier, restore_snapshot
 
@@ -101,10 +100,7 @@ class ServeWorker:
         self.proc = start_persist_worker()  # what SnapshotKeeper starts: niced, compression off
 
     def persist(self, snapshot: Path, job_dir: Path) -> str:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps({"snapshot": str(snapshot), "job_url": str(job_dir)}) + "\n")
-        self.proc.stdin.flush()
-        answer = json.loads(self.proc.stdout.readline() or '{"ok": false, "error": "the worker died"}')
+        answer = ask_persist_worker(self.proc, {"snapshot": str(snapshot), "job_url": str(job_dir)}, 3600.0)
         if not answer.get("ok"):
             raise RuntimeError(f"persist worker failed: {answer.get('error')}")
         return str(answer["path"])

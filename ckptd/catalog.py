@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
 from ckptd.integrity import quarantine, settle
 from trainer_client.layout import (
@@ -72,6 +73,7 @@ _GOOD = StepState.VERIFIED.value
 _LAYOUTS_KEPT = 8  # saved layouts (all arrays of a step) kept in memory, most recently planned first
 
 Layout = tuple[MeshSpec | None, dict[str, ArraySpec]]
+_V = TypeVar("_V")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -114,7 +116,7 @@ class Catalog:
         self.version = 0  # bumped whenever a step's state changes or a step leaves: pollers skip unchanged passes
         self._validated_at: dict[str, float] = {}  # step path -> when quick validation last passed (monotonic)
         self._layouts: OrderedDict[str, tuple[TrainingMetadata | None, Layout]] = OrderedDict()
-        self._manifests: dict[str, tuple[tuple[int, float], Manifest]] = {}  # path -> (size, mtime), manifest
+        self._manifests: OrderedDict[str, tuple[tuple[int, float], Manifest]] = OrderedDict()  # (size, mtime)
         self._lock = threading.RLock()
         self._db = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -386,11 +388,7 @@ class Catalog:
                        result.problems)
             return False
         if result.manifest is not None and key is not None:
-            with self._lock:
-                self._manifests.pop(info.path, None)
-                self._manifests[info.path] = (key, result.manifest)
-                while len(self._manifests) > _LAYOUTS_KEPT:  # the most recently checked few (MBs each)
-                    del self._manifests[next(iter(self._manifests))]
+            self._keep(self._manifests, info.path, (key, result.manifest))
         if result.manifest is not None and training_summary(result.manifest.training) != info.training:
             return False  # re-inspected by the caller: the catalogued metadata belongs to an older write
         self._validated_at[info.path] = time.monotonic()
@@ -423,11 +421,16 @@ class Catalog:
                 return kept
         training = read_training(self.storage, info.path) if info.training is not None else None
         loaded = (training, saved_layout(self.storage, info.path, training))
-        with self._lock:
-            self._layouts[info.path] = loaded
-            while len(self._layouts) > _LAYOUTS_KEPT:
-                self._layouts.popitem(last=False)
+        self._keep(self._layouts, info.path, loaded)
         return loaded
+
+    def _keep(self, cache: OrderedDict[str, _V], path: str, value: _V) -> None:
+        """Remember ``value`` for ``path`` among the ``_LAYOUTS_KEPT`` most recent (each can be megabytes)."""
+        with self._lock:
+            cache[path] = value
+            cache.move_to_end(path)
+            while len(cache) > _LAYOUTS_KEPT:
+                cache.popitem(last=False)
 
     def confirmed_step(self, job: str, step: int) -> CheckpointInfo | None:
         """``step``, with a committed answer checked against storage like ``confirmed_latest_good``."""

@@ -62,6 +62,29 @@ def start_persist_worker(
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
 
 
+def ask_persist_worker(worker: subprocess.Popen[str], request: dict[str, str], timeout_s: float) -> dict[str, object]:
+    """One request line to a ``--serve`` worker and its answer line (``{"ok": ..., "path"|"error": ...}``); a
+    worker that dies, says nonsense or does not answer within ``timeout_s`` gives an ``ok: false`` answer
+    (and is killed when it may be stuck)."""
+    assert worker.stdin is not None and worker.stdout is not None
+    try:
+        worker.stdin.write(json.dumps(request) + "\n")
+        worker.stdin.flush()
+    except OSError as exc:
+        worker.kill()
+        return {"ok": False, "error": f"persist worker gone: {exc}"}
+    ready, _, _ = select.select([worker.stdout], [], [], timeout_s)
+    line = worker.stdout.readline() if ready else ""
+    if not line:
+        worker.kill()
+        return {"ok": False, "error": "persist worker died or timed out"}
+    try:
+        answer = json.loads(line)
+    except ValueError:
+        return {"ok": False, "error": f"persist worker said {line.strip()[:200]!r}"}
+    return answer if isinstance(answer, dict) else {"ok": False, "error": "bad answer"}
+
+
 class SnapshotKeeper:
     """Persists and evicts host-memory snapshots for every job under ``shm_dir``."""
 
@@ -179,23 +202,7 @@ class SnapshotKeeper:
             except OSError as exc:
                 return {"ok": False, "error": f"cannot start the persist worker: {exc}"}
             self._worker = worker
-        assert worker.stdin is not None and worker.stdout is not None
-        try:
-            worker.stdin.write(json.dumps(request) + "\n")
-            worker.stdin.flush()
-        except OSError as exc:
-            worker.kill()
-            return {"ok": False, "error": f"persist worker gone: {exc}"}
-        ready, _, _ = select.select([worker.stdout], [], [], self.timeout_s)
-        line = worker.stdout.readline() if ready else ""
-        if not line:
-            worker.kill()
-            return {"ok": False, "error": "persist worker died or timed out"}
-        try:
-            answer = json.loads(line)
-        except ValueError:
-            return {"ok": False, "error": f"persist worker said {line.strip()[:200]!r}"}
-        return answer if isinstance(answer, dict) else {"ok": False, "error": "bad answer"}
+        return ask_persist_worker(worker, request, self.timeout_s)
 
     def _failed(self, path: Path, why: str) -> None:
         self.stats.failed += 1
@@ -207,5 +214,6 @@ __all__ = [
     "DEFAULT_NICE",
     "KeeperStats",
     "SnapshotKeeper",
+    "ask_persist_worker",
     "start_persist_worker",
 ]
