@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ckptd import __version__
 from ckptd.advisor import advice_for_job
 from ckptd.catalog import Catalog, Refresher
+from ckptd.coalesce import Coalescer
 from ckptd.commit_tracker import CommitTracker
 from ckptd.config import Settings
 from ckptd.dashboard import add_dashboard_route
@@ -46,6 +47,10 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+# Refusals that name no catalogued job: not counted per job (a label per unknown name would grow without bound).
+_NOT_A_JOB = frozenset({p.ErrorCode.INVALID_JOB_NAME, p.ErrorCode.JOB_NOT_FOUND, p.ErrorCode.NOT_READY})
+
+
 def _error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(status_code=err.status, content=err.body().model_dump(mode="json", exclude_none=True))
 
@@ -62,6 +67,7 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
     cat = catalog
     metrics = Metrics()  # ckptd/metrics.py
     plans = PlanCache()
+    answers: Coalescer[bytes] = Coalescer()
     events = EventStore(cat.storage)  # ckptd/events.py: <root>/<job>/.ckptd/events/
     tracker = CommitTracker(cat, metrics, events, interval_s=settings.refresh_interval_s)
     policy = settings.retention()
@@ -109,6 +115,7 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
     app.state.metrics = metrics
     app.state.tracker = tracker
     app.state.snapshots = keeper
+    app.state.resume_answers = answers
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -212,11 +219,9 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
             )
         return info
 
-    @app.post(p.ROUTE_RESUME, response_model=p.ResumePlan, responses=_ERROR_RESPONSES, tags=["jobs"])
-    def resume(job: str, request: p.ResumeRequest) -> Any:
-        started = time.perf_counter()
+    def _answer(job: str, request: p.ResumeRequest) -> bytes:
+        """The resume plan's bytes, from checks made now (run by a worker thread, once per round)."""
         _job(job)
-        metrics.resume_requests.labels(job).inc()
         cat.refresh_job(job, quick=True)  # the newest committed step, even if the last periodic scan missed it
         snapshot = (
             newest_whole(settings.shm_dir, job, at_most=request.step) if request.use_memory_tier else None
@@ -227,18 +232,32 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
         try:
             if snapshot is not None and (info is None or info.state is not p.StepState.VERIFIED
                                          or snapshot[1].step >= info.step):
-                body = memory_snapshot_plan(job=job, request=request, snapshot=snapshot).model_dump_json().encode()
-            else:
-                good = _good_step(job, request, info)
-                loaded = cat.layout(good)  # the step's arrays, read once and kept (ckptd/catalog.py)
-                training, layout = loaded[0] or good.training, loaded[1]
-                body = plans.answer(  # planned once per (step, request): ckptd/plan_cache.py
-                    good.path, request.model_dump_json(), loaded,
-                    lambda: resume_plan(job=job, step=good.step, path=good.path, request=request,
-                                        training=training, saved_layout=layout).model_dump_json().encode(),
-                )
+                return memory_snapshot_plan(job=job, request=request, snapshot=snapshot).model_dump_json().encode()
+            good = _good_step(job, request, info)
+            loaded = cat.layout(good)  # the step's arrays, read once and kept (ckptd/catalog.py)
+            training, layout = loaded[0] or good.training, loaded[1]
+            return plans.answer(  # planned once per (step, request): ckptd/plan_cache.py
+                good.path, request.model_dump_json(), loaded,
+                lambda: resume_plan(job=job, step=good.step, path=good.path, request=request,
+                                    training=training, saved_layout=layout).model_dump_json().encode(),
+            )
         except PlanningError as exc:
             raise ApiError(exc.code, exc.message) from exc
+
+    @app.post(p.ROUTE_RESUME, response_model=p.ResumePlan, responses=_ERROR_RESPONSES, tags=["jobs"])
+    async def resume(job: str, request: p.ResumeRequest) -> Any:
+        started = time.perf_counter()
+        if not p.is_valid_job_name(job):
+            raise InvalidJobName(job)
+        # The hosts of a job ask together and alike: requests that arrive while the same question is being
+        # answered share the next answer, worked out after they arrived (ckptd/coalesce.py).
+        try:
+            body = await answers.answer((job, request.model_dump_json()), lambda: _answer(job, request))
+        except ApiError as exc:
+            if exc.code not in _NOT_A_JOB:  # no metric label for names that are not jobs
+                metrics.resume_requests.labels(job).inc()
+            raise
+        metrics.resume_requests.labels(job).inc()
         metrics.plan_seconds.observe(time.perf_counter() - started)
         # The bytes as planned: FastAPI would validate and dump a plan of 1,000 arrays again on every answer.
         return Response(body, media_type="application/json")

@@ -69,6 +69,8 @@ _log = logging.getLogger(__name__)
 # unverified ones are looked at again on every refresh (a directory copied in by a tool may show its
 # marker before its metadata; a failed write of a manifest is retried).
 _FINAL_STATES = (StepState.VERIFIED.value, StepState.QUARANTINED.value)
+# The others, named: ``state IN (...)`` searches the (job, state, step) index; ``NOT IN`` read every row of the job.
+_UNSETTLED_STATES = tuple(s.value for s in StepState if s.value not in _FINAL_STATES)
 _GOOD = StepState.VERIFIED.value
 _LAYOUTS_KEPT = 8  # saved layouts (all arrays of a step) kept in memory, most recently planned first
 
@@ -188,8 +190,9 @@ class Catalog:
         with self._lock:
             # An unchanged directory needs only its unsettled steps (a resume must not load 10,000 rows).
             if unchanged:
-                rows = self._db.execute("SELECT dirname, state FROM steps WHERE job = ? AND state NOT IN (?, ?)",
-                                        (job, *_FINAL_STATES))
+                marks = ", ".join("?" * len(_UNSETTLED_STATES))
+                rows = self._db.execute(f"SELECT dirname, state FROM steps WHERE job = ? AND state IN ({marks})",
+                                        (job, *_UNSETTLED_STATES))
             else:
                 rows = self._db.execute("SELECT dirname, state FROM steps WHERE job = ?", (job,))
             known = {row[0]: row[1] for row in rows}

@@ -55,6 +55,19 @@ def test_no_root_means_the_outage_is_raised() -> None:
     assert len(seen) == 4
 
 
+def test_an_answer_that_is_not_a_plan_counts_as_an_outage(tmp_path: Path) -> None:
+    """A 200 that is not ckptd's plan (a proxy's login page, a truncated body) is retried, then storage answers."""
+    page = httpx.Response(200, text="<html>sign in</html>", headers={"content-type": "text/html"})
+    client, seen = _client(lambda r: page, root=str(tmp_path))
+    (tmp_path / "job").mkdir()
+    with pytest.raises(NoCheckpointError):  # the storage scan ran: nothing committed there
+        client.resume("job", p.ResumeRequest(alive_devices=8))
+    assert len(seen) == 4
+    client, _ = _client(lambda r: httpx.Response(200, json={"step": 3}))  # JSON, but not a plan
+    with pytest.raises(CkptdUnavailable, match="no ResumePlan"):
+        client.resume("job", p.ResumeRequest(alive_devices=8))
+
+
 def test_latest_good_is_none_for_no_checkpoint() -> None:
     body = {"code": "NO_GOOD_CHECKPOINT", "message": "none"}
     client, _ = _client(lambda r: httpx.Response(404, json=body))

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from trainer_client import protocol as p
 from trainer_client.config import ClientSettings
@@ -30,6 +30,8 @@ _log = logging.getLogger(__name__)
 
 # Answers that mean "ckptd cannot answer right now", worth a retry and then the fallback.
 _UNAVAILABLE_STATUSES = {502, 503, 504}
+
+_M = TypeVar("_M", bound=BaseModel)
 
 
 class CkptdClient:
@@ -66,9 +68,11 @@ class CkptdClient:
 
     # ---- raw calls ------------------------------------------------------------------------------
 
-    def _request(self, method: str, url: str, json: Any = None) -> Any:
+    def _request(self, method: str, url: str, answer: type[_M], json: Any = None) -> _M:
+        """``answer`` parsed from ckptd's reply (straight from the bytes: a plan of 1,000 arrays is ~100 KB)."""
+
         @retry(self._policy, retry_on=(CkptdUnavailable,))
-        def once() -> Any:
+        def once() -> _M:
             try:
                 response = self._http.request(method, url, json=json)
             except httpx.HTTPError as exc:
@@ -83,7 +87,13 @@ class CkptdClient:
                     raise CkptdRequestError(
                         response.status_code, "UNKNOWN", response.text[:200]
                     ) from None
-            return response.json()
+            try:
+                return answer.model_validate_json(response.content)
+            except ValidationError as exc:  # not ckptd's answer (a proxy's page?): as if it had not answered
+                raise CkptdUnavailable(
+                    f"ckptd at {self.settings.url} answered {response.status_code} with no {answer.__name__}: "
+                    f"{response.text[:200]!r}"
+                ) from exc
 
         return once()
 
@@ -94,14 +104,14 @@ class CkptdClient:
             return False
 
     def jobs(self) -> p.JobList:
-        return p.JobList.model_validate(self._request("GET", p.ROUTE_JOBS))
+        return self._request("GET", p.ROUTE_JOBS, p.JobList)
 
     def checkpoints(self, job: str) -> p.CheckpointList:
-        return p.CheckpointList.model_validate(self._request("GET", p.ROUTE_CHECKPOINTS.format(job=job)))
+        return self._request("GET", p.ROUTE_CHECKPOINTS.format(job=job), p.CheckpointList)
 
     def latest_good(self, job: str) -> p.CheckpointInfo | None:
         try:
-            return p.CheckpointInfo.model_validate(self._request("GET", p.ROUTE_LATEST_GOOD.format(job=job)))
+            return self._request("GET", p.ROUTE_LATEST_GOOD.format(job=job), p.CheckpointInfo)
         except CkptdRequestError as exc:
             if exc.code in (p.ErrorCode.NO_GOOD_CHECKPOINT.value, p.ErrorCode.JOB_NOT_FOUND.value):
                 return None
@@ -117,8 +127,8 @@ class CkptdClient:
         """
         started = time.monotonic()
         try:
-            body = self._request("POST", p.ROUTE_RESUME.format(job=job), json=request.model_dump(mode="json"))
-            return p.ResumePlan.model_validate(body)
+            return self._request("POST", p.ROUTE_RESUME.format(job=job), p.ResumePlan,
+                                 json=request.model_dump(mode="json"))
         except CkptdRequestError as exc:
             if exc.code not in (p.ErrorCode.NO_GOOD_CHECKPOINT.value, p.ErrorCode.JOB_NOT_FOUND.value):
                 raise

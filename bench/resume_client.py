@@ -1,0 +1,93 @@
+"""The sequential resume client of the service benchmark, run as its own lean process (no jax).
+
+``python -m bench.resume_client URL JOB REQUESTS`` (the request body on stdin) sends ``REQUESTS`` resume
+requests one after another over one keep-alive httpx connection, then the same number through
+trainer_client's own ``CkptdClient.resume`` (request built, answer parsed into a ``ResumePlan``), and
+prints one JSON object: the latencies of both, in ms.
+
+Why a process of its own: the benchmark's parent holds jax, a state of 1,000 arrays and the results;
+each answer it parsed there (~100 KB of JSON, thousands of objects) drove Python's cyclic garbage
+collector through that whole heap every few dozen requests, ~100 ms each, and those pauses were the
+"server's" p99. A trainer asks once per failure, from a process of its own, as this client does.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import httpx
+
+from trainer_client import protocol as p
+from trainer_client.client import CkptdClient
+from trainer_client.config import ClientSettings
+
+REQUEST_TIMEOUT_S = 120.0  # an answer slower than this counts as this (a lower bound) and is reported
+BUDGET_S = 300.0  # each series stops after this (but not before 20 requests) when answers are slow
+WARMUP = 5
+
+
+def answered(url: str, job: str, body: bytes, requests: int) -> tuple[list[float], int, int]:
+    """Latencies (ms) from sending each request to the last byte of its answer; (latencies, timeouts, bytes)."""
+    latencies: list[float] = []
+    timeouts = 0
+    size = 0
+    route = p.ROUTE_RESUME.format(job=job)
+    headers = {"content-type": "application/json"}
+    with httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT_S) as client:
+        for _ in range(WARMUP):
+            client.post(route, content=body, headers=headers).raise_for_status()
+        deadline = time.monotonic() + BUDGET_S
+        for n in range(requests):
+            if n >= 20 and time.monotonic() > deadline:
+                break
+            started = time.perf_counter()
+            try:
+                r = client.post(route, content=body, headers=headers)
+                content = r.content
+            except httpx.TimeoutException:  # counted as the time waited: a lower bound
+                timeouts += 1
+                latencies.append((time.perf_counter() - started) * 1000)
+                if timeouts >= 3:
+                    break
+                continue
+            latencies.append((time.perf_counter() - started) * 1000)
+            if r.status_code != 200:
+                raise RuntimeError(f"resume answered {r.status_code}: {r.text[:500]}")
+            size = len(content)
+    return latencies, timeouts, size
+
+
+def through_client(url: str, job: str, body: bytes, requests: int) -> tuple[list[float], dict[str, Any]]:
+    """Latencies (ms) of trainer_client's ``CkptdClient.resume``: serialise, ask, parse into a ResumePlan."""
+    request = p.ResumeRequest.model_validate_json(body)
+    latencies: list[float] = []
+    plan: p.ResumePlan | None = None
+    with CkptdClient(ClientSettings(url=url, timeout_s=REQUEST_TIMEOUT_S)) as client:
+        for _ in range(WARMUP):
+            client.resume(job, request)
+        deadline = time.monotonic() + BUDGET_S
+        for n in range(requests):
+            if n >= 20 and time.monotonic() > deadline:
+                break
+            started = time.perf_counter()
+            plan = client.resume(job, request)
+            latencies.append((time.perf_counter() - started) * 1000)
+    assert plan is not None
+    return latencies, {"step": plan.step, "mesh": plan.mesh.model_dump(), "arrays": len(plan.arrays)}
+
+
+def main(argv: list[str]) -> int:
+    url, job, requests = argv[0], argv[1], int(argv[2])
+    body = sys.stdin.buffer.read()
+    latencies, timeouts, size = answered(url, job, body, requests)
+    client_latencies, plan = through_client(url, job, body, requests)
+    json.dump({"answered_ms": latencies, "timeouts": timeouts, "answer_bytes": size,
+               "client_resume_ms": client_latencies, "plan": plan}, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
