@@ -184,14 +184,24 @@ class ShardReader:
         self.exact = dict(self.shards)
 
     def __call__(self, index: tuple[slice, ...] | None) -> np.ndarray:
+        bounds = self.bounds(index)
+        hit = self.exact.get(bounds)
+        if hit is None:
+            return self.assemble(bounds)
+        return np.array(hit) if self.copy else hit
+
+    def bounds(self, index: tuple[slice, ...] | None) -> tuple[tuple[int, int], ...]:
+        """``(start, stop)`` per dimension of the region ``index`` names."""
         index = index or ()
-        bounds = tuple(
+        return tuple(
             (s.start or 0, dim if s.stop is None else s.stop) for s, dim in zip(index, self.shape, strict=False)
         ) + tuple((0, dim) for dim in self.shape[len(index) :])
-        hit = self.exact.get(bounds)
-        if hit is not None:
-            return np.array(hit) if self.copy else hit
-        region = np.empty([stop - start for start, stop in bounds], dtype=self.dtype)
+
+    def assemble(self, bounds: tuple[tuple[int, int], ...]) -> np.ndarray:
+        """A new array of the region ``bounds``, copied from the saved shards that overlap it. It starts at
+        a multiple of ``SHARD_ALIGN`` bytes, so XLA's CPU client can take it as a buffer without copying it
+        again. (numpy's copies release the GIL: regions can be assembled by several threads at once.)"""
+        region = _aligned_empty([stop - start for start, stop in bounds], self.dtype)
         for shard_bounds, view in self.shards:
             lo = [max(a[0], b[0]) for a, b in zip(bounds, shard_bounds, strict=True)]
             hi = [min(a[1], b[1]) for a, b in zip(bounds, shard_bounds, strict=True)]
@@ -201,6 +211,14 @@ class ShardReader:
             src = tuple(slice(low - b[0], high - b[0]) for low, high, b in zip(lo, hi, shard_bounds, strict=True))
             region[dst] = view[src]
         return region
+
+
+def _aligned_empty(shape: list[int], dtype: np.dtype[np.generic]) -> np.ndarray:
+    """An uninitialised array whose data starts at a multiple of ``SHARD_ALIGN`` bytes."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + SHARD_ALIGN, dtype=np.uint8)
+    skip = -raw.ctypes.data % SHARD_ALIGN
+    return raw[skip : skip + nbytes].view(dtype).reshape(shape)
 
 
 def shard_grid(record: ArrayRecord) -> list[int] | None:
