@@ -89,10 +89,13 @@ def render(payload: dict[str, Any]) -> str:
         f"orbax-checkpoint {machine['orbax-checkpoint']}, tensorstore {machine['tensorstore']}.",
         "",
     ]
-    for merged in payload.get("merged_from", []):
-        profile_note = f" ({merged['profile']} profile)" if merged.get("profile") else ""
-        lines += [f"Kept from the run started {merged['started_at']}{profile_note} (not re-run this time): "
-                  + (", ".join(f"`{k}`" for k in merged["kept"]) or "nothing") + ".", ""]
+    by_run: dict[str, list[str]] = {}
+    for key, run_started in payload.get("key_runs", {}).items():
+        if run_started != payload.get("started_at"):
+            by_run.setdefault(str(run_started), []).append(key)
+    for run_started, keys in sorted(by_run.items()):
+        lines += [f"Kept from the run started {run_started} (not re-run this time): "
+                  + ", ".join(f"`{k}`" for k in sorted(keys)) + ".", ""]
     if io:
         lines += [
             f"State (save, persist, restore): {io['arrays']} float32 arrays of {io['shape'][0]} x {io['shape'][1]} = "

@@ -42,6 +42,12 @@ def _merge(previous: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
     merged["errors"] = payload.get("errors", {})
     merged["merged_from"] = [*previous.get("merged_from", []), {
         "started_at": previous.get("started_at"), "kept": sorted(set(previous.get("keys", {})) - set(payload["keys"]))}]
+    # which run measured each key now in the table (a key re-run since an older merge is this run's)
+    earlier = previous.get("key_runs", {})
+    merged["key_runs"] = {
+        **{k: earlier.get(k, previous.get("started_at")) for k in previous.get("keys", {})},
+        **{k: payload.get("started_at") for k in payload.get("keys", {})},
+    }
     return merged
 
 
