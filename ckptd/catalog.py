@@ -115,7 +115,9 @@ class Catalog:
         self.adopt_after_s = adopt_after_s
         self.revalidate_after_s = revalidate_after_s
         self._scanned_mtime: dict[str, int] = {}
-        self.version = 0  # bumped whenever a step's state changes or a step leaves: pollers skip unchanged passes
+        # bumped after every write that changes a step's state or reason, or drops a step or a job: pollers skip
+        # unchanged passes, and answers cached per version are never older than the rows they came from
+        self.version = 0
         self._validated_at: dict[str, float] = {}  # step path -> when quick validation last passed (monotonic)
         self._layouts: OrderedDict[str, tuple[TrainingMetadata | None, Layout]] = OrderedDict()
         self._manifests: OrderedDict[str, tuple[tuple[int, float], Manifest]] = OrderedDict()  # (size, mtime)
@@ -147,9 +149,9 @@ class Catalog:
 
     def rebuild(self) -> None:
         """Forget everything and scan storage again (what every start does)."""
-        self.version += 1
         with self._lock:
             self._db.executescript("DROP TABLE IF EXISTS steps; DROP TABLE IF EXISTS jobs;" + _SCHEMA)
+        self.version += 1
         self.refresh()
         self.ready.set()
 
@@ -162,10 +164,12 @@ class Catalog:
         job_entries = [e for e in self.storage.list_dir(self.storage.root) if e.is_dir]
         names = {e.name for e in job_entries if is_valid_job_name(e.name)}
         with self._tx() as db:
-            for (name,) in db.execute("SELECT name FROM jobs").fetchall():
-                if name not in names:
-                    db.execute("DELETE FROM jobs WHERE name = ?", (name,))
-                    db.execute("DELETE FROM steps WHERE job = ?", (name,))
+            dropped = [name for (name,) in db.execute("SELECT name FROM jobs").fetchall() if name not in names]
+            for name in dropped:
+                db.execute("DELETE FROM jobs WHERE name = ?", (name,))
+                db.execute("DELETE FROM steps WHERE job = ?", (name,))
+        if dropped:
+            self.version += 1
         for entry in job_entries:
             if entry.name in names:
                 self.refresh_job(entry.name, quick=quick)
@@ -183,19 +187,23 @@ class Catalog:
         self.storage.invalidate(job_path)
         if not self.storage.is_dir(job_path):
             with self._tx() as db:
-                db.execute("DELETE FROM jobs WHERE name = ?", (job,))
+                dropped = db.execute("DELETE FROM jobs WHERE name = ?", (job,)).rowcount
                 db.execute("DELETE FROM steps WHERE job = ?", (job,))
+            if dropped:
+                self.version += 1
             return
         unchanged = quick and dir_mtime is not None and self._scanned_mtime.get(job) == dir_mtime
         with self._lock:
             # An unchanged directory needs only its unsettled steps (a resume must not load 10,000 rows).
             if unchanged:
                 marks = ", ".join("?" * len(_UNSETTLED_STATES))
-                rows = self._db.execute(f"SELECT dirname, state FROM steps WHERE job = ? AND state IN ({marks})",
-                                        (job, *_UNSETTLED_STATES))
+                rows = self._db.execute(
+                    f"SELECT dirname, state, reason FROM steps WHERE job = ? AND state IN ({marks})",
+                    (job, *_UNSETTLED_STATES))
             else:
-                rows = self._db.execute("SELECT dirname, state FROM steps WHERE job = ?", (job,))
-            known = {row[0]: row[1] for row in rows}
+                rows = self._db.execute("SELECT dirname, state, reason FROM steps WHERE job = ?", (job,))
+            seen = {str(row[0]): (str(row[1]), row[2]) for row in rows}
+        known = {name: state for name, (state, _) in seen.items()}
         if unchanged:
             if not known:
                 return  # nothing new, nothing pending: no write either
@@ -234,8 +242,6 @@ class Catalog:
             gone = set(known) - present
             for dirname in gone:
                 db.execute("DELETE FROM steps WHERE job = ? AND dirname = ?", (job, dirname))
-            if gone or any(known.get(dirname) != ins.state.value for dirname, ins in found):
-                self.version += 1
             for dirname, ins in found:
                 db.execute(
                     "INSERT OR REPLACE INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -250,6 +256,9 @@ class Catalog:
                         _summary_json(ins.training),
                     ),
                 )
+        # after the commit: a reader that sees the new version reads the new rows (answers are cached per version)
+        if gone or any(seen.get(dirname) != (ins.state.value, ins.reason) for dirname, ins in found):
+            self.version += 1
 
     def _inspect(self, entry: Entry, now: float | None = None) -> StepInspection | None:
         """The commit rule and structural checks; a committed step is then verified or quarantined."""
@@ -448,7 +457,6 @@ class Catalog:
         entry = next((e for _, e in step_entries(self.storage, self.storage.join(job)) if e.name == name), None)
         self._forget(info.path)
         inspection = self._inspect(entry) if entry is not None else None
-        self.version += 1
         with self._tx() as db:
             if inspection is None:
                 db.execute("DELETE FROM steps WHERE job = ? AND dirname = ?", (job, name))
@@ -459,13 +467,14 @@ class Catalog:
                     (inspection.state.value, inspection.reason, inspection.committed_at,
                      _summary_json(inspection.training), job, name),
                 )
+        self.version += 1
 
     def mark(self, job: str, step: int, state: StepState, reason: str | None) -> None:
         """Record what a validation outside the refresh found (``ckptd validate``)."""
-        self.version += 1
         with self._tx() as db:
             db.execute("UPDATE steps SET state = ?, reason = ? WHERE job = ? AND step = ? AND state = ?",
                        (state.value, reason, job, step, _GOOD))
+        self.version += 1
 
     def step(self, job: str, step: int) -> CheckpointInfo | None:
         """The catalogued directory of ``step`` (the committed one when several exist)."""

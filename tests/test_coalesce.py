@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import wait_until
 
 from ckptd.coalesce import Coalescer
 from ckptd.plan_cache import PlanCache
@@ -202,3 +204,42 @@ def test_requests_that_arrive_after_a_step_is_lost_are_not_answered_with_it(
         release.set()
         assert p.ResumePlan.model_validate_json(later.result(timeout=30).content).step == 10
         assert first.result(timeout=30).status_code == 200  # it asked before the step went away
+
+
+def test_lists_are_built_once_per_catalog_change_and_never_stale(ckptd_server: Any, root: Path) -> None:
+    server = ckptd_server(root)
+    app = server.server.config.app
+    catalog = app.state.catalog
+
+    def states(c: httpx.Client) -> dict[int, str]:
+        body = p.CheckpointList.model_validate_json(c.get("/v1/jobs/train/checkpoints").content)
+        return {info.step: info.state.value for info in body.checkpoints}
+
+    def settled() -> bool:  # the first passes settle (adopt) the plain-Orbax steps: wait for a quiet catalog
+        version = catalog.version
+        time.sleep(0.6)  # three refresh intervals
+        return bool(catalog.version == version)
+
+    wait_until(settled, timeout=20, what="the catalog to stop changing")
+    built = []
+    original = catalog.checkpoints
+
+    def checkpoints(job: str) -> Any:
+        built.append(job)
+        return original(job)
+
+    catalog.checkpoints = checkpoints
+    with server.client() as c:
+        assert states(c) == {10: "verified", 20: "verified"}
+        first = c.get("/v1/jobs/train/checkpoints").content
+        assert c.get("/v1/jobs/train/checkpoints").content == first
+        assert built == ["train"]  # one catalog read for three lists: nothing changed in between
+        rounds = app.state.resume_answers.rounds
+        catalog.mark("train", 20, p.StepState.QUARANTINED, "found bad by a test")  # a change: a new version
+        assert states(c) == {10: "verified", 20: "quarantined"}
+        assert c.get("/v1/jobs/train/checkpoints").content != first
+        assert app.state.resume_answers.rounds > rounds
+        # a new step on storage is listed as soon as a refresh catalogues it
+        shutil.copytree(root / "train" / "10", root / "train" / "30")
+        catalog.refresh_job("train")
+        assert 30 in states(c)
