@@ -40,7 +40,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bench.common import Figure, Profile, Results, alternate, drop_page_cache, filesystem_of, free_gib, rmtree, timed
-from ckptd.snapshots import ask_persist_worker, start_persist_worker
+from ckptd.snapshots import ask_persist_worker, start_persist_worker, stop_persist_worker
 from trainer_client.checkpointing import Checkpointer, restore, standard_handler, training_metadata
 from trainer_client.memory_tier import MemoryTier, restore_snapshot
 
@@ -106,12 +106,7 @@ class ServeWorker:
         return str(answer["path"])
 
     def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_persist_worker(self.proc, 60.0)
 
 
 def _save_repeat(i: int, profile: Profile, state: PyTree, views: list[list[np.ndarray]], mesh8: Mesh,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -29,53 +30,51 @@ BUDGET_S = 300.0  # each series stops after this (but not before 20 requests) wh
 WARMUP = 5
 
 
-def answered(url: str, job: str, body: bytes, requests: int) -> tuple[list[float], int, int]:
-    """Latencies (ms) from sending each request to the last byte of its answer; (latencies, timeouts, bytes)."""
+def _series(ask: Callable[[], object], requests: int) -> tuple[list[float], int]:
+    """``ask()`` ``WARMUP`` times, then timed ``requests`` times one after another; (latencies in ms, timeouts).
+    A timed-out request counts as the time waited (a lower bound); three end the series."""
+    for _ in range(WARMUP):
+        ask()
     latencies: list[float] = []
     timeouts = 0
-    size = 0
-    route = p.ROUTE_RESUME.format(job=job)
-    headers = {"content-type": "application/json"}
-    with httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT_S) as client:
-        for _ in range(WARMUP):
-            client.post(route, content=body, headers=headers).raise_for_status()
-        deadline = time.monotonic() + BUDGET_S
-        for n in range(requests):
-            if n >= 20 and time.monotonic() > deadline:
+    deadline = time.monotonic() + BUDGET_S
+    for n in range(requests):
+        if n >= 20 and time.monotonic() > deadline:
+            break
+        started = time.perf_counter()
+        try:
+            ask()
+        except httpx.TimeoutException:
+            timeouts += 1
+            if timeouts >= 3:
                 break
-            started = time.perf_counter()
-            try:
-                r = client.post(route, content=body, headers=headers)
-                content = r.content
-            except httpx.TimeoutException:  # counted as the time waited: a lower bound
-                timeouts += 1
-                latencies.append((time.perf_counter() - started) * 1000)
-                if timeouts >= 3:
-                    break
-                continue
+        finally:
             latencies.append((time.perf_counter() - started) * 1000)
+    return latencies, timeouts
+
+
+def answered(url: str, job: str, body: bytes, requests: int) -> tuple[list[float], int, int]:
+    """Latencies (ms) from sending each request to the last byte of its answer; (latencies, timeouts, bytes)."""
+    route = p.ROUTE_RESUME.format(job=job)
+    size = [0]
+    with httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT_S) as client:
+
+        def ask() -> None:
+            r = client.post(route, content=body, headers={"content-type": "application/json"})
             if r.status_code != 200:
                 raise RuntimeError(f"resume answered {r.status_code}: {r.text[:500]}")
-            size = len(content)
-    return latencies, timeouts, size
+            size[0] = len(r.content)
+
+        latencies, timeouts = _series(ask, requests)
+    return latencies, timeouts, size[0]
 
 
 def through_client(url: str, job: str, body: bytes, requests: int) -> tuple[list[float], dict[str, Any]]:
     """Latencies (ms) of trainer_client's ``CkptdClient.resume``: serialise, ask, parse into a ResumePlan."""
     request = p.ResumeRequest.model_validate_json(body)
-    latencies: list[float] = []
-    plan: p.ResumePlan | None = None
     with CkptdClient(ClientSettings(url=url, timeout_s=REQUEST_TIMEOUT_S)) as client:
-        for _ in range(WARMUP):
-            client.resume(job, request)
-        deadline = time.monotonic() + BUDGET_S
-        for n in range(requests):
-            if n >= 20 and time.monotonic() > deadline:
-                break
-            started = time.perf_counter()
-            plan = client.resume(job, request)
-            latencies.append((time.perf_counter() - started) * 1000)
-    assert plan is not None
+        latencies, _ = _series(lambda: client.resume(job, request), requests)
+        plan = client.resume(job, request)
     return latencies, {"step": plan.step, "mesh": plan.mesh.model_dump(), "arrays": len(plan.arrays)}
 
 

@@ -211,8 +211,6 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
     async def list_checkpoints(job: str) -> Any:
         # Serialized here, not by FastAPI: its response_model would dump and validate the whole list again.
         # Concurrent lists of a job share one round (ckptd/coalesce.py), from the catalog as of after they came.
-        if not p.is_valid_job_name(job):
-            raise InvalidJobName(job)
         body = await answers.answer(("list", job), lambda: _listing(job))
         return Response(body, media_type="application/json")
 
@@ -262,8 +260,6 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
     @app.post(p.ROUTE_RESUME, response_model=p.ResumePlan, responses=_ERROR_RESPONSES, tags=["jobs"])
     async def resume(job: str, request: p.ResumeRequest) -> Any:
         started = time.perf_counter()
-        if not p.is_valid_job_name(job):
-            raise InvalidJobName(job)
         # The hosts of a job ask together and alike: requests that arrive while the same question is being
         # answered share the next answer, worked out after they arrived (ckptd/coalesce.py).
         try:

@@ -62,6 +62,18 @@ def start_persist_worker(
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
 
 
+def stop_persist_worker(worker: subprocess.Popen[str], timeout_s: float) -> None:
+    """Close the worker's input (it finishes the request in hand and exits); kill it after ``timeout_s``."""
+    if worker.poll() is not None:
+        return
+    if worker.stdin is not None:
+        worker.stdin.close()
+    try:
+        worker.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+
+
 def ask_persist_worker(worker: subprocess.Popen[str], request: dict[str, str], timeout_s: float) -> dict[str, object]:
     """One request line to a ``--serve`` worker and its answer line (``{"ok": ..., "path"|"error": ...}``); a
     worker that dies, says nonsense or does not answer within ``timeout_s`` gives an ``ok: false`` answer
@@ -121,13 +133,8 @@ class SnapshotKeeper:
     def stop(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=30)
-        if self._worker is not None and self._worker.poll() is None:
-            if self._worker.stdin is not None:
-                self._worker.stdin.close()
-            try:
-                self._worker.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._worker.kill()
+        if self._worker is not None:
+            stop_persist_worker(self._worker, 10.0)
 
     def jobs(self) -> list[str]:
         if not self.shm_dir.is_dir():
@@ -216,4 +223,5 @@ __all__ = [
     "SnapshotKeeper",
     "ask_persist_worker",
     "start_persist_worker",
+    "stop_persist_worker",
 ]
