@@ -33,6 +33,8 @@ PUBLIC_MODULES = [
     "trainer_client.errors",
     "trainer_client.retry",
     "trainer_client.checkpointing",
+    "trainer_client.direct_restore",
+    "trainer_client.ocdbt_index",
     "trainer_client.slices",
     "trainer_client.elastic",
 ]

@@ -32,6 +32,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
+from trainer_client.direct_restore import DirectRestoreUnsupported, restore_direct
 from trainer_client.durability import sync_tree
 from trainer_client.layout import CUSTOM_METADATA_KEY, TMP_DIR_SUFFIX
 from trainer_client.manifest import MANIFEST_FILE, build_manifest, write_manifest
@@ -312,11 +313,21 @@ class Checkpointer:
         self._manager.close()
 
 
-def restore(step_path: str, target: PyTree, item: str = DEFAULT_ITEM) -> PyTree:
-    """Restore the step directory ``step_path`` onto ``target``'s shapes, dtypes and shardings."""
+def restore(step_path: str, target: PyTree, item: str = DEFAULT_ITEM, *, direct: bool = True) -> PyTree:
+    """Restore the step directory ``step_path`` onto ``target``'s shapes, dtypes and shardings.
+
+    On a local disk the chunks are read straight into the devices' buffers
+    (``trainer_client.direct_restore``); where that reader does not apply (``gs://``, compressed chunks, a
+    target Orbax casts, ...) or with ``direct=False``, Orbax's ``StandardCheckpointer`` restores it."""
+    item_path = f"{step_path.rstrip('/')}/{item}"
+    if direct and "://" not in step_path:
+        try:
+            return restore_direct(item_path, target, leaf_name)
+        except DirectRestoreUnsupported as exc:
+            _log.info("restoring %s through Orbax: %s", item_path, exc)
     checkpointer = ocp.StandardCheckpointer()
     try:
-        return checkpointer.restore(f"{step_path.rstrip('/')}/{item}", target)
+        return checkpointer.restore(item_path, target)
     finally:
         checkpointer.close()
 

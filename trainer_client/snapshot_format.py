@@ -192,16 +192,13 @@ class ShardReader:
 
     def bounds(self, index: tuple[slice, ...] | None) -> tuple[tuple[int, int], ...]:
         """``(start, stop)`` per dimension of the region ``index`` names."""
-        index = index or ()
-        return tuple(
-            (s.start or 0, dim if s.stop is None else s.stop) for s, dim in zip(index, self.shape, strict=False)
-        ) + tuple((0, dim) for dim in self.shape[len(index) :])
+        return index_bounds(index, self.shape)
 
     def assemble(self, bounds: tuple[tuple[int, int], ...]) -> np.ndarray:
         """A new array of the region ``bounds``, copied from the saved shards that overlap it. It starts at
         a multiple of ``SHARD_ALIGN`` bytes, so XLA's CPU client can take it as a buffer without copying it
         again. (numpy's copies release the GIL: regions can be assembled by several threads at once.)"""
-        region = _aligned_empty([stop - start for start, stop in bounds], self.dtype)
+        region = aligned_empty([stop - start for start, stop in bounds], self.dtype)
         for shard_bounds, view in self.shards:
             lo = [max(a[0], b[0]) for a, b in zip(bounds, shard_bounds, strict=True)]
             hi = [min(a[1], b[1]) for a, b in zip(bounds, shard_bounds, strict=True)]
@@ -213,7 +210,16 @@ class ShardReader:
         return region
 
 
-def _aligned_empty(shape: list[int], dtype: np.dtype[np.generic]) -> np.ndarray:
+def index_bounds(index: tuple[slice, ...] | None, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """``(start, stop)`` per dimension of the region of an array of ``shape`` that ``index`` (what
+    ``jax.make_array_from_callback`` passes) names."""
+    index = index or ()
+    return tuple(
+        (s.start or 0, dim if s.stop is None else s.stop) for s, dim in zip(index, shape, strict=False)
+    ) + tuple((0, dim) for dim in shape[len(index) :])
+
+
+def aligned_empty(shape: list[int], dtype: np.dtype[np.generic]) -> np.ndarray:
     """An uninitialised array whose data starts at a multiple of ``SHARD_ALIGN`` bytes."""
     nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + SHARD_ALIGN, dtype=np.uint8)
@@ -256,9 +262,11 @@ __all__ = [
     "ShardReader",
     "ShardRecord",
     "SnapshotMeta",
+    "aligned_empty",
     "complete_snapshots",
     "evict",
     "evictable",
+    "index_bounds",
     "is_persisted",
     "job_dir",
     "map_data",
