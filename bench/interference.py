@@ -89,7 +89,8 @@ def run_interference(profile: Profile, results: Results, workdir: Path, shm_dir:
     mesh8 = Mesh(np.array(devices[:8]), ("data",))
     state = make_state(profile, mesh8)
     step = _step_fn(MATMUL_N[profile.name])
-    tier = MemoryTier(str(shm_dir), JOB, max_snapshots=2, reserve_bytes=0)
+    # no spare file: the persist worker's interference alone (the spare's allocation is io.memory_tier_spare_s)
+    tier = MemoryTier(str(shm_dir), JOB, max_snapshots=2, reserve_bytes=0, preallocate=False)
     worker = ServeWorker() if profile.persist_child else None
     slowdowns: dict[str, list[float]] = {"checkpointer": [], "orbax_zstd": [], "persist_worker": []}
     seconds: dict[str, list[float]] = {name: [] for name in slowdowns}

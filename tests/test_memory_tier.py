@@ -72,6 +72,75 @@ def test_a_snapshot_restores_exactly_onto_a_smaller_mesh(tmp_path: Path) -> None
     assert any("bytes" in p for p in problems(path))
 
 
+def _snapshots(job: Path) -> list[str]:
+    return sorted(p.name for p in job.iterdir() if p.is_dir())
+
+
+def test_the_next_snapshot_is_written_into_pages_allocated_ahead(tmp_path: Path) -> None:
+    mesh = _mesh()
+    state = _state(mesh, seed=1)
+    tier = MemoryTier(str(tmp_path), "job", max_snapshots=2)
+    first = tier.save(1, state, _meta(1, state, mesh), persist=False)
+    tier.wait_spare()
+    spare = tmp_path / "job" / f".spare-{os.getpid()}"
+    assert spare.stat().st_size >= read_meta(first).nbytes and tier.last_spare_s is not None
+    held = os.open(spare, os.O_RDONLY)  # keeps the inode alive, so its number cannot be reused meanwhile
+
+    second_state = _state(mesh, seed=2)
+    second = tier.save(2, second_state, _meta(2, second_state, mesh), persist=False)
+    assert os.fstat(held).st_ino == (second / DATA_FILE).stat().st_ino  # the spare became step 2's data
+    assert os.fstat(held).st_nlink == 1
+    os.close(held)
+    assert problems(second) == []
+    target = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                    second_state)
+    for a, b in zip(_leaves(second_state), _leaves(restore_snapshot(second, target)), strict=True):
+        assert np.array_equal(a, b)
+    # The spare for step 3 takes the place of step 1, which step 3 would have evicted: never more than
+    # max_snapshots snapshots' worth of memory, and the newest snapshot is kept.
+    tier.wait_spare()
+    assert _snapshots(tmp_path / "job") == ["2"] and spare.stat().st_size >= read_meta(second).nbytes
+
+    # a smaller state is written into the spare and the file cut to its size; a larger one gets a new file
+    small = {"w": jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(mesh, P("replica")))}
+    third = tier.save(3, small, _meta(3, small, mesh), persist=False)
+    assert problems(third) == [] and (third / DATA_FILE).stat().st_size == read_meta(third).nbytes
+    tier.wait_spare()
+    assert spare.stat().st_size >= read_meta(third).nbytes
+    held = os.open(spare, os.O_RDONLY)
+    fourth = tier.save(4, state, _meta(4, state, mesh), persist=False)
+    assert problems(fourth) == [] and os.fstat(held).st_nlink == 0  # too small: dropped, a new file written
+    os.close(held)
+    tier.wait_spare()
+    assert spare.stat().st_size >= read_meta(fourth).nbytes
+    tier.close()
+    assert not spare.exists()
+
+    # one snapshot at most: no room for a spare, ever
+    single = MemoryTier(str(tmp_path), "single", max_snapshots=1)
+    single.save(1, state, _meta(1, state, mesh), persist=False)
+    single.wait_spare()
+    assert not list((tmp_path / "single").glob(".spare-*"))
+
+
+def test_spares_of_dead_trainers_are_dropped(tmp_path: Path) -> None:
+    from trainer_client.snapshot_format import drop_dead_spares
+
+    job = tmp_path / "job"
+    job.mkdir()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    dead = job / f".spare-{int(gone.stdout)}"
+    alive = job / f".spare-{os.getppid()}"
+    dead.write_bytes(b"x" * 10)
+    alive.write_bytes(b"y" * 10)
+    MemoryTier(str(tmp_path), "job")  # a new trainer cleans up after the one before it
+    assert not dead.exists() and alive.exists()
+    assert drop_dead_spares(job, older_than_s=3600) == 0  # ckptd's view: fresh, so kept
+    os.utime(alive, (time.time() - 7200, time.time() - 7200))
+    assert drop_dead_spares(job, older_than_s=3600) == 1 and not alive.exists()
+
+
 def test_memory_is_bounded_with_a_clear_error(tmp_path: Path) -> None:
     mesh = _mesh()
     state = _state(mesh)
@@ -79,12 +148,14 @@ def test_memory_is_bounded_with_a_clear_error(tmp_path: Path) -> None:
     tier.save(1, state, _meta(1, state, mesh), persist=False)
     tier.save(2, state, _meta(2, state, mesh), persist=True)
     tier.save(3, state, _meta(3, state, mesh), persist=True)  # evicts 1: it needs no persisting
-    assert sorted(p.name for p in (tmp_path / "job").iterdir()) == ["2", "3"]
+    tier.wait_spare()
+    assert _snapshots(tmp_path / "job") == ["2", "3"]
+    assert not list((tmp_path / "job").glob(".spare-*"))  # no room for one: 2 and 3 wait for ckptd
     with pytest.raises(MemoryTierFull, match="wait to be persisted"):
         tier.save(4, state, _meta(4, state, mesh), persist=True)
     (tmp_path / "job" / "2" / PERSISTED_FILE).write_text("{}")  # ckptd persisted it: now it may go
     tier.save(4, state, _meta(4, state, mesh), persist=True)
-    assert sorted(p.name for p in (tmp_path / "job").iterdir()) == ["3", "4"]
+    assert _snapshots(tmp_path / "job") == ["3", "4"]
     huge = MemoryTier(str(tmp_path), "other", reserve_bytes=2**62)
     with pytest.raises(MemoryTierFull, match="does not fit"):
         huge.save(1, state, _meta(1, state, mesh), persist=False)

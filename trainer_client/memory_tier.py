@@ -17,6 +17,7 @@ import logging
 import os
 import pickle
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,12 +33,14 @@ from trainer_client.snapshot_format import (
     DATA_FILE,
     META_FILE,
     SHARD_ALIGN,
+    SPARE_PREFIX,
     TREEDEF_FILE,
     ArrayRecord,
     ShardReader,
     ShardRecord,
     SnapshotMeta,
     complete_snapshots,
+    drop_dead_spares,
     evict,
     evictable,
     job_dir,
@@ -58,17 +61,32 @@ def _index(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[list[int]]:
 
 
 class MemoryTier:
-    """Snapshots of one job's state in host shared memory."""
+    """Snapshots of one job's state in host shared memory.
 
-    def __init__(self, shm_dir: str, job: str, *, max_snapshots: int = 2, reserve_bytes: int = 64 << 20) -> None:
+    With ``preallocate`` (the default, and when ``max_snapshots`` is 2 or more), after each save a
+    background thread allocates the next snapshot's file ahead of time (``.spare-<pid>`` in the job's
+    directory), evicting the oldest evictable snapshot first if that is what the next save would have done:
+    the memory held never exceeds ``max_snapshots`` snapshots, and the next save writes into pages that
+    exist instead of making the kernel allocate and zero 4 KiB pages of shared memory while the training
+    loop waits (measured: ~0.45 s instead of ~1.1 s for 2 GiB; docs/benchmarks.md).
+    """
+
+    def __init__(self, shm_dir: str, job: str, *, max_snapshots: int = 2, reserve_bytes: int = 64 << 20,
+                 preallocate: bool = True) -> None:
         if max_snapshots < 1:
             raise ValueError("max_snapshots must be at least 1")
         self.dir = job_dir(shm_dir, job)
         self.max_snapshots = max_snapshots
         self.reserve_bytes = reserve_bytes
+        self.preallocate = preallocate and max_snapshots > 1
         self.last_blocked_s: float | None = None
+        self.last_spare_s: float | None = None  # how long the background allocation of the last spare took
+        self._spare = self.dir / f"{SPARE_PREFIX}{os.getpid()}"
+        self._spare_thread: threading.Thread | None = None
+        drop_dead_spares(self.dir)
 
     def _make_room(self, nbytes: int) -> None:
+        """Evict down to fewer than ``max_snapshots``; check that ``nbytes`` more fit."""
         held = complete_snapshots(self.dir.parent, self.dir.name)
         while len(held) >= self.max_snapshots:
             victim = next((p for p in held if evictable(p)), None)
@@ -80,7 +98,7 @@ class MemoryTier:
             evict(victim)
             held.remove(victim)
         free = shutil.disk_usage(self.dir).free
-        if nbytes + self.reserve_bytes > free:
+        if nbytes and nbytes + self.reserve_bytes > free:
             raise MemoryTierFull(
                 f"a snapshot of {nbytes / 2**20:.1f} MiB does not fit in {self.dir}: {free / 2**20:.1f} MiB free "
                 f"(keeping {self.reserve_bytes / 2**20:.0f} MiB in reserve). Lower max_snapshots or give the "
@@ -90,6 +108,7 @@ class MemoryTier:
     def save(self, step: int, state: PyTree, training: TrainingMetadata, *, persist: bool) -> Path:
         """Copy ``state`` into a new snapshot of ``step``; returns its directory."""
         started = time.perf_counter()
+        self.wait_spare()  # normally long done: it started right after the previous save
         self.dir.mkdir(parents=True, exist_ok=True)
         leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
         plan: list[tuple[str, jax.Array, list[Any]]] = []
@@ -98,12 +117,18 @@ class MemoryTier:
             shards = [s for s in leaf.addressable_shards if s.replica_id == 0]
             plan.append((leaf_name(path), leaf, shards))
             nbytes += sum(int(np.prod(s.data.shape)) * leaf.dtype.itemsize + SHARD_ALIGN for s in shards)
-        self._make_room(nbytes)
+        spare = self._spare_bytes()
+        reuse = spare >= nbytes
+        self._make_room(0 if reuse else nbytes)
         tmp = self.dir / f"{step}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            arrays, offset = self._write(tmp, plan)
+            if reuse:
+                os.replace(self._spare, tmp / DATA_FILE)
+            elif spare:
+                self._spare.unlink(missing_ok=True)  # the state grew: a new file, the spare's pages go back
+            arrays, offset = self._write(tmp, plan, reuse=reuse)
         except OSError as exc:  # e.g. ENOSPC: the room checked above was taken meanwhile
             shutil.rmtree(tmp, ignore_errors=True)
             raise MemoryTierFull(f"writing the snapshot of step {step} into {self.dir} failed: {exc}") from exc
@@ -116,15 +141,63 @@ class MemoryTier:
         os.replace(tmp, final)
         self.last_blocked_s = time.perf_counter() - started
         del treedef
+        if self.preallocate:
+            # sized as this save's bound (shards plus alignment), which the same state's next save asks for
+            self._spare_thread = threading.Thread(target=self._prepare_spare, args=(nbytes, final),
+                                                  name="ckptd-memory-tier-spare", daemon=True)
+            self._spare_thread.start()
         return final
 
+    def _spare_bytes(self) -> int:
+        try:
+            return self._spare.stat().st_size
+        except FileNotFoundError:  # never made, or dropped by ckptd as stale
+            return 0
+
+    def wait_spare(self) -> None:
+        """Wait until the background allocation of the next snapshot's file (if any) is done."""
+        if self._spare_thread is not None:
+            self._spare_thread.join()
+            self._spare_thread = None
+
+    def _prepare_spare(self, nbytes: int, newest: Path) -> None:
+        started = time.perf_counter()
+        part = self._spare.with_name(self._spare.name + ".part")
+        try:
+            held = complete_snapshots(self.dir.parent, self.dir.name)
+            while len(held) >= self.max_snapshots:  # what the next save would evict, evicted now
+                victim = next((p for p in held if p != newest and evictable(p)), None)
+                if victim is None:
+                    return  # every older snapshot still waits for ckptd: no room for a spare
+                evict(victim)
+                held.remove(victim)
+            if nbytes + self.reserve_bytes > shutil.disk_usage(self.dir).free:
+                return
+            fd = os.open(part, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            finally:
+                os.close(fd)
+            os.replace(part, self._spare)
+            self.last_spare_s = time.perf_counter() - started
+        except OSError as exc:
+            _log.info("no spare snapshot file prepared in %s: %s", self.dir, exc)
+            part.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Give the spare file's memory back (snapshots stay: they belong to ckptd)."""
+        self.wait_spare()
+        self._spare.unlink(missing_ok=True)
+
     @staticmethod
-    def _write(tmp: Path, plan: list[tuple[str, jax.Array, list[Any]]]) -> tuple[dict[str, ArrayRecord], int]:
-        """One copy per shard, device to the shared-memory file (no pre-zeroing: that is a second pass). Each
-        shard starts at a multiple of ``SHARD_ALIGN``, so the persist worker's jax takes a view of it as is."""
+    def _write(tmp: Path, plan: list[tuple[str, jax.Array, list[Any]]], *,
+               reuse: bool) -> tuple[dict[str, ArrayRecord], int]:
+        """One copy per shard, device to the shared-memory file (no pre-zeroing: that is a second pass), into
+        the spare's allocated pages with ``reuse``. Each shard starts at a multiple of ``SHARD_ALIGN``, so the
+        persist worker's jax takes a view of it as is."""
         arrays: dict[str, ArrayRecord] = {}
         offset = 0
-        with open(tmp / DATA_FILE, "wb") as f:
+        with open(tmp / DATA_FILE, "r+b" if reuse else "wb") as f:
             for name, leaf, shards in plan:
                 records = []
                 for shard in shards:
@@ -137,6 +210,7 @@ class MemoryTier:
                                                nbytes=host.nbytes))
                     offset += host.nbytes
                 arrays[name] = ArrayRecord(shape=list(leaf.shape), dtype=str(leaf.dtype), shards=records)
+            f.truncate(offset)
         return arrays, offset
 
 

@@ -84,6 +84,8 @@ class Saver:
     def close(self) -> None:
         if self.health is not None:
             self.health.stop()
+        if self.memory is not None:
+            self.memory.close()
 
 
 def restore_from_plan(plan: ResumePlan, target: PyTree) -> PyTree:

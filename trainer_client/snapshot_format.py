@@ -110,6 +110,44 @@ def problems(path: str | os.PathLike[str]) -> list[str]:
     return out
 
 
+SPARE_PREFIX = ".spare-"  # + the writer's pid: a preallocated file the writer's next snapshot is written into
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def drop_dead_spares(base: str | os.PathLike[str], *, older_than_s: float | None = None) -> int:
+    """Delete the spare files in a job's snapshot directory ``base`` that nobody will use: of processes
+    that are gone (judged in this PID namespace), or, with ``older_than_s``, not renewed for that long
+    (ckptd's view: a sidecar need not see the trainer's PIDs; a live writer only loses its head start)."""
+    dropped = 0
+    try:
+        entries = list(Path(base).glob(f"{SPARE_PREFIX}*"))
+    except OSError:
+        return 0
+    now = time.time()
+    for path in entries:
+        pid = path.name[len(SPARE_PREFIX):].removesuffix(".part")
+        try:
+            if older_than_s is not None:
+                stale = now - path.stat().st_mtime > older_than_s
+            else:
+                stale = pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid))
+            if stale:
+                path.unlink()
+                dropped += 1
+        except OSError:
+            continue
+    return dropped
+
+
 def complete_snapshots(shm_dir: str | os.PathLike[str], job: str) -> list[Path]:
     """Snapshot directories of a job named by a step (finished writing), oldest step first."""
     base = job_dir(shm_dir, job)
@@ -257,6 +295,7 @@ __all__ = [
     "PERSISTED_FILE",
     "SHARD_ALIGN",
     "SNAPSHOT_FORMAT",
+    "SPARE_PREFIX",
     "TREEDEF_FILE",
     "ArrayRecord",
     "ShardReader",
@@ -264,6 +303,7 @@ __all__ = [
     "SnapshotMeta",
     "aligned_empty",
     "complete_snapshots",
+    "drop_dead_spares",
     "evict",
     "evictable",
     "index_bounds",
