@@ -28,7 +28,10 @@ ORDER = (
 BESIDE: dict[str, list[tuple[str, str, str]]] = {
     "save_stall_ratio_vs_memcpy": [("Checkpointer.save", "checkpointer_median", "x"),
                                    ("MemoryTier.save", "memory_tier_median", "x"),
-                                   ("plain Orbax async save()", "orbax_async_save_median", "x")],
+                                   ("plain Orbax async save()", "orbax_async_save_median", "x"),
+                                   ("MemoryTier's next file, allocated in the background",
+                                    "memory_tier_spare_background_s_median", "s")],
+    "restore_time_ratio_vs_orbax": [("with the files in the page cache", "warm_cache_ratio_median", "x")],
     "persist_throughput_ratio_vs_raw_disk": [("Checkpointer", "checkpointer_median", "x"),
                                              ("persist worker (child)", "persist_worker_child_median", "x"),
                                              ("persist worker (in-process)", "persist_worker_inprocess_median", "x"),
