@@ -119,15 +119,18 @@ class MemoryTier:
             nbytes += sum(int(np.prod(s.data.shape)) * leaf.dtype.itemsize + SHARD_ALIGN for s in shards)
         spare = self._spare_bytes()
         reuse = spare >= nbytes
+        if spare and not reuse:
+            self._spare.unlink(missing_ok=True)  # the state grew: its pages go back before the room is counted
         self._make_room(0 if reuse else nbytes)
         tmp = self.dir / f"{step}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
             if reuse:
-                os.replace(self._spare, tmp / DATA_FILE)
-            elif spare:
-                self._spare.unlink(missing_ok=True)  # the state grew: a new file, the spare's pages go back
+                try:
+                    os.replace(self._spare, tmp / DATA_FILE)
+                except FileNotFoundError:  # ckptd dropped it meanwhile as stale: a new file (ENOSPC is caught)
+                    reuse = False
             arrays, offset = self._write(tmp, plan, reuse=reuse)
         except OSError as exc:  # e.g. ENOSPC: the room checked above was taken meanwhile
             shutil.rmtree(tmp, ignore_errors=True)
