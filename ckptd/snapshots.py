@@ -27,7 +27,7 @@ from pathlib import Path
 from trainer_client.protocol import is_valid_job_name
 from trainer_client.snapshot_format import (
     complete_snapshots,
-    drop_dead_spares,
+    drop_leftovers,
     evict,
     evictable,
     is_persisted,
@@ -159,8 +159,8 @@ class SnapshotKeeper:
                         if path not in self._queued:
                             self._queued.add(path)
                             self._queue.put((job, path))
-            # a trainer killed between saves leaves its preallocated spare file: give its memory back
-            drop_dead_spares(job_dir(self.shm_dir, job), older_than_s=self.timeout_s)
+            # a trainer killed between or during saves leaves a spare file or an unfinished snapshot behind
+            drop_leftovers(job_dir(self.shm_dir, job), older_than_s=self.timeout_s)
             held = [p for p in complete_snapshots(self.shm_dir, job)]
             while len(held) > self.max_snapshots:
                 victim = next((p for p in held if evictable(p)), None)

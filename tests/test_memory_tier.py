@@ -128,22 +128,30 @@ def test_the_next_snapshot_is_written_into_pages_allocated_ahead(tmp_path: Path)
     assert not list((tmp_path / "single").glob(".spare-*"))
 
 
-def test_spares_of_dead_trainers_are_dropped(tmp_path: Path) -> None:
-    from trainer_client.snapshot_format import drop_dead_spares
+def test_what_dead_trainers_left_in_shared_memory_is_dropped(tmp_path: Path) -> None:
+    from trainer_client.snapshot_format import drop_leftovers
 
     job = tmp_path / "job"
     job.mkdir()
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                          check=True)
-    dead = job / f".spare-{int(gone.stdout)}"
-    alive = job / f".spare-{os.getppid()}"
-    dead.write_bytes(b"x" * 10)
-    alive.write_bytes(b"y" * 10)
+    gone = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout)
+    dead_spare, dead_unfinished = job / f".spare-{gone}", job / f"7.tmp-{gone}"
+    alive_spare, alive_unfinished = job / f".spare-{os.getppid()}", job / f"8.tmp-{os.getppid()}"
+    for spare in (dead_spare, alive_spare):
+        spare.write_bytes(b"x" * 10)
+    for unfinished in (dead_unfinished, alive_unfinished):
+        unfinished.mkdir()
+        (unfinished / DATA_FILE).write_bytes(b"y" * 10)
+    (job / "6").mkdir()  # a finished snapshot is not a leftover, however old
     MemoryTier(str(tmp_path), "job")  # a new trainer cleans up after the one before it
-    assert not dead.exists() and alive.exists()
-    assert drop_dead_spares(job, older_than_s=3600) == 0  # ckptd's view: fresh, so kept
-    os.utime(alive, (time.time() - 7200, time.time() - 7200))
-    assert drop_dead_spares(job, older_than_s=3600) == 1 and not alive.exists()
+    assert not dead_spare.exists() and not dead_unfinished.exists()
+    assert alive_spare.exists() and alive_unfinished.exists() and (job / "6").exists()
+    assert drop_leftovers(job, older_than_s=3600) == 0  # ckptd's view: fresh, so kept
+    old = time.time() - 7200
+    for path in (alive_spare, alive_unfinished, job / "6"):
+        os.utime(path, (old, old))
+    assert drop_leftovers(job, older_than_s=3600) == 2
+    assert not alive_spare.exists() and not alive_unfinished.exists() and (job / "6").exists()
 
 
 def test_memory_is_bounded_with_a_clear_error(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ from trainer_client.snapshot_format import (
     ShardRecord,
     SnapshotMeta,
     complete_snapshots,
-    drop_dead_spares,
+    drop_leftovers,
     evict,
     evictable,
     job_dir,
@@ -83,7 +83,7 @@ class MemoryTier:
         self.last_spare_s: float | None = None  # how long the background allocation of the last spare took
         self._spare = self.dir / f"{SPARE_PREFIX}{os.getpid()}"
         self._spare_thread: threading.Thread | None = None
-        drop_dead_spares(self.dir)
+        drop_leftovers(self.dir)
 
     def _make_room(self, nbytes: int) -> None:
         """Evict down to fewer than ``max_snapshots``; check that ``nbytes`` more fit."""

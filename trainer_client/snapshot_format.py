@@ -123,26 +123,41 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def drop_dead_spares(base: str | os.PathLike[str], *, older_than_s: float | None = None) -> int:
-    """Delete the spare files in a job's snapshot directory ``base`` that nobody will use: of processes
-    that are gone (judged in this PID namespace), or, with ``older_than_s``, not renewed for that long
-    (ckptd's view: a sidecar need not see the trainer's PIDs; a live writer only loses its head start)."""
+_UNFINISHED = re.compile(r"^[0-9]{1,19}\.tmp-([0-9]+)$")  # a snapshot its writer (that pid) had not finished
+
+
+def drop_leftovers(base: str | os.PathLike[str], *, older_than_s: float | None = None) -> int:
+    """Delete what writers that are gone left in a job's snapshot directory ``base``: their spare files and
+    the snapshots they were still writing (``<step>.tmp-<pid>``). Gone means: the process no longer exists
+    (judged in this PID namespace), or, with ``older_than_s``, the entry was not renewed for that long
+    (ckptd's view: a sidecar need not see the trainer's PIDs; a live writer loses at most its spare's head
+    start). Returns how many entries were deleted."""
     dropped = 0
     try:
-        entries = list(Path(base).glob(f"{SPARE_PREFIX}*"))
+        entries = list(Path(base).iterdir())
     except OSError:
         return 0
     now = time.time()
     for path in entries:
-        pid = path.name[len(SPARE_PREFIX):].removesuffix(".part")
+        unfinished = _UNFINISHED.match(path.name)
+        if unfinished:
+            pid = unfinished.group(1)
+        elif path.name.startswith(SPARE_PREFIX):
+            pid = path.name[len(SPARE_PREFIX):].removesuffix(".part")
+        else:
+            continue
         try:
             if older_than_s is not None:
-                stale = now - path.stat().st_mtime > older_than_s
+                gone = now - path.stat().st_mtime > older_than_s
             else:
-                stale = pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid))
-            if stale:
+                gone = pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid))
+            if not gone:
+                continue
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
                 path.unlink()
-                dropped += 1
+            dropped += 1
         except OSError:
             continue
     return dropped
@@ -303,7 +318,7 @@ __all__ = [
     "SnapshotMeta",
     "aligned_empty",
     "complete_snapshots",
-    "drop_dead_spares",
+    "drop_leftovers",
     "evict",
     "evictable",
     "index_bounds",
