@@ -76,6 +76,8 @@ class _ZarrArray:
             raise DirectRestoreUnsupported(f"{name}: dtype {meta.get('dtype')!r}: {exc}") from exc
         if dtype.byteorder == ">" or dtype.hasobject:
             raise DirectRestoreUnsupported(f"{name}: dtype {meta['dtype']!r} is not read directly")
+        if any(not isinstance(c, int) or c < 1 for c in meta.get("chunks", [None])) and meta.get("shape"):
+            raise DirectRestoreUnsupported(f"{name}: chunk shape {meta.get('chunks')!r} is not read directly")
         fill = meta.get("fill_value")
         if not (fill is None or (isinstance(fill, int | float) and not isinstance(fill, bool))):
             raise DirectRestoreUnsupported(f"{name}: fill value {fill!r} is not read directly")
@@ -91,6 +93,9 @@ class _ZarrArray:
         return ref
 
     def cells(self, bounds: Bounds) -> Iterator[tuple[int, ...]]:
+        """The chunk grid cells the region ``bounds`` overlaps (none for an empty region)."""
+        if any(hi <= lo for lo, hi in bounds):
+            return iter(())
         ranges = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(bounds, self.chunks, strict=True)]
         return itertools.product(*ranges)
 
