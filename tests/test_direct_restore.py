@@ -205,3 +205,22 @@ def test_an_unknown_or_damaged_manifest_raises_the_format_error(tmp_path: Path) 
     manifest.unlink()
     with pytest.raises(OcdbtFormatError, match="No such file"):
         OcdbtIndex(tmp_path)
+
+
+def test_a_data_file_path_that_leaves_the_database_is_refused(tmp_path: Path) -> None:
+    import google_crc32c
+    import zstandard
+
+    store = _ocdbt(tmp_path, {"max_inline_value_bytes": 0})
+    store["k"] = b"v" * 100
+    manifest = tmp_path / "manifest.ocdbt"
+    raw = manifest.read_bytes()
+    body = zstandard.ZstdDecompressor().decompress(raw[14:-4], max_output_size=1 << 20)
+    name = next(p.name for p in (tmp_path / "d").iterdir())
+    evil = body.replace(f"d/{name}".encode(), f"../{name[:-1]}".encode().ljust(len(name) + 2, b"x"))
+    assert evil != body
+    packed = raw[:12] + bytes([0, 0]) + evil  # version 0, uncompressed
+    packed = packed[:4] + (len(packed) + 4).to_bytes(8, "little") + packed[12:]
+    manifest.write_bytes(packed + google_crc32c.value(packed).to_bytes(4, "little"))
+    with pytest.raises(OcdbtFormatError, match="leaves the database"):
+        OcdbtIndex(tmp_path)

@@ -131,7 +131,9 @@ def _data_file_table(cur: _Cursor, transitive: str) -> list[tuple[str, str]]:
         path = previous[: prefix[i - 1]] + cur.take(suffix[i]) if i else cur.take(suffix[0])
         if base[i] > len(path):
             raise cur.fail("base path longer than the path")
-        text = path.decode()
+        text = path.decode("utf-8", "surrogateescape")
+        if text.startswith("/") or ".." in text.split("/"):
+            raise cur.fail(f"data file path {text!r} leaves the database")
         out.append((transitive + text, transitive + text[: base[i]]))
         previous = path
     return out
