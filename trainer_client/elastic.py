@@ -66,6 +66,7 @@ class ElasticConfig:
     shm_dir: str | None = None  # host-memory tier: a shared-memory directory ckptd also sees
     memory_period: int | None = None  # memory-only snapshots every N steps (between persistent saves)
     max_snapshots: int = 2
+    preallocate_snapshots: bool = True  # allocate the next snapshot's shm file in the background after a save
     compilation_cache_dir: str | None = None  # JAX's persistent compilation cache (shared with relaunches)
     precompile: bool = True  # compile the likely next meshes in the background (needs ctx.set_precompile)
 
@@ -241,7 +242,8 @@ class ElasticRunner:
             enable_persistent_cache(config.compilation_cache_dir)
         self.precompiler = Precompiler()
         self.checkpointer = Checkpointer(checkpoint_dir)
-        memory = MemoryTier(config.shm_dir, config.job, max_snapshots=config.max_snapshots) if config.shm_dir else None
+        memory = (MemoryTier(config.shm_dir, config.job, max_snapshots=config.max_snapshots,
+                             preallocate=config.preallocate_snapshots) if config.shm_dir else None)
         self.saver = Saver(self.checkpointer, memory, HealthWatch(client) if memory is not None else None)
         self.on_event = on_event
         self.events: list[Event] = []
