@@ -20,9 +20,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from examples.elastic_mlp import TrainLog, init_state, make_train_fn, partition_specs
-from trainer_client.checkpointing import Checkpointer, training_metadata
+from trainer_client.checkpointing import Checkpointer, leaf_name, training_metadata
 from trainer_client.client import CkptdClient
 from trainer_client.config import ClientSettings
+from trainer_client.direct_restore import restore_direct
 from trainer_client.elastic import ElasticConfig, ElasticRunner
 from trainer_client.memory_tier import MemoryTier, MemoryTierFull, restore_snapshot
 from trainer_client.protocol import ResumeRequest
@@ -264,6 +265,12 @@ def test_the_persist_worker_hands_orbax_the_saved_shards_without_a_copy(tmp_path
                                     jax.eval_shape(init_state), _shardings(mesh))
     restored = ocp.CheckpointManager(str(tmp_path / "root" / "job")).restore(12, args=ocp.args.StandardRestore(target))
     for a, b in zip(_leaves(state), _leaves(restored), strict=True):
+        assert np.array_equal(a, b)
+    # and ckptd's own storage restore reads the persisted step's chunks directly, onto another mesh too
+    small = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                   jax.eval_shape(init_state), _shardings(_mesh(6)))
+    direct = restore_direct(tmp_path / "root" / "job" / "12" / "default", small, leaf_name)
+    for a, b in zip(_leaves(state), _leaves(direct), strict=True):
         assert np.array_equal(a, b)
     name, leaf = next((n, x) for n, x in zip(meta.leaf_names, jax.tree_util.tree_leaves(state), strict=True)
                       if len(meta.arrays[n].shards) > 1)
