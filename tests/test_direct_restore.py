@@ -9,6 +9,8 @@ values, many versions, zstd and uncompressed nodes). Restores are checked shard 
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -19,9 +21,12 @@ import tensorstore as ts
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tests.conftest import free_port
 from trainer_client.checkpointing import Checkpointer, leaf_name, restore
 from trainer_client.direct_restore import DirectRestoreUnsupported, restore_direct
 from trainer_client.ocdbt_index import OcdbtFormatError, OcdbtIndex
+from trainer_client.storage import Storage
+from trainer_client.validation import validate_step
 
 SHAPES = {"w": (240, 40), "b": (120,), "emb": (96, 3), "step": ()}
 DTYPES = {"w": np.float32, "b": jnp.bfloat16, "emb": np.float32, "step": np.int32}
@@ -224,3 +229,30 @@ def test_a_data_file_path_that_leaves_the_database_is_refused(tmp_path: Path) ->
     manifest.write_bytes(packed + google_crc32c.value(packed).to_bytes(4, "little"))
     with pytest.raises(OcdbtFormatError, match="leaves the database"):
         OcdbtIndex(tmp_path)
+
+
+def test_a_step_saved_by_two_processes_is_read_back_by_each(tmp_path: Path) -> None:
+    # Two JAX processes (4 CPU devices each) save one step together — Orbax writes a database per process
+    # and merges them under one manifest — then each reads the shards it holds onto another mesh. The step
+    # carries one ckptd manifest, written by the primary process, and it validates.
+    worker = Path(__file__).with_name("multiprocess_worker.py")
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(worker), str(i), str(port), str(tmp_path / "job")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outputs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=240)
+            outputs.append(out)
+    finally:
+        for proc in procs:
+            proc.kill()
+    for i, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0 and f"{i} ok" in out, out[-3000:]
+    item = tmp_path / "job" / "1" / "default"
+    assert {p.name for p in item.glob("ocdbt.process_*")} == {"ocdbt.process_0", "ocdbt.process_1"}
+    written = {ref.path.relative_to(item).parts[0] for ref in OcdbtIndex(item).values.values() if ref.path}
+    assert written == {"ocdbt.process_0", "ocdbt.process_1"}  # values of both processes, one index
+    result = validate_step(Storage(str(tmp_path / "job")), str(tmp_path / "job" / "1"), "quick")
+    assert result.ok, result.problems
+    assert not list((tmp_path / "job" / "1").glob("*.tmp-*"))

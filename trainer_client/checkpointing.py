@@ -269,10 +269,12 @@ class Checkpointer:
         """Orbax's post-finalization callback: every file is written, the commit marker is not.
 
         Writes ckptd's manifest into the step and, on a local disk, fsyncs every file and directory of
-        it, so the commit that follows covers the manifest and reaches stable storage.
-        """
+        it, so the commit that follows covers the manifest and reaches stable storage. Orbax runs this
+        callback in every process of a multi-process job, after its barrier; only the primary process (0,
+        the one that commits) writes the manifest: several writers raced on one file, and each one's
+        listing could miss files another had not finished."""
         meta = self._pending
-        if meta is None:
+        if meta is None or jax.process_index() != 0:
             return
         step_path = self._step_dir_before_commit(meta.step)
         manifest = build_manifest(

@@ -68,7 +68,10 @@ def sync_tree(root: str) -> int:
     for current, _subdirs, files in os.walk(root):
         dirs.append(current)
         for name in files:
-            s.fsync_file(os.path.join(current, name))
+            try:
+                s.fsync_file(os.path.join(current, name))
+            except FileNotFoundError:  # another writer's temporary file, renamed since the listing
+                continue
             count += 1
     for directory in reversed(dirs):
         s.fsync_dir(directory)
