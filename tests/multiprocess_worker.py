@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 process_id, port, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
@@ -22,9 +23,15 @@ from jax._src import xla_bridge  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-_gloo = xla_bridge._jax.make_gloo_tcp_collectives  # the CPU collectives listen on loopback only
-xla_bridge._jax.make_gloo_tcp_collectives = (  # type: ignore[attr-defined]
-    lambda distributed_client: _gloo(distributed_client=distributed_client, hostname="127.0.0.1"))
+_gloo = xla_bridge._jax.make_gloo_tcp_collectives
+
+
+def _loopback_gloo(distributed_client: Any) -> Any:
+    """The CPU collectives, listening on loopback only."""
+    return _gloo(distributed_client=distributed_client, hostname="127.0.0.1")
+
+
+xla_bridge._jax.make_gloo_tcp_collectives = _loopback_gloo
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
                            coordinator_bind_address=f"127.0.0.1:{port}", initialization_timeout=60)
 
@@ -33,7 +40,7 @@ from trainer_client.direct_restore import restore_direct  # noqa: E402
 
 full = {f"w{i}": np.arange(256 * 64, dtype=np.float32).reshape(256, 64) * (i + 1) for i in range(3)}
 mesh = Mesh(np.array(jax.devices()).reshape(8), ("data",))
-state = {k: jax.make_array_from_callback(v.shape, NamedSharding(mesh, P("data")), lambda idx, v=v: v[idx])
+state = {k: jax.make_array_from_callback(v.shape, NamedSharding(mesh, P("data")), v.__getitem__)
          for k, v in full.items()}
 ck = Checkpointer(root, async_save=False)
 ck.save(1, state, data_position=0, global_batch=8, mesh=mesh, slices=[])
