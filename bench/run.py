@@ -33,15 +33,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _merge(previous: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
     """``payload`` over an earlier run's results of the same profile: keys, measurements and context of
-    the families not run this time are kept (and said so in ``merged_from``)."""
+    the families not run this time are kept, and ``key_runs`` says which run measured each key."""
     if previous.get("profile", {}).get("name") != payload["profile"]["name"]:
         return payload
     merged = dict(payload)
     for part in ("keys", "measurements", "context", "notes"):
         merged[part] = {**previous.get(part, {}), **payload.get(part, {})}
     merged["errors"] = payload.get("errors", {})
-    merged["merged_from"] = [*previous.get("merged_from", []), {
-        "started_at": previous.get("started_at"), "kept": sorted(set(previous.get("keys", {})) - set(payload["keys"]))}]
     # which run measured each key now in the table (a key re-run since an older merge is this run's)
     earlier = previous.get("key_runs", {})
     merged["key_runs"] = {

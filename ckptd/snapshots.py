@@ -29,7 +29,7 @@ from trainer_client.snapshot_format import (
     complete_snapshots,
     drop_leftovers,
     evict,
-    evictable,
+    evict_oldest,
     is_persisted,
     job_dir,
     mark_persisted,
@@ -161,14 +161,7 @@ class SnapshotKeeper:
                             self._queue.put((job, path))
             # a trainer killed between or during saves leaves a spare file or an unfinished snapshot behind
             drop_leftovers(job_dir(self.shm_dir, job), older_than_s=self.timeout_s)
-            held = [p for p in complete_snapshots(self.shm_dir, job)]
-            while len(held) > self.max_snapshots:
-                victim = next((p for p in held if evictable(p)), None)
-                if victim is None:
-                    break
-                evict(victim)
-                self.stats.evicted += 1
-                held.remove(victim)
+            self.stats.evicted += evict_oldest(complete_snapshots(self.shm_dir, job), self.max_snapshots)
 
     def _persist_loop(self) -> None:
         while True:

@@ -153,12 +153,9 @@ class _Reads:
     def run(self, threads: int) -> None:
         fds: dict[Path, int] = {}
         try:
-            for ref, _, _ in self.direct:
-                if ref.path is not None and ref.path not in fds:
-                    fds[ref.path] = os.open(ref.path, os.O_RDONLY)
-            for _, ref, _ in self.whole.values():
-                if ref.path is not None and ref.path not in fds:
-                    fds[ref.path] = os.open(ref.path, os.O_RDONLY)
+            refs = [ref for ref, _, _ in self.direct] + [ref for _, ref, _ in self.whole.values()]
+            for path in {ref.path for ref in refs if ref.path is not None}:
+                fds[path] = os.open(path, os.O_RDONLY)
             sized: list[tuple[int, Callable[[], None]]] = [
                 (len(view), functools.partial(_pread, fds, ref, offset, view)) for ref, offset, view in self.direct
             ]

@@ -41,8 +41,8 @@ from trainer_client.snapshot_format import (
     SnapshotMeta,
     complete_snapshots,
     drop_leftovers,
-    evict,
-    evictable,
+    evict_oldest,
+    index_bounds,
     job_dir,
     map_data,
     read_meta,
@@ -54,10 +54,6 @@ PyTree = Any
 
 class MemoryTierFull(CkptdError, MemoryError):
     """No room in host memory for another snapshot (too many held, or not enough free memory)."""
-
-
-def _index(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[list[int]]:
-    return [[s.start or 0, shape[d] if s.stop is None else s.stop] for d, s in enumerate(index)]
 
 
 class MemoryTier:
@@ -88,15 +84,12 @@ class MemoryTier:
     def _make_room(self, nbytes: int) -> None:
         """Evict down to fewer than ``max_snapshots``; check that ``nbytes`` more fit."""
         held = complete_snapshots(self.dir.parent, self.dir.name)
-        while len(held) >= self.max_snapshots:
-            victim = next((p for p in held if evictable(p)), None)
-            if victim is None:
-                raise MemoryTierFull(
-                    f"{len(held)} snapshots of {self.dir.name!r} are held in {self.dir} and none may be dropped "
-                    f"yet (all wait to be persisted by ckptd); max_snapshots={self.max_snapshots}. Is ckptd running?"
-                )
-            evict(victim)
-            held.remove(victim)
+        evict_oldest(held, self.max_snapshots - 1)
+        if len(held) >= self.max_snapshots:
+            raise MemoryTierFull(
+                f"{len(held)} snapshots of {self.dir.name!r} are held in {self.dir} and none may be dropped "
+                f"yet (all wait to be persisted by ckptd); max_snapshots={self.max_snapshots}. Is ckptd running?"
+            )
         free = shutil.disk_usage(self.dir).free
         if nbytes and nbytes + self.reserve_bytes > free:
             raise MemoryTierFull(
@@ -168,12 +161,9 @@ class MemoryTier:
         part = self._spare.with_name(self._spare.name + ".part")
         try:
             held = complete_snapshots(self.dir.parent, self.dir.name)
-            while len(held) >= self.max_snapshots:  # what the next save would evict, evicted now
-                victim = next((p for p in held if p != newest and evictable(p)), None)
-                if victim is None:
-                    return  # every older snapshot still waits for ckptd: no room for a spare
-                evict(victim)
-                held.remove(victim)
+            evict_oldest(held, self.max_snapshots - 1, never=newest)  # what the next save would evict, now
+            if len(held) >= self.max_snapshots:
+                return  # every older snapshot still waits for ckptd: no room for a spare
             if nbytes + self.reserve_bytes > shutil.disk_usage(self.dir).free:
                 return
             fd = os.open(part, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
@@ -209,8 +199,8 @@ class MemoryTier:
                     offset += pad
                     host = np.ascontiguousarray(np.asarray(shard.data))
                     f.write(host.reshape(-1).view(np.uint8).data)
-                    records.append(ShardRecord(index=_index(shard.index, leaf.shape), offset=offset,
-                                               nbytes=host.nbytes))
+                    records.append(ShardRecord(index=[list(b) for b in index_bounds(shard.index, leaf.shape)],
+                                               offset=offset, nbytes=host.nbytes))
                     offset += host.nbytes
                 arrays[name] = ArrayRecord(shape=list(leaf.shape), dtype=str(leaf.dtype), shards=records)
             f.truncate(offset)

@@ -153,6 +153,7 @@ class OcdbtIndex:
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
+        self._resolved_root = self.root.resolve()
         self.values: dict[str, ValueRef] = {}
         top = self._manifest_root()
         self.height = top.height if top is not None else 0  # of the B+tree's root: 0 when it is one leaf
@@ -161,7 +162,7 @@ class OcdbtIndex:
 
     def _read(self, rel: str, offset: int | None = None, length: int | None = None) -> bytes:
         path = self.root / rel
-        if not path.resolve().is_relative_to(self.root.resolve()):
+        if not path.resolve().is_relative_to(self._resolved_root):
             raise OcdbtFormatError(f"data file {rel!r} lies outside the database")
         try:
             with open(path, "rb") as f:

@@ -207,6 +207,20 @@ def evict(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def evict_oldest(held: list[Path], keep_at_most: int, *, never: Path | None = None) -> int:
+    """Evict the oldest evictable snapshots of ``held`` (oldest first; they leave the list too) until at most
+    ``keep_at_most`` remain or none may go; ``never`` is never evicted. Returns how many were evicted."""
+    evicted = 0
+    while len(held) > keep_at_most:
+        victim = next((p for p in held if p != never and evictable(p)), None)
+        if victim is None:
+            break
+        evict(victim)
+        held.remove(victim)
+        evicted += 1
+    return evicted
+
+
 def map_data(path: str | os.PathLike[str], meta: SnapshotMeta, *, private: bool = False) -> np.ndarray:
     """``data.bin`` of a snapshot as a memory map of bytes (no read, no copy): read-only, or with ``private``
     copy-on-write — writes through it (a training step that donates buffers aliasing it) land in private
@@ -320,6 +334,7 @@ __all__ = [
     "complete_snapshots",
     "drop_leftovers",
     "evict",
+    "evict_oldest",
     "evictable",
     "index_bounds",
     "is_persisted",
