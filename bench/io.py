@@ -15,10 +15,10 @@ shared 2-core machine hits both sides alike. Figures:
   it (one long-lived ``--serve`` child, started before the repeats; a request per snapshot) from a memory
   snapshot — divided by numpy ``tofile`` + ``fsync`` of the same bytes into the same directory; the worse of
   the two per repeat. Beside it: the worker's first request (process start and the jax/Orbax import
-  included), the one-shot CLI (``python -m ckptd.persist_worker SNAPSHOT DIR``, a fresh process per
+  included), the one-shot CLI (``python -m ckptd.catalog.persist_worker SNAPSHOT DIR``, a fresh process per
   snapshot), the worker called in-process, plain Orbax with its default zstd and with compression off.
-* ``restore_time_ratio_vs_orbax`` / ``reshard_restore_time_ratio_vs_orbax``: ``trainer_client.checkpointing
-  .restore`` (which reads the chunks itself: ``trainer_client.direct_restore``) against plain
+* ``restore_time_ratio_vs_orbax`` / ``reshard_restore_time_ratio_vs_orbax``: ``trainer_client.runtime.checkpointing
+  .restore`` (which reads the chunks itself: ``trainer_client.runtime.direct_restore``) against plain
   ``ocp.CheckpointManager.restore`` of the same step, onto the same 8-device mesh and onto 6 devices, page
   cache dropped before each (cold), order alternating. Both again with the files in the page cache (warm:
   what an in-process recovery from the step it just wrote meets) are reported beside it.
@@ -43,9 +43,9 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bench.common import Figure, Profile, Results, alternate, drop_page_cache, filesystem_of, free_gib, rmtree, timed
-from ckptd.snapshots import ask_persist_worker, start_persist_worker, stop_persist_worker
-from trainer_client.checkpointing import Checkpointer, restore, standard_handler, training_metadata
-from trainer_client.memory_tier import MemoryTier, restore_snapshot
+from ckptd.catalog.snapshots import ask_persist_worker, start_persist_worker, stop_persist_worker
+from trainer_client.runtime.checkpointing import Checkpointer, restore, standard_handler, training_metadata
+from trainer_client.runtime.memory_tier import MemoryTier, restore_snapshot
 
 PyTree = Any
 JOB = "bench-io"
@@ -96,7 +96,7 @@ def _block(tree: PyTree) -> None:
 
 
 class ServeWorker:
-    """``python -m ckptd.persist_worker --serve``, as ckptd's SnapshotKeeper runs it: one long-lived child
+    """``python -m ckptd.catalog.persist_worker --serve``, as ckptd's SnapshotKeeper runs it: one long-lived child
     for all snapshots, a JSON request line and a JSON answer line per snapshot."""
 
     def __init__(self) -> None:
@@ -211,7 +211,7 @@ def _save_repeat(i: int, profile: Profile, state: PyTree, views: list[list[np.nd
         d = workdir / f"worker-oneshot-{i}"
         os.sync()
         with timed() as t:
-            done = subprocess.run([sys.executable, "-m", "ckptd.persist_worker", str(snapshot[0]), str(d)],
+            done = subprocess.run([sys.executable, "-m", "ckptd.catalog.persist_worker", str(snapshot[0]), str(d)],
                                   capture_output=True, text=True, check=False, timeout=1800)
         if done.returncode != 0:
             raise RuntimeError(f"persist worker failed: {done.stderr[-2000:]}")
@@ -219,7 +219,7 @@ def _save_repeat(i: int, profile: Profile, state: PyTree, views: list[list[np.nd
         rmtree(d)
 
     def worker_inprocess() -> None:
-        from ckptd.persist_worker import persist
+        from ckptd.catalog.persist_worker import persist
 
         d = workdir / f"worker-inproc-{i}"
         os.sync()
@@ -455,8 +455,8 @@ def _restores(profile: Profile, results: Results, step_dir: Path, snapshot: Path
     results.measure("io.ratio.restore_warm_vs_orbax", warm_vs_orbax, "ratio",
                     "as restore_time_ratio_vs_orbax, with the step's files in the page cache")
     results.figure(Figure("restore_time_ratio_vs_orbax", same, "<=", 1.0, "ratio",
-                          "ckptd restore (trainer_client.checkpointing.restore: chunks read directly, "
-                          "trainer_client.direct_restore) / plain Orbax CheckpointManager.restore, same step, "
+                          "ckptd restore (trainer_client.runtime.checkpointing.restore: chunks read directly, "
+                          "trainer_client.runtime.direct_restore) / plain Orbax CheckpointManager.restore, same step, "
                           "same 8-device mesh, cold cache, alternating order",
                           {"cold_cache_dropped": cold, "warm_cache_ratio_median": results.measurements[
                               "io.ratio.restore_warm_vs_orbax"]["median"]}))

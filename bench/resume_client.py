@@ -21,9 +21,9 @@ from typing import Any
 
 import httpx
 
-from trainer_client import protocol as p
-from trainer_client.client import CkptdClient
+from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
+from trainer_client.core import protocol as p
 
 REQUEST_TIMEOUT_S = 120.0  # an answer slower than this counts as this (a lower bound) and is reported
 BUDGET_S = 300.0  # each series stops after this (but not before 20 requests) when answers are slow

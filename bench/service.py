@@ -34,10 +34,10 @@ import httpx
 from bench.common import Figure, Profile, Results, percentile, rmtree, timed
 from bench.resume_client import BUDGET_S as SEQUENTIAL_BUDGET_S
 from bench.resume_client import REQUEST_TIMEOUT_S
-from trainer_client.layout import CHECKPOINT_METADATA
-from trainer_client.manifest import MANIFEST_FILE, read_manifest
-from trainer_client.protocol import ResumeRequest, SliceAlive
-from trainer_client.storage import Storage
+from trainer_client.core.format.manifest import MANIFEST_FILE, read_manifest
+from trainer_client.core.format.steps import CHECKPOINT_METADATA
+from trainer_client.core.protocol import ResumeRequest, SliceAlive
+from trainer_client.core.storage import Storage
 
 JOB = "bench-job"
 GLOBAL_BATCH = 64
@@ -53,7 +53,7 @@ def _template_step(profile: Profile, directory: Path) -> Path:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from trainer_client.checkpointing import Checkpointer
+    from trainer_client.runtime.checkpointing import Checkpointer
 
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("replica", "data"))
     sharding = NamedSharding(mesh, PartitionSpec(None, "data"))
@@ -97,7 +97,7 @@ def fabricate(template: Path, job_dir: Path, steps: int) -> None:
 
 
 def _rebuild_once(root: Path, db: Path) -> tuple[float, dict[str, int]]:
-    from ckptd.catalog import Catalog
+    from ckptd.catalog.catalog import Catalog
 
     rmtree(db.parent)
     db.parent.mkdir(parents=True)

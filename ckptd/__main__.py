@@ -1,5 +1,5 @@
 import sys
 
-from ckptd.cli import main
+from ckptd.cli.main import main
 
 sys.exit(main())

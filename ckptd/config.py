@@ -12,8 +12,8 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from ckptd.retention import RetentionPolicy
-from ckptd.snapshots import DEFAULT_NICE
+from ckptd.catalog.retention import RetentionPolicy
+from ckptd.catalog.snapshots import DEFAULT_NICE
 
 
 class Settings(BaseSettings):

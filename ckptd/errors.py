@@ -1,52 +1,110 @@
-"""The sidecar's exception tree and its mapping onto the one error body of the wire contract.
+"""The sidecar's exceptions, one documented tree under ckptd's root ``CkptdError``.
 
-Every failure a handler can meet is an ``ApiError`` carrying a stable ``ErrorCode``; the status code comes
-from ``trainer_client.protocol.ERROR_STATUS``, so the table lives in one place for both sides.
+```
+CkptdError                                root (trainer_client/core/errors.py): also the core's errors
+├── StorageError, StoredFormatError, PlanningError   raised by the core, mapped by the API as well
+└── ServiceError                          a refusal of the sidecar's, with a stable ``ErrorCode``
+    ├── InvalidRequest (ValueError)       the request's values do not make sense together
+    ├── InvalidJobName (ValueError)       not one safe path segment
+    ├── JobNotFound (LookupError)         no such job under the root
+    ├── StepNotFound (LookupError)        the job has no such step
+    ├── NoGoodCheckpoint (LookupError)    the job has no verified step yet
+    ├── StepNotGood                       the asked step is not verified (corrupt, quarantined, ...)
+    ├── NotReady                          the catalog is still being built from storage
+    └── MissingInputs (ValueError)        the advisor lacks inputs the job's history does not give
+```
+Domain code raises these; only the API (``ckptd/api/errors.py``) turns them into HTTP: the status of
+each code comes from the wire contract's ``ERROR_STATUS`` table, shared with the client.
 """
 
 from __future__ import annotations
 
-from trainer_client.protocol import ERROR_STATUS, ErrorBody, ErrorCode
+from trainer_client.core.errors import CkptdError, PlanningError, StorageError, StoredFormatError
+from trainer_client.core.protocol import ErrorCode
 
 
-class ApiError(Exception):
-    """A failure reported to the caller with a stable code and a human message."""
+class ServiceError(CkptdError):
+    """A failure reported to the caller with a stable ``code``, a human ``message`` and optional ``detail``."""
 
-    def __init__(self, code: ErrorCode, message: str, detail: dict[str, object] | None = None) -> None:
+    code: ErrorCode = ErrorCode.INVALID_REQUEST
+
+    def __init__(self, message: str, detail: dict[str, object] | None = None) -> None:
         super().__init__(message)
-        self.code = code
         self.message = message
         self.detail = detail
 
-    @property
-    def status(self) -> int:
-        return ERROR_STATUS[self.code]
 
-    def body(self) -> ErrorBody:
-        return ErrorBody(code=self.code, message=self.message, detail=self.detail)
+class InvalidRequest(ServiceError, ValueError):
+    code = ErrorCode.INVALID_REQUEST
 
 
-class JobNotFound(ApiError, LookupError):
-    def __init__(self, job: str) -> None:
-        super().__init__(ErrorCode.JOB_NOT_FOUND, f"no job named {job!r} under the checkpoint root")
+class InvalidJobName(ServiceError, ValueError):
+    code = ErrorCode.INVALID_JOB_NAME
 
-
-class NoGoodCheckpoint(ApiError, LookupError):
-    def __init__(self, job: str) -> None:
-        super().__init__(
-            ErrorCode.NO_GOOD_CHECKPOINT,
-            f"job {job!r} has no verified checkpoint yet (partial, corrupt and quarantined steps are never served)",
-        )
-
-
-class InvalidJobName(ApiError, ValueError):
     def __init__(self, job: str) -> None:
         shown = job if len(job) <= 80 else job[:77] + "..."
         super().__init__(
-            ErrorCode.INVALID_JOB_NAME,
             f"invalid job name {shown!r}: use one path segment of letters, digits, '.', '_' or '-' "
-            "(not starting with '.', at most 128 characters)",
+            "(not starting with '.', at most 128 characters)"
         )
 
 
-__all__ = ["ApiError", "InvalidJobName", "JobNotFound", "NoGoodCheckpoint"]
+class JobNotFound(ServiceError, LookupError):
+    code = ErrorCode.JOB_NOT_FOUND
+
+    def __init__(self, job: str) -> None:
+        super().__init__(f"no job named {job!r} under the checkpoint root")
+
+
+class StepNotFound(ServiceError, LookupError):
+    code = ErrorCode.STEP_NOT_FOUND
+
+    def __init__(self, job: str, step: int) -> None:
+        super().__init__(f"job {job!r} has no step {step}")
+
+
+class NoGoodCheckpoint(ServiceError, LookupError):
+    code = ErrorCode.NO_GOOD_CHECKPOINT
+
+    def __init__(self, job: str) -> None:
+        super().__init__(
+            f"job {job!r} has no verified checkpoint yet (partial, corrupt and quarantined steps are never served)"
+        )
+
+
+class StepNotGood(ServiceError):
+    code = ErrorCode.STEP_NOT_GOOD
+
+
+class NotReady(ServiceError):
+    code = ErrorCode.NOT_READY
+
+    def __init__(self) -> None:
+        super().__init__("the catalog is still being built from storage; retry")
+
+
+class MissingInputs(ServiceError, ValueError):
+    """Neither the request nor the job's history gives these inputs (``a|b``: either one will do)."""
+
+    code = ErrorCode.MISSING_INPUT
+
+    def __init__(self, names: list[str], message: str) -> None:
+        super().__init__(message, {"missing": names})
+        self.names = names
+
+
+__all__ = [
+    "CkptdError",
+    "InvalidJobName",
+    "InvalidRequest",
+    "JobNotFound",
+    "MissingInputs",
+    "NoGoodCheckpoint",
+    "NotReady",
+    "PlanningError",
+    "ServiceError",
+    "StepNotFound",
+    "StepNotGood",
+    "StorageError",
+    "StoredFormatError",
+]

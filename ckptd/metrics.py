@@ -5,7 +5,7 @@ Three kinds of sources, so that a scrape of ``GET /metrics`` stays fast (it read
 * the catalog, read at scrape time: steps by state, quarantined steps, the latest good step per job;
 * the request path: HTTP requests, resume requests and plan latency, and the elastic events trainers
   report (``POST /v1/jobs/{job}/events``): events by kind, recovery seconds, lost steps, save stalls;
-* the background tracker (``ckptd.commit_tracker``): commits and bytes committed (from the manifests),
+* the background tracker (``ckptd.catalog.commit_tracker``): commits and bytes committed (from the manifests),
   save durations, validation failures, goodput per job — everything that needs storage reads.
 
 Counters count what this ckptd process saw since it started (Prometheus handles the reset at a
@@ -18,8 +18,8 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ckptd.catalog import Catalog
-from trainer_client.protocol import EVENT_KINDS, StepState, StoredEvent
+from ckptd.catalog.catalog import Catalog
+from trainer_client.core.protocol import EVENT_KINDS, StepState, StoredEvent
 
 _KNOWN_KINDS = frozenset(EVENT_KINDS)
 _SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)

@@ -29,10 +29,10 @@ import httpx
 import jax
 
 from examples.elastic_mlp import TrainLog, make_train_fn
-from trainer_client.client import CkptdClient
+from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
-from trainer_client.elastic import ElasticConfig, ElasticRunner, Event
-from trainer_client.slices import SimulatedSlices, SliceFault
+from trainer_client.runtime.elastic import ElasticConfig, ElasticRunner, Event
+from trainer_client.runtime.slices import SimulatedSlices, SliceFault
 
 JOB = "demo-mlp"
 

@@ -26,7 +26,7 @@ import httpx
 import pytest
 import uvicorn
 
-from ckptd.app import create_app
+from ckptd.api.app import create_app
 from ckptd.config import Settings
 
 T = TypeVar("T")

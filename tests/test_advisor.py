@@ -14,14 +14,15 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from ckptd.advisor import MissingInputs, advise, resolve_inputs
-from ckptd.app import create_app
-from ckptd.catalog import Catalog
-from ckptd.cli import main
+from ckptd.advisor.advisor import advise, resolve_inputs
+from ckptd.advisor.job_history import job_history
+from ckptd.api.app import create_app
+from ckptd.catalog.catalog import Catalog
+from ckptd.cli.main import main
 from ckptd.config import Settings
-from ckptd.job_history import job_history
-from trainer_client import protocol as p
-from trainer_client.storage import Storage
+from ckptd.errors import MissingInputs
+from trainer_client.core import protocol as p
+from trainer_client.core.storage import Storage
 
 # Costs every scenario shares; each test sets the failure rate, the slices and what it is about.
 BASE: dict[str, Any] = dict(step_time_s=2.0, save_stall_s=5.0, persist_time_s=30.0, restore_time_s=60.0,
@@ -265,10 +266,10 @@ def test_protocol_doc_describes_the_route_and_the_cli() -> None:
 
 
 def test_the_advisor_modules_export_what_they_name_and_never_import_jax() -> None:
-    for name in ("ckptd.simulator", "ckptd.failures", "ckptd.advisor", "ckptd.advice_text", "ckptd.advise_cmd",
-                 "ckptd.job_history"):
+    for name in ("ckptd.advisor.simulator", "ckptd.advisor.failures", "ckptd.advisor.advisor", "ckptd.advisor.advice_text", "ckptd.cli.advise",
+                 "ckptd.advisor.job_history"):
         module = importlib.import_module(name)
         assert all(getattr(module, member) is not None for member in module.__all__), name
-    code = "import sys, ckptd.advisor, ckptd.advise_cmd; assert 'jax' not in sys.modules; print('ok')"
+    code = "import sys, ckptd.advisor.advisor, ckptd.cli.advise; assert 'jax' not in sys.modules; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.stdout.strip() == "ok", out.stderr

@@ -1,4 +1,4 @@
-"""The HTTP API (ckptd.app) in process, through FastAPI's TestClient, over steps written by Orbax."""
+"""The HTTP API (ckptd.api.app) in process, through FastAPI's TestClient, over steps written by Orbax."""
 
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from ckptd.app import create_app
-from ckptd.catalog import Catalog
+from ckptd.api.app import create_app
+from ckptd.catalog.catalog import Catalog
 from ckptd.config import Settings
-from trainer_client import protocol as p
-from trainer_client.layout import CHECKPOINT_METADATA, TMP_DIR_SUFFIX
-from trainer_client.storage import Storage, StorageError
+from trainer_client.core import protocol as p
+from trainer_client.core.format.steps import CHECKPOINT_METADATA, TMP_DIR_SUFFIX
+from trainer_client.core.storage import Storage
+from trainer_client.errors import StorageError
 
 TOKEN = "s3cret"
 

@@ -1,4 +1,4 @@
-"""The docs cannot drift from the code: docs/api.md is what ``python -m ckptd.gen_api_docs`` prints now, and
+"""The docs cannot drift from the code: docs/api.md is what ``python -m ckptd.api.gen_docs`` prints now, and
 the hand-written pages name every route, metric and command the code has."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import argparse
 import re
 from pathlib import Path
 
-from ckptd.cli import build_parser
-from ckptd.gen_api_docs import openapi_schema, render, type_of
+from ckptd.api.gen_docs import openapi_schema, render, type_of
+from ckptd.cli.main import build_parser
 from ckptd.metrics import Metrics
-from trainer_client import protocol as p
+from trainer_client.core import protocol as p
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -18,7 +18,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 def test_the_committed_api_reference_is_what_the_generator_prints_now() -> None:
     generated = render(openapi_schema())
     committed = (DOCS / "api.md").read_text(encoding="utf-8")
-    assert committed == generated, "docs/api.md is stale: run `python -m ckptd.gen_api_docs > docs/api.md`"
+    assert committed == generated, "docs/api.md is stale: run `python -m ckptd.api.gen_docs > docs/api.md`"
 
 
 def test_the_reference_covers_every_route_and_model() -> None:

@@ -1,4 +1,4 @@
-"""trainer_client.array_index against real Orbax checkpoints: every layout Orbax 0.12.8 writes.
+"""trainer_client.core.format.array_index against real Orbax checkpoints: every layout Orbax 0.12.8 writes.
 
 Checkpoints are written in this process (conftest gives it 8 fake CPU devices) by a plain Orbax
 CheckpointManager on a ("replica", "data") = (4, 2) mesh: OCDBT on/off x zarr v2/v3, and OCDBT + zarr v2
@@ -30,15 +30,15 @@ from gcs_emulator import GcsEmulator, gcs_emulator
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trainer_client import array_index
-from trainer_client.array_index import (
-    ArrayIndexError,
+from trainer_client.core.format import array_index
+from trainer_client.core.format.array_index import (
     ArrayInfo,
     decode_all_arrays,
     dtype_itemsize,
     normalize_dtype,
     read_array_index,
 )
+from trainer_client.errors import ArrayIndexError
 
 __all__ = ["gcs_emulator"]  # the session fixture: a fake GCS on 127.0.0.1 (tests/gcs_emulator.py)
 
@@ -424,7 +424,7 @@ def test_reading_200_arrays_is_fast(tmp_path: Path) -> None:
 def test_module_does_not_import_jax() -> None:
     code = (
         "import sys\n"
-        "import trainer_client.array_index\n"
+        "import trainer_client.core.format.array_index\n"
         "assert not any(m == 'jax' or m.startswith('jax.') for m in sys.modules), 'jax imported'\n"
         "print('ok')\n"
     )

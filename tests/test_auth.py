@@ -16,19 +16,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import ckptd.api.auth
 import httpx
 import pytest
 from chaos_support import CkptdProcess, subprocess_env
 from conftest import training_metadata, write_orbax_jobs
 
-import ckptd.app
-import ckptd.hardening
-from trainer_client import protocol as p
-from trainer_client.client import CkptdClient
+import ckptd.api.app
+from trainer_client.client.ckptd_client import CkptdClient
+from trainer_client.client.event_reporter import EventReporter
 from trainer_client.config import ClientSettings
+from trainer_client.core import protocol as p
+from trainer_client.core.protocol import ResumeRequest
 from trainer_client.errors import CkptdRequestError
-from trainer_client.event_reporter import EventReporter
-from trainer_client.protocol import ResumeRequest
 
 pytestmark = pytest.mark.integration
 
@@ -163,8 +163,8 @@ def test_trainer_client_sends_the_token_from_its_environment(
 
 
 def test_constant_time_comparison_is_kept() -> None:
-    source = inspect.getsource(ckptd.hardening.BearerAuth)  # what app.py installs with settings.token
-    assert "hmac.compare_digest(" in source and "BearerAuth, token=settings.token" in inspect.getsource(ckptd.app)
+    source = inspect.getsource(ckptd.api.auth.BearerAuth)  # what app.py installs with settings.token
+    assert "hmac.compare_digest(" in source and "BearerAuth, token=settings.token" in inspect.getsource(ckptd.api.app)
 
 
 def test_token_never_in_logs(

@@ -1,4 +1,4 @@
-"""The catalog (ckptd.catalog): a cache of storage, rebuilt at start and kept fresh by refreshes."""
+"""The catalog (ckptd.catalog.catalog): a cache of storage, rebuilt at start and kept fresh by refreshes."""
 
 from __future__ import annotations
 
@@ -13,17 +13,18 @@ from typing import Any
 
 import pytest
 
-from ckptd.catalog import Catalog, Refresher
-from ckptd.integrity import settle
-from trainer_client.layout import (
+from ckptd.catalog.catalog import Catalog
+from ckptd.catalog.integrity import settle
+from ckptd.catalog.refresher import Refresher
+from trainer_client.core.format.steps import (
     CHECKPOINT_METADATA,
     COMMIT_MARKER,
     TMP_DIR_SUFFIX,
     inspect_step,
     step_entries,
 )
-from trainer_client.protocol import MAX_STEP, CheckpointInfo, JobInfo, StepState, is_valid_job_name
-from trainer_client.storage import Storage
+from trainer_client.core.protocol import MAX_STEP, CheckpointInfo, JobInfo, StepState, is_valid_job_name
+from trainer_client.core.storage import Storage
 
 TMP4 = f"4{TMP_DIR_SUFFIX}-1712345678"
 
@@ -292,8 +293,8 @@ def test_a_committed_step_that_loses_its_marker_is_never_served(tmp_path: Path) 
     """Rewritten in place (commit-file mode) between two refreshes: the answer checks storage first."""
     import shutil as _shutil
 
-    from ckptd.catalog import Catalog as _Catalog
-    from trainer_client.storage import Storage as _Storage
+    from ckptd.catalog.catalog import Catalog as _Catalog
+    from trainer_client.core.storage import Storage as _Storage
 
     job = tmp_path / "root" / "job"
     for step in (1, 2):

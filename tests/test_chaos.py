@@ -47,16 +47,16 @@ from gcs_emulator import GcsEmulator, emulator_env, gcs_emulator
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from examples.elastic_mlp import TrainLog, make_train_fn
-from trainer_client.array_index import decode_all_arrays
-from trainer_client.checkpointing import restore
-from trainer_client.client import CkptdClient
+from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
-from trainer_client.elastic import ElasticConfig, ElasticRunner
-from trainer_client.layout import COMMIT_MARKER, TMP_DIR_SUFFIX, parse_step_name
-from trainer_client.protocol import ResumeRequest, StepState
-from trainer_client.slices import SimulatedSlices
-from trainer_client.storage import Storage
-from trainer_client.validation import validate_step
+from trainer_client.core.format.array_index import decode_all_arrays
+from trainer_client.core.format.steps import COMMIT_MARKER, TMP_DIR_SUFFIX, parse_step_name
+from trainer_client.core.protocol import ResumeRequest, StepState
+from trainer_client.core.storage import Storage
+from trainer_client.core.validation import validate_step
+from trainer_client.runtime.checkpointing import restore
+from trainer_client.runtime.elastic import ElasticConfig, ElasticRunner
+from trainer_client.runtime.slices import SimulatedSlices
 
 pytestmark = pytest.mark.integration
 
@@ -156,11 +156,11 @@ import sys
 import jax, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from chaos_support import BATCH, state_for_step
-from trainer_client.checkpointing import Checkpointer, restore
-from trainer_client.client import CkptdClient
+from trainer_client.runtime.checkpointing import Checkpointer, restore
+from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.errors import NoCheckpointError
-from trainer_client.protocol import ResumeRequest
+from trainer_client.core.protocol import ResumeRequest
 
 root, job, url, mode, last = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
 mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("replica", "data"))
@@ -614,7 +614,7 @@ import sys, time
 import jax, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from chaos_support import BATCH, state_for_step
-from trainer_client.checkpointing import Checkpointer, restore
+from trainer_client.runtime.checkpointing import Checkpointer, restore
 
 job_url, steps = sys.argv[1], int(sys.argv[2])
 mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("replica", "data"))

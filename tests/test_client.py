@@ -8,11 +8,11 @@ from typing import Any
 import httpx
 import pytest
 
-from trainer_client import protocol as p
-from trainer_client.client import CkptdClient
+from trainer_client.client.ckptd_client import CkptdClient
+from trainer_client.client.retry import RetryPolicy, retry
 from trainer_client.config import ClientSettings
+from trainer_client.core import protocol as p
 from trainer_client.errors import CkptdRequestError, CkptdUnavailable, NoCheckpointError
-from trainer_client.retry import RetryPolicy, retry
 
 
 def _client(handler: Any, root: str | None = None) -> tuple[CkptdClient, list[httpx.Request]]:
@@ -95,7 +95,7 @@ def test_no_good_step_at_ckptd_but_a_committed_one_on_storage_is_not_a_fresh_sta
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from trainer_client.checkpointing import Checkpointer
+    from trainer_client.runtime.checkpointing import Checkpointer
 
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("replica", "data"))
     ck = Checkpointer(str(tmp_path / "job"))

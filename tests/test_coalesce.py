@@ -1,4 +1,4 @@
-"""Identical resume requests asked together share one answer worked out after they arrived (ckptd/coalesce.py)."""
+"""Identical resume requests asked together share one answer worked out after they arrived (ckptd/api/coalesce.py)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import httpx
 import pytest
 from conftest import wait_until
 
-from ckptd.coalesce import Coalescer
-from ckptd.plan_cache import PlanCache
-from trainer_client import protocol as p
-from trainer_client.layout import COMMIT_MARKER
+from ckptd.api.coalesce import Coalescer
+from ckptd.api.plan_cache import PlanCache
+from trainer_client.core import protocol as p
+from trainer_client.core.format.steps import COMMIT_MARKER
 
 # ---- the coalescer on its own --------------------------------------------------------------------
 

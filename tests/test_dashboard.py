@@ -21,12 +21,12 @@ from typing import Any
 import httpx
 import pytest
 
-from ckptd.events import EventStore, record_retention
-from ckptd.retention import Decision
-from trainer_client.layout import CHECKPOINT_METADATA, COMMIT_MARKER, TMP_DIR_SUFFIX
-from trainer_client.manifest import QUARANTINE_FILE, quarantine_record
-from trainer_client.protocol import StepState
-from trainer_client.storage import Storage
+from ckptd.catalog.events import EventStore, record_retention
+from ckptd.catalog.retention import Decision
+from trainer_client.core.format.manifest import QUARANTINE_FILE, quarantine_record
+from trainer_client.core.format.steps import CHECKPOINT_METADATA, COMMIT_MARKER, TMP_DIR_SUFFIX
+from trainer_client.core.protocol import StepState
+from trainer_client.core.storage import Storage
 
 TOKEN = "dash-s3cret"
 

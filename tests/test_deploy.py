@@ -39,7 +39,7 @@ import yaml
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from ckptd.app import create_app
+from ckptd.api.app import create_app
 from ckptd.config import Settings
 
 REPO = Path(__file__).resolve().parent.parent

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 from examples.elastic_mlp import TrainLog, init_state, make_train_fn, partition_specs, train_step
-from trainer_client.client import CkptdClient
+from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
-from trainer_client.elastic import ElasticConfig, ElasticContext, ElasticResult, ElasticRunner
 from trainer_client.errors import ElasticRetriesExhausted
-from trainer_client.slices import SimulatedSlices, SliceFault
+from trainer_client.runtime.elastic import ElasticConfig, ElasticContext, ElasticResult, ElasticRunner
+from trainer_client.runtime.slices import SimulatedSlices, SliceFault
 
 JOB = "mlp"
 BATCH = 48
@@ -171,7 +171,7 @@ def test_recovery_falls_back_to_a_storage_scan_when_ckptd_is_down(tmp_path: Path
     server = ckptd_server(tmp_path)
     _run(_runner(tmp_path, server.url, "resize", []), make_train_fn(20, TrainLog()))
     via_ckptd = CkptdClient(ClientSettings(url=server.url), root=str(tmp_path))
-    from trainer_client.protocol import ResumeRequest
+    from trainer_client.core.protocol import ResumeRequest
 
     request = ResumeRequest(policy="resize", alive_devices=6)
     plan = via_ckptd.resume(JOB, request)

@@ -23,12 +23,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from examples.elastic_mlp import TrainLog, jitted_step, make_train_fn
-from trainer_client import protocol as p
-from trainer_client.client import CkptdClient
+from trainer_client.client.ckptd_client import CkptdClient
+from trainer_client.client.event_reporter import EventReporter
 from trainer_client.config import ClientSettings
-from trainer_client.elastic import ElasticConfig, ElasticRunner
-from trainer_client.event_reporter import EventReporter
-from trainer_client.slices import SimulatedSlices, SliceFault
+from trainer_client.core import protocol as p
+from trainer_client.runtime.elastic import ElasticConfig, ElasticRunner
+from trainer_client.runtime.slices import SimulatedSlices, SliceFault
 
 
 class Recorder:
@@ -104,7 +104,7 @@ def test_no_answer_and_5xx_are_retried_with_growing_backoff() -> None:
 def test_a_refusal_drops_the_batch_instead_of_retrying_it(caplog: pytest.LogCaptureFixture) -> None:
     recorder = Recorder([422])
     reporter = _reporter(recorder)
-    with caplog.at_level(logging.WARNING, logger="trainer_client.event_reporter"):
+    with caplog.at_level(logging.WARNING, logger="trainer_client.client.event_reporter"):
         with reporter._cond:  # one batch of 3
             _report(reporter, 3)
         reporter.flush(5)
@@ -117,7 +117,7 @@ def test_a_ckptd_that_stays_down_costs_dropped_events_never_time(
     tcp_port: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     reporter = _reporter(url=f"http://127.0.0.1:{tcp_port}", max_buffer=50, initial_backoff_s=0.01)
-    with caplog.at_level(logging.WARNING, logger="trainer_client.event_reporter"):
+    with caplog.at_level(logging.WARNING, logger="trainer_client.client.event_reporter"):
         assert _report(reporter, 200) < 0.2  # queued, not sent
         assert reporter.pending <= 50 and reporter.dropped >= 150
         started = time.monotonic()
@@ -145,7 +145,7 @@ def test_a_hung_ckptd_does_not_hold_the_training_loop() -> None:
 def test_an_invalid_event_is_logged_and_skipped_never_raised(caplog: pytest.LogCaptureFixture) -> None:
     recorder = Recorder()
     reporter = _reporter(recorder)
-    with caplog.at_level(logging.WARNING, logger="trainer_client.event_reporter"):
+    with caplog.at_level(logging.WARNING, logger="trainer_client.client.event_reporter"):
         reporter.report("Not A Kind", time=1.0)
         reporter.report("recovered", time=1.0, lost_steps=-1)
         reporter.report("start", time=2.0, detail="x" * 5000)  # too long: cut, not refused
@@ -212,13 +212,13 @@ def test_the_new_modules_keep_the_import_rules() -> None:
     """The reporter imports neither jax, ckptd nor FastAPI; ckptd's observability modules never import jax."""
     code = (
         "import sys\n"
-        "import trainer_client.event_reporter\n"
+        "import trainer_client.client.event_reporter\n"
         "assert not any(m == 'jax' or m.startswith(('jax.', 'ckptd', 'fastapi')) for m in sys.modules), 'reporter'\n"
-        "import ckptd.events, ckptd.goodput, ckptd.metrics, ckptd.commit_tracker, ckptd.event_routes\n"
-        "import ckptd.dashboard, ckptd.observe_cmd, ckptd.gen_api_docs, ckptd.route_docs\n"
+        "import ckptd.catalog.events, ckptd.advisor.goodput, ckptd.metrics, ckptd.catalog.commit_tracker, ckptd.api.routes.events\n"
+        "import ckptd.api.routes.dashboard, ckptd.cli.observe, ckptd.api.gen_docs, ckptd.api.openapi\n"
         "assert 'jax' not in sys.modules, 'ckptd imported jax'\n"
-        "for m in ('ckptd.events', 'ckptd.goodput', 'ckptd.metrics', 'ckptd.commit_tracker', 'ckptd.observe_cmd',\n"
-        "          'trainer_client.event_reporter'):\n"
+        "for m in ('ckptd.catalog.events', 'ckptd.advisor.goodput', 'ckptd.metrics', 'ckptd.catalog.commit_tracker', 'ckptd.cli.observe',\n"
+        "          'trainer_client.client.event_reporter'):\n"
         "    mod = sys.modules[m]\n"
         "    assert all(getattr(mod, n) is not None for n in mod.__all__), m\n"
         "print('ok')\n"

@@ -1,5 +1,5 @@
-"""Elastic events on storage (ckptd.events, POST/GET /v1/jobs/{job}/events), goodput over HTTP, and the
-metrics fed by events and by the commit tracker (ckptd.metrics, ckptd.commit_tracker).
+"""Elastic events on storage (ckptd.catalog.events, POST/GET /v1/jobs/{job}/events), goodput over HTTP, and the
+metrics fed by events and by the commit tracker (ckptd.metrics, ckptd.catalog.commit_tracker).
 
 The root is written by plain Orbax in a subprocess whose job directory already holds ckptd's events
 directory: Orbax must save, list and restore around it.
@@ -23,13 +23,13 @@ from fastapi.testclient import TestClient
 from gcs_emulator import gcs_emulator
 from prometheus_client.parser import text_string_to_metric_families
 
-from ckptd.app import create_app
-from ckptd.catalog import Catalog
+from ckptd.api.app import create_app
+from ckptd.catalog.catalog import Catalog
+from ckptd.catalog.events import EVENTS_DIR, EventStore
 from ckptd.config import Settings
-from ckptd.events import EVENTS_DIR, EventStore
-from trainer_client import protocol as p
-from trainer_client.manifest import read_manifest
-from trainer_client.storage import Storage
+from trainer_client.core import protocol as p
+from trainer_client.core.format.manifest import read_manifest
+from trainer_client.core.storage import Storage
 
 __all__ = ["gcs_emulator"]  # the session fixture: a fake GCS on 127.0.0.1 (tests/gcs_emulator.py)
 

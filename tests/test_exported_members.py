@@ -12,31 +12,31 @@ import trainer_client
 
 PUBLIC_MODULES = [
     "ckptd",
-    "ckptd.app",
-    "ckptd.catalog",
+    "ckptd.api.app",
+    "ckptd.catalog.catalog",
     "ckptd.config",
     "ckptd.errors",
-    "ckptd.integrity",
-    "ckptd.retention",
+    "ckptd.catalog.integrity",
+    "ckptd.catalog.retention",
     "trainer_client",
-    "trainer_client.protocol",
-    "trainer_client.storage",
-    "trainer_client.layout",
-    "trainer_client.planning",
-    "trainer_client.batching",
-    "trainer_client.array_index",
-    "trainer_client.manifest",
-    "trainer_client.validation",
-    "trainer_client.durability",
-    "trainer_client.client",
+    "trainer_client.core.protocol",
+    "trainer_client.core.storage",
+    "trainer_client.core.format.steps",
+    "trainer_client.core.planner",
+    "trainer_client.core.batching",
+    "trainer_client.core.format.array_index",
+    "trainer_client.core.format.manifest",
+    "trainer_client.core.validation",
+    "trainer_client.core.durability",
+    "trainer_client.client.ckptd_client",
     "trainer_client.config",
     "trainer_client.errors",
-    "trainer_client.retry",
-    "trainer_client.checkpointing",
-    "trainer_client.direct_restore",
-    "trainer_client.ocdbt_index",
-    "trainer_client.slices",
-    "trainer_client.elastic",
+    "trainer_client.client.retry",
+    "trainer_client.runtime.checkpointing",
+    "trainer_client.runtime.direct_restore",
+    "trainer_client.core.format.ocdbt_index",
+    "trainer_client.runtime.slices",
+    "trainer_client.runtime.elastic",
 ]
 
 
@@ -74,9 +74,9 @@ def test_house_rules_on_imports() -> None:
     """ckptd's core never imports jax; trainer_client's shared core imports neither jax, ckptd nor FastAPI."""
     code = (
         "import sys\n"
-        "import trainer_client.protocol, trainer_client.layout, trainer_client.planning, trainer_client.storage\n"
+        "import trainer_client.core.protocol, trainer_client.core.format.steps, trainer_client.core.planner, trainer_client.core.storage\n"
         "assert not any(m == 'jax' or m.startswith(('jax.', 'ckptd', 'fastapi')) for m in sys.modules), 'client core'\n"
-        "import ckptd.app, ckptd.catalog, ckptd.cli\n"
+        "import ckptd.api.app, ckptd.catalog.catalog, ckptd.cli.main\n"
         "assert 'jax' not in sys.modules, 'ckptd core imported jax'\n"
         "print('ok')\n"
     )

@@ -21,13 +21,13 @@ import httpx
 import pytest
 from gcs_emulator import GcsEmulator, gcs_emulator
 
-from ckptd.catalog import Catalog
-from trainer_client.client import CkptdClient
+from ckptd.catalog.catalog import Catalog
+from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
+from trainer_client.core.format.steps import COMMIT_MARKER, TMP_DIR_SUFFIX, inspect_step, latest_committed, step_entries
+from trainer_client.core.protocol import ResumePlan, ResumeRequest, StepState
+from trainer_client.core.storage import Storage
 from trainer_client.errors import NoCheckpointError
-from trainer_client.layout import COMMIT_MARKER, TMP_DIR_SUFFIX, inspect_step, latest_committed, step_entries
-from trainer_client.protocol import ResumePlan, ResumeRequest, StepState
-from trainer_client.storage import Storage
 
 pytestmark = pytest.mark.integration
 
@@ -50,8 +50,8 @@ import json, sys, time
 import fsspec
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from trainer_client.checkpointing import Checkpointer, restore, target_shardings
-from trainer_client.protocol import ResumePlan
+from trainer_client.runtime.checkpointing import Checkpointer, restore, target_shardings
+from trainer_client.core.protocol import ResumePlan
 
 job = sys.argv[1]
 fs, _ = fsspec.core.url_to_fs(job)

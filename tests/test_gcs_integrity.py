@@ -37,14 +37,12 @@ from gcs_emulator import GcsEmulator, gcs_emulator
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ckptd.catalog import Catalog
-from ckptd.cli import main as ckptd_main
-from trainer_client import validation
-from trainer_client.array_index import decode_all_arrays
-from trainer_client.checkpointing import Checkpointer
-from trainer_client.durability import Syncer, using_syncer
-from trainer_client.layout import CHECKPOINT_METADATA, COMMIT_MARKER
-from trainer_client.manifest import (
+from ckptd.catalog.catalog import Catalog
+from ckptd.cli.main import main as ckptd_main
+from trainer_client.core import validation
+from trainer_client.core.durability import Syncer, using_syncer
+from trainer_client.core.format.array_index import decode_all_arrays
+from trainer_client.core.format.manifest import (
     MANIFEST_FILE,
     QUARANTINE_FILE,
     VERIFIED_FILE,
@@ -53,9 +51,11 @@ from trainer_client.manifest import (
     read_manifest,
     read_verified_record,
 )
-from trainer_client.protocol import StepState
-from trainer_client.storage import Storage
-from trainer_client.validation import latest_good_on_storage, validate_step
+from trainer_client.core.format.steps import CHECKPOINT_METADATA, COMMIT_MARKER
+from trainer_client.core.protocol import StepState
+from trainer_client.core.storage import Storage
+from trainer_client.core.validation import latest_good_on_storage, validate_step
+from trainer_client.runtime.checkpointing import Checkpointer
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""Goodput from events (ckptd.goodput): every second of a scripted job history lands in the right cause.
+"""Goodput from events (ckptd.advisor.goodput): every second of a scripted job history lands in the right cause.
 
 The history (times in seconds from T0; a normal step takes 0.5 s, every save blocks 0.5 s):
 
@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from ckptd.goodput import CAUSES, compute_goodput, step_time_from_events
-from trainer_client.protocol import CheckpointInfo, StepState, StoredEvent, TrainingMetadata
+from ckptd.advisor.goodput import CAUSES, compute_goodput, step_time_from_events
+from trainer_client.core.protocol import CheckpointInfo, StepState, StoredEvent, TrainingMetadata
 
 T0 = 1_700_000_000.0
 

@@ -30,10 +30,10 @@ from conftest import ServerHandle, _start_server, training_metadata, write_orbax
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis.errors import Unsatisfiable
 
-from ckptd.app import create_app
-from ckptd.catalog import Catalog
-from trainer_client import protocol as p
-from trainer_client.storage import Storage
+from ckptd.api.app import create_app
+from ckptd.catalog.catalog import Catalog
+from trainer_client.core import protocol as p
+from trainer_client.core.storage import Storage
 
 pytestmark = pytest.mark.integration
 

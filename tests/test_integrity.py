@@ -18,18 +18,24 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ckptd.catalog import Catalog
-from ckptd.cli import main as ckptd_main
-from trainer_client import checkpointing
-from trainer_client.checkpointing import Checkpointer
-from trainer_client.client import CkptdClient
+from ckptd.catalog.catalog import Catalog
+from ckptd.cli.main import main as ckptd_main
+from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
-from trainer_client.durability import Syncer, using_syncer
-from trainer_client.layout import CHECKPOINT_METADATA, COMMIT_MARKER
-from trainer_client.manifest import MANIFEST_FILE, QUARANTINE_FILE, VERIFIED_FILE, read_manifest, write_manifest
-from trainer_client.protocol import ResumeRequest, StepState
-from trainer_client.storage import Storage
-from trainer_client.validation import latest_good_on_storage, validate_step
+from trainer_client.core.durability import Syncer, using_syncer
+from trainer_client.core.format.manifest import (
+    MANIFEST_FILE,
+    QUARANTINE_FILE,
+    VERIFIED_FILE,
+    read_manifest,
+    write_manifest,
+)
+from trainer_client.core.format.steps import CHECKPOINT_METADATA, COMMIT_MARKER
+from trainer_client.core.protocol import ResumeRequest, StepState
+from trainer_client.core.storage import Storage
+from trainer_client.core.validation import latest_good_on_storage, validate_step
+from trainer_client.runtime import checkpointing
+from trainer_client.runtime.checkpointing import Checkpointer
 
 N_STEPS = 60
 
@@ -316,7 +322,7 @@ def test_gc_keeps_the_newest_good_step_and_bad_ones(root: Path, capsys: pytest.C
 
 
 def test_gc_cleans_abandoned_saves_only_after_the_timeout(root: Path) -> None:
-    from ckptd.retention import RetentionPolicy, collect, decide
+    from ckptd.catalog.retention import RetentionPolicy, collect, decide
 
     job = root / "job"
     shutil.copytree(job / "3", job / "61.orbax-checkpoint-tmp")

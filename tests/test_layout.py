@@ -1,4 +1,4 @@
-"""The commit rule and the structural checks (trainer_client.layout) on real Orbax output."""
+"""The commit rule and the structural checks (trainer_client.core.format.steps) on real Orbax output."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from trainer_client.layout import (
+from trainer_client.core.format.steps import (
     CHECKPOINT_METADATA,
     COMMIT_MARKER,
     TMP_DIR_SUFFIX,
@@ -24,8 +24,8 @@ from trainer_client.layout import (
     read_saved_sharding,
     step_entries,
 )
-from trainer_client.protocol import MAX_STEP, StepState
-from trainer_client.storage import Entry, Storage
+from trainer_client.core.protocol import MAX_STEP, StepState
+from trainer_client.core.storage import Entry, Storage
 
 # ---- parse_step_name -----------------------------------------------------------------------------
 

@@ -32,9 +32,9 @@ import pytest
 from chaos_support import CkptdProcess, percentile, sized, subprocess_env
 from conftest import training_metadata, write_orbax_steps
 
-from trainer_client.manifest import Manifest, build_manifest, file_entry, write_manifest
-from trainer_client.protocol import TrainingMetadata
-from trainer_client.storage import Storage
+from trainer_client.core.format.manifest import Manifest, build_manifest, file_entry, write_manifest
+from trainer_client.core.protocol import TrainingMetadata
+from trainer_client.core.storage import Storage
 
 pytestmark = pytest.mark.integration
 

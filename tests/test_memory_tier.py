@@ -20,15 +20,16 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from examples.elastic_mlp import TrainLog, init_state, make_train_fn, partition_specs
-from trainer_client.checkpointing import Checkpointer, leaf_name, training_metadata
-from trainer_client.client import CkptdClient
+from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
-from trainer_client.direct_restore import restore_direct
-from trainer_client.elastic import ElasticConfig, ElasticRunner
-from trainer_client.memory_tier import MemoryTier, MemoryTierFull, restore_snapshot
-from trainer_client.protocol import ResumeRequest
-from trainer_client.slices import SimulatedSlices, SliceFault
-from trainer_client.snapshot_format import DATA_FILE, PERSISTED_FILE, problems, read_meta
+from trainer_client.core.format.snapshot import DATA_FILE, PERSISTED_FILE, problems, read_meta
+from trainer_client.core.protocol import ResumeRequest
+from trainer_client.errors import MemoryTierFull
+from trainer_client.runtime.checkpointing import Checkpointer, leaf_name, training_metadata
+from trainer_client.runtime.direct_restore import restore_direct
+from trainer_client.runtime.elastic import ElasticConfig, ElasticRunner
+from trainer_client.runtime.memory_tier import MemoryTier, restore_snapshot
+from trainer_client.runtime.slices import SimulatedSlices, SliceFault
 
 
 def _mesh(n: int = 8) -> Mesh:
@@ -130,7 +131,7 @@ def test_the_next_snapshot_is_written_into_pages_allocated_ahead(tmp_path: Path)
 
 
 def test_what_dead_trainers_left_in_shared_memory_is_dropped(tmp_path: Path) -> None:
-    from trainer_client.snapshot_format import drop_leftovers
+    from trainer_client.core.format.snapshot import drop_leftovers
 
     job = tmp_path / "job"
     job.mkdir()
@@ -182,7 +183,7 @@ import jax, numpy as np
 from jax.sharding import Mesh
 sys.path.insert(0, sys.argv[3])
 from tests.test_memory_tier import _meta, _state
-from trainer_client.memory_tier import MemoryTier
+from trainer_client.runtime.memory_tier import MemoryTier
 mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("replica", "data"))
 state = _state(mesh, seed=11)
 MemoryTier(sys.argv[1], sys.argv[2]).save(10, state, _meta(10, state, mesh), persist=True)
@@ -241,7 +242,7 @@ def _mapped(path: Path) -> list[tuple[int, int]]:
 def test_the_persist_worker_hands_orbax_the_saved_shards_without_a_copy(tmp_path: Path) -> None:
     import tensorstore as ts
 
-    from ckptd.persist_worker import persist, snapshot_arrays
+    from ckptd.catalog.persist_worker import persist, snapshot_arrays
 
     mesh = _mesh()
     state = _state(mesh, seed=5)

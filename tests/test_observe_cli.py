@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from ckptd.cli import main
-from ckptd.events import EventStore
-from ckptd.goodput import compute_goodput
-from trainer_client.protocol import ElasticEvent, EventList, Goodput
-from trainer_client.storage import Storage
+from ckptd.advisor.goodput import compute_goodput
+from ckptd.catalog.events import EventStore
+from ckptd.cli.main import main
+from trainer_client.core.protocol import ElasticEvent, EventList, Goodput
+from trainer_client.core.storage import Storage
 
 T0 = 1_700_000_000.0
 

@@ -10,9 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer_client.planning import (
+from trainer_client.core.planner import (
     DATA_PARALLEL_AXES,
-    PlanningError,
     array_bytes_per_device,
     assign_slices,
     dtype_bytes,
@@ -20,7 +19,7 @@ from trainer_client.planning import (
     plan_mesh,
     resume_plan,
 )
-from trainer_client.protocol import (
+from trainer_client.core.protocol import (
     ArraySpec,
     BatchOptions,
     ErrorCode,
@@ -29,6 +28,7 @@ from trainer_client.protocol import (
     SliceAlive,
     TrainingMetadata,
 )
+from trainer_client.errors import PlanningError
 
 SAVED = MeshSpec(axis_names=["replica", "data"], shape=[4, 2])
 

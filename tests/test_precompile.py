@@ -11,12 +11,12 @@ import jax
 import pytest
 
 from examples.elastic_mlp import TrainLog, jitted_step, make_train_fn
-from trainer_client.client import CkptdClient
+from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
-from trainer_client.elastic import ElasticConfig, ElasticRunner, Event
-from trainer_client.precompile import likely_next
-from trainer_client.protocol import MeshSpec
-from trainer_client.slices import SimulatedSlices, SliceFault
+from trainer_client.core.protocol import MeshSpec
+from trainer_client.runtime.elastic import ElasticConfig, ElasticRunner, Event
+from trainer_client.runtime.precompile import likely_next
+from trainer_client.runtime.slices import SimulatedSlices, SliceFault
 
 FULL = MeshSpec(axis_names=["replica", "data"], shape=[4, 2])
 

@@ -12,11 +12,11 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trainer_client.checkpointing import Checkpointer, restore, spec_from_json
-from trainer_client.layout import latest_committed
-from trainer_client.planning import resume_plan
-from trainer_client.protocol import ResumeRequest
-from trainer_client.storage import Storage
+from trainer_client.core.format.steps import latest_committed
+from trainer_client.core.planner import resume_plan
+from trainer_client.core.protocol import ResumeRequest
+from trainer_client.core.storage import Storage
+from trainer_client.runtime.checkpointing import Checkpointer, restore, spec_from_json
 
 SPECS = {
     "a": P("replica", "data"),  # (8, 6): 8 does not divide by 3 or 7

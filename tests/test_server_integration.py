@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
-from ckptd.cli import main as ckptd_main
-from trainer_client import protocol as p
-from trainer_client.layout import COMMIT_MARKER, parse_step_name
+from ckptd.cli.main import main as ckptd_main
+from trainer_client.core import protocol as p
+from trainer_client.core.format.steps import COMMIT_MARKER, parse_step_name
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""The goodput simulator (ckptd.simulator) against closed forms, hand-computed timelines and its speed target."""
+"""The goodput simulator (ckptd.advisor.simulator) against closed forms, hand-computed timelines and its speed target."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from ckptd.advisor import fit_optimum
-from ckptd.simulator import (
+from ckptd.advisor.advisor import fit_optimum
+from ckptd.advisor.simulator import (
     CAUSES,
     DAY,
     POLICIES,

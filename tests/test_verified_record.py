@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-import ckptd.catalog as catalog_module
-from ckptd.catalog import Catalog
-from ckptd.plan_cache import PlanCache
-from trainer_client.layout import CHECKPOINT_METADATA
-from trainer_client.manifest import VERIFIED_FILE, read_manifest, read_verified_record, training_summary
-from trainer_client.protocol import StepState
-from trainer_client.storage import Storage
+import ckptd.catalog.catalog as catalog_module
+from ckptd.api.plan_cache import PlanCache
+from ckptd.catalog.catalog import Catalog
+from trainer_client.core.format.manifest import VERIFIED_FILE, read_manifest, read_verified_record, training_summary
+from trainer_client.core.format.steps import CHECKPOINT_METADATA
+from trainer_client.core.protocol import StepState
+from trainer_client.core.storage import Storage
 
 STEPS = [10, 20, 30]
 

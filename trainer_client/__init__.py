@@ -3,7 +3,7 @@
 It saves through Orbax, asks the ckptd sidecar where to resume after a failure (or scans storage itself
 when ckptd cannot answer), rebuilds the mesh from the plan and restores onto the devices still alive.
 
-Names that need jax are loaded on first use, so ``trainer_client.protocol`` and the other jax-free
+Names that need jax are loaded on first use, so ``trainer_client.core.protocol`` and the other jax-free
 modules stay cheap to import (the sidecar imports them).
 """
 
@@ -15,16 +15,16 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "CkptdClient": "trainer_client.client",
+    "CkptdClient": "trainer_client.client.ckptd_client",
     "ClientSettings": "trainer_client.config",
-    "ElasticConfig": "trainer_client.elastic",
-    "ElasticContext": "trainer_client.elastic",
-    "ElasticRunner": "trainer_client.elastic",
-    "ElasticResult": "trainer_client.elastic",
-    "Checkpointer": "trainer_client.checkpointing",
-    "SimulatedSlices": "trainer_client.slices",
-    "PathwaysSlices": "trainer_client.slices",
-    "SliceFault": "trainer_client.slices",
+    "ElasticConfig": "trainer_client.runtime.elastic",
+    "ElasticContext": "trainer_client.runtime.elastic",
+    "ElasticRunner": "trainer_client.runtime.elastic",
+    "ElasticResult": "trainer_client.runtime.elastic",
+    "Checkpointer": "trainer_client.runtime.checkpointing",
+    "SimulatedSlices": "trainer_client.runtime.slices",
+    "PathwaysSlices": "trainer_client.runtime.slices",
+    "SliceFault": "trainer_client.runtime.slices",
     "CkptdError": "trainer_client.errors",
     "CkptdUnavailable": "trainer_client.errors",
     "CkptdRequestError": "trainer_client.errors",

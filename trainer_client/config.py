@@ -3,7 +3,7 @@
 ``CKPTD_URL`` (where the sidecar listens), ``CKPTD_TOKEN`` (bearer token), ``CKPTD_SHM_DIR`` (the
 host-memory tier), ``CKPTD_TIMEOUT_S`` (per request), ``CKPTD_RESUME_DEADLINE_S`` (how long a resume may
 wait for the sidecar before the client scans storage itself), ``CKPTD_REPORT_EVENTS`` and
-``CKPTD_EVENTS_FLUSH_TIMEOUT_S`` (the background event reporter, ``trainer_client.event_reporter``).
+``CKPTD_EVENTS_FLUSH_TIMEOUT_S`` (the background event reporter, ``trainer_client.client.event_reporter``).
 """
 
 from __future__ import annotations

@@ -1,21 +1,34 @@
 """The exceptions trainer_client raises, one documented tree.
 
 ```
-CkptdError
-├── CkptdUnavailable        ckptd did not answer in time (connection refused, timeout, 5xx)
-├── CkptdRequestError       ckptd answered with its error body (``code``, ``message``, ``status``)
-├── NoCheckpointError       neither ckptd nor storage has a committed step to resume from
-├── ElasticTimeoutError     lost slices did not come back within ``elastic_timeout_s``
-└── ElasticRetriesExhausted more elastic events than ``elastic_max_retries``
+CkptdError                          root (trainer_client/core/errors.py): catches everything below
+├── StorageError (OSError)          storage could not be listed or read
+├── StoredFormatError (ValueError)  stored bytes are not the format they claim to be
+│   ├── ArrayIndexError             an item's array metadata is missing or corrupt
+│   └── OcdbtFormatError            an OCDBT index the direct reader does not understand
+├── PlanningError (ValueError)      no resume plan exists for the devices alive (``code`` says why)
+├── CkptdUnavailable (ConnectionError)  ckptd did not answer in time (connection refused, timeout, 5xx)
+├── CkptdRequestError               ckptd answered with its error body (``code``, ``message``, ``status``)
+├── NoCheckpointError (LookupError) neither ckptd nor storage has a good step to resume from
+├── ElasticTimeoutError (TimeoutError)      lost slices did not come back within ``elastic_timeout_s``
+├── ElasticRetriesExhausted (RuntimeError)  more elastic events than ``elastic_max_retries``
+├── MemoryTierFull (MemoryError)    no room in host memory for another snapshot
+└── DirectRestoreUnsupported (NotImplementedError)  a step the direct reader does not handle (Orbax
+                                    restores it instead; raised and caught inside the restore)
 ```
 Each also subclasses the closest built-in, so generic handlers keep working.
 """
 
 from __future__ import annotations
 
-
-class CkptdError(Exception):
-    """Base of every trainer_client error."""
+from trainer_client.core.errors import (
+    ArrayIndexError,
+    CkptdError,
+    OcdbtFormatError,
+    PlanningError,
+    StorageError,
+    StoredFormatError,
+)
 
 
 class CkptdUnavailable(CkptdError, ConnectionError):
@@ -44,11 +57,26 @@ class ElasticRetriesExhausted(CkptdError, RuntimeError):
     """The job met more elastic events than it is allowed to survive."""
 
 
+class MemoryTierFull(CkptdError, MemoryError):
+    """No room in host memory for another snapshot (too many held, or not enough free memory)."""
+
+
+class DirectRestoreUnsupported(CkptdError, NotImplementedError):
+    """This checkpoint (or target) is not one the direct reader handles; restore through Orbax."""
+
+
 __all__ = [
+    "ArrayIndexError",
     "CkptdError",
     "CkptdRequestError",
     "CkptdUnavailable",
+    "DirectRestoreUnsupported",
     "ElasticRetriesExhausted",
     "ElasticTimeoutError",
+    "MemoryTierFull",
     "NoCheckpointError",
+    "OcdbtFormatError",
+    "PlanningError",
+    "StorageError",
+    "StoredFormatError",
 ]

@@ -1,0 +1,317 @@
+"""The goodput advisor: checkpoint periods and a recovery policy from a job's measured costs.
+
+Why it exists: a team adopting elastic training must choose how often to save (each save stalls, each
+failure loses the work since the last usable save), whether to wait for a lost slice or run degraded,
+and whether a hot spare pays for itself. This module answers from numbers: it resolves every input
+(given, measured from the job's history, or a stated default), starts from the first-order optimum
+(Young/Daly: period = sqrt(2 x save cost x MTBF)), confirms it by sweeping the simulator
+(``ckptd.advisor.simulator``) under ``pause``, ``resize`` and ``spare``, and recommends the policy with the best
+goodput per provisioned chip. ``ckptd advise`` and ``GET /v1/jobs/{job}/advice`` both call ``advise``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ckptd.advisor.advice_text import explain
+from ckptd.advisor.job_history import JobHistory, job_history
+from ckptd.advisor.simulator import (
+    CAUSES,
+    DAY,
+    POLICIES,
+    JobModel,
+    PoissonFailures,
+    Policy,
+    Schedule,
+    SimResult,
+    daly,
+    simulate,
+    young_daly,
+)
+from ckptd.errors import InvalidRequest, MissingInputs
+from trainer_client.core.protocol import (
+    Advice,
+    AdviceInput,
+    AdviceQuery,
+    Badput,
+    CheckpointInfo,
+    PeriodPoint,
+    PolicyAdvice,
+    YoungDaly,
+)
+
+# Inputs without which there is no answer (one of the two failure-rate fields is required too).
+REQUIRED: tuple[str, ...] = (
+    "step_time_s", "save_stall_s", "persist_time_s", "restore_time_s", "recovery_time_s", "replace_time_s",
+    "slices",
+)
+FAILURE_RATE = ("mtbf_hours", "failures_per_slice_day")
+
+# Defaults are assumptions, and say so in the answer.
+DEFAULTS: dict[str, tuple[float | bool, str]] = {
+    "detect_time_s": (60.0, "assumption: a collective or heartbeat timeout at scale"),
+    "spare_switch_time_s": (60.0, "assumption: a warm standby slice joins the job"),
+    "spares": (1, "assumption: one hot spare slice in the spare policy"),
+    "min_slices": (1, "assumption: a resized job runs on any number of slices"),
+    "degraded_efficiency": (1.0, "assumption: throughput on k of N slices is exactly k/N"),
+    "host_loss_fraction": (0.25, "assumption: a quarter of failures also lose the host-memory snapshot"),
+    "persist_overhead_s": (0.0, "assumption: a background persist does not slow the accelerators"),
+    "memory_tier": (True, "assumption: host-memory snapshots between persistent saves"),
+    "horizon_days": (30.0, "simulated run length (longer when needed for enough failures)"),
+    "min_failures": (1000, "simulated failures per sweep point"),
+    "seed": (0, "random seed of the simulation"),
+}
+
+UNITS: dict[str, str] = {
+    "slices": "slices", "chips_per_slice": "chips", "mtbf_hours": "h", "failures_per_slice_day": "1/day",
+    "spares": "slices", "min_slices": "slices", "degraded_efficiency": "ratio", "host_loss_fraction": "ratio",
+    "memory_tier": "bool", "checkpoint_period_steps": "steps", "horizon_days": "days",
+    "min_failures": "failures", "seed": "",
+}
+
+
+def missing_inputs(names: list[str]) -> MissingInputs:
+    """The error for inputs neither the request nor the job's history gives (``a|b``: either one will do)."""
+    words = [" or ".join(n.split("|")) for n in names]
+    return MissingInputs(names, "missing advisor inputs (not given, not in the job's history): " + ", ".join(words)
+                         + ("; failures are not recorded in the history yet" if "|".join(FAILURE_RATE) in names
+                            else ""))
+
+
+def _unit(name: str) -> str:
+    return UNITS.get(name, "s")
+
+
+def resolve_inputs(query: AdviceQuery, history: JobHistory | None = None) -> dict[str, AdviceInput]:
+    """Every input with its value and source: given > history > derived/default. Raises MissingInputs."""
+    given = query.model_dump(exclude_none=True)
+    if all(k in given for k in FAILURE_RATE):
+        raise ValueError("give either mtbf_hours or failures_per_slice_day, not both")
+    out = {k: AdviceInput(value=v, unit=_unit(k), source="given") for k, v in given.items()}
+    for name, measured in (history.values() if history else {}).items():
+        if name not in out:
+            out[name] = AdviceInput(value=measured.value, unit=_unit(name), source="history", note=measured.note)
+    for name, (value, note) in DEFAULTS.items():
+        out.setdefault(name, AdviceInput(value=value, unit=_unit(name), source="default", note=note))
+    missing = [name for name in REQUIRED if name not in out]
+    if not any(k in out for k in FAILURE_RATE):
+        missing.append("|".join(FAILURE_RATE))
+    if missing:
+        raise missing_inputs(missing)
+
+    def derive(name: str, value: float, note: str) -> None:
+        out.setdefault(name, AdviceInput(value=value, unit=_unit(name), source="derived", note=note))
+
+    val = {k: float(v.value) for k, v in out.items()}
+    slices = val["slices"]
+    if val["min_slices"] > slices:
+        raise ValueError(f"min_slices ({val['min_slices']:g}) exceeds slices ({slices:g})")
+    if "mtbf_hours" in out:
+        derive("failures_per_slice_day", 24.0 / (val["mtbf_hours"] * slices), "24 h / (MTBF x slices)")
+    else:
+        derive("mtbf_hours", 24.0 / (val["failures_per_slice_day"] * slices), "24 h / (rate x slices)")
+    derive("memory_restore_time_s", val["save_stall_s"], "assumption: = save stall (same bytes, same link)")
+    derive("resize_recovery_time_s", val["recovery_time_s"], "assumption: = recovery time")
+    derive("scale_up_time_s", float(out["memory_restore_time_s"].value) + float(out["resize_recovery_time_s"].value),
+           "assumption: memory restore + resize recovery")
+    return out
+
+
+def job_model(inputs: dict[str, AdviceInput]) -> JobModel:
+    """The simulator's view of the resolved inputs."""
+    v = {k: float(x.value) for k, x in inputs.items()}
+    return JobModel(
+        slices=int(v["slices"]), save_stall=v["save_stall_s"], persist_time=v["persist_time_s"],
+        restore_time=v["restore_time_s"], recovery_time=v["recovery_time_s"], replace_time=v["replace_time_s"],
+        detect_time=v["detect_time_s"], memory_restore_time=v["memory_restore_time_s"],
+        resize_recovery_time=v["resize_recovery_time_s"], scale_up_time=v["scale_up_time_s"],
+        spare_switch_time=v["spare_switch_time_s"], spares=int(v["spares"]), min_slices=int(v["min_slices"]),
+        degraded_efficiency=v["degraded_efficiency"], host_loss_fraction=v["host_loss_fraction"],
+        persist_overhead=v["persist_overhead_s"],
+    )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the sweeps work with: the model, the failure process and the first-order periods."""
+
+    model: JobModel
+    step: float
+    mtbf: float
+    memory_tier: bool
+    yd: YoungDaly
+    horizon: float
+    seed: int
+
+    @property
+    def split_tiers(self) -> bool:
+        """Memory snapshots between persistent saves (not every snapshot persisted)."""
+        return self.memory_tier and (self.yd.persistent_period_s or 0.0) > 1.5 * self.yd.period_s
+
+    @property
+    def rollback_mtbf(self) -> float:
+        """Mean time between the failures that roll back to the newest snapshot."""
+        return self.mtbf / (1.0 - self.model.host_loss_fraction) if self.split_tiers else self.mtbf
+
+    def steps(self, period: float) -> int:
+        return max(1, round(period / self.step))
+
+    def snap(self, period: float) -> float:
+        """A period rounded to whole steps (saves happen at step boundaries)."""
+        return self.steps(period) * self.step
+
+    def schedule(self, period: float, multiple: int | None = None) -> Schedule:
+        """Saves every ``period``; with a memory tier, persisted every ``multiple`` (default: first-order)."""
+        if not self.memory_tier:
+            return Schedule(period)
+        if multiple is None:
+            multiple = max(1, round((self.yd.persistent_period_s or period) / period))
+        return Schedule(multiple * period, period)
+
+    def run(self, policy: Policy, schedule: Schedule, horizon: float | None = None) -> SimResult:
+        failures = PoissonFailures.from_mtbf(self.mtbf, self.model.slices, seed=self.seed)
+        return simulate(self.model, policy, schedule, horizon=horizon or self.horizon, failures=failures,
+                        seed=self.seed)
+
+
+def make_plan(inputs: dict[str, AdviceInput]) -> Plan:
+    """First-order periods (Young/Daly) and the simulation set-up for the resolved inputs."""
+    model = job_model(inputs)
+    v = {k: float(x.value) for k, x in inputs.items()}
+    mtbf = v["mtbf_hours"] * 3600.0
+    q = model.host_loss_fraction
+    tier = bool(inputs["memory_tier"].value) and q < 1.0
+    if tier:
+        # Memory snapshots serve the failures that keep host memory: MTBF / (1 - q) between them.
+        cost, period = model.save_stall, young_daly(model.save_stall, mtbf / (1.0 - q))
+        dal = daly(model.save_stall, mtbf / (1.0 - q))
+        # A persistent save costs only its overhead (its stall is the snapshot's), and cannot start before
+        # the previous one is written: at least one persist time apart.
+        first = young_daly(model.persist_overhead, mtbf / q) if q > 0 and model.persist_overhead > 0 else 0.0
+        if q == 0.0:
+            first = 64.0 * period
+        persistent: float | None = max(first, model.persist_time, period)
+        if persistent == period:  # every snapshot is persisted: every failure rolls back to the newest save
+            cost, period, dal = model.save_stall, young_daly(model.save_stall, mtbf), daly(model.save_stall, mtbf)
+            persistent = max(first, model.persist_time, period)
+    else:
+        cost = model.save_stall + model.persist_overhead
+        period, dal, persistent = young_daly(cost, mtbf), daly(cost, mtbf), None
+    yd = YoungDaly(mtbf_s=mtbf, save_cost_s=cost, period_s=period, daly_period_s=dal,
+                   persistent_period_s=persistent)
+    horizon = max(v["horizon_days"] * DAY, v["min_failures"] * mtbf)
+    return Plan(model, v["step_time_s"], mtbf, tier, yd, horizon, int(v["seed"]))
+
+
+def fit_optimum(periods: list[float], goodputs: list[float]) -> float:
+    """The period that maximizes goodput: the minimum of badput = a/T + b*T + c fitted by least squares
+    around the best simulated point (less noisy than the best point alone); that point if the fit fails."""
+    best = int(np.argmax(goodputs))
+    lo, hi = max(0, best - 3), min(len(periods), best + 4)
+    x = np.asarray(periods[lo:hi], dtype=float)
+    y = 1.0 - np.asarray(goodputs[lo:hi], dtype=float)
+    if len(x) >= 3:
+        a, b, _ = np.linalg.lstsq(np.stack([1.0 / x, x, np.ones_like(x)], axis=1), y, rcond=None)[0]
+        if a > 0 and b > 0 and x[0] <= math.sqrt(a / b) <= x[-1]:
+            return float(math.sqrt(a / b))
+    return float(periods[best])
+
+
+def _grid(plan: Plan, points: int = 13) -> list[float]:
+    """Periods around the first-order optimum, x 1/4 ... x 4, whole steps, no duplicates."""
+    half = points // 2
+    return sorted({plan.snap(plan.yd.period_s * 2.0 ** (k / (half / 2))) for k in range(-half, half + 1)})
+
+
+def optimize(plan: Plan, policy: Policy, *, points: int = 13) -> PolicyAdvice:
+    """Sweep the save period (then, with a memory tier, the persistent multiple) for one policy."""
+    grid = _grid(plan, points)
+    runs = [plan.run(policy, plan.schedule(t)) for t in grid]
+    sweep = [PeriodPoint(period_s=t, persistent_period_s=plan.schedule(t).persistent_period, goodput=r.goodput)
+             for t, r in zip(grid, runs, strict=True)]
+    at_yd = runs[grid.index(plan.snap(plan.yd.period_s))].goodput  # the middle of the grid
+    best = plan.snap(fit_optimum(grid, [r.goodput for r in runs]))
+    schedule = plan.schedule(best)
+    if plan.memory_tier:
+        first = schedule.multiple
+        multiples = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, first} & set(range(1, 4 * first + 2)))
+        tried = [(plan.run(policy, plan.schedule(best, j)).goodput, -j) for j in multiples]
+        schedule = plan.schedule(best, -max(tried)[1])
+    final = plan.run(policy, schedule)
+    return _policy_advice(plan, policy, schedule, final, at_yd, sweep)
+
+
+def _policy_advice(plan: Plan, policy: Policy, schedule: Schedule, res: SimResult, at_yd: float,
+                   sweep: list[PeriodPoint]) -> PolicyAdvice:
+    frac = res.fractions()
+    down = sum(res.badput[c] for c in ("detection", "waiting", "restore", "recompile"))
+    n = max(1, res.failures)
+    provisioned = plan.model.slices + (plan.model.spares if policy == "spare" else 0)
+    return PolicyAdvice(
+        policy=policy,
+        memory_period_s=schedule.memory_period,
+        memory_period_steps=plan.steps(schedule.memory_period) if schedule.memory_period else None,
+        persistent_period_s=schedule.persistent_period,
+        persistent_period_steps=plan.steps(schedule.persistent_period),
+        goodput=res.goodput,
+        goodput_per_chip=res.goodput * plan.model.slices / provisioned,
+        goodput_at_young_daly=at_yd,
+        lost_steps_per_failure=res.lost_per_interruption / plan.step,
+        lost_seconds_per_failure=res.lost_per_interruption,
+        downtime_per_failure_s=down / n,
+        failures_simulated=res.failures,
+        badput=Badput(**{c: frac[c] for c in CAUSES}),
+        sweep=sweep,
+    )
+
+
+def advise(query: AdviceQuery, history: JobHistory | None = None, *, job: str | None = None,
+           points: int = 13) -> Advice:
+    """The full answer: inputs, first-order periods, per-policy optimum, recommendation and reasoning."""
+    started = time.perf_counter()
+    inputs = resolve_inputs(query, history)
+    plan = make_plan(inputs)
+    policies = [optimize(plan, policy, points=points) for policy in POLICIES]
+    best = max(policies, key=lambda a: a.goodput_per_chip)
+    current = None
+    if "checkpoint_period_steps" in inputs:  # the job as it runs today: persistent saves only
+        period = float(inputs["checkpoint_period_steps"].value) * plan.step
+        current = plan.run(best.policy, Schedule(period)).goodput
+    reasoning, disagreement = explain(plan, inputs, policies, best, current)
+    return Advice(
+        job=job, inputs=dict(sorted(inputs.items())), mtbf_hours=plan.mtbf / 3600.0, young_daly=plan.yd,
+        policies=policies, recommended=best.policy, reasoning=reasoning, disagreement=disagreement,
+        current_period_goodput=current, simulated_days=plan.horizon / DAY,
+        compute_seconds=time.perf_counter() - started,
+    )
+
+
+def advice_for_job(job: str, checkpoints: Sequence[CheckpointInfo], query: AdviceQuery) -> Advice:
+    """``advise`` for a job: its history fills the gaps. Raises ``MissingInputs``, or ``InvalidRequest`` for
+    inputs that do not make sense together."""
+    try:
+        return advise(query, job_history(checkpoints), job=job)
+    except MissingInputs:
+        raise
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
+
+
+__all__ = [
+    "DEFAULTS",
+    "REQUIRED",
+    "Plan",
+    "advice_for_job",
+    "advise",
+    "fit_optimum",
+    "job_model",
+    "make_plan",
+    "missing_inputs",
+    "optimize",
+    "resolve_inputs",
+]

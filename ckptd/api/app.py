@@ -1,0 +1,79 @@
+"""The sidecar's HTTP service: ``create_app(settings)`` builds the FastAPI app over a catalog.
+
+Routes and wire models come from ``trainer_client.core.protocol``; each route group is one router
+(``ckptd/api/routes/``) made from the app's ``Services``; every failure leaves as the one ``ErrorBody``
+with a stable code (``ckptd/api/errors.py``). Handlers only read the catalog (and, for a resume, rescan
+that one job first), so they answer in milliseconds; array bytes never cross HTTP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from ckptd import __version__
+from ckptd.api.auth import BearerAuth
+from ckptd.api.errors import install_error_handlers
+from ckptd.api.limits import BodySizeLimit, limit_worker_threads
+from ckptd.api.openapi import document_errors
+from ckptd.api.routes import advice, dashboard, events, health, jobs
+from ckptd.api.services import build_services
+from ckptd.catalog.catalog import Catalog
+from ckptd.config import Settings
+from trainer_client.core import protocol as p
+
+
+def create_app(settings: Settings, catalog: Catalog | None = None, *, background: bool = True) -> FastAPI:
+    """Build the ckptd app for ``settings``.
+
+    ``catalog`` may be given (tests); otherwise one is opened over ``settings.root``. With
+    ``background`` the catalog is rebuilt and refreshed by a thread started in the app's lifespan.
+    """
+    svc = build_services(settings, catalog)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        limit_worker_threads(settings.worker_threads)
+        if background:
+            svc.start()
+        try:
+            yield
+        finally:
+            if background:
+                svc.stop()
+
+    app = FastAPI(
+        title="ckptd",
+        version=__version__,
+        description="Checkpoint sidecar for elastic JAX training: where to resume, and on which mesh.",
+        lifespan=lifespan,
+    )
+    app.state.services = svc
+    app.state.catalog = svc.catalog
+    app.state.settings = settings
+    app.state.events = svc.events
+    app.state.metrics = svc.metrics
+    app.state.tracker = svc.tracker
+    app.state.snapshots = svc.keeper
+    app.state.resume_answers = svc.answers
+    install_error_handlers(app)
+
+    def _needs_token(path: str) -> bool:
+        return path.startswith(p.API_PREFIX) or (settings.metrics_require_token and path == p.ROUTE_METRICS)
+
+    app.add_middleware(BearerAuth, token=settings.token, needs_token=_needs_token,
+                       count=lambda route, status: svc.metrics.requests.labels(route, str(status)).inc())
+    # Outermost (added last): an oversized body is refused before auth, routing or parsing read it.
+    app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes,
+                       on_refused=lambda: svc.metrics.requests.labels("body_limit", "413").inc())
+
+    for router in (health.router(svc), jobs.router(svc), advice.router(svc), events.router(svc),
+                   dashboard.router()):
+        app.include_router(router)
+    document_errors(app, metrics_require_token=settings.metrics_require_token)
+    return app
+
+
+__all__ = ["create_app"]

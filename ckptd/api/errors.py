@@ -1,0 +1,72 @@
+"""Every failure leaves the API as the one error body (``ErrorBody``): this module is the only place
+where exceptions become HTTP.
+
+Domain code raises domain errors (``ckptd/errors.py``, and the core's ``PlanningError`` and
+``StorageError``); each carries a stable ``ErrorCode``, and the status of a code comes from the wire
+contract's ``ERROR_STATUS`` table (``trainer_client/core/protocol/``), which the client reads too.
+Refusals that only the HTTP layer can make (no token, a body too large, an unknown route) are built here
+with ``error_response``. A bug answers ``500 INTERNAL`` without internals; the server logs it.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ckptd.errors import ServiceError
+from trainer_client.core import protocol as p
+from trainer_client.core.errors import PlanningError, StorageError
+
+# Declared on each route for the OpenAPI schema; ckptd/api/openapi.py adds the statuses every route can give.
+ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
+    status: {"model": p.ErrorBody} for status in (400, 401, 404, 409, 422, 503)
+}
+
+
+def error_response(code: p.ErrorCode, message: str, detail: dict[str, object] | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """The one error body for ``code``, with the status the wire contract gives it."""
+    body = p.ErrorBody(code=code, message=message, detail=detail)
+    return JSONResponse(status_code=p.ERROR_STATUS[code], content=body.model_dump(mode="json", exclude_none=True),
+                        headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map domain errors, request validation, routing refusals and bugs onto the one error body."""
+
+    @app.exception_handler(ServiceError)
+    async def _service(_: Request, exc: ServiceError) -> JSONResponse:
+        return error_response(exc.code, exc.message, exc.detail)
+
+    @app.exception_handler(PlanningError)
+    async def _planning(_: Request, exc: PlanningError) -> JSONResponse:
+        return error_response(exc.code, exc.message)
+
+    @app.exception_handler(StorageError)
+    async def _storage(_: Request, exc: StorageError) -> JSONResponse:
+        return error_response(p.ErrorCode.STORAGE_ERROR, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [
+            {"loc": [str(x) for x in e.get("loc", ())], "msg": str(e.get("msg", ""))} for e in exc.errors()
+        ]
+        return error_response(p.ErrorCode.INVALID_REQUEST, "the request does not match the API", {"errors": errors})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: p.ErrorCode.ROUTE_NOT_FOUND, 405: p.ErrorCode.METHOD_NOT_ALLOWED}.get(
+            exc.status_code, p.ErrorCode.INVALID_REQUEST
+        )
+        return error_response(code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        # A bug, not the caller's mistake: the one error body still, without internals (Starlette
+        # re-raises the exception afterwards, so the server logs it with its traceback).
+        return error_response(p.ErrorCode.INTERNAL, "internal error; see the ckptd log")
+
+
+__all__ = ["ERROR_RESPONSES", "error_response", "install_error_handlers"]

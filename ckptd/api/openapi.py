@@ -1,0 +1,92 @@
+"""The app's OpenAPI schema, completed: what every route can answer and what it does.
+
+* ``document_errors``: the ``{job}`` path parameter's pattern (a name that fails it gets
+  ``400 INVALID_JOB_NAME``), and the ``ErrorBody`` of every error status a route can give (401 without the
+  token, 413, 422, 500, ...), so clients and schema-driven tests (schemathesis) know them.
+* ``ROUTE_DOCS``: one-line summaries and short descriptions of the routes, used by the routers
+  (``route_doc``); ``/docs``, ``/openapi.json`` and the generated reference (docs/api.md,
+  ``python -m ckptd.api.gen_docs``) show them. A route's own docstring wins over the description here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+
+from trainer_client.core import protocol as p
+
+ROUTE_DOCS: dict[tuple[str, str], tuple[str, str]] = {
+    ("GET", p.ROUTE_HEALTHZ): ("Liveness", "Always 200 while the process serves HTTP (liveness probe)."),
+    ("GET", p.ROUTE_READYZ): ("Readiness", "200 once the catalog has been built from storage, 503 before "
+                              "(readiness probe); `detail` has the root, the last refresh and the last error."),
+    ("GET", p.ROUTE_METRICS): ("Prometheus metrics", "Prometheus text format; open without a token unless "
+                             "`CKPTD_METRICS_REQUIRE_TOKEN` is set."),
+    ("GET", p.ROUTE_JOBS): ("List jobs", "The jobs of the root (its subdirectories with a valid job name)."),
+    ("GET", p.ROUTE_CHECKPOINTS): ("List a job's steps", "Every step directory of the job with its state."),
+    ("GET", p.ROUTE_LATEST_GOOD): ("Latest good step", "The newest verified, non-quarantined step, checked on "
+                                   "storage before it is named; 404 `NO_GOOD_CHECKPOINT` when there is none."),
+    ("POST", p.ROUTE_RESUME): ("Resume plan", "Where to resume and how to lay the state out on the devices alive "
+                               "now: step, path, mesh, partition specs, batch and data position."),
+    ("GET", p.ROUTE_ADVICE): ("Goodput advisor", ""),
+    ("POST", p.ROUTE_EVENTS): ("Report events", ""),
+    ("GET", p.ROUTE_EVENTS): ("Read events", ""),
+    ("GET", p.ROUTE_GOODPUT): ("Goodput", ""),
+    ("GET", p.ROUTE_DASHBOARD): ("Dashboard", ""),
+}
+
+
+def route_doc(method: str, path: str) -> dict[str, Any]:
+    """The ``summary`` (and ``description``, when the table has one) to pass to a route decorator."""
+    summary, description = ROUTE_DOCS[(method, path)]
+    return {"summary": summary, **({"description": description} if description else {})}
+
+
+_ERROR_REF = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+_ANY_ROUTE = (413, 500)  # a body over the limit; a bug (never the caller's mistake, still the error body)
+_V1_ROUTE = (401, 404, 422, 503)  # no or a wrong token; unknown job; bad input; catalog not ready / storage
+_JOB_ROUTE = (400,)  # the {job} segment is not a job name
+
+
+def _describe(status: int) -> str:
+    codes = sorted(c.value for c, s in p.ERROR_STATUS.items() if s == status)
+    return "Error: " + ", ".join(codes) if codes else "Error"
+
+
+def document_errors(app: FastAPI, *, metrics_require_token: bool = False) -> None:
+    """Complete the OpenAPI schema of ``app`` (once, when it is first generated): the job-name pattern on
+    every ``{job}`` parameter, and an ``ErrorBody`` response for every error status a route can give."""
+    generate = app.openapi
+    documented: list[dict[str, Any]] = []
+
+    def openapi() -> dict[str, Any]:
+        schema = generate()  # FastAPI caches it in app.openapi_schema: the same dict until that is reset
+        if documented and documented[-1] is schema:
+            return schema
+        schema.setdefault("components", {}).setdefault("schemas", {}).setdefault(
+            "ErrorBody", p.ErrorBody.model_json_schema(ref_template="#/components/schemas/{model}")
+        )
+        for path, item in schema.get("paths", {}).items():
+            for operation in item.values():
+                if not isinstance(operation, dict) or "responses" not in operation:
+                    continue
+                statuses = list(_ANY_ROUTE)
+                if path.startswith(p.API_PREFIX):
+                    statuses += _V1_ROUTE
+                if path == p.ROUTE_METRICS and metrics_require_token:
+                    statuses.append(401)
+                for param in operation.get("parameters", []):
+                    if param.get("in") == "path" and param.get("name") == "job":
+                        param.setdefault("schema", {}).update(pattern=p.JOB_NAME_PATTERN, maxLength=128)
+                        statuses += _JOB_ROUTE
+                for status in statuses:
+                    operation["responses"].setdefault(
+                        str(status), {"description": _describe(status), "content": _ERROR_REF}
+                    )
+        documented[:] = [schema]
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+__all__ = ["ROUTE_DOCS", "document_errors", "route_doc"]

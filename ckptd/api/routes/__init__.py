@@ -1,0 +1,1 @@
+"""One ``APIRouter`` per route group, each built from the app's ``Services`` (``router(services)``)."""

@@ -1,0 +1,74 @@
+"""The observability routes: trainers report elastic events, operators read them and the job's goodput.
+
+``POST /v1/jobs/{job}/events`` stores a batch on storage (``ckptd.catalog.events``) and counts it in the metrics;
+``GET /v1/jobs/{job}/events`` and ``GET /v1/jobs/{job}/goodput`` read the events back from storage, so
+every sidecar of a job sees the events all of them stored. Wire models live in
+``trainer_client.core.protocol``; errors are the one ``ErrorBody``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from ckptd.advisor.goodput import compute_goodput
+from ckptd.api.openapi import route_doc
+from ckptd.api.services import Services
+from ckptd.errors import InvalidJobName
+from trainer_client.core import protocol as p
+from trainer_client.core.errors import StorageError
+
+_ERRORS: dict[int | str, dict[str, object]] = {status: {"model": p.ErrorBody} for status in (400, 401, 404, 422, 503)}
+
+
+def router(svc: Services) -> APIRouter:
+    api = APIRouter(tags=["events"], responses=_ERRORS)
+
+    @api.post(p.ROUTE_EVENTS, response_model=p.EventAck, **route_doc("POST", p.ROUTE_EVENTS))
+    def post_events(job: str, batch: p.EventBatch) -> p.EventAck:
+        """Store a batch of events of a training run (trainer_client's reporter sends them).
+
+        The job directory need not hold a step yet: events come before the first checkpoint. A resent
+        batch is recognised by its event ids and not stored twice.
+        """
+        if not p.is_valid_job_name(job):
+            raise InvalidJobName(job)
+        try:
+            stored, duplicates = svc.events.append(job, batch.events)
+        except (OSError, StorageError) as exc:
+            raise StorageError(f"cannot store the events of {job!r}: {exc}") from exc
+        svc.metrics.observe_events(job, stored)
+        return p.EventAck(job=job, accepted=len(stored), duplicates=duplicates)
+
+    @api.get(p.ROUTE_EVENTS, response_model=p.EventList, response_model_exclude_none=True,
+             **route_doc("GET", p.ROUTE_EVENTS))
+    def get_events(
+        job: str,
+        since: Annotated[float | None, Query(description="only events at or after this Unix time")] = None,
+        limit: Annotated[int, Query(ge=1, le=100_000, description="at most this many, the newest")] = 10_000,
+    ) -> p.EventList:
+        """The job's events, oldest first, read from storage (every sidecar's, deduplicated)."""
+        events = svc.events.load(svc.check_job(job), since=since)
+        return p.EventList(job=job, events=events[-limit:])
+
+    @api.get(p.ROUTE_GOODPUT, response_model=p.Goodput, **route_doc("GET", p.ROUTE_GOODPUT))
+    def goodput(
+        job: str,
+        step_time_s: Annotated[float | None, Query(gt=0, description="a normal step's time; "
+                                                   "default: measured from the events or checkpoints")] = None,
+        since: Annotated[float | None, Query(description="only the window from this Unix time on")] = None,
+    ) -> p.Goodput:
+        """Productive training time over wall time, and the badput by cause (ckptd/advisor/goodput.py)."""
+        events = svc.events.load(svc.check_job(job), since=since)
+        result = compute_goodput(job, events, svc.catalog.checkpoints(job), step_time_s=step_time_s)
+        prefix = svc.events.directory(job) + "/"
+        skipped = [path for path in svc.events.unreadable if path.startswith(prefix)]
+        if skipped:
+            result.notes.append(f"{len(skipped)} unreadable event file(s) skipped")
+        return result
+
+    return api
+
+
+__all__ = ["router"]

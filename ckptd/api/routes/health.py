@@ -1,0 +1,45 @@
+"""Probes and metrics: ``/healthz``, ``/readyz``, ``/metrics``.
+
+The probes are async: they run on the event loop, never queued behind busy worker threads (a liveness
+probe that waits on a slow listing would get a loaded ckptd restarted). They touch no storage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ckptd.api.openapi import route_doc
+from ckptd.api.services import Services
+from trainer_client.core import protocol as p
+
+
+def router(svc: Services) -> APIRouter:
+    api = APIRouter(tags=["health"])
+    cat = svc.catalog
+
+    @api.get(p.ROUTE_HEALTHZ, response_model=p.Health, **route_doc("GET", p.ROUTE_HEALTHZ))
+    async def healthz() -> p.Health:
+        return p.Health(status="ok")
+
+    @api.get(p.ROUTE_READYZ, response_model=p.Health, responses={503: {"model": p.Health}},
+             **route_doc("GET", p.ROUTE_READYZ))
+    async def readyz() -> Any:
+        detail: dict[str, object] = {"root": svc.settings.root, "last_refresh": cat.last_refresh}
+        if cat.last_error:
+            detail["last_error"] = cat.last_error
+        if not cat.ready.is_set():
+            return JSONResponse(status_code=503, content=p.Health(status="not_ready", detail=detail).model_dump())
+        return p.Health(status="ok", detail=detail)
+
+    @api.get(p.ROUTE_METRICS, response_class=Response, **route_doc("GET", p.ROUTE_METRICS))
+    def metrics_endpoint() -> Response:
+        return Response(svc.metrics.render(cat), media_type=CONTENT_TYPE_LATEST)
+
+    return api
+
+
+__all__ = ["router"]

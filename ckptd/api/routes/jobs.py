@@ -1,0 +1,112 @@
+"""The checkpoint routes: jobs, a job's steps, its latest good step, and the resume plan.
+
+Handlers only read the catalog (and, for a resume, rescan that one job first), so they answer in
+milliseconds. Lists and resume plans are serialised here, not by FastAPI (its response_model would dump
+and validate a 1,000-array plan again on every answer), and identical requests asked together share one
+round of checks begun after they arrived (``ckptd/api/coalesce.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Response
+
+from ckptd.api.errors import ERROR_RESPONSES
+from ckptd.api.openapi import route_doc
+from ckptd.api.services import Services
+from ckptd.errors import NoGoodCheckpoint, ServiceError, StepNotFound, StepNotGood
+from trainer_client.core import protocol as p
+from trainer_client.core.errors import PlanningError
+from trainer_client.core.format.snapshot import newest_whole
+from trainer_client.core.planner import memory_snapshot_plan, resume_plan
+
+# Refusals that name no catalogued job: not counted per job (a label per unknown name would grow without bound).
+_NOT_A_JOB = frozenset({p.ErrorCode.INVALID_JOB_NAME, p.ErrorCode.JOB_NOT_FOUND, p.ErrorCode.NOT_READY})
+
+
+def _good_step(job: str, request: p.ResumeRequest, info: p.CheckpointInfo | None) -> p.CheckpointInfo:
+    if info is None:
+        if request.step is None:
+            raise NoGoodCheckpoint(job)
+        raise StepNotFound(job, request.step)
+    if info.state is not p.StepState.VERIFIED:
+        raise StepNotGood(f"step {request.step} of job {job!r} is {info.state.value}: {info.reason}")
+    return info
+
+
+def router(svc: Services) -> APIRouter:
+    api = APIRouter(tags=["jobs"], responses=ERROR_RESPONSES)
+    cat = svc.catalog
+
+    @api.get(p.ROUTE_JOBS, response_model=p.JobList, **route_doc("GET", p.ROUTE_JOBS))
+    def list_jobs() -> p.JobList:
+        svc.require_ready()
+        return p.JobList(jobs=cat.jobs())
+
+    def _listing(job: str) -> bytes:
+        """The job's list as answered, serialised once per catalog version (10,000 steps: ~3 MB, ~1 s of
+        GIL to build; 64 clients listing at once used to build it 64 times)."""
+        svc.check_job(job)
+        version = cat.version  # read before the rows: a change after it gives a newer version, never a stale hit
+        kept = svc.listings.get(job)
+        if kept is not None and kept[0] == version:
+            return kept[1]
+        body = p.CheckpointList(job=job, checkpoints=cat.checkpoints(job)).model_dump_json().encode()
+        svc.listings[job] = (version, body)
+        return body
+
+    @api.get(p.ROUTE_CHECKPOINTS, response_model=p.CheckpointList, **route_doc("GET", p.ROUTE_CHECKPOINTS))
+    async def list_checkpoints(job: str) -> Any:
+        body = await svc.answers.answer(("list", job), lambda: _listing(job))
+        return Response(body, media_type="application/json")
+
+    @api.get(p.ROUTE_LATEST_GOOD, response_model=p.CheckpointInfo, **route_doc("GET", p.ROUTE_LATEST_GOOD))
+    def latest_good(job: str) -> p.CheckpointInfo:
+        info = cat.confirmed_latest_good(svc.check_job(job))
+        if info is None:
+            raise NoGoodCheckpoint(job)
+        return info
+
+    def _answer(job: str, request: p.ResumeRequest) -> bytes:
+        """The resume plan's bytes, from checks made now (run by a worker thread, once per round)."""
+        svc.check_job(job)
+        cat.refresh_job(job, quick=True)  # the newest committed step, even if the last periodic scan missed it
+        shm_dir = svc.settings.shm_dir
+        snapshot = newest_whole(shm_dir, job, at_most=request.step) if request.use_memory_tier else None
+        if snapshot is not None and request.step is not None and snapshot[1].step != request.step:
+            snapshot = None
+        info = cat.confirmed_latest_good(job) if request.step is None else cat.confirmed_step(job, request.step)
+        if snapshot is not None and (info is None or info.state is not p.StepState.VERIFIED
+                                     or snapshot[1].step >= info.step):
+            return memory_snapshot_plan(job=job, request=request, snapshot=snapshot).model_dump_json().encode()
+        good = _good_step(job, request, info)
+        loaded = cat.layout(good)  # the step's arrays, read once and kept (ckptd/catalog/catalog.py)
+        training, layout = loaded[0] or good.training, loaded[1]
+        return svc.plans.answer(  # planned once per (step, request): ckptd/api/plan_cache.py
+            good.path, request.model_dump_json(), loaded,
+            lambda: resume_plan(job=job, step=good.step, path=good.path, request=request,
+                                training=training, saved_layout=layout).model_dump_json().encode(),
+        )
+
+    @api.post(p.ROUTE_RESUME, response_model=p.ResumePlan, **route_doc("POST", p.ROUTE_RESUME))
+    async def resume(job: str, request: p.ResumeRequest) -> Any:
+        started = time.perf_counter()
+        # The hosts of a job ask together and alike: requests that arrive while the same question is being
+        # answered share the next answer, worked out after they arrived.
+        try:
+            body = await svc.answers.answer(("resume", job, request.model_dump_json()),
+                                            lambda: _answer(job, request))
+        except (ServiceError, PlanningError) as exc:
+            if exc.code not in _NOT_A_JOB:  # no metric label for names that are not jobs
+                svc.metrics.resume_requests.labels(job).inc()
+            raise
+        svc.metrics.resume_requests.labels(job).inc()
+        svc.metrics.plan_seconds.observe(time.perf_counter() - started)
+        return Response(body, media_type="application/json")
+
+    return api
+
+
+__all__ = ["router"]

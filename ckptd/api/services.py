@@ -1,0 +1,96 @@
+"""What the routes of one app share: the catalog and the workers around it, built once by ``create_app``.
+
+Every router is made from a ``Services`` (``routes/*.py``: ``router(services) -> APIRouter``), so a route
+reaches the catalog, metrics and caches of its own app and nothing global; tests build several apps in
+one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ckptd.api.coalesce import Coalescer
+from ckptd.api.plan_cache import PlanCache
+from ckptd.catalog.catalog import Catalog
+from ckptd.catalog.commit_tracker import CommitTracker
+from ckptd.catalog.events import EventStore, record_retention
+from ckptd.catalog.refresher import Refresher
+from ckptd.catalog.retention import prune
+from ckptd.catalog.snapshots import SnapshotKeeper
+from ckptd.config import Settings
+from ckptd.errors import InvalidJobName, JobNotFound, NotReady
+from ckptd.metrics import Metrics
+from trainer_client.core import protocol as p
+from trainer_client.core.storage import Storage
+
+
+@dataclass
+class Services:
+    settings: Settings
+    catalog: Catalog
+    metrics: Metrics
+    events: EventStore
+    tracker: CommitTracker
+    refresher: Refresher
+    keeper: SnapshotKeeper | None
+    plans: PlanCache = field(default_factory=PlanCache)
+    answers: Coalescer[bytes] = field(default_factory=Coalescer)
+    listings: dict[str, tuple[int, bytes]] = field(default_factory=dict)  # job -> (catalog version, list answered)
+
+    def require_ready(self) -> None:
+        if not self.catalog.ready.is_set():
+            raise NotReady()
+
+    def check_job(self, job: str) -> str:
+        """``job`` when it is a valid name of a catalogued job (rescanned once if it is new); else the error."""
+        if not p.is_valid_job_name(job):
+            raise InvalidJobName(job)
+        self.require_ready()
+        if not self.catalog.has_job(job):
+            self.catalog.refresh_job(job)  # a job created since the last scan
+            if not self.catalog.has_job(job):
+                raise JobNotFound(job)
+        return job
+
+    def start(self) -> None:
+        if self.keeper is not None:
+            self.keeper.start()
+        self.refresher.start()
+        self.tracker.start()
+
+    def stop(self) -> None:
+        self.tracker.stop()
+        self.refresher.stop()
+        if self.keeper is not None:
+            self.keeper.stop()
+
+
+def build_services(settings: Settings, catalog: Catalog | None = None) -> Services:
+    """The catalog over ``settings.root`` (unless given) and the workers that keep it current."""
+    if catalog is None:
+        catalog = Catalog(Storage(settings.root), settings.catalog_path(), save_timeout_s=settings.save_timeout_s,
+                          adopt_after_s=settings.adopt_after_s, revalidate_after_s=settings.revalidate_after_s)
+    cat = catalog
+    metrics = Metrics()
+    events = EventStore(cat.storage)  # <root>/<job>/.ckptd/events/ (ckptd/catalog/events.py)
+    tracker = CommitTracker(cat, metrics, events, interval_s=settings.refresh_interval_s)
+    policy = settings.retention()
+    keeper = (  # the host-memory tier, when a shared-memory directory is configured (ckptd/catalog/snapshots.py)
+        SnapshotKeeper(cat.storage, settings.shm_dir, max_snapshots=settings.max_snapshots,
+                       compression=settings.persist_compression, nice=settings.persist_nice,
+                       devices=settings.persist_devices,
+                       on_persisted=lambda job, _step: cat.refresh_job(job))
+        if settings.shm_dir else None
+    )
+    refresher = Refresher(
+        cat, settings.refresh_interval_s,
+        maintenance=(lambda: record_retention(events, prune(cat, policy)))
+        if policy.prunes_good_steps or policy.clean_abandoned else None,
+        maintenance_interval_s=settings.gc_interval_s,
+        on_refresh=keeper.scan if keeper is not None else None,
+    )
+    return Services(settings=settings, catalog=cat, metrics=metrics, events=events, tracker=tracker,
+                    refresher=refresher, keeper=keeper)
+
+
+__all__ = ["Services", "build_services"]

@@ -1,0 +1,368 @@
+"""The catalog: a SQLite cache of what storage holds, rebuilt from storage at start and kept fresh.
+
+Storage is the source of truth (DESIGN invariant 1). The catalog only remembers what a scan of storage
+found, so that answering ``latest-good`` or ``resume`` does not re-read every step's metadata. Killing
+ckptd loses nothing: the next start drops the cache and scans again.
+
+A refresh lists each job directory and inspects only the step directories it has not yet settled
+(verified or quarantined, see ``ckptd.catalog.integrity``); a step that vanished from storage leaves the catalog.
+A step that some ckptd already verified carries a verified record (``ckptd_verified.json``): it is
+catalogued from that small file alone, so a start over 10,000 steps reads 10,000 small files, not
+gigabytes of per-array metadata. Rows keep the training metadata without its per-array part; the arrays
+of a step are read when a plan needs them, and kept for the few steps recently planned.
+
+Before a step is named in an answer it is checked on storage: its commit marker is there and no
+quarantine record, on every answer; quick validation against its manifest, when the last one is older
+than ``revalidate_after_s`` (the refresher re-checks each job's newest good step ahead of that, so answers
+rarely wait for it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import replace
+from pathlib import Path
+from typing import TypeVar
+
+from ckptd.catalog.integrity import quarantine, settle
+from ckptd.catalog.step_table import FINAL_STATES, UNSETTLED_STATES, StepTable, summary_json
+from trainer_client.core.errors import StorageError
+from trainer_client.core.format.manifest import (
+    MANIFEST_FILE,
+    QUARANTINE_FILE,
+    VERIFIED_FILE,
+    Manifest,
+    fingerprints,
+    read_verified_record,
+    training_summary,
+)
+from trainer_client.core.format.saved_layout import saved_layout
+from trainer_client.core.format.steps import (
+    COMMIT_MARKER,
+    StepInspection,
+    inspect_step,
+    parse_step_name,
+    read_training,
+    step_entries,
+)
+from trainer_client.core.protocol import (
+    ArraySpec,
+    CheckpointInfo,
+    MeshSpec,
+    StepState,
+    TrainingMetadata,
+    is_valid_job_name,
+)
+from trainer_client.core.storage import Entry, Storage, mtime_of
+from trainer_client.core.validation import validate_step
+
+_log = logging.getLogger(__name__)
+
+_LAYOUTS_KEPT = 8  # saved layouts (all arrays of a step) kept in memory, most recently planned first
+
+Layout = tuple[MeshSpec | None, dict[str, ArraySpec]]
+_V = TypeVar("_V")
+
+
+class Catalog(StepTable):
+    """What the checkpoint root holds, per job and step, with the commit rule applied."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        db_path: Path | str,
+        *,
+        save_timeout_s: float = 3600.0,
+        adopt_after_s: float = 0.0,
+        revalidate_after_s: float = 30.0,
+    ) -> None:
+        self.storage = storage
+        self.save_timeout_s = save_timeout_s
+        self.adopt_after_s = adopt_after_s
+        self.revalidate_after_s = revalidate_after_s
+        super().__init__(db_path)
+        self._scanned_mtime: dict[str, int] = {}
+        self._validated_at: dict[str, float] = {}  # step path -> when quick validation last passed (monotonic)
+        self._layouts: OrderedDict[str, tuple[TrainingMetadata | None, Layout]] = OrderedDict()
+        self._manifests: OrderedDict[str, tuple[tuple[int, float], Manifest]] = OrderedDict()  # (size, mtime)
+        self.ready = threading.Event()
+        self.last_refresh: float | None = None
+        self.last_error: str | None = None
+
+    # ---- building -------------------------------------------------------------------------------
+
+    def rebuild(self) -> None:
+        """Forget everything and scan storage again (what every start does)."""
+        self._reset()
+        self.refresh()
+        self.ready.set()
+
+    def refresh(self, *, quick: bool = False) -> None:
+        """Bring the catalog in line with storage: new jobs, new steps, steps that changed or vanished.
+
+        ``quick`` skips listing the steps of a local job directory unchanged since its last listing (see
+        ``refresh_job``): the refresher's usual pass, with a full one every ``Refresher.full_every``."""
+        self.storage.invalidate()
+        job_entries = [e for e in self.storage.list_dir(self.storage.root) if e.is_dir]
+        names = {e.name for e in job_entries if is_valid_job_name(e.name)}
+        with self._tx() as db:
+            dropped = [name for (name,) in db.execute("SELECT name FROM jobs").fetchall() if name not in names]
+            for name in dropped:
+                db.execute("DELETE FROM jobs WHERE name = ?", (name,))
+                db.execute("DELETE FROM steps WHERE job = ?", (name,))
+        if dropped:
+            self.version += 1
+        for entry in job_entries:
+            if entry.name in names:
+                self.refresh_job(entry.name, quick=quick)
+        self.last_refresh = time.time()
+        self.last_error = None
+
+    def refresh_job(self, job: str, *, quick: bool = False) -> None:
+        """Rescan one job directory; inspects (and settles) only steps not yet verified or quarantined.
+
+        ``quick`` (what a resume does): on a local disk, when the job directory has not changed since the
+        last scan, only the steps not yet settled are looked at again — no listing of thousands of steps.
+        """
+        job_path = self.storage.join(job)
+        dir_mtime = self._dir_mtime_ns(job_path)
+        self.storage.invalidate(job_path)
+        if not self.storage.is_dir(job_path):
+            with self._tx() as db:
+                dropped = db.execute("DELETE FROM jobs WHERE name = ?", (job,)).rowcount
+                db.execute("DELETE FROM steps WHERE job = ?", (job,))
+            if dropped:
+                self.version += 1
+            return
+        unchanged = quick and dir_mtime is not None and self._scanned_mtime.get(job) == dir_mtime
+        with self._lock:
+            # An unchanged directory needs only its unsettled steps (a resume must not load 10,000 rows).
+            if unchanged:
+                marks = ", ".join("?" * len(UNSETTLED_STATES))
+                rows = self._db.execute(
+                    f"SELECT dirname, state, reason FROM steps WHERE job = ? AND state IN ({marks})",
+                    (job, *UNSETTLED_STATES))
+            else:
+                rows = self._db.execute("SELECT dirname, state, reason FROM steps WHERE job = ?", (job,))
+            seen = {str(row[0]): (str(row[1]), row[2]) for row in rows}
+        known = {name: state for name, (state, _) in seen.items()}
+        if unchanged:
+            if not known:
+                return  # nothing new, nothing pending: no write either
+            entries = [(None, Entry(name, self.storage.join(job, name), True, None)) for name in known]
+            present = set(known)
+        else:
+            entries = step_entries(self.storage, job_path)  # type: ignore[assignment]
+            present = {entry.name for _, entry in entries}
+            # Taken before the listing, so a later change rescans. Directory times are coarse (a clock tick):
+            # a change within the same tick as the listing would keep the time, so a directory that changed
+            # in the last second is not trusted to be unchanged.
+            if dir_mtime is not None and time.time() - dir_mtime / 1e9 > 1.0:
+                self._scanned_mtime[job] = dir_mtime
+            else:
+                self._scanned_mtime.pop(job, None)
+        now = time.time()
+        found: list[tuple[str, StepInspection]] = []
+        for _, entry in entries:
+            if known.get(entry.name) in FINAL_STATES:
+                continue
+            self._forget(self.storage.url_of(entry.path))
+            try:
+                inspection = self._from_verified_record(entry) or self._inspect(entry, now)
+            except StorageError as exc:  # one unreadable step must not hide the others
+                self.last_error = f"{entry.path}: {exc}"
+                _log.warning("cannot inspect %s: %s", entry.path, exc)
+                continue
+            if inspection is not None:
+                found.append((entry.name, inspection))
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO jobs (name, path, scanned_at) VALUES (?, ?, ?) "
+                "ON CONFLICT(name) DO UPDATE SET scanned_at = excluded.scanned_at",
+                (job, self.storage.url_of(job_path), now),
+            )
+            gone = set(known) - present
+            for dirname in gone:
+                db.execute("DELETE FROM steps WHERE job = ? AND dirname = ?", (job, dirname))
+            for dirname, ins in found:
+                db.execute(
+                    "INSERT OR REPLACE INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        job,
+                        dirname,
+                        ins.step,
+                        ins.state.value,
+                        self.storage.url_of(ins.path),
+                        ins.reason,
+                        ins.committed_at,
+                        summary_json(ins.training),
+                    ),
+                )
+        # after the commit: a reader that sees the new version reads the new rows (answers are cached per version)
+        if gone or any(seen.get(dirname) != (ins.state.value, ins.reason) for dirname, ins in found):
+            self.version += 1
+
+    def _inspect(self, entry: Entry, now: float | None = None) -> StepInspection | None:
+        """The commit rule and structural checks; a committed step is then verified or quarantined."""
+        inspection = inspect_step(self.storage, entry, save_timeout_s=self.save_timeout_s, now=now)
+        if inspection is not None and inspection.state is StepState.COMMITTED:
+            settled = settle(self.storage, inspection, adopt_after_s=self.adopt_after_s)
+            inspection = replace(inspection, state=settled.state, reason=settled.reason)
+            if settled.state is StepState.VERIFIED:
+                self._validated_at[self.storage.url_of(inspection.path)] = time.monotonic()
+        return inspection
+
+    def _from_verified_record(self, entry: Entry) -> StepInspection | None:
+        """A step some ckptd verified before, from its verified record alone: committed (marker there),
+        manifest there, no quarantine record. None sends the step down the full inspection."""
+        parsed = parse_step_name(entry.name)
+        if parsed is None or parsed.is_tmp or not entry.is_dir:
+            return None
+        children = self.storage.list_dir(entry.path)
+        names = {e.name for e in children}
+        if not {COMMIT_MARKER, MANIFEST_FILE, VERIFIED_FILE} <= names or QUARANTINE_FILE in names:
+            return None
+        record = read_verified_record(self.storage, entry.path)
+        if record is None or record.step != parsed.step or record.fingerprints != fingerprints(children):
+            return None  # no usable verdict, or a file changed since it: verify again
+        reason = "adopted: manifest written by ckptd" if record.writer == "adopted" else None
+        return StepInspection(parsed.step, entry.path, StepState.VERIFIED, reason, record.committed_at,
+                              record.training)
+
+    def _forget(self, path: str) -> None:
+        """Drop what is kept in memory about a step (it is being inspected again)."""
+        self._validated_at.pop(path, None)
+        self._layouts.pop(path, None)
+        self._manifests.pop(path, None)
+
+    def _dir_mtime_ns(self, path: str) -> int | None:
+        if self.storage.is_remote:
+            return None  # object stores have no directory times: always list
+        try:
+            return os.stat(path).st_mtime_ns
+        except OSError:
+            return None
+
+    # ---- answering ------------------------------------------------------------------------------
+
+    def confirmed_latest_good(self, job: str, at_most: int | None = None) -> CheckpointInfo | None:
+        """``latest_good``, after checking on storage that the step still holds its commit marker.
+
+        A verified step is not re-read by refreshes; if it was deleted, is being rewritten under the same
+        name, or was quarantined by another ckptd since, it is re-inspected here and the next newest good
+        step is tried.
+        """
+        while True:
+            info = self.latest_good(job, at_most)
+            if info is None or self._still_good(info):
+                return info
+            self._reinspect(job, info)
+
+    def _still_good(self, info: CheckpointInfo) -> bool:
+        """Checked on storage before a step is named: still committed, not quarantined by anyone, and
+        still passing quick validation (a file deleted or truncated since is caught here, and the
+        step quarantined). Cached listings of the step are dropped first: on ``gs://`` a quarantine
+        record or a manifest another process wrote since would otherwise be invisible (or read with
+        its old size)."""
+        self.storage.invalidate(info.path)
+        if not self.storage.exists(f"{info.path}/{COMMIT_MARKER}"):
+            return False
+        if self.storage.exists(f"{info.path}/{QUARANTINE_FILE}"):
+            return False
+        checked = self._validated_at.get(info.path)
+        if checked is not None and time.monotonic() - checked < self.revalidate_after_s:
+            return True
+        return self.revalidate(info)
+
+    def revalidate(self, info: CheckpointInfo) -> bool:
+        """Quick validation of a verified step now; a step that fails is quarantined, one rewritten under the
+        same name (other training metadata) is not good until re-inspected."""
+        # The manifest is read again only when it changed (size or time): it is megabytes for a large model.
+        try:
+            stat = self.storage.fs.info(f"{info.path}/{MANIFEST_FILE}")
+            key: tuple[int, float] | None = (int(stat.get("size") or 0), float(mtime_of(stat) or 0.0))
+        except (OSError, ValueError):
+            key = None
+        kept = self._manifests.get(info.path)
+        known = kept[1] if kept is not None and key is not None and kept[0] == key else None
+        result = validate_step(self.storage, info.path, "quick", manifest=known)
+        if not result.ok:
+            quarantine(self.storage, info.path, "quick validation failed: " + "; ".join(result.problems[:5]),
+                       result.problems)
+            return False
+        if result.manifest is not None and key is not None:
+            self._keep(self._manifests, info.path, (key, result.manifest))
+        if result.manifest is not None and training_summary(result.manifest.training) != info.training:
+            return False  # re-inspected by the caller: the catalogued metadata belongs to an older write
+        self._validated_at[info.path] = time.monotonic()
+        return True
+
+    def revalidate_latest(self) -> None:
+        """Quick-validate each job's newest good step when its last check is 80% of the way to due, and load
+        its arrays: what the refresher does, so answers do not wait for either."""
+        for job in self.jobs():
+            if job.latest_good_step is None:
+                continue
+            info = self.latest_good(job.name)
+            if info is None:
+                continue
+            checked = self._validated_at.get(info.path)
+            due = checked is None or time.monotonic() - checked > self.revalidate_after_s * 0.8
+            if due and not self.revalidate(info):
+                self._reinspect(job.name, info)
+                continue
+            self.layout(info)
+
+    def layout(self, info: CheckpointInfo) -> tuple[TrainingMetadata | None, Layout]:
+        """The step's full training metadata (arrays included) and saved layout, read once and kept for the
+        ``_LAYOUTS_KEPT`` steps planned most recently (a step's files do not change once it is verified;
+        a step re-inspected is dropped)."""
+        with self._lock:
+            kept = self._layouts.get(info.path)
+            if kept is not None:
+                self._layouts.move_to_end(info.path)
+                return kept
+        training = read_training(self.storage, info.path) if info.training is not None else None
+        loaded = (training, saved_layout(self.storage, info.path, training))
+        self._keep(self._layouts, info.path, loaded)
+        return loaded
+
+    def _keep(self, cache: OrderedDict[str, _V], path: str, value: _V) -> None:
+        """Remember ``value`` for ``path`` among the ``_LAYOUTS_KEPT`` most recent (each can be megabytes)."""
+        with self._lock:
+            cache[path] = value
+            cache.move_to_end(path)
+            while len(cache) > _LAYOUTS_KEPT:
+                cache.popitem(last=False)
+
+    def confirmed_step(self, job: str, step: int) -> CheckpointInfo | None:
+        """``step``, with a committed answer checked against storage like ``confirmed_latest_good``."""
+        info = self.step(job, step)
+        if info is not None and info.state is StepState.VERIFIED and not self._still_good(info):
+            self._reinspect(job, info)
+            info = self.step(job, step)
+        return info
+
+    def _reinspect(self, job: str, info: CheckpointInfo) -> None:
+        name = info.path.rstrip("/").rsplit("/", 1)[-1]
+        entry = next((e for _, e in step_entries(self.storage, self.storage.join(job)) if e.name == name), None)
+        self._forget(info.path)
+        inspection = self._inspect(entry) if entry is not None else None
+        with self._tx() as db:
+            if inspection is None:
+                db.execute("DELETE FROM steps WHERE job = ? AND dirname = ?", (job, name))
+            else:
+                db.execute(
+                    "UPDATE steps SET state = ?, reason = ?, committed_at = ?, training = ? "
+                    "WHERE job = ? AND dirname = ?",
+                    (inspection.state.value, inspection.reason, inspection.committed_at,
+                     summary_json(inspection.training), job, name),
+                )
+        self.version += 1
+
+
+__all__ = ["Catalog", "Layout"]

@@ -1,0 +1,125 @@
+"""Turning a committed step into a good one, or quarantining it: ckptd's writes to storage for integrity.
+
+For every newly committed step ckptd
+
+* honours a quarantine record any ckptd left (``ckptd_quarantine.json``): the step stays quarantined;
+* adopts a step written by plain Orbax (no manifest): checksums every file at first sight and writes a
+  manifest marked ``adopted``;
+* quick-validates the manifest (names, sizes, GCS checksums) and quarantines the step when it fails —
+  files are never deleted, the record is on storage so every ckptd sees it after any restart;
+* seals the manifest with the two files Orbax finished after it (``_CHECKPOINT_METADATA``, the marker);
+* records the verdict (``ckptd_verified.json``), so a later start catalogues the step from that small file;
+* on a local disk, fsyncs the commit marker, the final metadata, ckptd's files and the directory entries
+  (the step directory and the job directory that received the rename) before reporting the step good.
+
+A write that fails (read-only storage, a storage error) leaves the step ``committed``: never served,
+retried at the next refresh.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from trainer_client.core.durability import sync_paths
+from trainer_client.core.errors import StorageError
+from trainer_client.core.format.manifest import (
+    MANIFEST_FILE,
+    QUARANTINE_FILE,
+    build_manifest,
+    newest_file_time,
+    quarantine_record,
+    seal_manifest,
+    write_json_file,
+    write_manifest,
+    write_verified_record,
+)
+from trainer_client.core.format.steps import CHECKPOINT_METADATA, COMMIT_MARKER, StepInspection
+from trainer_client.core.protocol import StepState
+from trainer_client.core.storage import Storage
+from trainer_client.core.validation import Level, ValidationResult, read_quarantine, validate_step
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Settled:
+    state: StepState
+    reason: str | None
+
+
+def quarantine(storage: Storage, step_path: str, reason: str, problems: list[str]) -> None:
+    """Record on storage that a step is bad. Its files stay where they are."""
+    write_json_file(storage, f"{step_path.rstrip('/')}/{QUARANTINE_FILE}",
+                    quarantine_record(storage.url_of(step_path), reason, problems))
+    _log.warning("quarantined %s: %s (%s)", storage.url_of(step_path), reason, "; ".join(problems[:5]))
+
+
+def _durable(storage: Storage, step_path: str) -> None:
+    if storage.is_remote:
+        return
+    step_path = step_path.rstrip("/")
+    sync_paths(
+        f"{step_path}/{COMMIT_MARKER}",
+        f"{step_path}/{CHECKPOINT_METADATA}",
+        f"{step_path}/{MANIFEST_FILE}",
+        step_path,
+        posixpath.dirname(step_path),
+    )
+
+
+def settle(storage: Storage, inspection: StepInspection, *, adopt_after_s: float = 0.0) -> Settled:
+    """Verify (adopting and sealing as needed) or quarantine a committed step.
+
+    A step without a manifest is adopted only once none of its files changed for ``adopt_after_s``: a
+    directory copied in by a tool may show its marker before its other files (Orbax writes it last)."""
+    path = inspection.path
+    try:
+        record = read_quarantine(storage, path)
+        if record is not None:
+            return Settled(StepState.QUARANTINED, str(record.get("reason", "quarantined")))
+        result = validate_step(storage, path, "quick", recorded_training=inspection.training)
+        if result.problems == ["no manifest"]:
+            newest = newest_file_time(storage, path)
+            if adopt_after_s > 0 and (newest is None or time.time() - newest < adopt_after_s):
+                return Settled(StepState.COMMITTED, f"not verified yet: adopting once unchanged for {adopt_after_s:g}s")
+            manifest = build_manifest(
+                storage, path, step=inspection.step, writer="adopted",
+                arrays=inspection.training.arrays if inspection.training else None, training=inspection.training,
+            )
+            write_manifest(storage, path, manifest)
+            result = validate_step(storage, path, "quick", recorded_training=inspection.training)
+        if not result.ok:
+            reason = "quick validation failed: " + "; ".join(result.problems[:5])
+            quarantine(storage, path, reason, result.problems)
+            return Settled(StepState.QUARANTINED, reason)
+        verified = result.manifest
+        if verified is not None and verified.sealed is None:
+            # Durable first, then sealed: a sealed manifest means a ckptd already made this step durable,
+            # so a restart does not fsync every step again.
+            _durable(storage, path)
+            verified = seal_manifest(storage, path, verified)
+            _durable(storage, path)
+        if verified is not None:  # the verdict, for every later start: one small file instead of a re-check
+            write_verified_record(storage, path, verified, inspection.committed_at)
+    except (OSError, StorageError, ValueError) as exc:
+        return Settled(StepState.COMMITTED, f"not verified yet: {type(exc).__name__}: {exc}")
+    writer = result.manifest.writer if result.manifest else None
+    return Settled(StepState.VERIFIED, "adopted: manifest written by ckptd" if writer == "adopted" else None)
+
+
+def validate_and_quarantine(
+    storage: Storage, step_path: str, level: Level, **kwargs: Any
+) -> ValidationResult:
+    """``validate_step``; a step that fails is quarantined on storage (what ``ckptd validate`` does)."""
+    result = validate_step(storage, step_path, level, **kwargs)
+    if not result.ok and read_quarantine(storage, step_path) is None:
+        quarantine(storage, step_path, f"{level} validation failed: " + "; ".join(result.problems[:5]),
+                   result.problems)
+    return result
+
+
+__all__ = ["Settled", "quarantine", "settle", "validate_and_quarantine"]

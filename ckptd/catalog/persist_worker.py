@@ -1,0 +1,154 @@
+"""``python -m ckptd.catalog.persist_worker [--serve | SNAPSHOT_DIR JOB_URL]``: write host-memory snapshots to storage.
+
+Runs as a child process of ckptd, because writing Orbax's layout takes Orbax, and Orbax takes jax —
+which ckptd's own process never imports. The child uses jax on the CPU only (it must never claim the
+host's accelerators) and saves the state through trainer_client's Checkpointer: Orbax's layout, the
+manifest written before the commit marker, fsynced. Plain Orbax can restore the result. It prints the
+committed step's URL; a non-zero exit means the step was not committed.
+
+Each array is handed to Orbax sharded as the trainer saved it: one fake CPU device per saved shard
+(``--devices`` of them: ckptd's ``CKPTD_PERSIST_DEVICES``, 16 by default; an array with more shards gets
+coarser ones), each device's buffer a read-only view of the snapshot's memory map (the trainer puts every
+shard at a 64-byte boundary, so XLA takes the view as it is). No byte is copied before Orbax writes it, Orbax writes the
+shards in parallel, and the chunks on storage are the trainer's own.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["JAX_PLATFORMS"] = "cpu"  # never the host's accelerators
+
+import argparse
+import contextlib
+import json
+import math
+import pickle
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from trainer_client.core.format.snapshot import (
+    TREEDEF_FILE,
+    ArrayRecord,
+    ShardReader,
+    map_data,
+    problems,
+    read_meta,
+    shard_grid,
+)
+from trainer_client.runtime.checkpointing import Checkpointer
+
+DEFAULT_DEVICES = 16  # fake CPU devices the worker asks jax for (ckptd passes CKPTD_PERSIST_DEVICES as --devices)
+
+
+def _coarsen(grid: list[int], devices: int) -> list[int]:
+    """Blocks per dimension: the saved grid, or where it has more cells than ``devices``, a coarser grid
+    whose blocks are whole runs of saved shards (a divisor per dimension, leading dimensions first)."""
+    out = []
+    for count in grid:
+        out.append(max(c for c in range(1, count + 1) if count % c == 0 and c <= devices))
+        devices //= out[-1]
+    return out
+
+
+def _sharding(record: ArrayRecord, devices: Sequence[jax.Device]) -> jax.sharding.Sharding:
+    """One device per saved shard (so each device's shard is one view of the map, and Orbax writes the
+    trainer's chunks), over as many of ``devices`` as that takes; one device when the shards are no grid."""
+    grid = shard_grid(record) if math.prod(record.shape) else None
+    blocks = _coarsen(grid, len(devices)) if grid else []
+    if math.prod(blocks) <= 1:
+        return SingleDeviceSharding(devices[0])
+    names = tuple(f"shard{d}" for d in range(len(blocks)))
+    mesh = Mesh(np.array(devices[: math.prod(blocks)]).reshape(blocks), names)
+    return NamedSharding(mesh, PartitionSpec(*[name if n > 1 else None for name, n in zip(names, blocks, strict=True)]))
+
+
+def snapshot_arrays(snapshot: Path, devices: Sequence[jax.Device] | None = None) -> list[jax.Array]:
+    """Every array of the snapshot as a jax array on ``devices`` (default: this process's CPU devices), in
+    leaf order, sharded as saved; a device's buffer is the shard's read-only view of the memory map where
+    jax takes it as is (on the CPU it does: no copy)."""
+    meta = read_meta(snapshot)
+    data = map_data(snapshot, meta)
+    devices = list(devices or jax.devices("cpu"))
+    out: list[jax.Array] = []
+    for name in meta.leaf_names:
+        record = meta.arrays[name]
+        # Views, not copies: only Orbax reads these arrays, and a snapshot waiting to be persisted is never
+        # evicted (a trainer re-saving the step replaces the file; the old pages stay mapped).
+        reader = ShardReader(data, record, copy=False)
+        out.append(jax.make_array_from_callback(tuple(record.shape), _sharding(record, devices), reader,
+                                                dtype=reader.dtype))
+    return out
+
+
+def persist(snapshot: Path, job_url: str, *, compression: bool = False) -> str:
+    """Save the snapshot as a committed Orbax step under ``job_url``; the step's URL."""
+    bad = problems(snapshot)
+    if bad:
+        raise ValueError(f"snapshot {snapshot} is not whole: {'; '.join(bad)}")
+    meta = read_meta(snapshot)
+    treedef = pickle.loads((snapshot / TREEDEF_FILE).read_bytes())  # written by this job's own trainer
+    # jax arrays, not numpy: Orbax writes jax arrays through its parallel array path, numpy leaves ~7x slower.
+    state = jax.tree_util.tree_unflatten(treedef, snapshot_arrays(snapshot))
+    checkpointer = Checkpointer(job_url, compression=compression)
+    try:
+        checkpointer.save_with_metadata(meta.step, state, meta.training)
+        checkpointer.wait()
+    finally:
+        checkpointer.close()
+    return f"{job_url.rstrip('/')}/{meta.step}"
+
+
+def serve(compression: bool) -> int:
+    """Persist one snapshot per request line (``{"snapshot": DIR, "job_url": URL}``), answering one JSON
+    line each (``{"ok": true, "path": URL}`` or ``{"ok": false, "error": ...}``) — so jax and Orbax are
+    imported once, not once per snapshot."""
+    jax.devices()  # make the CPU client now, while the worker waits for its first request
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            request = json.loads(line)
+            path = persist(Path(request["snapshot"]), request["job_url"], compression=compression)
+            answer: dict[str, object] = {"ok": True, "path": path}
+        except Exception as exc:  # reported to the parent, which logs it and retries later
+            answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(answer), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("snapshot", nargs="?")
+    parser.add_argument("job_url", nargs="?")
+    parser.add_argument("--compression", action="store_true")
+    parser.add_argument("--serve", action="store_true", help="persist the snapshots named on stdin, one per line")
+    parser.add_argument("--nice", type=int, default=0, help="lower this process's CPU priority by N first")
+    parser.add_argument("--devices", type=int, default=DEFAULT_DEVICES,
+                        help="fake CPU devices to write shards from in parallel (at least 1)")
+    args = parser.parse_args(argv)
+    if args.nice > 0:  # a persist competes with the trainer for the host's cores: the trainer should win
+        os.nice(args.nice)
+    # Before jax makes its CPU client: one device per saved shard. (Called in a process already using jax,
+    # it cannot change: that process's devices will do.)
+    with contextlib.suppress(RuntimeError):
+        jax.config.update("jax_num_cpu_devices", max(1, args.devices))
+    if args.serve:
+        return serve(args.compression)
+    if not args.snapshot or not args.job_url:
+        parser.error("SNAPSHOT and JOB_URL are required without --serve")
+    try:
+        print(persist(Path(args.snapshot), args.job_url, compression=args.compression), flush=True)
+    except Exception as exc:  # reported to the parent through stderr and the exit code
+        print(f"persist failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""ckptd's side of the host-memory tier: persist the snapshots trainers leave in shared memory, and keep
+memory bounded.
+
+Every few seconds the keeper looks at ``<shm_dir>/<job>/<step>/``. A whole snapshot marked ``persist`` that
+is not on storage yet is written there by a child process (``ckptd.catalog.persist_worker``: Orbax's layout, the
+manifest before the commit marker; one long-lived child, so jax and Orbax load once) — whether or not the
+trainer that made it is still alive. Once the
+step is committed the snapshot is marked persisted and may be evicted; beyond ``max_snapshots`` per job
+the oldest evictable snapshots are dropped. A snapshot that is not whole is reported and dropped (it is a
+copy in memory; the storage tier never loses a step this way).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import select
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainer_client.core.format.snapshot import (
+    complete_snapshots,
+    drop_leftovers,
+    evict,
+    evict_oldest,
+    is_persisted,
+    job_dir,
+    mark_persisted,
+    problems,
+    read_meta,
+)
+from trainer_client.core.protocol import is_valid_job_name
+from trainer_client.core.storage import Storage
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass
+class KeeperStats:
+    persisted: int = 0
+    failed: int = 0
+    evicted: int = 0
+    broken: int = 0
+    last_error: str | None = None
+    persist_seconds: list[float] = field(default_factory=list)
+
+
+DEFAULT_NICE = 10  # how far below ckptd the persist worker runs, unless CKPTD_PERSIST_NICE says otherwise
+
+
+def start_persist_worker(
+    *, compression: bool = False, nice: int = DEFAULT_NICE, devices: int | None = None
+) -> subprocess.Popen[str]:
+    """``python -m ckptd.catalog.persist_worker --serve`` with pipes, ``nice`` steps below ckptd's CPU priority (a
+    persist competes with the trainer for the host's cores; the trainer should win)."""
+    cmd = [sys.executable, "-m", "ckptd.catalog.persist_worker", "--serve", f"--nice={nice}",
+           *([f"--devices={devices}"] if devices else []), *(["--compression"] if compression else [])]
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+
+
+def stop_persist_worker(worker: subprocess.Popen[str], timeout_s: float) -> None:
+    """Close the worker's input (it finishes the request in hand and exits); kill it after ``timeout_s``."""
+    if worker.poll() is not None:
+        return
+    if worker.stdin is not None:
+        worker.stdin.close()
+    try:
+        worker.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+
+
+def ask_persist_worker(worker: subprocess.Popen[str], request: dict[str, str], timeout_s: float) -> dict[str, object]:
+    """One request line to a ``--serve`` worker and its answer line (``{"ok": ..., "path"|"error": ...}``); a
+    worker that dies, says nonsense or does not answer within ``timeout_s`` gives an ``ok: false`` answer
+    (and is killed when it may be stuck)."""
+    assert worker.stdin is not None and worker.stdout is not None
+    try:
+        worker.stdin.write(json.dumps(request) + "\n")
+        worker.stdin.flush()
+    except OSError as exc:
+        worker.kill()
+        return {"ok": False, "error": f"persist worker gone: {exc}"}
+    ready, _, _ = select.select([worker.stdout], [], [], timeout_s)
+    line = worker.stdout.readline() if ready else ""
+    if not line:
+        worker.kill()
+        return {"ok": False, "error": "persist worker died or timed out"}
+    try:
+        answer = json.loads(line)
+    except ValueError:
+        return {"ok": False, "error": f"persist worker said {line.strip()[:200]!r}"}
+    return answer if isinstance(answer, dict) else {"ok": False, "error": "bad answer"}
+
+
+class SnapshotKeeper:
+    """Persists and evicts host-memory snapshots for every job under ``shm_dir``."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        shm_dir: str,
+        *,
+        max_snapshots: int = 2,
+        compression: bool = False,
+        on_persisted: Callable[[str, int], None] | None = None,
+        timeout_s: float = 3600.0,
+        nice: int = DEFAULT_NICE,
+        devices: int | None = None,
+    ) -> None:
+        self.storage = storage
+        self.nice = nice
+        self.devices = devices
+        self.shm_dir = Path(shm_dir)
+        self.max_snapshots = max_snapshots
+        self.compression = compression
+        self.on_persisted = on_persisted
+        self.timeout_s = timeout_s
+        self.stats = KeeperStats()
+        self._queue: queue.Queue[tuple[str, Path] | None] = queue.Queue()
+        self._queued: set[Path] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._persist_loop, name="ckptd-persister", daemon=True)
+        self._worker: subprocess.Popen[str] | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+        if self._worker is not None:
+            stop_persist_worker(self._worker, 10.0)
+
+    def jobs(self) -> list[str]:
+        if not self.shm_dir.is_dir():
+            return []
+        return sorted(p.name for p in self.shm_dir.iterdir() if p.is_dir() and is_valid_job_name(p.name))
+
+    def scan(self) -> None:
+        """Queue what needs persisting, drop what is broken or beyond the limit."""
+        for job in self.jobs():
+            held = complete_snapshots(self.shm_dir, job)
+            for path in held:
+                bad = problems(path)
+                if bad:
+                    _log.warning("dropping broken snapshot %s: %s", path, "; ".join(bad))
+                    self.stats.broken += 1
+                    evict(path)
+                    continue
+                if read_meta(path).persist and not is_persisted(path):
+                    with self._lock:
+                        if path not in self._queued:
+                            self._queued.add(path)
+                            self._queue.put((job, path))
+            # a trainer killed between or during saves leaves a spare file or an unfinished snapshot behind
+            drop_leftovers(job_dir(self.shm_dir, job), older_than_s=self.timeout_s)
+            self.stats.evicted += evict_oldest(complete_snapshots(self.shm_dir, job), self.max_snapshots)
+
+    def _persist_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            job, path = item
+            try:
+                self.persist(job, path)
+            finally:
+                with self._lock:
+                    self._queued.discard(path)
+
+    def persist(self, job: str, path: Path) -> str | None:
+        """Write one snapshot to ``<root>/<job>/<step>`` through the persist worker; the step URL or None."""
+        step = int(path.name)
+        job_url = self.storage.url_of(self.storage.join(job))
+        step_url = f"{job_url}/{step}"
+        if self.storage.exists(f"{self.storage.join(job, str(step))}/commit_success.txt"):
+            mark_persisted(path, step_url)  # already on storage (e.g. saved there directly)
+            return step_url
+        started = time.monotonic()
+        answer = self._ask_worker({"snapshot": str(path), "job_url": job_url})
+        if not answer.get("ok"):
+            self._failed(path, str(answer.get("error", "no answer")))
+            return None
+        if path.exists():
+            mark_persisted(path, step_url)
+        self.stats.persisted += 1
+        self.stats.persist_seconds.append(time.monotonic() - started)
+        _log.info("persisted snapshot %s to %s in %.2fs", path, step_url, time.monotonic() - started)
+        if self.on_persisted is not None:
+            self.on_persisted(job, step)
+        return step_url
+
+    def _ask_worker(self, request: dict[str, str]) -> dict[str, object]:
+        """One request to the long-lived persist worker (started, or restarted after a crash, on demand)."""
+        worker = self._worker
+        if worker is None or worker.poll() is not None:
+            try:
+                worker = start_persist_worker(compression=self.compression, nice=self.nice, devices=self.devices)
+            except OSError as exc:
+                return {"ok": False, "error": f"cannot start the persist worker: {exc}"}
+            self._worker = worker
+        return ask_persist_worker(worker, request, self.timeout_s)
+
+    def _failed(self, path: Path, why: str) -> None:
+        self.stats.failed += 1
+        self.stats.last_error = f"{path}: {why}"
+        _log.error("persisting snapshot %s failed: %s", path, why)
+
+
+__all__ = [
+    "DEFAULT_NICE",
+    "KeeperStats",
+    "SnapshotKeeper",
+    "ask_persist_worker",
+    "start_persist_worker",
+    "stop_persist_worker",
+]

@@ -1,0 +1,90 @@
+"""``ckptd advise [ROOT/JOB]``: the goodput advisor on the command line.
+
+Its options are built from ``trainer_client.core.protocol.AdviceQuery``, the same model as the query of
+``GET /v1/jobs/{job}/advice``, so the command and the API take the same inputs under the same names
+(``step_time_s`` is ``--step-time``, in seconds). Inputs not given come from the job's history when a job
+is named; exit 0 with an answer, 1 when an input is missing or the job has none, 2 for bad values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from pydantic import ValidationError
+
+from ckptd.advisor.advice_text import render
+from ckptd.advisor.advisor import advise
+from ckptd.advisor.job_history import JobHistory, job_history
+from ckptd.cli.support import open_catalog, split_job
+from ckptd.errors import MissingInputs
+from trainer_client.core.protocol import AdviceQuery
+
+EXIT_OK, EXIT_BAD, EXIT_USAGE = 0, 1, 2
+_TYPES: dict[str, Any] = {"number": float, "integer": int}
+
+
+def flag(name: str) -> str:
+    """``step_time_s`` -> ``--step-time``; ``mtbf_hours`` -> ``--mtbf-hours``."""
+    return "--" + name.removesuffix("_s").replace("_", "-")
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add ``advise`` to the subcommands of ``ckptd``."""
+    parser: argparse.ArgumentParser = sub.add_parser(
+        "advise", help="checkpoint periods and recovery policy from measured costs (a goodput simulation)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("target", metavar="ROOT/JOB", nargs="?",
+                        help="the job whose history gives the inputs not set below")
+    schema = AdviceQuery.model_json_schema()["properties"]
+    for name, prop in schema.items():
+        kinds = [x.get("type") for x in prop.get("anyOf", [prop])]
+        unit = " (seconds)" if name.endswith("_s") else ""
+        help_text = f"{prop.get('description', name.replace('_', ' '))}{unit}"
+        if "boolean" in kinds:
+            parser.add_argument(flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
+        else:
+            kind = next(_TYPES[k] for k in kinds if k in _TYPES)
+            parser.add_argument(flag(name), dest=name, type=kind, default=None, metavar=kind.__name__.upper(),
+                                help=help_text)
+    parser.add_argument("--points", type=int, default=13, help="periods per sweep (default 13)")
+    parser.add_argument("--json", action="store_true", help="print the Advice as JSON")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+
+    given = {k: getattr(args, k) for k in AdviceQuery.model_fields if getattr(args, k, None) is not None}
+    try:
+        query = AdviceQuery(**given)
+    except ValidationError as exc:
+        for err in exc.errors():
+            print(f"ckptd: {flag(str(err['loc'][0]))}: {err['msg']}", file=sys.stderr)
+        return EXIT_USAGE
+    history: JobHistory | None = None
+    job = None
+    if args.target:
+        root, job = split_job(args.target)
+        cat = open_catalog(root)
+        if not cat.has_job(job):
+            print(f"ckptd: no job {job!r} under {root}", file=sys.stderr)
+            return EXIT_BAD
+        history = job_history(cat.checkpoints(job))
+    try:
+        advice = advise(query, history, job=job, points=max(3, args.points))
+    except MissingInputs as exc:
+        wanted = ", ".join(" or ".join(flag(n) for n in name.split("|")) for name in exc.names)
+        where = f"job {job!r} has no history of them" if job else "no ROOT/JOB given to read a history from"
+        print(f"ckptd: cannot advise, missing: {wanted} ({where})", file=sys.stderr)
+        return EXIT_BAD
+    except ValueError as exc:
+        print(f"ckptd: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(advice.model_dump_json(indent=2) if args.json else render(advice))
+    return EXIT_OK
+
+
+__all__ = ["add_parser", "flag", "run"]

@@ -1,0 +1,231 @@
+"""The ``ckptd`` command: serve the API, or inspect a checkpoint root without a server.
+
+``serve`` runs the FastAPI app under uvicorn. ``ls``, ``show`` and ``plan`` apply the same commit rule and
+planner as the server, straight on storage; every command exits 0 only when its answer is good.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import re
+import sys
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from ckptd import __version__
+from ckptd.cli import advise as advise_cmd
+from ckptd.cli import maintenance as maintenance_cmd
+from ckptd.cli import observe as observe_cmd
+from ckptd.cli.support import open_catalog, open_job, split_job
+from ckptd.config import Settings
+from trainer_client.core.errors import PlanningError, StorageError
+from trainer_client.core.format.saved_layout import saved_layout
+from trainer_client.core.planner import format_bytes, resume_plan
+from trainer_client.core.protocol import BatchOptions, ResumePlan, ResumeRequest, SliceAlive, StepState
+
+EXIT_OK = 0
+EXIT_BAD = 1
+EXIT_USAGE = 2
+
+
+# The helpers the subcommand modules share live in ckptd/cli/support.py; these names stay for them.
+_split_job = split_job
+_catalog = open_catalog
+
+
+SWITCH_INTERVAL_S = 0.001
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ckptd.api.app import create_app
+
+    overrides = {k: v for k, v in {"root": args.root, "host": args.host, "port": args.port,
+                                   "state_dir": args.state_dir, "shm_dir": args.shm_dir}.items() if v is not None}
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:  # e.g. an unreadable CKPTD_TOKEN_FILE: one clear line, no traceback
+        for err in exc.errors():
+            where = ".".join(str(x) for x in err["loc"])
+            print(f"ckptd: invalid settings: {where + ': ' if where else ''}{err['msg']}", file=sys.stderr)
+        return EXIT_USAGE
+    app = create_app(settings)
+    # Answers are short; background passes (refresh, metrics, persist bookkeeping) are long and CPU-bound.
+    # A 1 ms GIL switch interval (Python's default is 5 ms) keeps a background pass from adding its whole
+    # slice to every GIL hand-over of an answer.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    # ckptd's own loggers (persists, quarantines, refresh failures) at the same level as uvicorn's
+    level = 5 if settings.log_level.lower() == "trace" else settings.log_level.upper()  # uvicorn's own level
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                access_log=False, timeout_keep_alive=math.ceil(settings.keep_alive_s))
+    return EXIT_OK
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    cat = _catalog(args.root)
+    jobs = cat.jobs()
+    if args.json:
+        print(json.dumps([j.model_dump(mode="json") for j in jobs], indent=2))
+    else:
+        print(f"{'JOB':<32} {'STEPS':>6} {'LATEST':>8} {'LATEST-GOOD':>12}")
+        for j in jobs:
+            print(f"{j.name:<32} {j.steps:>6} {j.latest_step!s:>8} {j.latest_good_step!s:>12}")
+    return EXIT_OK
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    opened = open_job(args.target)
+    if opened is None:
+        return EXIT_BAD
+    cat, job = opened
+    checkpoints = cat.checkpoints(job)
+    if args.json:
+        print(json.dumps([c.model_dump(mode="json") for c in checkpoints], indent=2))
+    else:
+        print(f"{'STEP':>10} {'STATE':<10} {'DATA-POS':>10} REASON")
+        for c in checkpoints:
+            pos = c.training.data_position if c.training else "-"
+            print(f"{c.step:>10} {c.state.value:<10} {pos!s:>10} {c.reason or ''}")
+    good = cat.latest_good(job)
+    print(f"latest-good: {good.step if good else 'none'}", file=sys.stderr)
+    return EXIT_OK if good is not None else EXIT_BAD
+
+
+def _parse_slices(text: str | None) -> list[SliceAlive] | None:
+    """``"0:2,1:2,3:2"`` -> slices 0, 1 and 3 with 2 devices each."""
+    if not text:
+        return None
+    out = []
+    for part in text.split(","):
+        index, _, devices = part.partition(":")
+        out.append(SliceAlive(index=int(index), devices=int(devices)))
+    return out
+
+
+_UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+          "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4}
+
+
+def _parse_bytes(text: str) -> int:
+    """``"16GiB"`` -> 17179869184; plain integers are bytes."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 16GiB, 512MiB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    root, job = _split_job(args.target)
+    cat = _catalog(root)
+    info = cat.latest_good(job) if args.step is None else cat.step(job, args.step)
+    if info is None or info.state is not StepState.VERIFIED:
+        print(f"ckptd: job {job!r} has no good step{'' if args.step is None else f' {args.step}'}",
+              file=sys.stderr)
+        return EXIT_BAD
+    request = ResumeRequest(
+        policy=args.policy, alive_devices=args.devices, slices=_parse_slices(args.slices), step=args.step,
+        device_memory_bytes=args.device_memory, memory_headroom_bytes=args.headroom or 0,
+        batch=BatchOptions(mode=args.batch_mode, lr_scaling=args.lr_scaling),
+    )
+    layout = saved_layout(cat.storage, info.path, info.training)
+    try:
+        plan = resume_plan(job=job, step=info.step, path=info.path, request=request, training=info.training,
+                           saved_layout=layout)
+    except PlanningError as exc:
+        print(f"ckptd: {exc.code.value}: {exc.message}", file=sys.stderr)
+        return EXIT_BAD
+    if args.json:
+        print(plan.model_dump_json(indent=2))
+        return EXIT_OK
+    print(_render_plan(plan))
+    return EXIT_OK
+
+
+def _render_plan(plan: ResumePlan) -> str:
+    mesh = ", ".join(f"{a}={s}" for a, s in zip(plan.mesh.axis_names, plan.mesh.shape, strict=True))
+    saved = ", ".join(f"{a}={s}" for a, s in zip(plan.saved_mesh.axis_names, plan.saved_mesh.shape, strict=True)
+                      ) if plan.saved_mesh else "unknown"
+    lines = [
+        f"step           {plan.step}    ({plan.path})",
+        f"mesh           ({mesh})    saved on ({saved})",
+        f"devices        {plan.mesh.size} used, {plan.idle_devices} idle"
+        + (f" (idle: {', '.join(f'slice {s.index}: {s.devices}' for s in plan.idle_slices)})"
+           if plan.idle_slices else ""),
+        f"data position  {plan.data_position}",
+        f"memory         {format_bytes(plan.bytes_per_device)} per device"
+        + ("" if plan.fits_memory is None else " (fits)" if plan.fits_memory else " (does NOT fit)"),
+    ]
+    if plan.batch is not None:
+        b = plan.batch
+        lines.append(
+            f"batch          {b.mode}: global {b.global_batch} = {b.accumulation_steps} x {b.micro_batch} "
+            f"({b.per_device_batch} per device on {b.data_parallel_size}), lr x {b.lr_scale:.4g}"
+            + ("" if b.exact else "  (inexact)")
+        )
+    lines.append(f"{'ARRAY':<40} {'SHAPE':<18} {'DTYPE':<10} PARTITION SPEC")
+    for name, spec in plan.arrays.items():
+        lines.append(f"{name:<40} {spec.shape!s:<18} {spec.dtype or '?':<10} {spec.partition_spec}"
+                     + ("  (changed)" if spec.changed else ""))
+    lines.extend(f"note: {note}" for note in plan.notes)
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ckptd", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"ckptd {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve the HTTP API (env CKPTD_ROOT, CKPTD_HOST, CKPTD_PORT)")
+    serve.add_argument("--root", help="checkpoint root: a directory or gs://bucket/prefix")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--state-dir", help="where the catalog cache lives")
+    serve.add_argument("--shm-dir", help="host-memory tier: the shared-memory directory trainers snapshot into")
+    serve.set_defaults(func=_cmd_serve)
+
+    ls = sub.add_parser("ls", help="list the jobs of a root")
+    ls.add_argument("root")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=_cmd_ls)
+
+    show = sub.add_parser("show", help="list a job's steps and their states")
+    show.add_argument("target", metavar="ROOT/JOB")
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(func=_cmd_show)
+
+    plan = sub.add_parser("plan", help="print the resume plan for the devices given")
+    plan.add_argument("target", metavar="ROOT/JOB")
+    plan.add_argument("--devices", type=int, required=True)
+    plan.add_argument("--slices", help="alive slices as INDEX:DEVICES,... e.g. 0:2,1:2,3:2")
+    plan.add_argument("--policy", choices=["pause", "resize"], default="resize")
+    plan.add_argument("--step", type=int)
+    plan.add_argument("--device-memory", type=_parse_bytes, help="memory of one device, e.g. 16GiB")
+    plan.add_argument("--headroom", type=_parse_bytes, help="per-device memory to keep free, e.g. 2GiB")
+    plan.add_argument("--batch-mode", choices=["keep_global_batch", "scale_batch"], default="keep_global_batch")
+    plan.add_argument("--lr-scaling", choices=["none", "linear", "sqrt"], default="linear")
+    plan.add_argument("--json", action="store_true")
+    plan.set_defaults(func=_cmd_plan)
+
+    maintenance_cmd.add_parsers(sub)  # ckptd validate / gc (ckptd/cli/maintenance.py)
+    advise_cmd.add_parser(sub)  # ckptd advise [ROOT/JOB]: periods and recovery policy (ckptd/cli/advise.py)
+    observe_cmd.add_parsers(sub)  # ckptd events / goodput ROOT/JOB, from storage (ckptd/cli/observe.py)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except StorageError as exc:
+        print(f"ckptd: storage error: {exc}", file=sys.stderr)
+        return EXIT_BAD
+
+
+if __name__ == "__main__":
+    sys.exit(main())

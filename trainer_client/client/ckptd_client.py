@@ -1,0 +1,186 @@
+"""The trainer's HTTP client of ckptd, with timeouts, retries and a storage fallback for resumes.
+
+Training never waits on the sidecar (DESIGN invariant 5): saves go through Orbax and never call ckptd.
+Only a resume needs an answer; when ckptd cannot give one before ``resume_deadline_s`` the client scans
+storage itself with the same commit rule and the same planner (``trainer_client.core.format.steps`` and
+``trainer_client.core.planner``), so the plan is the one ckptd would have given. A refusal from ckptd (its
+error body, e.g. ``NOT_ENOUGH_DEVICES``) is an answer, not an outage: it is raised, never bypassed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from trainer_client.client.retry import RetryPolicy, retry
+from trainer_client.config import ClientSettings
+from trainer_client.core import protocol as p
+from trainer_client.core.format.saved_layout import saved_layout
+from trainer_client.core.format.snapshot import newest_whole
+from trainer_client.core.planner import memory_snapshot_plan, resume_plan
+from trainer_client.core.storage import Storage
+from trainer_client.core.validation import latest_good_on_storage
+from trainer_client.errors import CkptdRequestError, CkptdUnavailable, NoCheckpointError, PlanningError, StorageError
+
+_log = logging.getLogger(__name__)
+
+# Answers that mean "ckptd cannot answer right now", worth a retry and then the fallback.
+_UNAVAILABLE_STATUSES = {502, 503, 504}
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+class CkptdClient:
+    """Talks to one ckptd; knows the checkpoint root so it can answer resumes without it."""
+
+    def __init__(
+        self,
+        settings: ClientSettings | None = None,
+        *,
+        root: str | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.settings = settings or ClientSettings()
+        self.root = root
+        headers = {"Authorization": f"Bearer {self.settings.token}"} if self.settings.token else {}
+        self._http = httpx.Client(
+            base_url=self.settings.url,
+            timeout=httpx.Timeout(self.settings.timeout_s),
+            headers=headers,
+            transport=transport,
+        )
+        self._policy = RetryPolicy(
+            max_attempts=4, initial_backoff_s=0.1, max_backoff_s=1.0, deadline_s=self.settings.resume_deadline_s
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> CkptdClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- raw calls ------------------------------------------------------------------------------
+
+    def _request(self, method: str, url: str, answer: type[_M], json: Any = None) -> _M:
+        """``answer`` parsed from ckptd's reply (straight from the bytes: a plan of 1,000 arrays is ~100 KB)."""
+
+        @retry(self._policy, retry_on=(CkptdUnavailable,))
+        def once() -> _M:
+            try:
+                response = self._http.request(method, url, json=json)
+            except httpx.HTTPError as exc:
+                raise CkptdUnavailable(f"ckptd at {self.settings.url} did not answer: {exc}") from exc
+            if response.status_code in _UNAVAILABLE_STATUSES:
+                raise CkptdUnavailable(f"ckptd answered {response.status_code}: {response.text[:200]}")
+            if response.status_code >= 400:
+                try:
+                    body = p.ErrorBody.model_validate_json(response.content)
+                    raise CkptdRequestError(response.status_code, body.code.value, body.message)
+                except ValidationError:
+                    raise CkptdRequestError(
+                        response.status_code, "UNKNOWN", response.text[:200]
+                    ) from None
+            try:
+                return answer.model_validate_json(response.content)
+            except ValidationError as exc:  # not ckptd's answer (a proxy's page?): as if it had not answered
+                raise CkptdUnavailable(
+                    f"ckptd at {self.settings.url} answered {response.status_code} with no {answer.__name__}: "
+                    f"{response.text[:200]!r}"
+                ) from exc
+
+        return once()
+
+    def healthy(self) -> bool:
+        try:
+            return bool(self._http.get(p.ROUTE_HEALTHZ).status_code == 200)
+        except httpx.HTTPError:
+            return False
+
+    def jobs(self) -> p.JobList:
+        return self._request("GET", p.ROUTE_JOBS, p.JobList)
+
+    def checkpoints(self, job: str) -> p.CheckpointList:
+        return self._request("GET", p.ROUTE_CHECKPOINTS.format(job=job), p.CheckpointList)
+
+    def latest_good(self, job: str) -> p.CheckpointInfo | None:
+        try:
+            return self._request("GET", p.ROUTE_LATEST_GOOD.format(job=job), p.CheckpointInfo)
+        except CkptdRequestError as exc:
+            if exc.code in (p.ErrorCode.NO_GOOD_CHECKPOINT.value, p.ErrorCode.JOB_NOT_FOUND.value):
+                return None
+            raise
+
+    # ---- the one call that matters after a failure ------------------------------------------------
+
+    def resume(self, job: str, request: p.ResumeRequest) -> p.ResumePlan:
+        """The resume plan from ckptd, or from a storage scan when ckptd cannot answer in time.
+
+        Raises ``NoCheckpointError`` when there is no committed step, ``CkptdRequestError`` when ckptd
+        refuses (e.g. not enough devices for the policy).
+        """
+        started = time.monotonic()
+        try:
+            return self._request("POST", p.ROUTE_RESUME.format(job=job), p.ResumePlan,
+                                 json=request.model_dump(mode="json"))
+        except CkptdRequestError as exc:
+            if exc.code not in (p.ErrorCode.NO_GOOD_CHECKPOINT.value, p.ErrorCode.JOB_NOT_FOUND.value):
+                raise
+            # Before a job starts over, make sure storage agrees: ckptd may have no good step because it
+            # cannot verify them (read-only or full storage), while committed steps are there.
+            if self.root is not None:
+                try:
+                    plan = self.resume_from_storage(job, request)
+                except (NoCheckpointError, CkptdUnavailable):
+                    plan = None
+                if plan is not None:
+                    _log.warning("ckptd has no good step of %r but storage has step %s: resuming from it (%s)",
+                                 job, plan.step, exc.message)
+                    return plan
+            raise NoCheckpointError(f"job {job!r}: {exc.message}") from exc
+        except CkptdUnavailable as exc:
+            if self.root is None:
+                raise
+            _log.warning(
+                "ckptd unavailable after %.2fs (%s); scanning storage for the resume plan",
+                time.monotonic() - started, exc,
+            )
+            return self.resume_from_storage(job, request)
+
+    def resume_from_storage(self, job: str, request: p.ResumeRequest) -> p.ResumePlan:
+        """The same plan ckptd would give, computed here from storage (the fallback)."""
+        if self.root is None:
+            raise CkptdUnavailable("no storage root configured for the fallback scan")
+        storage = Storage(self.root)
+        job_path = storage.join(job)
+        try:
+            found = latest_good_on_storage(storage, job_path, at_most=request.step)
+        except StorageError as exc:
+            raise CkptdUnavailable(f"neither ckptd nor storage answered: {exc}") from exc
+        snapshot = newest_whole(self.settings.shm_dir, job, at_most=request.step) if request.use_memory_tier else None
+        if snapshot is not None and (request.step is None or snapshot[1].step == request.step) and (
+            found is None or snapshot[1].step >= found.step
+        ):
+            try:
+                return memory_snapshot_plan(job=job, request=request, snapshot=snapshot, source="storage_scan")
+            except PlanningError as exc:
+                raise CkptdRequestError(409, exc.code.value, exc.message) from exc
+        if found is None or (request.step is not None and found.step != request.step):
+            raise NoCheckpointError(f"job {job!r} has no good step in {storage.url_of(job_path)}")
+        layout = saved_layout(storage, found.path, found.training)
+        try:
+            return resume_plan(
+                job=job, step=found.step, path=storage.url_of(found.path), request=request,
+                training=found.training, saved_layout=layout, source="storage_scan",
+            )
+        except PlanningError as exc:
+            raise CkptdRequestError(409, exc.code.value, exc.message) from exc
+
+
+__all__ = ["CkptdClient"]

@@ -1,0 +1,50 @@
+"""The root of every exception ckptd raises, and the errors of the jax-free core.
+
+```
+CkptdError                              root: ``except CkptdError`` catches everything ckptd raises
+├── StorageError (OSError)              storage could not be listed or read (after the backend's retries)
+├── StoredFormatError (ValueError)      stored bytes are not the format they claim to be
+│   ├── ArrayIndexError                 an item's zarr/OCDBT array metadata is missing or corrupt
+│   └── OcdbtFormatError                an OCDBT index this reader does not understand (tensorstore reads it)
+└── PlanningError (ValueError)          no resume plan exists for these inputs; ``code`` says why
+```
+Each error also subclasses the closest built-in, so generic handlers keep working. The trainer library
+adds its own branches (``trainer_client/errors.py``) and the sidecar its own (``ckptd/errors.py``), all
+under ``CkptdError``.
+"""
+
+from __future__ import annotations
+
+from trainer_client.core.protocol import ErrorCode
+
+
+class CkptdError(Exception):
+    """Base of every error ckptd's packages raise."""
+
+
+class StorageError(CkptdError, OSError):
+    """Storage could not be listed or read (after the file system's own retries)."""
+
+
+class StoredFormatError(CkptdError, ValueError):
+    """Stored bytes do not parse as the format they claim to be."""
+
+
+class ArrayIndexError(StoredFormatError):
+    """The item cannot be read as an Orbax item, or its array metadata is missing or corrupt."""
+
+
+class OcdbtFormatError(StoredFormatError):
+    """The database is not one this reader understands (or is damaged): read it with tensorstore instead."""
+
+
+class PlanningError(CkptdError, ValueError):
+    """No plan exists for these inputs; ``code`` says why in the wire contract's terms."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+__all__ = ["ArrayIndexError", "CkptdError", "OcdbtFormatError", "PlanningError", "StorageError", "StoredFormatError"]

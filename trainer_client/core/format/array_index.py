@@ -1,0 +1,409 @@
+"""Global shape and dtype of every array in an Orbax step, read without jax.
+
+Why this exists: the resume planner needs, per array, the global shape and dtype (to choose target
+partition specs and to estimate device memory on the new mesh). Steps written through trainer_client
+carry that in ckptd's own custom metadata, but steps written by plain Orbax (DESIGN invariant 1: ckptd
+adopts them) do not, and ``<item>/_METADATA`` records only each leaf's *write* (per-shard) shape. The
+global shape and dtype live in each array's zarr metadata, which is where this module reads them. It
+must not import jax: the sidecar (which never imports jax) plans resumes too.
+
+Layouts read (all of what Orbax 0.12.8 writes):
+
+- OCDBT (Orbax's default): ``<step>/<item>/manifest.ocdbt`` is a tensorstore OCDBT key-value store
+  whose keys are ``<param name>/.zarray`` (zarr v2, Orbax's default) or ``<param name>/zarr.json``
+  (zarr v3, ``PyTreeCheckpointHandler(use_zarr3=True)``), next to the chunks.
+- Without OCDBT (``use_ocdbt=False``): the same keys as plain files/objects under ``<step>/<item>/``.
+
+Both on a local disk and on ``gs://`` (tensorstore's ``gcs`` driver; it honours
+``TENSORSTORE_GCS_HTTP_URL`` itself, which is how an emulator is used).
+
+The key of each entry is Orbax's *param name*: the leaf's key path with each key as a string (dict
+key, sequence index, attribute name of a dataclass/namedtuple) joined by ``"."`` (``"params.w"``,
+``"opt.0.mu.b"``). It is the same name that ``<item>/_sharding`` uses (base64-encoded there) and the
+same as the keys of ``_METADATA``'s ``tree_metadata`` once their tuple is joined by ``"."``. Like
+Orbax's own naming it is ambiguous when a dict key itself contains ``"."`` (``{"a.b": x}`` and
+``{"a": {"b": x}}`` both give ``"a.b"``); a key containing ``"/"`` stays in the name as ``"/"``.
+
+Every leaf Orbax stored as an array is listed: ``jax.Array`` (also scalars, shape ``()``), ``np.ndarray``
+and Python ``int``/``float`` leaves (Orbax stores those as 0-d arrays too; they have no ``_sharding``
+entry). ``None``, empty containers and strings (``_strings.json``) have no array and are not listed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from trainer_client.core.errors import ArrayIndexError
+
+DEFAULT_ITEM = "default"
+DEFAULT_TIMEOUT_S = 60.0
+
+_ZARR2_SUFFIX = "/.zarray"
+_ZARR3_SUFFIX = "/zarr.json"
+_OCDBT_MANIFEST = "manifest.ocdbt"
+_ITEM_METADATA = "_METADATA"
+_OCDBT_PROCESS_PREFIX = "ocdbt.process_"
+# _METADATA value types that Orbax stores as a zarr array (in 0.12.8).
+_ARRAY_VALUE_TYPES = frozenset({"jax.Array", "np.ndarray", "scalar"})
+
+# Element types numpy does not know by name (ml_dtypes'), with the bytes per element used for memory
+# estimates: sub-byte types are rounded up to one byte.
+_EXTENDED_ITEMSIZE: dict[str, int] = {
+    "bfloat16": 2,
+    "float8_e3m4": 1,
+    "float8_e4m3": 1,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e4m3b11fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "float6_e2m3fn": 1,
+    "float6_e3m2fn": 1,
+    "float4_e2m1fn": 1,
+    "int4": 1,
+    "uint4": 1,
+    "int2": 1,
+    "uint2": 1,
+}
+_NUMERIC_KINDS = frozenset("biufc")  # bool, signed, unsigned, float, complex
+_DECODE_SLAB_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """Global shape and element type of one stored array; ``dtype`` is a numpy-style name."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def size(self) -> int:
+        """Number of elements (1 for a scalar)."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole array in memory (sub-byte types counted as one byte per element)."""
+        return self.size * dtype_itemsize(self.dtype)
+
+
+def _known_name(name: str) -> bool:
+    return name in _EXTENDED_ITEMSIZE or name.startswith("float8_")
+
+
+def normalize_dtype(dtype: str) -> str:
+    """A numpy-style name (``"float32"``, ``"bfloat16"``) for a zarr v2 (``"<f4"``) or v3 dtype string.
+
+    Raises ValueError for anything that is not a numeric element type.
+    """
+    if not isinstance(dtype, str) or not dtype:
+        raise ValueError(f"not a dtype string: {dtype!r}")
+    if _known_name(dtype):
+        return dtype
+    try:
+        parsed = np.dtype(dtype)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"unknown dtype {dtype!r}") from exc
+    if parsed.kind not in _NUMERIC_KINDS or parsed.fields is not None or parsed.subdtype is not None:
+        raise ValueError(f"unsupported (non-numeric) dtype {dtype!r}")
+    return parsed.name
+
+
+def dtype_itemsize(dtype: str) -> int:
+    """Bytes per element for memory estimates: bfloat16 2, float8_* / int4 / uint4 1, else numpy's itemsize.
+
+    Accepts numpy-style names and the zarr strings ``normalize_dtype`` accepts; ValueError otherwise.
+    """
+    name = normalize_dtype(dtype)
+    if name in _EXTENDED_ITEMSIZE:
+        return _EXTENDED_ITEMSIZE[name]
+    if name.startswith("float8_"):
+        return 1
+    return int(np.dtype(name).itemsize)
+
+
+def _item_kvstore_spec(step_url: str | os.PathLike[str], item: str) -> dict[str, Any]:
+    """The tensorstore kvstore spec of ``<step_url>/<item>/`` (a ``file`` or ``gcs`` driver spec)."""
+    url = os.fspath(step_url)
+    item = item.strip("/")
+    if not item or item in (".", "..") or "/" in item:
+        raise ArrayIndexError(f"invalid item name {item!r}")
+    if url.startswith("gs://"):
+        bucket, _, prefix = url[len("gs://") :].partition("/")
+        if not bucket:
+            raise ArrayIndexError(f"no bucket in {url!r}")
+        prefix = prefix.strip("/")
+        path = f"{prefix}/{item}/" if prefix else f"{item}/"
+        return {"driver": "gcs", "bucket": bucket, "path": path}
+    if url.startswith("file://"):
+        url = url[len("file://") :]
+    elif "://" in url:
+        raise ArrayIndexError(f"unsupported URL {url!r}: expected a local path or gs://bucket/path")
+    if not url:
+        raise ArrayIndexError("empty step path")
+    path = os.path.abspath(url)
+    return {"driver": "file", "path": f"{path.rstrip('/')}/{item}/"}
+
+
+def _describe(spec: dict[str, Any]) -> str:
+    if spec["driver"] == "gcs":
+        return f"gs://{spec['bucket']}/{spec['path']}"
+    return str(spec["path"])
+
+
+class _Deadline:
+    def __init__(self, timeout: float | None) -> None:
+        self._end = None if timeout is None else time.monotonic() + timeout
+
+    def left(self) -> float | None:
+        return None if self._end is None else max(0.0, self._end - time.monotonic())
+
+
+def _fetch(spec: dict[str, Any], timeout: float | None) -> tuple[bool, list[tuple[str, bytes]], bytes | None]:
+    """(uses OCDBT, [(key, zarr metadata bytes)], ``_METADATA`` bytes or None); tensorstore errors escape."""
+    import tensorstore as ts  # here, not at the top: the sidecar maps tensorstore only when it reads an index
+
+    deadline = _Deadline(timeout)
+    context = ts.Context()
+    base = ts.KvStore.open(spec, context=context).result(timeout=deadline.left())
+    manifest_f = base.read(_OCDBT_MANIFEST)
+    metadata_f = base.read(_ITEM_METADATA)
+    pending: list[Any] = [manifest_f, metadata_f]
+    try:
+        use_ocdbt = manifest_f.result(timeout=deadline.left()).state == "value"
+        meta = metadata_f.result(timeout=deadline.left())
+        item_metadata = meta.value if meta.state == "value" else None
+        if use_ocdbt:
+            store = ts.KvStore.open({"driver": "ocdbt", "base": spec}, context=context).result(timeout=deadline.left())
+        else:
+            store = base
+        listing = store.list()
+        pending.append(listing)
+        all_keys = listing.result(timeout=deadline.left())
+        keys: list[tuple[str, bytes]] = []
+        for raw_key in all_keys:
+            key = raw_key.decode("utf-8", errors="replace")
+            if key.endswith((_ZARR2_SUFFIX, _ZARR3_SUFFIX)):
+                keys.append((key, raw_key))
+            elif not use_ocdbt and key.startswith(_OCDBT_PROCESS_PREFIX) and key.endswith(_OCDBT_MANIFEST):
+                raise ArrayIndexError(
+                    f"{_describe(spec)} holds per-process OCDBT stores ({key}) but no merged "
+                    f"{_OCDBT_MANIFEST}: the save did not finish"
+                )
+        if not keys and item_metadata is None:
+            what = "nothing stored there" if not all_keys else f"no {_ITEM_METADATA} and no zarr arrays"
+            raise ArrayIndexError(f"no Orbax item at {_describe(spec)} ({what})")
+        reads = [store.read(raw_key) for _, raw_key in keys]
+        pending.extend(reads)
+        values: list[tuple[str, bytes]] = []
+        for (key, _), read in zip(keys, reads, strict=True):
+            result = read.result(timeout=deadline.left())
+            if result.state != "value":
+                raise ArrayIndexError(f"{_describe(spec)}: {key} was listed but cannot be read")
+            values.append((key, result.value))
+        pending.clear()
+        return use_ocdbt, values, item_metadata
+    finally:
+        for future in pending:
+            future.cancel()
+
+
+def _parse_shape(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in value):
+        raise ValueError(f"shape is not a list of integers: {value!r}")
+    if any(d < 0 for d in value):
+        raise ValueError(f"negative dimension in shape {value!r}")
+    return tuple(value)
+
+
+def _parse_zarr_metadata(key: str, raw: bytes) -> ArrayInfo | None:
+    """ArrayInfo from a ``.zarray`` (v2) or ``zarr.json`` (v3) document; None for a v3 group."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"not JSON ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise ValueError("not a JSON object")
+    if key.endswith(_ZARR3_SUFFIX):
+        if doc.get("node_type", "array") != "array":
+            return None
+        data_type = doc.get("data_type")
+        if isinstance(data_type, dict):  # extension data types: {"name": ..., "configuration": ...}
+            data_type = data_type.get("name")
+        dtype_field = data_type
+    else:
+        dtype_field = doc.get("dtype")
+    if "shape" not in doc:
+        raise ValueError("no 'shape'")
+    if dtype_field is None:
+        raise ValueError("no dtype")
+    if not isinstance(dtype_field, str):
+        raise ValueError(f"unsupported (structured) dtype {dtype_field!r}")
+    return ArrayInfo(shape=_parse_shape(doc["shape"]), dtype=normalize_dtype(dtype_field))
+
+
+def _expected_array_names(raw: bytes | None) -> set[str] | None:
+    """Names of the leaves ``_METADATA`` says were stored as arrays; None when it cannot be understood."""
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+        tree = doc["tree_metadata"]
+        if not isinstance(tree, dict):
+            return None
+        names: set[str] = set()
+        for entry in tree.values():
+            value = entry["value_metadata"]
+            if value.get("value_type") not in _ARRAY_VALUE_TYPES or value.get("skip_deserialize", False):
+                continue
+            keys: Sequence[Any] = entry["key_metadata"]
+            names.add(".".join(str(k["key"]) for k in keys))
+        return names
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+        return None
+
+
+@dataclass(frozen=True)
+class _Located:
+    """Where an item's arrays are: its kvstore spec, whether through OCDBT, and each array's zarr driver."""
+
+    spec: dict[str, Any]
+    use_ocdbt: bool
+    index: dict[str, ArrayInfo]
+    drivers: dict[str, str]  # name -> "zarr" (v2) or "zarr3"
+
+
+def _locate(step_url: str | os.PathLike[str], item: str, timeout: float | None) -> _Located:
+    spec = _item_kvstore_spec(step_url, item)
+    where = _describe(spec)
+    try:
+        use_ocdbt, documents, item_metadata = _fetch(spec, timeout)
+    except ArrayIndexError:
+        raise
+    except TimeoutError as exc:
+        raise ArrayIndexError(f"reading array metadata of {where} timed out after {timeout} s") from exc
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise ArrayIndexError(f"cannot read {where}: {exc}") from exc
+    layout = "OCDBT store" if use_ocdbt else "directory"
+    index: dict[str, ArrayInfo] = {}
+    drivers: dict[str, str] = {}
+    for key, raw in documents:
+        zarr3 = key.endswith(_ZARR3_SUFFIX)
+        name = key[: -len(_ZARR3_SUFFIX if zarr3 else _ZARR2_SUFFIX)]
+        try:
+            info = _parse_zarr_metadata(key, raw)
+        except ValueError as exc:
+            raise ArrayIndexError(f"corrupt array metadata {key} in {layout} {where}: {exc}") from exc
+        if info is None:
+            continue
+        if name in index:
+            raise ArrayIndexError(f"array {name!r} has both zarr v2 and v3 metadata in {where}")
+        index[name] = info
+        drivers[name] = "zarr3" if zarr3 else "zarr"
+    expected = _expected_array_names(item_metadata)
+    if expected is not None:
+        missing = sorted(expected - index.keys())
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ArrayIndexError(
+                f"{len(missing)} array(s) listed in {where}{_ITEM_METADATA} have no zarr metadata in the "
+                f"{layout}: {shown}"
+            )
+    return _Located(spec, use_ocdbt, dict(sorted(index.items())), drivers)
+
+
+def read_array_index(
+    step_url: str | os.PathLike[str],
+    item: str = DEFAULT_ITEM,
+    *,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+) -> dict[str, ArrayInfo]:
+    """Global shape and dtype of every array stored in ``<step_url>/<item>``, keyed by Orbax param name.
+
+    ``step_url`` is a step directory: an absolute local path (``file://`` accepted) or
+    ``gs://bucket/prefix/<step>``. The result is sorted by name. Raises ArrayIndexError when the item
+    does not exist, cannot be read (within ``timeout`` seconds in all; None waits as long as tensorstore
+    retries), is an unfinished OCDBT save, holds unparseable zarr metadata, or lacks an array that its
+    ``_METADATA`` lists.
+    """
+    return _locate(step_url, item, timeout).index
+
+
+def _slabs(shape: tuple[int, ...], row_bytes: int, chunk_rows: int) -> list[tuple[int, int]]:
+    """Ranges along the first axis, whole chunks each, of about ``_DECODE_SLAB_BYTES`` at most."""
+    if not shape:
+        return [(0, 0)]
+    rows = max(1, _DECODE_SLAB_BYTES // max(1, row_bytes))
+    rows = max(chunk_rows, rows - rows % chunk_rows) if chunk_rows > 0 else rows
+    return [(start, min(start + rows, shape[0])) for start in range(0, shape[0], rows)]
+
+
+def decode_all_arrays(
+    step_url: str | os.PathLike[str],
+    item: str = DEFAULT_ITEM,
+    *,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+) -> list[str]:
+    """Read and decode every chunk of every array in ``<step_url>/<item>`` with tensorstore (deep check).
+
+    Returns one problem line per array that cannot be opened or decoded, or whose opened shape/dtype
+    disagrees with its metadata; an empty list means every array decoded. Arrays are read in slabs of
+    whole chunks of about 256 MiB, so memory stays bounded whatever the array size. ``timeout`` bounds
+    the metadata reads only. Raises ArrayIndexError when the index itself cannot be read
+    (``read_array_index``). Note that a chunk missing from storage decodes as the fill value: missing
+    files are for a manifest comparison to catch, not for this.
+    """
+    import tensorstore as ts  # a deep check decodes every chunk: only the CLI and the deep validator come here
+
+    located = _locate(step_url, item, timeout)
+    where = _describe(located.spec)
+    context = ts.Context()
+    problems: list[str] = []
+    for name, info in located.index.items():
+        if located.use_ocdbt:
+            kvstore: dict[str, Any] = {"driver": "ocdbt", "base": located.spec, "path": f"{name}/"}
+        else:
+            kvstore = {**located.spec, "path": f"{located.spec['path']}{name}/"}
+        try:
+            array = ts.open(
+                {"driver": located.drivers[name], "kvstore": kvstore}, open=True, read=True, context=context
+            ).result()
+            if tuple(array.shape) != info.shape or normalize_dtype(array.dtype.name) != info.dtype:
+                problems.append(
+                    f"{name}: opens as {array.dtype.name}{list(array.shape)}, metadata says "
+                    f"{info.dtype}{list(info.shape)}"
+                )
+                continue
+            chunk_shape = array.chunk_layout.read_chunk.shape or ()
+            chunk_rows = int(chunk_shape[0] or 0) if chunk_shape else 0
+            row_bytes = math.prod(info.shape[1:]) * dtype_itemsize(info.dtype)
+            for start, stop in _slabs(info.shape, row_bytes, chunk_rows):
+                view = array[start:stop] if info.shape else array
+                view.read().result()
+        except (ValueError, OSError, RuntimeError) as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            problems.append(f"{name}: cannot decode ({first[:300]})")
+    if problems:
+        problems = [f"{where}{p}" for p in problems]
+    return problems
+
+
+__all__ = [
+    "DEFAULT_ITEM",
+    "DEFAULT_TIMEOUT_S",
+    "ArrayIndexError",
+    "ArrayInfo",
+    "decode_all_arrays",
+    "dtype_itemsize",
+    "normalize_dtype",
+    "read_array_index",
+]

@@ -1,0 +1,240 @@
+"""Orbax's on-storage layout and ckptd's commit rule (DESIGN invariant 2), in one place.
+
+A step is *committed* only when its directory name is a plain integer (no ``.orbax-checkpoint-tmp``
+suffix) **and** it holds ``commit_success.txt``. That rule is right in both of Orbax's atomicity modes:
+rename-based (local disk) and commit-file (``gs://``, or forced), whereas Orbax's own reader in the
+default mode accepts a commit-file step that was cut short. On top of the rule, a committed step must be
+structurally sound: ``_CHECKPOINT_METADATA`` parses, and every item it names has a parseable
+``<item>/_METADATA``.
+
+Used by the sidecar's catalog and by the client's fallback scan, so both apply exactly the same rule.
+No jax here.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from trainer_client.core.protocol import MAX_STEP, ArraySpec, CheckpointInfo, MeshSpec, StepState, TrainingMetadata
+from trainer_client.core.storage import Entry, Storage
+
+TMP_DIR_SUFFIX = ".orbax-checkpoint-tmp"
+COMMIT_MARKER = "commit_success.txt"
+CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
+ITEM_METADATA = "_METADATA"
+SHARDING_FILE = "_sharding"
+CUSTOM_METADATA_KEY = "ckptd"
+DEFAULT_SAVE_TIMEOUT_S = 3600.0
+
+_STEP_NAME = re.compile(r"^(?P<step>\d{1,19})(?P<tmp>\.orbax-checkpoint-tmp.*)?$")
+
+
+@dataclass(frozen=True)
+class StepName:
+    step: int
+    is_tmp: bool
+
+
+def parse_step_name(name: str) -> StepName | None:
+    """``"120"`` -> step 120; ``"120.orbax-checkpoint-tmp[-N]"`` -> tmp step 120; anything else None."""
+    m = _STEP_NAME.fullmatch(name)
+    if m is None or int(m.group("step")) > MAX_STEP:  # beyond int64: no catalog row or request can hold it
+        return None
+    return StepName(int(m.group("step")), m.group("tmp") is not None)
+
+
+@dataclass(frozen=True)
+class StepInspection:
+    """What storage says about one step directory."""
+
+    step: int
+    path: str
+    state: StepState
+    reason: str | None
+    committed_at: float | None
+    training: TrainingMetadata | None
+    item_names: tuple[str, ...] = ()
+
+    def to_info(self, storage: Storage) -> CheckpointInfo:
+        return CheckpointInfo(
+            step=self.step,
+            state=self.state,
+            path=storage.url_of(self.path),
+            reason=self.reason,
+            committed_at=self.committed_at,
+            training=self.training,
+        )
+
+
+def _unfinished(
+    storage: Storage, entry: Entry, step: int, reason: str, save_timeout_s: float, now: float
+) -> StepInspection:
+    mtime = storage.newest_mtime(entry.path)
+    old = mtime is not None and now - mtime > save_timeout_s
+    state = StepState.ABANDONED if old else StepState.WRITING
+    return StepInspection(step, entry.path, state, reason, None, None)
+
+
+def inspect_step(
+    storage: Storage,
+    entry: Entry,
+    *,
+    save_timeout_s: float = DEFAULT_SAVE_TIMEOUT_S,
+    now: float | None = None,
+) -> StepInspection | None:
+    """Apply the commit rule and the structural checks to one child of a job directory.
+
+    Returns None for entries that are not step directories at all.
+    """
+    parsed = parse_step_name(entry.name)
+    if parsed is None or not entry.is_dir:
+        return None
+    now = time.time() if now is None else now
+    if parsed.is_tmp:
+        return _unfinished(storage, entry, parsed.step, "tmp directory: save not finalized",
+                           save_timeout_s, now)
+    if not storage.exists(f"{entry.path}/{COMMIT_MARKER}"):
+        return _unfinished(storage, entry, parsed.step, f"no {COMMIT_MARKER}: save not finalized",
+                           save_timeout_s, now)
+    return _inspect_finalized(storage, entry.path, parsed.step)
+
+
+def _read_json_object(storage: Storage, step_path: str, name: str) -> dict[str, Any] | str:
+    """The JSON object in ``step_path/name``, or the reason it is not usable."""
+    try:
+        value = storage.read_json(f"{step_path}/{name}")
+    except FileNotFoundError:
+        return f"{name} missing"
+    except (ValueError, UnicodeDecodeError) as exc:
+        return f"{name} is not JSON: {exc}"
+    if not isinstance(value, dict):
+        return f"{name} is not a JSON object"
+    return value
+
+
+def _inspect_finalized(storage: Storage, path: str, step: int) -> StepInspection:
+    def corrupt(reason: str) -> StepInspection:
+        return StepInspection(step, path, StepState.CORRUPT, reason, None, None)
+
+    meta = _read_json_object(storage, path, CHECKPOINT_METADATA)
+    if isinstance(meta, str):
+        return corrupt(meta)
+    handlers = meta.get("item_handlers")
+    items: tuple[str, ...]
+    if isinstance(handlers, dict):
+        items = tuple(sorted(str(k) for k in handlers))
+    elif isinstance(handlers, str):
+        items = ("default",)
+    else:
+        items = ()
+    for item in items:
+        item_meta = _read_json_object(storage, path, f"{item}/{ITEM_METADATA}")
+        if isinstance(item_meta, str):
+            return corrupt(item_meta)
+    committed_ns = meta.get("commit_timestamp_nsecs")
+    committed_at = committed_ns / 1e9 if isinstance(committed_ns, int | float) else None
+    training = None
+    custom = meta.get("custom_metadata")
+    if isinstance(custom, dict) and CUSTOM_METADATA_KEY in custom:
+        try:
+            training = TrainingMetadata.model_validate(custom[CUSTOM_METADATA_KEY])
+        except ValidationError as exc:
+            return corrupt(f"ckptd training metadata is invalid: {exc.error_count()} error(s)")
+    return StepInspection(step, path, StepState.COMMITTED, None, committed_at, training, items)
+
+
+def read_training(storage: Storage, step_path: str) -> TrainingMetadata | None:
+    """ckptd's training metadata of a committed step, arrays included (None when the step has none or it
+    does not parse: the step was then never verified with it)."""
+    meta = _read_json_object(storage, step_path, CHECKPOINT_METADATA)
+    custom = meta.get("custom_metadata") if isinstance(meta, dict) else None
+    if not isinstance(custom, dict) or CUSTOM_METADATA_KEY not in custom:
+        return None
+    try:
+        return TrainingMetadata.model_validate(custom[CUSTOM_METADATA_KEY])
+    except ValidationError:
+        return None
+
+
+def read_saved_sharding(
+    storage: Storage, step_path: str, item: str = "default"
+) -> tuple[MeshSpec | None, dict[str, ArraySpec]]:
+    """Mesh and per-array partition specs from Orbax's ``<item>/_sharding`` (plain JSON, no jax).
+
+    Keys there are base64 of the dotted leaf path. Arrays without a NamedSharding get no entry.
+    """
+    try:
+        raw = storage.read_json(f"{step_path}/{item}/{SHARDING_FILE}")
+    except (FileNotFoundError, ValueError, UnicodeDecodeError):
+        return None, {}
+    if not isinstance(raw, dict):
+        return None, {}
+    mesh: MeshSpec | None = None
+    arrays: dict[str, ArraySpec] = {}
+    for key, value in raw.items():
+        try:
+            name = base64.b64decode(key).decode("utf-8")
+            sharding = json.loads(value) if isinstance(value, str) else value
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if not isinstance(sharding, dict) or sharding.get("sharding_type") != "NamedSharding":
+            continue
+        try:
+            this_mesh = MeshSpec(axis_names=list(sharding["axis_names"]), shape=list(sharding["shape"]))
+            spec = ArraySpec(partition_spec=list(sharding.get("partition_spec", [])))
+        except (KeyError, TypeError, ValidationError):
+            continue
+        mesh = mesh or this_mesh
+        arrays[name] = spec
+    return mesh, arrays
+
+
+def step_entries(storage: Storage, job_path: str) -> list[tuple[StepName, Entry]]:
+    """Children of a job directory that look like step directories, newest step first."""
+    found = []
+    for entry in storage.list_dir(job_path):
+        parsed = parse_step_name(entry.name)
+        if parsed is not None and entry.is_dir:
+            found.append((parsed, entry))
+    found.sort(key=lambda pe: (pe[0].step, not pe[0].is_tmp), reverse=True)
+    return found
+
+
+def latest_committed(storage: Storage, job_path: str, *, at_most: int | None = None) -> StepInspection | None:
+    """The newest committed, structurally sound step of a job (the client's fallback scan).
+
+    Reads metadata only for the steps it has to look at, newest first.
+    """
+    storage.invalidate(job_path)
+    for parsed, entry in step_entries(storage, job_path):
+        if parsed.is_tmp or (at_most is not None and parsed.step > at_most):
+            continue
+        inspection = inspect_step(storage, entry)
+        if inspection is not None and inspection.state is StepState.COMMITTED:
+            return inspection
+    return None
+
+
+__all__ = [
+    "CHECKPOINT_METADATA",
+    "COMMIT_MARKER",
+    "CUSTOM_METADATA_KEY",
+    "DEFAULT_SAVE_TIMEOUT_S",
+    "SHARDING_FILE",
+    "TMP_DIR_SUFFIX",
+    "StepInspection",
+    "StepName",
+    "inspect_step",
+    "latest_committed",
+    "parse_step_name",
+    "read_saved_sharding",
+    "read_training",
+    "step_entries",
+]

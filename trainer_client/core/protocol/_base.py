@@ -1,0 +1,35 @@
+"""What every model of the wire contract shares: unknown fields are refused; requests are strict."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _integral_floats_as_ints(value: object) -> object:
+    """``6.0`` -> ``6`` throughout a JSON value (bools and other floats untouched)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _integral_floats_as_ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_integral_floats_as_ints(v) for v in value]
+    return value
+
+
+class _Request(_Model):
+    """Requests are strict: ``true`` or ``"6"`` is not a device count. JSON has one number type, so
+    ``6.0`` is the integer 6 (as JSON Schema says); ``6.5`` is not."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_integers(cls, data: object) -> object:
+        return _integral_floats_as_ints(data)
+
+
+__all__: list[str] = []

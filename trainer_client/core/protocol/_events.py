@@ -1,0 +1,127 @@
+"""Elastic events (``POST``/``GET /v1/jobs/{job}/events``) and goodput (``GET /v1/jobs/{job}/goodput``)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import ConfigDict, Field
+
+from trainer_client.core.protocol._base import _Model, _Request
+from trainer_client.core.protocol._wire import MAX_STEP
+
+# What trainer_client's ElasticRunner emits, and what ckptd records itself (``retention_deleted``).
+# Other kinds matching ``EVENT_KIND_PATTERN`` are stored and served; metrics count them as ``other``.
+EVENT_KINDS = (
+    "start", "waiting_for_slices", "slices_ready", "plan_received", "initialized", "restored",
+    "first_step_done", "checkpoint_started", "failure_detected", "scale_up_detected", "recovered",
+    "finished", "aborted", "retention_deleted",
+)
+EVENT_KIND_PATTERN = r"^[a-z][a-z0-9_]{0,63}$"
+MAX_EVENTS_PER_BATCH = 1000
+
+
+class ElasticEvent(_Request):
+    """One event of a training run, as trainer_client reports it (``EventBatch``)."""
+
+    kind: str = Field(pattern=EVENT_KIND_PATTERN, description="what happened (see EVENT_KINDS)")
+    time: Annotated[float, Field(ge=0)] = Field(description="wall-clock time of the event (Unix seconds)")
+    step: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = None
+    t: float | None = Field(default=None, description="seconds since the run started (monotonic clock)")
+    detail: str = Field(default="", max_length=2000)
+    id: str | None = Field(default=None, max_length=200, description="unique per event; resends are deduplicated")
+    run: str | None = Field(default=None, max_length=200, description="the run (process) that emitted it")
+    host: str | None = Field(default=None, max_length=255)
+    pid: Annotated[int, Field(ge=0)] | None = None
+    recovery_seconds: Annotated[float, Field(ge=0)] | None = Field(
+        default=None, description="recovered: failure detected until the first step on the new mesh")
+    lost_steps: Annotated[int, Field(ge=0)] | None = Field(
+        default=None, description="recovered: steps computed since the restored step, done again")
+    restored_step: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = None
+    mesh_before: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=16)
+    mesh_after: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=16)
+    blocked_seconds: Annotated[float, Field(ge=0)] | None = Field(
+        default=None, description="checkpoint_started: how long the training loop was blocked by the save")
+
+
+class EventBatch(_Request):
+    """Body of ``POST /v1/jobs/{job}/events``."""
+
+    events: list[ElasticEvent] = Field(min_length=1, max_length=MAX_EVENTS_PER_BATCH)
+
+
+class EventAck(_Model):
+    """Answer of ``POST /v1/jobs/{job}/events``."""
+
+    job: str
+    accepted: int = Field(description="events stored")
+    duplicates: int = Field(description="events this ckptd had already stored (same id), skipped")
+
+
+class StoredEvent(ElasticEvent):
+    """An event as ckptd stored it, on storage next to the job's checkpoints."""
+
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+    received_at: float
+    source: Literal["trainer", "ckptd"] = "trainer"
+
+
+class EventList(_Model):
+    job: str
+    events: list[StoredEvent] = Field(description="oldest first")
+
+
+class GoodputCauses(_Model):
+    """Badput by cause (seconds, or fractions of the wall time)."""
+
+    checkpoint: float = Field(description="training blocked by checkpoint saves")
+    waiting: float = Field(description="failure detected until enough slices are healthy")
+    restore: float = Field(description="slices ready until the state is restored (plan + restore)")
+    recompile: float = Field(description="first step after a restore minus a normal step")
+    lost: float = Field(description="steps computed since the restored checkpoint, done again")
+    startup: float = Field(description="run start until its first step (initialization, first compile)")
+    down: float = Field(description="no run of the job alive (between runs)")
+
+
+class GoodputSegment(_Model):
+    """A stretch of wall time that was not productive."""
+
+    start: float
+    end: float
+    cause: Literal["waiting", "restore", "recompile", "startup", "down"]
+
+
+class Goodput(_Model):
+    """Productive training time over wall time, with where the rest went (ckptd/advisor/goodput.py)."""
+
+    job: str
+    goodput: float | None = Field(description="productive seconds / wall seconds; null without events")
+    wall_seconds: float
+    productive_seconds: float
+    badput_seconds: GoodputCauses
+    badput: GoodputCauses = Field(description="fractions of the wall time")
+    window_start: float | None = None
+    window_end: float | None = None
+    step_time_s: float | None = None
+    step_time_source: Literal["given", "events", "checkpoints"] | None = None
+    runs: int = 0
+    recoveries: int = 0
+    lost_steps: int = 0
+    events: int = 0
+    segments: list[GoodputSegment] = Field(default_factory=list, description="non-productive stretches, oldest first")
+    notes: list[str] = Field(default_factory=list)
+
+
+__all__ = [
+    "EVENT_KINDS",
+    "EVENT_KIND_PATTERN",
+    "MAX_EVENTS_PER_BATCH",
+    "ElasticEvent",
+    "EventAck",
+    "EventBatch",
+    "EventList",
+    "Goodput",
+    "GoodputCauses",
+    "GoodputSegment",
+    "StoredEvent",
+]

@@ -1,0 +1,202 @@
+"""The HTTP contract: route templates, job names, the stable error codes and the HTTP status of each, the
+one error body, and the requests and answers of the checkpoint routes."""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from trainer_client.core.protocol._base import _Model, _Request
+from trainer_client.core.protocol._stored import ArraySpec, BatchPlan, CheckpointInfo, MeshSpec
+
+API_PREFIX = "/v1"
+ROUTE_HEALTHZ = "/healthz"
+ROUTE_READYZ = "/readyz"
+ROUTE_METRICS = "/metrics"
+ROUTE_JOBS = f"{API_PREFIX}/jobs"
+ROUTE_CHECKPOINTS = f"{API_PREFIX}/jobs/{{job}}/checkpoints"
+ROUTE_LATEST_GOOD = f"{API_PREFIX}/jobs/{{job}}/checkpoints/latest-good"
+ROUTE_RESUME = f"{API_PREFIX}/jobs/{{job}}/resume"
+ROUTE_ADVICE = f"{API_PREFIX}/jobs/{{job}}/advice"
+ROUTE_EVENTS = f"{API_PREFIX}/jobs/{{job}}/events"
+ROUTE_GOODPUT = f"{API_PREFIX}/jobs/{{job}}/goodput"
+ROUTE_DASHBOARD = "/"
+
+# A job name is one path segment of the root: letters, digits, '.', '_', '-', not starting with '.'.
+JOB_NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$"
+_JOB_NAME_RE = re.compile(JOB_NAME_PATTERN)
+MAX_STEP = 2**63 - 1
+
+
+def is_valid_job_name(name: str) -> bool:
+    """True when ``name`` is a single safe path segment (no '/', no '..', no leading '.')."""
+    return bool(_JOB_NAME_RE.fullmatch(name))
+
+
+class ErrorCode(StrEnum):
+    """Stable error codes; each maps to one HTTP status (see ``ERROR_STATUS``)."""
+
+    INVALID_REQUEST = "INVALID_REQUEST"
+    INVALID_JOB_NAME = "INVALID_JOB_NAME"
+    JOB_NOT_FOUND = "JOB_NOT_FOUND"
+    STEP_NOT_FOUND = "STEP_NOT_FOUND"
+    NO_GOOD_CHECKPOINT = "NO_GOOD_CHECKPOINT"
+    STEP_NOT_GOOD = "STEP_NOT_GOOD"
+    NOT_ENOUGH_DEVICES = "NOT_ENOUGH_DEVICES"
+    NO_VALID_MESH = "NO_VALID_MESH"
+    DOES_NOT_FIT = "DOES_NOT_FIT"
+    ROUTE_NOT_FOUND = "ROUTE_NOT_FOUND"
+    METHOD_NOT_ALLOWED = "METHOD_NOT_ALLOWED"
+    UNAUTHORIZED = "UNAUTHORIZED"
+    NOT_READY = "NOT_READY"
+    STORAGE_ERROR = "STORAGE_ERROR"
+    INTERNAL = "INTERNAL"
+    MISSING_INPUT = "MISSING_INPUT"
+    PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"
+
+
+ERROR_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.INVALID_REQUEST: 422,
+    ErrorCode.INVALID_JOB_NAME: 400,
+    ErrorCode.JOB_NOT_FOUND: 404,
+    ErrorCode.STEP_NOT_FOUND: 404,
+    ErrorCode.NO_GOOD_CHECKPOINT: 404,
+    ErrorCode.STEP_NOT_GOOD: 409,
+    ErrorCode.NOT_ENOUGH_DEVICES: 409,
+    ErrorCode.NO_VALID_MESH: 409,
+    ErrorCode.DOES_NOT_FIT: 409,
+    ErrorCode.ROUTE_NOT_FOUND: 404,
+    ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.NOT_READY: 503,
+    ErrorCode.STORAGE_ERROR: 503,
+    ErrorCode.INTERNAL: 500,
+    ErrorCode.MISSING_INPUT: 422,
+    ErrorCode.PAYLOAD_TOO_LARGE: 413,
+}
+
+
+class ErrorBody(_Model):
+    """The one error body every failing request gets."""
+
+    code: ErrorCode
+    message: str
+    detail: dict[str, object] | None = None
+
+
+class Health(_Model):
+    status: Literal["ok", "not_ready"]
+    detail: dict[str, object] = Field(default_factory=dict)
+
+
+class JobInfo(_Model):
+    name: str
+    path: str
+    steps: int
+    latest_step: int | None
+    latest_good_step: int | None
+
+
+class JobList(_Model):
+    jobs: list[JobInfo]
+
+
+class CheckpointList(_Model):
+    job: str
+    checkpoints: list[CheckpointInfo]
+
+
+class SliceAlive(_Request):
+    index: Annotated[int, Field(ge=0)]
+    devices: Annotated[int, Field(ge=0)]
+
+
+class BatchOptions(_Request):
+    """How a resized mesh treats the batch."""
+
+    mode: Literal["keep_global_batch", "scale_batch"] = Field(
+        default="keep_global_batch",
+        description="keep_global_batch: gradient accumulation keeps the global batch; "
+        "scale_batch: keep the per-device batch, the global batch follows the device count",
+    )
+    lr_scaling: Literal["none", "linear", "sqrt"] = Field(
+        default="linear", description="learning-rate rule applied when the global batch changes"
+    )
+    max_accumulation_steps: Annotated[int, Field(ge=1, le=4096)] = 64
+
+
+class ResumeRequest(_Request):
+    """Body of ``POST /v1/jobs/{job}/resume``."""
+
+    policy: Literal["pause", "resize"] = "resize"
+    alive_devices: Annotated[int, Field(ge=0, le=1_000_000)]
+    slices: list[SliceAlive] | None = Field(default=None, max_length=100_000)
+    step: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = None
+    device_memory_bytes: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="memory of one device; when given the plan checks the state fits"
+    )
+    memory_headroom_bytes: Annotated[int, Field(ge=0)] = Field(
+        default=0, description="per-device memory to leave free (activations, compiled programs)"
+    )
+    batch: BatchOptions = Field(default_factory=BatchOptions)
+    use_memory_tier: bool = Field(
+        default=True, description="prefer a whole host-memory snapshot at least as new as the newest good step"
+    )
+
+
+class ResumePlan(_Model):
+    """Where to resume and how to lay the state out on the devices alive."""
+
+    job: str
+    step: int
+    path: str
+    policy: Literal["pause", "resize"]
+    mesh: MeshSpec
+    saved_mesh: MeshSpec | None
+    arrays: dict[str, ArraySpec] = Field(default_factory=dict)
+    data_position: int | None = Field(default=None, description="global sample index to resume reading at")
+    global_batch: int | None = None
+    batch: BatchPlan | None = None
+    idle_devices: int = 0
+    slices_used: list[int] = Field(default_factory=list, description="slices whose devices form the mesh, in order")
+    idle_slices: list[SliceAlive] = Field(default_factory=list, description="alive devices left out, per slice")
+    bytes_per_device: int | None = Field(default=None, description="state bytes per device on the new mesh")
+    fits_memory: bool | None = None
+    source: Literal["ckptd", "storage_scan"] = "ckptd"
+    tier: Literal["memory", "storage"] = Field(
+        default="storage", description="memory: `path` is a host-memory snapshot; storage: an Orbax step"
+    )
+    notes: list[str] = Field(default_factory=list)
+
+
+__all__ = [
+    "API_PREFIX",
+    "ERROR_STATUS",
+    "JOB_NAME_PATTERN",
+    "MAX_STEP",
+    "ROUTE_ADVICE",
+    "ROUTE_CHECKPOINTS",
+    "ROUTE_DASHBOARD",
+    "ROUTE_EVENTS",
+    "ROUTE_GOODPUT",
+    "ROUTE_HEALTHZ",
+    "ROUTE_JOBS",
+    "ROUTE_LATEST_GOOD",
+    "ROUTE_METRICS",
+    "ROUTE_READYZ",
+    "ROUTE_RESUME",
+    "BatchOptions",
+    "CheckpointList",
+    "ErrorBody",
+    "ErrorCode",
+    "Health",
+    "JobInfo",
+    "JobList",
+    "ResumePlan",
+    "ResumeRequest",
+    "SliceAlive",
+    "is_valid_job_name",
+]

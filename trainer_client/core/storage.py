@@ -1,0 +1,193 @@
+"""Storage access for checkpoint roots: local directories and ``gs://`` buckets, through fsspec.
+
+ckptd and the client's fallback scan read storage through this one small interface, so a rule written
+once (the commit rule, step discovery) behaves the same on a laptop and on GCS. Only listing and reading
+small metadata files happen here: array bytes are Orbax's and tensorstore's business.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import posixpath
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import fsspec
+
+from trainer_client.core.errors import StorageError
+
+
+def storage_failures() -> tuple[type[BaseException], ...]:
+    """What file-system backends raise for storage trouble: ``OSError``, plus the exceptions of gcsfs and
+    aiohttp that are not ``OSError`` (gcsfs raises its ``HttpError`` for a 5xx or 429 that outlived its
+    retries). Looked up when needed: importing gcsfs here would fix its class choice before a test or a
+    deployment has set ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT``."""
+    found: list[type[BaseException]] = [OSError]
+    gcsfs_retry = sys.modules.get("gcsfs.retry")
+    if gcsfs_retry is not None:
+        found += [gcsfs_retry.HttpError, gcsfs_retry.ChecksumError]
+    aiohttp = sys.modules.get("aiohttp")
+    if aiohttp is not None:
+        found.append(aiohttp.ClientError)
+    return tuple(found)
+
+
+@contextlib.contextmanager
+def storage_errors(what: str) -> Iterator[None]:
+    """Raise a backend's storage failure as ``StorageError`` (``FileNotFoundError`` passes as it is)."""
+    try:
+        yield
+    except (FileNotFoundError, StorageError):
+        raise
+    except Exception as exc:
+        if isinstance(exc, storage_failures()):
+            raise StorageError(f"{what}: {exc}") from exc
+        raise
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One child of a directory."""
+
+    name: str
+    path: str
+    is_dir: bool
+    mtime: float | None
+    size: int | None = None
+
+
+def mtime_of(info: dict[str, Any]) -> float | None:
+    """A listing entry's modification time, whatever the file system calls it (seconds since the epoch)."""
+    for key in ("mtime", "updated", "LastModified", "created"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if isinstance(value, int | float):
+            return float(value)
+        if isinstance(value, datetime):
+            return value.timestamp()
+        if isinstance(value, str):
+            try:
+                return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return None
+
+
+class Storage:
+    """A checkpoint root (``/abs/dir`` or ``gs://bucket/prefix``) and the file system that holds it."""
+
+    def __init__(self, url: str, fs: fsspec.AbstractFileSystem | None = None) -> None:
+        self.url = url.rstrip("/") if url not in ("/",) else url
+        if fs is None:
+            fs, path = fsspec.core.url_to_fs(self.url)
+        else:
+            path = fs._strip_protocol(self.url)
+        self.fs: fsspec.AbstractFileSystem = fs
+        self.root: str = path if path.startswith("/") or self.is_remote else os.path.abspath(path)
+
+    @property
+    def is_remote(self) -> bool:
+        protocol = self.fs.protocol
+        protocols = (protocol,) if isinstance(protocol, str) else tuple(protocol)
+        return "file" not in protocols and "local" not in protocols
+
+    def join(self, *parts: str) -> str:
+        return posixpath.join(self.root, *parts)
+
+    def url_of(self, path: str) -> str:
+        """The URL a user (or Orbax) would use for ``path``: ``gs://...`` or an absolute local path."""
+        if not self.is_remote:
+            return path
+        return self.fs.unstrip_protocol(path)
+
+    def invalidate(self, path: str | None = None) -> None:
+        """Forget cached listings (gcsfs caches them) so the next listing sees storage as it is now:
+        all of them, or those of ``path``, its parents and everything under it.
+
+        gcsfs's own ``invalidate_cache(path)`` drops only ``path`` and its parents. A listing it kept of
+        a step directory would hide a ``commit_success.txt`` written since (``exists`` answers "no" from
+        the parent's cached listing) and keep the old size of a rewritten ``_CHECKPOINT_METADATA``.
+        """
+        if path is None:
+            self.fs.invalidate_cache()
+            return
+        self.fs.invalidate_cache(path)
+        cache = getattr(self.fs, "dircache", None)
+        if cache is None:
+            return
+        prefix = str(self.fs._strip_protocol(path)).rstrip("/") + "/"
+        for key in [k for k in list(cache) if isinstance(k, str) and k.startswith(prefix)]:
+            with contextlib.suppress(KeyError):  # another thread dropped it first
+                del cache[key]
+
+    def list_dir(self, path: str) -> list[Entry]:
+        """Children of ``path``; an empty list when ``path`` does not exist."""
+        try:
+            infos = self.fs.ls(path, detail=True)
+        except FileNotFoundError:
+            return []
+        except storage_failures() as exc:
+            raise StorageError(f"cannot list {self.url_of(path)}: {exc}") from exc
+        entries = []
+        for info in infos:
+            full = str(info["name"]).rstrip("/")
+            name = posixpath.basename(full)
+            if not name or full == path.rstrip("/"):
+                continue
+            size = info.get("size")
+            entries.append(Entry(name, full, info.get("type") == "directory", mtime_of(info),
+                                 int(size) if isinstance(size, int | float) else None))
+        return sorted(entries, key=lambda e: e.name)
+
+    def exists(self, path: str) -> bool:
+        try:
+            return bool(self.fs.exists(path))
+        except storage_failures() as exc:
+            raise StorageError(f"cannot stat {self.url_of(path)}: {exc}") from exc
+
+    def is_dir(self, path: str) -> bool:
+        try:
+            return bool(self.fs.isdir(path))
+        except storage_failures() as exc:
+            raise StorageError(f"cannot stat {self.url_of(path)}: {exc}") from exc
+
+    def read_bytes(self, path: str) -> bytes:
+        try:
+            with self.fs.open(path, "rb") as f:
+                return bytes(f.read())
+        except FileNotFoundError:
+            raise
+        except storage_failures() as exc:
+            raise StorageError(f"cannot read {self.url_of(path)}: {exc}") from exc
+
+    def read_json(self, path: str) -> Any:
+        """Parse a JSON file; ``FileNotFoundError`` when absent, ``ValueError`` when not JSON."""
+        return json.loads(self.read_bytes(path).decode("utf-8"))
+
+    def newest_mtime(self, path: str) -> float | None:
+        """The newest modification time of ``path`` or its direct children (object stores have no
+        directory times: there, of its direct child objects, else of any object under it)."""
+        times = [e.mtime for e in self.list_dir(path) if e.mtime is not None]
+        if not self.is_remote:
+            with contextlib.suppress(OSError):
+                times.append(os.stat(path).st_mtime)
+        elif not times:
+            # No direct child is an object (only "directories", e.g. an item being written): date the
+            # step by the newest object under it, or it would never age into ``abandoned``.
+            try:
+                infos = self.fs.find(path, detail=True)
+            except FileNotFoundError:
+                infos = {}
+            except storage_failures() as exc:
+                raise StorageError(f"cannot list {self.url_of(path)}: {exc}") from exc
+            times = [t for t in (mtime_of(info) for info in infos.values()) if t is not None]
+        return max(times) if times else None
+
+
+__all__ = ["Entry", "Storage", "StorageError", "storage_errors", "storage_failures"]

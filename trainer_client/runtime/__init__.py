@@ -1,0 +1,5 @@
+"""The trainer runtime: the only part of ckptd that imports jax (and Orbax, pathwaysutils).
+
+Elastic same-PID recovery (``elastic``), slice health (``slices``), saving and restoring through Orbax
+(``checkpointing``, ``direct_restore``), the host-memory tier (``memory_tier``), the save router
+(``saver``) and compile-ahead of the next meshes (``precompile``)."""
