@@ -48,7 +48,7 @@ class Profile:
 
 
 PROFILES: dict[str, Profile] = {
-    # 8 x 12288 x 5632 float32 = 2.06 GiB (facts.md's 16384 x 4096 rows do not divide by 6).
+    # 8 x 12288 x 5632 float32 = 2.06 GiB (16384 x 4096 rows would not divide by 6).
     # The catalog work grows with steps x arrays: 10,000 steps of 1,000 arrays take minutes per rebuild here.
     "full": Profile("full", 8, 12288, 5632, 5, 10_000, 1000, 500, 5, 1, 5, True),
     # 8 x 3072 x 2816 float32 = 264 MiB; 1,000 catalogued steps (the key's name says 10k: see "steps").

@@ -26,7 +26,7 @@ from ckptd.advisor.advisor import advise, make_plan, resolve_inputs
 from ckptd.advisor.simulator import POLICIES
 from trainer_client.core.protocol import Advice, AdviceQuery
 
-# Measured by ckptd here (2 GiB state, 8 fake CPU devices; docs/planning.md, notes/facts.md, `make demo`).
+# Measured by ckptd here (2 GiB state, 8 fake CPU devices; docs/planning.md, `make demo`).
 MEASURED: dict[str, float] = {
     "save_stall_s": 0.010,  # async save(): time the loop is blocked
     "persist_time_s": 3.42,  # save until committed, zstd-1

@@ -34,14 +34,14 @@ import httpx
 from bench.common import Figure, Profile, Results, percentile, rmtree, timed
 from bench.resume_client import BUDGET_S as SEQUENTIAL_BUDGET_S
 from bench.resume_client import REQUEST_TIMEOUT_S
-from trainer_client.core.format.manifest import MANIFEST_FILE, read_manifest
-from trainer_client.core.format.steps import CHECKPOINT_METADATA
+from trainer_client.core.format.files import CHECKPOINT_METADATA, CKPTD_MANIFEST
+from trainer_client.core.format.manifest import read_manifest
 from trainer_client.core.protocol import ResumeRequest, SliceAlive
 from trainer_client.core.storage import Storage
 
 JOB = "bench-job"
 GLOBAL_BATCH = 64
-PER_STEP = (CHECKPOINT_METADATA, MANIFEST_FILE)
+PER_STEP = (CHECKPOINT_METADATA, CKPTD_MANIFEST)
 BURST_BUDGET_S = 300.0  # bursts stop after this (but not before 2)
 BURST_LIMIT_S = 300.0  # a burst not answered whole by then counts as this (a lower bound) and is reported
 
@@ -93,7 +93,7 @@ def fabricate(template: Path, job_dir: Path, steps: int) -> None:
         m = manifest.model_copy(update={"step": step, "training": training, "created_at": time.time(),
                                         "checksum": ""})
         m = m.model_copy(update={"checksum": m.computed_checksum()})
-        (step_dir / MANIFEST_FILE).write_text(m.model_dump_json(indent=1))
+        (step_dir / CKPTD_MANIFEST).write_text(m.model_dump_json(indent=1))
 
 
 def _rebuild_once(root: Path, db: Path) -> tuple[float, dict[str, int]]:
@@ -237,7 +237,7 @@ def run_service(profile: Profile, results: Results, workdir: Path) -> None:
         fabricate(template, job_dir, profile.steps)
     print(f"  fabricated {profile.steps} steps in {t.seconds:.1f}s", flush=True)
     meta_bytes = (job_dir / "1" / CHECKPOINT_METADATA).stat().st_size
-    manifest_bytes = (job_dir / "1" / MANIFEST_FILE).stat().st_size
+    manifest_bytes = (job_dir / "1" / CKPTD_MANIFEST).stat().st_size
     files_per_step = sum(len(f) for _, _, f in os.walk(job_dir / "1"))
     results.context["service"] = {
         "steps": profile.steps, "state_arrays": profile.state_arrays, "files_per_step": files_per_step,

@@ -21,7 +21,7 @@ from ckptd.api.app import create_app
 from ckptd.catalog.catalog import Catalog
 from ckptd.config import Settings
 from trainer_client.core import protocol as p
-from trainer_client.core.format.steps import CHECKPOINT_METADATA, TMP_DIR_SUFFIX
+from trainer_client.core.format.files import CHECKPOINT_METADATA, TMP_DIR_SUFFIX
 from trainer_client.core.storage import Storage
 from trainer_client.errors import StorageError
 

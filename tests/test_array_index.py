@@ -30,14 +30,9 @@ from gcs_emulator import GcsEmulator, gcs_emulator
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from trainer_client.core.dtypes import dtype_itemsize, normalize_dtype
 from trainer_client.core.format import array_index
-from trainer_client.core.format.array_index import (
-    ArrayInfo,
-    decode_all_arrays,
-    dtype_itemsize,
-    normalize_dtype,
-    read_array_index,
-)
+from trainer_client.core.format.array_index import ArrayInfo, decode_all_arrays, read_array_index
 from trainer_client.errors import ArrayIndexError
 
 __all__ = ["gcs_emulator"]  # the session fixture: a fake GCS on 127.0.0.1 (tests/gcs_emulator.py)

@@ -16,13 +16,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import ckptd.api.auth
 import httpx
 import pytest
 from chaos_support import CkptdProcess, subprocess_env
 from conftest import training_metadata, write_orbax_jobs
 
 import ckptd.api.app
+import ckptd.api.auth
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.client.event_reporter import EventReporter
 from trainer_client.config import ClientSettings

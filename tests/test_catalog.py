@@ -16,13 +16,8 @@ import pytest
 from ckptd.catalog.catalog import Catalog
 from ckptd.catalog.integrity import settle
 from ckptd.catalog.refresher import Refresher
-from trainer_client.core.format.steps import (
-    CHECKPOINT_METADATA,
-    COMMIT_MARKER,
-    TMP_DIR_SUFFIX,
-    inspect_step,
-    step_entries,
-)
+from trainer_client.core.format.files import CHECKPOINT_METADATA, COMMIT_MARKER, TMP_DIR_SUFFIX
+from trainer_client.core.format.steps import inspect_step, step_entries
 from trainer_client.core.protocol import MAX_STEP, CheckpointInfo, JobInfo, StepState, is_valid_job_name
 from trainer_client.core.storage import Storage
 

@@ -50,7 +50,8 @@ from examples.elastic_mlp import TrainLog, make_train_fn
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.core.format.array_index import decode_all_arrays
-from trainer_client.core.format.steps import COMMIT_MARKER, TMP_DIR_SUFFIX, parse_step_name
+from trainer_client.core.format.files import COMMIT_MARKER, TMP_DIR_SUFFIX
+from trainer_client.core.format.steps import parse_step_name
 from trainer_client.core.protocol import ResumeRequest, StepState
 from trainer_client.core.storage import Storage
 from trainer_client.core.validation import validate_step

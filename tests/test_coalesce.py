@@ -18,7 +18,7 @@ from conftest import wait_until
 from ckptd.api.coalesce import Coalescer
 from ckptd.api.plan_cache import PlanCache
 from trainer_client.core import protocol as p
-from trainer_client.core.format.steps import COMMIT_MARKER
+from trainer_client.core.format.files import COMMIT_MARKER
 
 # ---- the coalescer on its own --------------------------------------------------------------------
 

@@ -19,7 +19,8 @@ import pytest
 
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
-from trainer_client.core.format.steps import COMMIT_MARKER, latest_committed
+from trainer_client.core.format.files import COMMIT_MARKER
+from trainer_client.core.format.steps import latest_committed
 from trainer_client.core.protocol import ResumeRequest, StepState
 from trainer_client.core.storage import Storage
 

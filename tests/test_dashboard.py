@@ -23,8 +23,8 @@ import pytest
 
 from ckptd.catalog.events import EventStore, record_retention
 from ckptd.catalog.retention import Decision
-from trainer_client.core.format.manifest import QUARANTINE_FILE, quarantine_record
-from trainer_client.core.format.steps import CHECKPOINT_METADATA, COMMIT_MARKER, TMP_DIR_SUFFIX
+from trainer_client.core.format.files import CHECKPOINT_METADATA, COMMIT_MARKER, QUARANTINE_FILE, TMP_DIR_SUFFIX
+from trainer_client.core.format.manifest import quarantine_record
 from trainer_client.core.protocol import StepState
 from trainer_client.core.storage import Storage
 

@@ -25,9 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ckptd.api.app import create_app
 from ckptd.catalog.catalog import Catalog
-from ckptd.catalog.events import EVENTS_DIR, EventStore
+from ckptd.catalog.events import EventStore
 from ckptd.config import Settings
 from trainer_client.core import protocol as p
+from trainer_client.core.format.files import EVENTS_DIR
 from trainer_client.core.format.manifest import read_manifest
 from trainer_client.core.storage import Storage
 

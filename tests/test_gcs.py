@@ -24,7 +24,8 @@ from gcs_emulator import GcsEmulator, gcs_emulator
 from ckptd.catalog.catalog import Catalog
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
-from trainer_client.core.format.steps import COMMIT_MARKER, TMP_DIR_SUFFIX, inspect_step, latest_committed, step_entries
+from trainer_client.core.format.files import COMMIT_MARKER, TMP_DIR_SUFFIX
+from trainer_client.core.format.steps import inspect_step, latest_committed, step_entries
 from trainer_client.core.protocol import ResumePlan, ResumeRequest, StepState
 from trainer_client.core.storage import Storage
 from trainer_client.errors import NoCheckpointError

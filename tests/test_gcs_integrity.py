@@ -42,16 +42,14 @@ from ckptd.cli.main import main as ckptd_main
 from trainer_client.core import validation
 from trainer_client.core.durability import Syncer, using_syncer
 from trainer_client.core.format.array_index import decode_all_arrays
-from trainer_client.core.format.manifest import (
-    MANIFEST_FILE,
+from trainer_client.core.format.files import (
+    CHECKPOINT_METADATA,
+    CKPTD_MANIFEST,
+    COMMIT_MARKER,
     QUARANTINE_FILE,
     VERIFIED_FILE,
-    Listed,
-    list_files,
-    read_manifest,
-    read_verified_record,
 )
-from trainer_client.core.format.steps import CHECKPOINT_METADATA, COMMIT_MARKER
+from trainer_client.core.format.manifest import Listed, list_files, read_manifest, read_verified_record
 from trainer_client.core.protocol import StepState
 from trainer_client.core.storage import Storage
 from trainer_client.core.validation import latest_good_on_storage, validate_step
@@ -64,7 +62,7 @@ __all__ = ["gcs_emulator"]  # the session fixture: a fake GCS on 127.0.0.1 (test
 BASE = "integrity"
 TRAINER_STEPS = (1, 2, 3, 4, 5, 6)  # saved by trainer_client's Checkpointer, verified and sealed
 ORBAX_STEPS = (7, 8)  # saved by plain Orbax: no manifest until ckptd adopts them
-METADATA_FILES = frozenset({MANIFEST_FILE, CHECKPOINT_METADATA})  # what quick validation may read
+METADATA_FILES = frozenset({CKPTD_MANIFEST, CHECKPOINT_METADATA})  # what quick validation may read
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -241,8 +239,8 @@ def test_checkpointer_manifests_match_object_crc32c_and_are_sealed(golden: Golde
     for step in TRAINER_STEPS:
         # As the Checkpointer left it: the manifest was written in place before the commit marker ...
         first = golden.before_seal[step]
-        assert MANIFEST_FILE in first and COMMIT_MARKER in first and QUARANTINE_FILE not in first
-        assert int(first[MANIFEST_FILE]["generation"]) < int(first[COMMIT_MARKER]["generation"])
+        assert CKPTD_MANIFEST in first and COMMIT_MARKER in first and QUARANTINE_FILE not in first
+        assert int(first[CKPTD_MANIFEST]["generation"]) < int(first[COMMIT_MARKER]["generation"])
         # ... and once the catalog sealed it it lists every object of the step with GCS's own size and CRC32C.
         manifest = read_manifest(storage, storage.join("job", str(step)))
         assert manifest is not None and manifest.writer == "trainer_client" and manifest.step == step
@@ -250,10 +248,10 @@ def test_checkpointer_manifests_match_object_crc32c_and_are_sealed(golden: Golde
         assert manifest.sealed is not None and set(manifest.sealed) == {CHECKPOINT_METADATA, COMMIT_MARKER}
         objects = _objects(gcs, f"{BASE}/golden/job/{step}")
         expected = manifest.expected_files()
-        assert set(expected) == set(objects) - {MANIFEST_FILE, VERIFIED_FILE}  # ckptd's own files
+        assert set(expected) == set(objects) - {CKPTD_MANIFEST, VERIFIED_FILE}  # ckptd's own files
         record = read_verified_record(storage, storage.join("job", str(step)))
         assert record is not None and record.manifest_checksum == manifest.checksum
-        assert set(record.fingerprints) == {CHECKPOINT_METADATA, COMMIT_MARKER, MANIFEST_FILE}
+        assert set(record.fingerprints) == {CHECKPOINT_METADATA, COMMIT_MARKER, CKPTD_MANIFEST}
         assert any(_is_data(rel) for rel in expected)
         for rel, entry in expected.items():
             assert (entry.size, entry.crc32c) == (int(objects[rel]["size"]), objects[rel]["crc32c"]), rel
@@ -274,8 +272,8 @@ def test_the_manifest_is_unsealed_until_ckptd_verifies_the_step(golden: Golden) 
     first = read_manifest(storage, storage.join("job", "9"))
     assert first is not None and first.sealed is None
     objects = _objects(gcs, f"{BASE}/unsealed/job/9")
-    assert int(objects[MANIFEST_FILE]["generation"]) < int(objects[COMMIT_MARKER]["generation"])
-    assert set(first.files) == set(objects) - {MANIFEST_FILE, CHECKPOINT_METADATA, COMMIT_MARKER}
+    assert int(objects[CKPTD_MANIFEST]["generation"]) < int(objects[COMMIT_MARKER]["generation"])
+    assert set(first.files) == set(objects) - {CKPTD_MANIFEST, CHECKPOINT_METADATA, COMMIT_MARKER}
     cat = Catalog(storage, ":memory:")
     try:
         cat.rebuild()
@@ -306,7 +304,7 @@ def test_plain_orbax_steps_on_gcs_are_adopted_without_downloading_arrays(golden:
             manifest = read_manifest(storage, storage.join("job", str(step)))
             assert manifest is not None and manifest.writer == "adopted" and manifest.sealed is not None
             objects = _objects(gcs, f"{BASE}/adopt/job/{step}")
-            assert set(manifest.expected_files()) == set(objects) - {MANIFEST_FILE, VERIFIED_FILE}
+            assert set(manifest.expected_files()) == set(objects) - {CKPTD_MANIFEST, VERIFIED_FILE}
             for rel, entry in manifest.expected_files().items():
                 assert (entry.size, entry.crc32c) == (int(objects[rel]["size"]), objects[rel]["crc32c"]), rel
         assert w.listings() > 0
@@ -537,7 +535,7 @@ def test_durability_paths_skip_fsync_on_gcs(
     # A decoy: gcsfs paths ("bucket/prefix/...") are relative paths; had anything handed one to the local
     # file system from here, it would have found these and fsynced or rewritten them.
     step_rel = Path(gcs.bucket, BASE, "durable", "job", "10")
-    for rel in (COMMIT_MARKER, CHECKPOINT_METADATA, MANIFEST_FILE):
+    for rel in (COMMIT_MARKER, CHECKPOINT_METADATA, CKPTD_MANIFEST):
         (tmp_path / step_rel / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / step_rel / rel).write_text("decoy")
     tree = _tree(tmp_path)

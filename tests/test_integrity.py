@@ -23,14 +23,14 @@ from ckptd.cli.main import main as ckptd_main
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.core.durability import Syncer, using_syncer
-from trainer_client.core.format.manifest import (
-    MANIFEST_FILE,
+from trainer_client.core.format.files import (
+    CHECKPOINT_METADATA,
+    CKPTD_MANIFEST,
+    COMMIT_MARKER,
     QUARANTINE_FILE,
     VERIFIED_FILE,
-    read_manifest,
-    write_manifest,
 )
-from trainer_client.core.format.steps import CHECKPOINT_METADATA, COMMIT_MARKER
+from trainer_client.core.format.manifest import read_manifest, write_manifest
 from trainer_client.core.protocol import ResumeRequest, StepState
 from trainer_client.core.storage import Storage
 from trainer_client.core.validation import latest_good_on_storage, validate_step
@@ -213,14 +213,14 @@ def test_everything_is_fsynced_before_the_commit_and_before_ckptd_says_good(tmp_
         for f in step.rglob("*"):
             if f.is_file() and f.name not in (COMMIT_MARKER, CHECKPOINT_METADATA):
                 assert f.name in synced_before_commit, f"{f.relative_to(step)} not fsynced before the commit"
-        assert CHECKPOINT_METADATA in synced_before_commit and MANIFEST_FILE in synced_before_commit
+        assert CHECKPOINT_METADATA in synced_before_commit and CKPTD_MANIFEST in synced_before_commit
         assert any(k == "dir" and not committed for k, _, committed in writer_events)
 
         recorder.events.clear()
         cat = Catalog(Storage(str(tmp_path)), ":memory:")
         cat.rebuild()
         settled = [p for _, p, _ in recorder.events]
-        for needed in (step / COMMIT_MARKER, step / CHECKPOINT_METADATA, step / MANIFEST_FILE, step, step.parent):
+        for needed in (step / COMMIT_MARKER, step / CHECKPOINT_METADATA, step / CKPTD_MANIFEST, step, step.parent):
             assert str(needed) in settled, f"{needed} not fsynced before the step was reported good"
         assert cat.step("job", 5).state is StepState.VERIFIED  # type: ignore[union-attr]
 

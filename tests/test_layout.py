@@ -12,10 +12,8 @@ from typing import Any
 
 import pytest
 
+from trainer_client.core.format.files import CHECKPOINT_METADATA, COMMIT_MARKER, TMP_DIR_SUFFIX
 from trainer_client.core.format.steps import (
-    CHECKPOINT_METADATA,
-    COMMIT_MARKER,
-    TMP_DIR_SUFFIX,
     StepInspection,
     StepName,
     inspect_step,

@@ -22,7 +22,8 @@ from jax.sharding import PartitionSpec as P
 from examples.elastic_mlp import TrainLog, init_state, make_train_fn, partition_specs
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
-from trainer_client.core.format.snapshot import DATA_FILE, PERSISTED_FILE, problems, read_meta
+from trainer_client.core.format.files import SNAPSHOT_DATA_FILE, SNAPSHOT_PERSISTED_FILE
+from trainer_client.core.format.snapshot import problems, read_meta
 from trainer_client.core.protocol import ResumeRequest
 from trainer_client.errors import MemoryTierFull
 from trainer_client.runtime.checkpointing import Checkpointer, leaf_name, training_metadata
@@ -69,7 +70,7 @@ def test_a_snapshot_restores_exactly_onto_a_smaller_mesh(tmp_path: Path) -> None
         assert np.array_equal(a, b)
     assert all(leaf.sharding.mesh.devices.shape == (3, 2) for leaf in jax.tree_util.tree_leaves(restored))
     # a damaged snapshot is never taken for whole
-    with open(path / DATA_FILE, "r+b") as f:
+    with open(path / SNAPSHOT_DATA_FILE, "r+b") as f:
         f.truncate(10)
     assert any("bytes" in p for p in problems(path))
 
@@ -90,7 +91,7 @@ def test_the_next_snapshot_is_written_into_pages_allocated_ahead(tmp_path: Path)
 
     second_state = _state(mesh, seed=2)
     second = tier.save(2, second_state, _meta(2, second_state, mesh), persist=False)
-    assert os.fstat(held).st_ino == (second / DATA_FILE).stat().st_ino  # the spare became step 2's data
+    assert os.fstat(held).st_ino == (second / SNAPSHOT_DATA_FILE).stat().st_ino  # the spare became step 2's data
     assert os.fstat(held).st_nlink == 1
     os.close(held)
     assert problems(second) == []
@@ -106,7 +107,7 @@ def test_the_next_snapshot_is_written_into_pages_allocated_ahead(tmp_path: Path)
     # a smaller state is written into the spare and the file cut to its size; a larger one gets a new file
     small = {"w": jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(mesh, P("replica")))}
     third = tier.save(3, small, _meta(3, small, mesh), persist=False)
-    assert problems(third) == [] and (third / DATA_FILE).stat().st_size == read_meta(third).nbytes
+    assert problems(third) == [] and (third / SNAPSHOT_DATA_FILE).stat().st_size == read_meta(third).nbytes
     tier.wait_spare()
     assert spare.stat().st_size >= read_meta(third).nbytes
     held = os.open(spare, os.O_RDONLY)
@@ -143,7 +144,7 @@ def test_what_dead_trainers_left_in_shared_memory_is_dropped(tmp_path: Path) -> 
         spare.write_bytes(b"x" * 10)
     for unfinished in (dead_unfinished, alive_unfinished):
         unfinished.mkdir()
-        (unfinished / DATA_FILE).write_bytes(b"y" * 10)
+        (unfinished / SNAPSHOT_DATA_FILE).write_bytes(b"y" * 10)
     (job / "6").mkdir()  # a finished snapshot is not a leftover, however old
     MemoryTier(str(tmp_path), "job")  # a new trainer cleans up after the one before it
     assert not dead_spare.exists() and not dead_unfinished.exists()
@@ -168,7 +169,7 @@ def test_memory_is_bounded_with_a_clear_error(tmp_path: Path) -> None:
     assert not list((tmp_path / "job").glob(".spare-*"))  # no room for one: 2 and 3 wait for ckptd
     with pytest.raises(MemoryTierFull, match="wait to be persisted"):
         tier.save(4, state, _meta(4, state, mesh), persist=True)
-    (tmp_path / "job" / "2" / PERSISTED_FILE).write_text("{}")  # ckptd persisted it: now it may go
+    (tmp_path / "job" / "2" / SNAPSHOT_PERSISTED_FILE).write_text("{}")  # ckptd persisted it: now it may go
     tier.save(4, state, _meta(4, state, mesh), persist=True)
     assert _snapshots(tmp_path / "job") == ["3", "4"]
     huge = MemoryTier(str(tmp_path), "other", reserve_bytes=2**62)
@@ -216,9 +217,9 @@ def test_ckptd_persists_a_snapshot_of_a_trainer_killed_right_after_save(
                 break
             time.sleep(0.2)
         assert good is not None and good.step == 10, "ckptd did not persist the dead trainer's snapshot"
-        while time.monotonic() < deadline and not (shm / "job" / "10" / PERSISTED_FILE).exists():
+        while time.monotonic() < deadline and not (shm / "job" / "10" / SNAPSHOT_PERSISTED_FILE).exists():
             time.sleep(0.1)  # the step commits a moment before the worker exits and ckptd marks it
-        assert (shm / "job" / "10" / PERSISTED_FILE).exists()
+        assert (shm / "job" / "10" / SNAPSHOT_PERSISTED_FILE).exists()
     # plain Orbax restores what ckptd persisted, bit for bit
     mesh = _mesh()
     expected = _state(mesh, seed=11)
@@ -253,7 +254,7 @@ def test_the_persist_worker_hands_orbax_the_saved_shards_without_a_copy(tmp_path
         assert len(array.addressable_shards) == len(meta.arrays[name].shards)  # one device per saved shard
         assert np.array_equal(np.asarray(array), leaf)
     if Path("/proc/self/maps").exists():  # each device buffer is the snapshot's own memory
-        ranges = _mapped(path / DATA_FILE)
+        ranges = _mapped(path / SNAPSHOT_DATA_FILE)
         assert all(any(lo <= s.data.unsafe_buffer_pointer() < hi for lo, hi in ranges)
                    for array in arrays for s in array.addressable_shards)
     del arrays
@@ -285,11 +286,11 @@ def test_a_restore_from_memory_aliases_the_snapshot_but_never_writes_it(tmp_path
     state = _state(mesh, seed=9)
     tier = MemoryTier(str(tmp_path), "job")
     path = tier.save(3, state, _meta(3, state, mesh), persist=False)
-    before = (path / DATA_FILE).read_bytes()
+    before = (path / SNAPSHOT_DATA_FILE).read_bytes()
     target = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
     restored = restore_snapshot(path, target)
     if Path("/proc/self/maps").exists():  # zero copy: the shards are the snapshot's pages (copy-on-write)
-        ranges = _mapped(path / DATA_FILE)
+        ranges = _mapped(path / SNAPSHOT_DATA_FILE)
         aliased = [any(lo <= s.data.unsafe_buffer_pointer() < hi for lo, hi in ranges)
                    for leaf in jax.tree_util.tree_leaves(restored) for s in leaf.addressable_shards]
         assert sum(aliased) > len(aliased) // 2, aliased  # the aligned, saved shards at least
@@ -297,7 +298,7 @@ def test_a_restore_from_memory_aliases_the_snapshot_but_never_writes_it(tmp_path
     bumped = jax.jit(lambda t: jax.tree_util.tree_map(lambda x: x + 1, t), donate_argnums=0)(restored)
     for a, b in zip(_leaves(state), _leaves(bumped), strict=True):
         assert np.array_equal(a + 1, b)
-    assert (path / DATA_FILE).read_bytes() == before
+    assert (path / SNAPSHOT_DATA_FILE).read_bytes() == before
     # and arrays restored from a snapshot outlive its eviction (the mapping keeps the pages)
     again = restore_snapshot(path, target)
     shutil.rmtree(path)
@@ -322,7 +323,7 @@ def test_plans_prefer_a_whole_memory_snapshot(tmp_path: Path, ckptd_server: Any)
         assert (storage_only.tier, storage_only.step) == ("storage", 10)
         fallback = client.resume_from_storage("job", request)
         assert fallback.model_dump(exclude={"source"}) == plan.model_dump(exclude={"source"})
-        with open(shm / "job" / "15" / DATA_FILE, "r+b") as f:  # damaged: never used
+        with open(shm / "job" / "15" / SNAPSHOT_DATA_FILE, "r+b") as f:  # damaged: never used
             f.truncate(1)
         assert client.resume("job", request).tier == "storage"
 

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trainer_client.core.dtypes import dtype_bytes
 from trainer_client.core.planner import (
     DATA_PARALLEL_AXES,
     array_bytes_per_device,
     assign_slices,
-    dtype_bytes,
     fit_array,
     plan_mesh,
     resume_plan,

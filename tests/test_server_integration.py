@@ -19,7 +19,8 @@ import pytest
 
 from ckptd.cli.main import main as ckptd_main
 from trainer_client.core import protocol as p
-from trainer_client.core.format.steps import COMMIT_MARKER, parse_step_name
+from trainer_client.core.format.files import COMMIT_MARKER
+from trainer_client.core.format.steps import parse_step_name
 
 pytestmark = pytest.mark.integration
 

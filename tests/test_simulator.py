@@ -1,4 +1,4 @@
-"""The goodput simulator (ckptd.advisor.simulator) against closed forms, hand-computed timelines and its speed target."""
+"""The goodput simulator (ckptd.advisor.simulator) against closed forms, hand-computed timelines and its speed."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ import pytest
 import ckptd.catalog.catalog as catalog_module
 from ckptd.api.plan_cache import PlanCache
 from ckptd.catalog.catalog import Catalog
-from trainer_client.core.format.manifest import VERIFIED_FILE, read_manifest, read_verified_record, training_summary
-from trainer_client.core.format.steps import CHECKPOINT_METADATA
+from trainer_client.core.format.files import CHECKPOINT_METADATA, VERIFIED_FILE
+from trainer_client.core.format.manifest import read_manifest, read_verified_record, training_summary
 from trainer_client.core.protocol import StepState
 from trainer_client.core.storage import Storage
 

@@ -1,6 +1,6 @@
 """Resume plans already answered, kept as the bytes sent, so the same question is not planned twice.
 
-A plan is a pure function of the step's saved layout and the request (DESIGN: every host's sidecar
+A plan is a pure function of the step's saved layout and the request (every host's sidecar
 answers the same). When a slice fails, every host of the job asks at once, and usually the same
 question: the first request plans (a state of 1,000 arrays takes tens of milliseconds), the others wait
 for it and get the same bytes. Entries are keyed by the step's path and the request, and are valid only

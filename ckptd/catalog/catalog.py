@@ -1,6 +1,6 @@
 """The catalog: a SQLite cache of what storage holds, rebuilt from storage at start and kept fresh.
 
-Storage is the source of truth (DESIGN invariant 1). The catalog only remembers what a scan of storage
+Storage is the source of truth (docs/architecture.md, invariant 1). The catalog only remembers what a scan of storage
 found, so that answering ``latest-good`` or ``resume`` does not re-read every step's metadata. Killing
 ckptd loses nothing: the next start drops the cache and scans again.
 
@@ -31,24 +31,10 @@ from typing import TypeVar
 from ckptd.catalog.integrity import quarantine, settle
 from ckptd.catalog.step_table import FINAL_STATES, UNSETTLED_STATES, StepTable, summary_json
 from trainer_client.core.errors import StorageError
-from trainer_client.core.format.manifest import (
-    MANIFEST_FILE,
-    QUARANTINE_FILE,
-    VERIFIED_FILE,
-    Manifest,
-    fingerprints,
-    read_verified_record,
-    training_summary,
-)
+from trainer_client.core.format.files import CKPTD_MANIFEST, COMMIT_MARKER, QUARANTINE_FILE, VERIFIED_FILE
+from trainer_client.core.format.manifest import Manifest, fingerprints, read_verified_record, training_summary
 from trainer_client.core.format.saved_layout import saved_layout
-from trainer_client.core.format.steps import (
-    COMMIT_MARKER,
-    StepInspection,
-    inspect_step,
-    parse_step_name,
-    read_training,
-    step_entries,
-)
+from trainer_client.core.format.steps import StepInspection, inspect_step, parse_step_name, read_training, step_entries
 from trainer_client.core.protocol import (
     ArraySpec,
     CheckpointInfo,
@@ -57,7 +43,7 @@ from trainer_client.core.protocol import (
     TrainingMetadata,
     is_valid_job_name,
 )
-from trainer_client.core.storage import Entry, Storage, mtime_of
+from trainer_client.core.storage import Entry, Storage, join_path, mtime_of
 from trainer_client.core.validation import validate_step
 
 _log = logging.getLogger(__name__)
@@ -224,7 +210,7 @@ class Catalog(StepTable):
             return None
         children = self.storage.list_dir(entry.path)
         names = {e.name for e in children}
-        if not {COMMIT_MARKER, MANIFEST_FILE, VERIFIED_FILE} <= names or QUARANTINE_FILE in names:
+        if not {COMMIT_MARKER, CKPTD_MANIFEST, VERIFIED_FILE} <= names or QUARANTINE_FILE in names:
             return None
         record = read_verified_record(self.storage, entry.path)
         if record is None or record.step != parsed.step or record.fingerprints != fingerprints(children):
@@ -269,9 +255,9 @@ class Catalog(StepTable):
         record or a manifest another process wrote since would otherwise be invisible (or read with
         its old size)."""
         self.storage.invalidate(info.path)
-        if not self.storage.exists(f"{info.path}/{COMMIT_MARKER}"):
+        if not self.storage.exists(join_path(info.path, COMMIT_MARKER)):
             return False
-        if self.storage.exists(f"{info.path}/{QUARANTINE_FILE}"):
+        if self.storage.exists(join_path(info.path, QUARANTINE_FILE)):
             return False
         checked = self._validated_at.get(info.path)
         if checked is not None and time.monotonic() - checked < self.revalidate_after_s:
@@ -283,7 +269,7 @@ class Catalog(StepTable):
         same name (other training metadata) is not good until re-inspected."""
         # The manifest is read again only when it changed (size or time): it is megabytes for a large model.
         try:
-            stat = self.storage.fs.info(f"{info.path}/{MANIFEST_FILE}")
+            stat = self.storage.fs.info(join_path(info.path, CKPTD_MANIFEST))
             key: tuple[int, float] | None = (int(stat.get("size") or 0), float(mtime_of(stat) or 0.0))
         except (OSError, ValueError):
             key = None

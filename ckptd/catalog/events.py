@@ -1,7 +1,7 @@
 """A job's elastic events, stored on storage next to its checkpoints, so they survive any ckptd restart.
 
-Storage is the source of truth (DESIGN invariant 1), for events as for steps. Object stores cannot append,
-so every accepted batch becomes one immutable JSON object::
+Storage is the source of truth (docs/architecture.md, invariant 1), for events as for steps. Object
+stores cannot append, so every accepted batch becomes one immutable JSON object::
 
     <root>/<job>/.ckptd/events/<time_us>-<pid>-<seq>-<nonce>.json
 
@@ -32,13 +32,13 @@ from pydantic import ValidationError
 
 from ckptd.catalog.retention import Decision
 from trainer_client.core.errors import StorageError
+from trainer_client.core.format.files import EVENTS_DIR
 from trainer_client.core.format.manifest import write_json_file
 from trainer_client.core.protocol import ElasticEvent, StoredEvent
-from trainer_client.core.storage import Storage
+from trainer_client.core.storage import Storage, join_path
 
 _log = logging.getLogger(__name__)
 
-EVENTS_DIR = ".ckptd/events"
 EVENTS_FORMAT = "ckptd-events/1"
 _SEEN_IDS = 100_000  # ids remembered per process to drop resent batches before they are written
 
@@ -93,7 +93,7 @@ class EventStore:
         try:
             if not self.storage.is_remote:
                 self.storage.fs.makedirs(directory, exist_ok=True)
-            write_json_file(self.storage, f"{directory}/{name}", json.dumps(payload, separators=(",", ":")))
+            write_json_file(self.storage, join_path(directory, name), json.dumps(payload, separators=(",", ":")))
         except BaseException:
             with self._lock:  # not stored: a resend must not be taken for a duplicate
                 for e in fresh:
@@ -123,7 +123,7 @@ class EventStore:
         directory = self.directory(job)
         for name in names:
             if name not in cached:
-                cached[name] = self._read(f"{directory}/{name}")
+                cached[name] = self._read(join_path(directory, name))
             if progress is not None:
                 progress(1)
         with self._lock:
@@ -184,4 +184,4 @@ def record_retention(store: EventStore, deleted: Iterable[Decision]) -> int:
     return stored
 
 
-__all__ = ["EVENTS_DIR", "EVENTS_FORMAT", "EventStore", "record_retention"]
+__all__ = [ "EVENTS_FORMAT", "EventStore", "record_retention"]

@@ -26,9 +26,8 @@ from typing import Any
 
 from trainer_client.core.durability import sync_paths
 from trainer_client.core.errors import StorageError
+from trainer_client.core.format.files import CHECKPOINT_METADATA, CKPTD_MANIFEST, COMMIT_MARKER, QUARANTINE_FILE
 from trainer_client.core.format.manifest import (
-    MANIFEST_FILE,
-    QUARANTINE_FILE,
     build_manifest,
     newest_file_time,
     quarantine_record,
@@ -37,9 +36,9 @@ from trainer_client.core.format.manifest import (
     write_manifest,
     write_verified_record,
 )
-from trainer_client.core.format.steps import CHECKPOINT_METADATA, COMMIT_MARKER, StepInspection
+from trainer_client.core.format.steps import StepInspection
 from trainer_client.core.protocol import StepState
-from trainer_client.core.storage import Storage
+from trainer_client.core.storage import Storage, join_path
 from trainer_client.core.validation import Level, ValidationResult, read_quarantine, validate_step
 
 _log = logging.getLogger(__name__)
@@ -53,7 +52,7 @@ class Settled:
 
 def quarantine(storage: Storage, step_path: str, reason: str, problems: list[str]) -> None:
     """Record on storage that a step is bad. Its files stay where they are."""
-    write_json_file(storage, f"{step_path.rstrip('/')}/{QUARANTINE_FILE}",
+    write_json_file(storage, join_path(step_path, QUARANTINE_FILE),
                     quarantine_record(storage.url_of(step_path), reason, problems))
     _log.warning("quarantined %s: %s (%s)", storage.url_of(step_path), reason, "; ".join(problems[:5]))
 
@@ -63,9 +62,9 @@ def _durable(storage: Storage, step_path: str) -> None:
         return
     step_path = step_path.rstrip("/")
     sync_paths(
-        f"{step_path}/{COMMIT_MARKER}",
-        f"{step_path}/{CHECKPOINT_METADATA}",
-        f"{step_path}/{MANIFEST_FILE}",
+        join_path(step_path, COMMIT_MARKER),
+        join_path(step_path, CHECKPOINT_METADATA),
+        join_path(step_path, CKPTD_MANIFEST),
         step_path,
         posixpath.dirname(step_path),
     )

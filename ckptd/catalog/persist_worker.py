@@ -32,15 +32,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from trainer_client.core.format.snapshot import (
-    TREEDEF_FILE,
-    ArrayRecord,
-    ShardReader,
-    map_data,
-    problems,
-    read_meta,
-    shard_grid,
-)
+from trainer_client.core.format.files import SNAPSHOT_TREEDEF_FILE
+from trainer_client.core.format.snapshot import ArrayRecord, ShardReader, map_data, problems, read_meta, shard_grid
+from trainer_client.core.storage import join_path
 from trainer_client.runtime.checkpointing import Checkpointer
 
 DEFAULT_DEVICES = 16  # fake CPU devices the worker asks jax for (ckptd passes CKPTD_PERSIST_DEVICES as --devices)
@@ -92,7 +86,7 @@ def persist(snapshot: Path, job_url: str, *, compression: bool = False) -> str:
     if bad:
         raise ValueError(f"snapshot {snapshot} is not whole: {'; '.join(bad)}")
     meta = read_meta(snapshot)
-    treedef = pickle.loads((snapshot / TREEDEF_FILE).read_bytes())  # written by this job's own trainer
+    treedef = pickle.loads((snapshot / SNAPSHOT_TREEDEF_FILE).read_bytes())  # written by this job's own trainer
     # jax arrays, not numpy: Orbax writes jax arrays through its parallel array path, numpy leaves ~7x slower.
     state = jax.tree_util.tree_unflatten(treedef, snapshot_arrays(snapshot))
     checkpointer = Checkpointer(job_url, compression=compression)
@@ -101,7 +95,7 @@ def persist(snapshot: Path, job_url: str, *, compression: bool = False) -> str:
         checkpointer.wait()
     finally:
         checkpointer.close()
-    return f"{job_url.rstrip('/')}/{meta.step}"
+    return join_path(job_url, str(meta.step))
 
 
 def serve(compression: bool) -> int:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainer_client.core.format.files import COMMIT_MARKER
 from trainer_client.core.format.snapshot import (
     complete_snapshots,
     drop_leftovers,
@@ -36,7 +37,7 @@ from trainer_client.core.format.snapshot import (
     read_meta,
 )
 from trainer_client.core.protocol import is_valid_job_name
-from trainer_client.core.storage import Storage
+from trainer_client.core.storage import Storage, join_path
 
 _log = logging.getLogger(__name__)
 
@@ -179,8 +180,8 @@ class SnapshotKeeper:
         """Write one snapshot to ``<root>/<job>/<step>`` through the persist worker; the step URL or None."""
         step = int(path.name)
         job_url = self.storage.url_of(self.storage.join(job))
-        step_url = f"{job_url}/{step}"
-        if self.storage.exists(f"{self.storage.join(job, str(step))}/commit_success.txt"):
+        step_url = join_path(job_url, str(step))
+        if self.storage.exists(self.storage.join(job, str(step), COMMIT_MARKER)):
             mark_persisted(path, step_url)  # already on storage (e.g. saved there directly)
             return step_url
         started = time.monotonic()

@@ -1,6 +1,6 @@
 """The trainer's HTTP client of ckptd, with timeouts, retries and a storage fallback for resumes.
 
-Training never waits on the sidecar (DESIGN invariant 5): saves go through Orbax and never call ckptd.
+Training never waits on the sidecar (docs/architecture.md, invariant 5): saves go through Orbax and never call ckptd.
 Only a resume needs an answer; when ckptd cannot give one before ``resume_deadline_s`` the client scans
 storage itself with the same commit rule and the same planner (``trainer_client.core.format.steps`` and
 ``trainer_client.core.planner``), so the plan is the one ckptd would have given. A refusal from ckptd (its

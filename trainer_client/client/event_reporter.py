@@ -1,6 +1,6 @@
 """Reports a run's elastic events to ckptd in the background, so training never waits on the sidecar.
 
-DESIGN invariant 5: if ckptd is down the trainer keeps training. ``report()`` only appends to a bounded
+docs/architecture.md, invariant 5: if ckptd is down the trainer keeps training. ``report()`` only appends to a bounded
 in-memory buffer and returns; one daemon thread sends the buffer in batches to
 ``POST /v1/jobs/{job}/events``, lingering ``linger_s`` after the first event so that a burst (a
 recovery emits several events at once) is one request. When ckptd does not answer (or answers 5xx) the

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from trainer_client.core.batching import initial_batch, plan_batch
+from trainer_client.core.dtypes import dtype_bytes
 from trainer_client.core.errors import PlanningError
 from trainer_client.core.format.snapshot import SnapshotMeta
 from trainer_client.core.protocol import (
@@ -70,19 +70,6 @@ def _prod(xs: list[int]) -> int:
 
 def _fmt(mesh: MeshSpec) -> str:
     return "(" + ", ".join(f"{a}={s}" for a, s in zip(mesh.axis_names, mesh.shape, strict=True)) + ")"
-
-
-def dtype_bytes(dtype: str | None) -> int:
-    """Bytes per element of a dtype name (numpy names plus bfloat16, float8_*, int4; unknown: 4)."""
-    if not dtype:
-        return 4
-    name = dtype.lower()
-    if name == "bool":
-        return 1
-    if name.startswith(("float8", "float4", "int4", "uint4", "int2", "uint2")):
-        return 1
-    bits = re.search(r"(\d+)$", name)
-    return max(1, int(bits.group(1)) // 8) if bits else 4
 
 
 def format_bytes(n: int | float | None) -> str:
@@ -374,7 +361,6 @@ __all__ = [
     "array_bytes_per_device",
     "assign_slices",
     "candidate_meshes",
-    "dtype_bytes",
     "fit_array",
     "format_bytes",
     "memory_snapshot_plan",

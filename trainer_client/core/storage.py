@@ -79,6 +79,13 @@ def mtime_of(info: dict[str, Any]) -> float | None:
     return None
 
 
+def join_path(path: str, *names: str) -> str:
+    """``path`` (a local path, an fsspec path or a ``gs://`` URL) with ``names`` appended, one ``/`` between
+    each: the one way paths are joined, for local roots and object stores alike."""
+    parts = [path.rstrip("/"), *(name.strip("/") for name in names)]
+    return "/".join(parts) if parts[0] else "/" + "/".join(parts[1:])
+
+
 class Storage:
     """A checkpoint root (``/abs/dir`` or ``gs://bucket/prefix``) and the file system that holds it."""
 
@@ -98,7 +105,8 @@ class Storage:
         return "file" not in protocols and "local" not in protocols
 
     def join(self, *parts: str) -> str:
-        return posixpath.join(self.root, *parts)
+        """A path under the root: ``join(job, step)``."""
+        return join_path(self.root, *parts)
 
     def url_of(self, path: str) -> str:
         """The URL a user (or Orbax) would use for ``path``: ``gs://...`` or an absolute local path."""

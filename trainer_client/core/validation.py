@@ -20,22 +20,11 @@ from typing import Literal
 from pydantic import ValidationError
 
 from trainer_client.core.errors import StorageError
-from trainer_client.core.format.manifest import (
-    QUARANTINE_FILE,
-    Manifest,
-    file_entry,
-    list_files,
-    read_manifest,
-)
-from trainer_client.core.format.steps import (
-    CHECKPOINT_METADATA,
-    CUSTOM_METADATA_KEY,
-    StepInspection,
-    inspect_step,
-    step_entries,
-)
+from trainer_client.core.format.files import CHECKPOINT_METADATA, QUARANTINE_FILE
+from trainer_client.core.format.manifest import Manifest, file_entry, list_files, read_manifest
+from trainer_client.core.format.steps import CUSTOM_METADATA_KEY, StepInspection, inspect_step, step_entries
 from trainer_client.core.protocol import StepState, TrainingMetadata
-from trainer_client.core.storage import Storage
+from trainer_client.core.storage import Storage, join_path
 
 Level = Literal["quick", "deep"]
 
@@ -59,7 +48,7 @@ class ValidationResult:
 def read_quarantine(storage: Storage, step_path: str) -> dict[str, object] | None:
     """The quarantine record of a step (any ckptd wrote it), or None."""
     try:
-        raw = storage.read_bytes(f"{step_path.rstrip('/')}/{QUARANTINE_FILE}")
+        raw = storage.read_bytes(join_path(step_path, QUARANTINE_FILE))
     except FileNotFoundError:
         return None
     try:
@@ -79,7 +68,7 @@ def _check_training(
             problems.append(f"{CHECKPOINT_METADATA}: training metadata differs from the manifest")
         return
     try:
-        meta = storage.read_json(f"{step_path}/{CHECKPOINT_METADATA}")
+        meta = storage.read_json(join_path(step_path, CHECKPOINT_METADATA))
         recorded = meta.get("custom_metadata", {}).get(CUSTOM_METADATA_KEY)
     except (FileNotFoundError, ValueError, AttributeError):
         problems.append(f"{CHECKPOINT_METADATA} unreadable")
@@ -141,7 +130,7 @@ def validate_step(
     _check_training(storage, step_path, manifest, problems, recorded_training)
     if level == "deep" and not problems:
         for rel, entry in sorted(expected.items()):
-            actual = file_entry(storage, f"{step_path}/{rel}")
+            actual = file_entry(storage, join_path(step_path, rel))
             result.bytes_read += actual.size
             if progress is not None:
                 progress(actual.size)

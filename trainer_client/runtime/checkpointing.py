@@ -33,17 +33,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
 from trainer_client.core.durability import sync_tree
-from trainer_client.core.format.manifest import MANIFEST_FILE, build_manifest, write_manifest
-from trainer_client.core.format.steps import CUSTOM_METADATA_KEY, TMP_DIR_SUFFIX
+from trainer_client.core.format.files import CKPTD_MANIFEST, DEFAULT_ITEM, TMP_DIR_SUFFIX
+from trainer_client.core.format.manifest import build_manifest, write_manifest
+from trainer_client.core.format.steps import CUSTOM_METADATA_KEY
 from trainer_client.core.protocol import ArraySpec, BatchPlan, MeshSpec, PartitionSpecJSON, TrainingMetadata
-from trainer_client.core.storage import Storage
+from trainer_client.core.storage import Storage, join_path
 from trainer_client.errors import DirectRestoreUnsupported
 from trainer_client.runtime.direct_restore import restore_direct
 
 _log = logging.getLogger(__name__)
 
 PyTree = Any
-DEFAULT_ITEM = "default"
 DATA_FILES = 64  # OCDBT data files per local save (about): enough for tensorstore to write in parallel
 MIN_DATA_FILE_BYTES = 1 << 20
 
@@ -288,7 +288,7 @@ class Checkpointer:
     def _before_commit_fallback(self, step: int) -> None:
         """Synchronous saves have no callback: manifest the committed step right after it."""
         step_path = self._storage.join(str(step))
-        if not self._storage.exists(f"{step_path}/{MANIFEST_FILE}") and self._pending is not None:
+        if not self._storage.exists(join_path(step_path, CKPTD_MANIFEST)) and self._pending is not None:
             self._before_commit()
 
     def wait(self) -> None:
@@ -322,7 +322,7 @@ def restore(step_path: str, target: PyTree, item: str = DEFAULT_ITEM, *, direct:
     On a local disk the chunks are read straight into the devices' buffers
     (``trainer_client.runtime.direct_restore``); where that reader does not apply (``gs://``, compressed chunks, a
     target Orbax casts, ...) or with ``direct=False``, Orbax's ``StandardCheckpointer`` restores it."""
-    item_path = f"{step_path.rstrip('/')}/{item}"
+    item_path = join_path(step_path, item)
     if direct and "://" not in step_path:
         try:
             return restore_direct(item_path, target, leaf_name)

@@ -26,12 +26,14 @@ from typing import Any
 import jax
 import numpy as np
 
+from trainer_client.core.format.files import (
+    SNAPSHOT_DATA_FILE,
+    SNAPSHOT_META_FILE,
+    SNAPSHOT_SPARE_PREFIX,
+    SNAPSHOT_TREEDEF_FILE,
+)
 from trainer_client.core.format.snapshot import (
-    DATA_FILE,
-    META_FILE,
     SHARD_ALIGN,
-    SPARE_PREFIX,
-    TREEDEF_FILE,
     ArrayRecord,
     ShardReader,
     ShardRecord,
@@ -73,7 +75,7 @@ class MemoryTier:
         self.preallocate = preallocate and max_snapshots > 1
         self.last_blocked_s: float | None = None
         self.last_spare_s: float | None = None  # how long the background allocation of the last spare took
-        self._spare = self.dir / f"{SPARE_PREFIX}{os.getpid()}"
+        self._spare = self.dir / f"{SNAPSHOT_SPARE_PREFIX}{os.getpid()}"
         self._spare_thread: threading.Thread | None = None
         drop_leftovers(self.dir)
 
@@ -117,7 +119,7 @@ class MemoryTier:
         try:
             if reuse:
                 try:
-                    os.replace(self._spare, tmp / DATA_FILE)
+                    os.replace(self._spare, tmp / SNAPSHOT_DATA_FILE)
                 except FileNotFoundError:  # ckptd dropped it meanwhile as stale: a new file (ENOSPC is caught)
                     reuse = False
             arrays, offset = self._write(tmp, plan, reuse=reuse)
@@ -126,8 +128,8 @@ class MemoryTier:
             raise MemoryTierFull(f"writing the snapshot of step {step} into {self.dir} failed: {exc}") from exc
         meta = SnapshotMeta(step=step, created_at=time.time(), persist=persist, nbytes=offset,
                             leaf_names=[name for name, _, _ in plan], arrays=arrays, training=training)
-        (tmp / TREEDEF_FILE).write_bytes(pickle.dumps(jax.tree_util.tree_structure(state)))
-        (tmp / META_FILE).write_text(meta.model_dump_json())
+        (tmp / SNAPSHOT_TREEDEF_FILE).write_bytes(pickle.dumps(jax.tree_util.tree_structure(state)))
+        (tmp / SNAPSHOT_META_FILE).write_text(meta.model_dump_json())
         final = self.dir / str(step)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -186,7 +188,7 @@ class MemoryTier:
         persist worker's jax takes a view of it as is."""
         arrays: dict[str, ArrayRecord] = {}
         offset = 0
-        with open(tmp / DATA_FILE, "r+b" if reuse else "wb") as f:
+        with open(tmp / SNAPSHOT_DATA_FILE, "r+b" if reuse else "wb") as f:
             for name, leaf, shards in plan:
                 records = []
                 for shard in shards:

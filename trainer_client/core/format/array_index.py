@@ -2,7 +2,7 @@
 
 Why this exists: the resume planner needs, per array, the global shape and dtype (to choose target
 partition specs and to estimate device memory on the new mesh). Steps written through trainer_client
-carry that in ckptd's own custom metadata, but steps written by plain Orbax (DESIGN invariant 1: ckptd
+carry that in ckptd's own custom metadata, but steps written by plain Orbax (docs/architecture.md, invariant 1: ckptd
 adopts them) do not, and ``<item>/_METADATA`` records only each leaf's *write* (per-shard) shape. The
 global shape and dtype live in each array's zarr metadata, which is where this module reads them. It
 must not import jax: the sidecar (which never imports jax) plans resumes too.
@@ -39,42 +39,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
+from trainer_client.core.dtypes import dtype_itemsize, normalize_dtype
 from trainer_client.core.errors import ArrayIndexError
+from trainer_client.core.format.files import DEFAULT_ITEM, ITEM_METADATA, OCDBT_MANIFEST, OCDBT_PROCESS_PREFIX
 
-DEFAULT_ITEM = "default"
 DEFAULT_TIMEOUT_S = 60.0
 
 _ZARR2_SUFFIX = "/.zarray"
 _ZARR3_SUFFIX = "/zarr.json"
-_OCDBT_MANIFEST = "manifest.ocdbt"
-_ITEM_METADATA = "_METADATA"
-_OCDBT_PROCESS_PREFIX = "ocdbt.process_"
 # _METADATA value types that Orbax stores as a zarr array (in 0.12.8).
 _ARRAY_VALUE_TYPES = frozenset({"jax.Array", "np.ndarray", "scalar"})
 
-# Element types numpy does not know by name (ml_dtypes'), with the bytes per element used for memory
-# estimates: sub-byte types are rounded up to one byte.
-_EXTENDED_ITEMSIZE: dict[str, int] = {
-    "bfloat16": 2,
-    "float8_e3m4": 1,
-    "float8_e4m3": 1,
-    "float8_e4m3fn": 1,
-    "float8_e4m3fnuz": 1,
-    "float8_e4m3b11fnuz": 1,
-    "float8_e5m2": 1,
-    "float8_e5m2fnuz": 1,
-    "float8_e8m0fnu": 1,
-    "float6_e2m3fn": 1,
-    "float6_e3m2fn": 1,
-    "float4_e2m1fn": 1,
-    "int4": 1,
-    "uint4": 1,
-    "int2": 1,
-    "uint2": 1,
-}
-_NUMERIC_KINDS = frozenset("biufc")  # bool, signed, unsigned, float, complex
 _DECODE_SLAB_BYTES = 256 * 1024 * 1024
 
 
@@ -94,41 +69,6 @@ class ArrayInfo:
     def nbytes(self) -> int:
         """Bytes of the whole array in memory (sub-byte types counted as one byte per element)."""
         return self.size * dtype_itemsize(self.dtype)
-
-
-def _known_name(name: str) -> bool:
-    return name in _EXTENDED_ITEMSIZE or name.startswith("float8_")
-
-
-def normalize_dtype(dtype: str) -> str:
-    """A numpy-style name (``"float32"``, ``"bfloat16"``) for a zarr v2 (``"<f4"``) or v3 dtype string.
-
-    Raises ValueError for anything that is not a numeric element type.
-    """
-    if not isinstance(dtype, str) or not dtype:
-        raise ValueError(f"not a dtype string: {dtype!r}")
-    if _known_name(dtype):
-        return dtype
-    try:
-        parsed = np.dtype(dtype)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"unknown dtype {dtype!r}") from exc
-    if parsed.kind not in _NUMERIC_KINDS or parsed.fields is not None or parsed.subdtype is not None:
-        raise ValueError(f"unsupported (non-numeric) dtype {dtype!r}")
-    return parsed.name
-
-
-def dtype_itemsize(dtype: str) -> int:
-    """Bytes per element for memory estimates: bfloat16 2, float8_* / int4 / uint4 1, else numpy's itemsize.
-
-    Accepts numpy-style names and the zarr strings ``normalize_dtype`` accepts; ValueError otherwise.
-    """
-    name = normalize_dtype(dtype)
-    if name in _EXTENDED_ITEMSIZE:
-        return _EXTENDED_ITEMSIZE[name]
-    if name.startswith("float8_"):
-        return 1
-    return int(np.dtype(name).itemsize)
 
 
 def _item_kvstore_spec(step_url: str | os.PathLike[str], item: str) -> dict[str, Any]:
@@ -175,8 +115,8 @@ def _fetch(spec: dict[str, Any], timeout: float | None) -> tuple[bool, list[tupl
     deadline = _Deadline(timeout)
     context = ts.Context()
     base = ts.KvStore.open(spec, context=context).result(timeout=deadline.left())
-    manifest_f = base.read(_OCDBT_MANIFEST)
-    metadata_f = base.read(_ITEM_METADATA)
+    manifest_f = base.read(OCDBT_MANIFEST)
+    metadata_f = base.read(ITEM_METADATA)
     pending: list[Any] = [manifest_f, metadata_f]
     try:
         use_ocdbt = manifest_f.result(timeout=deadline.left()).state == "value"
@@ -194,13 +134,13 @@ def _fetch(spec: dict[str, Any], timeout: float | None) -> tuple[bool, list[tupl
             key = raw_key.decode("utf-8", errors="replace")
             if key.endswith((_ZARR2_SUFFIX, _ZARR3_SUFFIX)):
                 keys.append((key, raw_key))
-            elif not use_ocdbt and key.startswith(_OCDBT_PROCESS_PREFIX) and key.endswith(_OCDBT_MANIFEST):
+            elif not use_ocdbt and key.startswith(OCDBT_PROCESS_PREFIX) and key.endswith(OCDBT_MANIFEST):
                 raise ArrayIndexError(
                     f"{_describe(spec)} holds per-process OCDBT stores ({key}) but no merged "
-                    f"{_OCDBT_MANIFEST}: the save did not finish"
+                    f"{OCDBT_MANIFEST}: the save did not finish"
                 )
         if not keys and item_metadata is None:
-            what = "nothing stored there" if not all_keys else f"no {_ITEM_METADATA} and no zarr arrays"
+            what = "nothing stored there" if not all_keys else f"no {ITEM_METADATA} and no zarr arrays"
             raise ArrayIndexError(f"no Orbax item at {_describe(spec)} ({what})")
         reads = [store.read(raw_key) for _, raw_key in keys]
         pending.extend(reads)
@@ -315,7 +255,7 @@ def _locate(step_url: str | os.PathLike[str], item: str, timeout: float | None) 
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ArrayIndexError(
-                f"{len(missing)} array(s) listed in {where}{_ITEM_METADATA} have no zarr metadata in the "
+                f"{len(missing)} array(s) listed in {where}{ITEM_METADATA} have no zarr metadata in the "
                 f"{layout}: {shown}"
             )
     return _Located(spec, use_ocdbt, dict(sorted(index.items())), drivers)
@@ -398,12 +338,9 @@ def decode_all_arrays(
 
 
 __all__ = [
-    "DEFAULT_ITEM",
     "DEFAULT_TIMEOUT_S",
     "ArrayIndexError",
     "ArrayInfo",
     "decode_all_arrays",
-    "dtype_itemsize",
-    "normalize_dtype",
     "read_array_index",
 ]

@@ -34,16 +34,19 @@ from typing import Literal
 import google_crc32c
 from pydantic import BaseModel, ConfigDict, Field
 
-from trainer_client.core.format.steps import CHECKPOINT_METADATA, COMMIT_MARKER
+from trainer_client.core.format.files import (
+    CHECKPOINT_METADATA,
+    CKPTD_MANIFEST,
+    COMMIT_MARKER,
+    QUARANTINE_FILE,
+    VERIFIED_FILE,
+)
 from trainer_client.core.protocol import ArraySpec, TrainingMetadata
-from trainer_client.core.storage import Entry, Storage, mtime_of, storage_errors
+from trainer_client.core.storage import Entry, Storage, join_path, mtime_of, storage_errors
 
-MANIFEST_FILE = "ckptd_manifest.json"
-QUARANTINE_FILE = "ckptd_quarantine.json"
-VERIFIED_FILE = "ckptd_verified.json"
 MANIFEST_FORMAT = "ckptd-manifest/1"
 # Files that are not (or not yet) final when the manifest is written, or are ckptd's own.
-UNMANIFESTED = frozenset({CHECKPOINT_METADATA, COMMIT_MARKER, MANIFEST_FILE, QUARANTINE_FILE, VERIFIED_FILE})
+UNMANIFESTED = frozenset({CHECKPOINT_METADATA, COMMIT_MARKER, CKPTD_MANIFEST, QUARANTINE_FILE, VERIFIED_FILE})
 SEALED = (CHECKPOINT_METADATA, COMMIT_MARKER)
 _CHUNK = 8 << 20
 
@@ -155,7 +158,7 @@ def build_manifest(
         if listed.crc32c is not None:
             files[rel] = FileEntry(size=listed.size, crc32c=listed.crc32c)
         else:
-            files[rel] = file_entry(storage, f"{step_path.rstrip('/')}/{rel}")
+            files[rel] = file_entry(storage, join_path(step_path, rel))
     return Manifest(step=step, writer=writer, created_at=time.time(), files=files, arrays=arrays or {},
                     training=training)
 
@@ -178,7 +181,7 @@ def write_json_file(storage: Storage, path: str, payload: str) -> None:
 
 def write_manifest(storage: Storage, step_path: str, manifest: Manifest) -> Manifest:
     """Write ``manifest`` with its own checksum filled in; returns what was written."""
-    path = f"{step_path.rstrip('/')}/{MANIFEST_FILE}"
+    path = join_path(step_path, CKPTD_MANIFEST)
     written = manifest.model_copy(update={"checksum": ""})
     written = written.model_copy(update={"checksum": written.computed_checksum()})
     write_json_file(storage, path, written.model_dump_json(indent=1))
@@ -189,7 +192,7 @@ def read_manifest(storage: Storage, step_path: str) -> Manifest | None:
     """The step's manifest; None when it has none. ``ValueError`` when it is unreadable or its own
     checksum does not match."""
     try:
-        raw = storage.read_bytes(f"{step_path.rstrip('/')}/{MANIFEST_FILE}")
+        raw = storage.read_bytes(join_path(step_path, CKPTD_MANIFEST))
     except FileNotFoundError:
         return None
     manifest = Manifest.model_validate_json(raw)
@@ -200,13 +203,13 @@ def read_manifest(storage: Storage, step_path: str) -> Manifest | None:
 
 def seal_manifest(storage: Storage, step_path: str, manifest: Manifest) -> Manifest:
     """Add the files Orbax finished after the manifest (final step metadata, commit marker)."""
-    files = {name: file_entry(storage, f"{step_path.rstrip('/')}/{name}") for name in SEALED}
+    files = {name: file_entry(storage, join_path(step_path, name)) for name in SEALED}
     return write_manifest(storage, step_path, manifest.model_copy(update={"sealed": files, "sealed_at": time.time()}))
 
 
 # The step's own top-level files a verified record fingerprints: rewriting any of them (a new save under
 # the same name, a broken copy, an unsealed manifest) sends the step through full verification again.
-FINGERPRINTED = (CHECKPOINT_METADATA, COMMIT_MARKER, MANIFEST_FILE)
+FINGERPRINTED = (CHECKPOINT_METADATA, COMMIT_MARKER, CKPTD_MANIFEST)
 
 
 class VerifiedRecord(_Model):
@@ -251,7 +254,7 @@ def write_verified_record(
                             training=training_summary(manifest.training),
                             fingerprints=_fresh_fingerprints(storage, step_path))
     record = record.model_copy(update={"checksum": record.computed_checksum()})
-    write_json_file(storage, f"{step_path.rstrip('/')}/{VERIFIED_FILE}", record.model_dump_json(indent=1))
+    write_json_file(storage, join_path(step_path, VERIFIED_FILE), record.model_dump_json(indent=1))
     return record
 
 
@@ -259,7 +262,7 @@ def read_verified_record(storage: Storage, step_path: str) -> VerifiedRecord | N
     """The step's verified record; None when it has none, it does not parse or its checksum does not match
     (then the step is verified again the full way, and the record rewritten)."""
     try:
-        record = VerifiedRecord.model_validate_json(storage.read_bytes(f"{step_path.rstrip('/')}/{VERIFIED_FILE}"))
+        record = VerifiedRecord.model_validate_json(storage.read_bytes(join_path(step_path, VERIFIED_FILE)))
     except (FileNotFoundError, ValueError):
         return None
     return record if record.checksum == record.computed_checksum() else None
@@ -273,11 +276,8 @@ def quarantine_record(step_path: str, reason: str, problems: list[str]) -> str:
 
 __all__ = [
     "FINGERPRINTED",
-    "MANIFEST_FILE",
-    "QUARANTINE_FILE",
     "SEALED",
     "UNMANIFESTED",
-    "VERIFIED_FILE",
     "FileEntry",
     "Listed",
     "Manifest",

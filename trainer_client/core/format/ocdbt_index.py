@@ -24,8 +24,8 @@ from pathlib import Path
 import google_crc32c
 
 from trainer_client.core.errors import OcdbtFormatError
+from trainer_client.core.format.files import OCDBT_MANIFEST
 
-MANIFEST_FILE = "manifest.ocdbt"
 _MANIFEST_MAGIC = 0x0CDB3A2A
 _VERSION_NODE_MAGIC = 0x0CDB1234
 _BTREE_NODE_MAGIC = 0x0CDB20DE
@@ -175,7 +175,7 @@ class OcdbtIndex:
         return out
 
     def _manifest_root(self) -> _NodeRef | None:
-        cur = _decode_node(self._read(MANIFEST_FILE), _MANIFEST_MAGIC, MANIFEST_FILE)
+        cur = _decode_node(self._read(OCDBT_MANIFEST), _MANIFEST_MAGIC, OCDBT_MANIFEST)
         cur.take(16)  # uuid
         if (kind := cur.varint()) != 0:
             raise OcdbtFormatError(f"manifest kind {kind} (numbered manifests are not read here)")
@@ -270,4 +270,4 @@ class OcdbtIndex:
         return self._read(str(ref.path.relative_to(self.root)), ref.offset, ref.length)
 
 
-__all__ = ["MANIFEST_FILE", "OcdbtFormatError", "OcdbtIndex", "ValueRef"]
+__all__ = [ "OcdbtFormatError", "OcdbtIndex", "ValueRef"]

@@ -31,13 +31,17 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from trainer_client.core.dtypes import np_dtype
+from trainer_client.core.format.files import (
+    SNAPSHOT_DATA_FILE,
+    SNAPSHOT_META_FILE,
+    SNAPSHOT_PERSISTED_FILE,
+    SNAPSHOT_SPARE_PREFIX,
+    SNAPSHOT_TREEDEF_FILE,
+)
 from trainer_client.core.protocol import TrainingMetadata
 
 SNAPSHOT_FORMAT = "ckptd-snapshot/1"
-DATA_FILE = "data.bin"
-META_FILE = "snapshot.json"
-TREEDEF_FILE = "treedef.pickle"
-PERSISTED_FILE = "persisted.json"
 # Where each shard starts in data.bin: at a multiple of this (XLA's CPU buffers take a view of it as is).
 SHARD_ALIGN = 64
 _STEP_DIR = re.compile(r"^[0-9]{1,19}$")
@@ -75,7 +79,7 @@ def job_dir(shm_dir: str | os.PathLike[str], job: str) -> Path:
 
 
 def read_meta(path: str | os.PathLike[str]) -> SnapshotMeta:
-    return SnapshotMeta.model_validate_json(Path(path, META_FILE).read_bytes())
+    return SnapshotMeta.model_validate_json(Path(path, SNAPSHOT_META_FILE).read_bytes())
 
 
 def problems(path: str | os.PathLike[str]) -> list[str]:
@@ -84,18 +88,18 @@ def problems(path: str | os.PathLike[str]) -> list[str]:
     try:
         meta = read_meta(path)
     except (OSError, ValueError, ValidationError) as exc:
-        return [f"{META_FILE} unreadable: {str(exc).splitlines()[0][:200]}"]
+        return [f"{SNAPSHOT_META_FILE} unreadable: {str(exc).splitlines()[0][:200]}"]
     out = []
     if path.name.isdigit() and int(path.name) != meta.step:
         out.append(f"snapshot is for step {meta.step}, not {path.name}")
     try:
-        size = (path / DATA_FILE).stat().st_size
+        size = (path / SNAPSHOT_DATA_FILE).stat().st_size
     except OSError:
-        return [*out, f"{DATA_FILE} missing"]
+        return [*out, f"{SNAPSHOT_DATA_FILE} missing"]
     if size != meta.nbytes:
-        out.append(f"{DATA_FILE} has {size} bytes, snapshot says {meta.nbytes}")
-    if not (path / TREEDEF_FILE).is_file():
-        out.append(f"{TREEDEF_FILE} missing")
+        out.append(f"{SNAPSHOT_DATA_FILE} has {size} bytes, snapshot says {meta.nbytes}")
+    if not (path / SNAPSHOT_TREEDEF_FILE).is_file():
+        out.append(f"{SNAPSHOT_TREEDEF_FILE} missing")
     for name, array in meta.arrays.items():
         itemsize = np_dtype(array.dtype).itemsize
         covered = 0
@@ -110,7 +114,6 @@ def problems(path: str | os.PathLike[str]) -> list[str]:
     return out
 
 
-SPARE_PREFIX = ".spare-"  # + the writer's pid: a preallocated file the writer's next snapshot is written into
 
 
 def _pid_alive(pid: int) -> bool:
@@ -142,8 +145,8 @@ def drop_leftovers(base: str | os.PathLike[str], *, older_than_s: float | None =
         unfinished = _UNFINISHED.match(path.name)
         if unfinished:
             pid = unfinished.group(1)
-        elif path.name.startswith(SPARE_PREFIX):
-            pid = path.name[len(SPARE_PREFIX):].removesuffix(".part")
+        elif path.name.startswith(SNAPSHOT_SPARE_PREFIX):
+            pid = path.name[len(SNAPSHOT_SPARE_PREFIX):].removesuffix(".part")
         else:
             continue
         try:
@@ -187,11 +190,11 @@ def newest_whole(
 
 
 def is_persisted(path: str | os.PathLike[str]) -> bool:
-    return Path(path, PERSISTED_FILE).is_file()
+    return Path(path, SNAPSHOT_PERSISTED_FILE).is_file()
 
 
 def mark_persisted(path: str | os.PathLike[str], step_url: str) -> None:
-    Path(path, PERSISTED_FILE).write_text(json.dumps({"path": step_url, "persisted_at": time.time()}))
+    Path(path, SNAPSHOT_PERSISTED_FILE).write_text(json.dumps({"path": step_url, "persisted_at": time.time()}))
 
 
 def evictable(path: Path) -> bool:
@@ -227,7 +230,7 @@ def map_data(path: str | os.PathLike[str], meta: SnapshotMeta, *, private: bool 
     pages of this process, never in the snapshot, and the mapping outlives the snapshot's eviction."""
     if not meta.nbytes:
         return np.zeros(0, np.uint8)
-    return np.memmap(Path(path) / DATA_FILE, dtype=np.uint8, mode="c" if private else "r")
+    return np.memmap(Path(path) / SNAPSHOT_DATA_FILE, dtype=np.uint8, mode="c" if private else "r")
 
 
 class ShardReader:
@@ -310,22 +313,9 @@ def shard_grid(record: ArrayRecord) -> list[int] | None:
     return grid if math.prod(grid) == len(record.shards) == len(cells) else None
 
 
-def np_dtype(name: str) -> np.dtype[np.generic]:
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
 __all__ = [
-    "DATA_FILE",
-    "META_FILE",
-    "PERSISTED_FILE",
     "SHARD_ALIGN",
     "SNAPSHOT_FORMAT",
-    "SPARE_PREFIX",
-    "TREEDEF_FILE",
     "ArrayRecord",
     "ShardReader",
     "ShardRecord",
@@ -342,7 +332,6 @@ __all__ = [
     "map_data",
     "mark_persisted",
     "newest_whole",
-    "np_dtype",
     "problems",
     "read_meta",
     "shard_grid",

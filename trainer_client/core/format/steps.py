@@ -1,4 +1,4 @@
-"""Orbax's on-storage layout and ckptd's commit rule (DESIGN invariant 2), in one place.
+"""Orbax's on-storage layout and ckptd's commit rule (docs/architecture.md, invariant 2), in one place.
 
 A step is *committed* only when its directory name is a plain integer (no ``.orbax-checkpoint-tmp``
 suffix) **and** it holds ``commit_success.txt``. That rule is right in both of Orbax's atomicity modes:
@@ -22,14 +22,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from trainer_client.core.format.files import CHECKPOINT_METADATA, COMMIT_MARKER, ITEM_METADATA, SHARDING_FILE
 from trainer_client.core.protocol import MAX_STEP, ArraySpec, CheckpointInfo, MeshSpec, StepState, TrainingMetadata
-from trainer_client.core.storage import Entry, Storage
+from trainer_client.core.storage import Entry, Storage, join_path
 
-TMP_DIR_SUFFIX = ".orbax-checkpoint-tmp"
-COMMIT_MARKER = "commit_success.txt"
-CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
-ITEM_METADATA = "_METADATA"
-SHARDING_FILE = "_sharding"
 CUSTOM_METADATA_KEY = "ckptd"
 DEFAULT_SAVE_TIMEOUT_S = 3600.0
 
@@ -100,7 +96,7 @@ def inspect_step(
     if parsed.is_tmp:
         return _unfinished(storage, entry, parsed.step, "tmp directory: save not finalized",
                            save_timeout_s, now)
-    if not storage.exists(f"{entry.path}/{COMMIT_MARKER}"):
+    if not storage.exists(join_path(entry.path, COMMIT_MARKER)):
         return _unfinished(storage, entry, parsed.step, f"no {COMMIT_MARKER}: save not finalized",
                            save_timeout_s, now)
     return _inspect_finalized(storage, entry.path, parsed.step)
@@ -109,7 +105,7 @@ def inspect_step(
 def _read_json_object(storage: Storage, step_path: str, name: str) -> dict[str, Any] | str:
     """The JSON object in ``step_path/name``, or the reason it is not usable."""
     try:
-        value = storage.read_json(f"{step_path}/{name}")
+        value = storage.read_json(join_path(step_path, name))
     except FileNotFoundError:
         return f"{name} missing"
     except (ValueError, UnicodeDecodeError) as exc:
@@ -223,12 +219,8 @@ def latest_committed(storage: Storage, job_path: str, *, at_most: int | None = N
 
 
 __all__ = [
-    "CHECKPOINT_METADATA",
-    "COMMIT_MARKER",
     "CUSTOM_METADATA_KEY",
     "DEFAULT_SAVE_TIMEOUT_S",
-    "SHARDING_FILE",
-    "TMP_DIR_SUFFIX",
     "StepInspection",
     "StepName",
     "inspect_step",
