@@ -1,3 +1,5 @@
+"""``python -m ckptd``: the ``ckptd`` command (ckptd/cli/main.py)."""
+
 import sys
 
 from ckptd.cli.main import main

@@ -3,14 +3,35 @@
 It saves through Orbax, asks the ckptd sidecar where to resume after a failure (or scans storage itself
 when ckptd cannot answer), rebuilds the mesh from the plan and restores onto the devices still alive.
 
-Names that need jax are loaded on first use, so ``trainer_client.core.protocol`` and the other jax-free
-modules stay cheap to import (the sidecar imports them).
+Packages (docs/architecture.md): ``trainer_client.core`` is the jax-free core the sidecar imports too
+(wire contract, stored format, planner, validation, storage); ``trainer_client.client`` talks to ckptd
+over HTTP (jax-free); ``trainer_client.runtime`` is the part that imports jax. Names that need jax are
+loaded on first use, so ``from trainer_client import CkptdClient`` loads neither jax nor any server
+framework. Every error derives from ``CkptdError`` (``trainer_client.errors``).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the real types for type checkers; at run time each name is imported on first use
+    from trainer_client.client.ckptd_client import CkptdClient
+    from trainer_client.config import ClientSettings
+    from trainer_client.errors import (
+        CkptdError,
+        CkptdRequestError,
+        CkptdUnavailable,
+        ElasticRetriesExhausted,
+        ElasticTimeoutError,
+        MemoryTierFull,
+        NoCheckpointError,
+        PlanningError,
+        StorageError,
+    )
+    from trainer_client.runtime.checkpointing import Checkpointer
+    from trainer_client.runtime.elastic import ElasticConfig, ElasticContext, ElasticResult, ElasticRunner
+    from trainer_client.runtime.slices import PathwaysSlices, SimulatedSlices, SliceFault
 
 __version__ = "0.1.0"
 
@@ -31,9 +52,33 @@ _LAZY = {
     "NoCheckpointError": "trainer_client.errors",
     "ElasticTimeoutError": "trainer_client.errors",
     "ElasticRetriesExhausted": "trainer_client.errors",
+    "MemoryTierFull": "trainer_client.errors",
+    "PlanningError": "trainer_client.errors",
+    "StorageError": "trainer_client.errors",
 }
 
-__all__ = ["__version__", *sorted(_LAZY)]
+__all__ = [
+    "Checkpointer",
+    "CkptdClient",
+    "CkptdError",
+    "CkptdRequestError",
+    "CkptdUnavailable",
+    "ClientSettings",
+    "ElasticConfig",
+    "ElasticContext",
+    "ElasticResult",
+    "ElasticRetriesExhausted",
+    "ElasticRunner",
+    "ElasticTimeoutError",
+    "MemoryTierFull",
+    "NoCheckpointError",
+    "PathwaysSlices",
+    "PlanningError",
+    "SimulatedSlices",
+    "SliceFault",
+    "StorageError",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -41,3 +86,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'trainer_client' has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

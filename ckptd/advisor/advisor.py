@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ckptd.advisor.advice_text import explain
+from ckptd.advisor.closed_forms import daly, young_daly
 from ckptd.advisor.job_history import JobHistory, job_history
 from ckptd.advisor.simulator import (
     CAUSES,
@@ -29,9 +30,7 @@ from ckptd.advisor.simulator import (
     Policy,
     Schedule,
     SimResult,
-    daly,
     simulate,
-    young_daly,
 )
 from ckptd.errors import InvalidRequest, MissingInputs
 from trainer_client.core.protocol import (

@@ -375,19 +375,6 @@ def simulate(job: JobModel, policy: Policy, schedule: Schedule, *, horizon: floa
     return _Run(job, policy, schedule, failures, horizon, seed).run()
 
 
-def young_daly(save_cost: float, mtbf: float) -> float:
-    """First-order optimum period: sqrt(2 x save cost x MTBF) (Young 1974)."""
-    return math.sqrt(2.0 * save_cost * mtbf)
-
-
-def daly(save_cost: float, mtbf: float) -> float:
-    """Daly's (2006) higher-order optimum; equals the MTBF when the save cost reaches 2 x MTBF."""
-    if save_cost >= 2.0 * mtbf:
-        return mtbf
-    x = math.sqrt(save_cost / (2.0 * mtbf))
-    return math.sqrt(2.0 * save_cost * mtbf) * (1.0 + x / 3.0 + x * x / 9.0) - save_cost
-
-
 __all__ = [
     "CAUSES",
     "DAY",
@@ -399,7 +386,5 @@ __all__ = [
     "Schedule",
     "SimResult",
     "TraceFailures",
-    "daly",
     "simulate",
-    "young_daly",
 ]

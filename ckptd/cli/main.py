@@ -17,9 +17,7 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from ckptd import __version__
-from ckptd.cli import advise as advise_cmd
-from ckptd.cli import maintenance as maintenance_cmd
-from ckptd.cli import observe as observe_cmd
+from ckptd.cli import advise, maintenance, observe
 from ckptd.cli.support import open_catalog, open_job, split_job
 from ckptd.config import Settings
 from trainer_client.core.errors import PlanningError, StorageError
@@ -212,9 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_cmd_plan)
 
-    maintenance_cmd.add_parsers(sub)  # ckptd validate / gc (ckptd/cli/maintenance.py)
-    advise_cmd.add_parser(sub)  # ckptd advise [ROOT/JOB]: periods and recovery policy (ckptd/cli/advise.py)
-    observe_cmd.add_parsers(sub)  # ckptd events / goodput ROOT/JOB, from storage (ckptd/cli/observe.py)
+    maintenance.add_parsers(sub)  # ckptd validate / gc (ckptd/cli/maintenance.py)
+    advise.add_parser(sub)  # ckptd advise [ROOT/JOB]: periods and recovery policy (ckptd/cli/advise.py)
+    observe.add_parsers(sub)  # ckptd events / goodput ROOT/JOB, from storage (ckptd/cli/observe.py)
     return parser
 
 

@@ -1,7 +1,7 @@
 """What every ``ckptd`` subcommand that works on storage needs: ``ROOT/JOB`` parsing and a one-shot catalog.
 
-Kept apart from ``ckptd.cli.main`` so the subcommand modules (``maintenance_cmd``, ``advise_cmd``,
-``observe_cmd``) import it without importing the CLI that imports them.
+Kept apart from ``ckptd.cli.main`` so the subcommand modules (``maintenance``, ``advise``, ``observe``)
+import it without importing the CLI that imports them.
 """
 
 from __future__ import annotations

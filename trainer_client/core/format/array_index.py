@@ -42,6 +42,7 @@ from typing import Any
 from trainer_client.core.dtypes import dtype_itemsize, normalize_dtype
 from trainer_client.core.errors import ArrayIndexError
 from trainer_client.core.format.files import DEFAULT_ITEM, ITEM_METADATA, OCDBT_MANIFEST, OCDBT_PROCESS_PREFIX
+from trainer_client.core.storage import join_path
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -91,13 +92,24 @@ def _item_kvstore_spec(step_url: str | os.PathLike[str], item: str) -> dict[str,
     if not url:
         raise ArrayIndexError("empty step path")
     path = os.path.abspath(url)
-    return {"driver": "file", "path": f"{path.rstrip('/')}/{item}/"}
+    return {"driver": "file", "path": join_path(path, item) + "/"}
 
 
 def _describe(spec: dict[str, Any]) -> str:
     if spec["driver"] == "gcs":
         return f"gs://{spec['bucket']}/{spec['path']}"
     return str(spec["path"])
+
+
+def _tensorstore() -> Any:
+    """tensorstore, imported here rather than at the top: the sidecar maps it only when it reads the index
+    of a step without ckptd's metadata, and the jax-free install (``pip install ckptd``) does not have it."""
+    try:
+        import tensorstore
+    except ImportError as exc:
+        raise ArrayIndexError("reading the zarr metadata of a step without ckptd's metadata needs tensorstore "
+                              "(pip install 'ckptd[trainer]' or 'ckptd[server]')") from exc
+    return tensorstore
 
 
 class _Deadline:
@@ -110,7 +122,7 @@ class _Deadline:
 
 def _fetch(spec: dict[str, Any], timeout: float | None) -> tuple[bool, list[tuple[str, bytes]], bytes | None]:
     """(uses OCDBT, [(key, zarr metadata bytes)], ``_METADATA`` bytes or None); tensorstore errors escape."""
-    import tensorstore as ts  # here, not at the top: the sidecar maps tensorstore only when it reads an index
+    ts = _tensorstore()
 
     deadline = _Deadline(timeout)
     context = ts.Context()
@@ -302,7 +314,7 @@ def decode_all_arrays(
     (``read_array_index``). Note that a chunk missing from storage decodes as the fill value: missing
     files are for a manifest comparison to catch, not for this.
     """
-    import tensorstore as ts  # a deep check decodes every chunk: only the CLI and the deep validator come here
+    ts = _tensorstore()  # a deep check decodes every chunk: only the CLI's deep validation comes here
 
     located = _locate(step_url, item, timeout)
     where = _describe(located.spec)

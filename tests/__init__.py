@@ -1,0 +1,1 @@
+"""ckptd's tests, by layer: core/, server/, trainer/, system/; helpers in support/."""

@@ -1,0 +1,1 @@
+"""The sidecar: API, auth, catalog, integrity, events, advisor, CLI."""

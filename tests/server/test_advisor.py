@@ -1,0 +1,262 @@
+"""The goodput advisor: first-order periods, policy choice, history, and its CLI and HTTP faces."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from ckptd.advisor.advisor import advise, resolve_inputs
+from ckptd.advisor.job_history import job_history
+from ckptd.api.app import create_app
+from ckptd.catalog.catalog import Catalog
+from ckptd.cli.main import main
+from ckptd.errors import MissingInputs
+from tests.support.helpers import REPO, make_settings
+from trainer_client.core import protocol as p
+from trainer_client.core.storage import Storage
+
+# Costs every scenario shares; each test sets the failure rate, the slices and what it is about.
+BASE: dict[str, Any] = dict(step_time_s=2.0, save_stall_s=5.0, persist_time_s=30.0, restore_time_s=60.0,
+                            recovery_time_s=60.0, min_failures=300)
+FAST = 9  # sweep points
+
+
+def query(**values: Any) -> p.AdviceQuery:
+    return p.AdviceQuery(**{**BASE, **values})
+
+
+def by_policy(advice: p.Advice) -> dict[str, p.PolicyAdvice]:
+    return {a.policy: a for a in advice.policies}
+
+
+# ---- first-order periods and their confirmation ---------------------------------------------------------
+
+
+def test_young_daly_is_sqrt_of_two_save_cost_mtbf_and_the_simulation_agrees() -> None:
+    advice = advise(query(slices=16, mtbf_hours=20, replace_time_s=600, memory_tier=False, save_stall_s=30,
+                          min_failures=1500))
+    assert advice.young_daly.period_s == pytest.approx(math.sqrt(2 * 30 * 20 * 3600))
+    assert advice.young_daly.persistent_period_s is None
+    for a in advice.policies:
+        assert a.memory_period_s is None
+        assert a.persistent_period_s == pytest.approx(advice.young_daly.period_s, rel=0.10)
+        assert a.persistent_period_steps == round(a.persistent_period_s / 2.0)
+    assert advice.disagreement == []
+    assert any("within 10% of Young/Daly" in r for r in advice.reasoning)
+
+
+def test_says_why_young_daly_and_the_simulation_disagree_when_failures_are_frequent() -> None:
+    advice = advise(query(slices=16, mtbf_hours=1, save_stall_s=600, replace_time_s=600, memory_tier=False,
+                          min_failures=2000))
+    best = by_policy(advice)[advice.recommended]
+    assert best.persistent_period_s < 0.9 * advice.young_daly.period_s
+    assert advice.young_daly.daly_period_s < advice.young_daly.period_s
+    assert advice.disagreement, advice.reasoning
+    assert f"Under {best.policy} the simulated optimum" in " ".join(advice.disagreement)
+    assert any("Failures are frequent" in r and "Daly's higher-order estimate" in r for r in advice.disagreement)
+
+
+def test_a_memory_tier_snapshots_more_often_than_it_persists() -> None:
+    # Persisting steals 20 s of training; a quarter of failures lose host memory and fall back to it.
+    advice = advise(query(slices=16, mtbf_hours=2, replace_time_s=600, persist_overhead_s=20.0,
+                          host_loss_fraction=0.25))
+    mtbf = 2 * 3600.0
+    assert advice.young_daly.period_s == pytest.approx(math.sqrt(2 * 5.0 * mtbf / 0.75))
+    assert advice.young_daly.persistent_period_s == pytest.approx(math.sqrt(2 * 20.0 * mtbf / 0.25))
+    for a in advice.policies:
+        assert a.memory_period_steps is not None
+        assert a.persistent_period_steps >= 2 * a.memory_period_steps
+        assert a.memory_period_s == pytest.approx(advice.young_daly.period_s, rel=0.25)
+
+
+# ---- the policy choice ------------------------------------------------------------------------------
+
+
+def test_recommends_resize_when_replacing_a_slice_takes_longer_than_the_mtbf() -> None:
+    advice = advise(query(slices=16, mtbf_hours=4, replace_time_s=8 * 3600, resize_recovery_time_s=120),
+                    points=FAST)
+    pol = by_policy(advice)
+    assert advice.recommended == "resize"
+    assert pol["pause"].badput.waiting > 0.5  # most of the time spent waiting for slices
+    assert pol["resize"].goodput > pol["pause"].goodput + 0.3
+    assert any(r.startswith("Resize, because replacing a slice takes 8 h") for r in advice.reasoning)
+
+
+def test_recommends_pause_when_degraded_running_is_expensive() -> None:
+    # Two slices: losing one leaves 25% throughput (half the chips at half efficiency), and the resize
+    # recompile takes 20 min while a replacement comes in 5.
+    advice = advise(query(slices=2, mtbf_hours=10, replace_time_s=300, resize_recovery_time_s=1200,
+                          degraded_efficiency=0.5), points=FAST)
+    pol = by_policy(advice)
+    assert advice.recommended == "pause"
+    assert pol["resize"].badput.degraded + pol["resize"].badput.recompile > pol["pause"].badput.waiting
+    # a spare would beat pause on raw goodput, but it is a third of the chips: charged per provisioned chip
+    assert pol["spare"].goodput_per_chip == pytest.approx(pol["spare"].goodput * 2 / 3)
+    assert pol["spare"].goodput_per_chip < pol["pause"].goodput_per_chip
+    assert any(r.startswith("Pause, because running on 1 of 2 slices") for r in advice.reasoning)
+
+
+def test_recommends_a_hot_spare_when_replacement_is_slow_and_resharding_expensive() -> None:
+    advice = advise(query(slices=64, mtbf_hours=6, replace_time_s=3600, resize_recovery_time_s=900,
+                          spare_switch_time_s=30), points=FAST)
+    pol = by_policy(advice)
+    assert advice.recommended == "spare"
+    assert pol["spare"].downtime_per_failure_s < pol["resize"].downtime_per_failure_s
+    assert pol["spare"].goodput_per_chip > max(pol["pause"].goodput_per_chip, pol["resize"].goodput_per_chip)
+
+
+def test_lost_steps_per_failure_follow_the_period() -> None:
+    advice = advise(query(slices=8, mtbf_hours=10, replace_time_s=600, memory_tier=False, min_failures=1000),
+                    points=FAST)
+    for a in advice.policies:
+        # about half a period, plus a persist time (15 steps) for failures before the newest save is persisted
+        half = a.persistent_period_steps / 2
+        assert half < a.lost_steps_per_failure < half + 15 + 0.15 * half
+        assert sum(a.badput.model_dump().values()) + a.goodput == pytest.approx(1.0)
+
+
+# ---- inputs --------------------------------------------------------------------------------------------
+
+
+def test_names_the_missing_inputs() -> None:
+    with pytest.raises(MissingInputs) as info:
+        advise(p.AdviceQuery(step_time_s=1.0, save_stall_s=1.0))
+    assert info.value.names == ["persist_time_s", "restore_time_s", "recovery_time_s", "replace_time_s", "slices",
+                                "mtbf_hours|failures_per_slice_day"]
+    with pytest.raises(ValueError, match="not both"):
+        advise(query(slices=4, replace_time_s=60, mtbf_hours=1, failures_per_slice_day=1))
+    with pytest.raises(ValueError, match="min_slices"):
+        advise(query(slices=4, replace_time_s=60, mtbf_hours=1, min_slices=5))
+
+
+def test_inputs_say_where_they_come_from() -> None:
+    inputs = resolve_inputs(query(slices=64, failures_per_slice_day=0.5, replace_time_s=60))
+    assert inputs["save_stall_s"].source == "given"
+    assert inputs["detect_time_s"].source == "default" and inputs["detect_time_s"].note.startswith("assumption")
+    assert inputs["mtbf_hours"].source == "derived"
+    assert inputs["mtbf_hours"].value == pytest.approx(24 / (0.5 * 64))
+    assert inputs["memory_restore_time_s"].value == 5.0  # = the save stall
+    assert inputs["scale_up_time_s"].value == 5.0 + 60.0
+
+
+def _committed_step(job_dir: Path, step: int, wall: float, *, persist: float = 42.0,
+                    slices: tuple[int, ...] = (0, 1, 2, 3)) -> None:
+    """A finalized step directory in Orbax's layout with ckptd training metadata (no array bytes)."""
+    d = job_dir / str(step)
+    (d / "default").mkdir(parents=True)
+    training = {"step": step, "data_position": step * 64, "global_batch": 64,
+                "mesh": {"axis_names": ["replica", "data"], "shape": [4, 2]}, "slices": list(slices),
+                "wall_time": wall}
+    meta = {"item_handlers": {"default": "x"}, "commit_timestamp_nsecs": int((wall + persist) * 1e9),
+            "custom_metadata": {"ckptd": training}}
+    (d / "_CHECKPOINT_METADATA").write_text(json.dumps(meta))
+    (d / "default" / "_METADATA").write_text("{}")
+    (d / "commit_success.txt").write_text("ok")
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """Job ``llm``: saves every 100 steps, 610 s apart (6.1 s per step), committed 42 s after they began, on 4
+    slices. Job ``bare``: one step, no history to speak of."""
+    root = tmp_path / "root"
+    for i, step in enumerate((100, 200, 300, 400)):
+        _committed_step(root / "llm", step, 1_700_000_000.0 + 610.0 * i)
+    _committed_step(root / "bare", 7, 1_700_000_000.0)
+    return root
+
+
+def test_history_gives_step_time_persist_time_slices_and_period(root: Path) -> None:
+    cat = Catalog(Storage(str(root)), ":memory:")
+    cat.rebuild()
+    hist = job_history(cat.checkpoints("llm"))
+    assert hist.step_time_s is not None and hist.step_time_s.value == pytest.approx(6.1)
+    assert hist.persist_time_s is not None and hist.persist_time_s.value == pytest.approx(42.0, abs=1e-3)
+    assert hist.slices is not None and hist.slices.value == 4
+    assert hist.checkpoint_period_steps is not None and hist.checkpoint_period_steps.value == 100
+    bare = job_history(cat.checkpoints("bare"))
+    assert bare.step_time_s is None and bare.checkpoint_period_steps is None and bare.slices is not None
+    assert job_history([]).values() == {}
+
+
+# ---- the command and the route ----------------------------------------------------------------------
+
+
+GIVEN = ["--save-stall", "1", "--restore-time", "30", "--recovery-time", "20", "--replace-time", "600",
+         "--mtbf-hours", "10", "--min-failures", "200", "--points", "7"]
+
+
+def test_cli_fills_inputs_from_the_history(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["advise", f"{root}/llm", *GIVEN, "--json"]) == 0
+    advice = p.Advice.model_validate_json(capsys.readouterr().out)
+    assert advice.job == "llm"
+    assert advice.inputs["step_time_s"].source == "history"
+    assert advice.inputs["step_time_s"].value == pytest.approx(6.1)
+    assert advice.inputs["slices"].value == 4
+    assert advice.inputs["save_stall_s"].source == "given"
+    assert advice.current_period_goodput is not None  # the job's period of 100 steps, simulated
+    assert main(["advise", f"{root}/llm", *GIVEN]) == 0
+    text = capsys.readouterr().out
+    assert f"recommended: {advice.recommended}" in text and "step_time_s" in text and "history" in text
+
+
+def test_cli_says_what_is_missing(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["advise", f"{root}/llm", "--save-stall", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "--restore-time" in err and "--mtbf-hours or --failures-per-slice-day" in err
+    assert "--step-time" not in err and "--slices" not in err  # the history has those
+    assert main(["advise", "--save-stall", "1"]) == 1
+    assert "--step-time" in capsys.readouterr().err
+    assert main(["advise", f"{root}/nope", *GIVEN]) == 1
+    assert main(["advise", f"{root}/llm", *GIVEN, "--host-loss-fraction", "2"]) == 2
+
+
+@pytest.fixture
+def client(root: Path, tmp_path: Path) -> Iterator[TestClient]:
+    cat = Catalog(Storage(str(root)), tmp_path / "catalog.sqlite3")
+    cat.rebuild()
+    with TestClient(create_app(make_settings(root, tmp_path), cat, background=False)) as c:
+        yield c
+
+
+def test_api_answers_the_same_advice(client: TestClient) -> None:
+    params = {"save_stall_s": 1, "restore_time_s": 30, "recovery_time_s": 20, "replace_time_s": 600,
+              "mtbf_hours": 10, "min_failures": 200}
+    resp = client.get("/v1/jobs/llm/advice", params=params)
+    assert resp.status_code == 200, resp.text
+    advice = p.Advice.model_validate(resp.json())
+    assert advice.job == "llm" and advice.inputs["persist_time_s"].source == "history"
+    assert {a.policy for a in advice.policies} == {"pause", "resize", "spare"}
+    assert len(advice.policies[0].sweep) == 13
+    assert p.ROUTE_ADVICE in client.get("/openapi.json").json()["paths"]
+
+
+@pytest.mark.parametrize(
+    ("job", "params", "code"),
+    [
+        ("llm", {"save_stall_s": 1}, p.ErrorCode.MISSING_INPUT),
+        ("llm", {"save_stall_s": -1}, p.ErrorCode.INVALID_REQUEST),
+        ("llm", {"stall": 1}, p.ErrorCode.INVALID_REQUEST),
+        ("llm", {"mtbf_hours": 1, "failures_per_slice_day": 1}, p.ErrorCode.INVALID_REQUEST),
+        ("nope", {}, p.ErrorCode.JOB_NOT_FOUND),
+        (".hidden", {}, p.ErrorCode.INVALID_JOB_NAME),
+    ],
+)
+def test_api_errors(client: TestClient, job: str, params: dict[str, Any], code: p.ErrorCode) -> None:
+    resp = client.get(f"/v1/jobs/{job}/advice", params=params)
+    assert resp.status_code == p.ERROR_STATUS[code], resp.text
+    body = p.ErrorBody.model_validate(resp.json())
+    assert body.code is code
+    if code is p.ErrorCode.MISSING_INPUT:
+        assert body.detail is not None and "mtbf_hours|failures_per_slice_day" in body.detail["missing"]  # type: ignore[operator]
+        assert "step_time_s" not in body.detail["missing"]  # type: ignore[operator]
+
+
+def test_protocol_doc_describes_the_route_and_the_cli() -> None:
+    doc = (REPO / "docs" / "protocol.md").read_text()
+    assert f"`GET {p.ROUTE_ADVICE}`" in doc and "`MISSING_INPUT`" in doc and "ckptd advise" in doc

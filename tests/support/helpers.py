@@ -1,0 +1,80 @@
+"""Plain helpers the tests share: free ports, polling, a clean environment for subprocesses, settings."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from ckptd.config import Settings
+
+T = TypeVar("T")
+
+REPO = Path(__file__).resolve().parents[2]  # the repository root: importable by every subprocess a test starts
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(
+    probe: Callable[[], T | None], *, timeout: float = 10.0, interval: float = 0.05, what: str = "condition"
+) -> T:
+    """Call ``probe`` until it returns something truthy; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while True:
+        last = probe()
+        if last:
+            return last
+        if time.monotonic() >= deadline:
+            pytest.fail(f"timed out after {timeout:.1f}s waiting for {what} (last: {last!r})")
+        time.sleep(interval)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The current environment without any CKPTD_* variable, plus ``extra``; 8 fake CPU devices; the
+    repository importable (``tests.support`` included)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(extra)
+    return env
+
+
+def make_settings(root: str | Path, state_dir: str | Path, **overrides: Any) -> Settings:
+    """Settings with every field pinned, so no CKPTD_* variable of the caller's shell leaks in."""
+    values: dict[str, Any] = {
+        "root": str(root),
+        "host": "127.0.0.1",
+        "port": 0,
+        "token": None,
+        "token_file": None,
+        "state_dir": str(state_dir),
+        "refresh_interval_s": 0.2,
+        "save_timeout_s": 3600.0,
+        "log_level": "warning",
+        "keep_last": None,
+        "keep_every": None,
+        "keep_newer_than_s": None,
+        "clean_abandoned": True,
+        "gc_interval_s": 300.0,
+        "adopt_after_s": 0.0,  # tests write plain-Orbax steps and look at once
+        "metrics_require_token": False,
+        "max_body_bytes": 8 << 20,
+        "worker_threads": 8,
+    }
+    values.update(overrides)
+    return Settings(**values)
+
+
+__all__ = ["REPO", "clean_env", "free_port", "make_settings", "wait_until"]

@@ -1,0 +1,339 @@
+"""The architecture of docs/architecture.md holds: imports go only the allowed ways, the sidecar process
+maps no jax, tensorstore or orbax, the client API loads no server framework, every module says what it
+holds and stays small.
+
+The import graph is read from the source (every ``import`` outside ``if TYPE_CHECKING:``), so a rule is
+broken the moment a line is written, whether or not a test happens to execute it. An import inside a
+function is *lazy*: allowed where the rule says so (the core's zarr reader loads tensorstore only when it
+reads an index).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.chaos_support import CkptdProcess
+from tests.support.helpers import REPO, clean_env, wait_until
+from tests.support.orbax_steps import training_metadata, write_orbax_jobs
+
+PACKAGES = ("ckptd", "trainer_client")
+MAX_MODULE_LINES = 400
+
+# What the jax-free core may import besides the standard library and itself.
+CORE_THIRD_PARTY = {"numpy", "pydantic", "pydantic_settings", "fsspec", "google_crc32c", "zstandard", "ml_dtypes"}
+CORE_LAZY_ONLY = {"tensorstore"}  # only inside the functions that read zarr metadata or decode chunks
+JAX_SIDE = ("jax", "jaxlib", "orbax", "tensorstore", "pathwaysutils", "optax", "flax")
+SERVER_FRAMEWORK = ("fastapi", "starlette", "uvicorn", "prometheus_client")
+PERSIST_WORKER = "ckptd.catalog.persist_worker"  # a child process of the sidecar: the one server module with jax
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str
+    target: str
+    lazy: bool
+    line: int
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for pkg in PACKAGES for p in sorted((REPO / pkg).rglob("*.py"))}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(name: str, path: Path, known: set[str]) -> list[Import]:
+    found: list[Import] = []
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+    def visit(node: ast.AST, lazy: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for sub in child.orelse:
+                    visit(sub, lazy)
+                continue
+            inner = lazy or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+            if isinstance(child, ast.Import):
+                found.extend(Import(name, a.name, inner, child.lineno) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parent = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    base = ".".join(parent + ([base] if base else []))
+                found.append(Import(name, base, inner, child.lineno))
+                for alias in child.names:  # ``from pkg import module`` imports the module
+                    if f"{base}.{alias.name}" in known:
+                        found.append(Import(name, f"{base}.{alias.name}", inner, child.lineno))
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")), False)
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph() -> list[Import]:
+    modules = _modules()
+    known = set(modules)
+    return [imp for name, path in modules.items() for imp in _imports(name, path, known)]
+
+
+def _top(target: str) -> str:
+    return target.split(".")[0]
+
+
+def _under(name: str, *prefixes: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _broken(graph: list[Import], importers: tuple[str, ...], forbidden: tuple[str, ...],
+            *, except_importers: tuple[str, ...] = (), lazy_ok: tuple[str, ...] = ()) -> list[str]:
+    return [
+        f"{i.importer}:{i.line} imports {i.target}{' (lazily)' if i.lazy else ''}"
+        for i in graph
+        if _under(i.importer, *importers) and not _under(i.importer, *except_importers)
+        and _under(i.target, *forbidden) and not (i.lazy and _under(i.target, *lazy_ok))
+    ]
+
+
+def test_the_graph_is_read(graph: list[Import]) -> None:
+    """The reader sees the edges the rules are about (a reader that saw nothing would pass every rule)."""
+    edges = {(i.importer, i.target) for i in graph}
+    assert ("ckptd.api.app", "ckptd.api.routes.jobs") in edges
+    assert ("trainer_client.runtime.elastic", "jax") in edges
+    assert any(i.importer == "trainer_client.core.format.array_index" and i.target == "tensorstore" and i.lazy
+               for i in graph)
+    assert not any(i.importer == "trainer_client" and _under(i.target, "trainer_client.runtime") for i in graph), \
+        "TYPE_CHECKING imports must not count"
+
+
+def test_the_core_imports_only_the_standard_library_its_own_modules_and_a_few_pure_libraries(
+    graph: list[Import],
+) -> None:
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    allowed = stdlib | CORE_THIRD_PARTY
+    bad = [
+        f"{i.importer}:{i.line} imports {i.target}{' (lazily)' if i.lazy else ''}"
+        for i in graph
+        if _under(i.importer, "trainer_client.core")
+        and not _under(i.target, "trainer_client.core")
+        and _top(i.target) not in allowed
+        and not (i.lazy and _top(i.target) in CORE_LAZY_ONLY)
+    ]
+    assert not bad, "the core reaches outside itself:\n" + "\n".join(bad)
+
+
+def test_the_client_side_never_imports_jax_the_runtime_or_the_server(graph: list[Import]) -> None:
+    jax_free = ("trainer_client.client", "trainer_client.config", "trainer_client.errors")
+    bad = _broken(graph, jax_free, (*JAX_SIDE, "trainer_client.runtime", "ckptd", *SERVER_FRAMEWORK))
+    bad += [f"trainer_client:{i.line} imports {i.target}" for i in graph
+            if i.importer == "trainer_client" and not _under(i.target, "importlib", "typing", "__future__")]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_trainer_library_never_imports_the_server(graph: list[Import]) -> None:
+    bad = _broken(graph, ("trainer_client",), ("ckptd", *SERVER_FRAMEWORK))
+    assert not bad, "\n".join(bad)
+
+
+def test_the_server_never_imports_jax_or_the_trainer_runtime(graph: list[Import]) -> None:
+    bad = _broken(graph, ("ckptd",), (*JAX_SIDE, "trainer_client.runtime", "trainer_client.client"),
+                  except_importers=(PERSIST_WORKER,))
+    assert not bad, "\n".join(bad)
+    assert not [i for i in graph if i.target == PERSIST_WORKER], "the persist worker runs as a child process only"
+
+
+def test_the_server_layers(graph: list[Import]) -> None:
+    """catalog and advisor know nothing of HTTP or the CLI; the API knows nothing of the CLI."""
+    bad = _broken(graph, ("ckptd.catalog", "ckptd.advisor"), ("ckptd.api", "ckptd.cli", *SERVER_FRAMEWORK))
+    bad += _broken(graph, ("ckptd.api",), ("ckptd.cli",))
+    assert not bad, "\n".join(bad)
+
+
+def test_every_module_says_why_it_exists_and_stays_small() -> None:
+    long, undocumented = [], []
+    for name, path in _modules().items():
+        text = path.read_text(encoding="utf-8")
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            long.append(f"{name}: {len(text.splitlines())} lines")
+        if not ast.get_docstring(ast.parse(text)):
+            undocumented.append(name)
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+    assert not undocumented, f"modules without a docstring: {undocumented}"
+
+
+CITED = r"(?<![\w/.])((?:docs|ckptd|trainer_client|tests|bench|deploy)/[\w/.-]+\.(?:md|py))"
+
+
+def test_comments_cite_files_of_the_repository() -> None:
+    """Docstrings and comments point at docs/ and source files that exist, never at documents outside."""
+    import re
+
+    missing = []
+    for name, path in _modules().items():
+        text = path.read_text(encoding="utf-8")
+        if "DESIGN" in text or "facts.md" in text:
+            missing.append(f"{name}: cites a document outside the repository")
+        for cited in re.findall(CITED, text):
+            if not (REPO / cited).exists():
+                missing.append(f"{name}: {cited}")
+    assert not missing, "\n".join(missing)
+
+
+_CLIENT_PROGRAM = """
+import sys
+from trainer_client import CkptdClient, ClientSettings, CkptdError, NoCheckpointError
+from trainer_client.core.protocol import ResumeRequest
+settings = ClientSettings(url="http://127.0.0.1:9", timeout_s=0.5, resume_deadline_s=1.0)
+with CkptdClient(settings, root=sys.argv[1]) as client:
+    try:
+        client.resume("job", ResumeRequest(alive_devices=8))
+    except NoCheckpointError:
+        pass
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in {mods})
+print(",".join(loaded))
+"""
+
+
+def test_the_client_api_loads_no_server_framework_and_no_jax(tmp_path: Path) -> None:
+    """A resume through the client (ckptd down, storage fallback on an empty root) in a fresh interpreter."""
+    (tmp_path / "job").mkdir()
+    program = _CLIENT_PROGRAM.replace("{mods}", repr({*SERVER_FRAMEWORK, *JAX_SIDE, "ckptd"}))
+    out = subprocess.run([sys.executable, "-c", program, str(tmp_path)], capture_output=True, text=True,
+                         env=clean_env(), timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"the client loaded {out.stdout.strip()}"
+
+
+def _mapped_libraries(pid: int) -> set[str]:
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return {line.split()[-1] for line in maps.splitlines() if line.split()[-1].startswith("/")}
+
+
+@pytest.mark.integration
+def test_the_sidecar_process_maps_no_jax_tensorstore_or_orbax(tmp_path: Path) -> None:
+    """A real ``ckptd serve`` answers every kind of request over steps written with ckptd's metadata, and
+    its process never maps jaxlib's or tensorstore's shared libraries nor loads orbax's files."""
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("needs /proc (Linux)")
+    root = tmp_path / "root"
+    write_orbax_jobs({root / "job": [10, 20]},
+                     custom_metadata={s: training_metadata(s) for s in (10, 20)})
+    ckptd = CkptdProcess(root, tmp_path / "state", log_path=tmp_path / "ckptd.log")
+    ckptd.start()
+    try:
+        ckptd.wait_ready(timeout=60)
+        def verified() -> bool:
+            body = httpx.get(f"{ckptd.url}/v1/jobs/job/checkpoints/latest-good", timeout=5)
+            return body.status_code == 200 and body.json()["step"] == 20
+
+        wait_until(verified, timeout=60, what="ckptd to verify step 20")
+        with httpx.Client(base_url=ckptd.url, timeout=10) as http:
+            assert http.get("/v1/jobs").status_code == 200
+            assert http.get("/v1/jobs/job/checkpoints").status_code == 200
+            plan = http.post("/v1/jobs/job/resume", json={"alive_devices": 6})
+            assert plan.status_code == 200 and plan.json()["step"] == 20, plan.text
+            advice = {"step_time_s": 1, "save_stall_s": 0.1, "persist_time_s": 5, "restore_time_s": 5,
+                      "recovery_time_s": 10, "replace_time_s": 300, "slices": 4, "mtbf_hours": 10, "horizon_days": 2}
+            assert http.get("/v1/jobs/job/advice", params=advice).status_code == 200
+            assert http.get("/v1/jobs/job/goodput").status_code == 200
+            assert http.get("/metrics").status_code == 200
+        assert ckptd.proc is not None
+        mapped = _mapped_libraries(ckptd.proc.pid)
+    finally:
+        ckptd.stop()
+    assert any("python" in m or "libc" in m for m in mapped), "the reader saw the process's own libraries"
+    loaded = sorted(m for m in mapped if any(f"/{name}" in m for name in ("jaxlib", "tensorstore", "orbax", "jax/")))
+    assert not loaded, f"ckptd serve mapped {loaded}"
+
+
+def _closure(requirements: list[str]) -> set[str]:
+    """Every distribution that installing ``requirements`` brings (as installed here), names normalised."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    seen: set[str] = set()
+    todo = [(Requirement(r), frozenset(Requirement(r).extras)) for r in requirements]
+    while todo:
+        req, extras = todo.pop()
+        name = canonicalize_name(req.name)
+        if req.marker is not None and not any(req.marker.evaluate({"extra": e}) for e in (*extras, "")):
+            continue
+        if name in seen and not extras:
+            continue
+        seen.add(name)
+        try:
+            requires = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        for line in requires:
+            sub = Requirement(line)
+            if sub.marker is None or any(sub.marker.evaluate({"extra": e}) for e in (*extras, "")):
+                todo.append((sub, frozenset(sub.extras)))
+    return seen
+
+
+def test_each_role_installs_what_its_modules_import(graph: list[Import]) -> None:
+    """``pip install ckptd`` gives the jax-free core and client, ``ckptd[server]`` the sidecar,
+    ``ckptd[trainer]`` the runtime: each role's requirements bring every library its modules import, and
+    the sidecar's image gets no trainer-only library (optax, pathwaysutils)."""
+    import tomllib
+    from importlib import metadata
+
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    base, extras = project["dependencies"], project["optional-dependencies"]
+    providers = {mod: {canonicalize_name(d) for d in dists} for mod, dists in metadata.packages_distributions().items()}
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    roles = {
+        "base": (("trainer_client.core", "trainer_client.client", "trainer_client.config", "trainer_client.errors"),
+                 _closure(base)),
+        "server": (("ckptd", "trainer_client.core"), _closure([*base, *extras["server"]])),
+        "trainer": (("trainer_client",), _closure([*base, *extras["trainer"]])),
+    }
+    missing = []
+    for role, (packages, installed) in roles.items():
+        for imp in graph:
+            top = _top(imp.target)
+            if not _under(imp.importer, *packages) or top in stdlib or top in PACKAGES:
+                continue
+            if role == "base" and imp.lazy and top in CORE_LAZY_ONLY:
+                continue  # without it the core says which extra to install (ArrayIndexError)
+            if not providers.get(top, set()) & installed:
+                missing.append(f"{role}: {imp.importer} imports {top}, which {role}'s requirements do not install")
+    assert not missing, "\n".join(sorted(set(missing)))
+    server = _closure([*base, *extras["server"]])
+    assert not {"optax", "pathwaysutils", "flax"} & server, "the sidecar installs trainer-only libraries"
+    # (the trainer role does install fastapi and uvicorn: pathwaysutils requires them; the client never loads
+    # them, which test_the_client_api_loads_no_server_framework_and_no_jax checks)
+
+
+def test_the_docs_cite_files_that_exist() -> None:
+    """README and docs/ name source files by path; every one of them is where they say."""
+    import re
+
+    missing = []
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for cited in set(re.findall(CITED, doc.read_text(encoding="utf-8"))):
+            if not (REPO / cited).exists():
+                missing.append(f"{doc.relative_to(REPO)}: {cited}")
+    assert not missing, "\n".join(missing)

@@ -1,0 +1,71 @@
+"""The benchmark harness runs end to end on a toy size and writes valid results (bench/run.py).
+
+The real figures come from ``make bench``; this only proves the harness executes: every io and service
+figure (and the slowdown of training steps beside each background save) is measured, on a state of a few
+KiB and a dozen steps, and lands in results.json and the report.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support.helpers import REPO, clean_env
+
+ROOT = REPO
+IO_KEYS = {
+    "save_stall_ratio_vs_memcpy",
+    "persist_throughput_ratio_vs_raw_disk",
+    "restore_time_ratio_vs_orbax",
+    "reshard_restore_time_ratio_vs_orbax",
+    "memory_tier_restore_speedup_vs_disk",
+}
+SERVICE_KEYS = {"resume_p99_ms", "resume_burst64_makespan_ms", "catalog_rebuild_s_10k_steps"}
+
+
+def test_bench_harness_writes_valid_results(tmp_path: Path) -> None:
+    out, docs = tmp_path / "results.json", tmp_path / "benchmarks.md"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.run",
+            "--profile",
+            "toy",
+            "--only",
+            "io,interference,service",
+            "--out",
+            str(out),
+            "--docs",
+            str(docs),
+            "--workdir",
+            str(tmp_path),
+            "--shm",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    payload = json.loads(out.read_text())
+    assert payload["schema"] == "ckptd-bench/1" and payload["profile"]["name"] == "toy"
+    assert payload["errors"] == {}
+    assert set(payload["keys"]) == IO_KEYS | SERVICE_KEYS
+    for key, fig in payload["keys"].items():
+        assert fig["n"] >= 1 and len(fig["samples"]) == fig["n"], key
+        assert fig["min"] <= fig["median"] <= fig["max"], key
+        assert isinstance(fig["pass"], bool) and fig["target"].split()[0] in ("<=", ">="), key
+    assert payload["machine"]["cores"] and payload["context"]["io_state"]["bytes"] > 0
+    report = docs.read_text()
+    assert "<!-- bench:begin" in report and "`resume_p99_ms`" in report
+    for key in payload["keys"]:
+        assert f"* {key} = " in proc.stdout  # printed as measured
+    for saver in ("checkpointer", "orbax_zstd", "persist_worker"):  # the steps beside each background save
+        slowdown = payload["measurements"][f"interference.slowdown.{saver}"]
+        assert slowdown["n"] >= 1 and slowdown["median"] > 0

@@ -1,0 +1,1 @@
+"""The trainer library: client, event reporter, elastic runner, memory tier, restores."""
