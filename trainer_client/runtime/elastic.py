@@ -32,10 +32,10 @@ from trainer_client.core.batching import initial_batch
 from trainer_client.core.planner import plan_mesh
 from trainer_client.core.protocol import BatchOptions, BatchPlan, MeshSpec, ResumePlan, ResumeRequest, SliceAlive
 from trainer_client.errors import ElasticRetriesExhausted, ElasticTimeoutError, NoCheckpointError
+from trainer_client.runtime._saver import HealthWatch, Saver, restore_from_plan
 from trainer_client.runtime.checkpointing import Checkpointer, mesh_spec, target_shardings, training_metadata
 from trainer_client.runtime.memory_tier import MemoryTier
 from trainer_client.runtime.precompile import PrecompileHook, Precompiler, build_mesh, enable_persistent_cache
-from trainer_client.runtime.saver import HealthWatch, Saver, restore_from_plan
 from trainer_client.runtime.slices import SliceProvider, is_slice_down_error
 
 _log = logging.getLogger(__name__)
