@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from tests.support.gcs_emulator import GcsEmulator
 from trainer_client.core.dtypes import dtype_itemsize, normalize_dtype
-from trainer_client.core.format import array_index
+from trainer_client.core.format import array_index, item_keys
 from trainer_client.core.format.array_index import ArrayInfo, decode_all_arrays, read_array_index
 from trainer_client.errors import ArrayIndexError
 
@@ -412,6 +412,33 @@ def test_reading_200_arrays_is_fast(tmp_path: Path) -> None:
         f"(min {min(times) * 1000:.1f}, max {max(times) * 1000:.1f}); Orbax save took {save_s:.2f} s"
     )
     assert median < 1.0
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_local_items_read_without_tensorstore_as_tensorstore_reads_them(layout: str, steps: dict[str, Path]) -> None:
+    """The local reader (ckptd's own OCDBT index, plain files) finds the same documents as tensorstore."""
+    spec = item_keys.item_kvstore_spec(steps[layout], "default")
+    local = item_keys._fetch_local(spec)
+    assert local is not None, "the local reader gave up on an item plain Orbax wrote"
+    use_ocdbt, documents, metadata = local
+    ts_ocdbt, ts_documents, ts_metadata = item_keys._fetch_with_tensorstore(spec, 60)
+    assert (use_ocdbt, metadata) == (ts_ocdbt, ts_metadata)
+    assert sorted(documents) == sorted(ts_documents) and documents
+
+
+def test_a_local_index_loads_no_tensorstore(steps: dict[str, Path]) -> None:
+    """What the sidecar does for a step of plain Orbax on a local root: no tensorstore in the process."""
+    code = (
+        "import sys\n"
+        "from trainer_client.core.format.array_index import read_array_index\n"
+        "for step in sys.argv[1:]:\n"
+        "    assert read_array_index(step), step\n"
+        "assert 'tensorstore' not in sys.modules, 'tensorstore imported'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, *map(str, steps.values())], capture_output=True, text=True,
+                         check=False, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
 def test_module_does_not_import_jax() -> None:

@@ -117,7 +117,7 @@ def test_the_graph_is_read(graph: list[Import]) -> None:
     edges = {(i.importer, i.target) for i in graph}
     assert ("ckptd.api.app", "ckptd.api.routes.jobs") in edges
     assert ("trainer_client.runtime.elastic", "jax") in edges
-    assert any(i.importer == "trainer_client.core.format.array_index" and i.target == "tensorstore" and i.lazy
+    assert any(i.importer == "trainer_client.core.format.item_keys" and i.target == "tensorstore" and i.lazy
                for i in graph)
     assert not any(i.importer == "trainer_client" and _under(i.target, "trainer_client.runtime") for i in graph), \
         "TYPE_CHECKING imports must not count"
@@ -228,14 +228,16 @@ def _mapped_libraries(pid: int) -> set[str]:
 
 @pytest.mark.integration
 def test_the_sidecar_process_maps_no_jax_tensorstore_or_orbax(tmp_path: Path) -> None:
-    """A real ``ckptd serve`` answers every kind of request over steps written with ckptd's metadata, and
-    its process never maps jaxlib's or tensorstore's shared libraries nor loads orbax's files."""
+    """A real ``ckptd serve`` answers every kind of request, over steps written with ckptd's metadata and
+    over steps of plain Orbax (planned from their zarr metadata), and its process never maps jaxlib's or
+    tensorstore's shared libraries (orbax is pure Python, but cannot load without jaxlib)."""
     if not Path("/proc/self/maps").exists():
         pytest.skip("needs /proc (Linux)")
     root = tmp_path / "root"
-    write_orbax_jobs({root / "job": [10, 20]},
+    write_orbax_jobs({root / "job": [10, 20], root / "plain": [5]},
                      custom_metadata={s: training_metadata(s) for s in (10, 20)})
-    ckptd = CkptdProcess(root, tmp_path / "state", log_path=tmp_path / "ckptd.log")
+    ckptd = CkptdProcess(root, tmp_path / "state", log_path=tmp_path / "ckptd.log",
+                         env={"CKPTD_ADOPT_AFTER_S": "0"})
     ckptd.start()
     try:
         ckptd.wait_ready(timeout=60)
@@ -249,6 +251,10 @@ def test_the_sidecar_process_maps_no_jax_tensorstore_or_orbax(tmp_path: Path) ->
             assert http.get("/v1/jobs/job/checkpoints").status_code == 200
             plan = http.post("/v1/jobs/job/resume", json={"alive_devices": 6})
             assert plan.status_code == 200 and plan.json()["step"] == 20, plan.text
+            wait_until(lambda: http.get("/v1/jobs/plain/checkpoints/latest-good").status_code == 200, timeout=60,
+                       what="ckptd to adopt the plain-Orbax step")
+            plain = http.post("/v1/jobs/plain/resume", json={"alive_devices": 4})
+            assert plain.status_code == 200 and plain.json()["arrays"]["params.w"]["shape"] == [4, 8], plain.text
             advice = {"step_time_s": 1, "save_stall_s": 0.1, "persist_time_s": 5, "restore_time_s": 5,
                       "recovery_time_s": 10, "replace_time_s": 300, "slices": 4, "mtbf_hours": 10, "horizon_days": 2}
             assert http.get("/v1/jobs/job/advice", params=advice).status_code == 200

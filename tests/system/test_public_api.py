@@ -49,6 +49,30 @@ def test_error_tree_subclasses_builtins() -> None:
         assert issubclass(getattr(errors, name), errors.CkptdError)
 
 
+def test_every_exception_of_both_packages_has_one_root() -> None:
+    """Every exception class defined anywhere in ckptd or trainer_client derives from ``CkptdError``, and
+    each package's errors module documents its whole tree."""
+    import inspect
+
+    from trainer_client.core.errors import CkptdError
+
+    stray = []
+    for name in PUBLIC_MODULES:
+        module = importlib.import_module(name)
+        for attr, value in vars(module).items():
+            is_exception = inspect.isclass(value) and issubclass(value, BaseException)
+            if is_exception and value.__module__ == name and not issubclass(value, CkptdError):
+                stray.append(f"{name}.{attr}")
+    assert not stray, f"exceptions outside the tree: {stray}"
+    for errors_module in ("trainer_client.errors", "ckptd.errors", "trainer_client.core.errors"):
+        module = importlib.import_module(errors_module)
+        doc = module.__doc__ or ""
+        for name in module.__all__:
+            value = getattr(module, name)
+            if inspect.isclass(value) and issubclass(value, BaseException):
+                assert name in doc, f"{errors_module}'s docstring does not show {name} in the tree"
+
+
 def test_every_setting_is_documented() -> None:
 
     from ckptd.config import Settings

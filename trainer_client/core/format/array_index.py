@@ -2,8 +2,8 @@
 
 Why this exists: the resume planner needs, per array, the global shape and dtype (to choose target
 partition specs and to estimate device memory on the new mesh). Steps written through trainer_client
-carry that in ckptd's own custom metadata, but steps written by plain Orbax (docs/architecture.md, invariant 1: ckptd
-adopts them) do not, and ``<item>/_METADATA`` records only each leaf's *write* (per-shard) shape. The
+carry that in ckptd's own custom metadata, but steps written by plain Orbax (docs/architecture.md,
+invariant 1: ckptd adopts them) do not, and ``<item>/_METADATA`` records only each leaf's *write* (per-shard) shape. The
 global shape and dtype live in each array's zarr metadata, which is where this module reads them. It
 must not import jax: the sidecar (which never imports jax) plans resumes too.
 
@@ -14,8 +14,9 @@ Layouts read (all of what Orbax 0.12.8 writes):
   (zarr v3, ``PyTreeCheckpointHandler(use_zarr3=True)``), next to the chunks.
 - Without OCDBT (``use_ocdbt=False``): the same keys as plain files/objects under ``<step>/<item>/``.
 
-Both on a local disk and on ``gs://`` (tensorstore's ``gcs`` driver; it honours
-``TENSORSTORE_GCS_HTTP_URL`` itself, which is how an emulator is used).
+Both on a local disk (read without tensorstore: ``trainer_client/core/format/item_keys.py``) and on
+``gs://`` (tensorstore's ``gcs`` driver; it honours ``TENSORSTORE_GCS_HTTP_URL`` itself, which is how an
+emulator is used).
 
 The key of each entry is Orbax's *param name*: the leaf's key path with each key as a string (dict
 key, sequence index, attribute name of a dataclass/namedtuple) joined by ``"."`` (``"params.w"``,
@@ -34,20 +35,24 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from trainer_client.core.dtypes import dtype_itemsize, normalize_dtype
 from trainer_client.core.errors import ArrayIndexError
-from trainer_client.core.format.files import DEFAULT_ITEM, ITEM_METADATA, OCDBT_MANIFEST, OCDBT_PROCESS_PREFIX
-from trainer_client.core.storage import join_path
+from trainer_client.core.format.files import DEFAULT_ITEM, ITEM_METADATA
+from trainer_client.core.format.item_keys import (
+    ZARR2_SUFFIX,
+    ZARR3_SUFFIX,
+    describe,
+    fetch,
+    item_kvstore_spec,
+    tensorstore,
+)
 
 DEFAULT_TIMEOUT_S = 60.0
 
-_ZARR2_SUFFIX = "/.zarray"
-_ZARR3_SUFFIX = "/zarr.json"
 # _METADATA value types that Orbax stores as a zarr array (in 0.12.8).
 _ARRAY_VALUE_TYPES = frozenset({"jax.Array", "np.ndarray", "scalar"})
 
@@ -72,103 +77,6 @@ class ArrayInfo:
         return self.size * dtype_itemsize(self.dtype)
 
 
-def _item_kvstore_spec(step_url: str | os.PathLike[str], item: str) -> dict[str, Any]:
-    """The tensorstore kvstore spec of ``<step_url>/<item>/`` (a ``file`` or ``gcs`` driver spec)."""
-    url = os.fspath(step_url)
-    item = item.strip("/")
-    if not item or item in (".", "..") or "/" in item:
-        raise ArrayIndexError(f"invalid item name {item!r}")
-    if url.startswith("gs://"):
-        bucket, _, prefix = url[len("gs://") :].partition("/")
-        if not bucket:
-            raise ArrayIndexError(f"no bucket in {url!r}")
-        prefix = prefix.strip("/")
-        path = f"{prefix}/{item}/" if prefix else f"{item}/"
-        return {"driver": "gcs", "bucket": bucket, "path": path}
-    if url.startswith("file://"):
-        url = url[len("file://") :]
-    elif "://" in url:
-        raise ArrayIndexError(f"unsupported URL {url!r}: expected a local path or gs://bucket/path")
-    if not url:
-        raise ArrayIndexError("empty step path")
-    path = os.path.abspath(url)
-    return {"driver": "file", "path": join_path(path, item) + "/"}
-
-
-def _describe(spec: dict[str, Any]) -> str:
-    if spec["driver"] == "gcs":
-        return f"gs://{spec['bucket']}/{spec['path']}"
-    return str(spec["path"])
-
-
-def _tensorstore() -> Any:
-    """tensorstore, imported here rather than at the top: the sidecar maps it only when it reads the index
-    of a step without ckptd's metadata, and the jax-free install (``pip install ckptd``) does not have it."""
-    try:
-        import tensorstore
-    except ImportError as exc:
-        raise ArrayIndexError("reading the zarr metadata of a step without ckptd's metadata needs tensorstore "
-                              "(pip install 'ckptd[trainer]' or 'ckptd[server]')") from exc
-    return tensorstore
-
-
-class _Deadline:
-    def __init__(self, timeout: float | None) -> None:
-        self._end = None if timeout is None else time.monotonic() + timeout
-
-    def left(self) -> float | None:
-        return None if self._end is None else max(0.0, self._end - time.monotonic())
-
-
-def _fetch(spec: dict[str, Any], timeout: float | None) -> tuple[bool, list[tuple[str, bytes]], bytes | None]:
-    """(uses OCDBT, [(key, zarr metadata bytes)], ``_METADATA`` bytes or None); tensorstore errors escape."""
-    ts = _tensorstore()
-
-    deadline = _Deadline(timeout)
-    context = ts.Context()
-    base = ts.KvStore.open(spec, context=context).result(timeout=deadline.left())
-    manifest_f = base.read(OCDBT_MANIFEST)
-    metadata_f = base.read(ITEM_METADATA)
-    pending: list[Any] = [manifest_f, metadata_f]
-    try:
-        use_ocdbt = manifest_f.result(timeout=deadline.left()).state == "value"
-        meta = metadata_f.result(timeout=deadline.left())
-        item_metadata = meta.value if meta.state == "value" else None
-        if use_ocdbt:
-            store = ts.KvStore.open({"driver": "ocdbt", "base": spec}, context=context).result(timeout=deadline.left())
-        else:
-            store = base
-        listing = store.list()
-        pending.append(listing)
-        all_keys = listing.result(timeout=deadline.left())
-        keys: list[tuple[str, bytes]] = []
-        for raw_key in all_keys:
-            key = raw_key.decode("utf-8", errors="replace")
-            if key.endswith((_ZARR2_SUFFIX, _ZARR3_SUFFIX)):
-                keys.append((key, raw_key))
-            elif not use_ocdbt and key.startswith(OCDBT_PROCESS_PREFIX) and key.endswith(OCDBT_MANIFEST):
-                raise ArrayIndexError(
-                    f"{_describe(spec)} holds per-process OCDBT stores ({key}) but no merged "
-                    f"{OCDBT_MANIFEST}: the save did not finish"
-                )
-        if not keys and item_metadata is None:
-            what = "nothing stored there" if not all_keys else f"no {ITEM_METADATA} and no zarr arrays"
-            raise ArrayIndexError(f"no Orbax item at {_describe(spec)} ({what})")
-        reads = [store.read(raw_key) for _, raw_key in keys]
-        pending.extend(reads)
-        values: list[tuple[str, bytes]] = []
-        for (key, _), read in zip(keys, reads, strict=True):
-            result = read.result(timeout=deadline.left())
-            if result.state != "value":
-                raise ArrayIndexError(f"{_describe(spec)}: {key} was listed but cannot be read")
-            values.append((key, result.value))
-        pending.clear()
-        return use_ocdbt, values, item_metadata
-    finally:
-        for future in pending:
-            future.cancel()
-
-
 def _parse_shape(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in value):
         raise ValueError(f"shape is not a list of integers: {value!r}")
@@ -185,7 +93,7 @@ def _parse_zarr_metadata(key: str, raw: bytes) -> ArrayInfo | None:
         raise ValueError(f"not JSON ({exc})") from exc
     if not isinstance(doc, dict):
         raise ValueError("not a JSON object")
-    if key.endswith(_ZARR3_SUFFIX):
+    if key.endswith(ZARR3_SUFFIX):
         if doc.get("node_type", "array") != "array":
             return None
         data_type = doc.get("data_type")
@@ -235,10 +143,10 @@ class _Located:
 
 
 def _locate(step_url: str | os.PathLike[str], item: str, timeout: float | None) -> _Located:
-    spec = _item_kvstore_spec(step_url, item)
-    where = _describe(spec)
+    spec = item_kvstore_spec(step_url, item)
+    where = describe(spec)
     try:
-        use_ocdbt, documents, item_metadata = _fetch(spec, timeout)
+        use_ocdbt, documents, item_metadata = fetch(spec, timeout)
     except ArrayIndexError:
         raise
     except TimeoutError as exc:
@@ -249,8 +157,8 @@ def _locate(step_url: str | os.PathLike[str], item: str, timeout: float | None) 
     index: dict[str, ArrayInfo] = {}
     drivers: dict[str, str] = {}
     for key, raw in documents:
-        zarr3 = key.endswith(_ZARR3_SUFFIX)
-        name = key[: -len(_ZARR3_SUFFIX if zarr3 else _ZARR2_SUFFIX)]
+        zarr3 = key.endswith(ZARR3_SUFFIX)
+        name = key[: -len(ZARR3_SUFFIX if zarr3 else ZARR2_SUFFIX)]
         try:
             info = _parse_zarr_metadata(key, raw)
         except ValueError as exc:
@@ -314,10 +222,10 @@ def decode_all_arrays(
     (``read_array_index``). Note that a chunk missing from storage decodes as the fill value: missing
     files are for a manifest comparison to catch, not for this.
     """
-    ts = _tensorstore()  # a deep check decodes every chunk: only the CLI's deep validation comes here
+    ts = tensorstore()  # a deep check decodes every chunk: only the CLI's deep validation comes here
 
     located = _locate(step_url, item, timeout)
-    where = _describe(located.spec)
+    where = describe(located.spec)
     context = ts.Context()
     problems: list[str] = []
     for name, info in located.index.items():

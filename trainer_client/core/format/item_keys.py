@@ -1,0 +1,177 @@
+"""The raw documents of an Orbax item that the zarr index is built from: which keys end in zarr metadata,
+their bytes, the item's ``_METADATA``, and whether the item is an OCDBT database.
+
+A local item is read without tensorstore: an OCDBT database through this package's own index reader
+(``trainer_client/core/format/ocdbt_index.py``), plain zarr files straight from the directory. So the
+sidecar, which plans steps written by plain Orbax too, never maps tensorstore for a local root. Items on
+``gs://``, and databases the reader does not understand, are read through tensorstore, imported only then
+(the jax-free install, ``pip install ckptd``, does not have it: a clear ``ArrayIndexError`` says so).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from trainer_client.core.errors import ArrayIndexError, OcdbtFormatError
+from trainer_client.core.format.files import ITEM_METADATA, OCDBT_MANIFEST, OCDBT_PROCESS_PREFIX
+from trainer_client.core.format.ocdbt_index import OcdbtIndex
+from trainer_client.core.storage import join_path
+
+ZARR2_SUFFIX = "/.zarray"
+ZARR3_SUFFIX = "/zarr.json"
+
+# (uses OCDBT, [(key, zarr metadata bytes)], the item's _METADATA bytes or None)
+Fetched = tuple[bool, list[tuple[str, bytes]], bytes | None]
+
+
+def item_kvstore_spec(step_url: str | os.PathLike[str], item: str) -> dict[str, Any]:
+    """The tensorstore kvstore spec of ``<step_url>/<item>/`` (a ``file`` or ``gcs`` driver spec)."""
+    url = os.fspath(step_url)
+    item = item.strip("/")
+    if not item or item in (".", "..") or "/" in item:
+        raise ArrayIndexError(f"invalid item name {item!r}")
+    if url.startswith("gs://"):
+        bucket, _, prefix = url[len("gs://") :].partition("/")
+        if not bucket:
+            raise ArrayIndexError(f"no bucket in {url!r}")
+        prefix = prefix.strip("/")
+        path = f"{prefix}/{item}/" if prefix else f"{item}/"
+        return {"driver": "gcs", "bucket": bucket, "path": path}
+    if url.startswith("file://"):
+        url = url[len("file://") :]
+    elif "://" in url:
+        raise ArrayIndexError(f"unsupported URL {url!r}: expected a local path or gs://bucket/path")
+    if not url:
+        raise ArrayIndexError("empty step path")
+    path = os.path.abspath(url)
+    return {"driver": "file", "path": join_path(path, item) + "/"}
+
+
+def describe(spec: dict[str, Any]) -> str:
+    if spec["driver"] == "gcs":
+        return f"gs://{spec['bucket']}/{spec['path']}"
+    return str(spec["path"])
+
+
+def tensorstore() -> Any:
+    """tensorstore, imported here rather than at the top: the sidecar maps it only when it reads the index
+    of a step without ckptd's metadata, and the jax-free install (``pip install ckptd``) does not have it."""
+    try:
+        import tensorstore
+    except ImportError as exc:
+        raise ArrayIndexError("reading the zarr metadata of a step without ckptd's metadata needs tensorstore "
+                              "(pip install 'ckptd[trainer]' or 'ckptd[server]')") from exc
+    return tensorstore
+
+
+class _Deadline:
+    def __init__(self, timeout: float | None) -> None:
+        self._end = None if timeout is None else time.monotonic() + timeout
+
+    def left(self) -> float | None:
+        return None if self._end is None else max(0.0, self._end - time.monotonic())
+
+
+def _fetch_with_tensorstore(spec: dict[str, Any], timeout: float | None) -> Fetched:
+    """``fetch`` through tensorstore (any kvstore driver); tensorstore's errors escape."""
+    ts = tensorstore()
+
+    deadline = _Deadline(timeout)
+    context = ts.Context()
+    base = ts.KvStore.open(spec, context=context).result(timeout=deadline.left())
+    manifest_f = base.read(OCDBT_MANIFEST)
+    metadata_f = base.read(ITEM_METADATA)
+    pending: list[Any] = [manifest_f, metadata_f]
+    try:
+        use_ocdbt = manifest_f.result(timeout=deadline.left()).state == "value"
+        meta = metadata_f.result(timeout=deadline.left())
+        item_metadata = meta.value if meta.state == "value" else None
+        if use_ocdbt:
+            store = ts.KvStore.open({"driver": "ocdbt", "base": spec}, context=context).result(timeout=deadline.left())
+        else:
+            store = base
+        listing = store.list()
+        pending.append(listing)
+        all_keys = listing.result(timeout=deadline.left())
+        keys: list[tuple[str, bytes]] = []
+        for raw_key in all_keys:
+            key = raw_key.decode("utf-8", errors="replace")
+            if key.endswith((ZARR2_SUFFIX, ZARR3_SUFFIX)):
+                keys.append((key, raw_key))
+            elif not use_ocdbt and key.startswith(OCDBT_PROCESS_PREFIX) and key.endswith(OCDBT_MANIFEST):
+                raise _unfinished(spec, key)
+        if not keys and item_metadata is None:
+            raise _no_item(spec, bool(all_keys))
+        reads = [store.read(raw_key) for _, raw_key in keys]
+        pending.extend(reads)
+        values: list[tuple[str, bytes]] = []
+        for (key, _), read in zip(keys, reads, strict=True):
+            result = read.result(timeout=deadline.left())
+            if result.state != "value":
+                raise ArrayIndexError(f"{describe(spec)}: {key} was listed but cannot be read")
+            values.append((key, result.value))
+        pending.clear()
+        return use_ocdbt, values, item_metadata
+    finally:
+        for future in pending:
+            future.cancel()
+
+
+def _no_item(spec: dict[str, Any], listed_anything: bool) -> ArrayIndexError:
+    what = "nothing stored there" if not listed_anything else f"no {ITEM_METADATA} and no zarr arrays"
+    return ArrayIndexError(f"no Orbax item at {describe(spec)} ({what})")
+
+
+def _unfinished(spec: dict[str, Any], key: str) -> ArrayIndexError:
+    return ArrayIndexError(f"{describe(spec)} holds per-process OCDBT stores ({key}) but no merged "
+                           f"{OCDBT_MANIFEST}: the save did not finish")
+
+
+def _fetch_local(spec: dict[str, Any]) -> Fetched | None:
+    """``fetch`` for a local item without tensorstore; None when its OCDBT database is one the index reader
+    does not understand (tensorstore reads it then)."""
+    root = Path(spec["path"])
+    try:
+        item_metadata: bytes | None = (root / ITEM_METADATA).read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
+        item_metadata = None
+    if (root / OCDBT_MANIFEST).is_file():
+        try:
+            index = OcdbtIndex(root)
+            keys = sorted(k for k in index.values if k.endswith((ZARR2_SUFFIX, ZARR3_SUFFIX)))
+            values = [(key, index.read(key)) for key in keys]
+        except OcdbtFormatError:
+            return None
+        if not values and item_metadata is None:
+            raise _no_item(spec, bool(index.values))
+        return True, values, item_metadata
+    listed: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        rel = os.path.relpath(dirpath, root)
+        listed.extend(name if rel == "." else f"{Path(rel).as_posix()}/{name}" for name in sorted(filenames))
+    values = []
+    for key in listed:
+        if key.endswith((ZARR2_SUFFIX, ZARR3_SUFFIX)):
+            values.append((key, (root / key).read_bytes()))
+        elif key.startswith(OCDBT_PROCESS_PREFIX) and key.endswith(OCDBT_MANIFEST):
+            raise _unfinished(spec, key)
+    if not values and item_metadata is None:
+        raise _no_item(spec, bool(listed))
+    return False, values, item_metadata
+
+
+def fetch(spec: dict[str, Any], timeout: float | None) -> Fetched:
+    """The item's zarr metadata documents and ``_METADATA`` (see ``Fetched``), within ``timeout`` seconds
+    on ``gs://``. Raises ArrayIndexError for a missing or unfinished item; storage errors escape."""
+    if spec["driver"] == "file":
+        local = _fetch_local(spec)
+        if local is not None:
+            return local
+    return _fetch_with_tensorstore(spec, timeout)
+
+
+__all__ = ["ZARR2_SUFFIX", "ZARR3_SUFFIX", "Fetched", "describe", "fetch", "item_kvstore_spec", "tensorstore"]
