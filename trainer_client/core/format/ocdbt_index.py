@@ -13,11 +13,19 @@ It follows the published storage format (tensorstore ``kvstore/ocdbt/index.rst``
 every node's header, length and CRC-32C are checked, and anything this reader does not know (another
 format version, a numbered manifest, an unknown compression) raises ``OcdbtFormatError``, on which the
 caller falls back to tensorstore. It never writes.
+
+The bytes it reads come from storage and are not trusted (a direct restore in the trainer, the zarr index
+in the sidecar): every read stays inside its file, a node decodes to at most a few times the database's
+own ``max_decoded_node_bytes`` (never more than 64 MiB: a small compressed node cannot claim gigabytes),
+a tree is at most 32 levels deep and never reaches one node twice (a tree that shared its nodes could
+make a few kilobytes cost billions of reads). Each of these, like any malformed input, is an
+``OcdbtFormatError``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import struct
 from pathlib import Path
 
@@ -30,7 +38,10 @@ _MANIFEST_MAGIC = 0x0CDB3A2A
 _VERSION_NODE_MAGIC = 0x0CDB1234
 _BTREE_NODE_MAGIC = 0x0CDB20DE
 _HEADER = struct.Struct("<Q")  # the length that follows the big-endian magic
-_MAX_DECODED_NODE = 1 << 30
+_MAX_DECODED_NODE = 64 << 20  # what one node may decode to, whatever the database says
+_MIN_DECODED_LIMIT = 1 << 20
+_MAX_MANIFEST_BYTES = 64 << 20
+_MAX_HEIGHT = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +97,25 @@ class _Cursor:
             raise self.fail(f"{len(self.data) - self.pos} bytes left over")
 
 
-def _decode_node(raw: bytes, magic: int, what: str) -> _Cursor:
-    """Check a node's outer header and CRC-32C, and return a cursor over its (decompressed) body."""
+def _decompress(body: bytes, limit: int, what: str) -> bytes:
+    """A zstd frame's content, refused once it passes ``limit`` bytes (its header's size is not trusted)."""
+    import zstandard
+
+    out = bytearray()
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(body) as reader:
+            while chunk := reader.read(min(1 << 20, limit + 1 - len(out))):
+                out += chunk
+                if len(out) > limit:
+                    raise OcdbtFormatError(f"{what}: decodes to more than {limit} bytes")
+    except zstandard.ZstdError as exc:
+        raise OcdbtFormatError(f"{what}: zstd: {exc}") from exc
+    return bytes(out)
+
+
+def _decode_node(raw: bytes, magic: int, what: str, limit: int = _MAX_DECODED_NODE) -> _Cursor:
+    """Check a node's outer header and CRC-32C, and return a cursor over its (decompressed) body of at most
+    ``limit`` bytes."""
     if len(raw) < 4 + 8 + 2 + 4:
         raise OcdbtFormatError(f"{what}: {len(raw)} bytes is too short")
     found = int.from_bytes(raw[:4], "big")
@@ -106,12 +134,7 @@ def _decode_node(raw: bytes, magic: int, what: str) -> _Cursor:
     compression = head.varint()
     body = raw[head.pos : -4]
     if compression == 1:
-        import zstandard
-
-        try:
-            body = zstandard.ZstdDecompressor().decompress(body, max_output_size=_MAX_DECODED_NODE)
-        except zstandard.ZstdError as exc:
-            raise OcdbtFormatError(f"{what}: zstd: {exc}") from exc
+        body = _decompress(body, limit, what)
     elif compression != 0:
         raise OcdbtFormatError(f"{what}: unknown compression {compression}")
     return _Cursor(body, what)
@@ -153,6 +176,8 @@ class OcdbtIndex:
         self.root = Path(root)
         self._resolved_root = self.root.resolve()
         self.values: dict[str, ValueRef] = {}
+        self._node_limit = _MAX_DECODED_NODE
+        self._visited: set[tuple[str, int]] = set()
         top = self._manifest_root()
         self.height = top.height if top is not None else 0  # of the B+tree's root: 0 when it is one leaf
         if top is not None:
@@ -164,14 +189,19 @@ class OcdbtIndex:
             raise OcdbtFormatError(f"data file {rel!r} lies outside the database")
         try:
             with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
                 if offset is None:
+                    if size > _MAX_MANIFEST_BYTES:
+                        raise OcdbtFormatError(f"{rel}: {size} bytes is not a manifest")
                     return f.read()
-                f.seek(offset)
-                out = f.read(length if length is not None else -1)
+                want = length if length is not None else size - offset
+                if not 0 <= offset <= size or not 0 <= want <= size - offset:
+                    raise OcdbtFormatError(f"{rel}: {want} bytes at {offset} lie outside its {size} bytes")
+                out = os.pread(f.fileno(), want, offset)
         except OSError as exc:
             raise OcdbtFormatError(f"{rel}: {exc}") from exc
-        if length is not None and len(out) != length:
-            raise OcdbtFormatError(f"{rel}: {length} bytes at {offset} wanted, {len(out)} there")
+        if len(out) != want:
+            raise OcdbtFormatError(f"{rel}: {want} bytes at {offset} wanted, {len(out)} there")
         return out
 
     def _manifest_root(self) -> _NodeRef | None:
@@ -180,7 +210,8 @@ class OcdbtIndex:
         if (kind := cur.varint()) != 0:
             raise OcdbtFormatError(f"manifest kind {kind} (numbered manifests are not read here)")
         cur.varint()  # max_inline_value_bytes
-        cur.varint()  # max_decoded_node_bytes
+        # nodes are written to about this size; allow slack, never past the hard limit
+        self._node_limit = min(_MAX_DECODED_NODE, max(_MIN_DECODED_LIMIT, 4 * cur.varint()))
         cur.byte()  # version_tree_arity_log2
         if (method := cur.varint()) == 1:
             cur.take(4)  # zstd level
@@ -203,12 +234,17 @@ class OcdbtIndex:
             return None  # the latest version has no root node: no keys
         if file_ids[latest] >= len(table):
             raise cur.fail("root node in a data file the table does not list")
+        if heights[latest] > _MAX_HEIGHT:
+            raise cur.fail(f"a tree of height {heights[latest]}")
         return _NodeRef(table[file_ids[latest]], offsets[latest], lengths[latest], heights[latest], b"")
 
     def _walk(self, node: _NodeRef) -> None:
         full, transitive = node.file
         what = f"B+tree node {full}@{node.offset}"
-        cur = _decode_node(self._read(full, node.offset, node.length), _BTREE_NODE_MAGIC, what)
+        if (full, node.offset) in self._visited:
+            raise OcdbtFormatError(f"{what} is reached twice: not a tree")
+        self._visited.add((full, node.offset))
+        cur = _decode_node(self._read(full, node.offset, node.length), _BTREE_NODE_MAGIC, what, self._node_limit)
         height = cur.byte()
         if height != node.height:
             raise cur.fail(f"height {height}, its parent says {node.height}")
