@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -424,6 +425,25 @@ def test_local_items_read_without_tensorstore_as_tensorstore_reads_them(layout: 
     ts_ocdbt, ts_documents, ts_metadata = item_keys._fetch_with_tensorstore(spec, 60)
     assert (use_ocdbt, metadata) == (ts_ocdbt, ts_metadata)
     assert sorted(documents) == sorted(ts_documents) and documents
+
+
+@pytest.mark.parametrize("planted", ["link to /dev/zero", "fifo", "oversized"])
+def test_a_planted_metadata_file_is_refused_not_read_forever(planted: str, steps: dict[str, Path],
+                                                              tmp_path: Path) -> None:
+    """A metadata document in a plain-zarr item that is a link to an endless device, a FIFO nobody
+    writes, or a file of gigabytes: the sidecar reads it, so it must refuse it at once."""
+    step_dir = _copy_step(steps["dirs-zarr2"], tmp_path / "s")
+    document = step_dir / "default" / "params.b" / ".zarray"
+    document.unlink()
+    if planted == "fifo":
+        os.mkfifo(document)
+    elif planted == "oversized":
+        with document.open("wb") as f:
+            f.truncate(item_keys.MAX_DOCUMENT_BYTES + 1)
+    else:
+        document.symlink_to("/dev/zero")
+    with pytest.raises(ArrayIndexError, match="larger than" if planted == "oversized" else "cannot read|corrupt"):
+        read_array_index(str(step_dir), timeout=10)
 
 
 def test_a_local_index_loads_no_tensorstore(steps: dict[str, Path]) -> None:

@@ -25,6 +25,23 @@ ZARR3_SUFFIX = "/zarr.json"
 
 # (uses OCDBT, [(key, zarr metadata bytes)], the item's _METADATA bytes or None)
 Fetched = tuple[bool, list[tuple[str, bytes]], bytes | None]
+MAX_DOCUMENT_BYTES = 64 << 20  # a zarr metadata document or an item's _METADATA: kilobytes, megabytes at most
+
+
+def _read_document(path: Path) -> bytes | None:
+    """A small metadata file, or None when there is none; never follows a link, never reads past
+    ``MAX_DOCUMENT_BYTES`` (a document that is a link to /dev/zero or a huge file is refused)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        raise ArrayIndexError(f"cannot read {path}: {exc}") from exc
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(MAX_DOCUMENT_BYTES + 1)
+    if len(data) > MAX_DOCUMENT_BYTES:
+        raise ArrayIndexError(f"{path} is larger than {MAX_DOCUMENT_BYTES} bytes: not a metadata document")
+    return data
 
 
 def item_kvstore_spec(step_url: str | os.PathLike[str], item: str) -> dict[str, Any]:
@@ -134,10 +151,7 @@ def _fetch_local(spec: dict[str, Any]) -> Fetched | None:
     """``fetch`` for a local item without tensorstore; None when its OCDBT database is one the index reader
     does not understand (tensorstore reads it then)."""
     root = Path(spec["path"])
-    try:
-        item_metadata: bytes | None = (root / ITEM_METADATA).read_bytes()
-    except (FileNotFoundError, NotADirectoryError):
-        item_metadata = None
+    item_metadata = _read_document(root / ITEM_METADATA)
     if (root / OCDBT_MANIFEST).is_file():
         try:
             index = OcdbtIndex(root)
@@ -156,7 +170,10 @@ def _fetch_local(spec: dict[str, Any]) -> Fetched | None:
     values = []
     for key in listed:
         if key.endswith((ZARR2_SUFFIX, ZARR3_SUFFIX)):
-            values.append((key, (root / key).read_bytes()))
+            document = _read_document(root / key)
+            if document is None:
+                raise ArrayIndexError(f"{describe(spec)}: {key} was listed but cannot be read")
+            values.append((key, document))
         elif key.startswith(OCDBT_PROCESS_PREFIX) and key.endswith(OCDBT_MANIFEST):
             raise _unfinished(spec, key)
     if not values and item_metadata is None:
