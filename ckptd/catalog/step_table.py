@@ -24,7 +24,6 @@ FINAL_STATES = (StepState.VERIFIED.value, StepState.QUARANTINED.value)
 # The others, named: ``state IN (...)`` searches the (job, state, step) index; ``NOT IN`` read every row of the job.
 UNSETTLED_STATES = tuple(s.value for s in StepState if s.value not in FINAL_STATES)
 GOOD = StepState.VERIFIED.value
-_LAYOUTS_KEPT = 8  # saved layouts (all arrays of a step) kept in memory, most recently planned first
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -166,4 +165,4 @@ def _info(row: tuple[object, ...]) -> CheckpointInfo:
     )
 
 
-__all__ = ["StepTable"]
+__all__ = ["FINAL_STATES", "GOOD", "UNSETTLED_STATES", "StepTable", "summary_json"]
