@@ -285,3 +285,18 @@ def alternate(i: int, first: Callable[[], None], second: Callable[[], None]) -> 
     else:
         second()
         first()
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout: float) -> bool:
+    """SIGTERM ``proc`` and wait up to ``timeout`` seconds; past that, SIGKILL it and reap it. True when it
+    stopped on SIGTERM (or had already exited)."""
+    if proc.poll() is not None:
+        return True
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+        return True
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout)
+        return False

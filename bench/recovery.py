@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.common import Figure, Profile, Results, rmtree
+from bench.common import Figure, Profile, Results, rmtree, stop_process
 
 FAIL_AT = 12
 MEMORY_PERIOD = 5
@@ -267,11 +267,7 @@ def run_recovery(profile: Profile, results: Results, workdir: Path, shm_dir: Pat
              "restored_from": {k: v.get("restored_from") for k, v in last.items()}},
         ))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, 15)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from bench.common import Figure, Profile, Results, percentile, rmtree, timed
+from bench.common import Figure, Profile, Results, percentile, rmtree, stop_process, timed
 from bench.resume_client import BUDGET_S as SEQUENTIAL_BUDGET_S
 from bench.resume_client import REQUEST_TIMEOUT_S
 from trainer_client.core.format.files import CHECKPOINT_METADATA, CKPTD_MANIFEST
@@ -304,11 +304,7 @@ def run_service(profile: Profile, results: Results, workdir: Path) -> None:
                                               "per_request_p50_ms": round(percentile(all_lat, 50), 3),
                                               "per_request_max_ms": round(max(all_lat), 3)}))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, 15)
     results.progress()  # the figures so far reach results.json before the long rebuilds
     # -- catalog rebuilds, as at every restart of ckptd (the steps are verified and sealed by now) ------
     if profile.rebuilds < 1:

@@ -25,7 +25,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.support.helpers import REPO, clean_env, free_port
+from tests.support.helpers import REPO, clean_env, free_port, stop_process
 
 LONG_FORM = (pytest.mark.chaos, pytest.mark.slow)  # the marks of a long form
 
@@ -137,13 +137,8 @@ class CkptdProcess:
             self.kills += 1
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        if self.proc is not None:
+            stop_process(self.proc, 10)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

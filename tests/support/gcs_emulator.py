@@ -27,7 +27,7 @@ import fsspec.config
 import httpx
 import pytest
 
-from tests.support.helpers import free_port
+from tests.support.helpers import free_port, stop_process
 
 DEFAULT_BUCKET = "ckptd-test"
 
@@ -109,16 +109,6 @@ def _wait_ready(proc: subprocess.Popen[bytes], url: str, timeout: float) -> bool
     return False
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-
-
 def _clear_gcsfs_instances() -> None:
     """gcsfs caches file-system instances (and their listings) per process; none may outlive an emulator."""
     gcsfs = sys.modules.get("gcsfs")
@@ -145,7 +135,7 @@ def fake_gcs(bucket: str = DEFAULT_BUCKET, *, workdir: Path | None = None) -> It
                 )
             if _wait_ready(proc, url, timeout=10.0):
                 break
-            _stop(proc)
+            stop_process(proc, 5)
             proc = None
         if proc is None:
             raise RuntimeError(f"fake-gcs-server did not start:\n{log_path.read_text(errors='replace')[-2000:]}")
@@ -175,7 +165,7 @@ def fake_gcs(bucket: str = DEFAULT_BUCKET, *, workdir: Path | None = None) -> It
                     fsspec.config.conf.clear()
                     fsspec.config.conf.update(saved_conf)
         finally:
-            _stop(proc)
+            stop_process(proc, 5)
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -77,4 +78,19 @@ def make_settings(root: str | Path, state_dir: str | Path, **overrides: Any) -> 
     return Settings(**values)
 
 
-__all__ = ["REPO", "clean_env", "free_port", "make_settings", "wait_until"]
+def stop_process(proc: subprocess.Popen[Any], timeout: float) -> bool:
+    """SIGTERM ``proc`` and wait up to ``timeout`` seconds; past that, SIGKILL it and reap it. True when it
+    stopped on SIGTERM (or had already exited)."""
+    if proc.poll() is not None:
+        return True
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+        return True
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout)
+        return False
+
+
+__all__ = ["REPO", "clean_env", "free_port", "make_settings", "stop_process", "wait_until"]

@@ -41,7 +41,7 @@ from pydantic import ValidationError
 
 from ckptd.api.app import create_app
 from ckptd.config import Settings
-from tests.support.helpers import REPO, clean_env, make_settings, wait_until
+from tests.support.helpers import REPO, clean_env, make_settings, stop_process, wait_until
 
 DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "k8s"
@@ -690,12 +690,7 @@ def served_with_configmap(
         wait_until(ready, timeout=20, interval=0.1, what=f"{shlex.join(command)}: GET /readyz -> 200")
         yield url, token
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if not stop_process(proc, 15):
             pytest.fail("ckptd serve did not stop within 15 s of SIGTERM")
 
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from ckptd.cli.main import main as ckptd_main
-from tests.support.helpers import clean_env, wait_until
+from tests.support.helpers import clean_env, stop_process, wait_until
 from tests.support.orbax_steps import model_parallel_metadata, write_orbax_jobs
 from trainer_client.core import protocol as p
 from trainer_client.core.format.files import COMMIT_MARKER
@@ -209,12 +209,7 @@ def test_cli_serve(golden_root: Path, tmp_path: Path, tcp_port: int) -> None:
         assert 1.4 < time.monotonic() - idle_since < 4.5  # ~2 s (uvicorn rounds up to whole seconds), not 5
         conn.close()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 15)
     stderr = proc.stderr.read() if proc.stderr else ""
     # uvicorn shuts down gracefully on SIGTERM (lifespan included), then re-raises the signal.
     assert proc.returncode in (0, -signal.SIGTERM), stderr
