@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ckptd.catalog.retention import RetentionPolicy
 from ckptd.catalog.snapshots import DEFAULT_NICE
+from trainer_client.core import protocol as p
 
 
 class Settings(BaseSettings):
@@ -24,7 +25,7 @@ class Settings(BaseSettings):
 
     root: str = Field(default="./checkpoints", description="checkpoint root: a directory or gs://bucket/prefix")
     host: str = "127.0.0.1"
-    port: int = Field(default=8471, ge=0, le=65535)
+    port: int = Field(default=p.DEFAULT_PORT, ge=0, le=65535)
     token: str | None = Field(default=None, repr=False, description="bearer token required on /v1 routes when set")
     token_file: str | None = Field(
         default=None,

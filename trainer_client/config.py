@@ -11,13 +11,15 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from trainer_client.core.protocol import DEFAULT_PORT
+
 
 class ClientSettings(BaseSettings):
     """How the trainer reaches its sidecar."""
 
     model_config = SettingsConfigDict(env_prefix="CKPTD_", extra="ignore")
 
-    url: str = Field(default="http://127.0.0.1:8471", description="base URL of the ckptd sidecar")
+    url: str = Field(default=f"http://127.0.0.1:{DEFAULT_PORT}", description="base URL of the ckptd sidecar")
     token: str | None = Field(default=None, repr=False, description="bearer token sent on /v1 routes")
     timeout_s: float = Field(default=2.0, gt=0, description="timeout of one HTTP request")
     shm_dir: str | None = Field(

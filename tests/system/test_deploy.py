@@ -42,6 +42,8 @@ from pydantic import ValidationError
 from ckptd.api.app import create_app
 from ckptd.config import Settings
 from tests.support.helpers import REPO, clean_env, make_settings, stop_process, wait_until
+from trainer_client.config import ClientSettings
+from trainer_client.core import protocol as p
 
 DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "k8s"
@@ -432,7 +434,31 @@ def test_ckptd_is_a_native_sidecar_running_ckptd_serve() -> None:
     port = _sidecar_port(pod)["containerPort"]
     trainer_ports = {p["containerPort"] for p in _trainer(pod).get("ports", [])}
     assert port not in trainer_ports
-    assert port not in (8431, 8471, 8080), "8471 (libtpu), 8080 (Megascale), 8431 (TPU metrics) are taken"
+    assert port not in TPU_PORTS, "8470-8479 (libtpu), 8080 (Megascale), 8431 (TPU metrics) are taken"
+
+
+# libtpu takes 8470-8479 on TPU VMs, Megascale 8080, the TPU runtime metrics 8431: all in the pod's namespace.
+TPU_PORTS = {*range(8470, 8480), 8080, 8431}
+
+
+def test_one_default_port_everywhere_and_clear_of_the_tpu_runtime() -> None:
+    """ckptd's default port, the trainer library's default URL, the image and the manifests name one port,
+    and it is none that the TPU runtime uses beside the sidecar."""
+    assert p.DEFAULT_PORT not in TPU_PORTS
+    assert Settings.model_fields["port"].default == p.DEFAULT_PORT
+    assert ClientSettings.model_fields["url"].default == f"http://127.0.0.1:{p.DEFAULT_PORT}"
+    stage = _final_stage()
+    assert [a for ins, a in stage if ins == "EXPOSE"] == [str(p.DEFAULT_PORT)]
+    assert f"CKPTD_PORT={p.DEFAULT_PORT}" in " ".join(a for ins, a in stage if ins == "ENV")
+    assert f"'CKPTD_PORT', '{p.DEFAULT_PORT}'" in " ".join(_healthcheck_command())
+    pod = _pod_spec(_one("JobSet"))
+    assert _sidecar_port(pod)["containerPort"] == int(_config()["CKPTD_PORT"]) == p.DEFAULT_PORT
+    # and no page tells a reader that ckptd listens anywhere else by default
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), DOCKERFILE]
+    for page in pages:
+        for port in TPU_PORTS:
+            for spelled in (f"127.0.0.1:{port}", f"localhost:{port}", f"--port {port}", f"CKPTD_PORT={port}"):
+                assert spelled not in page.read_text(), (page.name, spelled)
 
 
 def test_sidecar_configuration_comes_from_the_configmap() -> None:
@@ -639,9 +665,9 @@ def test_dockerfile_runs_ckptd_serve_as_a_non_root_user() -> None:
     assert int(user) == sidecar["securityContext"]["runAsUser"]
     (entrypoint,) = [_exec_form(a) for ins, a in stage if ins == "ENTRYPOINT"]
     assert entrypoint == ["ckptd", "serve"]
-    assert "8471" in [a for ins, a in stage if ins == "EXPOSE"]
+    assert str(p.DEFAULT_PORT) in [a for ins, a in stage if ins == "EXPOSE"]
     env = " ".join(a for ins, a in stage if ins == "ENV")
-    assert "CKPTD_HOST=0.0.0.0" in env and "CKPTD_PORT=8471" in env
+    assert "CKPTD_HOST=0.0.0.0" in env and f"CKPTD_PORT={p.DEFAULT_PORT}" in env
     for name in re.findall(r"\b(CKPTD_\w+)=", env):
         assert name[len(ENV_PREFIX):].lower() in Settings.model_fields, name
 

@@ -12,6 +12,9 @@ from pydantic import Field
 from trainer_client.core.protocol._base import _Model, _Request
 from trainer_client.core.protocol._stored import ArraySpec, BatchPlan, CheckpointInfo, MeshSpec
 
+# ckptd's default port, on both sides (ckptd/config.py, trainer_client/config.py): clear of libtpu's
+# 8470-8479 on TPU VMs, which share the trainer pod's network namespace (docs/deploy.md).
+DEFAULT_PORT = 9471
 API_PREFIX = "/v1"
 ROUTE_HEALTHZ = "/healthz"
 ROUTE_READYZ = "/readyz"
@@ -174,6 +177,7 @@ class ResumePlan(_Model):
 
 __all__ = [
     "API_PREFIX",
+    "DEFAULT_PORT",
     "ERROR_STATUS",
     "JOB_NAME_PATTERN",
     "MAX_STEP",
