@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import json
 import math
-import pickle
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -32,8 +31,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from trainer_client.core.format.files import SNAPSHOT_TREEDEF_FILE
-from trainer_client.core.format.snapshot import ArrayRecord, ShardReader, map_data, problems, read_meta, shard_grid
+from trainer_client.core.errors import StoredFormatError
+from trainer_client.core.format.snapshot import ArrayRecord, damaged_shards, map_data, problems, read_meta
+from trainer_client.core.format.snapshot_shards import ShardReader, shard_grid
+from trainer_client.core.format.tree_paths import rebuild
 from trainer_client.core.storage import join_path
 from trainer_client.runtime.checkpointing import Checkpointer
 
@@ -65,9 +66,14 @@ def _sharding(record: ArrayRecord, devices: Sequence[jax.Device]) -> jax.shardin
 def snapshot_arrays(snapshot: Path, devices: Sequence[jax.Device] | None = None) -> list[jax.Array]:
     """Every array of the snapshot as a jax array on ``devices`` (default: this process's CPU devices), in
     leaf order, sharded as saved; a device's buffer is the shard's read-only view of the memory map where
-    jax takes it as is (on the CPU it does: no copy)."""
+    jax takes it as is (on the CPU it does: no copy). ``StoredFormatError`` when a shard's bytes do not
+    match their CRC-32: a damaged snapshot is never written to storage."""
     meta = read_meta(snapshot)
     data = map_data(snapshot, meta)
+    damaged = damaged_shards(data, meta)
+    if damaged:
+        raise StoredFormatError(f"snapshot {snapshot} is damaged: {'; '.join(damaged[:4])}"
+                                + (f" (and {len(damaged) - 4} more shards)" if len(damaged) > 4 else ""))
     devices = list(devices or jax.devices("cpu"))
     out: list[jax.Array] = []
     for name in meta.leaf_names:
@@ -86,9 +92,10 @@ def persist(snapshot: Path, job_url: str, *, compression: bool = False) -> str:
     if bad:
         raise ValueError(f"snapshot {snapshot} is not whole: {'; '.join(bad)}")
     meta = read_meta(snapshot)
-    treedef = pickle.loads((snapshot / SNAPSHOT_TREEDEF_FILE).read_bytes())  # written by this job's own trainer
-    # jax arrays, not numpy: Orbax writes jax arrays through its parallel array path, numpy leaves ~7x slower.
-    state = jax.tree_util.tree_unflatten(treedef, snapshot_arrays(snapshot))
+    # The trainer's tree as data (never unpickled): dicts and lists with the same key paths, which is all
+    # Orbax records of a tree. jax arrays, not numpy: Orbax writes jax arrays through its parallel array
+    # path, numpy leaves ~7x slower.
+    state = rebuild(meta.tree, snapshot_arrays(snapshot))
     checkpointer = Checkpointer(job_url, compression=compression)
     try:
         checkpointer.save_with_metadata(meta.step, state, meta.training)

@@ -24,7 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainer_client.core.errors import StoredFormatError, UnsafePathError
 from trainer_client.core.format.files import COMMIT_MARKER
+from trainer_client.core.format.private_files import check_private_dir, ensure_private_dir, is_real_dir
 from trainer_client.core.format.snapshot import (
     complete_snapshots,
     drop_leftovers,
@@ -131,7 +133,17 @@ class SnapshotKeeper:
         self._worker: subprocess.Popen[str] | None = None
 
     def start(self) -> None:
+        try:  # made private now, so a trainer starting later finds it so (docs/operations.md, "Security")
+            ensure_private_dir(self.shm_dir)
+        except (UnsafePathError, OSError) as exc:
+            self._refuse(str(exc))
         self._thread.start()
+
+    def _refuse(self, why: str) -> None:
+        """Say (once per reason) why the memory tier, or one job's part of it, is not used."""
+        if why != self.stats.last_error:
+            _log.error("memory tier refused: %s", why)
+            self.stats.last_error = why
 
     def stop(self) -> None:
         self._queue.put(None)
@@ -140,14 +152,24 @@ class SnapshotKeeper:
             stop_persist_worker(self._worker, 10.0)
 
     def jobs(self) -> list[str]:
-        if not self.shm_dir.is_dir():
+        """The jobs with a snapshot directory; none when the shm directory is not private to this user."""
+        try:
+            check_private_dir(self.shm_dir)
+        except FileNotFoundError:
             return []
-        return sorted(p.name for p in self.shm_dir.iterdir() if p.is_dir() and is_valid_job_name(p.name))
+        except UnsafePathError as exc:
+            self._refuse(str(exc))
+            return []
+        return sorted(p.name for p in self.shm_dir.iterdir() if is_valid_job_name(p.name) and is_real_dir(p))
 
     def scan(self) -> None:
         """Queue what needs persisting, drop what is broken or beyond the limit."""
         for job in self.jobs():
-            held = complete_snapshots(self.shm_dir, job)
+            try:
+                held = complete_snapshots(self.shm_dir, job)
+            except UnsafePathError as exc:
+                self._refuse(str(exc))
+                continue
             for path in held:
                 bad = problems(path)
                 if bad:
@@ -187,7 +209,11 @@ class SnapshotKeeper:
         started = time.monotonic()
         answer = self._ask_worker({"snapshot": str(path), "job_url": job_url})
         if not answer.get("ok"):
-            self._failed(path, str(answer.get("error", "no answer")))
+            why = str(answer.get("error", "no answer"))
+            self._failed(path, why)
+            if why.startswith(f"{StoredFormatError.__name__}:"):  # damaged in memory: retrying cannot help
+                self.stats.broken += 1
+                evict(path)
             return None
         if path.exists():
             mark_persisted(path, step_url)

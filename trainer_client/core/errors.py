@@ -6,6 +6,7 @@ CkptdError                              root: ``except CkptdError`` catches ever
 ├── StoredFormatError (ValueError)      stored bytes are not the format they claim to be
 │   ├── ArrayIndexError                 an item's zarr/OCDBT array metadata is missing or corrupt
 │   └── OcdbtFormatError                an OCDBT index this reader does not understand (tensorstore reads it)
+├── UnsafePathError (PermissionError)   a memory-tier path others could write or that is a link: refused
 └── PlanningError (ValueError)          no resume plan exists for these inputs; ``code`` says why
 ```
 Each error also subclasses the closest built-in, so generic handlers keep working. The trainer library
@@ -38,6 +39,10 @@ class OcdbtFormatError(StoredFormatError):
     """The database is not one this reader understands (or is damaged): read it with tensorstore instead."""
 
 
+class UnsafePathError(CkptdError, PermissionError):
+    """A shared-memory path is a link, or belongs to another user, or others may write it: it is refused."""
+
+
 class PlanningError(CkptdError, ValueError):
     """No plan exists for these inputs; ``code`` says why in the wire contract's terms."""
 
@@ -47,4 +52,12 @@ class PlanningError(CkptdError, ValueError):
         self.message = message
 
 
-__all__ = ["ArrayIndexError", "CkptdError", "OcdbtFormatError", "PlanningError", "StorageError", "StoredFormatError"]
+__all__ = [
+    "ArrayIndexError",
+    "CkptdError",
+    "OcdbtFormatError",
+    "PlanningError",
+    "StorageError",
+    "StoredFormatError",
+    "UnsafePathError",
+]

@@ -34,7 +34,7 @@ import numpy as np
 
 from trainer_client.core.dtypes import np_dtype
 from trainer_client.core.format.ocdbt_index import OcdbtIndex, ValueRef
-from trainer_client.core.format.snapshot import aligned_empty, index_bounds
+from trainer_client.core.format.snapshot_shards import aligned_empty, index_bounds
 from trainer_client.errors import DirectRestoreUnsupported, OcdbtFormatError
 
 PyTree = Any

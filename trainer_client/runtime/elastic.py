@@ -29,6 +29,7 @@ from pathwaysutils.elastic.manager import ScaleUpSignalError
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.client.event_reporter import EventReporter
 from trainer_client.core.batching import initial_batch
+from trainer_client.core.errors import StoredFormatError
 from trainer_client.core.planner import plan_mesh
 from trainer_client.core.protocol import BatchOptions, BatchPlan, MeshSpec, ResumePlan, ResumeRequest, SliceAlive
 from trainer_client.errors import ElasticRetriesExhausted, ElasticTimeoutError, NoCheckpointError
@@ -157,7 +158,19 @@ class ElasticContext:
             self.runner.emit("initialized", 0, f"fresh state on mesh {list(self.mesh.devices.shape)}")
         else:
             target = target_shardings(abstract, self.mesh, specs, self.plan.arrays)
-            state = restore_from_plan(self.plan, target)
+            try:
+                state = restore_from_plan(self.plan, target)
+            except StoredFormatError as exc:
+                if self.plan.tier != "memory":
+                    raise
+                # a damaged memory snapshot is never resumed from: the newest good step on storage instead
+                _log.error("%s; restoring from storage instead", exc)
+                plan = self.runner._plan(self.active_slices, use_memory_tier=False)
+                if plan is None or plan.mesh != self.plan.mesh:
+                    raise
+                self.plan = plan
+                target = target_shardings(abstract, self.mesh, specs, plan.arrays)
+                state = restore_from_plan(plan, target)
             jax.block_until_ready(state)
             self.start_step = self.plan.step
             position = self.plan.data_position or 0
@@ -352,13 +365,13 @@ class ElasticRunner:
         self.emit("slices_ready", None, f"slices {sorted(healthy)}")
         return healthy
 
-    def _plan(self, active: frozenset[int]) -> ResumePlan | None:
+    def _plan(self, active: frozenset[int], *, use_memory_tier: bool = True) -> ResumePlan | None:
         slices = [SliceAlive(index=k, devices=len(self.slices.slice_to_devices[k])) for k in sorted(active)]
         cfg = self.config
         request = ResumeRequest(
             policy=cfg.policy, alive_devices=sum(s.devices for s in slices), slices=slices,
             device_memory_bytes=cfg.device_memory_bytes, memory_headroom_bytes=cfg.memory_headroom_bytes,
-            batch=BatchOptions(mode=cfg.batch_mode, lr_scaling=cfg.lr_scaling),
+            batch=BatchOptions(mode=cfg.batch_mode, lr_scaling=cfg.lr_scaling), use_memory_tier=use_memory_tier,
         )
         try:
             plan = self.client.resume(self.config.job, request)

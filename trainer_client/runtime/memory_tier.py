@@ -15,37 +15,40 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import shutil
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
-from trainer_client.core.format.files import (
-    SNAPSHOT_DATA_FILE,
-    SNAPSHOT_META_FILE,
-    SNAPSHOT_SPARE_PREFIX,
-    SNAPSHOT_TREEDEF_FILE,
+from trainer_client.core.errors import StoredFormatError
+from trainer_client.core.format.files import SNAPSHOT_DATA_FILE, SNAPSHOT_META_FILE, SNAPSHOT_SPARE_PREFIX
+from trainer_client.core.format.private_files import (
+    ensure_private_dir,
+    make_private_dir,
+    open_private,
+    write_private,
 )
 from trainer_client.core.format.snapshot import (
     SHARD_ALIGN,
     ArrayRecord,
-    ShardReader,
     ShardRecord,
     SnapshotMeta,
     complete_snapshots,
+    damaged_shards,
     drop_leftovers,
     evict_oldest,
-    index_bounds,
     job_dir,
     map_data,
     read_meta,
 )
+from trainer_client.core.format.snapshot_shards import ShardReader, index_bounds
+from trainer_client.core.format.tree_paths import TreeEntry
 from trainer_client.core.protocol import TrainingMetadata
 from trainer_client.errors import MemoryTierFull
 from trainer_client.runtime.checkpointing import leaf_name
@@ -77,6 +80,8 @@ class MemoryTier:
         self.last_spare_s: float | None = None  # how long the background allocation of the last spare took
         self._spare = self.dir / f"{SNAPSHOT_SPARE_PREFIX}{os.getpid()}"
         self._spare_thread: threading.Thread | None = None
+        ensure_private_dir(shm_dir)  # UnsafePathError: someone else could write (or owns) the directory
+        ensure_private_dir(self.dir)
         drop_leftovers(self.dir)
 
     def _make_room(self, nbytes: int) -> None:
@@ -100,8 +105,9 @@ class MemoryTier:
         """Copy ``state`` into a new snapshot of ``step``; returns its directory."""
         started = time.perf_counter()
         self.wait_spare()  # normally long done: it started right after the previous save
-        self.dir.mkdir(parents=True, exist_ok=True)
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+        ensure_private_dir(self.dir)
+        tree = describe_tree(state)
+        leaves = jax.tree_util.tree_flatten_with_path(state)[0]
         plan: list[tuple[str, jax.Array, list[Any]]] = []
         nbytes = 0
         for path, leaf in leaves:
@@ -115,7 +121,7 @@ class MemoryTier:
         self._make_room(0 if reuse else nbytes)
         tmp = self.dir / f"{step}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        make_private_dir(tmp)
         try:
             if reuse:
                 try:
@@ -127,14 +133,12 @@ class MemoryTier:
             shutil.rmtree(tmp, ignore_errors=True)
             raise MemoryTierFull(f"writing the snapshot of step {step} into {self.dir} failed: {exc}") from exc
         meta = SnapshotMeta(step=step, created_at=time.time(), persist=persist, nbytes=offset,
-                            leaf_names=[name for name, _, _ in plan], arrays=arrays, training=training)
-        (tmp / SNAPSHOT_TREEDEF_FILE).write_bytes(pickle.dumps(jax.tree_util.tree_structure(state)))
-        (tmp / SNAPSHOT_META_FILE).write_text(meta.model_dump_json())
+                            leaf_names=[name for name, _, _ in plan], tree=tree, arrays=arrays, training=training)
+        write_private(tmp / SNAPSHOT_META_FILE, meta.model_dump_json().encode())
         final = self.dir / str(step)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         self.last_blocked_s = time.perf_counter() - started
-        del treedef
         if self.preallocate:
             # sized as this save's bound (shards plus alignment), which the same state's next save asks for
             self._spare_thread = threading.Thread(target=self._prepare_spare, args=(nbytes, final),
@@ -164,7 +168,8 @@ class MemoryTier:
                 return  # every older snapshot still waits for ckptd: no room for a spare
             if nbytes + self.reserve_bytes > shutil.disk_usage(self.dir).free:
                 return
-            fd = os.open(part, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+            part.unlink(missing_ok=True)  # a leftover, or a link planted there: never written through
+            fd = open_private(part, os.O_CREAT | os.O_WRONLY)
             try:
                 os.posix_fallocate(fd, 0, nbytes)
             finally:
@@ -185,35 +190,75 @@ class MemoryTier:
                reuse: bool) -> tuple[dict[str, ArrayRecord], int]:
         """One copy per shard, device to the shared-memory file (no pre-zeroing: that is a second pass), into
         the spare's allocated pages with ``reuse``. Each shard starts at a multiple of ``SHARD_ALIGN``, so the
-        persist worker's jax takes a view of it as is."""
+        persist worker's jax takes a view of it as is. Each shard's CRC-32 is computed from the host copy by
+        a helper thread while the next shard is copied and written (zlib releases the GIL)."""
         arrays: dict[str, ArrayRecord] = {}
         offset = 0
-        with open(tmp / SNAPSHOT_DATA_FILE, "r+b" if reuse else "wb") as f:
+        fd = open_private(tmp / SNAPSHOT_DATA_FILE, os.O_RDWR if reuse else os.O_WRONLY | os.O_CREAT)
+        with os.fdopen(fd, "r+b" if reuse else "wb") as f, ThreadPoolExecutor(
+                _CRC_THREADS, thread_name_prefix="snapshot-crc") as crcs:
+            pending: list[tuple[str, list[int], str, list[tuple[list[list[int]], int, int, Future[int]]]]] = []
             for name, leaf, shards in plan:
                 records = []
                 for shard in shards:
                     pad = -offset % SHARD_ALIGN
                     f.write(bytes(pad))
                     offset += pad
-                    host = np.ascontiguousarray(np.asarray(shard.data))
-                    f.write(host.reshape(-1).view(np.uint8).data)
-                    records.append(ShardRecord(index=[list(b) for b in index_bounds(shard.index, leaf.shape)],
-                                               offset=offset, nbytes=host.nbytes))
+                    host = np.ascontiguousarray(np.asarray(shard.data)).reshape(-1).view(np.uint8)
+                    crc = crcs.submit(zlib.crc32, host.data)
+                    f.write(host.data)
+                    records.append(([list(b) for b in index_bounds(shard.index, leaf.shape)], offset, host.nbytes, crc))
                     offset += host.nbytes
-                arrays[name] = ArrayRecord(shape=list(leaf.shape), dtype=str(leaf.dtype), shards=records)
+                pending.append((name, list(leaf.shape), str(leaf.dtype), records))
             f.truncate(offset)
+            for name, shape, dtype, records in pending:
+                arrays[name] = ArrayRecord(shape=shape, dtype=dtype, shards=[
+                    ShardRecord(index=index, offset=at, nbytes=size, crc32=crc.result())
+                    for index, at, size, crc in records])
         return arrays, offset
+
+
+_CRC_THREADS = 2
+
+
+def describe_tree(state: PyTree) -> list[TreeEntry]:
+    """``state``'s structure as data (``trainer_client.core.format.tree_paths``): every leaf's key path, with
+    the empty values Orbax records (``None``, ``{}``, ``[]``, ``()``) as leaves of their own."""
+    def empty(x: Any) -> bool:
+        return x is None or (isinstance(x, (dict, list, tuple)) and not x)
+
+    entries = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state, is_leaf=empty)[0]:
+        keys = [("seq", str(k.idx)) if isinstance(k, jax.tree_util.SequenceKey)
+                else ("seq", str(k.key)) if isinstance(k, jax.tree_util.FlattenedIndexKey)
+                else ("dict", leaf_name((k,))) for k in path]
+        if leaf is None:
+            kind = "none"
+        elif isinstance(leaf, dict):
+            kind = "empty_dict"
+        elif isinstance(leaf, list):
+            kind = "empty_list"
+        elif isinstance(leaf, tuple):
+            kind = "empty_tuple" if type(leaf) is tuple else "none"  # an empty namedtuple: Orbax stores None
+        else:
+            kind = "array"
+        entries.append(TreeEntry.model_validate({"path": keys, "kind": kind}))
+    return entries
 
 
 def restore_snapshot(path: str | os.PathLike[str], target: PyTree) -> PyTree:
     """The snapshot's state laid out like ``target`` (``ShapeDtypeStruct`` leaves with shardings), each
     device's shard taken from a copy-on-write memory map of the snapshot: no disk, and no copy where a
-    target shard is a saved shard (other regions are assembled from the shards they overlap)."""
+    target shard is a saved shard (other regions are assembled from the shards they overlap). Every shard's
+    CRC-32 is checked first (``StoredFormatError`` when one differs)."""
     meta = read_meta(path)
     leaves, treedef = jax.tree_util.tree_flatten(target)
     if len(leaves) != len(meta.leaf_names):
         raise ValueError(f"snapshot of step {meta.step} has {len(meta.leaf_names)} arrays, the target {len(leaves)}")
     data = map_data(path, meta, private=True)
+    damaged = damaged_shards(data, meta)  # nothing corrupt is resumed from: the caller falls back to storage
+    if damaged:
+        raise StoredFormatError(f"memory snapshot {path} is damaged: {'; '.join(damaged[:4])}")
     readers = []
     for want, name in zip(leaves, meta.leaf_names, strict=True):
         record = meta.arrays[name]

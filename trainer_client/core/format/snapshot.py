@@ -1,30 +1,35 @@
 """The host-memory snapshot format, shared by the trainer (writer) and ckptd (reader, persister).
 
-A snapshot is a directory in host shared memory (``/dev/shm/ckptd/<job>/<step>/``, or any tmpfs both
-containers of a pod mount):
+A snapshot is a directory in host shared memory (``<shm_dir>/<job>/<step>/``, where ``shm_dir`` is
+``/dev/shm/...`` or any tmpfs both containers of a pod mount):
 
 ```
 data.bin         every saved shard's bytes, one after the other, each at a 64-byte boundary (one replica of each)
-treedef.pickle   the state's pytree structure (jax's PyTreeDef, pickled), for an exact restore
-snapshot.json    step, training metadata, and per array: shape, dtype, and each shard's index and offset
+snapshot.json    step, training metadata, the state's tree as data (``tree_paths``), and per array: shape,
+                 dtype, and each shard's index, offset and CRC-32
 persisted.json   written by ckptd once the step is committed on storage (path, time)
 ```
 
 It is written under ``<step>.tmp-<pid>`` and renamed into place when complete, so a directory named by a
 step is whole unless damaged afterwards; ``problems()`` checks that (sizes and shard coverage) before a
-snapshot is ever used. Reading needs numpy only (no jax): ckptd's persist worker hands the shards to
-Orbax straight from a memory map (``ShardReader``, ``shard_grid``), and a restore maps it instead of
-reading disk.
+snapshot is ever used, and ``damaged_shards()`` checks every shard's bytes against its CRC-32. Nothing read
+from a snapshot is unpickled or followed through a link, and the directories are private to the one user
+trainer and ckptd run as (``private_files``; docs/operations.md, "Security"). Reading needs numpy only (no
+jax): ckptd's persist worker hands the shards to Orbax straight from a memory map (``ShardReader``,
+``shard_grid``), and a restore maps it instead of reading disk.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
 import shutil
 import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
@@ -32,16 +37,26 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trainer_client.core.dtypes import np_dtype
+from trainer_client.core.errors import UnsafePathError
 from trainer_client.core.format.files import (
     SNAPSHOT_DATA_FILE,
     SNAPSHOT_META_FILE,
     SNAPSHOT_PERSISTED_FILE,
     SNAPSHOT_SPARE_PREFIX,
-    SNAPSHOT_TREEDEF_FILE,
 )
+from trainer_client.core.format.private_files import (
+    check_private_dir,
+    is_real_dir,
+    open_private,
+    read_private,
+    write_private,
+)
+from trainer_client.core.format.tree_paths import TreeEntry
 from trainer_client.core.protocol import TrainingMetadata
 
-SNAPSHOT_FORMAT = "ckptd-snapshot/1"
+_log = logging.getLogger(__name__)
+SNAPSHOT_FORMAT = "ckptd-snapshot/2"
+MAX_META_BYTES = 64 << 20  # snapshot.json: ~100 bytes per shard; a bigger one is not read
 # Where each shard starts in data.bin: at a multiple of this (XLA's CPU buffers take a view of it as is).
 SHARD_ALIGN = 64
 _STEP_DIR = re.compile(r"^[0-9]{1,19}$")
@@ -55,6 +70,7 @@ class ShardRecord(_Model):
     index: list[list[int]] = Field(description="[start, stop) per dimension of the global array")
     offset: int = Field(ge=0)
     nbytes: int = Field(ge=0)
+    crc32: int = Field(ge=0, lt=2**32, description="zlib's CRC-32 of the shard's bytes")
 
 
 class ArrayRecord(_Model):
@@ -64,12 +80,13 @@ class ArrayRecord(_Model):
 
 
 class SnapshotMeta(_Model):
-    format: Literal["ckptd-snapshot/1"] = "ckptd-snapshot/1"
+    format: Literal["ckptd-snapshot/2"] = "ckptd-snapshot/2"
     step: int
     created_at: float
     persist: bool = Field(description="ckptd must persist this snapshot to storage")
     nbytes: int
-    leaf_names: list[str] = Field(description="dotted leaf paths, in pytree flatten order")
+    leaf_names: list[str] = Field(description="dotted leaf paths of the arrays, in pytree flatten order")
+    tree: list[TreeEntry] = Field(description="every leaf's key path and kind, in flatten order (no pickle)")
     arrays: dict[str, ArrayRecord]
     training: TrainingMetadata
 
@@ -79,13 +96,15 @@ def job_dir(shm_dir: str | os.PathLike[str], job: str) -> Path:
 
 
 def read_meta(path: str | os.PathLike[str]) -> SnapshotMeta:
-    return SnapshotMeta.model_validate_json(Path(path, SNAPSHOT_META_FILE).read_bytes())
+    """The snapshot's ``snapshot.json``: a private regular file (no link), at most ``MAX_META_BYTES``."""
+    return SnapshotMeta.model_validate_json(read_private(Path(path, SNAPSHOT_META_FILE), max_bytes=MAX_META_BYTES))
 
 
 def problems(path: str | os.PathLike[str]) -> list[str]:
     """Why a snapshot directory cannot be used (empty: it is whole)."""
     path = Path(path)
     try:
+        check_private_dir(path)
         meta = read_meta(path)
     except (OSError, ValueError, ValidationError) as exc:
         return [f"{SNAPSHOT_META_FILE} unreadable: {str(exc).splitlines()[0][:200]}"]
@@ -93,13 +112,17 @@ def problems(path: str | os.PathLike[str]) -> list[str]:
     if path.name.isdigit() and int(path.name) != meta.step:
         out.append(f"snapshot is for step {meta.step}, not {path.name}")
     try:
-        size = (path / SNAPSHOT_DATA_FILE).stat().st_size
-    except OSError:
-        return [*out, f"{SNAPSHOT_DATA_FILE} missing"]
+        fd = open_private(path / SNAPSHOT_DATA_FILE)
+        size = os.fstat(fd).st_size
+        os.close(fd)
+    except OSError as exc:
+        return [*out, f"{SNAPSHOT_DATA_FILE} unusable: {exc}"]
     if size != meta.nbytes:
         out.append(f"{SNAPSHOT_DATA_FILE} has {size} bytes, snapshot says {meta.nbytes}")
-    if not (path / SNAPSHOT_TREEDEF_FILE).is_file():
-        out.append(f"{SNAPSHOT_TREEDEF_FILE} missing")
+    if set(meta.leaf_names) != set(meta.arrays) or len(meta.leaf_names) != len(meta.arrays):
+        out.append("the leaf names and the arrays described differ")
+    if sum(entry.kind == "array" for entry in meta.tree) != len(meta.leaf_names):
+        out.append("the tree description and the arrays differ in number")
     for name, array in meta.arrays.items():
         itemsize = np_dtype(array.dtype).itemsize
         covered = 0
@@ -166,12 +189,25 @@ def drop_leftovers(base: str | os.PathLike[str], *, older_than_s: float | None =
     return dropped
 
 
-def complete_snapshots(shm_dir: str | os.PathLike[str], job: str) -> list[Path]:
-    """Snapshot directories of a job named by a step (finished writing), oldest step first."""
+def check_job_dir(shm_dir: str | os.PathLike[str], job: str) -> Path | None:
+    """The job's snapshot directory after checking it and ``shm_dir`` are private (``UnsafePathError``
+    otherwise); None when either does not exist."""
     base = job_dir(shm_dir, job)
-    if not base.is_dir():
+    try:
+        check_private_dir(shm_dir)
+        check_private_dir(base)
+    except FileNotFoundError:
+        return None
+    return base
+
+
+def complete_snapshots(shm_dir: str | os.PathLike[str], job: str) -> list[Path]:
+    """Snapshot directories of a job named by a step (finished writing), oldest step first. Links are never
+    snapshots; ``UnsafePathError`` when the shm or job directory is not private (``check_job_dir``)."""
+    base = check_job_dir(shm_dir, job)
+    if base is None:
         return []
-    dirs = [p for p in base.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
+    dirs = [p for p in base.iterdir() if _STEP_DIR.match(p.name) and is_real_dir(p)]
     return sorted(dirs, key=lambda p: int(p.name))
 
 
@@ -181,7 +217,12 @@ def newest_whole(
     """The newest snapshot of ``job`` that is whole (and not beyond ``at_most``), with its metadata."""
     if shm_dir is None:
         return None
-    for path in reversed(complete_snapshots(shm_dir, job)):
+    try:
+        held = complete_snapshots(shm_dir, job)
+    except UnsafePathError as exc:  # never resume from what someone else could have written
+        _log.warning("not using the memory tier of %s: %s", job, exc)
+        return None
+    for path in reversed(held):
         if at_most is not None and int(path.name) > at_most:
             continue
         if not problems(path):
@@ -194,7 +235,8 @@ def is_persisted(path: str | os.PathLike[str]) -> bool:
 
 
 def mark_persisted(path: str | os.PathLike[str], step_url: str) -> None:
-    Path(path, SNAPSHOT_PERSISTED_FILE).write_text(json.dumps({"path": step_url, "persisted_at": time.time()}))
+    record = json.dumps({"path": step_url, "persisted_at": time.time()}).encode()
+    write_private(Path(path, SNAPSHOT_PERSISTED_FILE), record)
 
 
 def evictable(path: Path) -> bool:
@@ -230,103 +272,43 @@ def map_data(path: str | os.PathLike[str], meta: SnapshotMeta, *, private: bool 
     pages of this process, never in the snapshot, and the mapping outlives the snapshot's eviction."""
     if not meta.nbytes:
         return np.zeros(0, np.uint8)
-    return np.memmap(Path(path) / SNAPSHOT_DATA_FILE, dtype=np.uint8, mode="c" if private else "r")
+    fd = open_private(Path(path) / SNAPSHOT_DATA_FILE)
+    with os.fdopen(fd, "rb") as f:  # the map keeps its own reference to the file
+        return np.memmap(f, dtype=np.uint8, mode="c" if private else "r", shape=(meta.nbytes,))
 
 
-class ShardReader:
-    """Regions of one array of a snapshot, read from the memory map of its ``data.bin``.
-
-    Called with a tuple of slices (what ``jax.make_array_from_callback`` passes). A region that is exactly a
-    saved shard is that shard: a copy of it, or with ``copy=False`` a read-only view of the map (no copy at
-    all; the caller must not let it be written to, nor outlive the snapshot). Any other region is assembled
-    from the shards that overlap it, into a new array.
-    """
-
-    def __init__(self, data: np.ndarray, record: ArrayRecord, *, copy: bool = True) -> None:
-        self.shape = tuple(record.shape)
-        self.dtype = np_dtype(record.dtype)
-        self.copy = copy
-        self.shards: list[tuple[tuple[tuple[int, int], ...], np.ndarray]] = []
-        for shard in record.shards:
-            extent = [stop - start for start, stop in shard.index]
-            view = data[shard.offset : shard.offset + shard.nbytes].view(self.dtype).reshape(extent)
-            self.shards.append((tuple((start, stop) for start, stop in shard.index), view))
-        self.exact = dict(self.shards)
-
-    def __call__(self, index: tuple[slice, ...] | None) -> np.ndarray:
-        bounds = self.bounds(index)
-        hit = self.exact.get(bounds)
-        if hit is None:
-            return self.assemble(bounds)
-        return np.array(hit) if self.copy else hit
-
-    def bounds(self, index: tuple[slice, ...] | None) -> tuple[tuple[int, int], ...]:
-        """``(start, stop)`` per dimension of the region ``index`` names."""
-        return index_bounds(index, self.shape)
-
-    def assemble(self, bounds: tuple[tuple[int, int], ...]) -> np.ndarray:
-        """A new array of the region ``bounds``, copied from the saved shards that overlap it. It starts at
-        a multiple of ``SHARD_ALIGN`` bytes, so XLA's CPU client can take it as a buffer without copying it
-        again. (numpy's copies release the GIL: regions can be assembled by several threads at once.)"""
-        region = aligned_empty([stop - start for start, stop in bounds], self.dtype)
-        for shard_bounds, view in self.shards:
-            lo = [max(a[0], b[0]) for a, b in zip(bounds, shard_bounds, strict=True)]
-            hi = [min(a[1], b[1]) for a, b in zip(bounds, shard_bounds, strict=True)]
-            if any(low >= high for low, high in zip(lo, hi, strict=True)):
-                continue
-            dst = tuple(slice(low - b[0], high - b[0]) for low, high, b in zip(lo, hi, bounds, strict=True))
-            src = tuple(slice(low - b[0], high - b[0]) for low, high, b in zip(lo, hi, shard_bounds, strict=True))
-            region[dst] = view[src]
-        return region
+_CHECK_THREADS = 4  # zlib's CRC-32 releases the GIL: shards are checked in parallel
 
 
-def index_bounds(index: tuple[slice, ...] | None, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    """``(start, stop)`` per dimension of the region of an array of ``shape`` that ``index`` (what
-    ``jax.make_array_from_callback`` passes) names."""
-    index = index or ()
-    return tuple(
-        (s.start or 0, dim if s.stop is None else s.stop) for s, dim in zip(index, shape, strict=False)
-    ) + tuple((0, dim) for dim in shape[len(index) :])
+def damaged_shards(data: np.ndarray, meta: SnapshotMeta) -> list[str]:
+    """The shards of a snapshot whose bytes in ``data`` (``map_data``) do not match their CRC-32 (empty:
+    every byte is as the trainer wrote it)."""
+    shards = [(name, k, shard) for name in meta.leaf_names for k, shard in enumerate(meta.arrays[name].shards)]
 
+    def damaged(item: tuple[str, int, ShardRecord]) -> str | None:
+        name, k, shard = item
+        crc = zlib.crc32(data[shard.offset: shard.offset + shard.nbytes].data)
+        return None if crc == shard.crc32 else f"{name} shard {k}: CRC-32 {crc:08x}, recorded {shard.crc32:08x}"
 
-def aligned_empty(shape: list[int], dtype: np.dtype[np.generic]) -> np.ndarray:
-    """An uninitialised array whose data starts at a multiple of ``SHARD_ALIGN`` bytes."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + SHARD_ALIGN, dtype=np.uint8)
-    skip = -raw.ctypes.data % SHARD_ALIGN
-    return raw[skip : skip + nbytes].view(dtype).reshape(shape)
-
-
-def shard_grid(record: ArrayRecord) -> list[int] | None:
-    """How many shards the saved shards cut each dimension into, when they tile the array as a grid (as a
-    ``NamedSharding``'s shards do); None when they do not."""
-    grid = []
-    for dim, size in enumerate(record.shape):
-        cuts = sorted({(shard.index[dim][0], shard.index[dim][1]) for shard in record.shards})
-        edges = [start for start, _ in cuts] + [cuts[-1][1]] if cuts else []
-        if not cuts or edges[0] != 0 or edges[-1] != size or any(
-            stop != nxt for (_, stop), nxt in zip(cuts, edges[1:], strict=False)
-        ):
-            return None
-        grid.append(len(cuts))
-    cells = {tuple((start, stop) for start, stop in shard.index) for shard in record.shards}
-    return grid if math.prod(grid) == len(record.shards) == len(cells) else None
+    if len(shards) <= 1:
+        return [bad for bad in map(damaged, shards) if bad]
+    with ThreadPoolExecutor(min(_CHECK_THREADS, len(shards)), thread_name_prefix="snapshot-crc") as pool:
+        return [bad for bad in pool.map(damaged, shards) if bad]
 
 
 __all__ = [
     "SHARD_ALIGN",
     "SNAPSHOT_FORMAT",
     "ArrayRecord",
-    "ShardReader",
     "ShardRecord",
     "SnapshotMeta",
-    "aligned_empty",
+    "check_job_dir",
     "complete_snapshots",
+    "damaged_shards",
     "drop_leftovers",
     "evict",
     "evict_oldest",
     "evictable",
-    "index_bounds",
     "is_persisted",
     "job_dir",
     "map_data",
@@ -334,5 +316,4 @@ __all__ = [
     "newest_whole",
     "problems",
     "read_meta",
-    "shard_grid",
 ]
