@@ -24,7 +24,13 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CKPTD_", extra="ignore", hide_input_in_errors=True)
 
     root: str = Field(default="./checkpoints", description="checkpoint root: a directory or gs://bucket/prefix")
-    host: str = "127.0.0.1"
+    create_root: bool = Field(
+        default=False, description="create a local root that does not exist (without it `serve` refuses to start)"
+    )
+    host: str = Field(
+        default="127.0.0.1",
+        description="listen address; anything but loopback without a token is warned about at startup",
+    )
     port: int = Field(default=p.DEFAULT_PORT, ge=0, le=65535)
     token: str | None = Field(default=None, repr=False, description="bearer token required on /v1 routes when set")
     token_file: str | None = Field(
@@ -47,6 +53,29 @@ class Settings(BaseSettings):
         description="an idle HTTP connection is closed after this long (above the clients' and load balancers' idle "
         "timeouts, so a request never races the close)",
     )
+    max_connections: int = Field(
+        default=256, ge=1, le=65536,
+        description="open HTTP connections at most (well below the process's file limit); past it a few more are "
+        "taken for the probes only (/healthz, /readyz), anything else gets 503 BUSY",
+    )
+    max_header_bytes: int = Field(
+        default=32 << 10, ge=4096, le=1 << 20,
+        description="a request's line and headers together at most this large (431 HEADERS_TOO_LARGE)",
+    )
+    max_headers: int = Field(default=100, ge=10, le=10_000, description="headers per request at most (431)")
+    header_timeout_s: float = Field(
+        default=10.0, gt=0,
+        description="a request's line and headers must arrive within this long of its first byte, a new "
+        "connection's first request within this long of the connect (else 408 REQUEST_TIMEOUT, closed)",
+    )
+    body_timeout_s: float = Field(
+        default=30.0, gt=0,
+        description="a request body must arrive whole within this long of its headers (else 408, closed)",
+    )
+    max_body_bytes_in_flight: int = Field(
+        default=64 << 20, ge=1024,
+        description="request bodies held in memory at once, all requests together (past it: 503 BUSY)",
+    )
     state_dir: str | None = Field(
         default=None, description="where the catalog cache lives (default: a per-root dir under ~/.cache)"
     )
@@ -54,7 +83,7 @@ class Settings(BaseSettings):
     save_timeout_s: float = Field(
         default=3600.0, gt=0, description="a tmp step older than this is reported abandoned"
     )
-    log_level: str = "info"
+    log_level: str = Field(default="info", description="log level (uvicorn's: trace, debug, info, warning, error)")
     adopt_after_s: float = Field(
         default=2.0, ge=0, description="adopt a step without a manifest once its files are unchanged this long"
     )
@@ -69,6 +98,11 @@ class Settings(BaseSettings):
     )
     clean_abandoned: bool = Field(default=True, description="delete saves abandoned for longer than save_timeout_s")
     gc_interval_s: float = Field(default=300.0, gt=0, description="how often retention runs in the server")
+    drain_timeout_s: float = Field(
+        default=20.0, ge=0, le=3600,
+        description="on SIGTERM, how long to keep persisting the memory snapshots trainers asked for (keep it "
+                    "below Kubernetes' terminationGracePeriodSeconds; what is left stays in shared memory)",
+    )
     shm_dir: str | None = Field(
         default=None, description="host-memory tier: the shared-memory directory trainers snapshot into (off: None)"
     )
@@ -81,6 +115,39 @@ class Settings(BaseSettings):
     persist_nice: int = Field(
         default=DEFAULT_NICE, ge=0, le=19,
         description="the persist worker runs this many nice steps below ckptd: the trainer wins the host's cores",
+    )
+    advice_workers: int = Field(
+        default=1, ge=1, le=16,
+        description="advice computations at once, on threads of their own (more: 503 BUSY); resumes never wait on them",
+    )
+    advice_timeout_s: float = Field(
+        default=30.0, gt=0, description="an advice computation is stopped after this long (503 BUSY)",
+    )
+    advice_max_failures: int = Field(
+        default=1_000_000, ge=1000,
+        description="simulated failures one advice may cost (~20 s); inputs that need more get 422",
+    )
+    wedged_after_s: float = Field(
+        default=30.0, gt=0,
+        description="GET /healthz answers 503 once a probe task has waited this long for a handler thread",
+    )
+    max_jobs: int = Field(
+        default=256, ge=1, le=100_000,
+        description="jobs catalogued at most: scans ignore jobs past it (with a warning) and events may not create "
+        "one (409 JOB_LIMIT); jobs already catalogued are kept",
+    )
+    events_max_per_job: int = Field(
+        default=10_000, ge=100, le=10_000_000,
+        description="events kept per job on storage and in memory; older batches are folded into the job's event "
+        "summary (goodput and totals keep counting them) and deleted",
+    )
+    events_max_bytes_per_job: int = Field(
+        default=8 << 20, ge=64 << 10, description="bytes of event files kept per job (folded past it, like the events)",
+    )
+    events_memory_bytes: int = Field(
+        default=64 << 20, ge=1 << 20,
+        description="events held in memory over all jobs (file bytes + 1.5 KiB per event); the jobs used least "
+        "recently are dropped first and read again when asked for",
     )
 
     def retention(self) -> RetentionPolicy:

@@ -4,8 +4,9 @@ Starts a real ckptd (``python -m ckptd serve``) on 127.0.0.1 over a local direct
 tier in ``/dev/shm``; trains the demo MLP on 8 fake CPU devices grouped into 4 slices (a memory snapshot
 every 5 steps, a persistent one every 20, which ckptd writes to storage), takes slice 2 down mid-run,
 recovers on 3 slices in the same PID from the newest snapshot in memory (the meshes compiled ahead of time
-in the background), grows back to 4 when the slice returns, finishes and stops the server. Prints a timeline and,
-as its last line, ``report: PATH`` naming a JSON report.
+in the background), grows back to 4 when the slice returns, finishes and stops the server, which first
+persists what the run saved last: the run ends with its last step committed and verified on storage.
+Prints a timeline and, as its last line, ``report: PATH`` naming a JSON report.
 """
 
 from __future__ import annotations
@@ -31,10 +32,15 @@ import jax
 from examples.elastic_mlp import TrainLog, make_train_fn
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
+from trainer_client.core.format.manifest import read_verified_record
+from trainer_client.core.format.steps import inspect_step, step_entries
+from trainer_client.core.protocol import StepState
+from trainer_client.core.storage import Storage
 from trainer_client.runtime.elastic import ElasticConfig, ElasticRunner, Event
 from trainer_client.runtime.slices import SimulatedSlices, SliceFault
 
 JOB = "demo-mlp"
+DRAIN_TIMEOUT_S = 60  # how long ckptd may take at shutdown to persist what the run saved last
 
 
 def free_port() -> int:
@@ -46,7 +52,8 @@ def free_port() -> int:
 def start_ckptd(root: Path, state_dir: Path, shm_dir: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
     """``ckptd serve`` in its own process, its log (and its persist worker's) in ``log``: a pipe nobody
     reads would fill up and stall it."""
-    env = {**os.environ, "CKPTD_REFRESH_INTERVAL_S": "0.5", "CKPTD_MAX_SNAPSHOTS": "8"}
+    env = {**os.environ, "CKPTD_REFRESH_INTERVAL_S": "0.5", "CKPTD_MAX_SNAPSHOTS": "8",
+           "CKPTD_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S)}
     with log.open("ab") as sink:
         proc = subprocess.Popen(
             [sys.executable, "-m", "ckptd", "serve", "--root", str(root), "--host", "127.0.0.1",
@@ -116,9 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         runner.checkpointer.close()
         client.close()
     finally:
+        # SIGTERM: ckptd persists the snapshots still waiting (the run's last save among them) before it exits
         server.terminate()
-        server.wait(timeout=10)
+        server.wait(timeout=DRAIN_TIMEOUT_S + 30)
         shutil.rmtree(shm_dir, ignore_errors=True)
+    on_storage = last_step_on_storage(root)
     first, last = min(log.losses), max(log.losses)
     report = {
         "pid_before": pid_before,
@@ -133,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         "first_loss": log.losses[first],
         "final_loss": log.losses[last],
         "steps_computed": log.steps_run,
+        "last_step_on_storage": on_storage,
     }
     report_path = out / "report.json"
     report_path.write_text(json.dumps(report, indent=2))
@@ -142,8 +152,22 @@ def main(argv: list[str] | None = None) -> int:
               f"restored step {r.restored_step}, lost {r.lost_steps} steps, {r.seconds:.2f}s to first step")
     print(f"loss {report['first_loss']:.4f} (step {first}) -> {report['final_loss']:.4f} (step {last}); "
           f"same pid: {pid_before == result.pid}")
+    print(f"on storage: step {on_storage} committed and verified"
+          + ("" if on_storage == args.steps else f" -- NOT the run's last step {args.steps}"))
     print(f"report: {report_path}")
-    return 0 if pid_before == result.pid and report["final_loss"] < report["first_loss"] else 1
+    ok = pid_before == result.pid and report["final_loss"] < report["first_loss"] and on_storage == args.steps
+    return 0 if ok else 1
+
+
+def last_step_on_storage(root: Path) -> int | None:
+    """The newest step of the job that is committed on storage and carries ckptd's verified record."""
+    storage = Storage(str(root))
+    job = storage.join(JOB)
+    for parsed, entry in step_entries(storage, job):
+        if not parsed.is_tmp and inspect_step(storage, entry).state == StepState.COMMITTED and \
+                read_verified_record(storage, entry.path) is not None:
+            return parsed.step
+    return None
 
 
 if __name__ == "__main__":

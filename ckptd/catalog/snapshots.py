@@ -131,6 +131,7 @@ class SnapshotKeeper:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._persist_loop, name="ckptd-persister", daemon=True)
         self._worker: subprocess.Popen[str] | None = None
+        self._closed = threading.Event()
 
     def start(self) -> None:
         try:  # made private now, so a trainer starting later finds it so (docs/operations.md, "Security")
@@ -145,11 +146,33 @@ class SnapshotKeeper:
             _log.error("memory tier refused: %s", why)
             self.stats.last_error = why
 
-    def stop(self) -> None:
+    def stop(self, drain_timeout_s: float = 0.0) -> list[str]:
+        """Stop, first finishing for up to ``drain_timeout_s`` the persists already asked for and those a last
+        scan finds (a trainer's last save is accepted once it is in shared memory: shutting down must not
+        drop it). Returns the snapshots left unpersisted, which stay in shared memory for the next ckptd."""
+        deadline = time.monotonic() + drain_timeout_s
+        if self._thread.is_alive() and drain_timeout_s > 0:
+            try:
+                self.scan()
+            except Exception as exc:  # a last scan is best effort; what is queued is still persisted
+                _log.warning("last snapshot scan before shutdown failed: %s", exc)
         self._queue.put(None)
-        self._thread.join(timeout=30)
+        if self._thread.is_alive():
+            with self._lock:
+                waiting = len(self._queued)
+            if waiting:
+                _log.info("shutting down: persisting %d snapshot(s) first (at most %.0fs)", waiting, drain_timeout_s)
+            self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            left = sorted(str(path) for path in self._queued)
+        if left:
+            _log.error("shutting down with %d snapshot(s) not persisted to storage after %.0fs: %s; they stay in "
+                       "shared memory, and the next ckptd on this host persists them", len(left), drain_timeout_s,
+                       ", ".join(left))
+        self._closed.set()  # the persist thread, if still busy, takes nothing more
         if self._worker is not None:
-            stop_persist_worker(self._worker, 10.0)
+            stop_persist_worker(self._worker, 0.0 if left else 10.0)
+        return left
 
     def jobs(self) -> list[str]:
         """The jobs with a snapshot directory; none when the shm directory is not private to this user."""
@@ -171,25 +194,34 @@ class SnapshotKeeper:
                 self._refuse(str(exc))
                 continue
             for path in held:
-                bad = problems(path)
-                if bad:
-                    _log.warning("dropping broken snapshot %s: %s", path, "; ".join(bad))
-                    self.stats.broken += 1
-                    evict(path)
-                    continue
-                if read_meta(path).persist and not is_persisted(path):
-                    with self._lock:
-                        if path not in self._queued:
-                            self._queued.add(path)
-                            self._queue.put((job, path))
+                try:
+                    self._consider(job, path)
+                except FileNotFoundError:
+                    continue  # evicted or replaced by its trainer meanwhile
             # a trainer killed between or during saves leaves a spare file or an unfinished snapshot behind
             drop_leftovers(job_dir(self.shm_dir, job), older_than_s=self.timeout_s)
             self.stats.evicted += evict_oldest(complete_snapshots(self.shm_dir, job), self.max_snapshots)
 
+    def _consider(self, job: str, path: Path) -> None:
+        """Queue one snapshot for persisting, or drop it when it is broken."""
+        bad = problems(path)
+        if bad:
+            if not path.exists():
+                raise FileNotFoundError(path)
+            _log.warning("dropping broken snapshot %s: %s", path, "; ".join(bad))
+            self.stats.broken += 1
+            evict(path)
+            return
+        if read_meta(path).persist and not is_persisted(path):
+            with self._lock:
+                if path not in self._queued:
+                    self._queued.add(path)
+                    self._queue.put((job, path))
+
     def _persist_loop(self) -> None:
         while True:
             item = self._queue.get()
-            if item is None:
+            if item is None or self._closed.is_set():
                 return
             job, path = item
             try:
@@ -227,6 +259,8 @@ class SnapshotKeeper:
     def _ask_worker(self, request: dict[str, str]) -> dict[str, object]:
         """One request to the long-lived persist worker (started, or restarted after a crash, on demand)."""
         worker = self._worker
+        if self._closed.is_set():
+            return {"ok": False, "error": "ckptd is shutting down"}
         if worker is None or worker.poll() is not None:
             try:
                 worker = start_persist_worker(compression=self.compression, nice=self.nice, devices=self.devices)

@@ -490,6 +490,9 @@ def test_configmap_values_are_valid_settings(tmp_path: Path) -> None:
     settings = Settings(**values)
     assert settings.port == _sidecar_port(_pod_spec(_one("JobSet")))["containerPort"]
     assert settings.token == "t0ken"
+    # SIGTERM: ckptd persists what trainers handed over, and is done before Kubernetes would SIGKILL it
+    grace = _pod_spec(_one("JobSet"))["terminationGracePeriodSeconds"]
+    assert 0 < settings.drain_timeout_s <= grace - 10
 
 
 def test_probes_hit_readyz_and_healthz_on_the_sidecar_port() -> None:
