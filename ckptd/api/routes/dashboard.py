@@ -1,8 +1,10 @@
 """``GET /``: the dashboard, one self-contained HTML page (no front-end build step, no external asset).
 
 The page (``ckptd/api/static/dashboard.html``) is static: inline CSS and JavaScript that fetch the JSON API
-(``/v1/jobs``, ``.../checkpoints``, ``.../events``, ``.../goodput``) and draw, per job, the checkpoint
-timeline, the elastic events with their recovery durations, and goodput with its breakdown. The page
+(``/v1/jobs``, ``.../checkpoints``, ``.../events``, ``.../goodput``) and draw, per job, a timeline over time
+and steps (steps at their save time, host-memory snapshots, outages, failures and restores), the bad steps
+with their reasons, the elastic events with their recovery durations, and goodput with its window and
+breakdown (what each part says: docs/operations.md, "The dashboard"). The page
 itself holds no data, so ``/`` is open like ``/healthz``; when ckptd has a token, the page's API calls
 need it: the page asks for it (kept in the browser's localStorage) or takes it from the URL fragment
 ``/#token=...`` (a fragment never reaches the server or its logs).
