@@ -10,8 +10,10 @@ CkptdError                                root (trainer_client/core/errors.py): 
     ├── StepNotFound (LookupError)        the job has no such step
     ├── NoGoodCheckpoint (LookupError)    the job has no verified step yet
     ├── StepNotGood                       the asked step is not verified (corrupt, quarantined, ...)
-    ├── NotReady                          the catalog is still being built from storage
-    └── MissingInputs (ValueError)        the advisor lacks inputs the job's history does not give
+    ├── NotReady                          the catalog is being built, or committed steps are being verified
+    ├── MissingInputs (ValueError)        the advisor lacks inputs the job's history does not give
+    ├── Busy                              too much work now (the advisor's slots are taken, an answer timed out)
+    └── JobLimitReached                   a new job past the ``max_jobs`` setting
 ```
 Domain code raises these; only the API (``ckptd/api/errors.py``) turns them into HTTP: the status of
 each code comes from the wire contract's ``ERROR_STATUS`` table, shared with the client.
@@ -52,8 +54,8 @@ class InvalidJobName(ServiceError, ValueError):
 class JobNotFound(ServiceError, LookupError):
     code = ErrorCode.JOB_NOT_FOUND
 
-    def __init__(self, job: str) -> None:
-        super().__init__(f"no job named {job!r} under the checkpoint root")
+    def __init__(self, job: str, why: str | None = None) -> None:
+        super().__init__(f"no job named {job!r} under the checkpoint root" + (f": {why}" if why else ""))
 
 
 class StepNotFound(ServiceError, LookupError):
@@ -77,10 +79,15 @@ class StepNotGood(ServiceError):
 
 
 class NotReady(ServiceError):
+    """Not answerable yet, but soon: the catalog is being built, or the steps that would answer are committed
+    and still being verified. "No checkpoint" must mean none, so this is 503 with ``Retry-After``."""
+
     code = ErrorCode.NOT_READY
 
-    def __init__(self) -> None:
-        super().__init__("the catalog is still being built from storage; retry")
+    def __init__(self, message: str = "the catalog is still being built from storage; retry",
+                 retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class MissingInputs(ServiceError, ValueError):
@@ -93,10 +100,33 @@ class MissingInputs(ServiceError, ValueError):
         self.names = names
 
 
+class Busy(ServiceError):
+    """Not now: the work would starve other requests or ran out of time. ``retry_after_s`` goes out as the
+    ``Retry-After`` header."""
+
+    code = ErrorCode.BUSY
+
+    def __init__(self, message: str, retry_after_s: int = 10) -> None:
+        super().__init__(message, {"retry_after_s": retry_after_s})
+        self.retry_after_s = retry_after_s
+
+
+class JobLimitReached(ServiceError):
+    """Creating this job would pass ``max_jobs`` (CKPTD_MAX_JOBS); the jobs there are served as before."""
+
+    code = ErrorCode.JOB_LIMIT
+
+    def __init__(self, job: str, limit: int) -> None:
+        super().__init__(f"job {job!r} is not created: ckptd serves at most {limit} jobs (CKPTD_MAX_JOBS)",
+                         {"max_jobs": limit})
+
+
 __all__ = [
+    "Busy",
     "CkptdError",
     "InvalidJobName",
     "InvalidRequest",
+    "JobLimitReached",
     "JobNotFound",
     "MissingInputs",
     "NoGoodCheckpoint",

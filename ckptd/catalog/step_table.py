@@ -121,12 +121,16 @@ class StepTable:
 
     def latest_good(self, job: str, at_most: int | None = None) -> CheckpointInfo | None:
         """The newest verified step (at or below ``at_most`` when given), as last catalogued."""
+        return self.newest(job, StepState.VERIFIED, at_most)
+
+    def newest(self, job: str, state: StepState, at_most: int | None = None) -> CheckpointInfo | None:
+        """The newest step in ``state`` (at or below ``at_most`` when given), as last catalogued."""
         limit = at_most if at_most is not None else MAX_STEP
         with self._lock:
             row = self._db.execute(
                 "SELECT step, state, path, reason, committed_at, training FROM steps "
                 "WHERE job = ? AND state = ? AND step <= ? ORDER BY step DESC LIMIT 1",
-                (job, GOOD, limit),
+                (job, state.value, limit),
             ).fetchone()
         return _info(row) if row else None
 

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Response
 from ckptd.api.errors import ERROR_RESPONSES
 from ckptd.api.openapi import route_doc
 from ckptd.api.services import Services
-from ckptd.errors import NoGoodCheckpoint, ServiceError, StepNotFound, StepNotGood
+from ckptd.errors import NoGoodCheckpoint, NotReady, ServiceError, StepNotFound, StepNotGood
 from trainer_client.core import protocol as p
 from trainer_client.core.errors import PlanningError
 from trainer_client.core.format.snapshot import newest_whole
@@ -26,14 +26,27 @@ from trainer_client.core.planner import memory_snapshot_plan, resume_plan
 _NOT_A_JOB = frozenset({p.ErrorCode.INVALID_JOB_NAME, p.ErrorCode.JOB_NOT_FOUND, p.ErrorCode.NOT_READY})
 
 
-def _good_step(job: str, request: p.ResumeRequest, info: p.CheckpointInfo | None) -> p.CheckpointInfo:
+def _good_step(svc: Services, job: str, request: p.ResumeRequest, info: p.CheckpointInfo | None) -> p.CheckpointInfo:
     if info is None:
         if request.step is None:
-            raise NoGoodCheckpoint(job)
+            raise _none_yet(svc, job)
         raise StepNotFound(job, request.step)
+    if info.state is p.StepState.COMMITTED:
+        raise _pending(job, info.step)
     if info.state is not p.StepState.VERIFIED:
         raise StepNotGood(f"step {request.step} of job {job!r} is {info.state.value}: {info.reason}")
     return info
+
+
+def _none_yet(svc: Services, job: str) -> ServiceError:
+    """Why a job has no good step: none at all (404), or committed steps still being verified (503 with
+    Retry-After: "no checkpoint" must mean none, never "not checked yet")."""
+    pending = svc.catalog.newest(job, p.StepState.COMMITTED)
+    return NoGoodCheckpoint(job) if pending is None else _pending(job, pending.step)
+
+
+def _pending(job: str, step: int) -> NotReady:
+    return NotReady(f"step {step} of job {job!r} is committed and still being verified; retry shortly")
 
 
 def router(svc: Services) -> APIRouter:
@@ -66,7 +79,7 @@ def router(svc: Services) -> APIRouter:
     def latest_good(job: str) -> p.CheckpointInfo:
         info = cat.confirmed_latest_good(svc.check_job(job))
         if info is None:
-            raise NoGoodCheckpoint(job)
+            raise _none_yet(svc, job)
         return info
 
     def _answer(job: str, request: p.ResumeRequest) -> bytes:
@@ -81,7 +94,7 @@ def router(svc: Services) -> APIRouter:
         if snapshot is not None and (info is None or info.state is not p.StepState.VERIFIED
                                      or snapshot[1].step >= info.step):
             return memory_snapshot_plan(job=job, request=request, snapshot=snapshot).model_dump_json().encode()
-        good = _good_step(job, request, info)
+        good = _good_step(svc, job, request, info)
         loaded = cat.layout(good)  # the step's arrays, read once and kept (ckptd/catalog/catalog.py)
         training, layout = loaded[0] or good.training, loaded[1]
         return svc.plans.answer(  # planned once per (step, request): ckptd/api/plan_cache.py
