@@ -71,11 +71,14 @@ class Metrics:
                 self.save_stall.labels(job).observe(e.blocked_seconds)
 
     def render(self, catalog: Catalog) -> bytes:
-        """The text exposition, with the catalog gauges refreshed from SQLite first."""
+        """The text exposition, with the catalog gauges refreshed from SQLite first. Per-job series exist for
+        the catalogued jobs only (at most ``max_jobs``): those of a job gone from the catalog are dropped."""
         self.latest_good.clear()  # jobs and steps that left storage must leave the metrics too
         self.steps.clear()
         self.quarantined.clear()
-        for job in catalog.jobs():
+        jobs = catalog.jobs()
+        self._forget_jobs_but({job.name for job in jobs})
+        for job in jobs:
             if job.latest_good_step is not None:
                 self.latest_good.labels(job.name).set(job.latest_good_step)
             counts: dict[str, int] = {}
@@ -86,5 +89,16 @@ class Metrics:
             self.quarantined.labels(job.name).set(counts.get(StepState.QUARANTINED.value, 0))
         return generate_latest(self.registry)
 
+
+    def _forget_jobs_but(self, jobs: set[str]) -> None:
+        """Drop the counters' and histograms' series of jobs not in ``jobs``: the exposition stays bounded
+        however many jobs come and go."""
+        for metric in (self.resume_requests, self.commits, self.committed_bytes, self.save_seconds, self.save_stall,
+                       self.validation_failures, self.elastic_events, self.recovery_seconds, self.lost_steps):
+            names = ("job", "kind") if metric is self.elastic_events else ("job",)
+            stale = {tuple(sample.labels[n] for n in names) for family in metric.collect() for sample in family.samples
+                     if "job" in sample.labels and sample.labels["job"] not in jobs}
+            for labels in stale:
+                metric.remove(*labels)
 
 __all__ = ["Metrics"]

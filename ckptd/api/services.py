@@ -13,7 +13,7 @@ from ckptd.api.coalesce import Coalescer
 from ckptd.api.plan_cache import PlanCache
 from ckptd.catalog.catalog import Catalog
 from ckptd.catalog.commit_tracker import CommitTracker
-from ckptd.catalog.events import EventStore, record_retention
+from ckptd.catalog.events import EventLimits, EventStore, record_retention
 from ckptd.catalog.refresher import Refresher
 from ckptd.catalog.retention import prune
 from ckptd.catalog.snapshots import SnapshotKeeper
@@ -49,7 +49,7 @@ class Services:
         if not self.catalog.has_job(job):
             self.catalog.refresh_job(job)  # a job created since the last scan
             if not self.catalog.has_job(job):
-                raise JobNotFound(job)
+                raise JobNotFound(job, self.catalog.refused.get(job))
         return job
 
     def start(self) -> None:
@@ -72,7 +72,10 @@ def build_services(settings: Settings, catalog: Catalog | None = None) -> Servic
                           adopt_after_s=settings.adopt_after_s, revalidate_after_s=settings.revalidate_after_s)
     cat = catalog
     metrics = Metrics()
-    events = EventStore(cat.storage)  # <root>/<job>/.ckptd/events/ (ckptd/catalog/events.py)
+    cat.max_jobs = settings.max_jobs
+    events = EventStore(cat.storage, EventLimits(  # <root>/<job>/.ckptd/events/ (ckptd/catalog/events.py)
+        max_events=settings.events_max_per_job, max_bytes=settings.events_max_bytes_per_job,
+        memory_bytes=settings.events_memory_bytes))
     tracker = CommitTracker(cat, metrics, events, interval_s=settings.refresh_interval_s)
     policy = settings.retention()
     keeper = (  # the host-memory tier, when a shared-memory directory is configured (ckptd/catalog/snapshots.py)

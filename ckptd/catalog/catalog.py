@@ -48,6 +48,7 @@ from trainer_client.core.validation import validate_step
 
 _log = logging.getLogger(__name__)
 
+JOB_LIMIT_REASON = "past the job limit (CKPTD_MAX_JOBS)"
 _LAYOUTS_KEPT = 8  # saved layouts (all arrays of a step) kept in memory, most recently planned first
 
 Layout = tuple[MeshSpec | None, dict[str, ArraySpec]]
@@ -65,8 +66,10 @@ class Catalog(StepTable):
         save_timeout_s: float = 3600.0,
         adopt_after_s: float = 0.0,
         revalidate_after_s: float = 30.0,
+        max_jobs: int | None = None,
     ) -> None:
         self.storage = storage
+        self.max_jobs = max_jobs  # None: every job under the root
         self.save_timeout_s = save_timeout_s
         self.adopt_after_s = adopt_after_s
         self.revalidate_after_s = revalidate_after_s
@@ -78,6 +81,7 @@ class Catalog(StepTable):
         self.ready = threading.Event()
         self.last_refresh: float | None = None
         self.last_error: str | None = None
+        self.refused: dict[str, str] = {}  # job -> why scans ignore it (a warning once each)
 
     # ---- building -------------------------------------------------------------------------------
 
@@ -94,7 +98,7 @@ class Catalog(StepTable):
         ``refresh_job``): the refresher's usual pass, with a full one every ``Refresher.full_every``."""
         self.storage.invalidate()
         job_entries = [e for e in self.storage.list_dir(self.storage.root) if e.is_dir]
-        names = {e.name for e in job_entries if is_valid_job_name(e.name)}
+        names = self._admit({e.name for e in job_entries if is_valid_job_name(e.name)})
         with self._tx() as db:
             dropped = [name for (name,) in db.execute("SELECT name FROM jobs").fetchall() if name not in names]
             for name in dropped:
@@ -117,7 +121,7 @@ class Catalog(StepTable):
         job_path = self.storage.join(job)
         dir_mtime = self._dir_mtime_ns(job_path)
         self.storage.invalidate(job_path)
-        if not self.storage.is_dir(job_path):
+        if not self.storage.is_dir(job_path) or self._refuse(job, self._refusal(job)):
             with self._tx() as db:
                 dropped = db.execute("DELETE FROM jobs WHERE name = ?", (job,)).rowcount
                 db.execute("DELETE FROM steps WHERE job = ?", (job,))
@@ -191,6 +195,47 @@ class Catalog(StepTable):
         # after the commit: a reader that sees the new version reads the new rows (answers are cached per version)
         if gone or any(seen.get(dirname) != (ins.state.value, ins.reason) for dirname, ins in found):
             self.version += 1
+
+    # ---- which jobs: the root's directories, within max_jobs ------------------------------------
+
+    def _admit(self, found: set[str]) -> set[str]:
+        """The jobs among ``found`` that a scan catalogues: within ``max_jobs``, those catalogued already first,
+        then by name; the others are refused (``refused``)."""
+        refused: dict[str, str] = {}
+        if self.max_jobs is not None and len(found) > self.max_jobs:
+            with self._lock:
+                known = {str(name) for (name,) in self._db.execute("SELECT name FROM jobs")}
+            for name in sorted(found, key=lambda n: (n not in known, n))[self.max_jobs:]:
+                refused[name] = JOB_LIMIT_REASON
+        for job in set(self.refused) - set(refused):
+            del self.refused[job]
+        for job, why in refused.items():
+            self._refuse(job, why)
+        return found - set(refused)
+
+    def _refusal(self, job: str) -> str | None:
+        """Why a scan of ``job`` alone must not catalogue it, if it must not."""
+        if self.max_jobs is not None and not self.has_job(job) and self.full():
+            return JOB_LIMIT_REASON
+        return None
+
+    def _refuse(self, job: str, why: str | None) -> bool:
+        """Record that ``job`` is refused (a warning the first time); False (nothing recorded) when ``why`` is None."""
+        if why is None:
+            self.refused.pop(job, None)
+            return False
+        if self.refused.get(job) != why:
+            _log.warning("job %r is ignored: %s", job, why)
+        self.refused[job] = why
+        return True
+
+    def full(self) -> bool:
+        """Whether a new job would pass ``max_jobs``."""
+        if self.max_jobs is None:
+            return False
+        with self._lock:
+            (count,) = self._db.execute("SELECT COUNT(*) FROM jobs").fetchone()
+        return int(count) >= self.max_jobs
 
     def _inspect(self, entry: Entry, now: float | None = None) -> StepInspection | None:
         """The commit rule and structural checks; a committed step is then verified or quarantined."""
@@ -351,4 +396,4 @@ class Catalog(StepTable):
         self.version += 1
 
 
-__all__ = ["Catalog", "Layout"]
+__all__ = ["JOB_LIMIT_REASON", "Catalog", "Layout"]

@@ -14,7 +14,6 @@ import logging
 import threading
 import time
 
-from ckptd.advisor.goodput import compute_goodput
 from ckptd.catalog.catalog import Catalog
 from ckptd.catalog.events import EventStore
 from ckptd.metrics import Metrics
@@ -124,7 +123,7 @@ class CommitTracker:
                 if kept is None or kept[0] != self.catalog.version:  # 10,000 steps are parsed only when changed
                     kept = (self.catalog.version, self.catalog.checkpoints(job))
                     self._checkpoints[job] = kept
-                result = compute_goodput(job, self.events.load(job), kept[1])
+                result = self.events.goodput(job, kept[1], version=kept[0])  # whole history; unchanged: kept
             except (OSError, StorageError) as exc:
                 _log.info("goodput of %s not refreshed: %s", job, exc)
                 continue

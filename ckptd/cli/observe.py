@@ -15,7 +15,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ckptd.advisor.goodput import CAUSES, compute_goodput
+from ckptd.advisor.goodput import CAUSES
 from ckptd.catalog.catalog import Catalog
 from ckptd.catalog.events import EventStore
 from ckptd.cli.support import EXIT_BAD, EXIT_OK, split_job
@@ -99,10 +99,11 @@ def _cmd_goodput(args: argparse.Namespace) -> int:
         return EXIT_BAD
     storage, job = opened
     store = EventStore(storage)
-    events = _load(store, job, args.since)
+    _load(store, job, args.since)  # reads the event files (a progress bar when there are many)
     catalog = Catalog(storage, ":memory:")  # this job only: the step time falls back to its checkpoints
     catalog.refresh_job(job)
-    result = compute_goodput(job, events, catalog.checkpoints(job), step_time_s=args.step_time)
+    # the job's whole history: its event summary (rotated events) and the events kept
+    result = store.goodput(job, catalog.checkpoints(job), step_time_s=args.step_time, since=args.since)
     if store.unreadable:
         result.notes.append(f"{len(store.unreadable)} unreadable event file(s) skipped")
     print(result.model_dump_json(indent=2) if args.json else render_goodput(result))

@@ -131,16 +131,37 @@ def test_events_are_stored_on_storage_deduplicated_and_survive_a_restart(
         assert len(restarted.get("/v1/jobs/meta/events").json()["events"]) == 4  # deduplicated on reading
 
 
-def test_events_for_a_job_without_steps_create_it(env: tuple[TestClient, Path]) -> None:
+def test_events_create_a_job_only_with_a_token_and_within_the_job_limit(
+    golden: tuple[Path, dict[str, Any]], env: tuple[TestClient, Path], tmp_path: Path
+) -> None:
     client, root = env
     assert client.get("/v1/jobs/fresh/events").json()["code"] == "JOB_NOT_FOUND"
     resp = client.post("/v1/jobs/fresh/events", json={"events": [_event(time.time(), "start")]})
-    assert resp.status_code == 200, resp.text
-    assert (root / "fresh" / EVENTS_DIR).is_dir()
-    client.app.state.catalog.refresh()  # type: ignore[attr-defined]
-    jobs = {j["name"]: j for j in client.get("/v1/jobs").json()["jobs"]}
-    assert jobs["fresh"]["steps"] == 0
-    assert [e["kind"] for e in client.get("/v1/jobs/fresh/events").json()["events"]] == ["start"]
+    assert resp.status_code == 404, resp.text  # no token: anyone could create jobs
+    body = p.ErrorBody.model_validate(resp.json())
+    assert body.code is p.ErrorCode.JOB_NOT_FOUND and "token" in body.message
+    assert not (root / "fresh").exists()
+    (root / "made-by-training").mkdir()  # a job the training created (Orbax makes its directory first)
+    assert client.post("/v1/jobs/made-by-training/events", json={"events": [_event(1.0, "start")]}).status_code == 200
+
+    with_token = tmp_path / "with-token"
+    shutil.copytree(golden[0], with_token)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with TestClient(_app(with_token, tmp_path / "state-t", make_settings, token=TOKEN, max_jobs=3)) as authed:
+        for job in ("fresh", "second"):  # the token's holder may create jobs: "meta" and these two are 3
+            resp = authed.post(f"/v1/jobs/{job}/events", json={"events": [_event(time.time(), "start")]}, headers=auth)
+            assert resp.status_code == 200, resp.text
+            assert (with_token / job / EVENTS_DIR).is_dir()
+        jobs = {j["name"]: j for j in authed.get("/v1/jobs", headers=auth).json()["jobs"]}
+        assert set(jobs) == {"meta", "fresh", "second"} and jobs["fresh"]["steps"] == 0
+        assert [e["kind"] for e in authed.get("/v1/jobs/fresh/events", headers=auth).json()["events"]] == ["start"]
+        over = authed.post("/v1/jobs/third/events", json={"events": [_event(1.0, "start")]}, headers=auth)
+        assert over.status_code == 409, over.text
+        assert p.ErrorBody.model_validate(over.json()).code is p.ErrorCode.JOB_LIMIT
+        assert not (with_token / "third").exists()
+        for job in ("meta", "fresh"):  # the jobs there are unaffected
+            again = authed.post(f"/v1/jobs/{job}/events", json={"events": [_event(2.0, "finished")]}, headers=auth)
+            assert again.status_code == 200, again.text
 
 
 @pytest.mark.parametrize(

@@ -59,6 +59,7 @@ class ErrorCode(StrEnum):
     INTERNAL = "INTERNAL"
     MISSING_INPUT = "MISSING_INPUT"
     PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"
+    JOB_LIMIT = "JOB_LIMIT"
 
 
 ERROR_STATUS: dict[ErrorCode, int] = {
@@ -79,6 +80,7 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.INTERNAL: 500,
     ErrorCode.MISSING_INPUT: 422,
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.JOB_LIMIT: 409,
 }
 
 
