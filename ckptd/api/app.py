@@ -60,14 +60,19 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
     app.state.resume_answers = svc.answers
     install_error_handlers(app)
 
+    def count_request(route: str, status: int) -> None:  # also the connection limits' (ckptd/api/connections.py)
+        svc.metrics.requests.labels(route, str(status)).inc()
+
+    app.state.count_request = count_request
+
     def _needs_token(path: str) -> bool:
         return path.startswith(p.API_PREFIX) or (settings.metrics_require_token and path == p.ROUTE_METRICS)
 
-    app.add_middleware(BearerAuth, token=settings.token, needs_token=_needs_token,
-                       count=lambda route, status: svc.metrics.requests.labels(route, str(status)).inc())
-    # Outermost (added last): an oversized body is refused before auth, routing or parsing read it.
-    app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes,
-                       on_refused=lambda: svc.metrics.requests.labels("body_limit", "413").inc())
+    # Bodies are read within bounds (size, time, memory of all requests together) before routing or parsing
+    # see them; and only once the token is checked: the token check is outermost (added last).
+    app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s,
+                       max_in_flight=settings.max_body_bytes_in_flight)
+    app.add_middleware(BearerAuth, token=settings.token, needs_token=_needs_token, count=count_request)
 
     for router in (health.router(svc), jobs.router(svc), advice.router(svc), events.router(svc),
                    dashboard.router()):

@@ -10,6 +10,8 @@ with ``error_response``. A bug answers ``500 INTERNAL`` without internals; the s
 
 from __future__ import annotations
 
+from http import HTTPStatus
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -25,6 +27,10 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
 }
 
 
+# Where a middleware that refuses a request notes why, in the ASGI scope: the request counter's route label.
+REFUSED_BY = "ckptd.refused_by"
+
+
 def error_response(code: p.ErrorCode, message: str, detail: dict[str, object] | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     """The one error body for ``code``, with the status the wire contract gives it."""
@@ -33,12 +39,24 @@ def error_response(code: p.ErrorCode, message: str, detail: dict[str, object] | 
                         headers=headers)
 
 
+def raw_error_response(code: p.ErrorCode, message: str, detail: dict[str, object] | None = None) -> bytes:
+    """The same answer as ``error_response``, as the bytes of an HTTP/1.1 response that closes the connection:
+    for refusals made below the application, before a request exists (ckptd/api/connections.py)."""
+    status = p.ERROR_STATUS[code]
+    body = p.ErrorBody(code=code, message=message, detail=detail).model_dump_json(exclude_none=True).encode()
+    head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
+    return head.encode("ascii") + body
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Map domain errors, request validation, routing refusals and bugs onto the one error body."""
 
     @app.exception_handler(ServiceError)
     async def _service(_: Request, exc: ServiceError) -> JSONResponse:
-        return error_response(exc.code, exc.message, exc.detail)
+        retry = getattr(exc, "retry_after_s", None)  # Busy: when to come back
+        return error_response(exc.code, exc.message, exc.detail,
+                              headers={"Retry-After": str(retry)} if retry is not None else None)
 
     @app.exception_handler(PlanningError)
     async def _planning(_: Request, exc: PlanningError) -> JSONResponse:
@@ -69,4 +87,4 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(p.ErrorCode.INTERNAL, "internal error; see the ckptd log")
 
 
-__all__ = ["ERROR_RESPONSES", "error_response", "install_error_handlers"]
+__all__ = ["ERROR_RESPONSES", "REFUSED_BY", "error_response", "install_error_handlers", "raw_error_response"]

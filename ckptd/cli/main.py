@@ -8,18 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import math
 import re
 import sys
 from collections.abc import Sequence
 
-from pydantic import ValidationError
-
 from ckptd import __version__
-from ckptd.cli import advise, maintenance, observe
+from ckptd.cli import advise, maintenance, observe, serve
 from ckptd.cli.support import open_catalog, open_job, split_job
-from ckptd.config import Settings
 from trainer_client.core.errors import PlanningError, StorageError
 from trainer_client.core.format.saved_layout import saved_layout
 from trainer_client.core.planner import format_bytes, resume_plan
@@ -33,36 +28,6 @@ EXIT_USAGE = 2
 # The helpers the subcommand modules share live in ckptd/cli/support.py; these names stay for them.
 _split_job = split_job
 _catalog = open_catalog
-
-
-SWITCH_INTERVAL_S = 0.001
-
-
-def _cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from ckptd.api.app import create_app
-
-    overrides = {k: v for k, v in {"root": args.root, "host": args.host, "port": args.port,
-                                   "state_dir": args.state_dir, "shm_dir": args.shm_dir}.items() if v is not None}
-    try:
-        settings = Settings(**overrides)
-    except ValidationError as exc:  # e.g. an unreadable CKPTD_TOKEN_FILE: one clear line, no traceback
-        for err in exc.errors():
-            where = ".".join(str(x) for x in err["loc"])
-            print(f"ckptd: invalid settings: {where + ': ' if where else ''}{err['msg']}", file=sys.stderr)
-        return EXIT_USAGE
-    app = create_app(settings)
-    # Answers are short; background passes (refresh, metrics, persist bookkeeping) are long and CPU-bound.
-    # A 1 ms GIL switch interval (Python's default is 5 ms) keeps a background pass from adding its whole
-    # slice to every GIL hand-over of an answer.
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
-    # ckptd's own loggers (persists, quarantines, refresh failures) at the same level as uvicorn's
-    level = 5 if settings.log_level.lower() == "trace" else settings.log_level.upper()  # uvicorn's own level
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=False, timeout_keep_alive=math.ceil(settings.keep_alive_s))
-    return EXIT_OK
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
@@ -179,13 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ckptd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="serve the HTTP API (env CKPTD_ROOT, CKPTD_HOST, CKPTD_PORT)")
-    serve.add_argument("--root", help="checkpoint root: a directory or gs://bucket/prefix")
-    serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
-    serve.add_argument("--state-dir", help="where the catalog cache lives")
-    serve.add_argument("--shm-dir", help="host-memory tier: the shared-memory directory trainers snapshot into")
-    serve.set_defaults(func=_cmd_serve)
+    serve.add_parser(sub)  # ckptd serve: the HTTP API (ckptd/cli/serve.py)
 
     ls = sub.add_parser("ls", help="list the jobs of a root")
     ls.add_argument("root")

@@ -13,6 +13,7 @@ import pytest
 import uvicorn
 
 from ckptd.api.app import create_app
+from ckptd.api.connections import server_config
 from ckptd.config import Settings
 from tests.support.helpers import make_settings, wait_until
 
@@ -50,7 +51,7 @@ def start_server(root: str | Path, state_dir: Path, **overrides: Any) -> ServerH
     port = int(sock.getsockname()[1])
     settings = make_settings(root, state_dir, port=port, **overrides)
     app = create_app(settings)
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    config = server_config(app, settings, log_level="warning", lifespan="on")  # what `ckptd serve` runs
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="ckptd-test-server",
                               daemon=True)

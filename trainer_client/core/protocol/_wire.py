@@ -59,6 +59,10 @@ class ErrorCode(StrEnum):
     INTERNAL = "INTERNAL"
     MISSING_INPUT = "MISSING_INPUT"
     PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"
+    UNSUPPORTED_MEDIA_TYPE = "UNSUPPORTED_MEDIA_TYPE"
+    HEADERS_TOO_LARGE = "HEADERS_TOO_LARGE"
+    REQUEST_TIMEOUT = "REQUEST_TIMEOUT"
+    BUSY = "BUSY"
     JOB_LIMIT = "JOB_LIMIT"
 
 
@@ -80,6 +84,10 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.INTERNAL: 500,
     ErrorCode.MISSING_INPUT: 422,
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.UNSUPPORTED_MEDIA_TYPE: 415,
+    ErrorCode.HEADERS_TOO_LARGE: 431,
+    ErrorCode.REQUEST_TIMEOUT: 408,
+    ErrorCode.BUSY: 503,
     ErrorCode.JOB_LIMIT: 409,
 }
 
@@ -93,7 +101,7 @@ class ErrorBody(_Model):
 
 
 class Health(_Model):
-    status: Literal["ok", "not_ready"]
+    status: Literal["ok", "not_ready", "wedged"]
     detail: dict[str, object] = Field(default_factory=dict)
 
 
