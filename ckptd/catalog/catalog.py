@@ -49,6 +49,7 @@ from trainer_client.core.validation import validate_step
 _log = logging.getLogger(__name__)
 
 JOB_LIMIT_REASON = "past the job limit (CKPTD_MAX_JOBS)"
+LINK_OUT_REASON = "its directory is a link leading out of the checkpoint root"
 _LAYOUTS_KEPT = 8  # saved layouts (all arrays of a step) kept in memory, most recently planned first
 
 Layout = tuple[MeshSpec | None, dict[str, ArraySpec]]
@@ -200,8 +201,10 @@ class Catalog(StepTable):
 
     def _admit(self, found: set[str]) -> set[str]:
         """The jobs among ``found`` that a scan catalogues: within ``max_jobs``, those catalogued already first,
-        then by name; the others are refused (``refused``)."""
-        refused: dict[str, str] = {}
+        then by name; the others, and links out of the root, are refused (``refused``)."""
+        # links out of the root: the root's listing left them out (trainer_client/core/storage.py)
+        refused = {name: LINK_OUT_REASON for name in self.storage.links_refused(self.storage.root)
+                   if is_valid_job_name(name)}
         if self.max_jobs is not None and len(found) > self.max_jobs:
             with self._lock:
                 known = {str(name) for (name,) in self._db.execute("SELECT name FROM jobs")}
@@ -214,7 +217,10 @@ class Catalog(StepTable):
         return found - set(refused)
 
     def _refusal(self, job: str) -> str | None:
-        """Why a scan of ``job`` alone must not catalogue it, if it must not."""
+        """Why a scan of ``job`` alone must not catalogue it, if it must not: its directory leads out of the root
+        (nothing is read or written through it), or it is new and ``max_jobs`` are catalogued."""
+        if not self.storage.inside(self.storage.join(job)):
+            return LINK_OUT_REASON
         if self.max_jobs is not None and not self.has_job(job) and self.full():
             return JOB_LIMIT_REASON
         return None
@@ -396,4 +402,4 @@ class Catalog(StepTable):
         self.version += 1
 
 
-__all__ = ["JOB_LIMIT_REASON", "Catalog", "Layout"]
+__all__ = ["JOB_LIMIT_REASON", "LINK_OUT_REASON", "Catalog", "Layout"]

@@ -110,8 +110,8 @@ class EventStore:
                               "events": [e.model_dump(mode="json", exclude_none=True) for e in fresh]},
                              separators=(",", ":"))
         try:
-            if not self.storage.is_remote:
-                self.storage.fs.makedirs(directory, exist_ok=True)
+            if not self.storage.is_remote:  # never through a link out of the root (UnsafePathError)
+                self.storage.fs.makedirs(self.storage.require_inside(directory), exist_ok=True)
             write_json_file(self.storage, join_path(directory, name), payload)
         except BaseException:
             with self._lock:  # not stored: a resend must not be taken for a duplicate
@@ -217,7 +217,8 @@ class EventStore:
         ``read``), folding the oldest whenever the window passes the limits."""
         directory = self.directory(job)
         self.storage.invalidate(directory)
-        listing = self.storage.list_dir(directory)
+        # Nothing is read through a link out of the root (trainer_client/core/storage.py) either.
+        listing = self.storage.list_dir(directory) if self.storage.inside(directory) else []
         if not listing:  # no events (any more): nothing kept for the job
             state.clear()
             state.summary = state.summary_key = state.signature = None

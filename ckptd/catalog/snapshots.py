@@ -233,6 +233,9 @@ class SnapshotKeeper:
     def persist(self, job: str, path: Path) -> str | None:
         """Write one snapshot to ``<root>/<job>/<step>`` through the persist worker; the step URL or None."""
         step = int(path.name)
+        if not self.storage.inside(self.storage.join(job)):  # never written through a link out of the root
+            self._failed(path, f"job {job!r}: its directory is a link leading out of the checkpoint root")
+            return None
         job_url = self.storage.url_of(self.storage.join(job))
         step_url = join_path(job_url, str(step))
         if self.storage.exists(self.storage.join(job, str(step), COMMIT_MARKER)):

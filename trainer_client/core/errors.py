@@ -6,7 +6,8 @@ CkptdError                              root: ``except CkptdError`` catches ever
 ├── StoredFormatError (ValueError)      stored bytes are not the format they claim to be
 │   ├── ArrayIndexError                 an item's zarr/OCDBT array metadata is missing or corrupt
 │   └── OcdbtFormatError                an OCDBT index this reader does not understand (tensorstore reads it)
-├── UnsafePathError (PermissionError)   a memory-tier path others could write or that is a link: refused
+├── UnsafePathError (PermissionError)   a memory-tier path others could write or that is a link, or a
+│                                       path that a link leads out of the checkpoint root: refused
 └── PlanningError (ValueError)          no resume plan exists for these inputs; ``code`` says why
 ```
 Each error also subclasses the closest built-in, so generic handlers keep working. The trainer library
@@ -40,7 +41,8 @@ class OcdbtFormatError(StoredFormatError):
 
 
 class UnsafePathError(CkptdError, PermissionError):
-    """A shared-memory path is a link, or belongs to another user, or others may write it: it is refused."""
+    """A shared-memory path is a link, or belongs to another user, or others may write it; or a path under the
+    checkpoint root leads out of it through a link: it is refused."""
 
 
 class PlanningError(CkptdError, ValueError):

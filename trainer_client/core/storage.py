@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import posixpath
 import sys
@@ -19,7 +20,9 @@ from typing import Any
 
 import fsspec
 
-from trainer_client.core.errors import StorageError
+from trainer_client.core.errors import StorageError, UnsafePathError
+
+_log = logging.getLogger(__name__)
 
 
 def storage_failures() -> tuple[type[BaseException], ...]:
@@ -97,6 +100,7 @@ class Storage:
             path = fs._strip_protocol(self.url)
         self.fs: fsspec.AbstractFileSystem = fs
         self.root: str = path if path.startswith("/") or self.is_remote else os.path.abspath(path)
+        self._links_refused: dict[str, dict[str, str]] = {}  # directory -> {child name: where it leads}
 
     @property
     def is_remote(self) -> bool:
@@ -134,8 +138,43 @@ class Storage:
             with contextlib.suppress(KeyError):  # another thread dropped it first
                 del cache[key]
 
+    # ---- links out of the root (local roots; docs/operations.md) ----------------------------------
+
+    def inside(self, path: str, within: str | None = None) -> bool:
+        """Whether ``path``, its links resolved, stays inside ``within`` (default: the root). Object stores
+        have no links: always."""
+        if self.is_remote:
+            return True
+        base = os.path.realpath(within if within is not None else self.root)
+        real = os.path.realpath(path)
+        return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
+
+    def require_inside(self, path: str) -> str:
+        """``path``, when it stays inside the root once its links are resolved; else ``UnsafePathError``:
+        nothing is written through a link that leads out of the root."""
+        if not self.inside(path):
+            raise UnsafePathError(f"{path} leads to {os.path.realpath(path)}, outside the checkpoint root "
+                                  f"{self.root}: refused")
+        return path
+
+    def links_refused(self, path: str) -> dict[str, str]:
+        """The children of ``path`` its last listing left out: links leading out of it (name -> target)."""
+        return dict(self._links_refused.get(path.rstrip("/") or "/", {}))
+
+    def _leaves(self, directory: str, child: str, info: dict[str, Any]) -> bool:
+        """Whether the listed ``child`` of ``directory`` is a link leading out of it (logged once)."""
+        if self.is_remote or not info.get("islink") or self.inside(child, directory):
+            return False
+        target = os.path.realpath(child)
+        refused = self._links_refused.setdefault(directory.rstrip("/") or "/", {})
+        if refused.get(posixpath.basename(child)) != target:
+            _log.warning("ignoring %s: a link to %s, outside %s", child, target, directory)
+        refused[posixpath.basename(child)] = target
+        return True
+
     def list_dir(self, path: str) -> list[Entry]:
-        """Children of ``path``; an empty list when ``path`` does not exist."""
+        """Children of ``path``; an empty list when ``path`` does not exist. On a local root, a child that is a
+        link leading out of ``path`` is left out (``links_refused``): no job, step or file is read through it."""
         try:
             infos = self.fs.ls(path, detail=True)
         except FileNotFoundError:
@@ -143,10 +182,11 @@ class Storage:
         except storage_failures() as exc:
             raise StorageError(f"cannot list {self.url_of(path)}: {exc}") from exc
         entries = []
+        self._links_refused.pop(path.rstrip("/") or "/", None)
         for info in infos:
             full = str(info["name"]).rstrip("/")
             name = posixpath.basename(full)
-            if not name or full == path.rstrip("/"):
+            if not name or full == path.rstrip("/") or self._leaves(path, full, info):
                 continue
             size = info.get("size")
             entries.append(Entry(name, full, info.get("type") == "directory", mtime_of(info),
@@ -166,6 +206,10 @@ class Storage:
             raise StorageError(f"cannot stat {self.url_of(path)}: {exc}") from exc
 
     def read_bytes(self, path: str) -> bytes:
+        """The file's bytes; ``FileNotFoundError`` when absent, or when on a local root it is reached through a
+        link leading out of the root (such a file is not there, for ckptd)."""
+        if not self.inside(path):
+            raise FileNotFoundError(f"{path}: a link leading out of the checkpoint root, ignored")
         try:
             with self.fs.open(path, "rb") as f:
                 return bytes(f.read())

@@ -9,6 +9,7 @@ Wire models live in ``trainer_client.core.protocol``; errors are the one ``Error
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Annotated
 
@@ -19,8 +20,9 @@ from ckptd.api.services import Services
 from ckptd.catalog.catalog import JOB_LIMIT_REASON
 from ckptd.errors import InvalidJobName, JobLimitReached, JobNotFound
 from trainer_client.core import protocol as p
-from trainer_client.core.errors import StorageError
+from trainer_client.core.errors import StorageError, UnsafePathError
 
+_log = logging.getLogger(__name__)
 _ERRORS: dict[int | str, dict[str, object]] = {
     status: {"model": p.ErrorBody} for status in (400, 401, 404, 409, 422, 503)
 }
@@ -71,6 +73,9 @@ def router(svc: Services) -> APIRouter:
     def _append(job: str, batch: p.EventBatch) -> tuple[list[p.StoredEvent], int]:
         try:
             return svc.events.append(job, batch.events)
+        except UnsafePathError as exc:  # a link out of the root inside the job: where it leads stays in the log
+            _log.warning("events of %r refused: %s", job, exc)
+            raise JobNotFound(job, "its events directory is a link leading out of the checkpoint root") from exc
         except (OSError, StorageError) as exc:
             raise StorageError(f"cannot store the events of {job!r}: {exc}") from exc
 

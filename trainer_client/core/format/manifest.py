@@ -165,7 +165,9 @@ def build_manifest(
 
 def write_json_file(storage: Storage, path: str, payload: str) -> None:
     """Write a small file whole: an object store replaces objects atomically; on a local disk the file
-    is written beside and renamed over, so a crash never leaves half a manifest."""
+    is written beside and renamed over, so a crash never leaves half a manifest. Never through a link that
+    leads out of the root (``UnsafePathError``)."""
+    storage.require_inside(path)
     data = payload.encode("utf-8")
     if storage.is_remote:
         with storage_errors(f"cannot write {storage.url_of(path)}"), storage.fs.open(path, "wb") as f:
