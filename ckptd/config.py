@@ -16,6 +16,24 @@ from ckptd.catalog.retention import RetentionPolicy
 from ckptd.catalog.snapshots import DEFAULT_NICE
 from trainer_client.core import protocol as p
 
+# The value deploy/k8s/secret.example.yaml shows; a token starting like it was copied, not generated.
+PLACEHOLDER_TOKEN_PREFIX = "REPLACE-WITH"
+
+
+def token_problem(token: str) -> str | None:
+    """Why ``token`` cannot serve as the bearer token (``None``: it can). It must be printable ASCII without
+    spaces: what every HTTP client and browser sends unchanged in a header (RFC 6750's token characters and a
+    few more), so ckptd compares the header's bytes with the token's."""
+    if not token.strip():
+        return "is empty: give a token (e.g. `openssl rand -hex 32`), or unset it to serve without one"
+    if token != token.strip():
+        return "has spaces or line breaks around it"
+    if not all(33 <= ord(c) <= 126 for c in token):
+        return "must be printable ASCII without spaces (e.g. `openssl rand -hex 32`)"
+    if token.upper().startswith(PLACEHOLDER_TOKEN_PREFIX):
+        return "is the placeholder of deploy/k8s/secret.example.yaml: create the Secret with a random value"
+    return None
+
 
 class Settings(BaseSettings):
     """Configuration of one ckptd process."""
@@ -31,7 +49,7 @@ class Settings(BaseSettings):
         default="127.0.0.1",
         description="listen address; anything but loopback without a token is warned about at startup",
     )
-    port: int = Field(default=p.DEFAULT_PORT, ge=0, le=65535)
+    port: int = Field(default=p.DEFAULT_PORT, ge=0, le=65535, description="listen port (clear of libtpu's 8470-8479)")
     token: str | None = Field(default=None, repr=False, description="bearer token required on /v1 routes when set")
     token_file: str | None = Field(
         default=None,
@@ -121,11 +139,11 @@ class Settings(BaseSettings):
         description="advice computations at once, on threads of their own (more: 503 BUSY); resumes never wait on them",
     )
     advice_timeout_s: float = Field(
-        default=30.0, gt=0, description="an advice computation is stopped after this long (503 BUSY)",
+        default=10.0, gt=0, description="an advice computation is stopped after this long (503 BUSY)",
     )
     advice_max_failures: int = Field(
-        default=1_000_000, ge=1000,
-        description="simulated failures one advice may cost (~20 s); inputs that need more get 422",
+        default=500_000, ge=1000,
+        description="simulated failures one advice may cost (~10 s; the default inputs: ~60,000); more: 422",
     )
     wedged_after_s: float = Field(
         default=30.0, gt=0,
@@ -156,22 +174,24 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _read_token_file(self) -> Settings:
-        """Resolve ``token_file`` into ``token`` (whitespace stripped), so the app only ever reads ``token``.
+        """Resolve ``token_file`` into ``token`` (whitespace stripped), so the app only ever reads ``token``, and
+        refuse a token that cannot work (``token_problem``).
 
-        A missing, unreadable or empty file is an error at startup: silently serving without auth is worse.
+        A missing, unreadable or empty file, an empty ``CKPTD_TOKEN``, the example Secret's placeholder: each is
+        an error at startup. Silently serving without auth, or with a token no client can send, is worse.
         """
-        if self.token_file is None:
-            return self
-        if self.token:
-            raise ValueError("set CKPTD_TOKEN or CKPTD_TOKEN_FILE, not both")
-        try:
-            text = Path(self.token_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"cannot read the token file {self.token_file!r} (CKPTD_TOKEN_FILE): {exc}") from None
-        token = text.strip()
-        if not token:
-            raise ValueError(f"the token file {self.token_file!r} (CKPTD_TOKEN_FILE) is empty")
-        self.token = token
+        source = "CKPTD_TOKEN"
+        if self.token_file is not None:
+            if self.token is not None:
+                raise ValueError("set CKPTD_TOKEN or CKPTD_TOKEN_FILE, not both")
+            source = f"the token file {self.token_file!r} (CKPTD_TOKEN_FILE)"
+            try:
+                text = Path(self.token_file).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"cannot read {source}: {exc}") from None
+            self.token = text.strip()
+        if self.token is not None and (problem := token_problem(self.token)) is not None:
+            raise ValueError(f"{source} {problem}")  # never the token itself
         return self
 
     def catalog_path(self) -> Path:
@@ -186,4 +206,4 @@ class Settings(BaseSettings):
         return base / "catalog.sqlite3"
 
 
-__all__ = ["Settings"]
+__all__ = ["PLACEHOLDER_TOKEN_PREFIX", "Settings", "token_problem"]

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from ckptd import __version__
 from ckptd.api.auth import BearerAuth
+from ckptd.api.docs_ui import install_docs
 from ckptd.api.errors import install_error_handlers
 from ckptd.api.limits import BodySizeLimit, limit_worker_threads
 from ckptd.api.openapi import document_errors
@@ -49,6 +50,8 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
         version=__version__,
         description="Checkpoint sidecar for elastic JAX training: where to resume, and on which mesh.",
         lifespan=lifespan,
+        docs_url=None,  # served from the package by install_docs, not from a CDN
+        redoc_url=None,
     )
     app.state.services = svc
     app.state.catalog = svc.catalog
@@ -77,6 +80,7 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
     for router in (health.router(svc), jobs.router(svc), advice.router(svc), events.router(svc),
                    dashboard.router()):
         app.include_router(router)
+    install_docs(app)
     document_errors(app, metrics_require_token=settings.metrics_require_token)
     return app
 

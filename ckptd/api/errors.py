@@ -10,6 +10,7 @@ with ``error_response``. A bug answers ``500 INTERNAL`` without internals; the s
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -20,6 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ckptd.errors import ServiceError
 from trainer_client.core import protocol as p
 from trainer_client.core.errors import PlanningError, StorageError
+
+_log = logging.getLogger(__name__)
 
 # Declared on each route for the OpenAPI schema; ckptd/api/openapi.py adds the statuses every route can give.
 ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
@@ -72,6 +75,14 @@ def install_error_handlers(app: FastAPI) -> None:
             {"loc": [str(x) for x in e.get("loc", ())], "msg": str(e.get("msg", ""))} for e in exc.errors()
         ]
         return error_response(p.ErrorCode.INVALID_REQUEST, "the request does not match the API", {"errors": errors})
+
+    @app.exception_handler(RecursionError)
+    async def _too_deep(request: Request, _: RecursionError) -> JSONResponse:
+        # A request nested hundreds deep (JSON arrays in arrays): the caller's mistake, one log line (its
+        # traceback would be as deep as the input).
+        _log.warning("refused a request nested too deeply to read: %s %s", request.method, request.url.path)
+        return error_response(p.ErrorCode.INVALID_REQUEST, "the request is nested too deeply",
+                              {"errors": [{"loc": ["body"], "msg": "nested too deeply"}]})
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

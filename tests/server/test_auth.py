@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -226,3 +227,39 @@ def test_a_bad_token_file_stops_the_server_without_printing_a_token(tmp_path: Pa
         assert proc.returncode == 2, (name, err)
         assert err.startswith("ckptd: invalid settings:"), (name, err)
         assert TOKEN not in err + out
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("", "is empty"), ("   ", "is empty"), (f" {TOKEN} ", "spaces or line breaks around it"),
+     ("tök€n-3f9a7c21d8e64b0f", "printable ASCII"), ("two words", "printable ASCII"),
+     ("REPLACE-WITH-openssl-rand-hex-32", "placeholder of deploy/k8s/secret.example.yaml")],
+    ids=["empty", "blank", "padded", "non-ascii", "space", "placeholder"],
+)
+def test_a_token_that_cannot_work_stops_the_server(root: Path, tmp_path: Path, value: str, expected: str) -> None:
+    """``CKPTD_TOKEN=""`` used to serve without auth; a non-ASCII token made every request 401 (the header was
+    decoded as latin-1, the token encoded as UTF-8). Each is now a settings error at startup, as a token file."""
+    token_file = tmp_path / "token"
+    token_file.write_text(value, encoding="utf-8")
+    for env in ({"CKPTD_TOKEN": value}, {"CKPTD_TOKEN_FILE": str(token_file)}):
+        if "CKPTD_TOKEN_FILE" in env and value.strip() != value and value.strip():
+            continue  # a file's surrounding whitespace is stripped (a Secret often ends in a newline)
+        done = subprocess.run([sys.executable, "-m", "ckptd", "serve", "--root", str(root), "--port", "0"],
+                              env=clean_env(**env), capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 2, (env, done.stderr)
+        assert done.stderr.startswith("ckptd: invalid settings:") and expected in done.stderr, done.stderr
+        if value.strip():
+            assert value.strip() not in done.stderr + done.stdout, "the token was printed"
+
+
+def test_the_header_is_compared_as_bytes(env_server: CkptdProcess) -> None:
+    """Bytes no client should send (non-ASCII, latin-1 or UTF-8) are a 401, never an error; a token of every
+    printable ASCII character a generator may use is accepted as sent."""
+    host, port = env_server.url.removeprefix("http://").split(":")
+    for given in (TOKEN.encode() + "é".encode(), TOKEN.encode() + "é".encode("latin-1"), b"\xff" * 8):
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"GET /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + given + b"\r\n\r\n")
+            assert s.recv(65536).split(b"\r\n", 1)[0] == b"HTTP/1.1 401 Unauthorized"
+    from ckptd.config import token_problem
+
+    assert token_problem("a~b+c/d=e_f-g.h!$%&'*") is None

@@ -13,6 +13,7 @@ catches reads from C++ (tensorstore) that no Python hook sees.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import socket
@@ -423,6 +424,26 @@ def test_bodies_that_are_not_requests(live: ServerHandle, body: bytes) -> None:
         if status == 200 and target.endswith("resume"):
             continue  # "-0.0" is the integer 0... and 0 devices is a 409; a duplicate key keeps the last
         assert_error_body(status, payload, allowed=(409, 413, 422))
+
+
+NESTED = [b"[" * depth + b"]" * depth for depth in (500, 700, 990)] + [
+    b'{"alive_devices": 8, "slices": ' + b"[" * 600 + b"]" * 600 + b"}",
+    b'{"events": [{"kind": "start", "time": 1, "detail": ' + b'{"a":' * 600 + b"1" + b"}" * 600 + b"}]}",
+]
+
+
+def test_deeply_nested_json_is_a_4xx_with_one_short_log_line(asgi_app: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """JSON nested 500-990 deep used to end in a RecursionError: a 500 and ~180 KB of traceback in the log."""
+    from fastapi.testclient import TestClient
+
+    with TestClient(asgi_app, raise_server_exceptions=True) as client, caplog.at_level(logging.DEBUG):
+        for body in NESTED:
+            for target in ("/v1/jobs/meta/resume", "/v1/jobs/meta/events"):
+                response = client.post(target, content=body, headers={"content-type": "application/json"})
+                error = assert_error_body(response.status_code, response.content, allowed=(422,))
+                assert error.code is p.ErrorCode.INVALID_REQUEST
+    assert all(len(record.getMessage()) < 500 and not record.exc_info for record in caplog.records)
+    assert sum(len(record.getMessage()) for record in caplog.records) < 20_000
 
 
 def test_huge_bodies_get_413_before_they_are_read(live: ServerHandle) -> None:

@@ -176,7 +176,7 @@ def _quantity(value: str | int) -> float:
 def test_every_manifest_is_a_named_object_in_one_namespace() -> None:
     objects = _objects()
     assert {doc["kind"] for _, doc in objects} >= {
-        "Namespace", "ServiceAccount", "ConfigMap", "Secret", "Service", "JobSet", "PodMonitoring",
+        "Namespace", "ServiceAccount", "ConfigMap", "Secret", "Service", "NetworkPolicy", "JobSet", "PodMonitoring",
         "ServiceMonitor",
     }
     namespace = _one("Namespace")["metadata"]["name"]
@@ -208,7 +208,7 @@ def test_kustomization_lists_every_manifest() -> None:
 
 # ---- schemas: core objects (upstream Kubernetes JSON schemas, strict) -------------------------------
 
-CORE_KINDS = ("Namespace", "ServiceAccount", "ConfigMap", "Secret", "Service")
+CORE_KINDS = ("Namespace", "ServiceAccount", "ConfigMap", "Secret", "Service", "NetworkPolicy")
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
@@ -561,6 +561,63 @@ def test_pod_uses_the_workload_identity_service_account() -> None:
     jobset = _one("JobSet")
     assert _pod_spec(jobset)["serviceAccountName"] == account["metadata"]["name"]
     assert account["metadata"]["namespace"] == jobset["metadata"]["namespace"]
+
+
+def test_network_policy_admits_only_the_job_and_the_scrapers() -> None:
+    """Every ingress rule is either the job's own pods (on any port: libtpu, Megascale, ckptd) or the metrics
+    scrapers on ckptd's port only; no rule admits the whole cluster (an empty ``from`` or ``ports``)."""
+    jobset = _one("JobSet")
+    pod = _pod_spec(jobset)
+    policy = _one("NetworkPolicy")["spec"]
+    labels = _pod_labels(jobset)
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items(), "the policy must select the job's pods"
+    assert policy["policyTypes"] == ["Ingress"]
+    port = _sidecar_port(pod)["containerPort"]
+    scrapers = []
+    for rule in policy["ingress"]:
+        assert rule.get("from"), f"a rule without `from` admits every pod of the cluster: {rule}"
+        peers = rule["from"]
+        if all(set(peer) == {"podSelector"} for peer in peers):  # pods of this namespace
+            for peer in peers:
+                assert peer["podSelector"]["matchLabels"].items() <= labels.items(), peer
+        else:  # anything from elsewhere reaches ckptd's port and nothing else
+            assert rule.get("ports") == [{"port": port, "protocol": "TCP"}], rule
+            for peer in peers:
+                assert peer.get("namespaceSelector", {}).get("matchLabels"), f"a peer of every namespace: {peer}"
+                assert "ipBlock" not in peer, peer
+            scrapers += [peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] for peer in peers]
+    assert "gmp-system" in scrapers, "GKE managed Prometheus (podmonitoring.yaml) scrapes from gmp-system"
+
+
+def test_trainer_runs_with_least_privilege() -> None:
+    pod = _pod_spec(_one("JobSet"))
+    trainer = _trainer(pod)
+    context = trainer["securityContext"]
+    assert context["runAsNonRoot"] is True and context.get("runAsUser", 1) != 0
+    assert context["allowPrivilegeEscalation"] is False and not context.get("privileged", False)
+    assert context["capabilities"]["drop"] == ["ALL"] and not context["capabilities"].get("add")
+    assert context["readOnlyRootFilesystem"] is True
+    assert context["seccompProfile"]["type"] == "RuntimeDefault"
+    # the read-only root leaves /tmp writable, on a bounded emptyDir
+    mount = {m["mountPath"]: m for m in trainer["volumeMounts"]}["/tmp"]
+    volume = _only(pod["volumes"], mount["name"])
+    assert "sizeLimit" in volume["emptyDir"]
+
+
+def test_no_kubernetes_api_token_is_mounted() -> None:
+    assert _pod_spec(_one("JobSet"))["automountServiceAccountToken"] is False
+    assert _one("ServiceAccount")["automountServiceAccountToken"] is False
+
+
+def test_the_example_secret_placeholder_is_refused(tmp_path: Path) -> None:
+    """The example Secret documents the shape; its value applied by mistake must not become the token."""
+    placeholder = _one("Secret")["stringData"]["token"]
+    token_file = tmp_path / "token"
+    token_file.write_text(placeholder + "\n")
+    for source in ({"token": placeholder}, {"token_file": str(token_file)}):
+        with pytest.raises(ValidationError) as info:
+            make_settings(tmp_path, tmp_path / "state", **source)
+        assert "placeholder of deploy/k8s/secret.example.yaml" in str(info.value)
 
 
 def test_podmonitoring_scrapes_the_sidecar_metrics() -> None:
