@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from ckptd import __version__
 from ckptd.api.auth import BearerAuth
 from ckptd.api.docs_ui import install_docs
 from ckptd.api.errors import install_error_handlers
 from ckptd.api.limits import BodySizeLimit, limit_worker_threads
-from ckptd.api.openapi import document_errors
+from ckptd.api.openapi import document_errors, reject_undeclared_query
 from ckptd.api.routes import advice, dashboard, events, health, jobs
 from ckptd.api.services import build_services
 from ckptd.catalog.catalog import Catalog
@@ -52,6 +52,7 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
         lifespan=lifespan,
         docs_url=None,  # served from the package by install_docs, not from a CDN
         redoc_url=None,
+        dependencies=[Depends(reject_undeclared_query)],  # a query the operation does not declare: 422
     )
     app.state.services = svc
     app.state.catalog = svc.catalog

@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ckptd.api.openapi import methods_of_path
 from ckptd.errors import ServiceError
 from trainer_client.core import protocol as p
 from trainer_client.core.errors import PlanningError, StorageError
@@ -32,6 +33,12 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
 
 # Where a middleware that refuses a request notes why, in the ASGI scope: the request counter's route label.
 REFUSED_BY = "ckptd.refused_by"
+
+
+def is_json_media_type(content_type: str | None) -> bool:
+    """``application/json`` or ``application/*+json``, parameters (``charset``) aside."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
 def error_response(code: p.ErrorCode, message: str, detail: dict[str, object] | None = None,
@@ -70,7 +77,20 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(p.ErrorCode.STORAGE_ERROR, str(exc))
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        content_type = request.headers.get("content-type")
+        if isinstance(exc.body, bytes | bytearray) and exc.body and not is_json_media_type(content_type):
+            # FastAPI reads a body as JSON only when it says it is: anything else failed as a bare string
+            return error_response(p.ErrorCode.UNSUPPORTED_MEDIA_TYPE,
+                                  "the body must be JSON, sent with Content-Type: application/json",
+                                  {"content_type": content_type or "(none)"})
+        for e in exc.errors():
+            if e.get("type") == "json_invalid":  # the body says it is JSON and is not
+                where = e.get("loc", ("body", 0))[-1]
+                reason = (e.get("ctx") or {}).get("error", "not JSON")
+                return error_response(p.ErrorCode.INVALID_REQUEST, f"the body is not valid JSON: {reason} "
+                                      f"(at character {where})",
+                                      {"errors": [{"loc": ["body"], "msg": f"JSON: {reason} at character {where}"}]})
         errors = [
             {"loc": [str(x) for x in e.get("loc", ())], "msg": str(e.get("msg", ""))} for e in exc.errors()
         ]
@@ -85,11 +105,19 @@ def install_error_handlers(app: FastAPI) -> None:
                               {"errors": [{"loc": ["body"], "msg": "nested too deeply"}]})
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: p.ErrorCode.ROUTE_NOT_FOUND, 405: p.ErrorCode.METHOD_NOT_ALLOWED}.get(
             exc.status_code, p.ErrorCode.INVALID_REQUEST
         )
-        return error_response(code, str(exc.detail))
+        if code is p.ErrorCode.METHOD_NOT_ALLOWED:
+            # RFC 9110: a 405 lists in Allow every method the resource has. Starlette names only the first
+            # route whose path matched; a path served by two routes (GET and POST events) has both.
+            given = (exc.headers or {}).get("Allow", "")
+            allowed = sorted({m.strip() for m in given.split(",") if m.strip()}
+                             | methods_of_path(request.app, request.url.path))
+            return error_response(code, f"the route exists, not with this method; allowed: {', '.join(allowed)}",
+                                  {"allow": allowed}, headers={"Allow": ", ".join(allowed)})
+        return error_response(code, str(exc.detail), headers=dict(exc.headers) if exc.headers else None)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
@@ -98,4 +126,5 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(p.ErrorCode.INTERNAL, "internal error; see the ckptd log")
 
 
-__all__ = ["ERROR_RESPONSES", "REFUSED_BY", "error_response", "install_error_handlers", "raw_error_response"]
+__all__ = ["ERROR_RESPONSES", "REFUSED_BY", "error_response", "install_error_handlers", "is_json_media_type",
+           "raw_error_response"]

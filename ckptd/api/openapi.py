@@ -1,8 +1,12 @@
-"""The app's OpenAPI schema, completed: what every route can answer and what it does.
+"""The app's OpenAPI schema, completed: what every route can answer and what it does; and the schema held to.
 
 * ``document_errors``: the ``{job}`` path parameter's pattern (a name that fails it gets
   ``400 INVALID_JOB_NAME``), and the ``ErrorBody`` of every error status a route can give (401 without the
-  token, 413, 422, 500, ...), so clients and schema-driven tests (schemathesis) know them.
+  token, 413, 415 for a body that is not JSON, 422, 500, ...), so clients and schema-driven tests
+  (schemathesis) know them.
+* ``reject_undeclared_query``: a ``/v1`` request naming a query parameter its operation does not declare is
+  refused (``422 INVALID_REQUEST``), not silently ignored: ``?kind=`` on a route without it, or a typo, would
+  otherwise answer as if it had been applied. The probes, ``/metrics`` and the dashboard ignore queries.
 * ``ROUTE_DOCS``: one-line summaries and short descriptions of the routes, used by the routers
   (``route_doc``); ``/docs``, ``/openapi.json`` and the generated reference (docs/api.md,
   ``python -m ckptd.api.gen_docs``) show them. A route's own docstring wins over the description here.
@@ -10,9 +14,12 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.routing import compile_path
 
 from trainer_client.core import protocol as p
 
@@ -25,7 +32,8 @@ ROUTE_DOCS: dict[tuple[str, str], tuple[str, str]] = {
     ("GET", p.ROUTE_JOBS): ("List jobs", "The jobs of the root (its subdirectories with a valid job name)."),
     ("GET", p.ROUTE_CHECKPOINTS): ("List a job's steps", "Every step directory of the job with its state."),
     ("GET", p.ROUTE_LATEST_GOOD): ("Latest good step", "The newest verified, non-quarantined step, checked on "
-                                   "storage before it is named; 404 `NO_GOOD_CHECKPOINT` when there is none."),
+                                   "storage before it is named; 404 `NO_GOOD_CHECKPOINT` when the job has no "
+                                   "committed step, 503 `NOT_READY` while its committed steps are being verified."),
     ("POST", p.ROUTE_RESUME): ("Resume plan", "Where to resume and how to lay the state out on the devices alive "
                                "now: step, path, mesh, partition specs, batch and data position."),
     ("GET", p.ROUTE_ADVICE): ("Goodput advisor", ""),
@@ -79,6 +87,8 @@ def document_errors(app: FastAPI, *, metrics_require_token: bool = False) -> Non
                     if param.get("in") == "path" and param.get("name") == "job":
                         param.setdefault("schema", {}).update(pattern=p.JOB_NAME_PATTERN, maxLength=128)
                         statuses += _JOB_ROUTE
+                if "requestBody" in operation:
+                    statuses.append(415)  # a body without Content-Type: application/json
                 for status in statuses:
                     operation["responses"].setdefault(
                         str(status), {"description": _describe(status), "content": _ERROR_REF}
@@ -89,4 +99,53 @@ def document_errors(app: FastAPI, *, metrics_require_token: bool = False) -> Non
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-__all__ = ["ROUTE_DOCS", "document_errors", "route_doc"]
+def declared_query(app: FastAPI) -> dict[tuple[str, str], frozenset[str]]:
+    """(method, path template) -> the query parameters its operation declares, from the app's own schema."""
+    table: dict[tuple[str, str], frozenset[str]] | None = getattr(app.state, "declared_query", None)
+    if table is None:
+        table = {
+            (method.upper(), path): frozenset(q["name"] for q in op.get("parameters", []) if q.get("in") == "query")
+            for path, item in app.openapi().get("paths", {}).items()
+            for method, op in item.items() if isinstance(op, dict)
+        }
+        app.state.declared_query = table
+    return table
+
+
+def methods_of_path(app: FastAPI, path: str) -> set[str]:
+    """Every method the app's schema declares for the operations whose template matches ``path`` (HEAD with
+    GET, as Starlette serves it): what a 405's ``Allow`` must list."""
+    templates: list[tuple[re.Pattern[str], frozenset[str]]] | None = getattr(app.state, "path_methods", None)
+    if templates is None:
+        templates = []
+        for template, item in app.openapi().get("paths", {}).items():
+            methods = {m.upper() for m, op in item.items() if isinstance(op, dict)}
+            if "GET" in methods:
+                methods.add("HEAD")
+            templates.append((compile_path(template)[0], frozenset(methods)))
+        app.state.path_methods = templates
+    return {m for pattern, methods in templates if pattern.match(path) for m in methods}
+
+
+async def reject_undeclared_query(request: Request) -> None:
+    """App-wide dependency (``FastAPI(dependencies=...)``): refuse the query parameters a ``/v1`` operation
+    does not declare, each named in the error body."""
+    if not request.query_params:
+        return
+    path = getattr(request.scope.get("route"), "path", "")
+    if not path.startswith(p.API_PREFIX):
+        return
+    method = "GET" if request.method == "HEAD" else request.method
+    declared = declared_query(request.app).get((method, path))
+    if declared is None:
+        return
+    unknown = sorted(set(request.query_params) - declared)
+    if unknown:
+        raise RequestValidationError([
+            {"type": "extra_forbidden", "loc": ("query", name), "msg": "not a parameter of this operation"}
+            for name in unknown
+        ])
+
+
+__all__ = ["ROUTE_DOCS", "declared_query", "document_errors", "methods_of_path", "reject_undeclared_query",
+           "route_doc"]

@@ -14,6 +14,7 @@ import threading
 from typing import Annotated
 
 from fastapi import APIRouter, Query
+from pydantic import Field
 
 from ckptd.api.openapi import route_doc
 from ckptd.api.services import Services
@@ -85,9 +86,14 @@ def router(svc: Services) -> APIRouter:
         job: str,
         since: Annotated[float | None, Query(description="only events at or after this Unix time")] = None,
         limit: Annotated[int, Query(ge=1, le=100_000, description="at most this many, the newest")] = 10_000,
+        kind: Annotated[list[Annotated[str, Field(pattern=p.EVENT_KIND_PATTERN)]] | None, Query(
+            max_length=64, description="only events of these kinds (repeat it: kind=failure_detected&kind=recovered)",
+        )] = None,
     ) -> p.EventList:
         """The job's events, oldest first, read from storage (every sidecar's, deduplicated)."""
         events = svc.events.load(svc.check_job(job), since=since)
+        if kind:
+            events = [e for e in events if e.kind in kind]
         return p.EventList(job=job, events=events[-limit:])
 
     @api.get(p.ROUTE_GOODPUT, response_model=p.Goodput, **route_doc("GET", p.ROUTE_GOODPUT))

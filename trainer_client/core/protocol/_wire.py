@@ -31,7 +31,9 @@ ROUTE_DASHBOARD = "/"
 # A job name is one path segment of the root: letters, digits, '.', '_', '-', not starting with '.'.
 JOB_NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$"
 _JOB_NAME_RE = re.compile(JOB_NAME_PATTERN)
-MAX_STEP = 2**63 - 1
+# The largest step: one that JSON carries exactly (a double holds integers up to 2**53; JavaScript, the dashboard
+# and schema-driven tools read numbers as doubles), far beyond any training run.
+MAX_STEP = 2**53 - 1
 
 
 def is_valid_job_name(name: str) -> bool:
@@ -82,7 +84,7 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.NOT_READY: 503,
     ErrorCode.STORAGE_ERROR: 503,
     ErrorCode.INTERNAL: 500,
-    ErrorCode.MISSING_INPUT: 422,
+    ErrorCode.MISSING_INPUT: 409,  # a valid request the job's history cannot complete: its state, not the request
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
     ErrorCode.UNSUPPORTED_MEDIA_TYPE: 415,
     ErrorCode.HEADERS_TOO_LARGE: 431,
