@@ -407,6 +407,21 @@ def _assert_each_sample_once(log: TrainLog, steps: int) -> None:
 
 # ---- (b) ckptd SIGKILLed and restarted during an elastic run ----------------------------------------
 
+# Orbax's fixed cost of starting an asynchronous save on a loaded 2-core machine (measured 0.1-0.4 s). The
+# loop used to wait 4-15 s here: the first save on each mesh compiled Orbax's replica slices, a save queued
+# behind the background compiles' tracing, or behind the previous save (trainer_client/runtime/).
+SAVE_BLOCK_BOUND_S = 1.5
+
+
+def _device_to_host_seconds(state: Any) -> float:
+    """The best of three device-to-host copies of ``state``: the floor of what any save costs the loop."""
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        jax.device_get(state)
+        times.append(time.perf_counter() - started)
+    return min(times)
+
 
 @pytest.mark.timeout(1800)
 @sized({"steps": 60, "faults": 3}, {"steps": 400, "faults": 12})
@@ -500,8 +515,16 @@ def test_ckptd_sigkilled_and_restarted_during_training(tmp_path: Path, size: dic
             f"max={max(save_blocked, default=0):.2f}s; plan wait max={max(plan_times, default=0):.2f}s; "
             f"recovery p50={percentile(recovery_s, 50):.2f}s max={max(recovery_s, default=0):.2f}s"
         )
+        # What a save may cost the loop: the device-to-host copy of the state, plus Orbax's start of an
+        # asynchronous save (its directories, metadata; the previous save when it is still being written)
+        # -- never ckptd, never a compile, never the background compiles.
+        d2h = _device_to_host_seconds(result.value)
+        worst = max(save_blocked, default=0.0)
+        print(f"[chaos] worst save blocked the loop {worst:.3f}s; device-to-host copy of the state {d2h * 1e3:.1f}ms; "
+              f"saves skipped (the previous still writing): {sum('skipped' in e.detail for e in result.events)}")
         settings = runner.client.settings
         assert ckptd.kills >= 2 and len(slices.fired) == size["faults"]
+        assert worst < SAVE_BLOCK_BOUND_S + 10 * d2h, f"a save blocked the loop {worst:.2f}s"
         assert max(step_times) < settings.timeout_s, "a training step waited on ckptd"
         assert max(plan_times) < settings.resume_deadline_s + settings.timeout_s + 1.0, plan_times
         assert sources["storage_scan"] >= 1, "no resume met a dead ckptd"

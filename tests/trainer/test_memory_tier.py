@@ -355,3 +355,31 @@ def test_the_runner_recovers_from_memory_and_persists_through_ckptd(tmp_path: Pa
         time.sleep(0.2)
     for step in (10, 20):
         assert (root / "job" / str(step) / "commit_success.txt").exists()
+
+
+def test_a_save_costs_the_loop_the_copy_whether_or_not_ckptd_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainer_client.runtime._saver import Saver
+
+    class CkptdAway:
+        ok = False
+
+    mesh = _mesh()
+    state = _state(mesh)
+    checkpointer = Checkpointer(str(tmp_path / "root" / "job"))
+    try:
+        # ckptd not answering: the snapshot waits in shared memory for it (only the device-to-host copy)
+        with_memory = Saver(checkpointer, MemoryTier(str(tmp_path / "shm"), "job", preallocate=False), CkptdAway())
+        assert with_memory.save(10, state, _meta(10, state, mesh), persist=True) == "memory+persist"
+        assert read_meta(tmp_path / "shm" / "job" / "10").persist and not (tmp_path / "root" / "job" / "10").exists()
+        # storage only: a periodic save never waits for the previous save still being written
+        direct = Saver(checkpointer, None, None)
+        monkeypatch.setattr(checkpointer, "is_saving", lambda: True)
+        assert direct.save(20, state, _meta(20, state, mesh), persist=True, if_busy="skip") == "skipped"
+        assert 20 not in direct.saved_steps and direct.last_blocked_s == 0.0
+        assert direct.save(20, state, _meta(20, state, mesh), persist=True, if_busy="wait") == "storage"
+        checkpointer.wait()
+        assert (tmp_path / "root" / "job" / "20").is_dir()
+    finally:
+        checkpointer.close()

@@ -3,8 +3,10 @@
 With the memory tier on, a persistent save is a snapshot in shared memory marked ``persist``: the loop is
 blocked only for the device-to-host copy and ckptd writes it to storage in the background (even if this
 process dies right after). Snapshots between persistent saves (``memory_period``) stay in memory only and
-bound the work a failure can lose. If ckptd is not answering its health check, or memory is full, a
-persistent save goes through Orbax directly instead — training never waits on the sidecar, and never
+bound the work a failure can lose. The loop pays the device-to-host copy whether or not ckptd answers
+(snapshots marked ``persist`` wait in shared memory for it); when memory is full a persistent save goes
+through Orbax directly instead (``ElasticConfig.when_save_busy="skip"``: one that would wait for an
+earlier direct save still being written is skipped) — training never waits on the sidecar, and never
 stops saving because of it.
 
 ``restore_from_plan`` reads a plan's step from whichever tier the plan names.
@@ -14,9 +16,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 from trainer_client.client.ckptd_client import CkptdClient
+from trainer_client.core.errors import StoredFormatError
 from trainer_client.core.protocol import ResumePlan, TrainingMetadata
 from trainer_client.errors import MemoryTierFull
 from trainer_client.runtime.checkpointing import Checkpointer, restore
@@ -56,20 +60,36 @@ class Saver:
         self.last_tier: str | None = None
         self.last_blocked_s: float | None = None
 
-    def save(self, step: int, state: PyTree, meta: TrainingMetadata, *, persist: bool) -> str:
-        """Save ``step``; returns the tier used (``memory``, ``memory+persist`` or ``storage``)."""
+    def save(self, step: int, state: PyTree, meta: TrainingMetadata, *, persist: bool,
+             if_busy: Literal["wait", "skip"] = "wait") -> str:
+        """Save ``step``; returns the tier used (``memory``, ``memory+persist`` or ``storage``), or ``skipped``.
+
+        With the memory tier the loop pays only the device-to-host copy, whether or not ckptd answers: a
+        snapshot marked ``persist`` waits in shared memory until ckptd (or the one Kubernetes restarts)
+        writes it. Only when the tier is full does a persistent save go to Orbax directly; and while an
+        earlier direct save is still being written, ``if_busy="skip"`` skips this one rather than block the
+        loop until that save is done (Orbax waits for it), with a warning.
+        """
         tier = "storage"
-        if self.memory is not None and (not persist or (self.health is not None and self.health.ok)):
+        if self.memory is not None:
             try:
                 self.memory.save(step, state, meta, persist=persist)
                 tier = "memory+persist" if persist else "memory"
                 self.last_blocked_s = self.memory.last_blocked_s
+                if persist and self.health is not None and not self.health.ok:
+                    _log.warning("ckptd is not answering: step %s waits in shared memory until it is back "
+                                 "(or until the memory tier is full, then saves go to storage directly)", step)
             except MemoryTierFull as exc:
                 if not persist:
                     _log.info("memory snapshot of step %s skipped: %s", step, exc)
                     return "skipped"
                 _log.warning("memory tier full, saving step %s through Orbax: %s", step, exc)
         if tier == "storage":
+            if if_busy == "skip" and self.checkpointer.is_saving():
+                _log.warning("save of step %s skipped: the previous save to storage is still being written, and "
+                             "waiting for it would stall training (the next periodic save tries again)", step)
+                self.last_blocked_s = 0.0
+                return "skipped"
             self.checkpointer.save_with_metadata(step, state, meta)
             self.last_blocked_s = self.checkpointer.last_save_blocked_s
         self.saved_steps.add(step)
@@ -96,4 +116,21 @@ def restore_from_plan(plan: ResumePlan, target: PyTree) -> PyTree:
     return restore(plan.path, target)
 
 
-__all__ = ["HealthWatch", "Saver", "restore_from_plan"]
+def restore_plan(plan: ResumePlan, target_for: Callable[[ResumePlan], PyTree],
+                 storage_plan: Callable[[], ResumePlan | None]) -> tuple[PyTree, ResumePlan]:
+    """``(state, plan restored)``: the plan's step onto ``target_for(plan)``. A memory snapshot whose bytes
+    no longer match their checksums is never resumed from: the step ``storage_plan()`` names instead (when
+    it keeps the mesh; otherwise the error stands)."""
+    try:
+        return restore_from_plan(plan, target_for(plan)), plan
+    except StoredFormatError as exc:
+        if plan.tier != "memory":
+            raise
+        _log.error("%s; restoring from storage instead", exc)
+        fallback = storage_plan()
+        if fallback is None or fallback.mesh != plan.mesh:
+            raise
+        return restore_from_plan(fallback, target_for(fallback)), fallback
+
+
+__all__ = ["HealthWatch", "Saver", "restore_from_plan", "restore_plan"]

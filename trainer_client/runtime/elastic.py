@@ -29,11 +29,10 @@ from pathwaysutils.elastic.manager import ScaleUpSignalError
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.client.event_reporter import EventReporter
 from trainer_client.core.batching import initial_batch
-from trainer_client.core.errors import StoredFormatError
 from trainer_client.core.planner import plan_mesh
 from trainer_client.core.protocol import BatchOptions, BatchPlan, MeshSpec, ResumePlan, ResumeRequest, SliceAlive
 from trainer_client.errors import ElasticRetriesExhausted, ElasticTimeoutError, NoCheckpointError
-from trainer_client.runtime._saver import HealthWatch, Saver, restore_from_plan
+from trainer_client.runtime._saver import HealthWatch, Saver, restore_plan
 from trainer_client.runtime.checkpointing import Checkpointer, mesh_spec, target_shardings, training_metadata
 from trainer_client.runtime.memory_tier import MemoryTier
 from trainer_client.runtime.precompile import PrecompileHook, Precompiler, build_mesh, enable_persistent_cache
@@ -70,6 +69,9 @@ class ElasticConfig:
     preallocate_snapshots: bool = True  # allocate the next snapshot's shm file in the background after a save
     compilation_cache_dir: str | None = None  # JAX's persistent compilation cache (shared with relaunches)
     precompile: bool = True  # compile the likely next meshes in the background (needs ctx.set_precompile)
+    # a periodic save while the previous save to storage is still being written: waits for it (Orbax's way), or
+    # is skipped so the loop never waits (fewer checkpoints when saves take longer than checkpoint_period)
+    when_save_busy: Literal["wait", "skip"] = "wait"
 
     @property
     def full_mesh(self) -> MeshSpec:
@@ -126,6 +128,7 @@ class ElasticContext:
         self._first_step_done = False
         self._last_scale_check = time.monotonic()
         self._precompile: PrecompileHook | None = None
+        self._precompiling = False
 
     def set_precompile(self, hook: PrecompileHook) -> None:
         """Register ``hook(mesh, batch_plan)``: lower and compile the training step for ``mesh``. The runner
@@ -157,20 +160,9 @@ class ElasticContext:
             self.start_step, position = 0, 0
             self.runner.emit("initialized", 0, f"fresh state on mesh {list(self.mesh.devices.shape)}")
         else:
-            target = target_shardings(abstract, self.mesh, specs, self.plan.arrays)
-            try:
-                state = restore_from_plan(self.plan, target)
-            except StoredFormatError as exc:
-                if self.plan.tier != "memory":
-                    raise
-                # a damaged memory snapshot is never resumed from: the newest good step on storage instead
-                _log.error("%s; restoring from storage instead", exc)
-                plan = self.runner._plan(self.active_slices, use_memory_tier=False)
-                if plan is None or plan.mesh != self.plan.mesh:
-                    raise
-                self.plan = plan
-                target = target_shardings(abstract, self.mesh, specs, plan.arrays)
-                state = restore_from_plan(plan, target)
+            state, self.plan = restore_plan(
+                self.plan, lambda plan: target_shardings(abstract, self.mesh, specs, plan.arrays),
+                lambda: self.runner._plan(self.active_slices, use_memory_tier=False))
             jax.block_until_ready(state)
             self.start_step = self.plan.step
             position = self.plan.data_position or 0
@@ -178,15 +170,27 @@ class ElasticContext:
         self.last_step = self.start_step
         return state, self.start_step, position
 
-    def save(self, step: int, state: PyTree, data_position: int, *, persist: bool = True) -> None:
+    def save(self, step: int, state: PyTree, data_position: int, *, persist: bool = True,
+             if_busy: Literal["wait", "skip"] = "wait") -> None:
         """Save ``state`` as ``step`` (the loop is blocked only for the device-to-host copy): to storage
-        (through ckptd's memory tier when it is on), or only to host memory when ``persist`` is False."""
+        (through ckptd's memory tier when it is on), or only to host memory when ``persist`` is False.
+        ``if_busy="skip"`` (the periodic saves) skips a direct save that would wait for the previous one."""
         meta = training_metadata(step, state, data_position=data_position, global_batch=self.global_batch,
                                  mesh=self.mesh, slices=sorted(self.active_slices), batch=self.batch)
         saver = self.runner.saver
-        tier = saver.save(step, state, meta, persist=persist)
+        with self.runner.precompiler.paused():  # a save's Python must not queue for the GIL behind tracing
+            tier = saver.save(step, state, meta, persist=persist, if_busy=if_busy)
+        self._start_precompile()  # after the attempt's first save: its first-time costs are paid alone
         self.runner.emit("checkpoint_started", step, f"{tier}, {saver.last_blocked_s or 0.0:.3f}s blocked",
                          blocked_seconds=saver.last_blocked_s)
+
+    def _start_precompile(self) -> None:
+        cfg = self.runner.config
+        if self._first_step_done and self._precompile is not None and cfg.precompile and not self._precompiling:
+            self._precompiling = True  # one pass per attempt
+            self.runner.precompiler.start(
+                self._precompile, mesh_spec(self.mesh), self.active_slices, self.runner.slices.slice_to_devices,
+                self.batch, BatchOptions(mode=cfg.batch_mode, lr_scaling=cfg.lr_scaling))
 
     # ---- the hook called at the top of every step -----------------------------------------------
 
@@ -200,17 +204,13 @@ class ElasticContext:
             jax.block_until_ready(state)
             self._first_step_done = True
             self.runner._first_step_done(step)
-            cfg = self.runner.config
-            if self._precompile is not None and cfg.precompile:
-                self.runner.precompiler.start(
-                    self._precompile, mesh_spec(self.mesh), self.active_slices, self.runner.slices.slice_to_devices,
-                    self.batch, BatchOptions(mode=cfg.batch_mode, lr_scaling=cfg.lr_scaling),
-                )
+        cfg = self.runner.config
+        if not self._precompiling and (cfg.checkpoint_period <= 0 or step >= self.start_step + cfg.checkpoint_period):
+            self._start_precompile()  # no save came first
         self.last_step = step
         self.runner.slices.at_step_boundary(step, self.active_slices)
-        cfg = self.runner.config
         if step > self.start_step and cfg.checkpoint_period > 0 and step % cfg.checkpoint_period == 0:
-            self.save(step, state, data_position)
+            self.save(step, state, data_position, if_busy=cfg.when_save_busy)
         elif step > self.start_step and cfg.memory_period and step % cfg.memory_period == 0 and cfg.shm_dir:
             self.save(step, state, data_position, persist=False)
         if self.runner.config.policy == "resize":

@@ -14,10 +14,11 @@ The hook is the user's because only the training code knows its step function an
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -80,7 +81,19 @@ class Precompiler:
         self._done: set[tuple[int, ...]] = set()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._clear = threading.Event()  # set: no save is in progress, compiling may go on
+        self._clear.set()
         self.compiled: list[tuple[list[int], float]] = []  # (mesh shape, seconds)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """While a save is in progress: start no new mesh (tracing one holds the GIL for long stretches, and
+        a save's many short Python steps would each queue behind it; measured: a 70 ms save took 7-15 s)."""
+        self._clear.clear()
+        try:
+            yield
+        finally:
+            self._clear.set()
 
     def start(
         self,
@@ -110,6 +123,9 @@ class Precompiler:
         options: BatchOptions,
     ) -> None:
         for spec, slices in targets:
+            while not self._clear.wait(0.05):  # a save is in progress
+                if self._stop.is_set():
+                    return
             if self._stop.is_set():
                 return
             mesh = build_mesh(spec, slices, slice_to_devices)
