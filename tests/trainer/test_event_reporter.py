@@ -111,6 +111,26 @@ def test_a_refusal_drops_the_batch_instead_of_retrying_it(caplog: pytest.LogCapt
     reporter.close(1)
 
 
+def test_events_of_a_job_not_on_storage_yet_are_kept_until_it_is(tmp_path: Path, ckptd_server: Any) -> None:
+    # no token: ckptd creates no job from an event post; the job appears with its first save
+    server = ckptd_server(tmp_path)
+    reporter = EventReporter(ClientSettings(url=server.url, timeout_s=2.0), "fresh", initial_backoff_s=0.05,
+                             max_backoff_s=0.2)
+    try:
+        _report(reporter, 3)
+        deadline = time.monotonic() + 5
+        while reporter.failures < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert (reporter.sent, reporter.dropped, reporter.pending) == (0, 0, 3)  # refused for now, kept
+        (tmp_path / "fresh").mkdir()  # what the first save does
+        assert reporter.flush(10) is True
+        assert (reporter.sent, reporter.dropped) == (3, 0)
+    finally:
+        reporter.close(1)
+    with httpx.Client(base_url=server.url) as http:
+        assert len(http.get("/v1/jobs/fresh/events").json()["events"]) == 3
+
+
 def test_a_ckptd_that_stays_down_costs_dropped_events_never_time(
     tcp_port: int, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -7,7 +7,9 @@ recovery emits several events at once) is one request. When ckptd does not answe
 batch stays in the buffer and is retried with exponential backoff; when the buffer is full the oldest
 events are dropped, counted in ``dropped`` and logged (at most one line per ``log_interval_s``). A
 refusal (4xx: a bad event, a wrong token) drops that batch with a log line: resending it would be
-refused again.
+refused again. Only ``404 JOB_NOT_FOUND`` is retried like an outage: a new job's first events come before
+its first save makes its directory, and ckptd takes events only for jobs on storage (unless a token says
+who may create one).
 
 ``flush(timeout)`` waits until everything reported so far is sent, but gives up at the first failed
 attempt: a run that ends while ckptd is down does not wait for it. ``close()`` flushes and stops the
@@ -204,11 +206,20 @@ class EventReporter:
             return "retry"
         if response.status_code >= 500 or response.status_code == 429:
             return "retry"
+        if response.status_code == 404 and _error_code(response) == p.ErrorCode.JOB_NOT_FOUND.value:
+            return "retry"  # a new job exists once its first save makes its directory: keep them until then
         if response.status_code >= 400:
             _log.warning("ckptd refused %d event(s) of job %r: %d %s", len(events), self.job, response.status_code,
                          response.text[:300])
             return "refused"
         return "sent"
+
+
+def _error_code(response: httpx.Response) -> str | None:
+    try:
+        return p.ErrorBody.model_validate_json(response.content).code.value
+    except ValueError:
+        return None
 
 
 __all__ = ["EventReporter"]
