@@ -213,6 +213,8 @@ def test_the_elastic_runner_reports_a_recovery_that_ckptd_turns_into_goodput(
         assert recovered.recovery_seconds == pytest.approx(rec.seconds)
         saves = [e for e in events if e.kind == "checkpoint_started"]
         assert [e.step for e in saves][:3] == [5, 10, 15] and all(e.blocked_seconds for e in saves)
+        assert {e.tier for e in saves} == {"storage"}  # where each save went, as a field (the dashboard's lanes)
+        assert {e.tier for e in events if e.kind == "restored"} == {"storage"}
 
         goodput = p.Goodput.model_validate(http.get("/v1/jobs/mlp/goodput").json())
         assert goodput.recoveries == 1 and goodput.lost_steps == 2 and goodput.step_time_source == "events"

@@ -166,7 +166,8 @@ class ElasticContext:
             jax.block_until_ready(state)
             self.start_step = self.plan.step
             position = self.plan.data_position or 0
-            self.runner.emit("restored", self.plan.step, f"from {self.plan.tier}: {self.plan.path}")
+            plan = self.plan
+            self.runner.emit("restored", plan.step, f"from {plan.tier}: {plan.path}", tier=plan.tier)
         self.last_step = self.start_step
         return state, self.start_step, position
 
@@ -182,7 +183,7 @@ class ElasticContext:
             tier = saver.save(step, state, meta, persist=persist, if_busy=if_busy)
         self._start_precompile()  # after the attempt's first save: its first-time costs are paid alone
         self.runner.emit("checkpoint_started", step, f"{tier}, {saver.last_blocked_s or 0.0:.3f}s blocked",
-                         blocked_seconds=saver.last_blocked_s)
+                         blocked_seconds=saver.last_blocked_s, tier=tier)
 
     def _start_precompile(self) -> None:
         cfg = self.runner.config

@@ -41,6 +41,8 @@ class ElasticEvent(_Request):
     mesh_after: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=16)
     blocked_seconds: Annotated[float, Field(ge=0)] | None = Field(
         default=None, description="checkpoint_started: how long the training loop was blocked by the save")
+    tier: Literal["memory", "memory+persist", "storage", "skipped"] | None = Field(
+        default=None, description="checkpoint_started: where the save went; restored: where the state came from")
 
 
 class EventBatch(_Request):
