@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from ckptd.catalog.integrity import quarantine, settle
+from ckptd.catalog.job_admission import JobAdmission
 from ckptd.catalog.step_table import FINAL_STATES, UNSETTLED_STATES, StepTable, summary_json
 from trainer_client.core.errors import StorageError
 from trainer_client.core.format.files import CKPTD_MANIFEST, COMMIT_MARKER, QUARANTINE_FILE, VERIFIED_FILE
@@ -48,15 +49,13 @@ from trainer_client.core.validation import validate_step
 
 _log = logging.getLogger(__name__)
 
-JOB_LIMIT_REASON = "past the job limit (CKPTD_MAX_JOBS)"
-LINK_OUT_REASON = "its directory is a link leading out of the checkpoint root"
 _LAYOUTS_KEPT = 8  # saved layouts (all arrays of a step) kept in memory, most recently planned first
 
 Layout = tuple[MeshSpec | None, dict[str, ArraySpec]]
 _V = TypeVar("_V")
 
 
-class Catalog(StepTable):
+class Catalog(StepTable, JobAdmission):
     """What the checkpoint root holds, per job and step, with the commit rule applied."""
 
     def __init__(
@@ -196,52 +195,6 @@ class Catalog(StepTable):
         # after the commit: a reader that sees the new version reads the new rows (answers are cached per version)
         if gone or any(seen.get(dirname) != (ins.state.value, ins.reason) for dirname, ins in found):
             self.version += 1
-
-    # ---- which jobs: the root's directories, within max_jobs ------------------------------------
-
-    def _admit(self, found: set[str]) -> set[str]:
-        """The jobs among ``found`` that a scan catalogues: within ``max_jobs``, those catalogued already first,
-        then by name; the others, and links out of the root, are refused (``refused``)."""
-        # links out of the root: the root's listing left them out (trainer_client/core/storage.py)
-        refused = {name: LINK_OUT_REASON for name in self.storage.links_refused(self.storage.root)
-                   if is_valid_job_name(name)}
-        if self.max_jobs is not None and len(found) > self.max_jobs:
-            with self._lock:
-                known = {str(name) for (name,) in self._db.execute("SELECT name FROM jobs")}
-            for name in sorted(found, key=lambda n: (n not in known, n))[self.max_jobs:]:
-                refused[name] = JOB_LIMIT_REASON
-        for job in set(self.refused) - set(refused):
-            del self.refused[job]
-        for job, why in refused.items():
-            self._refuse(job, why)
-        return found - set(refused)
-
-    def _refusal(self, job: str) -> str | None:
-        """Why a scan of ``job`` alone must not catalogue it, if it must not: its directory leads out of the root
-        (nothing is read or written through it), or it is new and ``max_jobs`` are catalogued."""
-        if not self.storage.inside(self.storage.join(job)):
-            return LINK_OUT_REASON
-        if self.max_jobs is not None and not self.has_job(job) and self.full():
-            return JOB_LIMIT_REASON
-        return None
-
-    def _refuse(self, job: str, why: str | None) -> bool:
-        """Record that ``job`` is refused (a warning the first time); False (nothing recorded) when ``why`` is None."""
-        if why is None:
-            self.refused.pop(job, None)
-            return False
-        if self.refused.get(job) != why:
-            _log.warning("job %r is ignored: %s", job, why)
-        self.refused[job] = why
-        return True
-
-    def full(self) -> bool:
-        """Whether a new job would pass ``max_jobs``."""
-        if self.max_jobs is None:
-            return False
-        with self._lock:
-            (count,) = self._db.execute("SELECT COUNT(*) FROM jobs").fetchone()
-        return int(count) >= self.max_jobs
 
     def _inspect(self, entry: Entry, now: float | None = None) -> StepInspection | None:
         """The commit rule and structural checks; a committed step is then verified or quarantined."""
@@ -402,4 +355,4 @@ class Catalog(StepTable):
         self.version += 1
 
 
-__all__ = ["JOB_LIMIT_REASON", "LINK_OUT_REASON", "Catalog", "Layout"]
+__all__ = ["Catalog", "Layout"]

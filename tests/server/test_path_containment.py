@@ -18,7 +18,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from ckptd.api.app import create_app
-from ckptd.catalog.catalog import LINK_OUT_REASON, Catalog
+from ckptd.catalog.catalog import Catalog
+from ckptd.catalog.job_admission import LINK_OUT_REASON
 from ckptd.catalog.snapshots import SnapshotKeeper
 from tests.support.helpers import make_settings
 from tests.support.orbax_steps import write_orbax_jobs

@@ -18,7 +18,7 @@ from pydantic import Field
 
 from ckptd.api.openapi import route_doc
 from ckptd.api.services import Services
-from ckptd.catalog.catalog import JOB_LIMIT_REASON
+from ckptd.catalog.job_admission import JOB_LIMIT_REASON
 from ckptd.errors import InvalidJobName, JobLimitReached, JobNotFound
 from trainer_client.core import protocol as p
 from trainer_client.core.errors import StorageError, UnsafePathError
