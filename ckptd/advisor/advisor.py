@@ -6,7 +6,8 @@ and whether a hot spare pays for itself. This module answers from numbers: it re
 (given, measured from the job's history, or a stated default), starts from the first-order optimum
 (Young/Daly: period = sqrt(2 x save cost x MTBF)), confirms it by sweeping the simulator
 (``ckptd.advisor.simulator``) under ``pause``, ``resize`` and ``spare``, and recommends the policy with the best
-goodput per provisioned chip. ``ckptd advise`` and ``GET /v1/jobs/{job}/advice`` both call ``advise``.
+goodput per provisioned chip. ``ckptd advise`` and ``GET /v1/jobs/{job}/advice`` both call ``advise``; the
+route passes a ``WorkBudget`` (``ckptd.advisor.budget``) that bounds the simulation's work and wall time.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ckptd.advisor.advice_text import explain
+from ckptd.advisor.budget import WorkBudget
 from ckptd.advisor.closed_forms import daly, young_daly
 from ckptd.advisor.job_history import JobHistory, job_history
 from ckptd.advisor.simulator import (
@@ -32,8 +34,10 @@ from ckptd.advisor.simulator import (
     SimResult,
     simulate,
 )
-from ckptd.errors import InvalidRequest, MissingInputs
+from ckptd.errors import InvalidRequest, MissingInputs, ServiceError
 from trainer_client.core.protocol import (
+    MAX_MTBF_HOURS,
+    MIN_MTBF_HOURS,
     Advice,
     AdviceInput,
     AdviceQuery,
@@ -114,6 +118,10 @@ def resolve_inputs(query: AdviceQuery, history: JobHistory | None = None) -> dic
         derive("failures_per_slice_day", 24.0 / (val["mtbf_hours"] * slices), "24 h / (MTBF x slices)")
     else:
         derive("mtbf_hours", 24.0 / (val["failures_per_slice_day"] * slices), "24 h / (rate x slices)")
+    mtbf_hours = float(out["mtbf_hours"].value)
+    if not MIN_MTBF_HOURS <= mtbf_hours <= MAX_MTBF_HOURS:
+        raise ValueError(f"the job's MTBF ({mtbf_hours:.3g} h from the failure rate and {slices:g} slices) is outside "
+                         f"{MIN_MTBF_HOURS * 60:g} min .. {MAX_MTBF_HOURS:g} h")
     derive("memory_restore_time_s", val["save_stall_s"], "assumption: = save stall (same bytes, same link)")
     derive("resize_recovery_time_s", val["recovery_time_s"], "assumption: = recovery time")
     derive("scale_up_time_s", float(out["memory_restore_time_s"].value) + float(out["resize_recovery_time_s"].value),
@@ -146,6 +154,7 @@ class Plan:
     yd: YoungDaly
     horizon: float
     seed: int
+    budget: WorkBudget
 
     @property
     def split_tiers(self) -> bool:
@@ -175,10 +184,10 @@ class Plan:
     def run(self, policy: Policy, schedule: Schedule, horizon: float | None = None) -> SimResult:
         failures = PoissonFailures.from_mtbf(self.mtbf, self.model.slices, seed=self.seed)
         return simulate(self.model, policy, schedule, horizon=horizon or self.horizon, failures=failures,
-                        seed=self.seed)
+                        seed=self.seed, budget=self.budget)
 
 
-def make_plan(inputs: dict[str, AdviceInput]) -> Plan:
+def make_plan(inputs: dict[str, AdviceInput], budget: WorkBudget | None = None) -> Plan:
     """First-order periods (Young/Daly) and the simulation set-up for the resolved inputs."""
     model = job_model(inputs)
     v = {k: float(x.value) for k, x in inputs.items()}
@@ -204,7 +213,7 @@ def make_plan(inputs: dict[str, AdviceInput]) -> Plan:
     yd = YoungDaly(mtbf_s=mtbf, save_cost_s=cost, period_s=period, daly_period_s=dal,
                    persistent_period_s=persistent)
     horizon = max(v["horizon_days"] * DAY, v["min_failures"] * mtbf)
-    return Plan(model, v["step_time_s"], mtbf, tier, yd, horizon, int(v["seed"]))
+    return Plan(model, v["step_time_s"], mtbf, tier, yd, horizon, int(v["seed"]), budget or WorkBudget())
 
 
 def fit_optimum(periods: list[float], goodputs: list[float]) -> float:
@@ -270,11 +279,15 @@ def _policy_advice(plan: Plan, policy: Policy, schedule: Schedule, res: SimResul
 
 
 def advise(query: AdviceQuery, history: JobHistory | None = None, *, job: str | None = None,
-           points: int = 13) -> Advice:
-    """The full answer: inputs, first-order periods, per-policy optimum, recommendation and reasoning."""
+           points: int = 13, budget: WorkBudget | None = None) -> Advice:
+    """The full answer: inputs, first-order periods, per-policy optimum, recommendation and reasoning.
+    ``budget`` bounds the simulation (default: unbounded); what it refuses raises before any run."""
     started = time.perf_counter()
     inputs = resolve_inputs(query, history)
-    plan = make_plan(inputs)
+    plan = make_plan(inputs, budget)
+    # Runs: per policy the sweep, the persistent multiples (at most 13), the final one; then the current period.
+    runs = len(POLICIES) * (len(_grid(plan, points)) + (13 if plan.memory_tier else 0) + 1) + 1
+    plan.budget.reserve(plan.horizon / plan.mtbf, runs)
     policies = [optimize(plan, policy, points=points) for policy in POLICIES]
     best = max(policies, key=lambda a: a.goodput_per_chip)
     current = None
@@ -290,12 +303,13 @@ def advise(query: AdviceQuery, history: JobHistory | None = None, *, job: str | 
     )
 
 
-def advice_for_job(job: str, checkpoints: Sequence[CheckpointInfo], query: AdviceQuery) -> Advice:
-    """``advise`` for a job: its history fills the gaps. Raises ``MissingInputs``, or ``InvalidRequest`` for
-    inputs that do not make sense together."""
+def advice_for_job(job: str, checkpoints: Sequence[CheckpointInfo], query: AdviceQuery, *,
+                   budget: WorkBudget | None = None) -> Advice:
+    """``advise`` for a job: its history fills the gaps. Raises ``MissingInputs``, ``InvalidRequest`` for
+    inputs that do not make sense together or need too much work, ``Busy`` past the budget's deadline."""
     try:
-        return advise(query, job_history(checkpoints), job=job)
-    except MissingInputs:
+        return advise(query, job_history(checkpoints), job=job, budget=budget)
+    except ServiceError:
         raise
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from exc

@@ -25,7 +25,8 @@ full-speed training, so ``steps = work / step_time``):
   ``spare``: ``spare_switch_time`` when a spare is free, else as pause; ``resize``: only while fewer
   than ``min_slices`` are healthy); then the restore (``memory_restore_time`` or ``restore_time``); then
   the recompile (``recovery_time`` on the same mesh, ``resize_recovery_time`` on a new one). A failure
-  during recovery starts it again from detection.
+  during recovery starts it again from detection, unless the horizon has passed (a recovery that failures
+  keep interrupting ends the run there instead of never).
 - ``resize`` runs on the healthy slices at ``active / slices x degraded_efficiency`` of full throughput;
   when a repaired slice returns it regrows, paying ``scale_up_time`` after a save of the current state
   (nothing lost). A repaired slice becomes a hot spare again in ``spare``.
@@ -34,7 +35,8 @@ full-speed training, so ``steps = work / step_time``):
   work redone, ``degraded`` throughput and ``scale_up``.
 
 Between two events (failure, slice return) the run is deterministic, so it is advanced in closed form:
-the cost is per failure, not per step or per save (54 days on 16,384 chips take milliseconds).
+the cost is per failure, not per step or per save (54 days on 16,384 chips take milliseconds). A
+``WorkBudget`` (``ckptd.advisor.budget``) is charged every failure: it bounds the work and the wall time.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from typing import Literal
 
 import numpy as np
 
+from ckptd.advisor.budget import WorkBudget
 from ckptd.advisor.failures import FailureSource, PoissonFailures, TraceFailures
 
 Policy = Literal["pause", "resize", "spare"]
@@ -167,8 +170,9 @@ class _Run:
     """One simulated run; ``simulate`` is the entry point."""
 
     def __init__(self, job: JobModel, policy: Policy, schedule: Schedule, failures: FailureSource,
-                 horizon: float, seed: int) -> None:
+                 horizon: float, seed: int, budget: WorkBudget) -> None:
         self.job, self.policy, self.failures, self.horizon = job, policy, failures, horizon
+        self.budget = budget
         self.memory_tier = schedule.memory_period is not None
         self.tm, self.j = schedule.base, schedule.multiple
         self._rng = np.random.default_rng(seed + 1_000_003)
@@ -205,6 +209,7 @@ class _Run:
 
     def _fail(self, running: bool) -> None:
         """A failure at ``self.t``: a slice goes for repair and work falls back to the restore point."""
+        self.budget.charge()
         self.failures.consume()
         if self.exposed <= 0:
             return  # a replayed failure with no slice left to hit
@@ -261,7 +266,7 @@ class _Run:
     def _recover(self) -> None:
         """From a failure to the first productive step; a failure on the way starts it again."""
         job = self.job
-        while True:
+        while self.t < self.horizon:
             if not self._phase(job.detect_time, "detection") or not self._wait_for_slices():
                 continue
             from_memory = self.from_memory
@@ -366,13 +371,14 @@ class _Run:
 
 
 def simulate(job: JobModel, policy: Policy, schedule: Schedule, *, horizon: float,
-             failures: FailureSource, seed: int = 0) -> SimResult:
-    """Simulate ``horizon`` seconds of wall time (a recovery under way at the end may run past it)."""
+             failures: FailureSource, seed: int = 0, budget: WorkBudget | None = None) -> SimResult:
+    """Simulate ``horizon`` seconds of wall time (a recovery under way at the end may run past it).
+    ``budget``: the work allowed (default: unbounded), shared by the runs of one answer."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}")
     if not horizon > 0:
         raise ValueError("horizon must be > 0")
-    return _Run(job, policy, schedule, failures, horizon, seed).run()
+    return _Run(job, policy, schedule, failures, horizon, seed, budget or WorkBudget()).run()
 
 
 __all__ = [
@@ -386,5 +392,6 @@ __all__ = [
     "Schedule",
     "SimResult",
     "TraceFailures",
+    "WorkBudget",
     "simulate",
 ]

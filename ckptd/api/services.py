@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ckptd.api.advice_runner import AdviceRunner
 from ckptd.api.coalesce import Coalescer
 from ckptd.api.plan_cache import PlanCache
+from ckptd.api.pool_watch import PoolWatch
 from ckptd.catalog.catalog import Catalog
 from ckptd.catalog.commit_tracker import CommitTracker
 from ckptd.catalog.events import EventLimits, EventStore, record_retention
@@ -33,6 +35,8 @@ class Services:
     tracker: CommitTracker
     refresher: Refresher
     keeper: SnapshotKeeper | None
+    advice: AdviceRunner  # advice runs on threads of its own (ckptd/api/advice_runner.py)
+    pool_watch: PoolWatch  # /healthz fails when the handler pool is wedged (ckptd/api/pool_watch.py)
     plans: PlanCache = field(default_factory=PlanCache)
     answers: Coalescer[bytes] = field(default_factory=Coalescer)
     listings: dict[str, tuple[int, bytes]] = field(default_factory=dict)  # job -> (catalog version, list answered)
@@ -59,10 +63,12 @@ class Services:
         self.tracker.start()
 
     def stop(self) -> None:
+        self.advice.close()  # first: a running simulation must not hold the shutdown up
+        self.pool_watch.close()
+        if self.keeper is not None:  # accepted saves reach storage while the catalog still confirms them
+            self.keeper.stop(self.settings.drain_timeout_s)
         self.tracker.stop()
         self.refresher.stop()
-        if self.keeper is not None:
-            self.keeper.stop()
 
 
 def build_services(settings: Settings, catalog: Catalog | None = None) -> Services:
@@ -92,8 +98,10 @@ def build_services(settings: Settings, catalog: Catalog | None = None) -> Servic
         maintenance_interval_s=settings.gc_interval_s,
         on_refresh=keeper.scan if keeper is not None else None,
     )
+    advice = AdviceRunner(settings.advice_workers, timeout_s=settings.advice_timeout_s,
+                          max_failures=settings.advice_max_failures)
     return Services(settings=settings, catalog=cat, metrics=metrics, events=events, tracker=tracker,
-                    refresher=refresher, keeper=keeper)
+                    refresher=refresher, keeper=keeper, advice=advice, pool_watch=PoolWatch(settings.wedged_after_s))
 
 
 __all__ = ["Services", "build_services"]

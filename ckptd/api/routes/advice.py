@@ -1,25 +1,42 @@
-"""``GET /v1/jobs/{job}/advice``: checkpoint periods and recovery policy from the goodput advisor."""
+"""``GET /v1/jobs/{job}/advice``: checkpoint periods and recovery policy from the goodput advisor.
+
+The route is async: the job's history is read on the handler pool (a catalog read, like any other route),
+and the simulation runs on the advice runner's own threads under a work budget (ckptd/api/advice_runner.py),
+so advice never holds the threads that answer resumes, and never runs without end.
+"""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+import anyio.to_thread
+from fastapi import APIRouter, Query, Request
 
 from ckptd.advisor.advisor import advice_for_job
+from ckptd.advisor.budget import WorkBudget
 from ckptd.api.errors import ERROR_RESPONSES
 from ckptd.api.openapi import route_doc
 from ckptd.api.services import Services
 from trainer_client.core import protocol as p
+from trainer_client.core.protocol import CheckpointInfo
 
 
 def router(svc: Services) -> APIRouter:
     api = APIRouter(tags=["jobs"], responses=ERROR_RESPONSES)
 
     @api.get(p.ROUTE_ADVICE, response_model=p.Advice, **route_doc("GET", p.ROUTE_ADVICE))
-    def advice(job: str, query: Annotated[p.AdviceQuery, Query()]) -> p.Advice:
+    async def advice(job: str, query: Annotated[p.AdviceQuery, Query()], request: Request) -> p.Advice:
         """Checkpoint periods and recovery policy (ckptd/advisor/advisor.py); the job's history fills the gaps."""
-        return advice_for_job(job, svc.catalog.checkpoints(svc.check_job(job)), query)
+
+        def history() -> list[CheckpointInfo]:
+            return svc.catalog.checkpoints(svc.check_job(job))
+
+        checkpoints = await anyio.to_thread.run_sync(history)
+
+        def compute(budget: WorkBudget) -> p.Advice:
+            return advice_for_job(job, checkpoints, query, budget=budget)
+
+        return await svc.advice.run(compute, request)
 
     return api
 

@@ -1,7 +1,9 @@
 """Probes and metrics: ``/healthz``, ``/readyz``, ``/metrics``.
 
 The probes are async: they run on the event loop, never queued behind busy worker threads (a liveness
-probe that waits on a slow listing would get a loaded ckptd restarted). They touch no storage.
+probe that waits on a slow listing would get a loaded ckptd restarted). They touch no storage. Liveness
+still sees a wedged pool: ``/healthz`` answers 503 once a probe task has waited ``CKPTD_WEDGED_AFTER_S``
+for a handler thread (``ckptd.api.pool_watch``).
 """
 
 from __future__ import annotations
@@ -21,8 +23,14 @@ def router(svc: Services) -> APIRouter:
     api = APIRouter(tags=["health"])
     cat = svc.catalog
 
-    @api.get(p.ROUTE_HEALTHZ, response_model=p.Health, **route_doc("GET", p.ROUTE_HEALTHZ))
-    async def healthz() -> p.Health:
+    @api.get(p.ROUTE_HEALTHZ, response_model=p.Health, responses={503: {"model": p.Health}},
+             **route_doc("GET", p.ROUTE_HEALTHZ))
+    async def healthz() -> Any:
+        waited = svc.pool_watch.check()  # never waits: a loaded ckptd is slow, not dead (ckptd/api/pool_watch.py)
+        if waited is not None:
+            detail: dict[str, object] = {"handler_pool_waited_s": round(waited, 3),
+                                         "wedged_after_s": svc.settings.wedged_after_s}
+            return JSONResponse(status_code=503, content=p.Health(status="wedged", detail=detail).model_dump())
         return p.Health(status="ok")
 
     @api.get(p.ROUTE_READYZ, response_model=p.Health, responses={503: {"model": p.Health}},
