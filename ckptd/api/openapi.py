@@ -24,7 +24,8 @@ from starlette.routing import compile_path
 from trainer_client.core import protocol as p
 
 ROUTE_DOCS: dict[tuple[str, str], tuple[str, str]] = {
-    ("GET", p.ROUTE_HEALTHZ): ("Liveness", "Always 200 while the process serves HTTP (liveness probe)."),
+    ("GET", p.ROUTE_HEALTHZ): ("Liveness", "200 while the process serves HTTP and its handler threads make progress; "
+                               "503 `wedged` once none has freed up for `CKPTD_WEDGED_AFTER_S` (liveness probe)."),
     ("GET", p.ROUTE_READYZ): ("Readiness", "200 once the catalog has been built from storage, 503 before "
                               "(readiness probe); `detail` has the root, the last refresh and the last error."),
     ("GET", p.ROUTE_METRICS): ("Prometheus metrics", "Prometheus text format; open without a token unless "
