@@ -34,14 +34,11 @@ from ckptd.catalog.step_table import FINAL_STATES, UNSETTLED_STATES, StepTable, 
 from trainer_client.core.errors import StorageError
 from trainer_client.core.format.files import CKPTD_MANIFEST, COMMIT_MARKER, QUARANTINE_FILE, VERIFIED_FILE
 from trainer_client.core.format.manifest import Manifest, fingerprints, read_verified_record, training_summary
-from trainer_client.core.format.saved_layout import saved_layout
-from trainer_client.core.format.steps import StepInspection, inspect_step, parse_step_name, read_training, step_entries
+from trainer_client.core.format.saved_layout import StepLayout, read_step_layout
+from trainer_client.core.format.steps import StepInspection, inspect_step, parse_step_name, step_entries
 from trainer_client.core.protocol import (
-    ArraySpec,
     CheckpointInfo,
-    MeshSpec,
     StepState,
-    TrainingMetadata,
     is_valid_job_name,
 )
 from trainer_client.core.storage import Entry, Storage, join_path, mtime_of
@@ -51,7 +48,7 @@ _log = logging.getLogger(__name__)
 
 _LAYOUTS_KEPT = 8  # saved layouts (all arrays of a step) kept in memory, most recently planned first
 
-Layout = tuple[MeshSpec | None, dict[str, ArraySpec]]
+Layout = StepLayout  # what a plan is made from: trainer_client/core/step_plan.py
 _V = TypeVar("_V")
 
 
@@ -76,7 +73,7 @@ class Catalog(StepTable, JobAdmission):
         super().__init__(db_path)
         self._scanned_mtime: dict[str, int] = {}
         self._validated_at: dict[str, float] = {}  # step path -> when quick validation last passed (monotonic)
-        self._layouts: OrderedDict[str, tuple[TrainingMetadata | None, Layout]] = OrderedDict()
+        self._layouts: OrderedDict[str, Layout] = OrderedDict()
         self._manifests: OrderedDict[str, tuple[tuple[int, float], Manifest]] = OrderedDict()  # (size, mtime)
         self.ready = threading.Event()
         self.last_refresh: float | None = None
@@ -307,7 +304,7 @@ class Catalog(StepTable, JobAdmission):
                 continue
             self.layout(info)
 
-    def layout(self, info: CheckpointInfo) -> tuple[TrainingMetadata | None, Layout]:
+    def layout(self, info: CheckpointInfo) -> Layout:
         """The step's full training metadata (arrays included) and saved layout, read once and kept for the
         ``_LAYOUTS_KEPT`` steps planned most recently (a step's files do not change once it is verified;
         a step re-inspected is dropped)."""
@@ -316,8 +313,7 @@ class Catalog(StepTable, JobAdmission):
             if kept is not None:
                 self._layouts.move_to_end(info.path)
                 return kept
-        training = read_training(self.storage, info.path) if info.training is not None else None
-        loaded = (training, saved_layout(self.storage, info.path, training))
+        loaded = read_step_layout(self.storage, info.path)  # the one reader every planner uses
         self._keep(self._layouts, info.path, loaded)
         return loaded
 

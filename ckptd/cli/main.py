@@ -16,9 +16,9 @@ from ckptd import __version__
 from ckptd.cli import advise, maintenance, observe, serve
 from ckptd.cli.support import open_catalog, open_job, split_job
 from trainer_client.core.errors import PlanningError, StorageError
-from trainer_client.core.format.saved_layout import saved_layout
-from trainer_client.core.planner import format_bytes, resume_plan
+from trainer_client.core.planner import format_bytes
 from trainer_client.core.protocol import BatchOptions, ResumePlan, ResumeRequest, SliceAlive, StepState
+from trainer_client.core.step_plan import plan_for_step
 
 EXIT_OK = 0
 EXIT_BAD = 1
@@ -96,10 +96,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         device_memory_bytes=args.device_memory, memory_headroom_bytes=args.headroom or 0,
         batch=BatchOptions(mode=args.batch_mode, lr_scaling=args.lr_scaling),
     )
-    layout = saved_layout(cat.storage, info.path, info.training)
-    try:
-        plan = resume_plan(job=job, step=info.step, path=info.path, request=request, training=info.training,
-                           saved_layout=layout)
+    try:  # the one planner the server and the client's fallback call too (trainer_client/core/step_plan.py)
+        plan = plan_for_step(cat.storage, info.path, request, job=job, step=info.step)
     except PlanningError as exc:
         print(f"ckptd: {exc.code.value}: {exc.message}", file=sys.stderr)
         return EXIT_BAD

@@ -71,9 +71,10 @@ def test_a_start_catalogues_verified_steps_from_their_records_alone(root: Path, 
     for info in infos:  # the training metadata, without the per-array part
         assert info.training is not None and info.training.step == info.step and info.training.arrays == {}
     # the arrays are read when a plan needs them, from the step itself
-    training, (mesh, arrays) = cat.layout(infos[-1])
-    assert training is not None and training.arrays and set(arrays) == set(training.arrays)
-    assert mesh == training.mesh
+    layout = cat.layout(infos[-1])
+    training = layout.training
+    assert training is not None and training.arrays and set(layout.arrays) == set(training.arrays)
+    assert layout.mesh == training.mesh
 
 
 def test_a_damaged_record_is_not_trusted_and_is_rewritten(root: Path, inspected: list[str]) -> None:

@@ -19,9 +19,9 @@ from pydantic import BaseModel, ValidationError
 from trainer_client.client.retry import RetryPolicy, retry
 from trainer_client.config import ClientSettings
 from trainer_client.core import protocol as p
-from trainer_client.core.format.saved_layout import saved_layout
 from trainer_client.core.format.snapshot import newest_whole
-from trainer_client.core.planner import memory_snapshot_plan, resume_plan
+from trainer_client.core.planner import memory_snapshot_plan
+from trainer_client.core.step_plan import plan_for_step
 from trainer_client.core.storage import Storage
 from trainer_client.core.validation import latest_good_on_storage
 from trainer_client.errors import CkptdRequestError, CkptdUnavailable, NoCheckpointError, PlanningError, StorageError
@@ -173,12 +173,8 @@ class CkptdClient:
                 raise CkptdRequestError(409, exc.code.value, exc.message) from exc
         if found is None or (request.step is not None and found.step != request.step):
             raise NoCheckpointError(f"job {job!r} has no good step in {storage.url_of(job_path)}")
-        layout = saved_layout(storage, found.path, found.training)
-        try:
-            return resume_plan(
-                job=job, step=found.step, path=storage.url_of(found.path), request=request,
-                training=found.training, saved_layout=layout, source="storage_scan",
-            )
+        try:  # the one planner ckptd's resume and `ckptd plan` call too (trainer_client/core/step_plan.py)
+            return plan_for_step(storage, found.path, request, job=job, step=found.step, source="storage_scan")
         except PlanningError as exc:
             raise CkptdRequestError(409, exc.code.value, exc.message) from exc
 

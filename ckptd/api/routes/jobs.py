@@ -20,7 +20,8 @@ from ckptd.errors import NoGoodCheckpoint, NotReady, ServiceError, StepNotFound,
 from trainer_client.core import protocol as p
 from trainer_client.core.errors import PlanningError
 from trainer_client.core.format.snapshot import newest_whole
-from trainer_client.core.planner import memory_snapshot_plan, resume_plan
+from trainer_client.core.planner import memory_snapshot_plan
+from trainer_client.core.step_plan import plan_for_step
 
 # Refusals that name no catalogued job: not counted per job (a label per unknown name would grow without bound).
 _NOT_A_JOB = frozenset({p.ErrorCode.INVALID_JOB_NAME, p.ErrorCode.JOB_NOT_FOUND, p.ErrorCode.NOT_READY})
@@ -95,12 +96,12 @@ def router(svc: Services) -> APIRouter:
                                      or snapshot[1].step >= info.step):
             return memory_snapshot_plan(job=job, request=request, snapshot=snapshot).model_dump_json().encode()
         good = _good_step(svc, job, request, info)
-        loaded = cat.layout(good)  # the step's arrays, read once and kept (ckptd/catalog/catalog.py)
-        training, layout = loaded[0] or good.training, loaded[1]
+        layout = cat.layout(good)  # the step's read_step_layout, read once and kept (ckptd/catalog/catalog.py)
         return svc.plans.answer(  # planned once per (step, request): ckptd/api/plan_cache.py
-            good.path, request.model_dump_json(), loaded,
-            lambda: resume_plan(job=job, step=good.step, path=good.path, request=request,
-                                training=training, saved_layout=layout).model_dump_json().encode(),
+            good.path, request.model_dump_json(), layout,
+            # the one planner `ckptd plan` and the client's fallback call too (trainer_client/core/step_plan.py)
+            lambda: plan_for_step(cat.storage, good.path, request, job=job, step=good.step,
+                                  layout=layout).model_dump_json().encode(),
         )
 
     @api.post(p.ROUTE_RESUME, response_model=p.ResumePlan, **route_doc("POST", p.ROUTE_RESUME))

@@ -4,8 +4,9 @@ A step is *committed* only when its directory name is a plain integer (no ``.orb
 suffix) **and** it holds ``commit_success.txt``. That rule is right in both of Orbax's atomicity modes:
 rename-based (local disk) and commit-file (``gs://``, or forced), whereas Orbax's own reader in the
 default mode accepts a commit-file step that was cut short. On top of the rule, a committed step must be
-structurally sound: ``_CHECKPOINT_METADATA`` parses, and every item it names has a parseable
-``<item>/_METADATA``.
+structurally sound: ``_CHECKPOINT_METADATA`` parses, and every item it names that Orbax's tree handlers
+wrote has a parseable ``<item>/_METADATA`` (any item names: ``default``, MaxText's ``items``; an item of
+another handler, like Grain's ``iter``, keeps its own files and is not checked here).
 
 Used by the sidecar's catalog and by the client's fallback scan, so both apply exactly the same rule.
 No jax here.
@@ -22,13 +23,21 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from trainer_client.core.format.files import CHECKPOINT_METADATA, COMMIT_MARKER, ITEM_METADATA, SHARDING_FILE
+from trainer_client.core.format.files import (
+    CHECKPOINT_METADATA,
+    COMMIT_MARKER,
+    DEFAULT_ITEM,
+    ITEM_METADATA,
+    SHARDING_FILE,
+)
 from trainer_client.core.protocol import MAX_STEP, ArraySpec, CheckpointInfo, MeshSpec, StepState, TrainingMetadata
 from trainer_client.core.storage import Entry, Storage, join_path
 
 CUSTOM_METADATA_KEY = "ckptd"
 DEFAULT_SAVE_TIMEOUT_S = 3600.0
 
+# Orbax's handlers that write a tree of arrays (the class name's end: subclasses keep it, e.g. MaxText's own).
+_PYTREE_HANDLERS = ("PyTreeCheckpointHandler", "StandardCheckpointHandler")
 _STEP_NAME = re.compile(r"^(?P<step>\d{1,19})(?P<tmp>\.orbax-checkpoint-tmp.*)?$")
 
 
@@ -122,15 +131,11 @@ def _inspect_finalized(storage: Storage, path: str, step: int) -> StepInspection
     meta = _read_json_object(storage, path, CHECKPOINT_METADATA)
     if isinstance(meta, str):
         return corrupt(meta)
-    handlers = meta.get("item_handlers")
-    items: tuple[str, ...]
-    if isinstance(handlers, dict):
-        items = tuple(sorted(str(k) for k in handlers))
-    elif isinstance(handlers, str):
-        items = ("default",)
-    else:
-        items = ()
-    for item in items:
+    handlers = item_handlers(meta)
+    items = tuple(sorted(handlers))
+    for item, handler in sorted(handlers.items()):
+        if not _is_pytree_handler(handler):
+            continue  # another handler's item (Grain's iterator state, JSON): its own files, not Orbax's tree
         item_meta = _read_json_object(storage, path, f"{item}/{ITEM_METADATA}")
         if isinstance(item_meta, str):
             return corrupt(item_meta)
@@ -144,6 +149,40 @@ def _inspect_finalized(storage: Storage, path: str, step: int) -> StepInspection
         except ValidationError as exc:
             return corrupt(f"ckptd training metadata is invalid: {exc.error_count()} error(s)")
     return StepInspection(step, path, StepState.COMMITTED, None, committed_at, training, items)
+
+
+def item_handlers(checkpoint_metadata: dict[str, Any]) -> dict[str, str | None]:
+    """Each item of a step and the handler Orbax recorded for it, from its ``_CHECKPOINT_METADATA``: a
+    manager with item names (MaxText's ``items`` and ``iter``) records a mapping, one without them (what
+    trainer_client writes) a single handler for the item ``default``."""
+    handlers = checkpoint_metadata.get("item_handlers")
+    if isinstance(handlers, dict):
+        return {str(k): v if isinstance(v, str) else None for k, v in handlers.items()}
+    if isinstance(handlers, str):
+        return {DEFAULT_ITEM: handlers}
+    return {}
+
+
+def _is_pytree_handler(handler: str | None) -> bool:
+    """Whether an item's handler writes Orbax's tree of arrays (``_METADATA``, ``_sharding``, zarr arrays):
+    Orbax's PyTree and Standard handlers and their subclasses by name; an unnamed handler is taken for one."""
+    return handler is None or handler.rsplit(".", 1)[-1].endswith(_PYTREE_HANDLERS)
+
+
+def array_items(storage: Storage, step_path: str) -> list[str]:
+    """The items of a committed step that hold arrays (an Orbax tree: ``<item>/_METADATA`` with its
+    ``tree_metadata``), sorted: ``["default"]`` for what trainer_client and a plain ``CheckpointManager``
+    write, ``["items"]`` for MaxText's steps (whose ``iter`` item is Grain's iterator state, not arrays).
+    ``["default"]`` when the step names no item that holds arrays (the layout readers then find none)."""
+    meta = _read_json_object(storage, step_path, CHECKPOINT_METADATA)
+    found = []
+    for item, handler in sorted(item_handlers(meta if isinstance(meta, dict) else {}).items()):
+        if not _is_pytree_handler(handler):
+            continue
+        item_meta = _read_json_object(storage, step_path, f"{item}/{ITEM_METADATA}")
+        if isinstance(item_meta, dict) and isinstance(item_meta.get("tree_metadata"), dict):
+            found.append(item)
+    return found or [DEFAULT_ITEM]
 
 
 def read_training(storage: Storage, step_path: str) -> TrainingMetadata | None:
@@ -160,7 +199,7 @@ def read_training(storage: Storage, step_path: str) -> TrainingMetadata | None:
 
 
 def read_saved_sharding(
-    storage: Storage, step_path: str, item: str = "default"
+    storage: Storage, step_path: str, item: str = DEFAULT_ITEM
 ) -> tuple[MeshSpec | None, dict[str, ArraySpec]]:
     """Mesh and per-array partition specs from Orbax's ``<item>/_sharding`` (plain JSON, no jax).
 
@@ -223,7 +262,9 @@ __all__ = [
     "DEFAULT_SAVE_TIMEOUT_S",
     "StepInspection",
     "StepName",
+    "array_items",
     "inspect_step",
+    "item_handlers",
     "latest_committed",
     "parse_step_name",
     "read_saved_sharding",
