@@ -8,17 +8,25 @@ Three kinds of sources, so that a scrape of ``GET /metrics`` stays fast (it read
 * the background tracker (``ckptd.catalog.commit_tracker``): commits and bytes committed (from the manifests),
   save durations, validation failures, goodput per job — everything that needs storage reads.
 
-Counters count what this ckptd process saw since it started (Prometheus handles the reset at a
-restart); steps already on storage when it started are not counted as commits.
+The event metrics (events by kind, recovery seconds, lost steps, save stalls) count a job's whole stored
+history: the tracker loads it once per job after a start (``load_history``, from ``EventStore.stats``:
+the job's event summary and the events kept), so a restarted ckptd does not show empty recovery metrics
+beside a goodput read from storage; events stored after that are counted as they arrive. The newest 256
+values of each measure are replayed exactly, older ones (folded into the summary) at their mean, so
+``_count`` and ``_sum`` are exact. The other counters count what this process saw since it started
+(Prometheus handles the reset at a restart); steps already on storage when it started are not commits.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import Counter as Multiset
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ckptd.catalog.catalog import Catalog
+from ckptd.catalog.event_summary import EventStats, Stat
 from trainer_client.core.protocol import EVENT_KINDS, StepState, StoredEvent
 
 _KNOWN_KINDS = frozenset(EVENT_KINDS)
@@ -57,9 +65,16 @@ class Metrics:
         self.lost_steps = Counter("ckptd_lost_steps", "steps done again after recoveries", ["job"], registry=r)
         self.goodput = Gauge("ckptd_goodput_ratio", "productive training time over wall time (reported events)",
                              ["job"], registry=r)
+        self._history_lock = threading.Lock()
+        self._loaded: set[str] = set()  # jobs whose stored history is counted
+        self._live: dict[str, EventStats] = {}  # counted on arrival before the job's history was loaded
 
     def observe_events(self, job: str, events: Iterable[StoredEvent]) -> None:
         """Count newly stored events (called once per event, after deduplication)."""
+        events = list(events)
+        with self._history_lock:
+            if job not in self._loaded:
+                self._live.setdefault(job, EventStats()).add(events)
         for e in events:
             self.elastic_events.labels(job, e.kind if e.kind in _KNOWN_KINDS else "other").inc()
             if e.kind == "recovered":
@@ -69,6 +84,26 @@ class Metrics:
                     self.lost_steps.labels(job).inc(e.lost_steps)
             elif e.kind == "checkpoint_started" and e.blocked_seconds is not None:
                 self.save_stall.labels(job).observe(e.blocked_seconds)
+
+    def history_loaded(self, job: str) -> bool:
+        with self._history_lock:
+            return job in self._loaded
+
+    def load_history(self, job: str, stored: EventStats) -> None:
+        """Count the job's stored history (``EventStore.stats``) once: what storage holds minus what this
+        process has counted on arrival already."""
+        with self._history_lock:
+            if job in self._loaded:
+                return
+            self._loaded.add(job)
+            live = self._live.pop(job, EventStats())
+        for kind, n in stored.kinds.items():
+            if n > live.kinds.get(kind, 0):
+                self.elastic_events.labels(job, kind).inc(n - live.kinds.get(kind, 0))
+        if stored.lost_steps.total > live.lost_steps.total:
+            self.lost_steps.labels(job).inc(stored.lost_steps.total - live.lost_steps.total)
+        _replay(self.recovery_seconds.labels(job), stored.recovery_seconds, live.recovery_seconds)
+        _replay(self.save_stall.labels(job), stored.save_stall_seconds, live.save_stall_seconds)
 
     def render(self, catalog: Catalog) -> bytes:
         """The text exposition, with the catalog gauges refreshed from SQLite first. Per-job series exist for
@@ -100,5 +135,21 @@ class Metrics:
                      if "job" in sample.labels and sample.labels["job"] not in jobs}
             for labels in stale:
                 metric.remove(*labels)
+        with self._history_lock:  # a job that comes back has its history loaded again
+            self._loaded &= jobs
+            self._live = {job: stats for job, stats in self._live.items() if job in jobs}
+
+
+def _replay(histogram: Histogram, stored: Stat, live: Stat) -> None:
+    """Observe the stored values not observed yet: the recent ones exactly, older ones at their mean."""
+    recent = list((Multiset(stored.recent) - Multiset(live.recent)).elements())
+    older = stored.count - live.count - len(recent)
+    for value in recent:
+        histogram.observe(value)
+    if older > 0:
+        mean = max(0.0, (stored.total - live.total - sum(recent)) / older)
+        for _ in range(older):
+            histogram.observe(mean)
+
 
 __all__ = ["Metrics"]

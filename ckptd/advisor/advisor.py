@@ -45,6 +45,7 @@ from trainer_client.core.protocol import (
     CheckpointInfo,
     PeriodPoint,
     PolicyAdvice,
+    StoredEvent,
     YoungDaly,
 )
 
@@ -82,7 +83,7 @@ def missing_inputs(names: list[str]) -> MissingInputs:
     """The error for inputs neither the request nor the job's history gives (``a|b``: either one will do)."""
     words = [" or ".join(n.split("|")) for n in names]
     return MissingInputs(names, "missing advisor inputs (not given, not in the job's history): " + ", ".join(words)
-                         + ("; failures are not recorded in the history yet" if "|".join(FAILURE_RATE) in names
+                         + ("; the failure rate is not measured from the history" if "|".join(FAILURE_RATE) in names
                             else ""))
 
 
@@ -304,11 +305,12 @@ def advise(query: AdviceQuery, history: JobHistory | None = None, *, job: str | 
 
 
 def advice_for_job(job: str, checkpoints: Sequence[CheckpointInfo], query: AdviceQuery, *,
-                   budget: WorkBudget | None = None) -> Advice:
-    """``advise`` for a job: its history fills the gaps. Raises ``MissingInputs``, ``InvalidRequest`` for
-    inputs that do not make sense together or need too much work, ``Busy`` past the budget's deadline."""
+                   events: Sequence[StoredEvent] = (), budget: WorkBudget | None = None) -> Advice:
+    """``advise`` for a job: its history (steps and events) fills the gaps. Raises ``MissingInputs``,
+    ``InvalidRequest`` for inputs that do not make sense together or need too much work, ``Busy`` past the
+    budget's deadline."""
     try:
-        return advise(query, job_history(checkpoints), job=job, budget=budget)
+        return advise(query, job_history(checkpoints, events), job=job, budget=budget)
     except ServiceError:
         raise
     except ValueError as exc:

@@ -5,7 +5,8 @@ Each pass compares the catalog's steps with the previous pass: a step newly fina
 as a commit (its manifest gives the bytes; its training metadata and Orbax's commit time give the save
 duration), a step newly quarantined or corrupt counts as a validation failure. The first pass only
 takes stock: steps already on storage when ckptd started are not commits it saw. Every
-``goodput_interval_s`` the goodput of each job is recomputed from its events on storage.
+``goodput_interval_s`` the goodput of each job is recomputed from its events on storage; the first time a
+job is seen, its stored event history is loaded into the recovery metrics (``Metrics.load_history``).
 """
 
 from __future__ import annotations
@@ -124,6 +125,8 @@ class CommitTracker:
                     kept = (self.catalog.version, self.catalog.checkpoints(job))
                     self._checkpoints[job] = kept
                 result = self.events.goodput(job, kept[1], version=kept[0])  # whole history; unchanged: kept
+                if not self.metrics.history_loaded(job):  # after a start: recovery metrics from storage
+                    self.metrics.load_history(job, self.events.stats(job))
             except (OSError, StorageError) as exc:
                 _log.info("goodput of %s not refreshed: %s", job, exc)
                 continue

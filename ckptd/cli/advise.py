@@ -3,7 +3,9 @@
 Its options are built from ``trainer_client.core.protocol.AdviceQuery``, the same model as the query of
 ``GET /v1/jobs/{job}/advice``, so the command and the API take the same inputs under the same names
 (``step_time_s`` is ``--step-time``, in seconds). Inputs not given come from the job's history when a job
-is named; exit 0 with an answer, 1 when an input is missing or the job has none, 2 for bad values.
+is named: its steps (step time, persist time, slices, period) and its elastic events on storage (save stall,
+restore and recompile times; ``ckptd.advisor.job_history``); a flag overrides what the history says. Exit 0
+with an answer, 1 when an input is missing or the job has none, 2 for bad values.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from pydantic import ValidationError
 from ckptd.advisor.advice_text import render
 from ckptd.advisor.advisor import advise
 from ckptd.advisor.job_history import JobHistory, job_history
-from ckptd.cli.support import open_catalog, split_job
+from ckptd.catalog.events import EventStore
+from ckptd.cli.support import open_job
 from ckptd.errors import MissingInputs
 from trainer_client.core.protocol import AdviceQuery
 
@@ -56,7 +59,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-
     given = {k: getattr(args, k) for k in AdviceQuery.model_fields if getattr(args, k, None) is not None}
     try:
         query = AdviceQuery(**given)
@@ -67,12 +69,11 @@ def run(args: argparse.Namespace) -> int:
     history: JobHistory | None = None
     job = None
     if args.target:
-        root, job = split_job(args.target)
-        cat = open_catalog(root)
-        if not cat.has_job(job):
-            print(f"ckptd: no job {job!r} under {root}", file=sys.stderr)
+        opened = open_job(args.target)
+        if opened is None:
             return EXIT_BAD
-        history = job_history(cat.checkpoints(job))
+        cat, job = opened
+        history = job_history(cat.checkpoints(job), EventStore(cat.storage).load(job))
     try:
         advice = advise(query, history, job=job, points=max(3, args.points))
     except MissingInputs as exc:

@@ -17,15 +17,12 @@ from fastapi.testclient import TestClient
 
 from ckptd.advisor.advisor import advise
 from ckptd.advisor.budget import WorkBudget
-from ckptd.api.app import create_app
-from ckptd.catalog.catalog import Catalog
 from ckptd.errors import Busy, InvalidRequest
 from tests.support.chaos_support import CkptdProcess
-from tests.support.helpers import make_settings, wait_until
+from tests.support.helpers import wait_until
 from tests.support.orbax_steps import training_metadata, write_orbax_jobs
-from tests.support.server import StartServer
+from tests.support.server import StartServer, app_over
 from trainer_client.core import protocol as p
-from trainer_client.core.storage import Storage
 
 COSTS: dict[str, Any] = dict(step_time_s=2.0, save_stall_s=5.0, persist_time_s=30.0, restore_time_s=60.0,
                              recovery_time_s=60.0, replace_time_s=600.0, slices=4)
@@ -44,9 +41,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def client(root: Path, tmp_path: Path) -> Iterator[TestClient]:
-    cat = Catalog(Storage(str(root)), tmp_path / "catalog.sqlite3")
-    cat.rebuild()
-    with TestClient(create_app(make_settings(root, tmp_path, advice_timeout_s=1.0), cat, background=False)) as c:
+    with TestClient(app_over(root, tmp_path, advice_timeout_s=1.0)) as c:
         yield c
 
 

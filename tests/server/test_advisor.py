@@ -13,11 +13,12 @@ from fastapi.testclient import TestClient
 
 from ckptd.advisor.advisor import advise, resolve_inputs
 from ckptd.advisor.job_history import job_history
-from ckptd.api.app import create_app
 from ckptd.catalog.catalog import Catalog
+from ckptd.catalog.events import EventStore
 from ckptd.cli.main import main
 from ckptd.errors import MissingInputs
-from tests.support.helpers import REPO, make_settings
+from tests.support.helpers import REPO
+from tests.support.server import app_over
 from trainer_client.core import protocol as p
 from trainer_client.core.storage import Storage
 
@@ -184,6 +185,42 @@ def test_history_gives_step_time_persist_time_slices_and_period(root: Path) -> N
     assert job_history([]).values() == {}
 
 
+def _elastic_events(job_dir: Path) -> None:
+    """Events of job ``llm`` (6.1 s per step): a start restored from storage, three saves, a recovery from
+    storage on the same mesh and one from host memory onto a smaller mesh."""
+    t = 1_700_000_000.0
+    ev = [
+        ("start", 0.0, {}), ("slices_ready", 1.0, {}), ("restored", 3.0, {"detail": "from storage: /ckpt/llm/100"}),
+        ("first_step_done", 13.0, {}),  # a new process: its first step counts for no recompile
+        ("checkpoint_started", 20.0, {"blocked_seconds": 1.5}), ("checkpoint_started", 30.0, {"blocked_seconds": 2.5}),
+        ("checkpoint_started", 40.0, {"blocked_seconds": 0.5}),
+        ("failure_detected", 50.0, {}), ("waiting_for_slices", 51.0, {}), ("slices_ready", 80.0, {}),
+        ("plan_received", 81.0, {}), ("restored", 84.0, {"detail": "from storage: /ckpt/llm/200"}),
+        ("first_step_done", 110.0, {}),
+        ("recovered", 110.0, {"recovery_seconds": 60.0, "mesh_before": [4, 2], "mesh_after": [4, 2]}),
+        ("failure_detected", 200.0, {}), ("slices_ready", 201.0, {}),
+        ("restored", 202.5, {"detail": "from memory: /dev/shm/ckptd/llm/300"}), ("first_step_done", 240.0, {}),
+        ("recovered", 240.0, {"recovery_seconds": 40.0, "mesh_before": [4, 2], "mesh_after": [3, 2]}),
+    ]
+    EventStore(Storage(str(job_dir.parent))).append(job_dir.name, [
+        p.ElasticEvent(kind=kind, time=t + dt, run="r1", id=str(i), **fields)  # type: ignore[arg-type]
+        for i, (kind, dt, fields) in enumerate(ev)])
+
+
+def test_history_gives_stall_restore_and_recompile_times_from_the_events(root: Path) -> None:
+    _elastic_events(root / "llm")
+    cat = Catalog(Storage(str(root)), ":memory:")
+    cat.rebuild()
+    hist = job_history(cat.checkpoints("llm"), EventStore(Storage(str(root))).load("llm")).values()
+    assert hist["save_stall_s"].value == pytest.approx(1.5)
+    assert hist["restore_time_s"].value == pytest.approx(3.0)  # slices ready -> restored: 2 s and 4 s
+    assert hist["memory_restore_time_s"].value == pytest.approx(1.5)
+    # restored -> first step, less one step of 6.1 s
+    assert hist["recovery_time_s"].value == pytest.approx(26.0 - 6.1)
+    assert hist["resize_recovery_time_s"].value == pytest.approx(37.5 - 6.1)
+    assert "over 2" in hist["restore_time_s"].note and "storage" in hist["restore_time_s"].note
+
+
 # ---- the command and the route ----------------------------------------------------------------------
 
 
@@ -216,11 +253,23 @@ def test_cli_says_what_is_missing(root: Path, capsys: pytest.CaptureFixture[str]
     assert main(["advise", f"{root}/llm", *GIVEN, "--host-loss-fraction", "2"]) == 2
 
 
+def test_cli_takes_stall_restore_and_recovery_times_from_the_events(root: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    _elastic_events(root / "llm")
+    rate = ["--replace-time", "600", "--mtbf-hours", "10", "--min-failures", "200", "--points", "5", "--json"]
+    assert main(["advise", f"{root}/llm", *rate]) == 0, capsys.readouterr().err
+    inputs = p.Advice.model_validate_json(capsys.readouterr().out).inputs
+    for name, value in (("save_stall_s", 1.5), ("restore_time_s", 3.0), ("memory_restore_time_s", 1.5),
+                        ("recovery_time_s", 19.9), ("resize_recovery_time_s", 31.4)):
+        assert inputs[name].source == "history" and inputs[name].value == pytest.approx(value), name
+    assert main(["advise", f"{root}/llm", *rate, "--restore-time", "30"]) == 0  # a flag overrides the history
+    inputs = p.Advice.model_validate_json(capsys.readouterr().out).inputs
+    assert inputs["restore_time_s"].source == "given" and inputs["restore_time_s"].value == 30
+
+
 @pytest.fixture
 def client(root: Path, tmp_path: Path) -> Iterator[TestClient]:
-    cat = Catalog(Storage(str(root)), tmp_path / "catalog.sqlite3")
-    cat.rebuild()
-    with TestClient(create_app(make_settings(root, tmp_path), cat, background=False)) as c:
+    with TestClient(app_over(root, tmp_path)) as c:
         yield c
 
 
@@ -234,6 +283,14 @@ def test_api_answers_the_same_advice(client: TestClient) -> None:
     assert {a.policy for a in advice.policies} == {"pause", "resize", "spare"}
     assert len(advice.policies[0].sweep) == 13
     assert p.ROUTE_ADVICE in client.get("/openapi.json").json()["paths"]
+
+
+def test_api_takes_the_times_from_the_events(root: Path, client: TestClient) -> None:
+    _elastic_events(root / "llm")
+    resp = client.get("/v1/jobs/llm/advice", params={"replace_time_s": 600, "mtbf_hours": 10, "min_failures": 200})
+    assert resp.status_code == 200, resp.text
+    inputs = p.Advice.model_validate(resp.json()).inputs
+    assert inputs["recovery_time_s"].source == "history" and inputs["save_stall_s"].value == pytest.approx(1.5)
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import httpx
 import pytest
 import uvicorn
+from fastapi import FastAPI
 
 from ckptd.api.app import create_app
 from ckptd.api.connections import server_config
@@ -42,6 +43,16 @@ class ServerHandle:
 
 class StartServer(Protocol):
     def __call__(self, root: str | Path, **settings_overrides: Any) -> ServerHandle: ...
+
+
+def app_over(root: str | Path, state_dir: Path, **overrides: Any) -> FastAPI:
+    """An app for FastAPI's TestClient over ``root``: its catalog built now, no background threads."""
+    from ckptd.catalog.catalog import Catalog
+    from trainer_client.core.storage import Storage
+
+    catalog = Catalog(Storage(str(root)), state_dir / "catalog.sqlite3")
+    catalog.rebuild()
+    return create_app(make_settings(root, state_dir, **overrides), catalog, background=False)
 
 
 def start_server(root: str | Path, state_dir: Path, **overrides: Any) -> ServerHandle:
@@ -76,4 +87,4 @@ def start_server(root: str | Path, state_dir: Path, **overrides: Any) -> ServerH
     return handle
 
 
-__all__ = ["ServerHandle", "StartServer", "start_server"]
+__all__ = ["ServerHandle", "StartServer", "app_over", "start_server"]

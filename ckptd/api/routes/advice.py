@@ -1,8 +1,8 @@
 """``GET /v1/jobs/{job}/advice``: checkpoint periods and recovery policy from the goodput advisor.
 
-The route is async: the job's history is read on the handler pool (a catalog read, like any other route),
-and the simulation runs on the advice runner's own threads under a work budget (ckptd/api/advice_runner.py),
-so advice never holds the threads that answer resumes, and never runs without end.
+The route is async: the job's history (its steps and its events) is read on the handler pool like any other
+route's reads, and the simulation runs on the advice runner's own threads under a work budget
+(ckptd/api/advice_runner.py), so advice never holds the threads that answer resumes, and never runs without end.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ckptd.api.errors import ERROR_RESPONSES
 from ckptd.api.openapi import route_doc
 from ckptd.api.services import Services
 from trainer_client.core import protocol as p
-from trainer_client.core.protocol import CheckpointInfo
+from trainer_client.core.protocol import CheckpointInfo, StoredEvent
 
 
 def router(svc: Services) -> APIRouter:
@@ -28,13 +28,14 @@ def router(svc: Services) -> APIRouter:
     async def advice(job: str, query: Annotated[p.AdviceQuery, Query()], request: Request) -> p.Advice:
         """Checkpoint periods and recovery policy (ckptd/advisor/advisor.py); the job's history fills the gaps."""
 
-        def history() -> list[CheckpointInfo]:
-            return svc.catalog.checkpoints(svc.check_job(job))
+        def history() -> tuple[list[CheckpointInfo], list[StoredEvent]]:
+            checked = svc.check_job(job)
+            return svc.catalog.checkpoints(checked), svc.events.load(checked)
 
-        checkpoints = await anyio.to_thread.run_sync(history)
+        checkpoints, events = await anyio.to_thread.run_sync(history)
 
         def compute(budget: WorkBudget) -> p.Advice:
-            return advice_for_job(job, checkpoints, query, budget=budget)
+            return advice_for_job(job, checkpoints, query, events=events, budget=budget)
 
         return await svc.advice.run(compute, request)
 
