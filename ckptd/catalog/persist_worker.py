@@ -6,11 +6,17 @@ host's accelerators) and saves the state through trainer_client's Checkpointer: 
 manifest written before the commit marker, fsynced. Plain Orbax can restore the result. It prints the
 committed step's URL; a non-zero exit means the step was not committed.
 
-Each array is handed to Orbax sharded as the trainer saved it: one fake CPU device per saved shard
-(``--devices`` of them: ckptd's ``CKPTD_PERSIST_DEVICES``, 16 by default; an array with more shards gets
-coarser ones), each device's buffer a read-only view of the snapshot's memory map (the trainer puts every
-shard at a 64-byte boundary, so XLA takes the view as it is). No byte is copied before Orbax writes it, Orbax writes the
-shards in parallel, and the chunks on storage are the trainer's own.
+Each array is handed to Orbax sharded as the trainer saved it: on the trainer's own mesh (its axis names
+and shape, over as many fake CPU devices: ``--devices`` of them, ckptd's ``CKPTD_PERSIST_DEVICES``, 16 by
+default) with the trainer's partition spec, so Orbax's ``_sharding`` records the trainer's mesh and
+shardings and plain Orbax restoring without a target sees them. Each device's buffer is a read-only view
+of the snapshot's memory map (the trainer puts every shard at a 64-byte boundary, so XLA takes the view as
+it is; the replicas of a shard share that view): no byte is copied before Orbax writes it, Orbax writes the
+shards in parallel, and the chunks on storage are the trainer's own. Where the trainer's mesh has more
+devices than the worker (or an array's shards are not its recorded spec on that mesh), that array goes
+through a grid of one device per saved shard (coarser beyond ``--devices``) instead: the same bytes and
+chunks, but its ``_sharding`` then names that grid (``shard0``, ...); ckptd's own plans read the trainer's
+mesh from its training metadata either way (docs/architecture.md, "One planner").
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"  # never the host's accelerators
 import argparse
 import contextlib
 import json
+import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,10 +40,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from trainer_client.core.errors import StoredFormatError
 from trainer_client.core.format.snapshot import ArrayRecord, damaged_shards, map_data, problems, read_meta
-from trainer_client.core.format.snapshot_shards import ShardReader, shard_grid
+from trainer_client.core.format.snapshot_shards import ShardReader, index_bounds, shard_grid
 from trainer_client.core.format.tree_paths import rebuild
+from trainer_client.core.protocol import ArraySpec, TrainingMetadata
 from trainer_client.core.storage import join_path
-from trainer_client.runtime.checkpointing import Checkpointer
+from trainer_client.runtime.checkpointing import Checkpointer, spec_from_json
+
+_log = logging.getLogger(__name__)
 
 DEFAULT_DEVICES = 16  # fake CPU devices the worker asks jax for (ckptd passes CKPTD_PERSIST_DEVICES as --devices)
 
@@ -63,11 +73,35 @@ def _sharding(record: ArrayRecord, devices: Sequence[jax.Device]) -> jax.shardin
     return NamedSharding(mesh, PartitionSpec(*[name if n > 1 else None for name, n in zip(names, blocks, strict=True)]))
 
 
+def _trainer_mesh(training: TrainingMetadata, devices: Sequence[jax.Device]) -> Mesh | None:
+    """The trainer's mesh (axis names and shape) over the first of ``devices``; None when too few."""
+    shape = training.mesh.shape
+    if training.mesh.size > len(devices):
+        return None
+    return Mesh(np.array(devices[: training.mesh.size]).reshape(shape), tuple(training.mesh.axis_names))
+
+
+def _as_trained(record: ArrayRecord, spec: ArraySpec | None, mesh: Mesh | None) -> NamedSharding | None:
+    """The trainer's sharding of one array on ``mesh``, when its shards are exactly the ones the snapshot
+    holds (one replica each); None otherwise (no spec recorded, not a NamedSharding the trainer had)."""
+    if mesh is None or spec is None:
+        return None
+    shape = tuple(record.shape)
+    try:
+        sharding = NamedSharding(mesh, spec_from_json(spec.partition_spec))
+        wanted = {index_bounds(index, shape) for index in sharding.devices_indices_map(shape).values()}
+    except (ValueError, TypeError, KeyError):
+        return None
+    saved = {tuple((start, stop) for start, stop in shard.index) for shard in record.shards}
+    return sharding if wanted == saved else None
+
+
 def snapshot_arrays(snapshot: Path, devices: Sequence[jax.Device] | None = None) -> list[jax.Array]:
     """Every array of the snapshot as a jax array on ``devices`` (default: this process's CPU devices), in
-    leaf order, sharded as saved; a device's buffer is the shard's read-only view of the memory map where
-    jax takes it as is (on the CPU it does: no copy). ``StoredFormatError`` when a shard's bytes do not
-    match their CRC-32: a damaged snapshot is never written to storage."""
+    leaf order, sharded as saved: on the trainer's mesh with its partition spec where ``devices`` are
+    enough, else one device per saved shard; a device's buffer is the shard's read-only view of the
+    memory map where jax takes it as is (on the CPU it does: no copy). ``StoredFormatError`` when a
+    shard's bytes do not match their CRC-32: a damaged snapshot is never written to storage."""
     meta = read_meta(snapshot)
     data = map_data(snapshot, meta)
     damaged = damaged_shards(data, meta)
@@ -75,13 +109,18 @@ def snapshot_arrays(snapshot: Path, devices: Sequence[jax.Device] | None = None)
         raise StoredFormatError(f"snapshot {snapshot} is damaged: {'; '.join(damaged[:4])}"
                                 + (f" (and {len(damaged) - 4} more shards)" if len(damaged) > 4 else ""))
     devices = list(devices or jax.devices("cpu"))
+    mesh = _trainer_mesh(meta.training, devices)
     out: list[jax.Array] = []
     for name in meta.leaf_names:
         record = meta.arrays[name]
         # Views, not copies: only Orbax reads these arrays, and a snapshot waiting to be persisted is never
         # evicted (a trainer re-saving the step replaces the file; the old pages stay mapped).
         reader = ShardReader(data, record, copy=False)
-        out.append(jax.make_array_from_callback(tuple(record.shape), _sharding(record, devices), reader,
+        sharding = _as_trained(record, meta.training.arrays.get(name), mesh)
+        if sharding is None:
+            _log.info("%s of step %s: not on the trainer's mesh %s (%d devices here): saved on its shard grid",
+                      name, meta.step, meta.training.mesh.shape, len(devices))
+        out.append(jax.make_array_from_callback(tuple(record.shape), sharding or _sharding(record, devices), reader,
                                                 dtype=reader.dtype))
     return out
 

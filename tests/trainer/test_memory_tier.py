@@ -241,6 +241,12 @@ def _mapped(path: Path) -> list[tuple[int, int]]:
     return ranges
 
 
+def leaf_sharding(state: Any, name: str) -> Any:
+    """The sharding of the leaf of ``state`` Orbax names ``name``."""
+    return next(leaf.sharding for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+                if leaf_name(path) == name)
+
+
 def test_the_persist_worker_hands_orbax_the_saved_shards_without_a_copy(tmp_path: Path) -> None:
     import tensorstore as ts
 
@@ -252,7 +258,11 @@ def test_the_persist_worker_hands_orbax_the_saved_shards_without_a_copy(tmp_path
     meta = read_meta(path)
     arrays = snapshot_arrays(path)
     for name, array, leaf in zip(meta.leaf_names, arrays, _leaves(state), strict=True):
-        assert len(array.addressable_shards) == len(meta.arrays[name].shards)  # one device per saved shard
+        # on the trainer's mesh, sharded as the trainer had it: one saved shard per distinct device shard
+        assert array.sharding.mesh.axis_names == ("replica", "data") and array.sharding.mesh.devices.shape == (4, 2)
+        assert array.sharding.spec == leaf_sharding(state, name).spec
+        distinct = {tuple((s.start or 0, s.stop) for s in shard.index) for shard in array.addressable_shards}
+        assert len(distinct) == len(meta.arrays[name].shards)
         assert np.array_equal(np.asarray(array), leaf)
     if Path("/proc/self/maps").exists():  # each device buffer is the snapshot's own memory
         ranges = _mapped(path / SNAPSHOT_DATA_FILE)
