@@ -18,38 +18,20 @@ import numpy as np
 import pytest
 
 from examples.elastic_mlp import TrainLog, init_state, make_train_fn, partition_specs, train_step
+from tests.support.elastic_runs import BATCH, JOB, elastic_runner, leaves, run_to_end
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.errors import ElasticRetriesExhausted
-from trainer_client.runtime.elastic import ElasticConfig, ElasticContext, ElasticResult, ElasticRunner
+from trainer_client.runtime.elastic import ElasticContext, ElasticRunner
 from trainer_client.runtime.slices import SimulatedSlices, SliceFault
-
-JOB = "mlp"
-BATCH = 48
 
 
 def _runner(root: Path, url: str, policy: str, faults: list[SliceFault], **config: Any) -> ElasticRunner:
-    (root / JOB).mkdir(parents=True, exist_ok=True)
-    cfg = ElasticConfig(
-        job=JOB, mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=BATCH,
-        checkpoint_period=10, elastic_timeout_s=30, policy=policy,  # type: ignore[arg-type]
-        poll_interval_s=0.05, scale_up_check_interval_s=0.0, **config,
-    )
-    client = CkptdClient(ClientSettings(url=url, timeout_s=2.0, resume_deadline_s=3.0), root=str(root))
-    return ElasticRunner(cfg, slices=SimulatedSlices(num_slices=4, faults=faults), client=client,
-                         checkpoint_dir=str(root / JOB))
+    return elastic_runner(root, url, policy, faults, **config)
 
 
-def _run(runner: ElasticRunner, train: Callable[[ElasticContext], Any]) -> ElasticResult[Any]:
-    try:
-        return runner.run(train)
-    finally:
-        runner.checkpointer.close()
-        runner.client.close()
-
-
-def _leaves(state: Any) -> list[np.ndarray]:
-    return [np.asarray(x) for x in jax.tree_util.tree_leaves(state)]
+_run = run_to_end
+_leaves = leaves
 
 
 def test_pause_policy_is_bitwise_equal_to_a_run_without_failures(tmp_path: Path, ckptd_server: Any) -> None:
@@ -150,7 +132,7 @@ def test_scale_up_restores_the_state_it_saved(tmp_path: Path, ckptd_server: Any)
 
 def test_too_many_failures_exhaust_the_retries(tmp_path: Path, ckptd_server: Any) -> None:
     server = ckptd_server(tmp_path)
-    faults = [SliceFault(1, at_step=5, down_for_s=0.0), SliceFault(2, at_step=7, down_for_s=0.0)]
+    faults = [SliceFault(1, at_step=5, down_for_s=0.5), SliceFault(2, at_step=7, down_for_s=0.5)]
     runner = _runner(tmp_path, server.url, "pause", faults, elastic_max_retries=1)
     with pytest.raises(ElasticRetriesExhausted):
         _run(runner, make_train_fn(20, TrainLog()))

@@ -1,12 +1,15 @@
 """The elastic runner: survive slice failures inside the running process (same PID, no relaunch).
 
 ``ElasticRunner.run(train_fn)`` calls the user's training function with an ``ElasticContext``. When a
-slice dies the JAX runtime raises (``JaxRuntimeError`` with ``DATA_LOSS``; classified by pathwaysutils);
-the runner catches it, lets every reference to the old arrays go, waits for slices as the policy says
-(``pause``: all of them, ``resize``: what is alive), asks ckptd for the resume plan (or scans storage
-when ckptd cannot answer), rebuilds the mesh from the plan and calls the training function again, which
-restores onto the new mesh through ``ctx.restore_or_init``. Under ``resize`` a returning slice is noticed
-at a step boundary: the current state is saved first, so growing back loses no steps.
+slice dies the JAX operation that touches it raises (``JaxRuntimeError`` with ``DATA_LOSS``); the runner
+retries only what pathwaysutils classifies as a slice loss *and* a health check confirms
+(``fault_classification``; anything else is re-raised at once). It frees the failed attempt (JAX's caches
+cleared, its arrays deleted: ``recovery``), waits for slices as the policy says (``pause``: all of them,
+``resize``: what is alive), asks ckptd for the resume plan (or scans storage when ckptd cannot answer),
+rebuilds the mesh from the plan and calls the training function again, with the default device on a live
+slice; it restores onto the new mesh through ``ctx.restore_or_init``. Under ``resize`` a returning slice
+is noticed at a step boundary: the current state is saved first, so growing back loses no steps. On
+Pathways the runner calls ``pathwaysutils.initialize()``.
 
 Options mirror MaxText's elastic flags: ``checkpoint_period``, ``elastic_timeout_s``,
 ``elastic_max_retries``, and the policy.
@@ -14,7 +17,6 @@ Options mirror MaxText's elastic flags: ``checkpoint_period``, ``elastic_timeout
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
@@ -23,20 +25,27 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 from pathwaysutils.elastic.manager import ScaleUpSignalError
 
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.client.event_reporter import EventReporter
-from trainer_client.core.batching import initial_batch
 from trainer_client.core.planner import plan_mesh
-from trainer_client.core.protocol import BatchOptions, BatchPlan, MeshSpec, ResumePlan, ResumeRequest, SliceAlive
+from trainer_client.core.protocol import BatchOptions, MeshSpec, ResumePlan, ResumeRequest, SliceAlive
 from trainer_client.errors import ElasticRetriesExhausted, ElasticTimeoutError, NoCheckpointError
-from trainer_client.runtime._saver import HealthWatch, Saver, restore_plan
-from trainer_client.runtime.checkpointing import Checkpointer, mesh_spec, target_shardings, training_metadata
+from trainer_client.runtime._saver import HealthWatch, Saver
+from trainer_client.runtime.checkpointing import Checkpointer
+from trainer_client.runtime.elastic_context import ElasticContext
+from trainer_client.runtime.fault_classification import classify_failure
 from trainer_client.runtime.memory_tier import MemoryTier
-from trainer_client.runtime.precompile import PrecompileHook, Precompiler, build_mesh, enable_persistent_cache
-from trainer_client.runtime.slices import SliceProvider, is_slice_down_error
+from trainer_client.runtime.precompile import (
+    Precompiler,
+    build_mesh,
+    enable_persistent_cache,
+    ensure_compilation_cache,
+)
+from trainer_client.runtime.recovery import ArraysBefore, live_default_device, release_failed_attempt
+from trainer_client.runtime.slices import SliceProvider, initialize_pathways
 
 _log = logging.getLogger(__name__)
 
@@ -67,7 +76,9 @@ class ElasticConfig:
     memory_period: int | None = None  # memory-only snapshots every N steps (between persistent saves)
     max_snapshots: int = 2
     preallocate_snapshots: bool = True  # allocate the next snapshot's shm file in the background after a save
-    compilation_cache_dir: str | None = None  # JAX's persistent compilation cache (shared with relaunches)
+    # JAX's persistent compilation cache (shared with relaunches); unset: a private one under the temp dir, unless
+    # one is configured already (it carries compiled steps across the cache clear after an event)
+    compilation_cache_dir: str | None = None
     precompile: bool = True  # compile the likely next meshes in the background (needs ctx.set_precompile)
     # a periodic save while the previous save to storage is still being written: waits for it (Orbax's way), or
     # is skipped so the loop never waits (fewer checkpoints when saves take longer than checkpoint_period)
@@ -111,128 +122,6 @@ class ElasticResult(Generic[T]):
     final_step: int | None
 
 
-class ElasticContext:
-    """What one attempt of the training function gets: the mesh, the plan, and the step hooks."""
-
-    def __init__(self, runner: ElasticRunner, mesh: Mesh, plan: ResumePlan | None, active: frozenset[int]):
-        self.runner = runner
-        self.mesh = mesh
-        self.plan = plan
-        self.active_slices = active
-        cfg = runner.config
-        self.batch: BatchPlan = plan.batch if plan is not None and plan.batch is not None else initial_batch(
-            cfg.global_batch, mesh_spec(mesh), cfg.batch_mode
-        )
-        self.start_step = 0
-        self.last_step: int | None = None
-        self._first_step_done = False
-        self._last_scale_check = time.monotonic()
-        self._precompile: PrecompileHook | None = None
-        self._precompiling = False
-
-    def set_precompile(self, hook: PrecompileHook) -> None:
-        """Register ``hook(mesh, batch_plan)``: lower and compile the training step for ``mesh``. The runner
-        calls it in the background for the meshes an elastic event would lead to next."""
-        self._precompile = hook
-
-    @property
-    def global_batch(self) -> int:
-        """Samples per optimizer step on this mesh (``batch.accumulation_steps`` microbatches)."""
-        return self.batch.global_batch
-
-    # ---- state ----------------------------------------------------------------------------------
-
-    def restore_or_init(
-        self, init_fn: Callable[[], PyTree], specs_fn: Callable[[PyTree], PyTree]
-    ) -> tuple[PyTree, int, int]:
-        """``(state, step, data_position)``: restored from the plan's step onto this mesh, or freshly
-        initialised (step 0, position 0) when the job has no committed checkpoint yet.
-
-        ``specs_fn(abstract_state)`` gives a ``PartitionSpec`` per leaf in this mesh's axis names.
-        """
-        abstract = jax.eval_shape(init_fn)
-        specs = specs_fn(abstract)
-        if self.plan is None:
-            shardings = jax.tree_util.tree_map(
-                lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
-            )
-            state = jax.jit(init_fn, out_shardings=shardings)()
-            self.start_step, position = 0, 0
-            self.runner.emit("initialized", 0, f"fresh state on mesh {list(self.mesh.devices.shape)}")
-        else:
-            state, self.plan = restore_plan(
-                self.plan, lambda plan: target_shardings(abstract, self.mesh, specs, plan.arrays),
-                lambda: self.runner._plan(self.active_slices, use_memory_tier=False))
-            jax.block_until_ready(state)
-            self.start_step = self.plan.step
-            position = self.plan.data_position or 0
-            plan = self.plan
-            self.runner.emit("restored", plan.step, f"from {plan.tier}: {plan.path}", tier=plan.tier)
-        self.last_step = self.start_step
-        return state, self.start_step, position
-
-    def save(self, step: int, state: PyTree, data_position: int, *, persist: bool = True,
-             if_busy: Literal["wait", "skip"] = "wait") -> None:
-        """Save ``state`` as ``step`` (the loop is blocked only for the device-to-host copy): to storage
-        (through ckptd's memory tier when it is on), or only to host memory when ``persist`` is False.
-        ``if_busy="skip"`` (the periodic saves) skips a direct save that would wait for the previous one."""
-        meta = training_metadata(step, state, data_position=data_position, global_batch=self.global_batch,
-                                 mesh=self.mesh, slices=sorted(self.active_slices), batch=self.batch)
-        saver = self.runner.saver
-        with self.runner.precompiler.paused():  # a save's Python must not queue for the GIL behind tracing
-            tier = saver.save(step, state, meta, persist=persist, if_busy=if_busy)
-        self._start_precompile()  # after the attempt's first save: its first-time costs are paid alone
-        self.runner.emit("checkpoint_started", step, f"{tier}, {saver.last_blocked_s or 0.0:.3f}s blocked",
-                         blocked_seconds=saver.last_blocked_s, tier=tier)
-
-    def _start_precompile(self) -> None:
-        cfg = self.runner.config
-        if self._first_step_done and self._precompile is not None and cfg.precompile and not self._precompiling:
-            self._precompiling = True  # one pass per attempt
-            self.runner.precompiler.start(
-                self._precompile, mesh_spec(self.mesh), self.active_slices, self.runner.slices.slice_to_devices,
-                self.batch, BatchOptions(mode=cfg.batch_mode, lr_scaling=cfg.lr_scaling))
-
-    # ---- the hook called at the top of every step -----------------------------------------------
-
-    def step_boundary(self, step: int, state: PyTree, data_position: int) -> None:
-        """Call before computing ``step`` (``state`` holds ``step`` completed steps).
-
-        Reports the first step done after a recovery, fires injected faults (CPU simulation), saves every
-        ``checkpoint_period`` steps, and under ``resize`` grows back when lost slices have returned.
-        """
-        if not self._first_step_done and step > self.start_step:
-            jax.block_until_ready(state)
-            self._first_step_done = True
-            self.runner._first_step_done(step)
-        cfg = self.runner.config
-        if not self._precompiling and (cfg.checkpoint_period <= 0 or step >= self.start_step + cfg.checkpoint_period):
-            self._start_precompile()  # no save came first
-        self.last_step = step
-        self.runner.slices.at_step_boundary(step, self.active_slices)
-        if step > self.start_step and cfg.checkpoint_period > 0 and step % cfg.checkpoint_period == 0:
-            self.save(step, state, data_position, if_busy=cfg.when_save_busy)
-        elif step > self.start_step and cfg.memory_period and step % cfg.memory_period == 0 and cfg.shm_dir:
-            self.save(step, state, data_position, persist=False)
-        if self.runner.config.policy == "resize":
-            self._maybe_scale_up(step, state, data_position)
-
-    def _maybe_scale_up(self, step: int, state: PyTree, data_position: int) -> None:
-        now = time.monotonic()
-        if now - self._last_scale_check < self.runner.config.scale_up_check_interval_s:
-            return
-        self._last_scale_check = now
-        if set(self.runner.slices.slice_to_devices) == set(self.active_slices):
-            return
-        back = self.runner.slices.healthy_slices() - self.active_slices
-        if not back:
-            return
-        if step not in self.runner.saver.saved_steps:
-            self.save(step, state, data_position, persist=self.runner.saver.memory is None)
-        self.runner.saver.wait()  # the step we grow from must be whole (in memory) or committed
-        raise ScaleUpSignalError(f"slice(s) {sorted(back)} healthy again at step {step}")
-
-
 class ElasticRunner:
     """Runs a training function through slice failures, in this process."""
 
@@ -252,8 +141,11 @@ class ElasticRunner:
         # Events go to ckptd in the background (trainer_client/client/event_reporter.py); training never waits.
         self.reporter = reporter if reporter is not None else (
             EventReporter(client.settings, config.job) if client.settings.report_events else None)
+        initialize_pathways()  # on Pathways only (pathwaysutils' proxy backend); PathwaysSlices did it first
         if config.compilation_cache_dir:
             enable_persistent_cache(config.compilation_cache_dir)
+        else:  # compiled executables must outlive the cache clear after an event (compile-ahead's above all)
+            ensure_compilation_cache()
         self.precompiler = Precompiler()
         self.checkpointer = Checkpointer(checkpoint_dir)
         memory = (MemoryTier(config.shm_dir, config.job, max_snapshots=config.max_snapshots,
@@ -304,6 +196,7 @@ class ElasticRunner:
     def _run(self, train_fn: Callable[[ElasticContext], T]) -> ElasticResult[T]:
         self._t0 = time.monotonic()
         self.emit("start", None, f"pid {os.getpid()}, policy {self.config.policy}")
+        callers_arrays = ArraysBefore()  # kept across events; whatever an attempt creates is not
         active = self._wait_for_slices(self.config.policy)
         failures = 0
         while True:
@@ -317,17 +210,23 @@ class ElasticRunner:
                 rec.lost_steps = rec.failed_at_step - rec.restored_step
             ctx = ElasticContext(self, mesh, plan, active)
             try:
-                value = train_fn(ctx)
+                # as Manager.elastic_retry: nothing without an explicit sharding lands on a dead slice
+                with jax.default_device(live_default_device(self.slices.slice_to_devices, order)):
+                    value = train_fn(ctx)
                 self.checkpointer.wait()
                 self.emit("finished", ctx.last_step)
                 return ElasticResult(value, os.getpid(), list(self.events), list(self.recoveries), ctx.last_step)
             except ScaleUpSignalError as exc:
                 self._record("scale_up", ctx, str(exc))
             except Exception as exc:
-                if not is_slice_down_error(exc):
+                # a slice loss only when pathwaysutils says so and the health check confirms it; anything
+                # else (an XLA compiler bug, an out-of-memory, a corrupt read) leaves unchanged, at once
+                loss = classify_failure(exc, self.slices, ctx.active_slices)
+                if loss is None:
                     raise
                 failures += 1
-                self._record("slice_down", ctx, str(exc).splitlines()[0][:300])
+                self._record("slice_down", ctx, f"slice(s) {sorted(loss.lost)} down: "
+                             f"{(str(exc).splitlines() or [''])[0][:300]}")
                 if failures > self.config.elastic_max_retries:
                     raise ElasticRetriesExhausted(
                         f"{failures} slice failures exceed elastic_max_retries="
@@ -336,8 +235,9 @@ class ElasticRunner:
             self.precompiler.stop()
             # Out of the except block: the traceback and the frames holding the old arrays are gone.
             del ctx
-            gc.collect()
-            self.checkpointer.reset()
+            self.checkpointer.reset()  # a save in flight has its host copy: the device arrays may go
+            release_failed_attempt(callers_arrays)
+            self.precompiler.forget()
             active = self._wait_for_slices(self.config.policy)
 
     def _record(self, kind: Literal["slice_down", "scale_up"], ctx: ElasticContext, detail: str) -> None:

@@ -4,9 +4,10 @@ Recovery after a slice failure is dominated by re-tracing and recompiling the tr
 mesh. While training runs on a mesh, a background thread asks the user's ``precompile(mesh, batch)``
 hook to lower and compile the step for the meshes an elastic event would lead to next: the full mesh
 again when running degraded (the regrow), then every mesh with one slice fewer (one per slice that could
-be lost). Lowering and compiling a jitted function warms jax's own cache for that function, so the first
-step after a recovery on one of those meshes starts at once; with ``compilation_cache_dir`` set, JAX's
-persistent compilation cache also keeps them across processes.
+be lost). The runner clears JAX's in-memory caches after every elastic event (docs/architecture.md), so
+what carries the compiled executables across the event is the compilation cache: JAX's persistent cache
+(``compilation_cache_dir``, or a private default, ``ensure_compilation_cache``), or Pathways' own. The
+first step on the new mesh traces and lowers again and loads its executable: no XLA compile.
 
 The hook is the user's because only the training code knows its step function and input layouts (see
 ``examples/elastic_mlp.py``). A failing compile is logged and skipped: precompiling is an optimisation.
@@ -16,15 +17,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
 from trainer_client.core.batching import plan_batch
+from trainer_client.core.errors import UnsafePathError
+from trainer_client.core.format.private_files import ensure_private_dir
 from trainer_client.core.planner import plan_mesh
 from trainer_client.core.protocol import BatchOptions, BatchPlan, MeshSpec
 from trainer_client.errors import PlanningError
@@ -39,6 +45,33 @@ def enable_persistent_cache(directory: str) -> None:
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def default_cache_dir() -> Path:
+    """This user's private compilation cache: ``<tmp>/ckptd-<uid>/jax-compilation-cache``."""
+    return Path(tempfile.gettempdir()) / f"ckptd-{os.geteuid()}" / "jax-compilation-cache"
+
+
+def ensure_compilation_cache() -> str | None:
+    """Make compiled executables outlive ``jax.clear_caches()`` (which the runner calls after every elastic
+    event, docs/architecture.md): JAX's persistent compilation cache, in ``default_cache_dir()`` (private:
+    0700, refused when another user owns it — a cache is loaded as code) unless one is configured. Nothing
+    when JAX's cache is off, as ``pathwaysutils.initialize()`` sets it on Pathways, which keeps compiled
+    programs itself. Returns the directory in use."""
+    if not jax.config.jax_enable_compilation_cache:  # type: ignore[attr-defined]
+        return None
+    configured = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]
+    if configured:
+        return str(configured)
+    directory = default_cache_dir()
+    try:
+        ensure_private_dir(directory)
+    except (OSError, UnsafePathError) as exc:
+        _log.warning("no compilation cache (%s): after an elastic event the new mesh's step is compiled again",
+                     exc)
+        return None
+    enable_persistent_cache(str(directory))
+    return str(directory)
 
 
 def build_mesh(
@@ -74,16 +107,34 @@ def likely_next(
     return out
 
 
-class Precompiler:
-    """Runs the precompile hook for the likely next meshes in a daemon thread (one pass per mesh)."""
+class _Pass:
+    """One attempt's background compile pass: its thread and its own stop flag."""
 
     def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+
+class Precompiler:
+    """Runs the precompile hook for the likely next meshes in a daemon thread (one pass per attempt).
+
+    Whatever a compile does — raise (a slice lost under it raises ``DATA_LOSS`` inside the compile), or
+    never return — it happens in that thread: it is logged (``failed``) and never reaches the training
+    loop. A pass that is still busy when an elastic event stops it is abandoned, not waited for: the next
+    attempt's pass starts at once in a thread of its own."""
+
+    def __init__(self, join_timeout_s: float = 60.0) -> None:
         self._done: set[tuple[int, ...]] = set()
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._current: _Pass | None = None
+        self._passes: list[_Pass] = []
         self._clear = threading.Event()  # set: no save is in progress, compiling may go on
         self._clear.set()
+        self.join_timeout_s = join_timeout_s
         self.compiled: list[tuple[list[int], float]] = []  # (mesh shape, seconds)
+        self.failed: list[tuple[list[int], str]] = []  # (mesh shape, error)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -104,18 +155,21 @@ class Precompiler:
         batch: BatchPlan,
         options: BatchOptions,
     ) -> None:
-        if self._thread is not None and self._thread.is_alive():
+        if self._current is not None and self._current.alive() and not self._current.stop.is_set():
             return
         targets = likely_next(current, active, slice_to_devices)
-        self._stop.clear()
-        self._thread = threading.Thread(
-            target=self._run, args=(hook, targets, slice_to_devices, batch, options), name="ckptd-precompile",
-            daemon=True,
+        run = _Pass()
+        run.thread = threading.Thread(
+            target=self._run, args=(run, hook, targets, slice_to_devices, batch, options),
+            name="ckptd-precompile", daemon=True,
         )
-        self._thread.start()
+        self._current = run
+        self._passes = [p for p in self._passes if p.alive()] + [run]
+        run.thread.start()
 
     def _run(
         self,
+        run: _Pass,
         hook: PrecompileHook,
         targets: list[tuple[MeshSpec, list[int]]],
         slice_to_devices: Mapping[int, Sequence[jax.Device]],
@@ -124,9 +178,9 @@ class Precompiler:
     ) -> None:
         for spec, slices in targets:
             while not self._clear.wait(0.05):  # a save is in progress
-                if self._stop.is_set():
+                if run.stop.is_set():
                     return
-            if self._stop.is_set():
+            if run.stop.is_set():
                 return
             mesh = build_mesh(spec, slices, slice_to_devices)
             key = tuple(d.id for d in mesh.devices.flat)
@@ -137,19 +191,42 @@ class Precompiler:
                 hook(mesh, plan_batch(batch, spec, options))
             except Exception as exc:  # an optimisation only: never let it hurt training
                 _log.warning("precompiling for mesh %s failed: %s", spec.shape, exc)
+                self.failed.append((list(spec.shape), f"{type(exc).__name__}: {exc}"))
                 continue
+            if run.stop.is_set():  # compiled for an attempt that is over: the caches were cleared since
+                return
             self._done.add(key)
             self.compiled.append((list(spec.shape), time.perf_counter() - started))
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the current pass is done (tests; benchmarks)."""
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._current is not None and self._current.thread is not None:
+            self._current.thread.join(timeout)
+
+    def forget(self) -> None:
+        """The in-memory caches were cleared (after an elastic event): compile every mesh again when asked."""
+        self._done.clear()
 
     def stop(self, wait: bool = False) -> None:
-        self._stop.set()
-        if wait and self._thread is not None:
-            self._thread.join()
+        """Stop every pass; with ``wait``, wait for their compiles in flight (XLA aborts the process if the
+        interpreter exits while one runs), at most ``join_timeout_s`` in all: a compile that hangs (a dead
+        slice under it) is abandoned with an error line rather than hang the process."""
+        for run in self._passes:
+            run.stop.set()
+        if not wait:
+            return
+        deadline = time.monotonic() + self.join_timeout_s
+        for run in self._passes:
+            if run.thread is not None:
+                run.thread.join(max(0.0, deadline - time.monotonic()))
+        stuck = [p for p in self._passes if p.alive()]
+        if stuck:
+            _log.error("%d background compile(s) still running after %.0fs: not waiting for them",
+                       len(stuck), self.join_timeout_s)
+        self._passes = stuck
 
 
-__all__ = ["PrecompileHook", "Precompiler", "build_mesh", "enable_persistent_cache", "likely_next"]
+__all__ = [
+    "PrecompileHook", "Precompiler", "build_mesh", "default_cache_dir", "enable_persistent_cache",
+    "ensure_compilation_cache", "likely_next",
+]

@@ -3,12 +3,15 @@
 Both providers expose the same three things to the elastic runner: the slice-to-devices map, the set
 of healthy slices (pathwaysutils' ``get_active_slice_indices`` with a health checker), and a hook run at
 every step boundary. On Pathways the runtime itself raises ``JaxRuntimeError(DATA_LOSS)`` when a slice
-dies; on CPU the ``SimulatedSlices`` fault injector raises the same exception at the step boundary it was
-told to, keeps that slice failing health checks for a while, then lets it come back.
+dies; on CPU ``SimulatedSlices`` is the stand-in for slice *health*: a slice it takes down fails health
+checks for a while, then comes back. Its scheduled ``SliceFault``s raise ``DATA_LOSS`` at a step boundary;
+``trainer_client.runtime.jax_faults.InJaxFaults`` makes JAX operations themselves raise it (mid-step, in a
+snapshot copy, a restore, a compile), as on Pathways. Listeners (``add_loss_listener``) hear of each loss.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence, Set
@@ -16,12 +19,21 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import jax
+import pathwaysutils
 from pathwaysutils.elastic import elastic
 
+_log = logging.getLogger(__name__)
 
-def is_slice_down_error(error: BaseException) -> bool:
-    """pathwaysutils' classification: a ``JaxRuntimeError`` with DATA_LOSS (or a few other codes)."""
-    return isinstance(error, Exception) and bool(elastic.is_error_due_to_slice_down(error, log_traceback=False))
+
+def initialize_pathways() -> bool:
+    """``pathwaysutils.initialize()`` (the Pathways proxy backend, its profiling and persistence handlers)
+    when JAX runs on Pathways, detected as pathwaysutils detects it (``is_pathways_backend_used``: the
+    ``proxy`` platform); never on CPU or a multi-controller TPU job. True when it was called."""
+    if not pathwaysutils.is_pathways_backend_used():
+        return False
+    _log.info("Pathways backend configured: pathwaysutils.initialize()")
+    pathwaysutils.initialize()  # a second call is a no-op in pathwaysutils
+    return True
 
 
 class SliceProvider(Protocol):
@@ -33,9 +45,13 @@ class SliceProvider(Protocol):
 
 
 class PathwaysSlices:
-    """Real slices, from ``device.slice_index``, health-checked by pathwaysutils' tiny pmap per slice."""
+    """Real slices, from ``device.slice_index``, health-checked by pathwaysutils' tiny pmap per slice.
+
+    Registers pathwaysutils' Pathways backend (``pathwaysutils.initialize()``) before it asks JAX for its
+    devices, when JAX is configured for Pathways' proxy platform."""
 
     def __init__(self, devices: Sequence[jax.Device] | None = None) -> None:
+        initialize_pathways()
         self.slice_to_devices = elastic.get_slice_to_devices(list(devices or jax.devices()))
 
     def healthy_slices(self) -> frozenset[int]:
@@ -92,6 +108,11 @@ class SimulatedSlices:
         self._down_until: dict[int, float] = {}
         self._clock = clock
         self._lock = threading.Lock()
+        self._loss_listeners: list[Callable[[int], None]] = []
+
+    def add_loss_listener(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(slice_index)`` each time a slice is taken down (after it is marked down)."""
+        self._loss_listeners.append(listener)
 
     def healthy_now(self) -> frozenset[int]:
         now = self._clock()
@@ -110,6 +131,8 @@ class SimulatedSlices:
             self._down_until[slice_index] = (
                 float("inf") if down_for_s is None else self._clock() + down_for_s
             )
+        for listener in list(self._loss_listeners):
+            listener(slice_index)
 
     def bring_back(self, slice_index: int) -> None:
         with self._lock:
@@ -130,4 +153,4 @@ class SimulatedSlices:
             )
 
 
-__all__ = ["PathwaysSlices", "SimulatedSlices", "SliceFault", "SliceProvider", "is_slice_down_error"]
+__all__ = ["PathwaysSlices", "SimulatedSlices", "SliceFault", "SliceProvider", "initialize_pathways"]

@@ -1,0 +1,57 @@
+"""Elastic runs for the trainer tests: the demo MLP on 4 fake slices of 2 CPU devices, against a real ckptd.
+
+``elastic_runner`` builds an ``ElasticRunner`` (mesh 4 x 2, batch 48, a save every 10 steps, short polls),
+``run_to_end`` runs it and closes its checkpointer and client, ``leaves`` reads a state back to numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from trainer_client.client.ckptd_client import CkptdClient
+from trainer_client.config import ClientSettings
+from trainer_client.runtime.elastic import ElasticConfig, ElasticContext, ElasticResult, ElasticRunner, Event
+from trainer_client.runtime.slices import SimulatedSlices, SliceFault
+
+JOB = "mlp"
+BATCH = 48
+
+
+def elastic_runner(root: Path, url: str, policy: str, faults: Sequence[SliceFault] = (), *,
+                   slices: SimulatedSlices | None = None, on_event: Callable[[Event], None] | None = None,
+                   shm_dir: str | None = None, **config: Any) -> ElasticRunner:
+    (root / JOB).mkdir(parents=True, exist_ok=True)
+    options: dict[str, Any] = dict(checkpoint_period=10, elastic_timeout_s=30, poll_interval_s=0.05,
+                                   scale_up_check_interval_s=0.0)
+    options.update(config)
+    cfg = ElasticConfig(job=JOB, mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=BATCH,
+                        policy=policy, shm_dir=shm_dir, **options)  # type: ignore[arg-type]
+    client = CkptdClient(ClientSettings(url=url, timeout_s=2.0, resume_deadline_s=3.0, shm_dir=shm_dir),
+                         root=str(root))
+    return ElasticRunner(cfg, slices=slices if slices is not None else SimulatedSlices(num_slices=4, faults=faults),
+                         client=client, checkpoint_dir=str(root / JOB), on_event=on_event)
+
+
+def run_to_end(runner: ElasticRunner, train: Callable[[ElasticContext], Any]) -> ElasticResult[Any]:
+    try:
+        return runner.run(train)
+    finally:
+        runner.checkpointer.close()
+        runner.client.close()
+
+
+def leaves(state: Any) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(state)]
+
+
+def assert_bitwise_equal(expected: Any, actual: Any, what: str = "the run diverged from the failure-free run") -> None:
+    for a, b in zip(leaves(expected), leaves(actual), strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b), what
+
+
+__all__ = ["BATCH", "JOB", "assert_bitwise_equal", "elastic_runner", "leaves", "run_to_end"]

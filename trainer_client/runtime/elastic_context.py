@@ -1,0 +1,153 @@
+"""What one attempt of the user's training function gets from the elastic runner: ``ElasticContext``.
+
+The mesh and resume plan of the attempt, ``restore_or_init`` (the plan's step onto this mesh), ``save``
+and the ``step_boundary`` hook (periodic saves, injected faults, the start of compile-ahead, growing back
+under ``resize``). Split from ``trainer_client.runtime.elastic`` (the loop around attempts), which
+re-exports it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from pathwaysutils.elastic.manager import ScaleUpSignalError
+
+from trainer_client.core.batching import initial_batch
+from trainer_client.core.protocol import BatchOptions, BatchPlan, ResumePlan
+from trainer_client.runtime._saver import restore_plan
+from trainer_client.runtime.checkpointing import mesh_spec, target_shardings, training_metadata
+from trainer_client.runtime.precompile import PrecompileHook
+
+if TYPE_CHECKING:
+    from trainer_client.runtime.elastic import ElasticRunner
+
+PyTree = Any
+
+
+class ElasticContext:
+    """What one attempt of the training function gets: the mesh, the plan, and the step hooks."""
+
+    def __init__(self, runner: ElasticRunner, mesh: Mesh, plan: ResumePlan | None, active: frozenset[int]):
+        self.runner = runner
+        self.mesh = mesh
+        self.plan = plan
+        self.active_slices = active
+        cfg = runner.config
+        self.batch: BatchPlan = plan.batch if plan is not None and plan.batch is not None else initial_batch(
+            cfg.global_batch, mesh_spec(mesh), cfg.batch_mode
+        )
+        self.start_step = plan.step if plan is not None else 0  # a failure before the restore is done: its step
+        self.last_step: int | None = None
+        self._first_step_done = False
+        self._last_scale_check = time.monotonic()
+        self._precompile: PrecompileHook | None = None
+        self._precompiling = False
+
+    def set_precompile(self, hook: PrecompileHook) -> None:
+        """Register ``hook(mesh, batch_plan)``: lower and compile the training step for ``mesh``. The runner
+        calls it in the background for the meshes an elastic event would lead to next."""
+        self._precompile = hook
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step on this mesh (``batch.accumulation_steps`` microbatches)."""
+        return self.batch.global_batch
+
+    # ---- state ----------------------------------------------------------------------------------
+
+    def restore_or_init(
+        self, init_fn: Callable[[], PyTree], specs_fn: Callable[[PyTree], PyTree]
+    ) -> tuple[PyTree, int, int]:
+        """``(state, step, data_position)``: restored from the plan's step onto this mesh, or freshly
+        initialised (step 0, position 0) when the job has no committed checkpoint yet.
+
+        ``specs_fn(abstract_state)`` gives a ``PartitionSpec`` per leaf in this mesh's axis names.
+        """
+        abstract = jax.eval_shape(init_fn)
+        specs = specs_fn(abstract)
+        if self.plan is None:
+            shardings = jax.tree_util.tree_map(
+                lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+            )
+            state = jax.jit(init_fn, out_shardings=shardings)()
+            self.start_step, position = 0, 0
+            self.runner.emit("initialized", 0, f"fresh state on mesh {list(self.mesh.devices.shape)}")
+        else:
+            state, self.plan = restore_plan(
+                self.plan, lambda plan: target_shardings(abstract, self.mesh, specs, plan.arrays),
+                lambda: self.runner._plan(self.active_slices, use_memory_tier=False))
+            jax.block_until_ready(state)
+            self.start_step = self.plan.step
+            position = self.plan.data_position or 0
+            plan = self.plan
+            self.runner.emit("restored", plan.step, f"from {plan.tier}: {plan.path}", tier=plan.tier)
+        self.last_step = self.start_step
+        return state, self.start_step, position
+
+    def save(self, step: int, state: PyTree, data_position: int, *, persist: bool = True,
+             if_busy: Literal["wait", "skip"] = "wait") -> None:
+        """Save ``state`` as ``step`` (the loop is blocked only for the device-to-host copy): to storage
+        (through ckptd's memory tier when it is on), or only to host memory when ``persist`` is False.
+        ``if_busy="skip"`` (the periodic saves) skips a direct save that would wait for the previous one."""
+        meta = training_metadata(step, state, data_position=data_position, global_batch=self.global_batch,
+                                 mesh=self.mesh, slices=sorted(self.active_slices), batch=self.batch)
+        saver = self.runner.saver
+        with self.runner.precompiler.paused():  # a save's Python must not queue for the GIL behind tracing
+            tier = saver.save(step, state, meta, persist=persist, if_busy=if_busy)
+        self._start_precompile()  # after the attempt's first save: its first-time costs are paid alone
+        self.runner.emit("checkpoint_started", step, f"{tier}, {saver.last_blocked_s or 0.0:.3f}s blocked",
+                         blocked_seconds=saver.last_blocked_s, tier=tier)
+
+    def _start_precompile(self) -> None:
+        cfg = self.runner.config
+        if self._first_step_done and self._precompile is not None and cfg.precompile and not self._precompiling:
+            self._precompiling = True  # one pass per attempt
+            self.runner.precompiler.start(
+                self._precompile, mesh_spec(self.mesh), self.active_slices, self.runner.slices.slice_to_devices,
+                self.batch, BatchOptions(mode=cfg.batch_mode, lr_scaling=cfg.lr_scaling))
+
+    # ---- the hook called at the top of every step -----------------------------------------------
+
+    def step_boundary(self, step: int, state: PyTree, data_position: int) -> None:
+        """Call before computing ``step`` (``state`` holds ``step`` completed steps).
+
+        Reports the first step done after a recovery, fires injected faults (CPU simulation), saves every
+        ``checkpoint_period`` steps, and under ``resize`` grows back when lost slices have returned.
+        """
+        if not self._first_step_done and step > self.start_step:
+            jax.block_until_ready(state)
+            self._first_step_done = True
+            self.runner._first_step_done(step)
+        cfg = self.runner.config
+        if not self._precompiling and (cfg.checkpoint_period <= 0 or step >= self.start_step + cfg.checkpoint_period):
+            self._start_precompile()  # no save came first
+        self.last_step = step
+        self.runner.slices.at_step_boundary(step, self.active_slices)
+        if step > self.start_step and cfg.checkpoint_period > 0 and step % cfg.checkpoint_period == 0:
+            self.save(step, state, data_position, if_busy=cfg.when_save_busy)
+        elif step > self.start_step and cfg.memory_period and step % cfg.memory_period == 0 and cfg.shm_dir:
+            self.save(step, state, data_position, persist=False)
+        if self.runner.config.policy == "resize":
+            self._maybe_scale_up(step, state, data_position)
+
+    def _maybe_scale_up(self, step: int, state: PyTree, data_position: int) -> None:
+        now = time.monotonic()
+        if now - self._last_scale_check < self.runner.config.scale_up_check_interval_s:
+            return
+        self._last_scale_check = now
+        if set(self.runner.slices.slice_to_devices) == set(self.active_slices):
+            return
+        back = self.runner.slices.healthy_slices() - self.active_slices
+        if not back:
+            return
+        if step not in self.runner.saver.saved_steps:
+            self.save(step, state, data_position, persist=self.runner.saver.memory is None)
+        self.runner.saver.wait()  # the step we grow from must be whole (in memory) or committed
+        raise ScaleUpSignalError(f"slice(s) {sorted(back)} healthy again at step {step}")
+
+
+__all__ = ["ElasticContext"]
