@@ -12,9 +12,11 @@ import re
 import sys
 from collections.abc import Sequence
 
+from pydantic import ValidationError
+
 from ckptd import __version__
 from ckptd.cli import advise, maintenance, observe, serve
-from ckptd.cli.support import open_catalog, open_job, split_job
+from ckptd.cli.support import open_catalog, open_job
 from trainer_client.core.errors import PlanningError, StorageError
 from trainer_client.core.planner import format_bytes
 from trainer_client.core.protocol import BatchOptions, ResumePlan, ResumeRequest, SliceAlive, StepState
@@ -25,20 +27,16 @@ EXIT_BAD = 1
 EXIT_USAGE = 2
 
 
-# The helpers the subcommand modules share live in ckptd/cli/support.py; these names stay for them.
-_split_job = split_job
-_catalog = open_catalog
-
-
 def _cmd_ls(args: argparse.Namespace) -> int:
-    cat = _catalog(args.root)
+    cat = open_catalog(args.root)  # ROOT/JOB given by mistake: exit 2 with the command that fits
     jobs = cat.jobs()
     if args.json:
         print(json.dumps([j.model_dump(mode="json") for j in jobs], indent=2))
     else:
         print(f"{'JOB':<32} {'STEPS':>6} {'LATEST':>8} {'LATEST-GOOD':>12}")
         for j in jobs:
-            print(f"{j.name:<32} {j.steps:>6} {j.latest_step!s:>8} {j.latest_good_step!s:>12}")
+            latest, good = (("-" if n is None else n) for n in (j.latest_step, j.latest_good_step))
+            print(f"{j.name:<32} {j.steps:>6} {latest:>8} {good:>12}")
     return EXIT_OK
 
 
@@ -60,14 +58,16 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return EXIT_OK if good is not None else EXIT_BAD
 
 
-def _parse_slices(text: str | None) -> list[SliceAlive] | None:
-    """``"0:2,1:2,3:2"`` -> slices 0, 1 and 3 with 2 devices each."""
-    if not text:
-        return None
+def _parse_slices(text: str) -> list[SliceAlive]:
+    """``"0:2,1:2,3:2"`` -> slices 0, 1 and 3 with 2 devices each (an argparse type: bad text is a usage error)."""
     out = []
     for part in text.split(","):
-        index, _, devices = part.partition(":")
-        out.append(SliceAlive(index=int(index), devices=int(devices)))
+        index, _, devices = part.strip().partition(":")
+        try:  # "foo", "1" (no devices), "0:-1": a usage error, not a traceback
+            out.append(SliceAlive(index=int(index), devices=int(devices)))
+        except (ValueError, ValidationError):
+            raise argparse.ArgumentTypeError(
+                f"not INDEX:DEVICES: {part!r} (use e.g. 0:2,1:2,3:2; indices and device counts >= 0)") from None
     return out
 
 
@@ -84,18 +84,25 @@ def _parse_bytes(text: str) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    root, job = _split_job(args.target)
-    cat = _catalog(root)
+    opened = open_job(args.target)
+    if opened is None:
+        return EXIT_BAD
+    cat, job = opened
     info = cat.latest_good(job) if args.step is None else cat.step(job, args.step)
     if info is None or info.state is not StepState.VERIFIED:
         print(f"ckptd: job {job!r} has no good step{'' if args.step is None else f' {args.step}'}",
               file=sys.stderr)
         return EXIT_BAD
-    request = ResumeRequest(
-        policy=args.policy, alive_devices=args.devices, slices=_parse_slices(args.slices), step=args.step,
-        device_memory_bytes=args.device_memory, memory_headroom_bytes=args.headroom or 0,
-        batch=BatchOptions(mode=args.batch_mode, lr_scaling=args.lr_scaling),
-    )
+    try:
+        request = ResumeRequest(
+            policy=args.policy, alive_devices=args.devices, slices=args.slices, step=args.step,
+            device_memory_bytes=args.device_memory, memory_headroom_bytes=args.headroom or 0,
+            batch=BatchOptions(mode=args.batch_mode, lr_scaling=args.lr_scaling),
+        )
+    except ValidationError as exc:  # e.g. --devices -1: one line each, no traceback
+        for err in exc.errors():
+            print(f"ckptd: plan: {'.'.join(map(str, err['loc'])) or 'request'}: {err['msg']}", file=sys.stderr)
+        return EXIT_USAGE
     try:  # the one planner the server and the client's fallback call too (trainer_client/core/step_plan.py)
         plan = plan_for_step(cat.storage, info.path, request, job=job, step=info.step)
     except PlanningError as exc:
@@ -157,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="print the resume plan for the devices given")
     plan.add_argument("target", metavar="ROOT/JOB")
     plan.add_argument("--devices", type=int, required=True)
-    plan.add_argument("--slices", help="alive slices as INDEX:DEVICES,... e.g. 0:2,1:2,3:2")
+    plan.add_argument("--slices", type=_parse_slices, help="alive slices as INDEX:DEVICES,... e.g. 0:2,1:2,3:2")
     plan.add_argument("--policy", choices=["pause", "resize"], default="resize")
     plan.add_argument("--step", type=int)
     plan.add_argument("--device-memory", type=_parse_bytes, help="memory of one device, e.g. 16GiB")

@@ -3,13 +3,16 @@
 No server needed: the events are on storage next to the checkpoints (``<root>/<job>/.ckptd/events/``,
 ``ckptd.catalog.events``), and goodput is computed from them as ``GET /v1/jobs/{job}/goodput`` does
 (``ckptd.advisor.goodput``). ``--json`` prints exactly what the HTTP routes answer. Exit 0 only when there is an
-answer: the job has events (``events``) or a goodput could be computed (``goodput``).
+answer: the job has events (``events``) or a goodput could be computed (``goodput``). The ``events`` table
+leaves out the kinds that come every few steps (``NOISY_KINDS``: a save's ``checkpoint_started``) unless
+``--all`` or ``--kind`` asks for them, and says how many it left out; ``--json`` prints every event.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from datetime import datetime
 from typing import Any
 
@@ -18,10 +21,11 @@ from tqdm import tqdm
 from ckptd.advisor.goodput import CAUSES
 from ckptd.catalog.catalog import Catalog
 from ckptd.catalog.events import EventStore
-from ckptd.cli.support import EXIT_BAD, EXIT_OK, split_job
+from ckptd.cli.support import EXIT_BAD, EXIT_OK, misplaced, split_job, usage_error
 from trainer_client.core.protocol import EventList, Goodput, StoredEvent, is_valid_job_name
 from trainer_client.core.storage import Storage
 
+NOISY_KINDS = frozenset({"checkpoint_started"})  # one per save: hidden from the table unless asked for
 _CAUSE_TEXT = {"checkpoint": "checkpoint stalls", "waiting": "waiting for slices", "restore": "restore",
                "recompile": "recompile", "lost": "lost steps", "startup": "startup", "down": "job down"}
 
@@ -32,6 +36,9 @@ def _open(target: str) -> tuple[Storage, str] | None:
     if not is_valid_job_name(job) or not storage.is_dir(storage.join(job)):
         print(f"ckptd: no job {job!r} under {root}", file=sys.stderr)
         return None
+    wrong = misplaced(storage, storage.join(job), target.rstrip("/"), "job")
+    if wrong is not None:
+        usage_error(wrong)
     return storage, job
 
 
@@ -84,12 +91,15 @@ def _cmd_events(args: argparse.Namespace) -> int:
     events = _load(EventStore(storage), job, args.since)
     if args.kind:
         events = [e for e in events if e.kind in set(args.kind)]
-    events = events[-args.limit:] if args.limit else events
     if args.json:
-        print(EventList(job=job, events=events).model_dump_json(indent=2))
-    else:
-        print(render_events(events))
-        print(f"{len(events)} event(s)", file=sys.stderr)
+        print(EventList(job=job, events=events[-args.limit:] if args.limit else events).model_dump_json(indent=2))
+        return EXIT_OK if events else EXIT_BAD
+    shown = events if args.kind or args.all else [e for e in events if e.kind not in NOISY_KINDS]
+    shown = shown[-args.limit:] if args.limit else shown
+    print(render_events(shown))
+    hidden = Counter(e.kind for e in events if e.kind in NOISY_KINDS and not (args.kind or args.all))
+    left_out = "".join(f"; {n} {kind} hidden" for kind, n in sorted(hidden.items()))
+    print(f"{len(shown)} event(s){left_out}{' (--all shows them)' if hidden else ''}", file=sys.stderr)
     return EXIT_OK if events else EXIT_BAD
 
 
@@ -123,6 +133,8 @@ def add_parsers(sub: Any) -> None:
     events.add_argument("--since", type=float, metavar="UNIX_TIME", help="only events at or after this time")
     events.add_argument("--kind", action="append", help="only events of this kind (repeatable)")
     events.add_argument("--limit", type=int, default=0, help="only the newest N")
+    events.add_argument("--all", action="store_true",
+                        help=f"also the kinds the table leaves out by default ({', '.join(sorted(NOISY_KINDS))})")
     events.add_argument("--json", action="store_true")
     events.set_defaults(func=_cmd_events)
 
@@ -135,4 +147,4 @@ def add_parsers(sub: Any) -> None:
     goodput.set_defaults(func=_cmd_goodput)
 
 
-__all__ = ["add_parsers", "render_events", "render_goodput"]
+__all__ = ["NOISY_KINDS", "add_parsers", "render_events", "render_goodput"]

@@ -1,17 +1,24 @@
 """What every ``ckptd`` subcommand that works on storage needs: ``ROOT/JOB`` parsing and a one-shot catalog.
 
 Kept apart from ``ckptd.cli.main`` so the subcommand modules (``maintenance``, ``advise``, ``observe``)
-import it without importing the CLI that imports them.
+import it without importing the CLI that imports them. A root, a job and a step are all directories, and
+were easy to mix up (``ckptd ls ROOT/JOB`` listed step directories as jobs, ``ckptd show ROOT`` printed an
+empty table): ``misplaced`` tells them apart from what they hold, and the commands say which command fits,
+exit 2 (a usage error, like argparse's).
 """
 
 from __future__ import annotations
 
+import posixpath
 import sys
 import time
+from typing import NoReturn
 
 from tqdm import tqdm
 
 from ckptd.catalog.catalog import Catalog
+from trainer_client.core.format.files import CHECKPOINT_METADATA, COMMIT_MARKER
+from trainer_client.core.format.steps import parse_step_name, step_entries
 from trainer_client.core.protocol import is_valid_job_name
 from trainer_client.core.storage import Storage
 
@@ -29,11 +36,61 @@ def split_job(target: str) -> tuple[str, str]:
     return root or "/", job
 
 
+def usage_error(message: str) -> NoReturn:
+    """Say what is wrong on stderr and exit 2, as argparse does for a malformed command line."""
+    print(f"ckptd: {message}", file=sys.stderr)
+    raise SystemExit(EXIT_USAGE)
+
+
+def _is_step_dir(storage: Storage, path: str) -> bool:
+    """``path`` holds what an Orbax step directory holds (its metadata or its commit marker)."""
+    return bool({e.name for e in storage.list_dir(path)} & {CHECKPOINT_METADATA, COMMIT_MARKER})
+
+
+def steps_in(storage: Storage, path: str, *, probe: int = 3) -> list[int]:
+    """The steps ``path`` holds when it is a job directory (its newest step-named children, up to ``probe`` of
+    them, are Orbax step directories), else []. A root whose jobs have numeric names holds none."""
+    entries = step_entries(storage, path)
+    if not any(name.is_tmp or _is_step_dir(storage, entry.path) for name, entry in entries[:probe]):
+        return []
+    return sorted(name.step for name, _ in entries)
+
+
+def _some(names: list[str], shown: int = 5) -> str:
+    return ", ".join(names[:shown]) + (f", ... ({len(names)} in all)" if len(names) > shown else "")
+
+
+def misplaced(storage: Storage, path: str, shown_as: str, expected: str) -> str | None:
+    """Why ``path`` (given as ``shown_as``) is not the ``expected`` kind ("root" or "job"), with the command
+    that fits; None when nothing says it is something else."""
+    if expected == "root":
+        steps = steps_in(storage, path)
+        if steps:
+            return (f"{shown_as} is a job, not a checkpoint root (it holds steps {_some([str(s) for s in steps])}): "
+                    f"`ckptd show {shown_as}` lists its steps, `ckptd ls {posixpath.dirname(shown_as) or '/'}` "
+                    "the jobs beside it")
+        return None
+    if parse_step_name(posixpath.basename(path.rstrip("/"))) is not None and _is_step_dir(storage, path):
+        job = posixpath.dirname(shown_as.rstrip("/"))
+        return f"{shown_as} is a step directory, not a job: `ckptd show {job}` lists the steps of its job"
+    if steps_in(storage, path):
+        return None
+    jobs = sorted(e.name for e in storage.list_dir(path)
+                  if e.is_dir and is_valid_job_name(e.name) and steps_in(storage, e.path))
+    if jobs:
+        return (f"{shown_as} is a checkpoint root, not a job (its jobs: {_some(jobs)}): `ckptd ls {shown_as}` "
+                f"lists them, `ckptd show {shown_as}/{jobs[0]}` the steps of one")
+    return None
+
+
 def open_catalog(root: str) -> Catalog:
     """A catalog of ``root`` built now, in memory, settling every step the way the server does."""
     storage = Storage(root)
     if not storage.is_dir(storage.root):
         raise SystemExit(f"ckptd: {root} is not a directory")
+    wrong = misplaced(storage, storage.root, root, "root")
+    if wrong is not None:
+        usage_error(wrong)
     cat = Catalog(storage, ":memory:")  # one-shot: nothing to keep, no file left behind
     # What cat.rebuild() does, job by job, with a progress bar on a terminal (settling steps can take long).
     jobs = [e.name for e in storage.list_dir(storage.root) if e.is_dir and is_valid_job_name(e.name)]
@@ -45,13 +102,26 @@ def open_catalog(root: str) -> Catalog:
 
 
 def open_job(target: str) -> tuple[Catalog, str] | None:
-    """The catalog and job name of ``ROOT/JOB``; None (having said why on stderr) when there is no such job."""
+    """A catalog of ``ROOT/JOB`` (that job alone, settled now) and the job's name; None (having said why on
+    stderr) when there is no such job; exit 2 when ``ROOT/JOB`` names a root or a step instead."""
     root, job = split_job(target)
-    cat = open_catalog(root)
+    storage = Storage(root)
+    if not storage.is_dir(storage.root):
+        raise SystemExit(f"ckptd: {root} is not a directory")
+    cat = Catalog(storage, ":memory:")  # one-shot: nothing to keep, no file left behind
+    if is_valid_job_name(job):
+        cat.refresh_job(job)
+    cat.last_refresh = time.time()
+    cat.ready.set()
     if not cat.has_job(job):
-        print(f"ckptd: no job {job!r} under {root}", file=sys.stderr)
+        why = cat.refused.get(job)
+        print(f"ckptd: no job {job!r} under {root}" + (f": {why}" if why else ""), file=sys.stderr)
         return None
+    wrong = misplaced(storage, storage.join(job), target.rstrip("/"), "job")  # its jobs' names may look like steps
+    if wrong is not None:
+        usage_error(wrong)
     return cat, job
 
 
-__all__ = ["EXIT_BAD", "EXIT_OK", "EXIT_USAGE", "open_catalog", "open_job", "split_job"]
+__all__ = ["EXIT_BAD", "EXIT_OK", "EXIT_USAGE", "misplaced", "open_catalog", "open_job", "split_job", "steps_in",
+           "usage_error"]
