@@ -33,11 +33,17 @@ class BearerAuth:
         self.needs_token = needs_token
         self.count = count
 
-    def _authorized(self, scope: Scope) -> bool:
+    @staticmethod
+    def carries_token(scope: Scope, token: bytes) -> bool:
+        """The request's ``Authorization`` header is ``Bearer <token>`` (also for routes that only show more to
+        a caller with the token: ``/readyz``)."""
         header = next((v for k, v in scope.get("headers") or [] if k == b"authorization"), b"")
         scheme, _, given = header.partition(b" ")
         # RFC 7235: the scheme is case-insensitive; the token is compared in constant time, bytes to bytes
-        return self.token is not None and scheme.lower() == b"bearer" and hmac.compare_digest(given, self.token)
+        return scheme.lower() == b"bearer" and hmac.compare_digest(given, token)
+
+    def _authorized(self, scope: Scope) -> bool:
+        return self.token is not None and self.carries_token(scope, self.token)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -27,7 +27,8 @@ ROUTE_DOCS: dict[tuple[str, str], tuple[str, str]] = {
     ("GET", p.ROUTE_HEALTHZ): ("Liveness", "200 while the process serves HTTP and its handler threads make progress; "
                                "503 `wedged` once none has freed up for `CKPTD_WEDGED_AFTER_S` (liveness probe)."),
     ("GET", p.ROUTE_READYZ): ("Readiness", "200 once the catalog has been built from storage, 503 before "
-                              "(readiness probe); `detail` has the root, the last refresh and the last error."),
+                              "(readiness probe); `detail` has the root, the last refresh and the last error, "
+                              "for a caller with the token when one is configured (else it is empty)."),
     ("GET", p.ROUTE_METRICS): ("Prometheus metrics", "Prometheus text format; open without a token unless "
                              "`CKPTD_METRICS_REQUIRE_TOKEN` is set."),
     ("GET", p.ROUTE_JOBS): ("List jobs", "The jobs of the root (its subdirectories with a valid job name)."),
