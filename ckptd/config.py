@@ -142,8 +142,8 @@ class Settings(BaseSettings):
         default=10.0, gt=0, description="an advice computation is stopped after this long (503 BUSY)",
     )
     advice_max_failures: int = Field(
-        default=500_000, ge=1000,
-        description="simulated failures one advice may cost (~10 s; the default inputs: ~60,000); more: 422",
+        default=200_000, ge=1000,
+        description="simulated failures one advice may cost, estimated (~3 s; the default inputs: ~80,000); more: 422",
     )
     wedged_after_s: float = Field(
         default=30.0, gt=0,
