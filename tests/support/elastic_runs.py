@@ -1,12 +1,13 @@
 """Elastic runs for the trainer tests: the demo MLP on 4 fake slices of 2 CPU devices, against a real ckptd.
 
 ``elastic_runner`` builds an ``ElasticRunner`` (mesh 4 x 2, batch 48, a save every 10 steps, short polls),
-``run_to_end`` runs it and closes its checkpointer and client, ``leaves`` reads a state back to numpy.
+``run_to_end`` runs it and closes its checkpointer and client, ``leaves`` reads a state back to numpy. The
+``in_jax_faults`` fixture body gives 4 simulated slices whose losses JAX operations raise (``InJaxFaults``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import numpy as np
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.runtime.elastic import ElasticConfig, ElasticContext, ElasticResult, ElasticRunner, Event
+from trainer_client.runtime.jax_faults import InJaxFaults
 from trainer_client.runtime.slices import SimulatedSlices, SliceFault
 
 JOB = "mlp"
@@ -54,4 +56,10 @@ def assert_bitwise_equal(expected: Any, actual: Any, what: str = "the run diverg
         assert a.dtype == b.dtype and np.array_equal(a, b), what
 
 
-__all__ = ["BATCH", "JOB", "assert_bitwise_equal", "elastic_runner", "leaves", "run_to_end"]
+def in_jax_faults() -> Iterator[InJaxFaults]:
+    """For a fixture: 4 fake slices of 2 CPU devices, JAX patched to raise DATA_LOSS on the ones down."""
+    with InJaxFaults(SimulatedSlices(num_slices=4)) as injector:
+        yield injector
+
+
+__all__ = ["BATCH", "JOB", "assert_bitwise_equal", "elastic_runner", "in_jax_faults", "leaves", "run_to_end"]

@@ -123,14 +123,14 @@ class ElasticContext:
             self._first_step_done = True
             self.runner._first_step_done(step)
         cfg = self.runner.config
-        if not self._precompiling and (cfg.checkpoint_period <= 0 or step >= self.start_step + cfg.checkpoint_period):
-            self._start_precompile()  # no save came first
         self.last_step = step
         self.runner.slices.at_step_boundary(step, self.active_slices)
         if step > self.start_step and cfg.checkpoint_period > 0 and step % cfg.checkpoint_period == 0:
             self.save(step, state, data_position, if_busy=cfg.when_save_busy)
         elif step > self.start_step and cfg.memory_period and step % cfg.memory_period == 0 and cfg.shm_dir:
             self.save(step, state, data_position, persist=False)
+        if not self._precompiling and (cfg.checkpoint_period <= 0 or step >= self.start_step + cfg.checkpoint_period):
+            self._start_precompile()  # no save came first (one in this boundary started it already)
         if self.runner.config.policy == "resize":
             self._maybe_scale_up(step, state, data_position)
 

@@ -132,6 +132,9 @@ class MemoryTier:
         except OSError as exc:  # e.g. ENOSPC: the room checked above was taken meanwhile
             shutil.rmtree(tmp, ignore_errors=True)
             raise MemoryTierFull(f"writing the snapshot of step {step} into {self.dir} failed: {exc}") from exc
+        except BaseException:  # e.g. DATA_LOSS mid-copy (a slice lost): no half snapshot holds shared memory
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         meta = SnapshotMeta(step=step, created_at=time.time(), persist=persist, nbytes=offset,
                             leaf_names=[name for name, _, _ in plan], tree=tree, arrays=arrays, training=training)
         write_private(tmp / SNAPSHOT_META_FILE, meta.model_dump_json().encode())
