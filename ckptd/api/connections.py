@@ -15,7 +15,8 @@ is uvicorn's httptools protocol with these bounds (``Limits``, from the settings
 * a request head complete within ``header_timeout_s`` of its first byte, and a new connection's first
   request within that of the connect, else ``408 REQUEST_TIMEOUT``.
 
-Every refusal is the one error body and closes the connection. A body's deadline is the application's
+Bytes that are not HTTP get ``400 MALFORMED_HTTP`` (uvicorn's own answer is plain text). Every refusal is
+the one error body and closes the connection. A body's deadline is the application's
 (``BodySizeLimit``, ckptd/api/limits.py); the idle time between requests is uvicorn's keep-alive timeout.
 ``server_config`` builds the uvicorn config that uses all of this, for ``ckptd serve`` and the tests alike.
 What each limit defends: docs/operations.md, "Security".
@@ -50,7 +51,7 @@ Count = Callable[[str, int], None]  # (why, status): the request counter's route
 @dataclass(frozen=True)
 class Limits:
     """The connection limits of one server (``Settings`` fields of the same names), and ``count(why, status)``,
-    called per refusal (``why``: ``connection_limit``, ``header_limit`` or ``header_timeout``)."""
+    called per refusal (``why``: ``connection_limit``, ``header_limit``, ``header_timeout``, ``malformed_http``)."""
 
     max_connections: int
     max_header_bytes: int
@@ -143,6 +144,10 @@ class _GuardedProtocol(HttpToolsProtocol):
                     self._refuse("header_limit", p.ErrorCode.HEADERS_TOO_LARGE,
                                  f"the request's line and headers are larger than {self.limits.max_header_bytes} bytes",
                                  {"max_header_bytes": self.limits.max_header_bytes})
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes its parser refuses (plain text there): the one error body here."""
+        self._refuse("malformed_http", p.ErrorCode.MALFORMED_HTTP, f"not a valid HTTP/1.1 request ({msg})")
 
     # ---- parser callbacks (httptools) --------------------------------------------------------------
 

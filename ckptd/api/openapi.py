@@ -6,7 +6,8 @@
   (schemathesis) know them.
 * ``reject_undeclared_query``: a ``/v1`` request naming a query parameter its operation does not declare is
   refused (``422 INVALID_REQUEST``), not silently ignored: ``?kind=`` on a route without it, or a typo, would
-  otherwise answer as if it had been applied. The probes, ``/metrics`` and the dashboard ignore queries.
+  otherwise answer as if it had been applied. So is a single parameter given twice, and a number or boolean
+  not spelled as JSON. The probes, ``/metrics`` and the dashboard ignore queries.
 * ``ROUTE_DOCS``: one-line summaries and short descriptions of the routes, used by the routers
   (``route_doc``); ``/docs``, ``/openapi.json`` and the generated reference (docs/api.md,
   ``python -m ckptd.api.gen_docs``) show them. A route's own docstring wins over the description here.
@@ -101,12 +102,32 @@ def document_errors(app: FastAPI, *, metrics_require_token: bool = False) -> Non
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def declared_query(app: FastAPI) -> dict[tuple[str, str], frozenset[str]]:
-    """(method, path template) -> the query parameters its operation declares, from the app's own schema."""
-    table: dict[tuple[str, str], frozenset[str]] | None = getattr(app.state, "declared_query", None)
+# How a query value must be spelled, by its schema type: as JSON writes it (pydantic would also take " 32",
+# "1_000", "inf" or "on", which the schema does not allow and a typo may produce).
+_SPELLING = {
+    "integer": re.compile(r"-?(?:0|[1-9][0-9]*)"),
+    "number": re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"),
+    "boolean": re.compile(r"true|false"),
+}
+
+
+def _query_param(schema: dict[str, Any]) -> tuple[bool, str | None]:
+    """(repeatable, scalar type) of a query parameter's schema (``anyOf`` with null for optional ones)."""
+    branches = [b for b in schema.get("anyOf", [schema]) if b.get("type") != "null"]
+    for branch in branches:
+        if branch.get("type") == "array":
+            return True, branch.get("items", {}).get("type")
+    return False, branches[0].get("type") if len(branches) == 1 else None
+
+
+def declared_query(app: FastAPI) -> dict[tuple[str, str], dict[str, tuple[bool, str | None]]]:
+    """(method, path template) -> {query parameter: (repeatable, scalar type)}, from the app's own schema."""
+    table: dict[tuple[str, str], dict[str, tuple[bool, str | None]]] | None = getattr(app.state, "declared_query",
+                                                                                       None)
     if table is None:
         table = {
-            (method.upper(), path): frozenset(q["name"] for q in op.get("parameters", []) if q.get("in") == "query")
+            (method.upper(), path): {q["name"]: _query_param(q.get("schema", {}))
+                                     for q in op.get("parameters", []) if q.get("in") == "query"}
             for path, item in app.openapi().get("paths", {}).items()
             for method, op in item.items() if isinstance(op, dict)
         }
@@ -130,8 +151,9 @@ def methods_of_path(app: FastAPI, path: str) -> set[str]:
 
 
 async def reject_undeclared_query(request: Request) -> None:
-    """App-wide dependency (``FastAPI(dependencies=...)``): refuse the query parameters a ``/v1`` operation
-    does not declare, each named in the error body."""
+    """App-wide dependency (``FastAPI(dependencies=...)``): hold a ``/v1`` request's query to its operation's
+    schema; each parameter not declared, a single one given twice (FastAPI would keep the last), or a number or
+    boolean not spelled as JSON is named in the error body."""
     if not request.query_params:
         return
     path = getattr(request.scope.get("route"), "path", "")
@@ -141,12 +163,21 @@ async def reject_undeclared_query(request: Request) -> None:
     declared = declared_query(request.app).get((method, path))
     if declared is None:
         return
-    unknown = sorted(set(request.query_params) - declared)
-    if unknown:
-        raise RequestValidationError([
-            {"type": "extra_forbidden", "loc": ("query", name), "msg": "not a parameter of this operation"}
-            for name in unknown
-        ])
+    errors: list[dict[str, Any]] = []
+    for name in sorted(set(request.query_params)):
+        values = request.query_params.getlist(name)
+        if name not in declared:
+            errors.append({"type": "extra_forbidden", "loc": ("query", name),
+                           "msg": "not a parameter of this operation"})
+            continue
+        repeatable, kind = declared[name]
+        if len(values) > 1 and not repeatable:
+            errors.append({"type": "too_long", "loc": ("query", name), "msg": "given more than once"})
+        spelling = _SPELLING.get(kind or "")
+        if spelling is not None and not all(spelling.fullmatch(v) for v in values):
+            errors.append({"type": f"{kind}_parsing", "loc": ("query", name), "msg": f"not a JSON {kind}"})
+    if errors:
+        raise RequestValidationError(errors)
 
 
 __all__ = ["ROUTE_DOCS", "declared_query", "document_errors", "methods_of_path", "reject_undeclared_query",

@@ -142,6 +142,15 @@ def test_oversized_request_heads_get_431(guarded: ServerHandle) -> None:
         assert _answer(sock)[0] == 200
 
 
+def test_bytes_that_are_not_http_get_the_error_body(guarded: ServerHandle) -> None:
+    before = _metric(guarded, "malformed_http", 400)
+    for garbage in (b"GARBAGE\r\n\r\n", b"GET /healthz HTTP/1.1\r\nHost x\r\n\r\n", b"\x16\x03\x01\x02\x00\x01"):
+        with _send(guarded, garbage) as sock:
+            error = _error(*_answer(sock)[:2], p.ErrorCode.MALFORMED_HTTP)
+            assert error.message.startswith("not a valid HTTP/1.1 request")
+    assert _metric(guarded, "malformed_http", 400) == before + 3
+
+
 def test_slow_and_silent_clients_are_closed_within_the_timeouts(guarded: ServerHandle) -> None:
     before = _metric(guarded, "header_timeout", 408)
     # half a request head, then nothing (slow loris)

@@ -186,13 +186,19 @@ def assert_error_body(status: int, body: bytes, *, allowed: tuple[int, ...] = ()
 
 # ---- schemathesis: every operation of the app's own OpenAPI, all checks, all phases -----------------
 
-# The advisor refuses inputs that are each valid but contradict each other (mtbf_hours with
-# failures_per_slice_day, min_slices over slices) or would cost more simulated failures than
-# CKPTD_ADVICE_MAX_FAILURES: schema-valid requests answered 422 INVALID_REQUEST, a rule an OpenAPI schema of
-# separate query parameters cannot state. That one check, on that one operation, also takes 422.
+# Two operations have rules between fields that an OpenAPI schema cannot state, so schemathesis calls some
+# requests valid that the server rightly refuses with 422 INVALID_REQUEST: resume's slices must add up to
+# alive_devices with no index twice (trainer_client/core/planner.py); the advisor's inputs must not contradict
+# each other (mtbf_hours with failures_per_slice_day, min_slices over slices) nor cost more simulated failures
+# than CKPTD_ADVICE_MAX_FAILURES (ckptd/advisor/). For those two, and that one check, 422 is also accepted;
+# every other check holds on them, and every check on every other operation.
 SCHEMATHESIS_CONFIG = """
 [[operations]]
 include-path = "/v1/jobs/{job}/advice"
+checks.positive_data_acceptance.expected-statuses = ["2xx", "401", "404", "409", "422", "429", "503"]
+
+[[operations]]
+include-path = "/v1/jobs/{job}/resume"
 checks.positive_data_acceptance.expected-statuses = ["2xx", "401", "404", "409", "422", "429", "503"]
 """
 
@@ -223,9 +229,13 @@ def test_schemathesis_all_checks_all_phases(live: ServerHandle, tmp_path: Path) 
 
 
 @pytest.mark.slow
+@pytest.mark.chaos
+@pytest.mark.timeout(1800)
 def test_schemathesis_long(live: ServerHandle, tmp_path: Path) -> None:
-    """The long form: random generation, 20 times the examples; the seed is in the output."""
-    run_schemathesis(live, tmp_path, "--max-examples", str(20 * EXAMPLES))
+    """The long form: random generation, 10 times the examples; the seed is in the output."""
+    # --max-response-time: a resume for ~300,000 devices that fit nowhere tries ~150,000 meshes, ~11 s on a
+    # loaded 2-core host (the planner's worst case); the short form keeps schemathesis' 10 s
+    run_schemathesis(live, tmp_path, "--max-examples", str(10 * EXAMPLES), "--max-response-time", "30")
 
 
 # ---- explicit hostile paths, over raw sockets (no client normalizes them) ---------------------------

@@ -68,6 +68,16 @@ def test_undeclared_query_parameters_are_refused_by_name(client: TestClient) -> 
                                            {"loc": ["query", "zz"], "msg": "not a parameter of this operation"}]}
     response = client.post("/v1/jobs/fresh/resume?dry_run=1", json={"alive_devices": 8})
     assert _error(response, p.ErrorCode.INVALID_REQUEST).detail["errors"][0]["loc"] == ["query", "dry_run"]  # type: ignore[index]
+    # a single parameter given twice (FastAPI kept the last) and numbers or booleans not written as JSON
+    for query, msg in [("limit=5&limit=7", "given more than once"), ("limit=%C2%A05", "not a JSON integer"),
+                       ("limit=1_000", "not a JSON integer"), ("since=inf", "not a JSON number"),
+                       ("since=.5", "not a JSON number")]:
+        error = _error(client.get(f"/v1/jobs/fresh/events?{query}"), p.ErrorCode.INVALID_REQUEST)
+        assert error.detail == {"errors": [{"loc": ["query", query.split("=")[0]], "msg": msg}]}, query
+    assert _error(client.get("/v1/jobs/fresh/advice?step_time_s=1&memory_tier=on"),
+                  p.ErrorCode.INVALID_REQUEST).detail == {"errors": [{"loc": ["query", "memory_tier"],
+                                                                      "msg": "not a JSON boolean"}]}
+    assert client.get("/v1/jobs/fresh/events?since=1.5e9&limit=10").status_code == 200
     # declared ones pass; the probes and the dashboard ignore queries (the page reads its own ?job=)
     assert client.get("/v1/jobs/fresh/events?limit=5&since=0").status_code == 200
     for path in (f"{p.ROUTE_HEALTHZ}?x=1", f"{p.ROUTE_READYZ}?x=1", "/?job=fresh", "/metrics?x=1"):
@@ -82,8 +92,12 @@ def test_events_can_be_filtered_by_kind(client: TestClient) -> None:
     assert [e["kind"] for e in every] == [e["kind"] for e in events]
     some = client.get("/v1/jobs/fresh/events?kind=failure_detected&kind=recovered").json()["events"]
     assert [e["kind"] for e in some] == ["failure_detected", "recovered"]
-    assert client.get("/v1/jobs/fresh/events?kind=no_such_kind").json()["events"] == []
-    _error(client.get("/v1/jobs/fresh/events?kind=Bad%20Kind"), p.ErrorCode.INVALID_REQUEST)
+    assert client.get("/v1/jobs/fresh/events?kind=aborted").json()["events"] == []
+    for unknown in ("no_such_kind", "false", "Bad%20Kind"):
+        _error(client.get(f"/v1/jobs/fresh/events?kind={unknown}"), p.ErrorCode.INVALID_REQUEST)
+    schema = client.get("/openapi.json").json()["paths"][p.ROUTE_EVENTS]["get"]["parameters"]
+    kind = next(q for q in schema if q["name"] == "kind")["schema"]["anyOf"][0]
+    assert kind["items"]["enum"] == list(p.EVENT_KINDS)
 
 
 def test_a_body_not_sent_as_json_is_a_415_and_one_that_is_not_json_says_so(client: TestClient) -> None:

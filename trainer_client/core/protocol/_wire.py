@@ -64,6 +64,7 @@ class ErrorCode(StrEnum):
     UNSUPPORTED_MEDIA_TYPE = "UNSUPPORTED_MEDIA_TYPE"
     HEADERS_TOO_LARGE = "HEADERS_TOO_LARGE"
     REQUEST_TIMEOUT = "REQUEST_TIMEOUT"
+    MALFORMED_HTTP = "MALFORMED_HTTP"
     BUSY = "BUSY"
     JOB_LIMIT = "JOB_LIMIT"
 
@@ -89,6 +90,7 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.UNSUPPORTED_MEDIA_TYPE: 415,
     ErrorCode.HEADERS_TOO_LARGE: 431,
     ErrorCode.REQUEST_TIMEOUT: 408,
+    ErrorCode.MALFORMED_HTTP: 400,
     ErrorCode.BUSY: 503,
     ErrorCode.JOB_LIMIT: 409,
 }
@@ -172,6 +174,12 @@ class ResumePlan(_Model):
     mesh: MeshSpec
     saved_mesh: MeshSpec | None
     arrays: dict[str, ArraySpec] = Field(default_factory=dict)
+    items: dict[str, list[str]] | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="the step's Orbax items that hold arrays, each with its arrays (keys of `arrays`): e.g. "
+        "MaxText's `items`. Absent when every array is in the item `default` (what trainer_client writes; "
+        "older ckptd never sends it). With several items an array's key is `<item>.<leaf path>`",
+    )
     data_position: int | None = Field(default=None, description="global sample index to resume reading at")
     global_batch: int | None = None
     batch: BatchPlan | None = None
