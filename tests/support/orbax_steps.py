@@ -77,6 +77,195 @@ def write_orbax_steps(
     write_orbax_jobs({job_dir: steps}, custom_metadata=custom_metadata)
 
 
+# MaxText's checkpointing, reproduced with plain Orbax (src/maxtext/common/checkpointing.py at
+# AI-Hypercomputer/maxtext e591f30: create_orbax_checkpoint_manager and save_checkpoint): a CheckpointManager
+# with item_names ("items", "iter"), a PyTreeCheckpointHandler on OCDBT and zarr3 for "items" and Grain's
+# handler for "iter", a fixed-interval save policy; each save is Composite(items=PyTreeSave(train_state,
+# SaveArgs(chunk_byte_size) per leaf, ocdbt_target_data_file_size), iter=the data iterator's state) with
+# custom metadata {"scan_layers": ...}. MaxText's mesh axes and logical axis rules (configs/base.yml) give
+# the partition specs: with ici_fsdp_parallelism=4 and ici_tensor_parallelism=2 every other axis has size 1.
+# Grain is not installed here: its handler is stood in for by one writing Grain's own file,
+# process_<index>-of-<count>.json (the iterator's state as JSON), under MaxText's handler name.
+MAXTEXT_MESH_AXES = ("diloco", "data", "stage", "fsdp", "fsdp_transpose", "context", "context_usp_ulysses",
+                     "context_autoregressive", "tensor", "tensor_sequence", "expert", "autoregressive")
+MAXTEXT_MESH_SHAPE = (1, 1, 1, 4, 1, 1, 1, 1, 2, 1, 1, 1)
+_MAXTEXT_WRITER = r"""
+import dataclasses, json, sys
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from jax.sharding import NamedSharding, PartitionSpec as P
+from orbax.checkpoint._src.checkpoint_managers import preservation_policy as preservation_policy_lib
+from orbax.checkpoint._src.checkpoint_managers import save_decision_policy as save_decision_policy_lib
+
+spec = json.loads(sys.argv[1])
+DEFAULT_OCDBT_TARGET_DATA_FILE_SIZE = 2 * 1024**3  # maxtext/utils/globals.py
+
+@dataclasses.dataclass
+class GrainCheckpointSave(ocp.args.CheckpointArgs):
+    item: dict
+
+@dataclasses.dataclass
+class GrainCheckpointRestore(ocp.args.CheckpointArgs):
+    item: object = None
+
+class GrainCheckpointHandler(ocp.CheckpointHandler):
+    def save(self, directory, args):
+        name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        (epath.Path(directory) / name).write_text(json.dumps(args.item, indent=4))
+    def restore(self, directory, args=None):
+        name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        return json.loads((epath.Path(directory) / name).read_text())
+    def metadata(self, directory):
+        return None
+GrainCheckpointHandler.__module__ = "maxtext.common.grain_utility"
+ocp.args.register_with_handler(GrainCheckpointHandler, for_save=True)(GrainCheckpointSave)
+ocp.args.register_with_handler(GrainCheckpointHandler, for_restore=True)(GrainCheckpointRestore)
+
+mesh = jax.make_mesh(tuple(spec["mesh_shape"]), tuple(spec["mesh_axes"]))
+VOCAB = ("tensor", "tensor_sequence", "autoregressive")  # logical axis rules of configs/base.yml
+EMBED = ("fsdp", "fsdp_transpose", "context", "context_usp_ulysses", "expert")
+MLP = ("tensor", "tensor_sequence", "autoregressive")  # its rule's fsdp_transpose is taken by embed (flax)
+HEADS = ("tensor", "tensor_sequence", "autoregressive")
+LAYERS = "stage"
+def param(key, shape, pspec, step):
+    value = jax.random.normal(jax.random.key(key), shape, jnp.float32) + step
+    return jax.device_put(value, NamedSharding(mesh, pspec))
+def train_state(step):
+    params = {"params": {
+        "token_embedder": {"embedding": param(1, (256, 48), P(VOCAB, EMBED), step)},
+        "decoder": {
+            "decoder_norm": {"scale": param(2, (48,), P("tensor"), step)},
+            "layers": {
+                "mlp": {"wi_0": {"kernel": param(3, (48, 2, 96), P(EMBED, LAYERS, MLP), step)},
+                        "wo": {"kernel": param(4, (96, 2, 48), P(MLP, LAYERS, EMBED), step)}},
+                "self_attention": {"query": {"kernel": param(5, (48, 2, 4, 12), P(EMBED, LAYERS, HEADS, None),
+                                                               step)}},
+            },
+        },
+    }}
+    mu = jax.tree_util.tree_map(lambda x: x * 0.5, params)
+    nu = jax.tree_util.tree_map(lambda x: x * x, params)
+    count = jnp.int32(step)
+    return {"step": jnp.int32(step), "params": params,
+            "opt_state": [{"count": count, "mu": mu, "nu": nu}, {"count": count}]}
+
+for job_dir, steps in spec["jobs"].items():
+    item_names = ("items", "iter") if spec["grain"] else ("items",)
+    item_handlers = {"items": ocp.PyTreeCheckpointHandler(restore_concurrent_gb=96, save_concurrent_gb=96,
+                                                          use_ocdbt=True, use_zarr3=True)}
+    if spec["grain"]:
+        item_handlers["iter"] = GrainCheckpointHandler()
+    p = epath.Path(job_dir)
+    p.mkdir(exist_ok=True, parents=True)
+    mgr = ocp.CheckpointManager(
+        p, item_names=item_names, item_handlers=item_handlers,
+        options=ocp.CheckpointManagerOptions(
+            create=True, enable_async_checkpointing=True,
+            save_decision_policy=save_decision_policy_lib.FixedIntervalPolicy(interval=spec["period"]),
+            preservation_policy=preservation_policy_lib.LatestN(spec["keep"]),
+        ),
+    )
+    for step in steps:
+        state = train_state(step)
+        jax.block_until_ready(state)
+        chunk_byte_size = DEFAULT_OCDBT_TARGET_DATA_FILE_SIZE
+        checkpoint_args = ocp.args.PyTreeSave(
+            item=state,
+            save_args=jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=chunk_byte_size), state),
+            ocdbt_target_data_file_size=chunk_byte_size,
+        )
+        save_args_composite = {"items": checkpoint_args}
+        if spec["grain"]:
+            grain_state = {"version": 2, "last_seen_indices": {"0": step * 16 - 1}, "last_worker_index": 0,
+                           "worker_count": 1, "sampler": "IndexSampler", "data_source": "ArrayRecordDataSource"}
+            save_args_composite["iter"] = GrainCheckpointSave(item=grain_state)
+        assert mgr.save(step, args=ocp.args.Composite(**save_args_composite),
+                        custom_metadata={"scan_layers": True}), step
+    mgr.wait_until_finished()
+    mgr.close()
+    out = sys.argv[2] if len(sys.argv) > 2 else None
+    if out:  # every saved state, as numpy, by Orbax's dotted leaf name: for exact comparisons
+        leaves = {}
+        for step in steps:
+            for path, leaf in jax.tree_util.tree_flatten_with_path(train_state(step))[0]:
+                name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+                leaves[f"{step}/{name}"] = np.asarray(leaf)
+        np.savez(out, **leaves)
+"""
+
+
+def write_maxtext_jobs(
+    jobs: Mapping[str | Path, Sequence[int]],
+    *,
+    grain: bool = True,
+    period: int = 100,
+    keep: int | None = None,
+    values: str | Path | None = None,
+    timeout: float = 180.0,
+) -> None:
+    """Save steps the way MaxText does (``<job>/<step>/items/...`` and, with ``grain``, Grain's
+    ``<job>/<step>/iter/process_0-of-1.json``), with plain Orbax in a separate process. ``jobs`` maps a
+    checkpoint directory (MaxText's ``<base_output_directory>/<run_name>/checkpoints``) to its steps, each a
+    multiple of ``period`` (MaxText's ``checkpoint_period``). The train state is a decoder LM's
+    ``{"step", "params": {"params": {...}}, "opt_state": [...]}`` on MaxText's 12 mesh axes with
+    ``fsdp=4, tensor=2`` (``MAXTEXT_MESH_AXES``, ``MAXTEXT_MESH_SHAPE``); ``values``: an ``.npz`` written
+    with every saved leaf as ``"<step>/<dotted leaf name>"``."""
+    spec = {"jobs": {str(k): [int(s) for s in v] for k, v in jobs.items()}, "grain": grain, "period": period,
+            "keep": keep, "mesh_axes": list(MAXTEXT_MESH_AXES), "mesh_shape": list(MAXTEXT_MESH_SHAPE)}
+    argv = [sys.executable, "-c", _MAXTEXT_WRITER, json.dumps(spec), *([str(values)] if values else [])]
+    proc = subprocess.run(argv, env=clean_env(), capture_output=True, text=True, timeout=timeout, check=False)
+    if proc.returncode != 0:
+        pytest.fail(f"maxtext-style writer failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+# Several items at once, as a Flax/Orbax user writes them: Composite(params=StandardSave(...),
+# opt_state=StandardSave(...), extra=JsonSave(...)); "extra" is JSON, not arrays.
+_ITEMS_WRITER = r"""
+import json, sys
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+spec = json.loads(sys.argv[1])
+mesh = jax.make_mesh((4, 2), ("data", "model"))
+def put(x, pspec):
+    return jax.device_put(x, NamedSharding(mesh, pspec))
+mgr = ocp.CheckpointManager(spec["job"], item_names=("params", "opt_state", "extra"))
+leaves = {}
+for step in spec["steps"]:
+    params = {"w": put(jnp.arange(64, dtype=jnp.float32).reshape(8, 8) + step, P("data", "model")),
+              "b": put(jnp.arange(8, dtype=jnp.bfloat16) * step, P("model"))}
+    opt_state = {"mu": {"w": put(jnp.ones((8, 8), jnp.float32) * step, P("data", "model"))}, "count": jnp.int32(step)}
+    mgr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                           opt_state=ocp.args.StandardSave(opt_state),
+                                           extra=ocp.args.JsonSave({"step": step, "note": "json item"})))
+    for item, tree in (("params", params), ("opt_state", opt_state)):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            name = ".".join(str(getattr(k, "key", k)) for k in path)
+            wide = leaf.astype(jnp.float32) if leaf.dtype == jnp.bfloat16 else leaf
+            leaves[f"{step}/{item}.{name}"] = np.asarray(wide)
+mgr.wait_until_finished()
+mgr.close()
+np.savez(spec["values"], **leaves)
+"""
+
+
+def write_multi_item_steps(job_dir: str | Path, steps: Sequence[int], values: str | Path) -> None:
+    """Save steps with the array items ``params`` and ``opt_state`` and the JSON item ``extra`` (plain
+    Orbax, another process), on the mesh ``(data=4, model=2)``; ``values``: an ``.npz`` of every saved leaf
+    as ``"<step>/<item>.<dotted leaf name>"`` (bfloat16 leaves as float32)."""
+    spec = {"job": str(job_dir), "steps": [int(s) for s in steps], "values": str(values)}
+    proc = subprocess.run([sys.executable, "-c", _ITEMS_WRITER, json.dumps(spec)], env=clean_env(),
+                          capture_output=True, text=True, timeout=180, check=False)
+    if proc.returncode != 0:
+        pytest.fail(f"multi-item writer failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
 def training_metadata(
     step: int,
     *,
@@ -120,10 +309,14 @@ def model_parallel_metadata(step: int) -> dict[str, Any]:
 
 
 __all__ = [
+    "MAXTEXT_MESH_AXES",
+    "MAXTEXT_MESH_SHAPE",
     "MODEL_PARALLEL_ARRAYS",
     "MODEL_PARALLEL_MESH",
     "model_parallel_metadata",
     "training_metadata",
+    "write_maxtext_jobs",
+    "write_multi_item_steps",
     "write_orbax_jobs",
     "write_orbax_steps",
 ]

@@ -1,7 +1,7 @@
 """One planner, one answer: ``ckptd plan``, the server's ``POST /resume`` and the client's storage fallback
 give the same plan for the same step and devices, for every kind of step (docs/architecture.md, "One
 planner"): written by the trainer's Checkpointer, persisted from a memory snapshot by ckptd's persist worker,
-and written by plain Orbax in another process.
+written by plain Orbax in another process, and written the way MaxText does (item ``items``, Grain's ``iter``).
 
 The plans are compared as the bytes each one serialises to; only ``source`` says where a plan was made
 (``ckptd`` or ``storage_scan``), so the fallback's is set to ``ckptd`` before comparing.
@@ -25,7 +25,7 @@ from ckptd.catalog.catalog import Catalog
 from ckptd.cli.main import main as ckptd_main
 from examples.elastic_mlp import init_state, partition_specs
 from tests.support.helpers import make_settings
-from tests.support.orbax_steps import write_orbax_steps
+from tests.support.orbax_steps import MAXTEXT_MESH_AXES, write_maxtext_jobs, write_orbax_steps
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.core import protocol as p
@@ -49,7 +49,7 @@ def _state(mesh: Mesh) -> Any:
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """trainer/30: saved by trainer_client's Checkpointer; persisted/40: a memory snapshot persisted by
-    ckptd's persist worker; plain/50: plain Orbax in another process."""
+    ckptd's persist worker; plain/50: plain Orbax in another process; maxtext/100: MaxText's layout."""
     from ckptd.catalog.persist_worker import persist
 
     root = tmp_path_factory.mktemp("one-planner")
@@ -62,6 +62,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     snapshot = MemoryTier(str(tmp_path_factory.mktemp("shm")), "persisted").save(40, state, meta, persist=True)
     persist(snapshot, str(root / "persisted"))
     write_orbax_steps(root / "plain", [50])
+    write_maxtext_jobs({root / "maxtext": [100]})
     return root
 
 
@@ -81,7 +82,7 @@ def _fallback(root: Path, job: str, devices: int, shm: Path) -> p.ResumePlan:
     return plan.model_copy(update={"source": "ckptd"})
 
 
-@pytest.mark.parametrize("job", ["trainer", "persisted", "plain"])
+@pytest.mark.parametrize("job", ["trainer", "persisted", "plain", "maxtext"])
 def test_the_cli_the_server_and_the_fallback_give_the_same_plan(
     root: Path, job: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -101,7 +102,8 @@ def test_the_cli_the_server_and_the_fallback_give_the_same_plan(
                 f"{job} on {devices} devices:\nserver   {served.model_dump_json()}\ncli      "
                 f"{cli.model_dump_json()}\nfallback {fallback.model_dump_json()}")
             # the answer keeps the saved shardings (here: on the trainer's mesh axes) wherever they divide
-            assert served.saved_mesh is not None and set(served.saved_mesh.axis_names) == {"replica", "data"}
+            axes = MAXTEXT_MESH_AXES if job == "maxtext" else ("replica", "data")
+            assert served.saved_mesh is not None and tuple(served.saved_mesh.axis_names) == axes
             assert not any("not in the mesh" in note for note in served.notes), served.notes
             assert any(spec.partition_spec and any(spec.partition_spec) for spec in served.arrays.values())
             json.loads(answer.content)  # the bytes served are the plan's JSON

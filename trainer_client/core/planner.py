@@ -276,11 +276,13 @@ def resume_plan(
     saved_layout: tuple[MeshSpec | None, dict[str, ArraySpec]],
     source: str = "ckptd",
     tier: Literal["memory", "storage"] = "storage",
+    items: Mapping[str, list[str]] | None = None,
 ) -> ResumePlan:
     """The whole answer to a resume request for one chosen step (pure).
 
     ``saved_layout`` is the step's (mesh, arrays) as ``trainer_client.core.format.saved_layout`` reads it from
-    storage; where it is empty, ckptd's training metadata fills in.
+    storage; where it is empty, ckptd's training metadata fills in. ``items``: the step's array items and
+    their arrays, for a step whose arrays are not (all) in Orbax's ``default`` item.
     """
     saved_mesh = saved_layout[0] or (training.mesh if training is not None else None)
     saved_arrays = saved_layout[1] or (dict(training.arrays) if training is not None else {})
@@ -315,6 +317,7 @@ def resume_plan(
         mesh=planned.mesh,
         saved_mesh=saved_mesh,
         arrays=planned.arrays,
+        items={item: list(names) for item, names in items.items()} if items is not None else None,
         data_position=training.data_position if training else None,
         global_batch=batch.global_batch if batch else None,
         batch=batch,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from trainer_client.core.format.files import DEFAULT_ITEM
 from trainer_client.core.format.saved_layout import StepLayout, read_step_layout
 from trainer_client.core.planner import resume_plan
 from trainer_client.core.protocol import ResumePlan, ResumeRequest
@@ -35,9 +36,10 @@ def plan_for_step(
     Raises ``PlanningError`` when the step cannot be laid out on the devices asked for."""
     if layout is None:
         layout = read_step_layout(storage, step_path)
+    items = None if set(layout.items) <= {DEFAULT_ITEM} else layout.items  # absent for what older ckptd planned
     return resume_plan(
         job=job, step=step, path=storage.url_of(step_path), request=request, training=layout.training,
-        saved_layout=(layout.mesh, layout.arrays), source=source,
+        saved_layout=(layout.mesh, layout.arrays), source=source, items=items,
     )
 
 

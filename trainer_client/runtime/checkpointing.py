@@ -33,9 +33,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
 from trainer_client.core.durability import sync_tree
-from trainer_client.core.format.files import CKPTD_MANIFEST, DEFAULT_ITEM, TMP_DIR_SUFFIX
+from trainer_client.core.format.files import CKPTD_MANIFEST, TMP_DIR_SUFFIX
 from trainer_client.core.format.manifest import build_manifest, write_manifest
-from trainer_client.core.format.steps import CUSTOM_METADATA_KEY
+from trainer_client.core.format.steps import CUSTOM_METADATA_KEY, array_items
 from trainer_client.core.protocol import ArraySpec, BatchPlan, MeshSpec, PartitionSpecJSON, TrainingMetadata
 from trainer_client.core.storage import Storage, join_path
 from trainer_client.errors import DirectRestoreUnsupported
@@ -344,13 +344,25 @@ class Checkpointer:
         self._manager.close()
 
 
-def restore(step_path: str, target: PyTree, item: str = DEFAULT_ITEM, *, direct: bool = True) -> PyTree:
+def restore(step_path: str, target: PyTree, item: str | None = None, *, direct: bool = True) -> PyTree:
     """Restore the step directory ``step_path`` onto ``target``'s shapes, dtypes and shardings.
 
-    On a local disk the chunks are read straight into the devices' buffers
-    (``trainer_client.runtime.direct_restore``); where that reader does not apply (``gs://``, compressed chunks, a
-    target Orbax casts, ...) or with ``direct=False``, Orbax's ``StandardCheckpointer`` restores it."""
-    item_path = join_path(step_path, item)
+    ``item``: the Orbax item to restore; by default the step's item that holds arrays (``default`` for what
+    trainer_client writes, ``items`` for MaxText's steps: a resume plan names it in ``items``). A step with
+    several such items takes a ``target`` that is a dict of them by item name. On a local disk the chunks
+    are read straight into the devices' buffers (``trainer_client.runtime.direct_restore``); where that
+    reader does not apply (``gs://``, compressed chunks, zarr3, a target Orbax casts, ...) or with
+    ``direct=False``, Orbax's ``StandardCheckpointer`` restores it."""
+    if item is None:
+        storage = Storage(step_path)
+        items = array_items(storage, storage.root)
+    else:
+        items = [item]
+    if len(items) > 1:
+        if not isinstance(target, Mapping) or set(target) != set(items):
+            raise ValueError(f"{step_path} holds the array items {items}: the target must be a dict of them")
+        return {name: restore(step_path, target[name], name, direct=direct) for name in items}
+    item_path = join_path(step_path, items[0])
     if direct and "://" not in step_path:
         try:
             return restore_direct(item_path, target, leaf_name)

@@ -50,6 +50,8 @@ from trainer_client.core.format.item_keys import (
     item_kvstore_spec,
     tensorstore,
 )
+from trainer_client.core.format.steps import array_items
+from trainer_client.core.storage import Storage
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -209,11 +211,13 @@ def _slabs(shape: tuple[int, ...], row_bytes: int, chunk_rows: int) -> list[tupl
 
 def decode_all_arrays(
     step_url: str | os.PathLike[str],
-    item: str = DEFAULT_ITEM,
+    item: str | None = None,
     *,
     timeout: float | None = DEFAULT_TIMEOUT_S,
 ) -> list[str]:
-    """Read and decode every chunk of every array in ``<step_url>/<item>`` with tensorstore (deep check).
+    """Read and decode every chunk of every array in ``<step_url>/<item>`` with tensorstore (deep check);
+    with no ``item``, in every item of the step that holds arrays (``steps.array_items``: ``default``,
+    MaxText's ``items``, ...).
 
     Returns one problem line per array that cannot be opened or decoded, or whose opened shape/dtype
     disagrees with its metadata; an empty list means every array decoded. Arrays are read in slabs of
@@ -222,6 +226,10 @@ def decode_all_arrays(
     (``read_array_index``). Note that a chunk missing from storage decodes as the fill value: missing
     files are for a manifest comparison to catch, not for this.
     """
+    if item is None:
+        storage = Storage(os.fspath(step_url))
+        return [problem for each in array_items(storage, storage.root)
+                for problem in decode_all_arrays(step_url, each, timeout=timeout)]
     ts = tensorstore()  # a deep check decodes every chunk: only the CLI's deep validation comes here
 
     located = _locate(step_url, item, timeout)
