@@ -214,3 +214,17 @@ def test_every_plan_is_valid_and_no_plan_only_when_none_exists(
         assert spec.changed == (spec.partition_spec != arrays[name].partition_spec)
     if memory is not None and arrays:
         assert plan.bytes_per_device is not None and plan.bytes_per_device <= memory
+
+
+def test_a_huge_device_count_tries_a_bounded_set_of_meshes_and_still_finds_the_best() -> None:
+    # 300,000 devices over (replica=4, data=2) once meant 150,000 candidate meshes (33 s per resume answer,
+    # a worker thread held that long); the sizes that divide real arrays (5-smooth multiples) are still tried
+    from trainer_client.core.planner import candidate_meshes
+
+    saved = MeshSpec(axis_names=["replica", "data"], shape=[4, 2])
+    arrays = {f"a{i}": ArraySpec(shape=[4096, 4096], dtype="float32", partition_spec=["data", None]) for i in range(8)}
+    assert sum(1 for _ in candidate_meshes(saved, 300_000)) < 2_000
+    with pytest.raises(PlanningError, match=r"128.00 KiB per device at best \(mesh \(replica=73, data=4096\)\)"):
+        plan_mesh(saved, arrays, 300_000, "resize", device_memory_bytes=1)
+    fits = plan_mesh(saved, arrays, 300_000, "resize", device_memory_bytes=200 << 10)
+    assert fits.mesh.shape == [73, 4096] and fits.fits_memory
