@@ -29,7 +29,7 @@ def elastic_runner(root: Path, url: str, policy: str, faults: Sequence[SliceFaul
                    shm_dir: str | None = None, **config: Any) -> ElasticRunner:
     (root / JOB).mkdir(parents=True, exist_ok=True)
     options: dict[str, Any] = dict(checkpoint_period=10, elastic_timeout_s=30, poll_interval_s=0.05,
-                                   scale_up_check_interval_s=0.0)
+                                   scale_up_check_interval_s=0.0, monitor_interval_s=0.2)
     options.update(config)
     cfg = ElasticConfig(job=JOB, mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=BATCH,
                         policy=policy, shm_dir=shm_dir, **options)  # type: ignore[arg-type]

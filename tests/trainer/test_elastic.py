@@ -19,6 +19,7 @@ import pytest
 
 from examples.elastic_mlp import TrainLog, init_state, make_train_fn, partition_specs, train_step
 from tests.support.elastic_runs import BATCH, JOB, elastic_runner, leaves, run_to_end
+from tests.support.helpers import wait_until
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.errors import ElasticRetriesExhausted
@@ -117,8 +118,9 @@ def test_scale_up_restores_the_state_it_saved(tmp_path: Path, ckptd_server: Any)
     assert isinstance(slices, SimulatedSlices)
 
     def hook(step: int) -> None:
-        if step == 17:  # the replacement slice is healthy from now on
+        if step == 17:  # the replacement slice is healthy from now on; pathwaysutils' monitor notices it
             slices.bring_back(0)
+            wait_until(lambda: 0 in runner.manager.available_inactive_slices, what="the monitor to see slice 0")
 
     log = TrainLog()
     result = _run(runner, make_train_fn(30, log, step_hook=hook))

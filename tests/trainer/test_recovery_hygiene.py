@@ -18,6 +18,7 @@ import pytest
 
 from examples.elastic_mlp import TrainLog, jitted_step, make_train_fn
 from tests.support.elastic_runs import elastic_runner, in_jax_faults, run_to_end
+from tests.support.helpers import wait_until
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.runtime.elastic import ElasticConfig, ElasticContext, ElasticRunner, Event
@@ -45,8 +46,9 @@ def test_live_arrays_and_executables_do_not_grow_over_recoveries(
     def hook(step: int) -> None:
         if step in losses and not any(f.slice_index == losses[step] for f in faults.fired):
             faults.fail_during("to_host", losses[step], down_for_s=None)
-        if step in returns:
+        if step in returns:  # back, and seen by pathwaysutils' monitor: the next boundary grows back
             slices.bring_back(returns[step])
+            wait_until(lambda: returns[step] in runner.manager.available_inactive_slices, what="the monitor")
 
     inner = make_train_fn(56, TrainLog(), step_hook=hook, use_precompile=False)
 
@@ -62,8 +64,12 @@ def test_live_arrays_and_executables_do_not_grow_over_recoveries(
         return inner(ctx)
 
     def on_event(event: Event) -> None:
+        # The training's arrays and executables span the mesh; pathwaysutils' health checks (a pmap per slice,
+        # between attempts and in its monitor) leave some of one slice behind for a while: not counted.
         if event.kind == "first_step_done" and runner.recoveries:
-            measured.append((runner.recoveries[-1].kind, len(jax.live_arrays()), len(backend.live_executables())))
+            arrays = [a for a in jax.live_arrays() if len(a.sharding.device_set) > 2]
+            executables = [e for e in backend.live_executables() if len(e.local_devices()) > 2]
+            measured.append((runner.recoveries[-1].kind, len(arrays), len(executables)))
 
     jitted_step.cache_clear()
     runner = elastic_runner(tmp_path, server.url, "resize", slices=slices, on_event=on_event, precompile=False)
@@ -102,7 +108,7 @@ def test_the_next_attempt_computes_on_a_live_slice_when_slice_0_is_lost(
     slice_0 = set(faults.slices.slice_to_devices[0])
     assert placed[0] <= slice_0
     assert not placed[1] & slice_0, f"the next attempt's default device is on the lost slice 0: {placed[1]}"
-    assert placed[1] <= set(faults.slices.slice_to_devices[1])
+    assert placed[1] <= {d for k in (1, 2, 3) for d in faults.slices.slice_to_devices[k]}
 
 
 def _runner(tmp_path: Path) -> ElasticRunner:

@@ -1,22 +1,25 @@
 """The elastic runner: survive slice failures inside the running process (same PID, no relaunch).
 
-``ElasticRunner.run(train_fn)`` calls the user's training function with an ``ElasticContext``. When a
-slice dies the JAX operation that touches it raises (``JaxRuntimeError`` with ``DATA_LOSS``); the runner
-retries only what pathwaysutils classifies as a slice loss *and* a health check confirms
-(``fault_classification``; anything else is re-raised at once). It frees the failed attempt (JAX's caches
-cleared, its arrays deleted: ``recovery``), waits for slices as the policy says (``pause``: all of them,
-``resize``: what is alive), asks ckptd for the resume plan (or scans storage when ckptd cannot answer),
-rebuilds the mesh from the plan and calls the training function again, with the default device on a live
-slice; it restores onto the new mesh through ``ctx.restore_or_init``. Under ``resize`` a returning slice
-is noticed at a step boundary: the current state is saved first, so growing back loses no steps. On
-Pathways the runner calls ``pathwaysutils.initialize()``.
+``ElasticRunner.run(train_fn)`` calls the user's training function with an ``ElasticContext``, through
+pathwaysutils' ``Manager.elastic_retry`` (runtime/slice_manager.py): Manager waits for the slices the policy
+needs (``pause``: all of them, ``resize``: at least ``min_slices``), runs the attempt under
+``jax.default_device`` on a live slice, retries it after a slice loss or a ``ScaleUpSignalError``, and its
+monitor thread health-checks the slices not in use. ckptd's part rides in the attempt and the callbacks:
+when a slice dies the JAX operation that touches it raises (``JaxRuntimeError`` with ``DATA_LOSS``); only
+what pathwaysutils classifies as a slice loss *and* a health check confirms reaches Manager
+(``fault_classification``; anything else is re-raised at once, unchanged). After the event the failed
+attempt is freed (JAX's caches cleared, its arrays deleted: ``recovery``); the next attempt asks ckptd for
+the resume plan (or scans storage when ckptd cannot answer), rebuilds the mesh from it and restores onto it
+through ``ctx.restore_or_init``. Under ``resize`` a slice that Manager's monitor finds healthy again is
+noticed at a step boundary: the current state is saved first, so growing back loses no steps. On Pathways
+the runner calls ``pathwaysutils.initialize()``.
 
 Options mirror MaxText's elastic flags: ``checkpoint_period``, ``elastic_timeout_s``,
 ``elastic_max_retries``, and the policy.
 """
-
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -26,10 +29,11 @@ from typing import Any, Generic, Literal, TypeVar
 
 import jax
 from jax.sharding import Mesh
-from pathwaysutils.elastic.manager import ScaleUpSignalError
+from pathwaysutils.elastic.manager import ElasticRuntimeError, ScaleUpSignalError
 
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.client.event_reporter import EventReporter
+from trainer_client.core.errors import CkptdError
 from trainer_client.core.planner import plan_mesh
 from trainer_client.core.protocol import BatchOptions, MeshSpec, ResumePlan, ResumeRequest, SliceAlive
 from trainer_client.errors import ElasticRetriesExhausted, ElasticTimeoutError, NoCheckpointError
@@ -37,6 +41,7 @@ from trainer_client.runtime._saver import HealthWatch, Saver
 from trainer_client.runtime.checkpointing import Checkpointer
 from trainer_client.runtime.elastic_context import ElasticContext
 from trainer_client.runtime.fault_classification import classify_failure
+from trainer_client.runtime.jax_faults import InJaxFaults
 from trainer_client.runtime.memory_tier import MemoryTier
 from trainer_client.runtime.precompile import (
     Precompiler,
@@ -44,8 +49,9 @@ from trainer_client.runtime.precompile import (
     enable_persistent_cache,
     ensure_compilation_cache,
 )
-from trainer_client.runtime.recovery import ArraysBefore, live_default_device, release_failed_attempt
-from trainer_client.runtime.slices import SliceProvider, initialize_pathways
+from trainer_client.runtime.recovery import ArraysBefore, release_failed_attempt
+from trainer_client.runtime.slice_manager import SliceManager
+from trainer_client.runtime.slices import SimulatedSlices, SliceProvider, initialize_pathways
 
 _log = logging.getLogger(__name__)
 
@@ -69,8 +75,9 @@ class ElasticConfig:
     lr_scaling: Literal["none", "linear", "sqrt"] = "linear"
     device_memory_bytes: int | None = None
     memory_headroom_bytes: int = 0
-    poll_interval_s: float = 0.25
-    scale_up_check_interval_s: float = 1.0
+    poll_interval_s: float = 0.25  # the wait for slices after an event (pathwaysutils' health check)
+    scale_up_check_interval_s: float = 1.0  # how often a step boundary looks for slices back (no health check)
+    monitor_interval_s: float = 1.0  # background health checks of the slices not in use (pathwaysutils' monitor)
     min_slices: int = 1
     shm_dir: str | None = None  # host-memory tier: a shared-memory directory ckptd also sees
     memory_period: int | None = None  # memory-only snapshots every N steps (between persistent saves)
@@ -122,6 +129,15 @@ class ElasticResult(Generic[T]):
     final_step: int | None
 
 
+class _Raise(CkptdError):
+    """Carries an attempt's error that is not Manager's to retry through its loop, to be raised as it was
+    (never leaves the runner)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(error)
+        self.error = error
+
+
 class ElasticRunner:
     """Runs a training function through slice failures, in this process."""
 
@@ -146,6 +162,7 @@ class ElasticRunner:
             enable_persistent_cache(config.compilation_cache_dir)
         else:  # compiled executables must outlive the cache clear after an event (compile-ahead's above all)
             ensure_compilation_cache()
+        self.manager = SliceManager(slices.slice_to_devices, config.monitor_interval_s)
         self.precompiler = Precompiler()
         self.checkpointer = Checkpointer(checkpoint_dir)
         memory = (MemoryTier(config.shm_dir, config.job, max_snapshots=config.max_snapshots,
@@ -181,7 +198,8 @@ class ElasticRunner:
         """Run ``train_fn`` through slice failures; the events reach ckptd before this returns (or the
         reporter gives up after ``events_flush_timeout_s``, at once when ckptd does not answer)."""
         try:
-            return self._run(train_fn)
+            with self._slices_in_jax():
+                return self._run(train_fn)
         except BaseException as exc:
             self.emit("aborted", None, f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}")
             raise
@@ -194,12 +212,58 @@ class ElasticRunner:
                 self.reporter.close(self.client.settings.events_flush_timeout_s)
 
     def _run(self, train_fn: Callable[[ElasticContext], T]) -> ElasticResult[T]:
+        """The attempts, through pathwaysutils' ``Manager.elastic_retry`` (runtime/slice_manager.py): it waits
+        for the slices, runs ``_attempt`` under ``jax.default_device`` on one of them, retries it after a
+        slice loss or a scale-up signal and stops its monitor at the end; ckptd's part is in the callbacks."""
         self._t0 = time.monotonic()
-        self.emit("start", None, f"pid {os.getpid()}, policy {self.config.policy}")
+        cfg = self.config
+        self.emit("start", None, f"pid {os.getpid()}, policy {cfg.policy}")
         callers_arrays = ArraysBefore()  # kept across events; whatever an attempt creates is not
-        active = self._wait_for_slices(self.config.policy)
+        total = len(self.slices.slice_to_devices)
+        needed = total if cfg.policy == "pause" else cfg.min_slices
         failures = 0
-        while True:
+
+        def retry(attempt: int, error: Exception) -> bool:
+            nonlocal failures
+            if isinstance(error, ScaleUpSignalError):
+                return True
+            failures += 1
+            return failures <= cfg.elastic_max_retries
+
+        def after_event() -> None:  # before the wait for slices; the failed attempt's frames still exist
+            self.precompiler.stop()
+            self.checkpointer.reset()  # a save in flight has its host copy: the device arrays may go
+            release_failed_attempt(callers_arrays)
+            self.precompiler.forget()
+            self.emit("waiting_for_slices", None, f"policy {cfg.policy} needs {needed} of {total} slices")
+
+        def ready() -> None:
+            self.emit("slices_ready", None, f"slices {sorted(self.manager.active_slice_indices)}")
+
+        attempts = self.manager.elastic_retry(
+            minimum_slice_count=needed, poll_interval=cfg.poll_interval_s, timeout=cfg.elastic_timeout_s,
+            pre_callback=ready, on_elastic_event_callback=after_event, retry_policy=retry,
+        )(lambda: self._attempt(train_fn))
+        try:
+            return attempts()
+        except _Raise as passed:
+            error = passed.error
+        except ElasticRuntimeError as exc:  # the retry policy said no
+            raise ElasticRetriesExhausted(
+                f"{failures} slice failures exceed elastic_max_retries={cfg.elastic_max_retries}") from exc.__cause__
+        except TimeoutError as exc:  # Manager's wait (the attempt's own errors come as _Raise)
+            raise ElasticTimeoutError(
+                f"{exc} (policy {cfg.policy!r} needs {needed} of {total}; elastic_timeout_s={cfg.elastic_timeout_s})"
+            ) from exc
+        raise error  # outside the except block: unchanged, with its own traceback and context
+
+    def _attempt(self, train_fn: Callable[[ElasticContext], T]) -> ElasticResult[T]:
+        """One attempt on the slices Manager found. Only a confirmed slice loss (fault_classification.py)
+        and a scale-up signal reach Manager, which retries them; anything else passes through it as
+        ``_Raise`` and leaves ``run`` unchanged, at once."""
+        active = frozenset(self.manager.active_slice_indices)
+        ctx: ElasticContext | None = None
+        try:
             plan = self._plan(active)
             order = plan.slices_used if plan and plan.slices_used else sorted(active)
             mesh = self._build_mesh(plan.mesh if plan else self._fresh_mesh(active), order)
@@ -209,36 +273,23 @@ class ElasticRunner:
                 rec.restored_step = plan.step if plan else 0
                 rec.lost_steps = rec.failed_at_step - rec.restored_step
             ctx = ElasticContext(self, mesh, plan, active)
-            try:
-                # as Manager.elastic_retry: nothing without an explicit sharding lands on a dead slice
-                with jax.default_device(live_default_device(self.slices.slice_to_devices, order)):
-                    value = train_fn(ctx)
-                self.checkpointer.wait()
-                self.emit("finished", ctx.last_step)
-                return ElasticResult(value, os.getpid(), list(self.events), list(self.recoveries), ctx.last_step)
-            except ScaleUpSignalError as exc:
+            value = train_fn(ctx)
+            self.checkpointer.wait()
+        except ScaleUpSignalError as exc:
+            if ctx is not None:
                 self._record("scale_up", ctx, str(exc))
-            except Exception as exc:
-                # a slice loss only when pathwaysutils says so and the health check confirms it; anything
-                # else (an XLA compiler bug, an out-of-memory, a corrupt read) leaves unchanged, at once
-                loss = classify_failure(exc, self.slices, ctx.active_slices)
-                if loss is None:
-                    raise
-                failures += 1
-                self._record("slice_down", ctx, f"slice(s) {sorted(loss.lost)} down: "
-                             f"{(str(exc).splitlines() or [''])[0][:300]}")
-                if failures > self.config.elastic_max_retries:
-                    raise ElasticRetriesExhausted(
-                        f"{failures} slice failures exceed elastic_max_retries="
-                        f"{self.config.elastic_max_retries}"
-                    ) from exc
-            self.precompiler.stop()
-            # Out of the except block: the traceback and the frames holding the old arrays are gone.
-            del ctx
-            self.checkpointer.reset()  # a save in flight has its host copy: the device arrays may go
-            release_failed_attempt(callers_arrays)
-            self.precompiler.forget()
-            active = self._wait_for_slices(self.config.policy)
+            raise
+        except jax.errors.JaxRuntimeError as exc:
+            loss = classify_failure(exc, self.slices, active) if ctx is not None else None
+            if ctx is None or loss is None:
+                raise _Raise(exc) from None
+            self._record("slice_down", ctx, f"slice(s) {sorted(loss.lost)} down: "
+                         f"{(str(exc).splitlines() or [''])[0][:300]}")
+            raise
+        except Exception as exc:
+            raise _Raise(exc) from None
+        self.emit("finished", ctx.last_step)
+        return ElasticResult(value, os.getpid(), list(self.events), list(self.recoveries), ctx.last_step)
 
     def _record(self, kind: Literal["slice_down", "scale_up"], ctx: ElasticContext, detail: str) -> None:
         step = ctx.last_step if ctx.last_step is not None else ctx.start_step
@@ -247,24 +298,12 @@ class ElasticRunner:
             Recovery(kind, step, self.events[-1].t, mesh_before=[int(s) for s in ctx.mesh.devices.shape])
         )
 
-    def _wait_for_slices(self, policy: str) -> frozenset[int]:
-        """Healthy slices once the policy is satisfied: all of them (pause) or at least ``min_slices``."""
-        everything = frozenset(self.slices.slice_to_devices)
-        needed = len(everything) if policy == "pause" else self.config.min_slices
-        deadline = time.monotonic() + self.config.elastic_timeout_s
-        healthy = self.slices.healthy_slices()
-        if len(healthy) < needed:
-            self.emit("waiting_for_slices", None, f"{len(healthy)}/{len(everything)} healthy, need {needed}")
-        while len(healthy) < needed:
-            if time.monotonic() >= deadline:
-                raise ElasticTimeoutError(
-                    f"only {len(healthy)} of {len(everything)} slices healthy after "
-                    f"{self.config.elastic_timeout_s}s; policy {policy!r} needs {needed}"
-                )
-            time.sleep(self.config.poll_interval_s)
-            healthy = self.slices.healthy_slices()
-        self.emit("slices_ready", None, f"slices {sorted(healthy)}")
-        return healthy
+    def _slices_in_jax(self) -> contextlib.AbstractContextManager[object]:
+        """Simulated slices' losses made visible to JAX for the run (``InJaxFaults``): Manager's health
+        checks are pathwaysutils' pmaps, which must see a fake slice down as they see a real one."""
+        if isinstance(self.slices, SimulatedSlices) and not self.slices.visible_in_jax:
+            return InJaxFaults(self.slices)
+        return contextlib.nullcontext()
 
     def _plan(self, active: frozenset[int], *, use_memory_tier: bool = True) -> ResumePlan | None:
         slices = [SliceAlive(index=k, devices=len(self.slices.slice_to_devices[k])) for k in sorted(active)]

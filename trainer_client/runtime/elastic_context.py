@@ -139,9 +139,8 @@ class ElasticContext:
         if now - self._last_scale_check < self.runner.config.scale_up_check_interval_s:
             return
         self._last_scale_check = now
-        if set(self.runner.slices.slice_to_devices) == set(self.active_slices):
-            return
-        back = self.runner.slices.healthy_slices() - self.active_slices
+        # what pathwaysutils' monitor thread found healthy among the slices not in use: no check here
+        back = self.runner.manager.available_inactive_slices - self.active_slices
         if not back:
             return
         if step not in self.runner.saver.saved_steps:

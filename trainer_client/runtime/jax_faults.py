@@ -161,6 +161,7 @@ class InJaxFaults:
     def start(self) -> InJaxFaults:
         if self._patchers:
             return self
+        self.slices.visible_in_jax = True
         one = _one_array
         value = _array.ArrayImpl._value
         patches: list[tuple[Any, str, Any]] = [
@@ -187,6 +188,7 @@ class InJaxFaults:
     def stop(self) -> None:
         while self._patchers:
             self._patchers.pop().stop()
+        self.slices.visible_in_jax = False
 
     def __enter__(self) -> InJaxFaults:
         return self.start()

@@ -1,4 +1,4 @@
-"""What the elastic runner does between a failed attempt and the next: free the old attempt, pin a device.
+"""What the elastic runner does between a failed attempt and the next: free everything the old one left.
 
 A recovered process lives on for the whole job, so what a failed attempt leaves behind adds up over
 recoveries (freeing memory after an in-process restart is a known complaint about elastic JAX
@@ -13,8 +13,9 @@ training). After every elastic event the runner:
   state or metrics would otherwise hold device memory (on the dead slice, or on a live one) into the next
   attempt. The next attempt needs none of them: it restores from storage or from the memory tier, whose
   snapshots are files;
-- runs the next attempt with ``jax.default_device`` on a device of a live slice (as pathwaysutils'
-  ``Manager.elastic_retry`` does), so nothing without an explicit sharding lands on a dead slice 0.
+
+and ``Manager.elastic_retry`` runs the next attempt under ``jax.default_device`` on a device of a live
+slice, so nothing without an explicit sharding lands on a dead slice 0.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import gc
 import logging
 import weakref
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -60,11 +60,4 @@ def release_failed_attempt(keep: ArraysBefore) -> int:
     return deleted
 
 
-def live_default_device(slice_to_devices: Mapping[int, Sequence[jax.Device]], slices: Sequence[int]) -> jax.Device:
-    """The device the next attempt's unsharded work goes to: the first device of the first slice it uses."""
-    if not slices:
-        raise ValueError("no live slice to put the default device on")
-    return slice_to_devices[slices[0]][0]
-
-
-__all__ = ["ArraysBefore", "live_default_device", "release_failed_attempt"]
+__all__ = ["ArraysBefore", "release_failed_attempt"]

@@ -1,14 +1,16 @@
 """Which slices exist and which are healthy: pathwaysutils on real Pathways, simulated slices on CPU.
 
-Both providers expose the same three things to the elastic runner: the slice-to-devices map, the set
-of healthy slices (pathwaysutils' ``get_active_slice_indices`` with a health checker), and a hook run at
-every step boundary. On Pathways the runtime itself raises ``JaxRuntimeError(DATA_LOSS)`` when a slice
-dies; on CPU ``SimulatedSlices`` is the stand-in for slice *health*: a slice it takes down fails health
-checks for a while, then comes back. Its scheduled ``SliceFault``s raise ``DATA_LOSS`` at a step boundary;
-``trainer_client.runtime.jax_faults.InJaxFaults`` makes JAX operations themselves raise it (mid-step, in a
-snapshot copy, a restore, a compile), as on Pathways. Listeners (``add_loss_listener``) hear of each loss.
+Both providers expose the same three things to the elastic runner: the slice-to-devices map (which
+pathwaysutils' ``Manager`` runs over: runtime/slice_manager.py), the set of healthy slices (pathwaysutils'
+``get_active_slice_indices`` with a health checker: the confirmation that an error is a slice loss), and a
+hook run at every step boundary. On Pathways the runtime itself raises ``JaxRuntimeError(DATA_LOSS)`` when
+a slice dies; on CPU ``SimulatedSlices`` is the stand-in for slice *health*: a slice it takes down fails
+health checks for a while, then comes back. Its scheduled ``SliceFault``s raise ``DATA_LOSS`` at a step
+boundary; ``trainer_client.runtime.jax_faults.InJaxFaults`` (which the runner turns on for a run on
+simulated slices) makes JAX operations themselves raise it — mid-step, in a snapshot copy, a restore, a
+compile, pathwaysutils' own pmap health check — as on Pathways. Listeners (``add_loss_listener``) hear of
+each loss.
 """
-
 from __future__ import annotations
 
 import logging
@@ -37,6 +39,8 @@ def initialize_pathways() -> bool:
 
 
 class SliceProvider(Protocol):
+    """What the elastic runner needs to know about the slices of the allocation."""
+
     slice_to_devices: Mapping[int, Sequence[jax.Device]]
 
     def healthy_slices(self) -> frozenset[int]: ...
@@ -109,6 +113,7 @@ class SimulatedSlices:
         self._clock = clock
         self._lock = threading.Lock()
         self._loss_listeners: list[Callable[[int], None]] = []
+        self.visible_in_jax = False  # an InJaxFaults is active for these slices
 
     def add_loss_listener(self, listener: Callable[[int], None]) -> None:
         """Call ``listener(slice_index)`` each time a slice is taken down (after it is marked down)."""
