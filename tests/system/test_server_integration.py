@@ -225,7 +225,7 @@ def test_cli_ls_show_plan(golden_root: Path, tmp_path: Path) -> None:
     ls = _ckptd("ls", str(golden_root), env=env)
     assert ls.returncode == 0, ls.stderr
     rows = {line.split()[0]: line.split()[1:] for line in ls.stdout.splitlines()[1:]}
-    assert rows == {"empty": ["0", "None", "None"], "tp": ["1", "7", "7"], "train": ["2", "20", "20"]}
+    assert rows == {"empty": ["0", "-", "-"], "tp": ["1", "7", "7"], "train": ["2", "20", "20"]}  # "-": no step
 
     show = _ckptd("show", f"{golden_root}/train", env=env)
     assert show.returncode == 0, show.stderr
