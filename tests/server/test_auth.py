@@ -23,7 +23,7 @@ import pytest
 import ckptd.api.app
 import ckptd.api.auth
 from tests.support.chaos_support import CkptdProcess
-from tests.support.helpers import clean_env
+from tests.support.helpers import clean_env, wait_until
 from tests.support.orbax_steps import training_metadata, write_orbax_jobs
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.client.event_reporter import EventReporter
@@ -116,6 +116,10 @@ def test_every_v1_route_needs_the_token(server_fixture: str, request: pytest.Fix
     }
     routes.append(("GET", "/v1/no-such-route", None))  # even what does not exist says nothing without the token
     with httpx.Client(base_url=server.url, timeout=30) as http:
+        # once its plain-Orbax steps are adopted (before that a good request is 503 NOT_READY: not yet, not "none")
+        wait_until(lambda: http.get("/v1/jobs/meta/checkpoints/latest-good",
+                                    headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200,
+                   timeout=30, what="meta's steps adopted")
         for method, path, body in routes:
             for header in WRONG:
                 headers = {} if header is None else {"Authorization": header}
