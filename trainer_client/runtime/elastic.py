@@ -233,7 +233,8 @@ class ElasticRunner:
         def after_event() -> None:  # before the wait for slices; the failed attempt's frames still exist
             self.precompiler.stop()
             self.checkpointer.reset()  # a save in flight has its host copy: the device arrays may go
-            release_failed_attempt(callers_arrays)
+            with self.manager.device_work:  # not while the monitor's health check runs on arrays of its own
+                release_failed_attempt(callers_arrays)
             self.precompiler.forget()
             self.emit("waiting_for_slices", None, f"policy {cfg.policy} needs {needed} of {total} slices")
 

@@ -21,6 +21,8 @@ callbacks (docs/architecture.md, "The elastic loop").
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -40,9 +42,32 @@ class SliceManager(Manager):
         self._stop_event = None
         self._monitor_thread = None
         self.monitor_interval_s = monitor_interval_s
+        # Held by the monitor's health check (it makes arrays and runs a pmap on them) and by the deletion
+        # of the failed attempt's arrays after an event (runtime/recovery.py): deleting a buffer that a
+        # running computation reads crashed the process ("Buffer has been deleted or donated", SIGSEGV).
+        self.device_work = threading.Lock()
 
     def start_monitoring(self, poll_interval: float | int = 10) -> None:
         super().start_monitoring(self.monitor_interval_s)
+
+    def _check_inactive_slices(self) -> None:
+        with self.device_work:
+            super()._check_inactive_slices()
+
+
+class _HandledEventsAtInfo(logging.Filter):
+    """Manager logs every slice loss it retries as ``Elastic event detected`` at ERROR with the traceback;
+    the runner reports the same event itself (``failure_detected``, with the lost slices), so that record
+    goes on at INFO, without the traceback that made a recovered run look like a crash."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage() == "Elastic event detected":
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+logging.getLogger(Manager.__module__).addFilter(_HandledEventsAtInfo())
 
 
 __all__ = ["SliceManager"]
