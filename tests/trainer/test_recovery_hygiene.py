@@ -132,3 +132,33 @@ def test_pathwaysutils_is_initialised_on_pathways_only(tmp_path: Path, monkeypat
     finally:
         jax.config.update("jax_platforms", platforms)
     assert calls == ["initialize"]
+
+
+def test_the_monitors_health_check_and_the_deletion_of_arrays_never_overlap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deleting arrays while the monitor's health check ran its pmap on arrays of its own crashed the process
+    (SIGSEGV in make demo); both hold SliceManager.device_work."""
+    import threading
+
+    from pathwaysutils.elastic import elastic as pw_elastic
+
+    from trainer_client.runtime.slice_manager import SliceManager
+
+    devices = jax.devices()
+    manager = SliceManager({0: devices[:4], 1: devices[4:8]}, monitor_interval_s=0.05)
+    manager.active_slice_indices = frozenset({0})  # slice 1 is inactive: the monitor checks it
+    inside, release = threading.Event(), threading.Event()
+
+    def slow_check(slice_to_devices: Any) -> frozenset[int]:
+        inside.set()
+        release.wait(5)
+        return frozenset(slice_to_devices)
+
+    monkeypatch.setattr(pw_elastic, "get_active_slice_indices", slow_check)
+    checker = threading.Thread(target=manager._check_inactive_slices)
+    checker.start()
+    assert inside.wait(5)
+    assert not manager.device_work.acquire(timeout=0.2)  # the runner's deletion would wait for the check
+    release.set()
+    checker.join(5)
+    assert manager.device_work.acquire(timeout=1)
+    manager.device_work.release()
