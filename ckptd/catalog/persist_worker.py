@@ -101,7 +101,7 @@ def snapshot_arrays(snapshot: Path, devices: Sequence[jax.Device] | None = None)
     leaf order, sharded as saved: on the trainer's mesh with its partition spec where ``devices`` are
     enough, else one device per saved shard; a device's buffer is the shard's read-only view of the
     memory map where jax takes it as is (on the CPU it does: no copy). ``StoredFormatError`` when a
-    shard's bytes do not match their CRC-32: a damaged snapshot is never written to storage."""
+    shard's bytes do not match their checksum: a damaged snapshot is never written to storage."""
     meta = read_meta(snapshot)
     data = map_data(snapshot, meta)
     damaged = damaged_shards(data, meta)

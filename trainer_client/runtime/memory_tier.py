@@ -18,13 +18,13 @@ import os
 import shutil
 import threading
 import time
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+import xxhash
 
 from trainer_client.core.errors import StoredFormatError
 from trainer_client.core.format.files import SNAPSHOT_DATA_FILE, SNAPSHOT_META_FILE, SNAPSHOT_SPARE_PREFIX
@@ -193,13 +193,13 @@ class MemoryTier:
                reuse: bool) -> tuple[dict[str, ArrayRecord], int]:
         """One copy per shard, device to the shared-memory file (no pre-zeroing: that is a second pass), into
         the spare's allocated pages with ``reuse``. Each shard starts at a multiple of ``SHARD_ALIGN``, so the
-        persist worker's jax takes a view of it as is. Each shard's CRC-32 is computed from the host copy by
+        persist worker's jax takes a view of it as is. Each shard's XXH3-64 checksum is computed from the host copy by
         a helper thread while the next shard is copied and written (zlib releases the GIL)."""
         arrays: dict[str, ArrayRecord] = {}
         offset = 0
         fd = open_private(tmp / SNAPSHOT_DATA_FILE, os.O_RDWR if reuse else os.O_WRONLY | os.O_CREAT)
         with os.fdopen(fd, "r+b" if reuse else "wb") as f, ThreadPoolExecutor(
-                _CRC_THREADS, thread_name_prefix="snapshot-crc") as crcs:
+                _CHECKSUM_THREADS, thread_name_prefix="snapshot-checksum") as sums:
             pending: list[tuple[str, list[int], str, list[tuple[list[list[int]], int, int, Future[int]]]]] = []
             for name, leaf, shards in plan:
                 records = []
@@ -208,20 +208,21 @@ class MemoryTier:
                     f.write(bytes(pad))
                     offset += pad
                     host = np.ascontiguousarray(np.asarray(shard.data)).reshape(-1).view(np.uint8)
-                    crc = crcs.submit(zlib.crc32, host.data)
+                    digest = sums.submit(xxhash.xxh3_64_intdigest, host.data)
                     f.write(host.data)
-                    records.append(([list(b) for b in index_bounds(shard.index, leaf.shape)], offset, host.nbytes, crc))
+                    index = [list(b) for b in index_bounds(shard.index, leaf.shape)]
+                    records.append((index, offset, host.nbytes, digest))
                     offset += host.nbytes
                 pending.append((name, list(leaf.shape), str(leaf.dtype), records))
             f.truncate(offset)
             for name, shape, dtype, records in pending:
                 arrays[name] = ArrayRecord(shape=shape, dtype=dtype, shards=[
-                    ShardRecord(index=index, offset=at, nbytes=size, crc32=crc.result())
-                    for index, at, size, crc in records])
+                    ShardRecord(index=index, offset=at, nbytes=size, xxh3=digest.result())
+                    for index, at, size, digest in records])
         return arrays, offset
 
 
-_CRC_THREADS = 2
+_CHECKSUM_THREADS = 2
 
 
 def describe_tree(state: PyTree) -> list[TreeEntry]:
@@ -253,7 +254,7 @@ def restore_snapshot(path: str | os.PathLike[str], target: PyTree) -> PyTree:
     """The snapshot's state laid out like ``target`` (``ShapeDtypeStruct`` leaves with shardings), each
     device's shard taken from a copy-on-write memory map of the snapshot: no disk, and no copy where a
     target shard is a saved shard (other regions are assembled from the shards they overlap). Every shard's
-    CRC-32 is checked first (``StoredFormatError`` when one differs)."""
+    checksum is checked first (``StoredFormatError`` when one differs)."""
     meta = read_meta(path)
     leaves, treedef = jax.tree_util.tree_flatten(target)
     if len(leaves) != len(meta.leaf_names):
