@@ -27,7 +27,8 @@ PACKAGES = ("ckptd", "trainer_client")
 MAX_MODULE_LINES = 400
 
 # What the jax-free core may import besides the standard library and itself.
-CORE_THIRD_PARTY = {"numpy", "pydantic", "pydantic_settings", "fsspec", "google_crc32c", "zstandard", "ml_dtypes"}
+CORE_THIRD_PARTY = {"numpy", "pydantic", "pydantic_settings", "fsspec", "google_crc32c", "zstandard", "ml_dtypes",
+                    "xxhash"}
 CORE_LAZY_ONLY = {"tensorstore"}  # only inside the functions that read zarr metadata or decode chunks
 JAX_SIDE = ("jax", "jaxlib", "orbax", "tensorstore", "pathwaysutils", "optax", "flax")
 SERVER_FRAMEWORK = ("fastapi", "starlette", "uvicorn", "prometheus_client")
