@@ -39,7 +39,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from trainer_client.core.errors import StoredFormatError
-from trainer_client.core.format.snapshot import ArrayRecord, damaged_shards, map_data, problems, read_meta
+from trainer_client.core.format.snapshot import (
+    ArrayRecord,
+    SnapshotMeta,
+    damaged_shards,
+    map_data,
+    problems,
+    read_meta,
+)
 from trainer_client.core.format.snapshot_shards import ShardReader, index_bounds, shard_grid
 from trainer_client.core.format.tree_paths import rebuild
 from trainer_client.core.protocol import ArraySpec, TrainingMetadata
@@ -96,13 +103,14 @@ def _as_trained(record: ArrayRecord, spec: ArraySpec | None, mesh: Mesh | None) 
     return sharding if wanted == saved else None
 
 
-def snapshot_arrays(snapshot: Path, devices: Sequence[jax.Device] | None = None) -> list[jax.Array]:
+def snapshot_arrays(snapshot: Path, devices: Sequence[jax.Device] | None = None,
+                    meta: SnapshotMeta | None = None) -> list[jax.Array]:
     """Every array of the snapshot as a jax array on ``devices`` (default: this process's CPU devices), in
     leaf order, sharded as saved: on the trainer's mesh with its partition spec where ``devices`` are
     enough, else one device per saved shard; a device's buffer is the shard's read-only view of the
     memory map where jax takes it as is (on the CPU it does: no copy). ``StoredFormatError`` when a
     shard's bytes do not match their checksum: a damaged snapshot is never written to storage."""
-    meta = read_meta(snapshot)
+    meta = meta or read_meta(snapshot)
     data = map_data(snapshot, meta)
     damaged = damaged_shards(data, meta)
     if damaged:
@@ -134,7 +142,7 @@ def persist(snapshot: Path, job_url: str, *, compression: bool = False) -> str:
     # The trainer's tree as data (never unpickled): dicts and lists with the same key paths, which is all
     # Orbax records of a tree. jax arrays, not numpy: Orbax writes jax arrays through its parallel array
     # path, numpy leaves ~7x slower.
-    state = rebuild(meta.tree, snapshot_arrays(snapshot))
+    state = rebuild(meta.tree, snapshot_arrays(snapshot, meta=meta))
     checkpointer = Checkpointer(job_url, compression=compression)
     try:
         checkpointer.save_with_metadata(meta.step, state, meta.training)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from bench.common import stop_process  # SIGTERM, wait, SIGKILL: one copy, the benchmarks' (bench never imports tests)
 from ckptd.config import Settings
 
 T = TypeVar("T")
@@ -76,21 +76,6 @@ def make_settings(root: str | Path, state_dir: str | Path, **overrides: Any) -> 
     }
     values.update(overrides)
     return Settings(**values)
-
-
-def stop_process(proc: subprocess.Popen[Any], timeout: float) -> bool:
-    """SIGTERM ``proc`` and wait up to ``timeout`` seconds; past that, SIGKILL it and reap it. True when it
-    stopped on SIGTERM (or had already exited)."""
-    if proc.poll() is not None:
-        return True
-    proc.terminate()
-    try:
-        proc.wait(timeout=timeout)
-        return True
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=timeout)
-        return False
 
 
 __all__ = ["REPO", "clean_env", "free_port", "make_settings", "stop_process", "wait_until"]

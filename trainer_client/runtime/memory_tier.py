@@ -80,6 +80,7 @@ class MemoryTier:
         self.last_spare_s: float | None = None  # how long the background allocation of the last spare took
         self._spare = self.dir / f"{SNAPSHOT_SPARE_PREFIX}{os.getpid()}"
         self._spare_thread: threading.Thread | None = None
+        self._tree: tuple[Any, list[TreeEntry]] | None = None  # the last state's structure and its description
         ensure_private_dir(shm_dir)  # UnsafePathError: someone else could write (or owns) the directory
         ensure_private_dir(self.dir)
         drop_leftovers(self.dir)
@@ -106,8 +107,10 @@ class MemoryTier:
         started = time.perf_counter()
         self.wait_spare()  # normally long done: it started right after the previous save
         ensure_private_dir(self.dir)
-        tree = describe_tree(state)
-        leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+        if self._tree is None or self._tree[0] != treedef:  # described once per structure, not per save
+            self._tree = (treedef, describe_tree(state))
+        tree = self._tree[1]
         plan: list[tuple[str, jax.Array, list[Any]]] = []
         nbytes = 0
         for path, leaf in leaves:

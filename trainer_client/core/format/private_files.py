@@ -93,16 +93,16 @@ def open_private(path: str | os.PathLike[str], flags: int = os.O_RDONLY) -> int:
 
 
 def read_private(path: str | os.PathLike[str], *, max_bytes: int) -> bytes:
-    """The bytes of the private file ``path``; ``UnsafePathError`` past ``max_bytes`` (nothing is read)."""
+    """The bytes of the private file ``path``; ``UnsafePathError`` past ``max_bytes`` (one more byte is read)."""
     fd = open_private(path)
     try:
-        size = os.fstat(fd).st_size
-        if size > max_bytes:
-            raise UnsafePathError(f"{path} has {size} bytes, more than the {max_bytes} such a file may have")
         with os.fdopen(fd, "rb", closefd=False) as f:
-            return f.read(max_bytes + 1)[:max_bytes]
+            data = f.read(max_bytes + 1)  # bounded whatever the file's size says (it may grow meanwhile)
     finally:
         os.close(fd)
+    if len(data) > max_bytes:
+        raise UnsafePathError(f"{path} has more than the {max_bytes} bytes such a file may have")
+    return data
 
 
 def write_private(path: str | os.PathLike[str], data: bytes) -> None:
