@@ -59,6 +59,7 @@ class Saver:
         self.saved_steps: set[int] = set()
         self.last_tier: str | None = None
         self.last_blocked_s: float | None = None
+        self._said_away = False  # warned that ckptd is away, since it last answered
 
     def save(self, step: int, state: PyTree, meta: TrainingMetadata, *, persist: bool,
              if_busy: Literal["wait", "skip"] = "wait") -> str:
@@ -76,9 +77,12 @@ class Saver:
                 self.memory.save(step, state, meta, persist=persist)
                 tier = "memory+persist" if persist else "memory"
                 self.last_blocked_s = self.memory.last_blocked_s
-                if persist and self.health is not None and not self.health.ok:
-                    _log.warning("ckptd is not answering: step %s waits in shared memory until it is back "
-                                 "(or until the memory tier is full, then saves go to storage directly)", step)
+                away = persist and self.health is not None and not self.health.ok
+                if away and not self._said_away:  # once per outage, not once per save
+                    _log.warning("ckptd is not answering: step %s waits in shared memory until it is back, and so "
+                                 "do the next saves (until the memory tier is full; then they go to storage "
+                                 "directly)", step)
+                self._said_away = away or (self._said_away and not persist)
             except MemoryTierFull as exc:
                 if not persist:
                     _log.info("memory snapshot of step %s skipped: %s", step, exc)
