@@ -9,8 +9,10 @@ The elastic events trainer_client reports (``ckptd.catalog.events``) give the re
 run: the save stall (``checkpoint_started.blocked_seconds``), the restore (``slices_ready`` until
 ``restored``, the resume plan included; from host memory or from storage, as ``restored`` says) and the
 recompile (``restored`` until ``first_step_done``, less one normal step; on the same mesh or a new one, as
-the ``recovered`` event after it says). Each is the median of what was seen. The failure rate is not
-measured (a job's history is too short to tell it), so it must be given.
+the ``recovered`` event after it says), and the hot-spare switch (``failure_detected`` until ``slices_ready`` in
+the recoveries whose ``recovered`` event names the spares that took over: what the ``spare`` policy waits
+instead of a replacement; its restore and recompile are the ones above). Each is the median of what was seen.
+The failure rate is not measured (a job's history is too short to tell it), so it must be given.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class JobHistory:
     memory_restore_time_s: Measured | None = None
     recovery_time_s: Measured | None = None
     resize_recovery_time_s: Measured | None = None
+    spare_switch_time_s: Measured | None = None
     steps_seen: int = 0
 
     def values(self) -> dict[str, Measured]:
@@ -73,13 +76,18 @@ def event_measures(events: Sequence[StoredEvent], step_time: float | None = None
         runs[e.run or f"{e.host}:{e.pid}"].append(e)
     restores: dict[bool, list[float]] = {True: [], False: []}  # from memory?
     recompiles: dict[bool, list[float]] = {True: [], False: []}  # same mesh?
+    switches: list[float] = []  # failure detected -> slices ready, where a hot spare took over
     for run in runs.values():
         ready: float | None = None
         restored: float | None = None
         first: float | None = None
+        failed: float | None = None
+        switch: float | None = None
         for e in run:
             if e.kind == "slices_ready":
                 ready = e.time
+                if failed is not None and switch is None:
+                    switch = e.time - failed
             elif e.kind == "restored":
                 if ready is not None:
                     restores[_restored_from_memory(e)].append(e.time - ready)
@@ -90,9 +98,13 @@ def event_measures(events: Sequence[StoredEvent], step_time: float | None = None
             elif e.kind == "recovered":
                 if first is not None and e.mesh_before and e.mesh_after:
                     recompiles[e.mesh_before == e.mesh_after].append(first)
-                first = None
+                if switch is not None and e.spares_used:
+                    switches.append(switch)
+                first = failed = switch = None
             elif e.kind in ("start", "failure_detected", "scale_up_detected", "finished", "aborted"):
                 ready = restored = first = None
+                failed = e.time if e.kind == "failure_detected" else None
+                switch = None
     step = "less one step" if step_time else "one step included"
     found = {
         "save_stall_s": _median(stalls, "the loop's blocked time per save (checkpoint_started events)"),
@@ -100,6 +112,7 @@ def event_measures(events: Sequence[StoredEvent], step_time: float | None = None
         "memory_restore_time_s": _median(restores[True], "slices ready -> restored from host memory"),
         "recovery_time_s": _median(recompiles[True], f"restored -> first step on the same mesh ({step})"),
         "resize_recovery_time_s": _median(recompiles[False], f"restored -> first step on a new mesh ({step})"),
+        "spare_switch_time_s": _median(switches, "failure detected -> slices ready where a hot spare took over"),
     }
     return {k: v for k, v in found.items() if v is not None}
 

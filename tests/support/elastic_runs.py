@@ -1,6 +1,7 @@
 """Elastic runs for the trainer tests: the demo MLP on 4 fake slices of 2 CPU devices, against a real ckptd.
 
-``elastic_runner`` builds an ``ElasticRunner`` (mesh 4 x 2, batch 48, a save every 10 steps, short polls),
+``elastic_runner`` builds an ``ElasticRunner`` (mesh 4 x 2 unless ``mesh_shape`` says otherwise, batch 48, a
+save every 10 steps, short polls),
 ``run_to_end`` runs it and closes its checkpointer and client, ``leaves`` reads a state back to numpy. The
 ``in_jax_faults`` fixture body gives 4 simulated slices whose losses JAX operations raise (``InJaxFaults``).
 """
@@ -14,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from examples.elastic_mlp import TrainLog, make_train_fn
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.runtime.elastic import ElasticConfig, ElasticContext, ElasticResult, ElasticRunner, Event
@@ -31,7 +33,8 @@ def elastic_runner(root: Path, url: str, policy: str, faults: Sequence[SliceFaul
     options: dict[str, Any] = dict(checkpoint_period=10, elastic_timeout_s=30, poll_interval_s=0.05,
                                    scale_up_check_interval_s=0.0, monitor_interval_s=0.2)
     options.update(config)
-    cfg = ElasticConfig(job=JOB, mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=BATCH,
+    options.setdefault("mesh_shape", (4, 2))
+    cfg = ElasticConfig(job=JOB, mesh_axes=("replica", "data"), global_batch=BATCH,
                         policy=policy, shm_dir=shm_dir, **options)  # type: ignore[arg-type]
     client = CkptdClient(ClientSettings(url=url, timeout_s=2.0, resume_deadline_s=3.0, shm_dir=shm_dir),
                          root=str(root))
@@ -56,10 +59,29 @@ def assert_bitwise_equal(expected: Any, actual: Any, what: str = "the run diverg
         assert a.dtype == b.dtype and np.array_equal(a, b), what
 
 
+def failure_free_state(root: Path, state_dir: Path, policy: str, steps: int, **config: Any) -> list[np.ndarray]:
+    """The final state of a run without failures (on the host: arrays alive when a slice is lost are lost with
+    it), against a ckptd of its own."""
+    from tests.support.server import start_server
+
+    server = start_server(root, state_dir)
+    try:
+        return leaves(run_to_end(elastic_runner(root, server.url, policy, **config), make_train_fn(steps, TrainLog())
+                                 ).value)
+    finally:
+        server.stop()
+
+
+def every_sample_once(log: TrainLog, steps: int) -> bool:
+    """Steps 0..steps-1 each read the next BATCH samples, in order, in the trajectory that survived."""
+    return [log.samples[s] for s in range(steps)] == [(s * BATCH, (s + 1) * BATCH) for s in range(steps)]
+
+
 def in_jax_faults() -> Iterator[InJaxFaults]:
     """For a fixture: 4 fake slices of 2 CPU devices, JAX patched to raise DATA_LOSS on the ones down."""
     with InJaxFaults(SimulatedSlices(num_slices=4)) as injector:
         yield injector
 
 
-__all__ = ["BATCH", "JOB", "assert_bitwise_equal", "elastic_runner", "in_jax_faults", "leaves", "run_to_end"]
+__all__ = ["BATCH", "JOB", "assert_bitwise_equal", "elastic_runner", "every_sample_once", "failure_free_state",
+           "in_jax_faults", "leaves", "run_to_end"]

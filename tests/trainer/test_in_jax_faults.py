@@ -20,15 +20,14 @@ import pytest
 
 from examples.elastic_mlp import TrainLog, make_train_fn
 from tests.support.elastic_runs import (
-    BATCH,
     JOB,
     assert_bitwise_equal,
     elastic_runner,
+    every_sample_once,
+    failure_free_state,
     in_jax_faults,
-    leaves,
     run_to_end,
 )
-from tests.support.server import start_server
 from trainer_client.core.protocol import BatchPlan
 from trainer_client.runtime.elastic import Event
 from trainer_client.runtime.jax_faults import Fired, InJaxFaults
@@ -45,16 +44,11 @@ def faults() -> Iterator[InJaxFaults]:
 def clean_state(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The final state of a run without failures (pause keeps the mesh: every failing run must end on it),
     on the host: arrays alive when a slice is lost are lost with it."""
-    root = tmp_path_factory.mktemp("clean")
-    server = start_server(root, tmp_path_factory.mktemp("clean-state"))
-    try:
-        return leaves(run_to_end(elastic_runner(root, server.url, "pause"), make_train_fn(STEPS, TrainLog())).value)
-    finally:
-        server.stop()
+    return failure_free_state(tmp_path_factory.mktemp("clean"), tmp_path_factory.mktemp("clean-state"), "pause", STEPS)
 
 
 def _assert_every_sample_once(log: TrainLog) -> None:
-    assert [log.samples[s] for s in range(STEPS)] == [(s * BATCH, (s + 1) * BATCH) for s in range(STEPS)]
+    assert every_sample_once(log, STEPS)
 
 
 def test_a_slice_lost_mid_step(tmp_path: Path, ckptd_server: Any, faults: InJaxFaults, clean_state: Any) -> None:

@@ -11,8 +11,11 @@ what pathwaysutils classifies as a slice loss *and* a health check confirms reac
 attempt is freed (JAX's caches cleared, its arrays deleted: ``recovery``); the next attempt asks ckptd for
 the resume plan (or scans storage when ckptd cannot answer), rebuilds the mesh from it and restores onto it
 through ``ctx.restore_or_init``. Under ``resize`` a slice that Manager's monitor finds healthy again is
-noticed at a step boundary: the current state is saved first, so growing back loses no steps. On Pathways
-the runner calls ``pathwaysutils.initialize()``.
+noticed at a step boundary: the current state is saved first, so growing back loses no steps. With hot
+spares (``spare_slices``) the mesh uses fewer slices than the allocation holds; a healthy idle slice takes a
+lost one's place (same mesh shape, no resize, no wait for a replacement: ``SliceManager.take_slices``), and a
+lost slice that returns becomes a spare; with no healthy spare left the policy (``pause`` or ``resize``)
+decides. On Pathways the runner calls ``pathwaysutils.initialize()``.
 
 Options mirror MaxText's elastic flags: ``checkpoint_period``, ``elastic_timeout_s``,
 ``elastic_max_retries``, and the policy.
@@ -70,7 +73,10 @@ class ElasticConfig:
     checkpoint_period: int = 10
     elastic_timeout_s: float = 300.0
     elastic_max_retries: int = 10
-    policy: Literal["pause", "resize"] = "resize"
+    policy: Literal["pause", "resize"] = "resize"  # with spare_slices: what happens when no spare is healthy
+    # hot spares: slices of the allocation the mesh leaves idle; a healthy one takes a lost slice's place (the mesh
+    # keeps its shape). The mesh (mesh_shape) uses the other slices.
+    spare_slices: int = 0
     batch_mode: Literal["keep_global_batch", "scale_batch"] = "keep_global_batch"
     lr_scaling: Literal["none", "linear", "sqrt"] = "linear"
     device_memory_bytes: int | None = None
@@ -117,6 +123,9 @@ class Recovery:
     lost_steps: int | None = None
     mesh_before: list[int] = field(default_factory=list)
     mesh_after: list[int] = field(default_factory=list)
+    slices_before: list[int] = field(default_factory=list)  # the slices the mesh used
+    slices_after: list[int] = field(default_factory=list)
+    spares_used: list[int] = field(default_factory=list)  # hot spares that took lost slices' places
     seconds: float | None = None
 
 
@@ -162,8 +171,12 @@ class ElasticRunner:
             enable_persistent_cache(config.compilation_cache_dir)
         else:  # compiled executables must outlive the cache clear after an event (compile-ahead's above all)
             ensure_compilation_cache()
-        self.manager = SliceManager(slices.slice_to_devices, config.monitor_interval_s)
-        self.precompiler = Precompiler()
+        total = len(slices.slice_to_devices)
+        if not 0 <= config.spare_slices < total:
+            raise ValueError(f"spare_slices={config.spare_slices}: the allocation has {total} slices")
+        self.manager = SliceManager(slices.slice_to_devices, config.monitor_interval_s,
+                                    mesh_slices=total - config.spare_slices)
+        self.precompiler = Precompiler(mesh_slices=total - config.spare_slices)
         self.checkpointer = Checkpointer(checkpoint_dir)
         memory = (MemoryTier(config.shm_dir, config.job, max_snapshots=config.max_snapshots,
                              preallocate=config.preallocate_snapshots) if config.shm_dir else None)
@@ -187,10 +200,11 @@ class ElasticRunner:
         if self.recoveries and self.recoveries[-1].seconds is None:
             rec = self.recoveries[-1]
             rec.seconds = self.events[-1].t - rec.detected_t
+            spare = f", spare slice(s) {rec.spares_used} in" if rec.spares_used else ""
             self.emit("recovered", step, f"{rec.kind} at step {rec.failed_at_step}: {rec.seconds:.2f}s to the "
-                      f"first step, {rec.lost_steps} step(s) lost", recovery_seconds=rec.seconds,
+                      f"first step, {rec.lost_steps} step(s) lost{spare}", recovery_seconds=rec.seconds,
                       lost_steps=rec.lost_steps, restored_step=rec.restored_step, mesh_before=rec.mesh_before,
-                      mesh_after=rec.mesh_after)
+                      mesh_after=rec.mesh_after, spares_used=rec.spares_used or None)
 
     # ---- the loop around the user's function ---------------------------------------------------
 
@@ -220,7 +234,7 @@ class ElasticRunner:
         self.emit("start", None, f"pid {os.getpid()}, policy {cfg.policy}")
         callers_arrays = ArraysBefore()  # kept across events; whatever an attempt creates is not
         total = len(self.slices.slice_to_devices)
-        needed = total if cfg.policy == "pause" else cfg.min_slices
+        needed = self.manager.mesh_slices if cfg.policy == "pause" else min(cfg.min_slices, self.manager.mesh_slices)
         failures = 0
 
         def retry(attempt: int, error: Exception) -> bool:
@@ -238,8 +252,10 @@ class ElasticRunner:
             self.precompiler.forget()
             self.emit("waiting_for_slices", None, f"policy {cfg.policy} needs {needed} of {total} slices")
 
-        def ready() -> None:
-            self.emit("slices_ready", None, f"slices {sorted(self.manager.active_slice_indices)}")
+        def ready() -> None:  # after Manager's wait, before the attempt: which healthy slices the mesh uses
+            used, spares = self.manager.take_slices()
+            self.emit("slices_ready", None, f"slices {sorted(used)}"
+                      + (f", spare(s) {sorted(spares)}" if cfg.spare_slices else ""))
 
         attempts = self.manager.elastic_retry(
             minimum_slice_count=needed, poll_interval=cfg.poll_interval_s, timeout=cfg.elastic_timeout_s,
@@ -262,7 +278,8 @@ class ElasticRunner:
         """One attempt on the slices Manager found. Only a confirmed slice loss (fault_classification.py)
         and a scale-up signal reach Manager, which retries them; anything else passes through it as
         ``_Raise`` and leaves ``run`` unchanged, at once."""
-        active = frozenset(self.manager.active_slice_indices)
+        active = frozenset(self.manager.active_slice_indices)  # the slices in use (SliceManager.take_slices)
+        cfg = self.config
         ctx: ElasticContext | None = None
         try:
             plan = self._plan(active)
@@ -271,6 +288,9 @@ class ElasticRunner:
             if self.recoveries and not self.recoveries[-1].mesh_after:
                 rec = self.recoveries[-1]
                 rec.mesh_after = [int(s) for s in mesh.devices.shape]
+                rec.slices_after = sorted(active)
+                if rec.kind == "slice_down" and cfg.spare_slices and rec.mesh_after == rec.mesh_before:
+                    rec.spares_used = sorted(active - set(rec.slices_before))
                 rec.restored_step = plan.step if plan else 0
                 rec.lost_steps = rec.failed_at_step - rec.restored_step
             ctx = ElasticContext(self, mesh, plan, active)
@@ -295,9 +315,14 @@ class ElasticRunner:
     def _record(self, kind: Literal["slice_down", "scale_up"], ctx: ElasticContext, detail: str) -> None:
         step = ctx.last_step if ctx.last_step is not None else ctx.start_step
         self.emit("failure_detected" if kind == "slice_down" else "scale_up_detected", step, detail)
-        self.recoveries.append(
-            Recovery(kind, step, self.events[-1].t, mesh_before=[int(s) for s in ctx.mesh.devices.shape])
-        )
+        self.recoveries.append(Recovery(kind, step, self.events[-1].t,
+                                        mesh_before=[int(s) for s in ctx.mesh.devices.shape],
+                                        slices_before=sorted(ctx.active_slices)))
+
+    def slices_to_grow(self, active: frozenset[int]) -> frozenset[int]:
+        """Slices back that a degraded mesh grows onto at a step boundary (``resize``; none when the mesh is
+        whole: slices back are spares then)."""
+        return self.manager.slices_to_grow(active)
 
     def _slices_in_jax(self) -> contextlib.AbstractContextManager[object]:
         """Simulated slices' losses made visible to JAX for the run (``InJaxFaults``): Manager's health
@@ -320,7 +345,8 @@ class ElasticRunner:
             return None
         batch = plan.batch
         self.emit("plan_received", plan.step,
-                  f"mesh {plan.mesh.shape} from {plan.source}, data position {plan.data_position}"
+                  f"mesh {plan.mesh.shape} on slices {plan.slices_used} from {plan.source}, data position "
+                  f"{plan.data_position}"
                   + (f", batch {batch.global_batch} = {batch.accumulation_steps} x {batch.micro_batch}"
                      if batch else ""))
         return plan

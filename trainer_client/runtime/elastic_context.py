@@ -139,8 +139,9 @@ class ElasticContext:
         if now - self._last_scale_check < self.runner.config.scale_up_check_interval_s:
             return
         self._last_scale_check = now
-        # what pathwaysutils' monitor thread found healthy among the slices not in use: no check here
-        back = self.runner.manager.available_inactive_slices - self.active_slices
+        # what pathwaysutils' monitor thread found healthy among the slices not in use (none while the mesh is
+        # whole: those are hot spares): no check here
+        back = self.runner.slices_to_grow(self.active_slices)
         if not back:
             return
         if step not in self.runner.saver.saved_steps:

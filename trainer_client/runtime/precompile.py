@@ -3,11 +3,12 @@
 Recovery after a slice failure is dominated by re-tracing and recompiling the training step for the new
 mesh. While training runs on a mesh, a background thread asks the user's ``precompile(mesh, batch)``
 hook to lower and compile the step for the meshes an elastic event would lead to next: the full mesh
-again when running degraded (the regrow), then every mesh with one slice fewer (one per slice that could
-be lost). The runner clears JAX's in-memory caches after every elastic event (docs/architecture.md), so
-what carries the compiled executables across the event is the compilation cache: JAX's persistent cache
-(``compilation_cache_dir``, or a private default, ``ensure_compilation_cache``), or Pathways' own. The
-first step on the new mesh traces and lowers again and loads its executable: no XLA compile.
+again when running degraded (the regrow), with hot spares the same mesh with a spare in place of each slice
+that could be lost, then every mesh with one slice fewer (one per slice that could be lost). The runner
+clears JAX's in-memory caches after every elastic event (docs/architecture.md), so what carries the compiled
+executables across the event is the compilation cache: JAX's persistent cache (``compilation_cache_dir``, or
+a private default, ``ensure_compilation_cache``), or Pathways' own. The first step on the new mesh traces and
+lowers again and loads its executable: no XLA compile.
 
 The hook is the user's because only the training code knows its step function and input layouts (see
 ``examples/elastic_mlp.py``). A failing compile is logged and skipped: precompiling is an optimisation.
@@ -89,12 +90,19 @@ def likely_next(
     current: MeshSpec,
     active: frozenset[int],
     slice_to_devices: Mapping[int, Sequence[jax.Device]],
+    mesh_slices: int | None = None,
 ) -> list[tuple[MeshSpec, list[int]]]:
-    """(mesh, slices) an elastic event most likely leads to: the regrow first, then one slice fewer."""
+    """(mesh, slices) an elastic event most likely leads to: the regrow first (to ``mesh_slices`` slices, default
+    all), then a spare (the first idle slice) in place of each slice in use when the allocation has spares,
+    then one slice fewer."""
     everything = sorted(slice_to_devices)
+    width = len(everything) if mesh_slices is None else mesh_slices
+    idle = [k for k in everything if k not in active]
     options: list[list[int]] = []
-    if set(everything) != set(active):
-        options.append(everything)
+    if len(active) < width and idle:
+        options.append(sorted(set(active) | set(idle[: width - len(active)])))
+    if width < len(everything) and len(active) == width and idle:
+        options += [sorted((active - {lost}) | {idle[0]}) for lost in sorted(active)]
     options += [sorted(active - {lost}) for lost in sorted(active) if len(active) > 1]
     out = []
     for slices in options:
@@ -126,7 +134,8 @@ class Precompiler:
     loop. A pass that is still busy when an elastic event stops it is abandoned, not waited for: the next
     attempt's pass starts at once in a thread of its own."""
 
-    def __init__(self, join_timeout_s: float = 60.0) -> None:
+    def __init__(self, join_timeout_s: float = 60.0, mesh_slices: int | None = None) -> None:
+        self.mesh_slices = mesh_slices  # slices a whole mesh uses (fewer than the allocation's: hot spares)
         self._done: set[tuple[int, ...]] = set()
         self._current: _Pass | None = None
         self._passes: list[_Pass] = []
@@ -157,7 +166,7 @@ class Precompiler:
     ) -> None:
         if self._current is not None and self._current.alive() and not self._current.stop.is_set():
             return
-        targets = likely_next(current, active, slice_to_devices)
+        targets = likely_next(current, active, slice_to_devices, self.mesh_slices)
         run = _Pass()
         run.thread = threading.Thread(
             target=self._run, args=(run, hook, targets, slice_to_devices, batch, options),

@@ -17,6 +17,13 @@ callbacks (docs/architecture.md, "The elastic loop").
 - ``start_monitoring``: ``elastic_retry`` starts the monitor with the wait loop's poll interval; the
   monitor polls at ``monitor_interval_s`` instead (pathwaysutils' pmap check compiles each time: ~55 ms a
   slice on CPU, a busy core if polled every 50 ms).
+
+and adds one thing Manager has no notion of, hot spares (``take_slices``): an allocation of more slices than
+the mesh uses (``mesh_slices``). Manager's wait sets ``active_slice_indices`` to every healthy slice; before
+each attempt (``pre_callback``) the runner narrows it to the slices the mesh will use — the previous attempt's
+that are still healthy, then healthy idle ones by index — so Manager's monitor health-checks the idle ones
+(the spares) in the background, ``available_inactive_slices`` names the healthy spares, and
+``default_device`` is on a slice in use. A lost slice that returns is just another idle slice: a spare.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ from pathwaysutils.elastic.manager import Manager
 class SliceManager(Manager):
     """Manager for the slices in ``slice_to_devices`` (a provider's), monitoring every ``monitor_interval_s``."""
 
-    def __init__(self, slice_to_devices: Mapping[int, Sequence[jax.Device]], monitor_interval_s: float) -> None:
+    def __init__(self, slice_to_devices: Mapping[int, Sequence[jax.Device]], monitor_interval_s: float,
+                 mesh_slices: int | None = None) -> None:
         # Not Manager.__init__ (see the module docstring); the same attributes, in the same order.
         self.slice_to_devices = slice_to_devices
         self.all_slice_indices = frozenset(self.slice_to_devices.keys())
@@ -42,10 +50,35 @@ class SliceManager(Manager):
         self._stop_event = None
         self._monitor_thread = None
         self.monitor_interval_s = monitor_interval_s
+        # slices a full mesh uses; the allocation's others are hot spares
+        self.mesh_slices = len(self.all_slice_indices) if mesh_slices is None else mesh_slices
+        if not 1 <= self.mesh_slices <= len(self.all_slice_indices):
+            raise ValueError(f"a mesh of {self.mesh_slices} slices does not fit {len(self.all_slice_indices)} slices")
+        self._in_use: frozenset[int] = frozenset()
         # Held by the monitor's health check (it makes arrays and runs a pmap on them) and by the deletion
         # of the failed attempt's arrays after an event (runtime/recovery.py): deleting a buffer that a
         # running computation reads crashed the process ("Buffer has been deleted or donated", SIGSEGV).
         self.device_work = threading.Lock()
+
+    def take_slices(self) -> tuple[frozenset[int], frozenset[int]]:
+        """After Manager's wait (``active_slice_indices``: every healthy slice): the slices the next attempt's
+        mesh uses — the previous attempt's still healthy first (a spare replaces only what was lost), then
+        healthy idle ones by index, at most ``mesh_slices`` — and the healthy ones left idle (the spares).
+        ``active_slice_indices`` becomes the slices in use, so the monitor checks the spares."""
+        healthy = frozenset(self.active_slice_indices)
+        order = sorted(healthy & self._in_use) + sorted(healthy - self._in_use)
+        used = frozenset(order[: self.mesh_slices])
+        self.active_slice_indices = used
+        self.available_inactive_slices = healthy - used  # just health-checked by the wait
+        self._in_use = used
+        return used, healthy - used
+
+    def slices_to_grow(self, active: frozenset[int]) -> frozenset[int]:
+        """Healthy idle slices that a degraded mesh (fewer than ``mesh_slices`` slices: ``resize`` with no
+        spare left) would grow back onto; none when the mesh is whole (idle slices are spares then)."""
+        if len(active) >= self.mesh_slices:
+            return frozenset()
+        return frozenset(self.available_inactive_slices) - active
 
     def start_monitoring(self, poll_interval: float | int = 10) -> None:
         super().start_monitoring(self.monitor_interval_s)

@@ -39,6 +39,9 @@ class ElasticEvent(_Request):
     restored_step: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = None
     mesh_before: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=16)
     mesh_after: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=16)
+    spares_used: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None, max_length=1024,
+        description="recovered: the hot spare slices that took lost slices' places (the mesh kept its shape)")
     blocked_seconds: Annotated[float, Field(ge=0)] | None = Field(
         default=None, description="checkpoint_started: how long the training loop was blocked by the save")
     tier: Literal["memory", "memory+persist", "storage", "skipped"] | None = Field(
