@@ -94,6 +94,14 @@ class Settings(BaseSettings):
         default=64 << 20, ge=1024,
         description="request bodies held in memory at once, all requests together (past it: 503 BUSY)",
     )
+    read_only: bool = Field(
+        default=False,
+        description="write nothing into any step directory of the root: manifests, verified and quarantine records "
+        "go to <root>/.ckptd/<job>/<step>/, retention deletes nothing",
+    )
+    read_only_jobs: str = Field(
+        default="", description="the same for these jobs only: job names separated by commas (e.g. `llama,maxtext`)",
+    )
     state_dir: str | None = Field(
         default=None, description="where the catalog cache lives (default: a per-root dir under ~/.cache)"
     )
@@ -168,6 +176,10 @@ class Settings(BaseSettings):
         "recently are dropped first and read again when asked for",
     )
 
+    def read_only_job_names(self) -> frozenset[str]:
+        """``read_only_jobs`` as a set of names."""
+        return frozenset(name.strip() for name in self.read_only_jobs.split(",") if name.strip())
+
     def retention(self) -> RetentionPolicy:
         return RetentionPolicy(keep_last=self.keep_last, keep_every=self.keep_every,
                                keep_newer_than_s=self.keep_newer_than_s, clean_abandoned=self.clean_abandoned)
@@ -192,6 +204,9 @@ class Settings(BaseSettings):
             self.token = text.strip()
         if self.token is not None and (problem := token_problem(self.token)) is not None:
             raise ValueError(f"{source} {problem}")  # never the token itself
+        bad = sorted(name for name in self.read_only_job_names() if not p.is_valid_job_name(name))
+        if bad:
+            raise ValueError(f"CKPTD_READ_ONLY_JOBS names invalid job names: {bad}")
         return self
 
     def catalog_path(self) -> Path:

@@ -3,7 +3,8 @@
 ``CKPTD_URL`` (where the sidecar listens), ``CKPTD_TOKEN`` (bearer token), ``CKPTD_SHM_DIR`` (the
 host-memory tier), ``CKPTD_TIMEOUT_S`` (per request), ``CKPTD_RESUME_DEADLINE_S`` (how long a resume may
 wait for the sidecar before the client scans storage itself), ``CKPTD_REPORT_EVENTS`` and
-``CKPTD_EVENTS_FLUSH_TIMEOUT_S`` (the background event reporter, ``trainer_client.client.event_reporter``).
+``CKPTD_EVENTS_FLUSH_TIMEOUT_S`` (the background event reporter, ``trainer_client.client.event_reporter``),
+``CKPTD_RUN_ID`` (the run's identity, recorded with every step and sent with every resume).
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ class ClientSettings(BaseSettings):
     )
     resume_deadline_s: float = Field(
         default=5.0, gt=0, description="after this long without an answer a resume scans storage itself"
+    )
+    run_id: str | None = Field(
+        default=None, min_length=1, max_length=256,
+        description="this run's id, the same across its restarts (e.g. the JobSet's uid): recorded with every step, "
+        "and a resume refuses a step another run saved (docs/protocol.md, Identity); unset: not checked",
     )
     report_events: bool = Field(default=True, description="report elastic events to ckptd (in the background)")
     events_flush_timeout_s: float = Field(

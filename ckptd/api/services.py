@@ -75,7 +75,8 @@ def build_services(settings: Settings, catalog: Catalog | None = None) -> Servic
     """The catalog over ``settings.root`` (unless given) and the workers that keep it current."""
     if catalog is None:
         catalog = Catalog(Storage(settings.root), settings.catalog_path(), save_timeout_s=settings.save_timeout_s,
-                          adopt_after_s=settings.adopt_after_s, revalidate_after_s=settings.revalidate_after_s)
+                          adopt_after_s=settings.adopt_after_s, revalidate_after_s=settings.revalidate_after_s,
+                          read_only=settings.read_only, read_only_jobs=settings.read_only_job_names())
     cat = catalog
     metrics = Metrics()
     cat.max_jobs = settings.max_jobs

@@ -15,12 +15,17 @@ Before a step is named in an answer it is checked on storage: its commit marker 
 quarantine record, on every answer; quick validation against its manifest, when the last one is older
 than ``revalidate_after_s`` (the refresher re-checks each job's newest good step ahead of that, so answers
 rarely wait for it).
+
+A job watched read-only (``read_only`` for the whole root, ``read_only_jobs`` for some) gets its manifests,
+verified and quarantine records on the side prefix ``<root>/.ckptd/<job>/`` instead of inside its steps
+(``trainer_client/core/format/records.py``); the records are read from there whatever the mode.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import posixpath
 import threading
 import time
 from collections import OrderedDict
@@ -34,6 +39,7 @@ from ckptd.catalog.step_table import FINAL_STATES, UNSETTLED_STATES, StepTable, 
 from trainer_client.core.errors import StorageError
 from trainer_client.core.format.files import CKPTD_MANIFEST, COMMIT_MARKER, QUARANTINE_FILE, VERIFIED_FILE
 from trainer_client.core.format.manifest import Manifest, fingerprints, read_verified_record, training_summary
+from trainer_client.core.format.records import record_location, side_dir, side_records
 from trainer_client.core.format.saved_layout import StepLayout, read_step_layout
 from trainer_client.core.format.steps import StepInspection, inspect_step, parse_step_name, step_entries
 from trainer_client.core.protocol import (
@@ -64,8 +70,12 @@ class Catalog(StepTable, JobAdmission):
         adopt_after_s: float = 0.0,
         revalidate_after_s: float = 30.0,
         max_jobs: int | None = None,
+        read_only: bool = False,
+        read_only_jobs: frozenset[str] = frozenset(),
     ) -> None:
         self.storage = storage
+        self.read_only = read_only  # write nothing into any step directory of the root
+        self.read_only_jobs = read_only_jobs  # ... of these jobs
         self.max_jobs = max_jobs  # None: every job under the root
         self.save_timeout_s = save_timeout_s
         self.adopt_after_s = adopt_after_s
@@ -79,6 +89,13 @@ class Catalog(StepTable, JobAdmission):
         self.last_refresh: float | None = None
         self.last_error: str | None = None
         self.refused: dict[str, str] = {}  # job -> why scans ignore it (a warning once each)
+
+    def read_only_for(self, job: str) -> bool:
+        """Whether ckptd writes nothing into the step directories of ``job`` (its records go on the side)."""
+        return self.read_only or job in self.read_only_jobs
+
+    def _read_only_at(self, step_path: str) -> bool:
+        return self.read_only_for(posixpath.basename(posixpath.dirname(step_path.rstrip("/"))))
 
     # ---- building -------------------------------------------------------------------------------
 
@@ -154,12 +171,16 @@ class Catalog(StepTable, JobAdmission):
                 self._scanned_mtime.pop(job, None)
         now = time.time()
         found: list[tuple[str, StepInspection]] = []
+        side: dict[str, set[str]] | None = None  # records on the side prefix, listed once when needed
         for _, entry in entries:
             if known.get(entry.name) in FINAL_STATES:
                 continue
             self._forget(self.storage.url_of(entry.path))
+            if side is None:
+                side = side_records(self.storage, job)
             try:
-                inspection = self._from_verified_record(entry) or self._inspect(entry, now)
+                inspection = (self._from_verified_record(entry, side.get(entry.name, set()))
+                              or self._inspect(job, entry, now))
             except StorageError as exc:  # one unreadable step must not hide the others
                 self.last_error = f"{entry.path}: {exc}"
                 _log.warning("cannot inspect %s: %s", entry.path, exc)
@@ -193,25 +214,29 @@ class Catalog(StepTable, JobAdmission):
         if gone or any(seen.get(dirname) != (ins.state.value, ins.reason) for dirname, ins in found):
             self.version += 1
 
-    def _inspect(self, entry: Entry, now: float | None = None) -> StepInspection | None:
+    def _inspect(self, job: str, entry: Entry, now: float | None = None) -> StepInspection | None:
         """The commit rule and structural checks; a committed step is then verified or quarantined."""
         inspection = inspect_step(self.storage, entry, save_timeout_s=self.save_timeout_s, now=now)
         if inspection is not None and inspection.state is StepState.COMMITTED:
-            settled = settle(self.storage, inspection, adopt_after_s=self.adopt_after_s)
+            settled = settle(self.storage, inspection, adopt_after_s=self.adopt_after_s,
+                             read_only=self.read_only_for(job))
             inspection = replace(inspection, state=settled.state, reason=settled.reason)
             if settled.state is StepState.VERIFIED:
                 self._validated_at[self.storage.url_of(inspection.path)] = time.monotonic()
         return inspection
 
-    def _from_verified_record(self, entry: Entry) -> StepInspection | None:
+    def _from_verified_record(self, entry: Entry, side: set[str]) -> StepInspection | None:
         """A step some ckptd verified before, from its verified record alone: committed (marker there),
-        manifest there, no quarantine record. None sends the step down the full inspection."""
+        manifest there, no quarantine record (in the step, or in ``side``: its records on the side prefix).
+        None sends the step down the full inspection."""
         parsed = parse_step_name(entry.name)
         if parsed is None or parsed.is_tmp or not entry.is_dir:
             return None
         children = self.storage.list_dir(entry.path)
         names = {e.name for e in children}
-        if not {COMMIT_MARKER, CKPTD_MANIFEST, VERIFIED_FILE} <= names or QUARANTINE_FILE in names:
+        if COMMIT_MARKER not in names or not {CKPTD_MANIFEST, VERIFIED_FILE} <= names | side:
+            return None
+        if QUARANTINE_FILE in names | side:
             return None
         record = read_verified_record(self.storage, entry.path)
         if record is None or record.step != parsed.step or record.fingerprints != fingerprints(children):
@@ -256,9 +281,10 @@ class Catalog(StepTable, JobAdmission):
         record or a manifest another process wrote since would otherwise be invisible (or read with
         its old size)."""
         self.storage.invalidate(info.path)
+        self.storage.invalidate(side_dir(info.path))
         if not self.storage.exists(join_path(info.path, COMMIT_MARKER)):
             return False
-        if self.storage.exists(join_path(info.path, QUARANTINE_FILE)):
+        if record_location(self.storage, info.path, QUARANTINE_FILE) is not None:  # in the step or on the side
             return False
         checked = self._validated_at.get(info.path)
         if checked is not None and time.monotonic() - checked < self.revalidate_after_s:
@@ -270,8 +296,10 @@ class Catalog(StepTable, JobAdmission):
         same name (other training metadata) is not good until re-inspected."""
         # The manifest is read again only when it changed (size or time): it is megabytes for a large model.
         try:
-            stat = self.storage.fs.info(join_path(info.path, CKPTD_MANIFEST))
-            key: tuple[int, float] | None = (int(stat.get("size") or 0), float(mtime_of(stat) or 0.0))
+            where = record_location(self.storage, info.path, CKPTD_MANIFEST)  # the side prefix's, else the step's
+            stat = self.storage.fs.info(where) if where is not None else None
+            key: tuple[int, float] | None = (
+                (int(stat.get("size") or 0), float(mtime_of(stat) or 0.0)) if stat is not None else None)
         except (OSError, ValueError):
             key = None
         kept = self._manifests.get(info.path)
@@ -279,7 +307,7 @@ class Catalog(StepTable, JobAdmission):
         result = validate_step(self.storage, info.path, "quick", manifest=known)
         if not result.ok:
             quarantine(self.storage, info.path, "quick validation failed: " + "; ".join(result.problems[:5]),
-                       result.problems)
+                       result.problems, read_only=self._read_only_at(info.path))
             return False
         if result.manifest is not None and key is not None:
             self._keep(self._manifests, info.path, (key, result.manifest))
@@ -337,7 +365,7 @@ class Catalog(StepTable, JobAdmission):
         name = info.path.rstrip("/").rsplit("/", 1)[-1]
         entry = next((e for _, e in step_entries(self.storage, self.storage.join(job)) if e.name == name), None)
         self._forget(info.path)
-        inspection = self._inspect(entry) if entry is not None else None
+        inspection = self._inspect(job, entry) if entry is not None else None
         with self._tx() as db:
             if inspection is None:
                 db.execute("DELETE FROM steps WHERE job = ? AND dirname = ?", (job, name))

@@ -14,6 +14,10 @@ For every newly committed step ckptd
 
 A write that fails (read-only storage, a storage error) leaves the step ``committed``: never served,
 retried at the next refresh.
+
+With ``read_only`` (a job or root watched read-only, docs/protocol.md "Read-only adoption") the same records
+are written to the side prefix ``<root>/.ckptd/<job>/<step>/`` (``trainer_client/core/format/records.py``)
+and nothing is written or synced inside the step: quarantine is a record there, the step stays as it is.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from trainer_client.core.format.manifest import (
     write_manifest,
     write_verified_record,
 )
+from trainer_client.core.format.records import RecordPlace
 from trainer_client.core.format.steps import StepInspection
 from trainer_client.core.protocol import StepState
 from trainer_client.core.storage import Storage, join_path
@@ -50,9 +55,10 @@ class Settled:
     reason: str | None
 
 
-def quarantine(storage: Storage, step_path: str, reason: str, problems: list[str]) -> None:
-    """Record on storage that a step is bad. Its files stay where they are."""
-    write_json_file(storage, join_path(step_path, QUARANTINE_FILE),
+def quarantine(storage: Storage, step_path: str, reason: str, problems: list[str], *, read_only: bool = False) -> None:
+    """Record on storage that a step is bad (on the side prefix when ``read_only``). Its files stay where
+    they are."""
+    write_json_file(storage, RecordPlace(step_path, read_only).write_path(QUARANTINE_FILE),
                     quarantine_record(storage.url_of(step_path), reason, problems))
     _log.warning("quarantined %s: %s (%s)", storage.url_of(step_path), reason, "; ".join(problems[:5]))
 
@@ -70,7 +76,8 @@ def _durable(storage: Storage, step_path: str) -> None:
     )
 
 
-def settle(storage: Storage, inspection: StepInspection, *, adopt_after_s: float = 0.0) -> Settled:
+def settle(storage: Storage, inspection: StepInspection, *, adopt_after_s: float = 0.0,
+           read_only: bool = False) -> Settled:
     """Verify (adopting and sealing as needed) or quarantine a committed step.
 
     A step without a manifest is adopted only once none of its files changed for ``adopt_after_s``: a
@@ -89,21 +96,23 @@ def settle(storage: Storage, inspection: StepInspection, *, adopt_after_s: float
                 storage, path, step=inspection.step, writer="adopted",
                 arrays=inspection.training.arrays if inspection.training else None, training=inspection.training,
             )
-            write_manifest(storage, path, manifest)
+            write_manifest(storage, path, manifest, read_only=read_only)
             result = validate_step(storage, path, "quick", recorded_training=inspection.training)
         if not result.ok:
             reason = "quick validation failed: " + "; ".join(result.problems[:5])
-            quarantine(storage, path, reason, result.problems)
+            quarantine(storage, path, reason, result.problems, read_only=read_only)
             return Settled(StepState.QUARANTINED, reason)
         verified = result.manifest
         if verified is not None and verified.sealed is None:
             # Durable first, then sealed: a sealed manifest means a ckptd already made this step durable,
             # so a restart does not fsync every step again.
-            _durable(storage, path)
-            verified = seal_manifest(storage, path, verified)
-            _durable(storage, path)
+            if not read_only:  # a step ckptd may not write into is made durable by its writer, not synced here
+                _durable(storage, path)
+            verified = seal_manifest(storage, path, verified, read_only=read_only)
+            if not read_only:
+                _durable(storage, path)
         if verified is not None:  # the verdict, for every later start: one small file instead of a re-check
-            write_verified_record(storage, path, verified, inspection.committed_at)
+            write_verified_record(storage, path, verified, inspection.committed_at, read_only=read_only)
     except (OSError, StorageError, ValueError) as exc:
         return Settled(StepState.COMMITTED, f"not verified yet: {type(exc).__name__}: {exc}")
     writer = result.manifest.writer if result.manifest else None
@@ -111,13 +120,13 @@ def settle(storage: Storage, inspection: StepInspection, *, adopt_after_s: float
 
 
 def validate_and_quarantine(
-    storage: Storage, step_path: str, level: Level, **kwargs: Any
+    storage: Storage, step_path: str, level: Level, *, read_only: bool = False, **kwargs: Any
 ) -> ValidationResult:
     """``validate_step``; a step that fails is quarantined on storage (what ``ckptd validate`` does)."""
     result = validate_step(storage, step_path, level, **kwargs)
     if not result.ok and read_quarantine(storage, step_path) is None:
         quarantine(storage, step_path, f"{level} validation failed: " + "; ".join(result.problems[:5]),
-                   result.problems)
+                   result.problems, read_only=read_only)
     return result
 
 

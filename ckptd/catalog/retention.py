@@ -5,6 +5,9 @@ A good (verified) step is kept when any rule keeps it: one of the newest ``keep_
 ``keep_every``; committed less than ``keep_newer_than_s`` ago. With no rule set, every good step is kept.
 An abandoned save (a tmp directory older than the save timeout) is cleaned; a younger one is a save in
 progress and is kept. The decision is a pure function; ``collect`` carries it out on storage.
+
+A job watched read-only (docs/protocol.md, "Read-only adoption") loses nothing: every step is kept, abandoned
+saves included — ckptd deletes nothing in step directories it may not write into.
 """
 
 from __future__ import annotations
@@ -55,10 +58,16 @@ class Decision:
     reasons: list[str] = field(default_factory=list)
 
 
-def decide(checkpoints: Iterable[CheckpointInfo], policy: RetentionPolicy, now: float | None = None) -> list[Decision]:
-    """What to keep and what to delete, with the reasons, oldest step first."""
+READ_ONLY_REASON = "read-only job: ckptd deletes nothing here"
+
+
+def decide(checkpoints: Iterable[CheckpointInfo], policy: RetentionPolicy, now: float | None = None,
+           *, read_only: bool = False) -> list[Decision]:
+    """What to keep and what to delete, with the reasons, oldest step first (all kept when ``read_only``)."""
     now = time.time() if now is None else now
     steps = sorted(checkpoints, key=lambda c: (c.step, c.path))
+    if read_only:
+        return [Decision(c.step, c.path, c.state, "keep", [READ_ONLY_REASON]) for c in steps]
     good = [c for c in steps if c.state is StepState.VERIFIED]
     newest_good = good[-1].step if good else None
     last_n = {c.step for c in good[-policy.keep_last:]} if policy.keep_last else set()
@@ -112,7 +121,9 @@ def checked_decisions(catalog: Catalog, job: str, policy: RetentionPolicy) -> li
     good step takes its place among the newest; then the decision is made again."""
     while True:
         infos = catalog.checkpoints(job)
-        decisions = decide(infos, policy)
+        decisions = decide(infos, policy, read_only=catalog.read_only_for(job))
+        if catalog.read_only_for(job):
+            return decisions
         good = sorted((c for c in infos if c.state is StepState.VERIFIED), key=lambda c: c.step)
         suspects = {c.step for c in good[-(policy.keep_last or 1):]}
         suspects |= {d.step for d in decisions if d.action == "delete" and d.state is StepState.VERIFIED}
@@ -128,10 +139,12 @@ def prune(catalog: Catalog, policy: RetentionPolicy) -> list[Decision]:
     """Apply ``policy`` to every job of a catalog (what the server runs every ``gc_interval_s``)."""
     deleted: list[Decision] = []
     for job in catalog.jobs():
+        if catalog.read_only_for(job.name):
+            continue  # nothing is ever deleted there
         catalog.refresh_job(job.name)
         deleted += collect(catalog.storage, checked_decisions(catalog, job.name, policy))
         catalog.refresh_job(job.name)
     return deleted
 
 
-__all__ = ["Decision", "RetentionPolicy", "checked_decisions", "collect", "decide", "prune"]
+__all__ = ["READ_ONLY_REASON", "Decision", "RetentionPolicy", "checked_decisions", "collect", "decide", "prune"]

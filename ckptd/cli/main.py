@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from ckptd import __version__
 from ckptd.cli import advise, maintenance, observe, serve
-from ckptd.cli.support import open_catalog, open_job
+from ckptd.cli.support import add_read_only, open_catalog, open_job
 from trainer_client.core.errors import PlanningError, StorageError
 from trainer_client.core.planner import format_bytes
 from trainer_client.core.protocol import BatchOptions, ResumePlan, ResumeRequest, SliceAlive, StepState
@@ -28,7 +28,8 @@ EXIT_USAGE = 2
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    cat = open_catalog(args.root)  # ROOT/JOB given by mistake: exit 2 with the command that fits
+    # ROOT/JOB given by mistake: exit 2 with the command that fits
+    cat = open_catalog(args.root, read_only=args.read_only)
     jobs = cat.jobs()
     if args.json:
         print(json.dumps([j.model_dump(mode="json") for j in jobs], indent=2))
@@ -41,7 +42,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    opened = open_job(args.target)
+    opened = open_job(args.target, read_only=args.read_only)
     if opened is None:
         return EXIT_BAD
     cat, job = opened
@@ -84,7 +85,7 @@ def _parse_bytes(text: str) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    opened = open_job(args.target)
+    opened = open_job(args.target, read_only=args.read_only)
     if opened is None:
         return EXIT_BAD
     cat, job = opened
@@ -156,11 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", help="list the jobs of a root")
     ls.add_argument("root")
     ls.add_argument("--json", action="store_true")
+    add_read_only(ls)
     ls.set_defaults(func=_cmd_ls)
 
     show = sub.add_parser("show", help="list a job's steps and their states")
     show.add_argument("target", metavar="ROOT/JOB")
     show.add_argument("--json", action="store_true")
+    add_read_only(show)
     show.set_defaults(func=_cmd_show)
 
     plan = sub.add_parser("plan", help="print the resume plan for the devices given")
@@ -174,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--batch-mode", choices=["keep_global_batch", "scale_batch"], default="keep_global_batch")
     plan.add_argument("--lr-scaling", choices=["none", "linear", "sqrt"], default="linear")
     plan.add_argument("--json", action="store_true")
+    add_read_only(plan)
     plan.set_defaults(func=_cmd_plan)
 
     maintenance.add_parsers(sub)  # ckptd validate / gc (ckptd/cli/maintenance.py)

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from ckptd.catalog.integrity import quarantine, validate_and_quarantine
 from ckptd.catalog.retention import RetentionPolicy, checked_decisions, collect
-from ckptd.cli.support import EXIT_BAD, EXIT_OK, open_job
+from ckptd.cli.support import EXIT_BAD, EXIT_OK, add_read_only, open_job
 from trainer_client.core.errors import ArrayIndexError
 from trainer_client.core.format.array_index import decode_all_arrays
 from trainer_client.core.format.manifest import read_manifest
@@ -46,7 +46,8 @@ def _decode_problems(step_path: str) -> list[str]:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    opened = open_job(args.target)  # building the catalog settles every step: adopt, seal, quick-validate
+    # building the catalog settles every step: adopt, seal, quick-validate
+    opened = open_job(args.target, read_only=args.read_only)
     if opened is None:
         return EXIT_BAD
     cat, job = opened
@@ -66,13 +67,18 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         for c in steps:
             row: dict[str, Any] = {"step": c.step, "path": c.path, "level": "deep" if args.deep else "quick"}
             if c.state is StepState.CORRUPT and not args.no_quarantine:
-                quarantine(cat.storage, c.path, f"corrupt: {c.reason}", [c.reason or "corrupt"])
+                quarantine(cat.storage, c.path, f"corrupt: {c.reason}", [c.reason or "corrupt"],
+                           read_only=args.read_only)
                 row.update(ok=False, state=StepState.QUARANTINED.value, problems=[c.reason or "corrupt"])
             elif c.state is not StepState.VERIFIED:
                 row.update(ok=False, state=c.state.value, problems=[c.reason or c.state.value])
             elif args.deep:
-                check = validate_step if args.no_quarantine else validate_and_quarantine
-                result = check(cat.storage, c.path, "deep", progress=bar.update, decode_arrays=_decode_problems)
+                if args.no_quarantine:
+                    result = validate_step(cat.storage, c.path, "deep", progress=bar.update,
+                                           decode_arrays=_decode_problems)
+                else:
+                    result = validate_and_quarantine(cat.storage, c.path, "deep", read_only=args.read_only,
+                                                     progress=bar.update, decode_arrays=_decode_problems)
                 state = StepState.VERIFIED if result.ok else StepState.QUARANTINED
                 if not result.ok:
                     cat.mark(job, c.step, state, "; ".join(result.problems[:5]))
@@ -93,7 +99,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    opened = open_job(args.target)
+    opened = open_job(args.target, read_only=args.read_only)
     if opened is None:
         return EXIT_BAD
     cat, job = opened
@@ -123,6 +129,7 @@ def add_parsers(sub: Any) -> None:
     validate.add_argument("--no-quarantine", action="store_true",
                           help="report bad steps without recording them as quarantined on storage")
     validate.add_argument("--json", action="store_true")
+    add_read_only(validate)
     validate.set_defaults(func=_cmd_validate)
 
     gc = sub.add_parser("gc", help="delete steps that retention does not keep (never the newest good step)")
@@ -133,6 +140,7 @@ def add_parsers(sub: Any) -> None:
     gc.add_argument("--keep-newer-than", type=parse_duration, metavar="DURATION", help="e.g. 12h, 7d")
     gc.add_argument("--keep-abandoned", action="store_true", help="do not clean abandoned saves")
     gc.add_argument("--json", action="store_true")
+    add_read_only(gc)
     gc.set_defaults(func=_cmd_gc)
 
 

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from ckptd.advisor.goodput import CAUSES
 from ckptd.catalog.catalog import Catalog
 from ckptd.catalog.events import EventStore
-from ckptd.cli.support import EXIT_BAD, EXIT_OK, misplaced, split_job, usage_error
+from ckptd.cli.support import EXIT_BAD, EXIT_OK, add_read_only, misplaced, split_job, usage_error
 from trainer_client.core.protocol import EventList, Goodput, StoredEvent, is_valid_job_name
 from trainer_client.core.storage import Storage
 
@@ -110,7 +110,8 @@ def _cmd_goodput(args: argparse.Namespace) -> int:
     storage, job = opened
     store = EventStore(storage)
     _load(store, job, args.since)  # reads the event files (a progress bar when there are many)
-    catalog = Catalog(storage, ":memory:")  # this job only: the step time falls back to its checkpoints
+    # this job only: the step time falls back to its checkpoints
+    catalog = Catalog(storage, ":memory:", read_only=args.read_only)
     catalog.refresh_job(job)
     # the job's whole history: its event summary (rotated events) and the events kept
     result = store.goodput(job, catalog.checkpoints(job), step_time_s=args.step_time, since=args.since)
@@ -144,6 +145,7 @@ def add_parsers(sub: Any) -> None:
                          help="a normal step's time (default: measured from the events, else the checkpoints)")
     goodput.add_argument("--since", type=float, metavar="UNIX_TIME", help="only the window from this time on")
     goodput.add_argument("--json", action="store_true")
+    add_read_only(goodput)
     goodput.set_defaults(func=_cmd_goodput)
 
 

@@ -53,6 +53,7 @@ def add_parser(sub: Any) -> None:
     for flag, name in _FLAGS.items():
         serve.add_argument(flag, type=int if name == "port" else str, help=_help(name))
     serve.add_argument("--create-root", action="store_true", default=None, help=_help("create_root"))
+    serve.add_argument("--read-only", action="store_true", default=None, help=_help("read_only"))
     serve.set_defaults(func=run)
 
 
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     from ckptd.api.app import create_app
     from ckptd.api.connections import server_config
 
-    overrides = {name: value for name in [*_FLAGS.values(), "create_root"]
+    overrides = {name: value for name in [*_FLAGS.values(), "create_root", "read_only"]
                  if (value := getattr(args, name, None)) is not None}
     try:
         settings = Settings(**overrides)

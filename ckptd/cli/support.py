@@ -12,7 +12,7 @@ from __future__ import annotations
 import posixpath
 import sys
 import time
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from tqdm import tqdm
 
@@ -83,7 +83,16 @@ def misplaced(storage: Storage, path: str, shown_as: str, expected: str) -> str 
     return None
 
 
-def open_catalog(root: str) -> Catalog:
+READ_ONLY_HELP = ("write nothing into step directories: ckptd's records go to ROOT/.ckptd/JOB/STEP/, nothing is "
+                  "deleted (what CKPTD_READ_ONLY does for the server)")
+
+
+def add_read_only(parser: Any) -> None:
+    """``--read-only``: the option of every command that settles steps (docs/protocol.md, "Read-only adoption")."""
+    parser.add_argument("--read-only", action="store_true", help=READ_ONLY_HELP)
+
+
+def open_catalog(root: str, *, read_only: bool = False) -> Catalog:
     """A catalog of ``root`` built now, in memory, settling every step the way the server does."""
     storage = Storage(root)
     if not storage.is_dir(storage.root):
@@ -91,7 +100,7 @@ def open_catalog(root: str) -> Catalog:
     wrong = misplaced(storage, storage.root, root, "root")
     if wrong is not None:
         usage_error(wrong)
-    cat = Catalog(storage, ":memory:")  # one-shot: nothing to keep, no file left behind
+    cat = Catalog(storage, ":memory:", read_only=read_only)  # one-shot: nothing to keep, no file left behind
     # What cat.rebuild() does, job by job, with a progress bar on a terminal (settling steps can take long).
     jobs = [e.name for e in storage.list_dir(storage.root) if e.is_dir and is_valid_job_name(e.name)]
     for name in tqdm(jobs, desc="scanning jobs", unit="job", file=sys.stderr, disable=None, leave=False):
@@ -101,14 +110,14 @@ def open_catalog(root: str) -> Catalog:
     return cat
 
 
-def open_job(target: str) -> tuple[Catalog, str] | None:
+def open_job(target: str, *, read_only: bool = False) -> tuple[Catalog, str] | None:
     """A catalog of ``ROOT/JOB`` (that job alone, settled now) and the job's name; None (having said why on
     stderr) when there is no such job; exit 2 when ``ROOT/JOB`` names a root or a step instead."""
     root, job = split_job(target)
     storage = Storage(root)
     if not storage.is_dir(storage.root):
         raise SystemExit(f"ckptd: {root} is not a directory")
-    cat = Catalog(storage, ":memory:")  # one-shot: nothing to keep, no file left behind
+    cat = Catalog(storage, ":memory:", read_only=read_only)  # one-shot: nothing to keep, no file left behind
     if is_valid_job_name(job):
         cat.refresh_job(job)
     cat.last_refresh = time.time()
@@ -123,5 +132,5 @@ def open_job(target: str) -> tuple[Catalog, str] | None:
     return cat, job
 
 
-__all__ = ["EXIT_BAD", "EXIT_OK", "EXIT_USAGE", "misplaced", "open_catalog", "open_job", "split_job", "steps_in",
-           "usage_error"]
+__all__ = ["EXIT_BAD", "EXIT_OK", "EXIT_USAGE", "READ_ONLY_HELP", "add_read_only", "misplaced", "open_catalog",
+           "open_job", "split_job", "steps_in", "usage_error"]

@@ -38,6 +38,11 @@ from trainer_client.core.storage import Entry, Storage
         ("120.orbax-checkpoint-tmp-1712345678901234", StepName(120, True)),
         ("7.orbax-checkpoint-tmp-3", StepName(7, True)),
         (str(MAX_STEP), StepName(MAX_STEP, False)),
+        ("00000120", StepName(120, False)),  # step_format_fixed_length
+        ("step_3", StepName(3, False, True)),  # Orbax's step_prefix; a bare Checkpointer user's own names
+        ("checkpoint_3", StepName(3, False, True)),
+        ("my_run_12", StepName(12, False, True)),
+        ("checkpoint_3.orbax-checkpoint-tmp-17", StepName(3, True, True)),
     ],
 )
 def test_parse_step_name_accepts_steps(name: str, expected: StepName) -> None:
@@ -54,8 +59,9 @@ def test_parse_step_name_accepts_steps(name: str, expected: StepName) -> None:
         "+3",
         " 3",
         "3 ",
-        "step_3",
-        "checkpoint_3",
+        "_3",
+        ".ckptd_3",
+        "step_3x",
         "3.orbax-checkpoint",
         "3orbax-checkpoint-tmp",
         "tmp.orbax-checkpoint-tmp",

@@ -123,9 +123,12 @@ class CkptdClient:
         """The resume plan from ckptd, or from a storage scan when ckptd cannot answer in time.
 
         Raises ``NoCheckpointError`` when there is no committed step, ``CkptdRequestError`` when ckptd
-        refuses (e.g. not enough devices for the policy).
+        refuses (e.g. not enough devices for the policy, or ``FOREIGN_CHECKPOINT``: the step is another run's).
+        The request names this run (``CKPTD_RUN_ID``) unless it names one itself.
         """
         started = time.monotonic()
+        if request.run_id is None and self.settings.run_id is not None:  # who asks (docs/protocol.md, Identity)
+            request = request.model_copy(update={"run_id": self.settings.run_id})
         try:
             return self._request("POST", p.ROUTE_RESUME.format(job=job), p.ResumePlan,
                                  json=request.model_dump(mode="json"))

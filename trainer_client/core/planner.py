@@ -36,6 +36,7 @@ from trainer_client.core.batching import initial_batch, plan_batch
 from trainer_client.core.dtypes import dtype_bytes
 from trainer_client.core.errors import PlanningError
 from trainer_client.core.format.snapshot import SnapshotMeta
+from trainer_client.core.identity import identity_notes
 from trainer_client.core.protocol import (
     ArraySpec,
     BatchOptions,
@@ -323,12 +324,13 @@ def resume_plan(
             f"step {step} records no mesh (no ckptd metadata and no NamedSharding in _sharding); "
             "cannot lay it out on a new mesh",
         )
+    identity = identity_notes(step, training, request)  # another run or process count: refused unless allowed
     planned = plan_mesh(
         saved_mesh, saved_arrays, alive, request.policy,
         device_memory_bytes=request.device_memory_bytes, headroom_bytes=request.memory_headroom_bytes,
     )
     batch = _batch_for(training, saved_mesh, planned.mesh, request.batch)
-    notes = list(planned.notes)
+    notes = [*identity, *planned.notes]
     if batch is not None and batch.note:
         notes.append(batch.note)
     slices_used, idle_slices = assign_slices(request.slices, planned.mesh.size)

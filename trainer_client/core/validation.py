@@ -22,7 +22,14 @@ from pydantic import ValidationError
 from trainer_client.core.errors import StorageError
 from trainer_client.core.format.files import CHECKPOINT_METADATA, QUARANTINE_FILE
 from trainer_client.core.format.manifest import Manifest, file_entry, list_files, read_manifest
-from trainer_client.core.format.steps import CUSTOM_METADATA_KEY, StepInspection, inspect_step, step_entries
+from trainer_client.core.format.records import read_record
+from trainer_client.core.format.steps import (
+    CUSTOM_METADATA_KEY,
+    StepInspection,
+    inspect_step,
+    parse_step_name,
+    step_entries,
+)
 from trainer_client.core.protocol import StepState, TrainingMetadata
 from trainer_client.core.storage import Storage, join_path
 
@@ -46,11 +53,12 @@ class ValidationResult:
 
 
 def read_quarantine(storage: Storage, step_path: str) -> dict[str, object] | None:
-    """The quarantine record of a step (any ckptd wrote it), or None."""
-    try:
-        raw = storage.read_bytes(join_path(step_path, QUARANTINE_FILE))
-    except FileNotFoundError:
+    """The quarantine record of a step (any ckptd wrote it, in the step or on the side prefix of a read-only
+    job: ``format/records.py``), or None."""
+    found = read_record(storage, step_path, QUARANTINE_FILE)
+    if found is None:
         return None
+    raw = found[1]
     try:
         record = json.loads(raw)
     except ValueError:
@@ -109,9 +117,9 @@ def validate_step(
         problems.append("no manifest")
         return result
     result.manifest = manifest
-    name = step_path.rsplit("/", 1)[-1]
-    if name.isdigit() and int(name) != manifest.step:
-        problems.append(f"manifest is for step {manifest.step}, not {name}: a copied or moved directory")
+    parsed = parse_step_name(step_path.rsplit("/", 1)[-1])
+    if parsed is not None and parsed.step != manifest.step:
+        problems.append(f"manifest is for step {manifest.step}, not {parsed.step}: a copied or moved directory")
     expected = manifest.expected_files()
     try:
         present = list_files(storage, step_path)

@@ -32,6 +32,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
+from trainer_client.config import ClientSettings
 from trainer_client.core.durability import sync_tree
 from trainer_client.core.format.files import CKPTD_MANIFEST, TMP_DIR_SUFFIX
 from trainer_client.core.format.manifest import build_manifest, write_manifest
@@ -123,10 +124,12 @@ def training_metadata(
     slices: list[int],
     batch: BatchPlan | None = None,
 ) -> TrainingMetadata:
-    """What a resume plan needs to know about ``state`` saved as ``step`` on ``mesh``."""
+    """What a resume plan needs to know about ``state`` saved as ``step`` on ``mesh``, with the run's identity
+    (``CKPTD_RUN_ID``, the process count: docs/protocol.md, Identity)."""
     return TrainingMetadata(
         step=step, data_position=data_position, global_batch=global_batch, mesh=mesh_spec(mesh), slices=slices,
-        wall_time=time.time(), arrays=array_specs(state), batch=batch,
+        wall_time=time.time(), arrays=array_specs(state), batch=batch, run_id=ClientSettings().run_id,
+        process_count=jax.process_count(),
     )
 
 

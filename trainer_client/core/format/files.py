@@ -14,6 +14,7 @@ CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"  # JSON: item handlers, timestamps,
 ITEM_METADATA = "_METADATA"  # <item>/_METADATA: tree structure, per-leaf value type and write shape
 SHARDING_FILE = "_sharding"  # <item>/_sharding: each leaf's sharding (mesh, axis names, partition spec)
 DEFAULT_ITEM = "default"  # the item a CheckpointManager without item names writes
+ROOT_ITEM = ""  # the item a bare Checkpointer (StandardCheckpointer, PyTreeCheckpointer) writes: the step itself
 OCDBT_MANIFEST = "manifest.ocdbt"  # <item>/manifest.ocdbt: the root of an OCDBT key-value store
 OCDBT_PROCESS_PREFIX = "ocdbt.process_"  # per-process OCDBT stores of a save not merged yet
 
@@ -42,6 +43,7 @@ __all__ = [
     "OCDBT_MANIFEST",
     "OCDBT_PROCESS_PREFIX",
     "QUARANTINE_FILE",
+    "ROOT_ITEM",
     "SHARDING_FILE",
     "SNAPSHOT_DATA_FILE",
     "SNAPSHOT_META_FILE",

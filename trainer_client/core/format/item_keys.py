@@ -45,17 +45,18 @@ def _read_document(path: Path) -> bytes | None:
 
 
 def item_kvstore_spec(step_url: str | os.PathLike[str], item: str) -> dict[str, Any]:
-    """The tensorstore kvstore spec of ``<step_url>/<item>/`` (a ``file`` or ``gcs`` driver spec)."""
+    """The tensorstore kvstore spec of ``<step_url>/<item>/`` (a ``file`` or ``gcs`` driver spec); ``item`` ``""``
+    (``ROOT_ITEM``: a bare ``Checkpointer``'s step) is the step directory itself."""
     url = os.fspath(step_url)
-    item = item.strip("/")
-    if not item or item in (".", "..") or "/" in item:
+    if item in (".", "..") or "/" in item.strip("/") or (item and not item.strip("/")):
         raise ArrayIndexError(f"invalid item name {item!r}")
+    item = item.strip("/")
     if url.startswith("gs://"):
         bucket, _, prefix = url[len("gs://") :].partition("/")
         if not bucket:
             raise ArrayIndexError(f"no bucket in {url!r}")
         prefix = prefix.strip("/")
-        path = f"{prefix}/{item}/" if prefix else f"{item}/"
+        path = "/".join(part for part in (prefix, item) if part) + "/"
         return {"driver": "gcs", "bucket": bucket, "path": path}
     if url.startswith("file://"):
         url = url[len("file://") :]
@@ -64,7 +65,7 @@ def item_kvstore_spec(step_url: str | os.PathLike[str], item: str) -> dict[str, 
     if not url:
         raise ArrayIndexError("empty step path")
     path = os.path.abspath(url)
-    return {"driver": "file", "path": join_path(path, item) + "/"}
+    return {"driver": "file", "path": (join_path(path, item) if item else path).rstrip("/") + "/"}
 
 
 def describe(spec: dict[str, Any]) -> str:

@@ -41,7 +41,9 @@ from trainer_client.core.format.files import (
     QUARANTINE_FILE,
     VERIFIED_FILE,
 )
-from trainer_client.core.protocol import ArraySpec, TrainingMetadata
+from trainer_client.core.format.records import RecordPlace, read_record
+from trainer_client.core.identity import step_identity
+from trainer_client.core.protocol import ArraySpec, StepIdentity, TrainingMetadata
 from trainer_client.core.storage import Entry, Storage, join_path, mtime_of, storage_errors
 
 MANIFEST_FORMAT = "ckptd-manifest/1"
@@ -72,6 +74,10 @@ class Manifest(_Model):
         default=None, description="files Orbax finished after the manifest, checksummed at verification"
     )
     sealed_at: float | None = None
+    identity: StepIdentity | None = Field(
+        default=None, exclude_if=lambda v: v is None,  # absent from older manifests: their checksums still hold
+        description="job, run, process count and mesh of the save (docs/protocol.md, Identity)",
+    )
     checksum: str = Field(default="", description="CRC32C of this manifest without this field")
 
     def expected_files(self) -> dict[str, FileEntry]:
@@ -160,7 +166,7 @@ def build_manifest(
         else:
             files[rel] = file_entry(storage, join_path(step_path, rel))
     return Manifest(step=step, writer=writer, created_at=time.time(), files=files, arrays=arrays or {},
-                    training=training)
+                    training=training, identity=step_identity(storage, step_path, training))
 
 
 def write_json_file(storage: Storage, path: str, payload: str) -> None:
@@ -173,6 +179,7 @@ def write_json_file(storage: Storage, path: str, payload: str) -> None:
         with storage_errors(f"cannot write {storage.url_of(path)}"), storage.fs.open(path, "wb") as f:
             f.write(data)
         return
+    os.makedirs(os.path.dirname(path), exist_ok=True)  # a record on the side prefix: its directory may be new
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
     with open(tmp, "wb") as f:
         f.write(data)
@@ -181,9 +188,10 @@ def write_json_file(storage: Storage, path: str, payload: str) -> None:
     os.replace(tmp, path)
 
 
-def write_manifest(storage: Storage, step_path: str, manifest: Manifest) -> Manifest:
-    """Write ``manifest`` with its own checksum filled in; returns what was written."""
-    path = join_path(step_path, CKPTD_MANIFEST)
+def write_manifest(storage: Storage, step_path: str, manifest: Manifest, *, read_only: bool = False) -> Manifest:
+    """Write ``manifest`` with its own checksum filled in; returns what was written. ``read_only``: to the
+    side prefix, not into the step (``records.py``)."""
+    path = RecordPlace(step_path, read_only).write_path(CKPTD_MANIFEST)
     written = manifest.model_copy(update={"checksum": ""})
     written = written.model_copy(update={"checksum": written.computed_checksum()})
     write_json_file(storage, path, written.model_dump_json(indent=1))
@@ -191,22 +199,23 @@ def write_manifest(storage: Storage, step_path: str, manifest: Manifest) -> Mani
 
 
 def read_manifest(storage: Storage, step_path: str) -> Manifest | None:
-    """The step's manifest; None when it has none. ``ValueError`` when it is unreadable or its own
-    checksum does not match."""
-    try:
-        raw = storage.read_bytes(join_path(step_path, CKPTD_MANIFEST))
-    except FileNotFoundError:
+    """The step's manifest (the side prefix's when there is one: ``records.py``); None when it has none.
+    ``ValueError`` when it is unreadable or its own checksum does not match."""
+    found = read_record(storage, step_path, CKPTD_MANIFEST)
+    if found is None:
         return None
+    raw = found[1]
     manifest = Manifest.model_validate_json(raw)
     if manifest.checksum != manifest.model_copy(update={"checksum": ""}).computed_checksum():
         raise ValueError("manifest checksum does not match its content")
     return manifest
 
 
-def seal_manifest(storage: Storage, step_path: str, manifest: Manifest) -> Manifest:
+def seal_manifest(storage: Storage, step_path: str, manifest: Manifest, *, read_only: bool = False) -> Manifest:
     """Add the files Orbax finished after the manifest (final step metadata, commit marker)."""
     files = {name: file_entry(storage, join_path(step_path, name)) for name in SEALED}
-    return write_manifest(storage, step_path, manifest.model_copy(update={"sealed": files, "sealed_at": time.time()}))
+    return write_manifest(storage, step_path, manifest.model_copy(update={"sealed": files, "sealed_at": time.time()}),
+                          read_only=read_only)
 
 
 # The step's own top-level files a verified record fingerprints: rewriting any of them (a new save under
@@ -249,23 +258,27 @@ def _fresh_fingerprints(storage: Storage, step_path: str) -> dict[str, tuple[int
 
 
 def write_verified_record(
-    storage: Storage, step_path: str, manifest: Manifest, committed_at: float | None
+    storage: Storage, step_path: str, manifest: Manifest, committed_at: float | None, *, read_only: bool = False
 ) -> VerifiedRecord:
     record = VerifiedRecord(step=manifest.step, verified_at=time.time(), manifest_checksum=manifest.checksum,
                             writer=manifest.writer, committed_at=committed_at,
                             training=training_summary(manifest.training),
                             fingerprints=_fresh_fingerprints(storage, step_path))
     record = record.model_copy(update={"checksum": record.computed_checksum()})
-    write_json_file(storage, join_path(step_path, VERIFIED_FILE), record.model_dump_json(indent=1))
+    write_json_file(storage, RecordPlace(step_path, read_only).write_path(VERIFIED_FILE),
+                    record.model_dump_json(indent=1))
     return record
 
 
 def read_verified_record(storage: Storage, step_path: str) -> VerifiedRecord | None:
     """The step's verified record; None when it has none, it does not parse or its checksum does not match
     (then the step is verified again the full way, and the record rewritten)."""
+    found = read_record(storage, step_path, VERIFIED_FILE)
+    if found is None:
+        return None
     try:
-        record = VerifiedRecord.model_validate_json(storage.read_bytes(join_path(step_path, VERIFIED_FILE)))
-    except (FileNotFoundError, ValueError):
+        record = VerifiedRecord.model_validate_json(found[1])
+    except ValueError:
         return None
     return record if record.checksum == record.computed_checksum() else None
 

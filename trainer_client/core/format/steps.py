@@ -8,6 +8,13 @@ structurally sound: ``_CHECKPOINT_METADATA`` parses, and every item it names tha
 wrote has a parseable ``<item>/_METADATA`` (any item names: ``default``, MaxText's ``items``; an item of
 another handler, like Grain's ``iter``, keeps its own files and is not checked here).
 
+Step names are Orbax's (``orbax/checkpoint/_src/path/step.py``): ``120``, zero-padded ``00000120``, or
+``<prefix>_120`` (``step_prefix``; a bare ``StandardCheckpointer`` user's ``checkpoint_120``), each possibly
+with the tmp suffix. A prefixed name counts as a step only when it holds Orbax's files (metadata or the
+commit marker) or carries the tmp suffix, so a ``data_1`` directory beside the steps is never a step (nor
+deleted as an abandoned save). A step saved by a bare ``Checkpointer`` (no ``CheckpointManager``) has no
+item directory: its one item is the step directory itself (``ROOT_ITEM``, ``""``).
+
 Used by the sidecar's catalog and by the client's fallback scan, so both apply exactly the same rule.
 No jax here.
 """
@@ -28,6 +35,7 @@ from trainer_client.core.format.files import (
     COMMIT_MARKER,
     DEFAULT_ITEM,
     ITEM_METADATA,
+    ROOT_ITEM,
     SHARDING_FILE,
 )
 from trainer_client.core.protocol import MAX_STEP, ArraySpec, CheckpointInfo, MeshSpec, StepState, TrainingMetadata
@@ -38,21 +46,27 @@ DEFAULT_SAVE_TIMEOUT_S = 3600.0
 
 # Orbax's handlers that write a tree of arrays (the class name's end: subclasses keep it, e.g. MaxText's own).
 _PYTREE_HANDLERS = ("PyTreeCheckpointHandler", "StandardCheckpointHandler")
-_STEP_NAME = re.compile(r"^(?P<step>\d{1,19})(?P<tmp>\.orbax-checkpoint-tmp.*)?$")
+# Orbax's names (step.py: ALLOWED_STEP_NAME_PATTERN, TMP_DIR_STEP_PATTERN): [<prefix>_]<digits>[.orbax-checkpoint-tmp*]
+_STEP_NAME = re.compile(r"^(?:(?P<prefix>[^/]*?)_)?(?P<step>\d{1,19})(?P<tmp>\.orbax-checkpoint-tmp.*)?$")
 
 
 @dataclass(frozen=True)
 class StepName:
     step: int
     is_tmp: bool
+    prefixed: bool = False  # <prefix>_<step>: a step only when it holds Orbax's files
 
 
 def parse_step_name(name: str) -> StepName | None:
-    """``"120"`` -> step 120; ``"120.orbax-checkpoint-tmp[-N]"`` -> tmp step 120; anything else None."""
+    """``"120"`` or ``"0120"`` -> step 120; ``"checkpoint_120"`` -> step 120 (prefixed);
+    ``"[prefix_]120.orbax-checkpoint-tmp[-N]"`` -> tmp step 120; anything else None."""
     m = _STEP_NAME.fullmatch(name)
     if m is None or int(m.group("step")) > MAX_STEP:  # beyond int64: no catalog row or request can hold it
         return None
-    return StepName(int(m.group("step")), m.group("tmp") is not None)
+    prefix = m.group("prefix")
+    if prefix is not None and (not prefix or prefix.startswith(".")):
+        return None  # "_5", ".ckptd_5": not a name Orbax gives a step
+    return StepName(int(m.group("step")), m.group("tmp") is not None, prefix is not None)
 
 
 @dataclass(frozen=True)
@@ -105,6 +119,8 @@ def inspect_step(
     if parsed.is_tmp:
         return _unfinished(storage, entry, parsed.step, "tmp directory: save not finalized",
                            save_timeout_s, now)
+    if parsed.prefixed and not ({e.name for e in storage.list_dir(entry.path)} & {COMMIT_MARKER, CHECKPOINT_METADATA}):
+        return None  # a directory whose name ends in _<digits> but holds nothing of Orbax's: not a step
     if not storage.exists(join_path(entry.path, COMMIT_MARKER)):
         return _unfinished(storage, entry, parsed.step, f"no {COMMIT_MARKER}: save not finalized",
                            save_timeout_s, now)
@@ -131,12 +147,12 @@ def _inspect_finalized(storage: Storage, path: str, step: int) -> StepInspection
     meta = _read_json_object(storage, path, CHECKPOINT_METADATA)
     if isinstance(meta, str):
         return corrupt(meta)
-    handlers = item_handlers(meta)
+    handlers = step_items(storage, path, meta)
     items = tuple(sorted(handlers))
     for item, handler in sorted(handlers.items()):
         if not _is_pytree_handler(handler):
             continue  # another handler's item (Grain's iterator state, JSON): its own files, not Orbax's tree
-        item_meta = _read_json_object(storage, path, f"{item}/{ITEM_METADATA}")
+        item_meta = _read_json_object(storage, path, item_file(item, ITEM_METADATA))
         if isinstance(item_meta, str):
             return corrupt(item_meta)
     committed_ns = meta.get("commit_timestamp_nsecs")
@@ -163,6 +179,23 @@ def item_handlers(checkpoint_metadata: dict[str, Any]) -> dict[str, str | None]:
     return {}
 
 
+def step_items(storage: Storage, step_path: str, checkpoint_metadata: dict[str, Any]) -> dict[str, str | None]:
+    """``item_handlers``, with the item of a step a bare ``Checkpointer`` saved (a single handler, and Orbax's
+    ``_METADATA`` in the step directory itself rather than in ``default/``) named ``ROOT_ITEM``."""
+    handlers = item_handlers(checkpoint_metadata)
+    if set(handlers) == {DEFAULT_ITEM} and not isinstance(checkpoint_metadata.get("item_handlers"), dict) and (
+        storage.exists(join_path(step_path, ITEM_METADATA))
+        and not storage.exists(join_path(step_path, DEFAULT_ITEM, ITEM_METADATA))
+    ):
+        return {ROOT_ITEM: handlers[DEFAULT_ITEM]}
+    return handlers
+
+
+def item_file(item: str, name: str) -> str:
+    """The path of an item's file ``name`` relative to the step (``name`` itself for ``ROOT_ITEM``)."""
+    return f"{item}/{name}" if item != ROOT_ITEM else name
+
+
 def _is_pytree_handler(handler: str | None) -> bool:
     """Whether an item's handler writes Orbax's tree of arrays (``_METADATA``, ``_sharding``, zarr arrays):
     Orbax's PyTree and Standard handlers and their subclasses by name; an unnamed handler is taken for one."""
@@ -176,10 +209,10 @@ def array_items(storage: Storage, step_path: str) -> list[str]:
     ``["default"]`` when the step names no item that holds arrays (the layout readers then find none)."""
     meta = _read_json_object(storage, step_path, CHECKPOINT_METADATA)
     found = []
-    for item, handler in sorted(item_handlers(meta if isinstance(meta, dict) else {}).items()):
+    for item, handler in sorted(step_items(storage, step_path, meta if isinstance(meta, dict) else {}).items()):
         if not _is_pytree_handler(handler):
             continue
-        item_meta = _read_json_object(storage, step_path, f"{item}/{ITEM_METADATA}")
+        item_meta = _read_json_object(storage, step_path, item_file(item, ITEM_METADATA))
         if isinstance(item_meta, dict) and isinstance(item_meta.get("tree_metadata"), dict):
             found.append(item)
     return found or [DEFAULT_ITEM]
@@ -206,7 +239,7 @@ def read_saved_sharding(
     Keys there are base64 of the dotted leaf path. Arrays without a NamedSharding get no entry.
     """
     try:
-        raw = storage.read_json(f"{step_path}/{item}/{SHARDING_FILE}")
+        raw = storage.read_json(join_path(step_path, item_file(item, SHARDING_FILE)))
     except (FileNotFoundError, ValueError, UnicodeDecodeError):
         return None, {}
     if not isinstance(raw, dict):
@@ -264,10 +297,12 @@ __all__ = [
     "StepName",
     "array_items",
     "inspect_step",
+    "item_file",
     "item_handlers",
     "latest_committed",
     "parse_step_name",
     "read_saved_sharding",
     "read_training",
     "step_entries",
+    "step_items",
 ]

@@ -81,6 +81,25 @@ class TrainingMetadata(_Model):
     wall_time: float
     arrays: dict[str, ArraySpec] = Field(default_factory=dict)
     batch: BatchPlan | None = Field(default=None, description="the batch plan in effect when saved")
+    # The run's identity (docs/protocol.md, "Identity"); absent from what older trainers wrote, and left out
+    # when unset so the bytes (and checksums) of what they wrote stay the same.
+    run_id: Annotated[str, Field(min_length=1, max_length=256)] | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="the run that saved the step (the trainer's CKPTD_RUN_ID); stable across the run's restarts",
+    )
+    process_count: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, exclude_if=lambda v: v is None, description="JAX processes that saved the step"
+    )
+
+
+class StepIdentity(_Model):
+    """Who saved a step and on what topology: what a manifest records (docs/protocol.md, "Identity"). Parts
+    the step does not record are null (a step written by plain Orbax records its job and mesh at most)."""
+
+    job: str | None = None
+    run_id: str | None = None
+    process_count: int | None = None
+    mesh: MeshSpec | None = None
 
 
 class CheckpointInfo(_Model):
@@ -98,6 +117,7 @@ __all__ = [
     "CheckpointInfo",
     "MeshSpec",
     "PartitionSpecJSON",
+    "StepIdentity",
     "StepState",
     "TrainingMetadata",
 ]

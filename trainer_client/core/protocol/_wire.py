@@ -67,6 +67,7 @@ class ErrorCode(StrEnum):
     MALFORMED_HTTP = "MALFORMED_HTTP"
     BUSY = "BUSY"
     JOB_LIMIT = "JOB_LIMIT"
+    FOREIGN_CHECKPOINT = "FOREIGN_CHECKPOINT"
 
 
 ERROR_STATUS: dict[ErrorCode, int] = {
@@ -93,6 +94,7 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.MALFORMED_HTTP: 400,
     ErrorCode.BUSY: 503,
     ErrorCode.JOB_LIMIT: 409,
+    ErrorCode.FOREIGN_CHECKPOINT: 409,  # the step is another run's, or another process count's: the job's state
 }
 
 
@@ -161,6 +163,24 @@ class ResumeRequest(_Request):
     batch: BatchOptions = Field(default_factory=BatchOptions)
     use_memory_tier: bool = Field(
         default=True, description="prefer a whole host-memory snapshot at least as new as the newest good step"
+    )
+    # Who asks (docs/protocol.md, "Identity"); each left out of the body when unset, so older ckptd reads it.
+    run_id: Annotated[str, Field(min_length=1, max_length=256)] | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="the asking run's id (CKPTD_RUN_ID): a step saved by another run is refused unless "
+        "`allow_foreign_run`",
+    )
+    process_count: Annotated[int, Field(ge=1, le=1_000_000)] | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="the asking run's JAX process count: a step saved by another count is refused unless "
+        "`allow_foreign_topology` (a different mesh is never refused: that is what a resize is)",
+    )
+    allow_foreign_run: bool = Field(
+        default=False, exclude_if=lambda v: not v, description="resume from a step another run saved (noted)"
+    )
+    allow_foreign_topology: bool = Field(
+        default=False, exclude_if=lambda v: not v,
+        description="resume from a step saved by another number of processes (noted)",
     )
 
 
