@@ -7,6 +7,11 @@ recovers on 3 slices in the same PID from the newest snapshot in memory (the mes
 in the background), grows back to 4 when the slice returns, finishes and stops the server, which first
 persists what the run saved last: the run ends with its last step committed and verified on storage.
 Prints a timeline and, as its last line, ``report: PATH`` naming a JSON report.
+
+Options: ``--spares 1`` keeps one of the 4 slices as a hot spare (mesh 3 x 2): the spare takes slice 2's place
+at once, same mesh, and slice 2 becomes the spare when it returns. ``--fault in-jax`` loses the slice from inside
+a JAX operation (``InJaxFaults``: reading the step's loss raises ``DATA_LOSS`` mid-step, as on Pathways) instead
+of at the step boundary.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
+import contextlib
 import json
 import shutil
 import socket
@@ -37,6 +43,7 @@ from trainer_client.core.format.steps import inspect_step, step_entries
 from trainer_client.core.protocol import StepState
 from trainer_client.core.storage import Storage
 from trainer_client.runtime.elastic import ElasticConfig, ElasticRunner, Event
+from trainer_client.runtime.jax_faults import InJaxFaults
 from trainer_client.runtime.slices import SimulatedSlices, SliceFault
 
 JOB = "demo-mlp"
@@ -82,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--down-for", type=float, default=3.0, help="seconds until the slice returns")
     parser.add_argument("--policy", choices=["pause", "resize"], default="resize")
     parser.add_argument("--no-memory-tier", action="store_true", help="save to storage only, through Orbax")
+    parser.add_argument("--spares", type=int, choices=[0, 1, 2], default=0,
+                        help="hot spare slices: the mesh uses 4 - N slices, a spare takes a lost slice's place")
+    parser.add_argument("--fault", choices=["boundary", "in-jax"], default="boundary",
+                        help="where slice 2's loss surfaces: at a step boundary, or inside a JAX operation mid-step")
     args = parser.parse_args(argv)
 
     out = Path(args.out).resolve()
@@ -94,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     server = start_ckptd(root, state_dir, shm_dir, port, out / "ckptd.log")
     print(f"ckptd serving {root} on http://127.0.0.1:{port} (pid {server.pid}); memory tier in {shm_dir}; "
           f"log {out / 'ckptd.log'}")
-    print(f"trainer pid {os.getpid()}, {jax.device_count()} devices in 4 slices, policy {args.policy}")
+    print(f"trainer pid {os.getpid()}, {jax.device_count()} devices in 4 slices, policy {args.policy}"
+          + (f", {args.spares} hot spare(s)" if args.spares else "") + f", slice loss {args.fault}")
 
     previous = [0.0]
 
@@ -106,20 +118,29 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet = {"checkpoint_started"}
     config = ElasticConfig(
-        job=JOB, mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=48,
+        job=JOB, mesh_axes=("replica", "data"), mesh_shape=(4 - args.spares, 2), spare_slices=args.spares,
+        global_batch=48,
         checkpoint_period=50, elastic_timeout_s=60, elastic_max_retries=5, policy=args.policy,
         scale_up_check_interval_s=0.5, compilation_cache_dir=str(out / "jax-cache"),
         shm_dir=None if args.no_memory_tier else str(shm_dir), memory_period=None if args.no_memory_tier else 5,
         max_snapshots=8,
     )
-    slices = SimulatedSlices(num_slices=4, faults=[SliceFault(2, args.fail_at, args.down_for)])
+    in_jax = args.fault == "in-jax"
+    slices = SimulatedSlices(num_slices=4, faults=[] if in_jax else [SliceFault(2, args.fail_at, args.down_for)])
+    injector = InJaxFaults(slices)
+
+    def lose_inside_jax(step: int) -> None:  # the step's loss, read to the host, meets the dead slice
+        if in_jax and step == args.fail_at and not injector.fired and not injector.armed:
+            injector.fail_during("to_host", 2, down_for_s=args.down_for)
+
     log = TrainLog()
     pid_before = os.getpid()
     try:
         client = CkptdClient(ClientSettings(url=f"http://127.0.0.1:{port}", shm_dir=str(shm_dir)), root=str(root))
         runner = ElasticRunner(config, slices=slices, client=client, checkpoint_dir=str(root / JOB),
                                on_event=lambda e: None if e.kind in quiet else show(e))
-        result = runner.run(make_train_fn(args.steps, log))
+        with injector if in_jax else contextlib.nullcontext():
+            result = runner.run(make_train_fn(args.steps, log, step_hook=lose_inside_jax))
         runner.checkpointer.close()
         client.close()
     finally:
@@ -133,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         "pid_before": pid_before,
         "pid_after": result.pid,
         "policy": args.policy,
+        "spares": args.spares,
+        "fault": args.fault,
+        "in_jax_faults": [f.__dict__ for f in injector.fired],
         "events": [{"kind": e.kind, "step": e.step, "time": round(e.t, 4), "detail": e.detail}
                    for e in result.events],
         "recoveries": [r.__dict__ for r in result.recoveries],
@@ -149,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\nrecoveries:")
     for r in result.recoveries:
         print(f"  {r.kind:<10} at step {r.failed_at_step}: mesh {r.mesh_before} -> {r.mesh_after}, "
-              f"restored step {r.restored_step}, lost {r.lost_steps} steps, {r.seconds:.2f}s to first step")
+              f"slices {r.slices_before} -> {r.slices_after}"
+              + (f" (spare {r.spares_used} in)" if r.spares_used else "")
+              + f", restored step {r.restored_step}, lost {r.lost_steps} steps, {r.seconds:.2f}s to first step")
     print(f"loss {report['first_loss']:.4f} (step {first}) -> {report['final_loss']:.4f} (step {last}); "
           f"same pid: {pid_before == result.pid}")
     print(f"on storage: step {on_storage} committed and verified"
