@@ -22,6 +22,7 @@ How the manifests are validated:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shlex
@@ -745,23 +746,22 @@ def test_dockerfile_healthcheck_hits_healthz() -> None:
 # ---- the sidecar's command, run for real with the ConfigMap's settings --------------------------------
 
 
-@pytest.fixture
-def served_with_configmap(
-    tmp_path: Path, tcp_port: int, ) -> Iterator[tuple[str, str]]:
-    """The JobSet sidecar's command (``ckptd serve``, run as ``python -m ckptd``) with the ConfigMap's
-    environment, pointed at a tmp root, a free 127.0.0.1 port and a token file; yields (url, token)."""
-    sidecar = _sidecar(_pod_spec(_one("JobSet")))
+@contextlib.contextmanager
+def serve_sidecar(sidecar: dict[str, Any], tmp_path: Path, port: int, **env: str) -> Iterator[tuple[str, str]]:
+    """A sidecar container's command (``ckptd serve``, run as ``python -m ckptd``) with the ConfigMap's
+    environment, then ``env`` (the container's own variables), pointed at a tmp root, ``port`` on 127.0.0.1
+    and a token file; yields (url, token) once ``/readyz`` answers 200, and stops it after."""
     command = sidecar["command"] + sidecar.get("args", [])
     assert command[0] == "ckptd"
     token = "deploy-test-token"
     (tmp_path / "token").write_text(token + "\n")
     (tmp_path / "root").mkdir()
-    env = clean_env(**_config())
-    env.update(CKPTD_ROOT=str(tmp_path / "root"), CKPTD_HOST="127.0.0.1", CKPTD_PORT=str(tcp_port),
-               CKPTD_STATE_DIR=str(tmp_path / "state"), CKPTD_TOKEN_FILE=str(tmp_path / "token"))
-    proc = subprocess.Popen([sys.executable, "-m", *command], env=env, cwd=tmp_path,
+    full_env = clean_env(**(_config() | env))
+    full_env.update(CKPTD_ROOT=str(tmp_path / "root"), CKPTD_HOST="127.0.0.1", CKPTD_PORT=str(port),
+                    CKPTD_STATE_DIR=str(tmp_path / "state"), CKPTD_TOKEN_FILE=str(tmp_path / "token"))
+    proc = subprocess.Popen([sys.executable, "-m", *command], env=full_env, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{tcp_port}"
+    url = f"http://127.0.0.1:{port}"
 
     def ready() -> bool:
         if proc.poll() is not None:
@@ -778,6 +778,13 @@ def served_with_configmap(
     finally:
         if not stop_process(proc, 15):
             pytest.fail("ckptd serve did not stop within 15 s of SIGTERM")
+
+
+@pytest.fixture
+def served_with_configmap(tmp_path: Path, tcp_port: int) -> Iterator[tuple[str, str]]:
+    """The JobSet sidecar served with the ConfigMap's settings; yields (url, token)."""
+    with serve_sidecar(_sidecar(_pod_spec(_one("JobSet"))), tmp_path, tcp_port) as served:
+        yield served
 
 
 def test_sidecar_command_starts_and_serves_with_the_configmap(
