@@ -126,7 +126,8 @@ def _render_plan(plan: ResumePlan) -> str:
         f"devices        {plan.mesh.size} used, {plan.idle_devices} idle"
         + (f" (idle: {', '.join(f'slice {s.index}: {s.devices}' for s in plan.idle_slices)})"
            if plan.idle_slices else ""),
-        *(["items          " + ", ".join(f"{item} ({len(names)} arrays)" for item, names in plan.items.items())]
+        *(["items          " + ", ".join(f"{item or '(the step directory)'} ({len(names)} arrays)"
+                                      for item, names in plan.items.items())]
           if plan.items else []),
         f"data position  {plan.data_position}",
         f"memory         {format_bytes(plan.bytes_per_device)} per device"
