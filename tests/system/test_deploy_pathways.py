@@ -368,3 +368,16 @@ def test_head_ckptd_serves_and_owns_the_memory_tier(head_ckptd: tuple[str, Path]
     # ckptd, first in the pod, made the tier inside the 0777 volume, private to its user.
     wait_until(tier.is_dir, timeout=10, interval=0.1, what=f"{tier} created")
     assert stat.S_IMODE(tier.stat().st_mode) == 0o700
+
+
+def test_docs_deploy_what_the_manifests_say() -> None:
+    """docs/deploy.md's commands cover the Pathways manifests and name their Pathways release."""
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    for directory in ("deploy/pathways", "deploy/pathways/pathwaysjob"):
+        assert re.search(rf"^kubectl apply -k {directory}\s", docs, re.M), f"no `kubectl apply -k {directory}`"
+    sed = docs.split("\nsed -i", 1)[1].split("```", 1)[0]  # step 3: fill in the placeholders
+    assert "deploy/pathways/*.yaml" in sed and "deploy/pathways/pathwaysjob/*.yaml" in sed
+    head = pod(jobset(), HEAD)
+    (version,) = {image_jax_version(container(head, n)["image"]) for n in (RM, PROXY)}
+    assert f"jax-{version}" in docs and f"jax=={version}" in docs
+    assert f"--instance_count={flags(container(head, RM))['instance_count']}" in docs

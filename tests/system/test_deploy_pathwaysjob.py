@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from typing import Any
 
 import jsonschema
 import kubernetes_validate
 import pytest
 
+from tests.support.helpers import REPO
 from tests.system.test_deploy import K8S_VERSIONS, _env, _load, _only
 from tests.system.test_deploy_pathways import (
     CKPTD,
@@ -175,3 +177,12 @@ def test_ckptd_binds_loopback_on_the_controllers_host_network() -> None:
     for key in set(ckptd) | set(js_ckptd):
         if key not in ("env", "startupProbe", "readinessProbe", "livenessProbe"):
             assert ckptd.get(key) == js_ckptd.get(key), key
+
+
+def test_docs_install_the_controller_release_the_schema_comes_from() -> None:
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    vendored = crd()
+    assert f"pathways-job/releases/download/{vendored['release']}/install.yaml" in docs
+    assert f"releases/download/{vendored['release']}/install.yaml" in (VARIANT / "pathwaysjob.yaml").read_text()
+    commit = re.search(r"/blob/([0-9a-f]{7})", vendored["source"])
+    assert commit and commit.group(1) in docs, "docs/deploy.md cites the commit the schema comes from"
