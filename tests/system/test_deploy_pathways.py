@@ -40,6 +40,9 @@ from tests.system.test_deploy import (
     _load,
     _one,
     _only,
+    _pod_spec,
+    _sidecar,
+    _trainer,
     _walk_labels,
     serve_sidecar,
 )
@@ -118,8 +121,8 @@ def trainer_jax() -> Requirement:
 
 
 def k8s_sidecar() -> dict[str, Any]:
-    k8s_pod: dict[str, Any] = _one("JobSet")["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
-    return _only(k8s_pod["initContainers"], CKPTD)
+    """deploy/k8s/jobset.yaml's ckptd container."""
+    return _sidecar(_pod_spec(_one("JobSet")))
 
 
 # ---- schemas ------------------------------------------------------------------------------------------
@@ -205,7 +208,6 @@ def test_trainer_and_ckptd_share_the_memory_tier() -> None:
     # Owner-only files: the trainer and ckptd must be the same user.
     for key in ("runAsUser", "runAsGroup"):
         assert trainer["securityContext"][key] == ckptd["securityContext"][key], key
-    Settings(shm_dir=shm_dir, token=None, token_file=None)  # a valid ckptd setting
 
 
 def test_trainer_env_names_the_proxy_backend_and_ckptd() -> None:
@@ -219,8 +221,7 @@ def test_trainer_env_names_the_proxy_backend_and_ckptd() -> None:
     ckptd_port = _only(container(head, CKPTD)["ports"], CKPTD)["containerPort"]
     assert env["CKPTD_URL"]["value"] == f"http://127.0.0.1:{ckptd_port}"
     # The token and the root exactly as in deploy/k8s/jobset.yaml.
-    k8s_trainer = _only(_one("JobSet")["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
-                        ["containers"], TRAINER)
+    k8s_trainer = _trainer(_pod_spec(_one("JobSet")))
     for name in ("CKPTD_TOKEN", "CHECKPOINT_ROOT"):
         assert env[name] == _env(k8s_trainer)[name], name
 
@@ -252,7 +253,7 @@ def test_ckptd_is_deploy_k8s_sidecar_plus_the_memory_tier() -> None:
             assert ckptd.get(key) == sidecar.get(key), key
     assert [e["name"] for e in ckptd["env"]] == ["CKPTD_SHM_DIR"]
     assert mounts(ckptd).items() >= mounts(sidecar).items()
-    k8s_pod = _one("JobSet")["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    k8s_pod = _pod_spec(_one("JobSet"))
     for volume in k8s_pod["volumes"]:
         assert _only(head["volumes"], volume["name"]) == volume
     for key in ("serviceAccountName", "automountServiceAccountToken", "securityContext"):
