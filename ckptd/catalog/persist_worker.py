@@ -12,7 +12,10 @@ default) with the trainer's partition spec, so Orbax's ``_sharding`` records the
 shardings and plain Orbax restoring without a target sees them. Each device's buffer is a read-only view
 of the snapshot's memory map (the trainer puts every shard at a 64-byte boundary, so XLA takes the view as
 it is; the replicas of a shard share that view): no byte is copied before Orbax writes it, Orbax writes the
-shards in parallel, and the chunks on storage are the trainer's own. Where the trainer's mesh has more
+shards in parallel, and the chunks on storage are the trainer's own. The leaves that are not arrays come
+from the snapshot's record as values (Orbax saves them as it would the trainer's: numbers as 0-d arrays,
+strings in ``_strings.json``), and a data iterator's state recorded with the snapshot becomes the step's
+item ``iter`` in Grain's format (``trainer_client.runtime.data_iterator``). Where the trainer's mesh has more
 devices than the worker (or an array's shards are not its recorded spec on that mesh), that array goes
 through a grid of one device per saved shard (coarser beyond ``--devices``) instead: the same bytes and
 chunks, but its ``_sharding`` then names that grid (``shard0``, ...); ckptd's own plans read the trainer's
@@ -145,7 +148,7 @@ def persist(snapshot: Path, job_url: str, *, compression: bool = False) -> str:
     state = rebuild(meta.tree, snapshot_arrays(snapshot, meta=meta))
     checkpointer = Checkpointer(job_url, compression=compression)
     try:
-        checkpointer.save_with_metadata(meta.step, state, meta.training)
+        checkpointer.save_with_metadata(meta.step, state, meta.training, data_iterator=meta.data_iterator)
         checkpointer.wait()
     finally:
         checkpointer.close()

@@ -84,8 +84,10 @@ def write_orbax_steps(
 # SaveArgs(chunk_byte_size) per leaf, ocdbt_target_data_file_size), iter=the data iterator's state) with
 # custom metadata {"scan_layers": ...}. MaxText's mesh axes and logical axis rules (configs/base.yml) give
 # the partition specs: with ici_fsdp_parallelism=4 and ici_tensor_parallelism=2 every other axis has size 1.
-# Grain is not installed here: its handler is stood in for by one writing Grain's own file,
-# process_<index>-of-<count>.json (the iterator's state as JSON), under MaxText's handler name.
+# The iterator is a real Grain DataLoader (tests/support/grain_data.py) saved by MaxText's handler, which is
+# Grain's own (src/maxtext/common/grain_utility.py: GrainCheckpointHandler(PyGrainCheckpointHandler,
+# ocp.CheckpointHandler) and its GrainCheckpointSave/Restore; for one iterator per process it saves exactly
+# as Grain's handler does, so the subclass here keeps Grain's save): process_<index>-of-<count>.json.
 MAXTEXT_MESH_AXES = ("diloco", "data", "stage", "fsdp", "fsdp_transpose", "context", "context_usp_ulysses",
                      "context_autoregressive", "tensor", "tensor_sequence", "expert", "autoregressive")
 MAXTEXT_MESH_SHAPE = (1, 1, 1, 4, 1, 1, 1, 1, 2, 1, 1, 1)
@@ -103,23 +105,19 @@ from orbax.checkpoint._src.checkpoint_managers import save_decision_policy as sa
 spec = json.loads(sys.argv[1])
 DEFAULT_OCDBT_TARGET_DATA_FILE_SIZE = 2 * 1024**3  # maxtext/utils/globals.py
 
+from grain import python as grain_python
+from tests.support.grain_data import data_loader
+
+class GrainCheckpointHandler(grain_python.PyGrainCheckpointHandler, ocp.CheckpointHandler):
+    pass  # MaxText's subclass; its save of one iterator is Grain's
+
 @dataclasses.dataclass
 class GrainCheckpointSave(ocp.args.CheckpointArgs):
-    item: dict
+    item: object
 
 @dataclasses.dataclass
 class GrainCheckpointRestore(ocp.args.CheckpointArgs):
-    item: object = None
-
-class GrainCheckpointHandler(ocp.CheckpointHandler):
-    def save(self, directory, args):
-        name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
-        (epath.Path(directory) / name).write_text(json.dumps(args.item, indent=4))
-    def restore(self, directory, args=None):
-        name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
-        return json.loads((epath.Path(directory) / name).read_text())
-    def metadata(self, directory):
-        return None
+    item: object
 GrainCheckpointHandler.__module__ = "maxtext.common.grain_utility"
 ocp.args.register_with_handler(GrainCheckpointHandler, for_save=True)(GrainCheckpointSave)
 ocp.args.register_with_handler(GrainCheckpointHandler, for_restore=True)(GrainCheckpointRestore)
@@ -168,7 +166,12 @@ for job_dir, steps in spec["jobs"].items():
             preservation_policy=preservation_policy_lib.LatestN(spec["keep"]),
         ),
     )
+    data_iterator = iter(data_loader(spec["batch"]))  # MaxText's data_iterator.local_iterator
+    consumed = 0
     for step in steps:
+        while consumed < step:  # one batch per training step
+            next(data_iterator)
+            consumed += 1
         state = train_state(step)
         jax.block_until_ready(state)
         chunk_byte_size = DEFAULT_OCDBT_TARGET_DATA_FILE_SIZE
@@ -179,9 +182,7 @@ for job_dir, steps in spec["jobs"].items():
         )
         save_args_composite = {"items": checkpoint_args}
         if spec["grain"]:
-            grain_state = {"version": 2, "last_seen_indices": {"0": step * 16 - 1}, "last_worker_index": 0,
-                           "worker_count": 1, "sampler": "IndexSampler", "data_source": "ArrayRecordDataSource"}
-            save_args_composite["iter"] = GrainCheckpointSave(item=grain_state)
+            save_args_composite["iter"] = GrainCheckpointSave(item=data_iterator)
         assert mgr.save(step, args=ocp.args.Composite(**save_args_composite),
                         custom_metadata={"scan_layers": True}), step
     mgr.wait_until_finished()
@@ -203,18 +204,20 @@ def write_maxtext_jobs(
     grain: bool = True,
     period: int = 100,
     keep: int | None = None,
+    batch: int = 16,
     values: str | Path | None = None,
     timeout: float = 180.0,
 ) -> None:
     """Save steps the way MaxText does (``<job>/<step>/items/...`` and, with ``grain``, Grain's
-    ``<job>/<step>/iter/process_0-of-1.json``), with plain Orbax in a separate process. ``jobs`` maps a
+    ``<job>/<step>/iter/process_0-of-1.json``: the state of ``grain_data.data_loader(batch)``'s iterator after
+    ``step`` batches, saved by Grain's handler), with plain Orbax and Grain in a separate process. ``jobs`` maps a
     checkpoint directory (MaxText's ``<base_output_directory>/<run_name>/checkpoints``) to its steps, each a
     multiple of ``period`` (MaxText's ``checkpoint_period``). The train state is a decoder LM's
     ``{"step", "params": {"params": {...}}, "opt_state": [...]}`` on MaxText's 12 mesh axes with
     ``fsdp=4, tensor=2`` (``MAXTEXT_MESH_AXES``, ``MAXTEXT_MESH_SHAPE``); ``values``: an ``.npz`` written
     with every saved leaf as ``"<step>/<dotted leaf name>"``."""
     spec = {"jobs": {str(k): [int(s) for s in v] for k, v in jobs.items()}, "grain": grain, "period": period,
-            "keep": keep, "mesh_axes": list(MAXTEXT_MESH_AXES), "mesh_shape": list(MAXTEXT_MESH_SHAPE)}
+            "keep": keep, "batch": batch, "mesh_axes": list(MAXTEXT_MESH_AXES), "mesh_shape": list(MAXTEXT_MESH_SHAPE)}
     argv = [sys.executable, "-c", _MAXTEXT_WRITER, json.dumps(spec), *([str(values)] if values else [])]
     proc = subprocess.run(argv, env=clean_env(), capture_output=True, text=True, timeout=timeout, check=False)
     if proc.returncode != 0:

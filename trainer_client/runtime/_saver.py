@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.core.errors import StoredFormatError
+from trainer_client.core.format.snapshot import DataIteratorRecord
 from trainer_client.core.protocol import ResumePlan, TrainingMetadata
 from trainer_client.errors import MemoryTierFull
 from trainer_client.runtime.checkpointing import Checkpointer, restore
@@ -62,8 +63,9 @@ class Saver:
         self._said_away = False  # warned that ckptd is away, since it last answered
 
     def save(self, step: int, state: PyTree, meta: TrainingMetadata, *, persist: bool,
-             if_busy: Literal["wait", "skip"] = "wait") -> str:
-        """Save ``step``; returns the tier used (``memory``, ``memory+persist`` or ``storage``), or ``skipped``.
+             if_busy: Literal["wait", "skip"] = "wait", data_iterator: DataIteratorRecord | None = None) -> str:
+        """Save ``step`` (and ``data_iterator``, the data iterator's state at it); returns the tier used
+        (``memory``, ``memory+persist`` or ``storage``), or ``skipped``.
 
         With the memory tier the loop pays only the device-to-host copy, whether or not ckptd answers: a
         snapshot marked ``persist`` waits in shared memory until ckptd (or the one Kubernetes restarts)
@@ -74,7 +76,7 @@ class Saver:
         tier = "storage"
         if self.memory is not None:
             try:
-                self.memory.save(step, state, meta, persist=persist)
+                self.memory.save(step, state, meta, persist=persist, data_iterator=data_iterator)
                 tier = "memory+persist" if persist else "memory"
                 self.last_blocked_s = self.memory.last_blocked_s
                 away = persist and self.health is not None and not self.health.ok
@@ -94,7 +96,7 @@ class Saver:
                              "waiting for it would stall training (the next periodic save tries again)", step)
                 self.last_blocked_s = 0.0
                 return "skipped"
-            self.checkpointer.save_with_metadata(step, state, meta)
+            self.checkpointer.save_with_metadata(step, state, meta, data_iterator=data_iterator)
             self.last_blocked_s = self.checkpointer.last_save_blocked_s
         self.saved_steps.add(step)
         self.last_tier = tier

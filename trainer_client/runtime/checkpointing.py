@@ -3,7 +3,11 @@
 Every step is written by a plain ``orbax.checkpoint.CheckpointManager`` in Orbax's own layout (so plain
 Orbax can restore it and ckptd can adopt it), asynchronously so the loop is blocked only for the
 device-to-host copy. ckptd's training metadata (step, data position, global batch, mesh, slices, each
-array's shape/dtype/partition spec) rides in Orbax's ``custom_metadata`` under the key ``ckptd``.
+array's shape/dtype/partition spec) rides in Orbax's ``custom_metadata`` under the key ``ckptd``. The state
+is the item ``default`` (Orbax's ``StandardCheckpointHandler``); besides arrays it takes the leaves that are
+not arrays, Python numbers and numpy scalars as Orbax's standard handler does, and strings as the PyTree
+handler inside it does (``_strings.json``; ``trainer_client.runtime.state_tree``). A data iterator's state,
+when the trainer has one, is the item ``iter`` in Grain's format (``trainer_client.runtime.data_iterator``).
 
 On a local disk every save asks Orbax for OCDBT data files of about 1/64 of the state (never smaller
 than the largest shard, so no chunk is split; Orbax's default is one file of up to 2 GiB): tensorstore
@@ -19,11 +23,9 @@ reused: Orbax's in-memory step cache can keep a failed async save (a known field
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -34,32 +36,21 @@ from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
 from trainer_client.config import ClientSettings
 from trainer_client.core.durability import sync_tree
-from trainer_client.core.format.files import CKPTD_MANIFEST, TMP_DIR_SUFFIX
+from trainer_client.core.format.files import CKPTD_MANIFEST, DEFAULT_ITEM, TMP_DIR_SUFFIX
 from trainer_client.core.format.manifest import build_manifest, write_manifest
+from trainer_client.core.format.snapshot import DataIteratorRecord
 from trainer_client.core.format.steps import CUSTOM_METADATA_KEY, array_items
 from trainer_client.core.protocol import ArraySpec, BatchPlan, MeshSpec, PartitionSpecJSON, TrainingMetadata
 from trainer_client.core.storage import Storage, join_path
 from trainer_client.errors import DirectRestoreUnsupported
+from trainer_client.runtime.data_iterator import ITER_ITEM, IteratorStateHandler, IteratorStateSave
 from trainer_client.runtime.direct_restore import restore_direct
+from trainer_client.runtime.orbax_handlers import data_file_bytes, route_data_file_size, standard_handler
+from trainer_client.runtime.state_tree import is_value, leaf_name, orbax_restore
 
 _log = logging.getLogger(__name__)
 
 PyTree = Any
-DATA_FILES = 64  # OCDBT data files per local save (about): enough for tensorstore to write in parallel
-MIN_DATA_FILE_BYTES = 1 << 20
-
-
-def leaf_name(path: tuple[Any, ...]) -> str:
-    """The dotted leaf path Orbax uses in ``_sharding`` (``params.w``, ``opt.0.mu.b``)."""
-    parts = []
-    for key in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return ".".join(parts)
 
 
 def spec_to_json(spec: PartitionSpec) -> PartitionSpecJSON:
@@ -83,14 +74,18 @@ def mesh_spec(mesh: Mesh) -> MeshSpec:
 
 
 def array_specs(state: PyTree) -> dict[str, ArraySpec]:
-    """Shape, dtype and partition spec of every array leaf, keyed by dotted leaf path."""
+    """Shape, dtype and partition spec of every leaf Orbax stores as an array, keyed by dotted leaf path:
+    arrays, and numbers (0-d arrays of Orbax's scalar types: ``int64``, ``float64``, ``bool``, or the numpy
+    scalar's own); strings are not arrays (Orbax keeps them in ``_strings.json``)."""
     out: dict[str, ArraySpec] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if isinstance(leaf, str):
+            continue
         sharding = getattr(leaf, "sharding", None)
         spec = spec_to_json(sharding.spec) if isinstance(sharding, NamedSharding) else []
         out[leaf_name(path)] = ArraySpec(
             shape=[int(d) for d in getattr(leaf, "shape", ())],
-            dtype=str(getattr(leaf, "dtype", "")) or None,
+            dtype=str(getattr(leaf, "dtype", "")) or (str(np.asarray(leaf).dtype) if is_value(leaf) else None),
             partition_spec=spec,
         )
     return out
@@ -107,6 +102,9 @@ def target_shardings(
         raise ValueError(f"{len(flat_specs)} partition specs for {len(leaves)} arrays")
     out = []
     for (path, leaf), spec in zip(leaves, flat_specs, strict=True):
+        if is_value(leaf):  # a value target: restored as that type (state_tree.restored_leaf)
+            out.append(leaf)
+            continue
         planned = (plan_arrays or {}).get(leaf_name(path))
         if planned is not None and planned.changed:
             spec = spec_from_json(planned.partition_spec)
@@ -131,84 +129,6 @@ def training_metadata(
         wall_time=time.time(), arrays=array_specs(state), batch=batch, run_id=ClientSettings().run_id,
         process_count=jax.process_count(),
     )
-
-
-def standard_handler(compression: bool) -> ocp.StandardCheckpointHandler:
-    """Orbax's StandardCheckpointHandler with zstd on or off (0.12.8 has no public switch for it on the
-    standard handler; the PyTree handler inside it has one). The layout stays Orbax's own: plain
-    Orbax restores it either way (the zarr metadata says which compressor was used)."""
-    handler = ocp.StandardCheckpointHandler()
-    outer = getattr(handler, "_impl", None)
-    impl = getattr(outer, "_handler_impl", None)
-    for pytree_handler in (outer, impl):  # both hold the registry of type handlers they save with
-        if pytree_handler is not None and hasattr(pytree_handler, "_type_handler_registry"):
-            pytree_handler._type_handler_registry = _registry()
-    if impl is None or not hasattr(impl, "_use_compression"):
-        if not compression:
-            raise RuntimeError("this orbax-checkpoint version offers no way to turn compression off")
-        return handler
-    impl._use_compression = compression
-    return handler
-
-
-# Orbax splits a replicated array's write among its replicas ("replica-parallel"), slicing each shard with
-# a jax op compiled per shape *while the training loop is blocked*: the first save on every new mesh (each
-# elastic event) compiled one slice per replicated array (96 compiles, 3.3 s for the demo MLP; 7-15 s on a
-# loaded host). Only arrays whose per-replica slice is at least this big are split now: the few large
-# ones, where spreading the write pays for one compile.
-REPLICA_PARALLEL_MIN_BYTES = 64 << 20
-
-
-def _registry() -> Any:
-    """Orbax's default type handlers, with a ``jax.Array`` handler that splits only large replicated arrays."""
-    from orbax.checkpoint._src.metadata import array_metadata_store
-    from orbax.checkpoint._src.serialization import type_handler_registry, type_handlers
-
-    arrays = type_handlers.ArrayHandler(array_metadata_store=array_metadata_store.Store(),
-                                        min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_BYTES)
-    defaults = type_handler_registry._DEFAULT_TYPE_HANDLERS
-    return type_handler_registry.create_type_handler_registry(
-        *[(kind, handler) for kind, handler in defaults if kind is not jax.Array], (jax.Array, arrays))
-
-
-def _data_file_bytes(state: PyTree) -> int:
-    """The OCDBT data file size for saving ``state`` on a local disk: about 1/``DATA_FILES`` of its bytes,
-    at least its largest shard (Orbax splits a chunk bigger than a data file) and ``MIN_DATA_FILE_BYTES``."""
-    total = largest = 0
-    for leaf in jax.tree_util.tree_leaves(state):
-        shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
-        if shape is None or dtype is None:
-            continue
-        itemsize = np.dtype(dtype).itemsize
-        sharding = getattr(leaf, "sharding", None)
-        shard = sharding.shard_shape(tuple(shape)) if sharding is not None else tuple(shape)
-        total += math.prod(shape) * itemsize
-        largest = max(largest, math.prod(shard) * itemsize)
-    return max(largest, -(-total // DATA_FILES), MIN_DATA_FILE_BYTES)
-
-
-def _route_data_file_size(handler: ocp.StandardCheckpointHandler, size: Callable[[], int | None]) -> bool:
-    """Make ``handler``'s saves ask for OCDBT data files of ``size()`` bytes (None: Orbax's default).
-
-    ``StandardSave`` has no field for it; the PyTree handler inside the standard handler takes it in its
-    own save args, so its ``async_save`` is wrapped to fill it in. False (and nothing changed) when this
-    orbax-checkpoint version is not built that way: saves then keep Orbax's default data files.
-    """
-    impl = getattr(handler, "_impl", None)
-    save = getattr(impl, "async_save", None)
-    if save is None or "ocdbt_target_data_file_size" not in {
-        f.name for f in dataclasses.fields(ocp.args.PyTreeSave)
-    }:
-        return False
-
-    async def async_save(directory: Any, *rest: Any, args: Any = None, **kwargs: Any) -> Any:
-        wanted = size()
-        if wanted is not None and isinstance(args, ocp.args.PyTreeSave) and args.ocdbt_target_data_file_size is None:
-            args = dataclasses.replace(args, ocdbt_target_data_file_size=wanted)
-        return await save(directory, *rest, args=args, **kwargs)
-
-    impl.async_save = async_save  # type: ignore[union-attr]
-    return True
 
 
 class Checkpointer:
@@ -246,8 +166,9 @@ class Checkpointer:
         )
         handler = standard_handler(self.compression)
         if not self._storage.is_remote:
-            _route_data_file_size(handler, lambda: self._data_file_size)
-        return ocp.CheckpointManager(self.directory, options=options, item_handlers=handler)
+            route_data_file_size(handler, lambda: self._data_file_size)
+        handlers = {DEFAULT_ITEM: handler, ITER_ITEM: IteratorStateHandler()}
+        return ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def save(
         self,
@@ -260,24 +181,29 @@ class Checkpointer:
         slices: list[int],
         batch: BatchPlan | None = None,
         extra: Mapping[str, Any] | None = None,
+        data_iterator: DataIteratorRecord | None = None,
     ) -> None:
         """Start saving ``state`` as ``step``; returns once the device-to-host copy is done."""
         meta = training_metadata(step, state, data_position=data_position, global_batch=global_batch, mesh=mesh,
                                  slices=slices, batch=batch)
-        self.save_with_metadata(step, state, meta, extra=extra)
+        self.save_with_metadata(step, state, meta, extra=extra, data_iterator=data_iterator)
 
     def save_with_metadata(
-        self, step: int, state: PyTree, meta: TrainingMetadata, *, extra: Mapping[str, Any] | None = None
+        self, step: int, state: PyTree, meta: TrainingMetadata, *, extra: Mapping[str, Any] | None = None,
+        data_iterator: DataIteratorRecord | None = None,
     ) -> None:
         """Save with training metadata given as is (ckptd's persister: the layout the trainer had, not the
-        host arrays it is handed)."""
+        host arrays it is handed); with ``data_iterator`` (its state at this step) the item ``iter`` too."""
         custom = {CUSTOM_METADATA_KEY: meta.model_dump(mode="json"), **dict(extra or {})}
         started = time.perf_counter()
         self._manager.wait_until_finished()  # one save in flight: the callback below knows its step
         self._pending = meta
-        self._data_file_size = None if self._storage.is_remote else _data_file_bytes(state)
+        self._data_file_size = None if self._storage.is_remote else data_file_bytes(state)
+        items: dict[str, Any] = {DEFAULT_ITEM: ocp.args.StandardSave(state)}
+        if data_iterator is not None:
+            items[ITER_ITEM] = IteratorStateSave(data_iterator)
         try:
-            self._manager.save(step, args=ocp.args.StandardSave(state), custom_metadata=custom, force=True)
+            self._manager.save(step, args=ocp.args.Composite(**items), custom_metadata=custom, force=True)
         except StepAlreadyExistsError:
             # A committed step of this number is already on storage (saved before an elastic event took the
             # job back to an older step). It is a consistent state of this run: keep it, never overwrite.
@@ -355,7 +281,8 @@ def restore(step_path: str, target: PyTree, item: str | None = None, *, direct: 
     several such items takes a ``target`` that is a dict of them by item name. On a local disk the chunks
     are read straight into the devices' buffers (``trainer_client.runtime.direct_restore``); where that
     reader does not apply (``gs://``, compressed chunks, zarr3, a target Orbax casts, ...) or with
-    ``direct=False``, Orbax's ``StandardCheckpointer`` restores it."""
+    ``direct=False``, Orbax's ``PyTreeCheckpointer`` restores it. A target leaf that is a value (a Python or
+    numpy scalar, a string) gets the saved value as its type, as Orbax's restore gives it."""
     if item is None:
         storage = Storage(step_path)
         items = array_items(storage, storage.root)
@@ -366,16 +293,15 @@ def restore(step_path: str, target: PyTree, item: str | None = None, *, direct: 
             raise ValueError(f"{step_path} holds the array items {items}: the target must be a dict of them")
         return {name: restore(step_path, target[name], name, direct=direct) for name in items}
     item_path = join_path(step_path, items[0])
+    values = [is_value(leaf) for leaf in jax.tree_util.tree_leaves(target)]
     if direct and "://" not in step_path:
         try:
-            return restore_direct(item_path, target, leaf_name)
+            arrays = restore_direct(item_path, jax.tree_util.tree_map(  # value leaves: None, no leaf
+                lambda leaf: None if is_value(leaf) else leaf, target), leaf_name)
+            return orbax_restore(item_path, target, arrays) if any(values) else arrays
         except DirectRestoreUnsupported as exc:
             _log.info("restoring %s through Orbax: %s", item_path, exc)
-    checkpointer = ocp.StandardCheckpointer()
-    try:
-        return checkpointer.restore(item_path, target)
-    finally:
-        checkpointer.close()
+    return orbax_restore(item_path, target)
 
 
 __all__ = [

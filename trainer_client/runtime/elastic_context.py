@@ -1,9 +1,9 @@
 """What one attempt of the user's training function gets from the elastic runner: ``ElasticContext``.
 
-The mesh and resume plan of the attempt, ``restore_or_init`` (the plan's step onto this mesh), ``save``
-and the ``step_boundary`` hook (periodic saves, injected faults, the start of compile-ahead, growing back
-under ``resize``). Split from ``trainer_client.runtime.elastic`` (the loop around attempts), which
-re-exports it.
+The mesh and resume plan of the attempt, ``restore_or_init`` (the plan's step onto this mesh, and the
+data iterator's state saved with it), ``save`` and the ``step_boundary`` hook (periodic saves, injected
+faults, the start of compile-ahead, growing back under ``resize``). Split from
+``trainer_client.runtime.elastic`` (the loop around attempts), which re-exports it.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from trainer_client.core.batching import initial_batch
 from trainer_client.core.protocol import BatchOptions, BatchPlan, ResumePlan
 from trainer_client.runtime._saver import restore_plan
 from trainer_client.runtime.checkpointing import mesh_spec, target_shardings, training_metadata
+from trainer_client.runtime.data_iterator import DataIterator, restore_iterator, state_record
 from trainer_client.runtime.precompile import PrecompileHook
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ class ElasticContext:
         self._last_scale_check = time.monotonic()
         self._precompile: PrecompileHook | None = None
         self._precompiling = False
+        self._data_iterator: DataIterator | None = None
 
     def set_precompile(self, hook: PrecompileHook) -> None:
         """Register ``hook(mesh, batch_plan)``: lower and compile the training step for ``mesh``. The runner
@@ -60,13 +62,20 @@ class ElasticContext:
     # ---- state ----------------------------------------------------------------------------------
 
     def restore_or_init(
-        self, init_fn: Callable[[], PyTree], specs_fn: Callable[[PyTree], PyTree]
+        self, init_fn: Callable[[], PyTree], specs_fn: Callable[[PyTree], PyTree], *,
+        data_iterator: DataIterator | None = None,
     ) -> tuple[PyTree, int, int]:
         """``(state, step, data_position)``: restored from the plan's step onto this mesh, or freshly
         initialised (step 0, position 0) when the job has no committed checkpoint yet.
 
         ``specs_fn(abstract_state)`` gives a ``PartitionSpec`` per leaf in this mesh's axis names.
+        ``data_iterator``: a Grain ``DataLoaderIterator``/``DatasetIterator`` (anything with ``get_state`` and
+        ``set_state``), made fresh by this attempt. It is set to the state saved with the plan's step, so its
+        next batch is the one that would have come next, and every save of this attempt saves its state (the
+        step's item ``iter``, in Grain's format: ``trainer_client.runtime.data_iterator``). Take the next
+        batch from it only after ``step_boundary``: the state saved with a step is the iterator's there.
         """
+        self._data_iterator = data_iterator
         abstract = jax.eval_shape(init_fn)
         specs = specs_fn(abstract)
         if self.plan is None:
@@ -84,7 +93,11 @@ class ElasticContext:
             self.start_step = self.plan.step
             position = self.plan.data_position or 0
             plan = self.plan
-            self.runner.emit("restored", plan.step, f"from {plan.tier}: {plan.path}", tier=plan.tier)
+            detail = f"from {plan.tier}: {plan.path}"
+            if data_iterator is not None:  # from the step actually restored (the plan may have fallen back)
+                detail += ", data iterator restored" if restore_iterator(plan, data_iterator) else (
+                    ", no data iterator state saved with the step: the iterator starts where it is")
+            self.runner.emit("restored", plan.step, detail, tier=plan.tier)
         self.last_step = self.start_step
         return state, self.start_step, position
 
@@ -92,12 +105,14 @@ class ElasticContext:
              if_busy: Literal["wait", "skip"] = "wait") -> None:
         """Save ``state`` as ``step`` (the loop is blocked only for the device-to-host copy): to storage
         (through ckptd's memory tier when it is on), or only to host memory when ``persist`` is False.
-        ``if_busy="skip"`` (the periodic saves) skips a direct save that would wait for the previous one."""
+        ``if_busy="skip"`` (the periodic saves) skips a direct save that would wait for the previous one. The
+        data iterator given to ``restore_or_init`` is saved with it, as it is now."""
         meta = training_metadata(step, state, data_position=data_position, global_batch=self.global_batch,
                                  mesh=self.mesh, slices=sorted(self.active_slices), batch=self.batch)
         saver = self.runner.saver
         with self.runner.precompiler.paused():  # a save's Python must not queue for the GIL behind tracing
-            tier = saver.save(step, state, meta, persist=persist, if_busy=if_busy)
+            tier = saver.save(step, state, meta, persist=persist, if_busy=if_busy, data_iterator=(
+                state_record(self._data_iterator) if self._data_iterator is not None else None))
         self._start_precompile()  # after the attempt's first save: its first-time costs are paid alone
         self.runner.emit("checkpoint_started", step, f"{tier}, {saver.last_blocked_s or 0.0:.3f}s blocked",
                          blocked_seconds=saver.last_blocked_s, tier=tier)

@@ -1,7 +1,8 @@
 """The host-memory tier on the trainer side: snapshot the state into shared memory, restore from it.
 
 ``MemoryTier.save`` copies each array's addressable shards (one replica of each) into a snapshot
-directory in host shared memory (format: ``trainer_client.core.format.snapshot``); the training loop is
+directory in host shared memory (format: ``trainer_client.core.format.snapshot``), with the leaves that are
+not arrays (numbers, strings) and the data iterator's state recorded as data; the training loop is
 blocked only for that device-to-host copy. The snapshot belongs to ckptd from then on: it persists the
 snapshots marked ``persist`` to storage in Orbax's layout in the background — also when this process is
 killed right after ``save`` returns — and evicts old ones. Memory is bounded: at most ``max_snapshots``
@@ -37,6 +38,7 @@ from trainer_client.core.format.private_files import (
 from trainer_client.core.format.snapshot import (
     SHARD_ALIGN,
     ArrayRecord,
+    DataIteratorRecord,
     ShardRecord,
     SnapshotMeta,
     complete_snapshots,
@@ -48,10 +50,10 @@ from trainer_client.core.format.snapshot import (
     read_meta,
 )
 from trainer_client.core.format.snapshot_shards import ShardReader, index_bounds
-from trainer_client.core.format.tree_paths import TreeEntry
+from trainer_client.core.format.tree_paths import TreeEntry, decode_value
 from trainer_client.core.protocol import TrainingMetadata
 from trainer_client.errors import MemoryTierFull
-from trainer_client.runtime.checkpointing import leaf_name
+from trainer_client.runtime.state_tree import describe_paths, is_value, leaf_name, restored_leaf, with_values
 
 _log = logging.getLogger(__name__)
 PyTree = Any
@@ -80,7 +82,7 @@ class MemoryTier:
         self.last_spare_s: float | None = None  # how long the background allocation of the last spare took
         self._spare = self.dir / f"{SNAPSHOT_SPARE_PREFIX}{os.getpid()}"
         self._spare_thread: threading.Thread | None = None
-        self._tree: tuple[Any, list[TreeEntry]] | None = None  # the last state's structure and its description
+        self._tree: tuple[Any, list[TreeEntry]] | None = None  # the last state's structure and its key paths
         ensure_private_dir(shm_dir)  # UnsafePathError: someone else could write (or owns) the directory
         ensure_private_dir(self.dir)
         drop_leftovers(self.dir)
@@ -102,18 +104,22 @@ class MemoryTier:
                 "shared-memory volume more room."
             )
 
-    def save(self, step: int, state: PyTree, training: TrainingMetadata, *, persist: bool) -> Path:
-        """Copy ``state`` into a new snapshot of ``step``; returns its directory."""
+    def save(self, step: int, state: PyTree, training: TrainingMetadata, *, persist: bool,
+             data_iterator: DataIteratorRecord | None = None) -> Path:
+        """Copy ``state`` into a new snapshot of ``step`` (with ``data_iterator``, the data iterator's state at
+        it); returns its directory."""
         started = time.perf_counter()
         self.wait_spare()  # normally long done: it started right after the previous save
         ensure_private_dir(self.dir)
         leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
-        if self._tree is None or self._tree[0] != treedef:  # described once per structure, not per save
-            self._tree = (treedef, describe_tree(state))
-        tree = self._tree[1]
+        if self._tree is None or self._tree[0] != treedef:  # key paths once per structure, not per save
+            self._tree = (treedef, describe_paths(state))
+        tree = with_values(self._tree[1], [leaf for _, leaf in leaves])  # the values of this save
         plan: list[tuple[str, jax.Array, list[Any]]] = []
         nbytes = 0
         for path, leaf in leaves:
+            if is_value(leaf):  # recorded in the tree as data
+                continue
             shards = [s for s in leaf.addressable_shards if s.replica_id == 0]
             plan.append((leaf_name(path), leaf, shards))
             nbytes += sum(int(np.prod(s.data.shape)) * leaf.dtype.itemsize + SHARD_ALIGN for s in shards)
@@ -139,7 +145,8 @@ class MemoryTier:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         meta = SnapshotMeta(step=step, created_at=time.time(), persist=persist, nbytes=offset,
-                            leaf_names=[name for name, _, _ in plan], tree=tree, arrays=arrays, training=training)
+                            leaf_names=[name for name, _, _ in plan], tree=tree, arrays=arrays, training=training,
+                            data_iterator=data_iterator)
         write_private(tmp / SNAPSHOT_META_FILE, meta.model_dump_json().encode())
         final = self.dir / str(step)
         shutil.rmtree(final, ignore_errors=True)
@@ -228,44 +235,27 @@ class MemoryTier:
 _CHECKSUM_THREADS = 2
 
 
-def describe_tree(state: PyTree) -> list[TreeEntry]:
-    """``state``'s structure as data (``trainer_client.core.format.tree_paths``): every leaf's key path, with
-    the empty values Orbax records (``None``, ``{}``, ``[]``, ``()``) as leaves of their own."""
-    def empty(x: Any) -> bool:
-        return x is None or (isinstance(x, (dict, list, tuple)) and not x)
-
-    entries = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(state, is_leaf=empty)[0]:
-        keys = [("seq", str(k.idx)) if isinstance(k, jax.tree_util.SequenceKey)
-                else ("seq", str(k.key)) if isinstance(k, jax.tree_util.FlattenedIndexKey)
-                else ("dict", leaf_name((k,))) for k in path]
-        if leaf is None:
-            kind = "none"
-        elif isinstance(leaf, dict):
-            kind = "empty_dict"
-        elif isinstance(leaf, list):
-            kind = "empty_list"
-        elif isinstance(leaf, tuple):
-            kind = "empty_tuple" if type(leaf) is tuple else "none"  # an empty namedtuple: Orbax stores None
-        else:
-            kind = "array"
-        entries.append(TreeEntry.model_validate({"path": keys, "kind": kind}))
-    return entries
-
-
 def restore_snapshot(path: str | os.PathLike[str], target: PyTree) -> PyTree:
     """The snapshot's state laid out like ``target`` (``ShapeDtypeStruct`` leaves with shardings), each
     device's shard taken from a copy-on-write memory map of the snapshot: no disk, and no copy where a
     target shard is a saved shard (other regions are assembled from the shards they overlap). Every shard's
-    checksum is checked first (``StoredFormatError`` when one differs)."""
+    checksum is checked first (``StoredFormatError`` when one differs). The leaves saved as values come from
+    the snapshot's record, as their target asks (``state_tree.restored_leaf``: what Orbax's restore gives)."""
     meta = read_meta(path)
-    leaves, treedef = jax.tree_util.tree_flatten(target)
-    if len(leaves) != len(meta.leaf_names):
-        raise ValueError(f"snapshot of step {meta.step} has {len(meta.leaf_names)} arrays, the target {len(leaves)}")
+    all_leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
+    saved = [entry for entry in meta.tree if entry.kind in ("array", "value")]
+    if len(all_leaves) != len(saved):
+        raise ValueError(f"snapshot of step {meta.step} has {len(saved)} leaves, the target {len(all_leaves)}")
     data = map_data(path, meta, private=True)
     damaged = damaged_shards(data, meta)  # nothing corrupt is resumed from: the caller falls back to storage
     if damaged:
         raise StoredFormatError(f"memory snapshot {path} is damaged: {'; '.join(damaged[:4])}")
+    values = {k: restored_leaf(decode_value(entry.value), want, leaf_name(where))
+              for k, ((where, want), entry) in enumerate(zip(all_leaves, saved, strict=True))
+              if entry.value is not None}
+    leaves = [want for k, (_, want) in enumerate(all_leaves) if k not in values]
+    if len(leaves) != len(meta.leaf_names):
+        raise ValueError(f"snapshot of step {meta.step} has {len(meta.leaf_names)} arrays, the target {len(leaves)}")
     readers = []
     for want, name in zip(leaves, meta.leaf_names, strict=True):
         record = meta.arrays[name]
@@ -287,7 +277,9 @@ def restore_snapshot(path: str | os.PathLike[str], target: PyTree) -> PyTree:
             return ready if ready is not None else reader(index)
 
         out.append(jax.make_array_from_callback(want.shape, want.sharding, shard, dtype=want.dtype))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    arrays = iter(out)
+    return jax.tree_util.tree_unflatten(treedef, [values[k] if k in values else next(arrays)
+                                                  for k in range(len(all_leaves))])
 
 
 _ASSEMBLY_THREADS = 4

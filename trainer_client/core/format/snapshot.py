@@ -5,8 +5,11 @@ A snapshot is a directory in host shared memory (``<shm_dir>/<job>/<step>/``, wh
 
 ```
 data.bin         every saved shard's bytes, one after the other, each at a 64-byte boundary (one replica of each)
-snapshot.json    step, training metadata, the state's tree as data (``tree_paths``), and per array: shape,
-                 dtype, and each shard's index, offset and XXH3-64 checksum
+snapshot.json    step, training metadata, the state's tree as data (``tree_paths``: key paths, and the leaves
+                 that are not arrays as values), per array: shape, dtype, and each shard's index, offset and
+                 XXH3-64 checksum; and the data iterator's state when the trainer has one (Grain's
+                 ``get_state()`` as JSON data, with the process it belongs to), which ckptd persists as the
+                 step's ``iter`` item in Grain's own format
 persisted.json   written by ckptd once the step is committed on storage (path, time)
 ```
 
@@ -34,7 +37,7 @@ from typing import Literal
 
 import numpy as np
 import xxhash
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, model_validator
 
 from trainer_client.core.dtypes import np_dtype
 from trainer_client.core.errors import UnsafePathError
@@ -79,6 +82,22 @@ class ArrayRecord(_Model):
     shards: list[ShardRecord]
 
 
+class DataIteratorRecord(_Model):
+    """A data iterator's state at a step: what its ``get_state()`` returned, as JSON data (a Grain
+    ``DatasetIterator``'s dict, or the JSON document a ``DataLoaderIterator`` returns as bytes), and the JAX
+    process it is the state of (Grain keeps one file per process: ``process_<index>-of-<count>.json``)."""
+
+    process_index: int = Field(ge=0)
+    process_count: int = Field(ge=1)
+    state: JsonValue
+
+    @model_validator(mode="after")
+    def _index_in_range(self) -> DataIteratorRecord:
+        if self.process_index >= self.process_count:
+            raise ValueError(f"process {self.process_index} of {self.process_count}")
+        return self
+
+
 class SnapshotMeta(_Model):
     format: Literal["ckptd-snapshot/2"] = "ckptd-snapshot/2"
     step: int
@@ -89,6 +108,8 @@ class SnapshotMeta(_Model):
     tree: list[TreeEntry] = Field(description="every leaf's key path and kind, in flatten order (no pickle)")
     arrays: dict[str, ArrayRecord]
     training: TrainingMetadata
+    data_iterator: DataIteratorRecord | None = Field(default=None, exclude_if=lambda v: v is None,
+                                                     description="the data iterator's state, if the trainer has one")
 
 
 def job_dir(shm_dir: str | os.PathLike[str], job: str) -> Path:
@@ -300,6 +321,7 @@ __all__ = [
     "SHARD_ALIGN",
     "SNAPSHOT_FORMAT",
     "ArrayRecord",
+    "DataIteratorRecord",
     "ShardRecord",
     "SnapshotMeta",
     "check_job_dir",
