@@ -129,7 +129,7 @@ class StepTable:
         with self._lock:
             row = self._db.execute(
                 "SELECT step, state, path, reason, committed_at, training FROM steps "
-                "WHERE job = ? AND state = ? AND step <= ? ORDER BY step DESC LIMIT 1",
+                "WHERE job = ? AND state = ? AND step <= ? ORDER BY step DESC, dirname LIMIT 1",
                 (job, state.value, limit),
             ).fetchone()
         return _info(row) if row else None
@@ -142,11 +142,12 @@ class StepTable:
         self.version += 1
 
     def step(self, job: str, step: int) -> CheckpointInfo | None:
-        """The catalogued directory of ``step`` (the committed one when several exist)."""
+        """The catalogued directory of ``step`` (the committed one when several exist; of two named alike by
+        Orbax's rules, ``100`` and ``checkpoint_100``, the first by name, as ``steps.step_entries`` orders them)."""
         with self._lock:
             row = self._db.execute(
                 "SELECT step, state, path, reason, committed_at, training FROM steps "
-                "WHERE job = ? AND step = ? ORDER BY state = ? DESC LIMIT 1",
+                "WHERE job = ? AND step = ? ORDER BY state = ? DESC, dirname LIMIT 1",
                 (job, step, GOOD),
             ).fetchone()
         return _info(row) if row else None

@@ -73,6 +73,8 @@ def make_settings(root: str | Path, state_dir: str | Path, **overrides: Any) -> 
         "metrics_require_token": False,
         "max_body_bytes": 8 << 20,
         "worker_threads": 8,
+        "read_only": False,
+        "read_only_jobs": "",
     }
     values.update(overrides)
     return Settings(**values)

@@ -152,3 +152,16 @@ def test_a_bare_step_is_planned_onto_6_of_8_devices_and_restored_exactly(
         leaf_name = ".".join(str(getattr(k, "key", k)) for k in path)
         assert leaf.sharding.mesh.devices.shape == (3, 2), leaf_name
         assert np.array_equal(np.asarray(leaf).astype(np.float32), values[f"200/{leaf_name}"]), leaf_name
+
+
+def test_two_names_of_one_step_are_resolved_alike_by_every_reader(root: Path, tmp_path: Path) -> None:
+    """``200`` and ``step_200`` in one job (a copy, a second naming scheme): the server, the catalog's step
+    lookup and the client's fallback all name the same directory, the first by name."""
+    shutil.copytree(root / "std" / "200", root / "std" / "step_200")
+    catalog = Catalog(Storage(str(root)), ":memory:")
+    catalog.rebuild()
+    good = catalog.confirmed_latest_good("std")
+    assert good is not None and good.path == str(root / "std" / "200")
+    assert catalog.step("std", 200).path == good.path  # type: ignore[union-attr]
+    found = latest_good_on_storage(Storage(str(root)), str(root / "std"))
+    assert found is not None and found.path == good.path

@@ -265,13 +265,14 @@ def read_saved_sharding(
 
 
 def step_entries(storage: Storage, job_path: str) -> list[tuple[StepName, Entry]]:
-    """Children of a job directory that look like step directories, newest step first."""
+    """Children of a job directory that look like step directories, newest step first (a finalized name
+    before a tmp one; of two names for one step, ``100`` and ``checkpoint_100``, the first by name)."""
     found = []
     for entry in storage.list_dir(job_path):
         parsed = parse_step_name(entry.name)
         if parsed is not None and entry.is_dir:
             found.append((parsed, entry))
-    found.sort(key=lambda pe: (pe[0].step, not pe[0].is_tmp), reverse=True)
+    found.sort(key=lambda pe: (-pe[0].step, pe[0].is_tmp, pe[1].name))
     return found
 
 
