@@ -338,6 +338,7 @@ class ElasticRunner:
             policy=cfg.policy, alive_devices=sum(s.devices for s in slices), slices=slices,
             device_memory_bytes=cfg.device_memory_bytes, memory_headroom_bytes=cfg.memory_headroom_bytes,
             batch=BatchOptions(mode=cfg.batch_mode, lr_scaling=cfg.lr_scaling), use_memory_tier=use_memory_tier,
+            process_count=jax.process_count(),  # who asks (docs/protocol.md, Identity); the client adds CKPTD_RUN_ID
         )
         try:
             plan = self.client.resume(self.config.job, request)
