@@ -39,7 +39,7 @@ from ckptd.catalog.step_table import FINAL_STATES, UNSETTLED_STATES, StepTable, 
 from trainer_client.core.errors import StorageError
 from trainer_client.core.format.files import CKPTD_MANIFEST, COMMIT_MARKER, QUARANTINE_FILE, VERIFIED_FILE
 from trainer_client.core.format.manifest import Manifest, fingerprints, read_verified_record, training_summary
-from trainer_client.core.format.records import record_location, side_dir, side_records
+from trainer_client.core.format.records import record_location, side_dir, side_job_dir, side_records
 from trainer_client.core.format.saved_layout import StepLayout, read_step_layout
 from trainer_client.core.format.steps import StepInspection, inspect_step, parse_step_name, step_entries
 from trainer_client.core.protocol import (
@@ -135,6 +135,7 @@ class Catalog(StepTable, JobAdmission):
         job_path = self.storage.join(job)
         dir_mtime = self._dir_mtime_ns(job_path)
         self.storage.invalidate(job_path)
+        self.storage.invalidate(side_job_dir(self.storage, job))  # records another ckptd put on the side since
         if not self.storage.is_dir(job_path) or self._refuse(job, self._refusal(job)):
             with self._tx() as db:
                 dropped = db.execute("DELETE FROM jobs WHERE name = ?", (job,)).rowcount

@@ -11,8 +11,10 @@ import json
 import os
 import shutil
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -23,6 +25,8 @@ from ckptd.catalog.retention import prune
 from ckptd.cli.main import main as ckptd_main
 from tests.support.helpers import make_settings
 from tests.support.orbax_steps import training_metadata, write_orbax_jobs
+from trainer_client.client.ckptd_client import CkptdClient
+from trainer_client.config import ClientSettings
 from trainer_client.core import protocol as p
 from trainer_client.core.format.files import (
     CHECKPOINT_METADATA,
@@ -214,3 +218,24 @@ def test_read_only_jobs_setting_is_parsed_and_checked(tmp_path: Path) -> None:
     assert settings.read_only_job_names() == frozenset({"llama", "mlp"}) and not settings.read_only
     with pytest.raises(ValueError, match="invalid job names"):
         make_settings(tmp_path, tmp_path, read_only_jobs="ok,../etc")
+
+
+def test_a_real_server_in_read_only_mode_and_the_client_s_fallback_give_one_plan(
+    roots: tuple[Path, Path], ckptd_server: Any
+) -> None:
+    """``CKPTD_READ_ONLY`` in a real uvicorn server (its refresher and retention running, a keep-last rule
+    set): the trainer's client gets the plan from it, then the same plan from storage once it is gone; the
+    read-only jobs never change."""
+    _, read_only = roots
+    before = _hashes(read_only)
+    server = ckptd_server(read_only, read_only=True, keep_last=1, gc_interval_s=0.2)
+    request = p.ResumeRequest.model_validate(REQUEST)
+    settings = ClientSettings(url=server.url, resume_deadline_s=1.0, timeout_s=0.5)
+    with CkptdClient(settings, root=str(read_only)) as client:
+        served = client.resume("llama", request)
+        time.sleep(1.0)  # several refresh and retention passes (every 0.2 s) over the read-only root
+        server.stop()
+        fallback = client.resume("llama", request)
+    assert served.source == "ckptd" and fallback.source == "storage_scan" and served.step == 300
+    assert served.model_copy(update={"source": "storage_scan"}) == fallback
+    assert _hashes(read_only) == before
