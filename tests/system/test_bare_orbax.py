@@ -23,6 +23,9 @@ from ckptd.catalog.catalog import Catalog
 from ckptd.cli.main import main as ckptd_main
 from tests.support.bare_orbax_steps import write_bare_steps
 from tests.support.helpers import make_settings
+from tests.support.server import app_over
+from trainer_client.client.ckptd_client import CkptdClient
+from trainer_client.config import ClientSettings
 from trainer_client.core import protocol as p
 from trainer_client.core.errors import ArrayIndexError
 from trainer_client.core.format.array_index import decode_all_arrays
@@ -128,7 +131,7 @@ def test_bare_steps_are_validated_quick_and_deep(root: Path, capsys: pytest.Capt
 
 @pytest.mark.parametrize("job", sorted(JOBS))
 def test_a_bare_step_is_planned_onto_6_of_8_devices_and_restored_exactly(
-    job: str, written: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+    job: str, written: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     root, values_file = written
     name = dict((s, n) for n, _, s in JOBS[job])[200]
@@ -141,6 +144,15 @@ def test_a_bare_step_is_planned_onto_6_of_8_devices_and_restored_exactly(
     assert any("records no run identity" in note for note in plan.notes), plan.notes
     assert ckptd_main(["plan", f"{root}/{job}", "--devices", "6"]) == 0
     assert "items          (the step directory) (3 arrays)" in capsys.readouterr().out.splitlines()
+    # one planner: the server, `ckptd plan --json` and the client's storage fallback give the same plan
+    assert ckptd_main(["plan", f"{root}/{job}", "--devices", "6", "--json"]) == 0
+    cli = p.ResumePlan.model_validate_json(capsys.readouterr().out)
+    with TestClient(app_over(root, tmp_path)) as server:
+        served = p.ResumePlan.model_validate_json(server.post(p.ROUTE_RESUME.format(job=job),
+                                                              json={"alive_devices": 6}).content)
+    with CkptdClient(ClientSettings(url="http://127.0.0.1:9"), root=str(root)) as client:
+        fallback = client.resume_from_storage(job, p.ResumeRequest(alive_devices=6))
+    assert served == cli == plan == fallback.model_copy(update={"source": "ckptd"})
 
     values = np.load(values_file)
     mesh = Mesh(np.array(jax.devices()[:6]).reshape(3, 2), ("replica", "data"))
