@@ -17,12 +17,13 @@ def _tokens(index: int) -> np.ndarray:
     return (np.arange(8, dtype=np.int32) * 31 + index * 7) % 1000
 
 
-def data_loader(batch: int = 16, *, seed: int = 0, records: int = RECORDS) -> pygrain.DataLoader:
+def data_loader(batch: int = 16, *, seed: int = 0, records: int = RECORDS, tokens: bool = True) -> pygrain.DataLoader:
     """A Grain ``DataLoader`` as MaxText's older pipelines make one: an index sampler shuffling a range
-    source, a map to token rows and a batch, no worker processes (its iterator's state is Grain's
-    ``DataLoader`` state: ``last_seen_indices`` and the rest, as a JSON document)."""
+    source, a map to token rows (without ``tokens``: the sample indices themselves) and a batch, no worker
+    processes (its iterator's state is Grain's ``DataLoader`` state: ``last_seen_indices`` and the rest, as
+    a JSON document)."""
     sampler = pygrain.IndexSampler(records, pygrain.NoSharding(), shuffle=True, num_epochs=1, seed=seed)
-    operations = [_Tokens(), pygrain.Batch(batch, drop_remainder=True)]
+    operations = [*([_Tokens()] if tokens else []), pygrain.Batch(batch, drop_remainder=True)]
     return pygrain.DataLoader(data_source=pygrain.RangeDataSource(0, records, 1), sampler=sampler,
                               operations=operations, worker_count=0)
 
@@ -32,11 +33,11 @@ class _Tokens(pygrain.MapTransform):
         return _tokens(int(element))
 
 
-def dataset(batch: int = 16, *, seed: int = 0, records: int = RECORDS) -> grain.IterDataset:
-    """A Grain dataset pipeline (``MapDataset`` shuffled, mapped, batched, made an ``IterDataset``): its
-    iterator is a ``grain.DatasetIterator`` whose state is a dict."""
-    return (grain.MapDataset.range(records).shuffle(seed=seed).map(_tokens)
-            .batch(batch, drop_remainder=True).to_iter_dataset())
+def dataset(batch: int = 16, *, seed: int = 0, records: int = RECORDS, tokens: bool = True) -> grain.IterDataset:
+    """A Grain dataset pipeline (``MapDataset`` shuffled, mapped to token rows unless not ``tokens``,
+    batched, made an ``IterDataset``): its iterator is a ``grain.DatasetIterator`` whose state is a dict."""
+    ds = grain.MapDataset.range(records).shuffle(seed=seed)
+    return (ds.map(_tokens) if tokens else ds).batch(batch, drop_remainder=True).to_iter_dataset()
 
 
 def elastic(global_batch: int, *, shard_index: int = 0, shard_count: int = 1, seed: int = 0,
