@@ -89,6 +89,7 @@ class Catalog(StepTable, JobAdmission):
         self.last_refresh: float | None = None
         self.last_error: str | None = None
         self.refused: dict[str, str] = {}  # job -> why scans ignore it (a warning once each)
+        self._side_jobs: set[str] = set()  # jobs with records on the side prefix (a read-only ckptd's), as listed
 
     def read_only_for(self, job: str) -> bool:
         """Whether ckptd writes nothing into the step directories of ``job`` (its records go on the side)."""
@@ -96,6 +97,12 @@ class Catalog(StepTable, JobAdmission):
 
     def _read_only_at(self, step_path: str) -> bool:
         return self.read_only_for(posixpath.basename(posixpath.dirname(step_path.rstrip("/"))))
+
+    def _has_side(self, step_path: str) -> bool:
+        """Whether the step's job may have records on the side prefix: it is read-only here, or its last
+        listing found some (a read-only ckptd's). Elsewhere the answers' checks skip that request."""
+        job = posixpath.basename(posixpath.dirname(step_path.rstrip("/")))
+        return self.read_only_for(job) or job in self._side_jobs
 
     # ---- building -------------------------------------------------------------------------------
 
@@ -179,6 +186,8 @@ class Catalog(StepTable, JobAdmission):
             self._forget(self.storage.url_of(entry.path))
             if side is None:
                 side = side_records(self.storage, job)
+                if side:
+                    self._side_jobs.add(job)
             try:
                 inspection = (self._from_verified_record(entry, side.get(entry.name, set()))
                               or self._inspect(job, entry, now))
@@ -282,11 +291,14 @@ class Catalog(StepTable, JobAdmission):
         record or a manifest another process wrote since would otherwise be invisible (or read with
         its old size)."""
         self.storage.invalidate(info.path)
-        self.storage.invalidate(side_dir(info.path))
         if not self.storage.exists(join_path(info.path, COMMIT_MARKER)):
             return False
-        if record_location(self.storage, info.path, QUARANTINE_FILE) is not None:  # in the step or on the side
+        if self.storage.exists(join_path(info.path, QUARANTINE_FILE)):
             return False
+        if self._has_side(info.path):  # one more request only where side records may be
+            self.storage.invalidate(side_dir(info.path))
+            if self.storage.exists(join_path(side_dir(info.path), QUARANTINE_FILE)):
+                return False
         checked = self._validated_at.get(info.path)
         if checked is not None and time.monotonic() - checked < self.revalidate_after_s:
             return True
@@ -297,7 +309,8 @@ class Catalog(StepTable, JobAdmission):
         same name (other training metadata) is not good until re-inspected."""
         # The manifest is read again only when it changed (size or time): it is megabytes for a large model.
         try:
-            where = record_location(self.storage, info.path, CKPTD_MANIFEST)  # the side prefix's, else the step's
+            where = (record_location(self.storage, info.path, CKPTD_MANIFEST) if self._has_side(info.path)
+                     else join_path(info.path, CKPTD_MANIFEST))  # the side prefix's, else the step's
             stat = self.storage.fs.info(where) if where is not None else None
             key: tuple[int, float] | None = (
                 (int(stat.get("size") or 0), float(mtime_of(stat) or 0.0)) if stat is not None else None)
