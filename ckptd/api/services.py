@@ -82,7 +82,7 @@ def build_services(settings: Settings, catalog: Catalog | None = None) -> Servic
     cat.max_jobs = settings.max_jobs
     events = EventStore(cat.storage, EventLimits(  # <root>/<job>/.ckptd/events/ (ckptd/catalog/events.py)
         max_events=settings.events_max_per_job, max_bytes=settings.events_max_bytes_per_job,
-        memory_bytes=settings.events_memory_bytes))
+        memory_bytes=settings.events_memory_bytes), read_only=cat.read_only_for)  # a read-only job's: on the side
     tracker = CommitTracker(cat, metrics, events, interval_s=settings.refresh_interval_s)
     policy = settings.retention()
     keeper = (  # the host-memory tier, when a shared-memory directory is configured (ckptd/catalog/snapshots.py)

@@ -43,6 +43,7 @@ from ckptd.catalog.retention import Decision
 from trainer_client.core.errors import StorageError
 from trainer_client.core.format.files import EVENTS_DIR
 from trainer_client.core.format.manifest import write_json_file
+from trainer_client.core.format.records import SIDE_EVENTS_DIR
 from trainer_client.core.protocol import CheckpointInfo, ElasticEvent, Goodput, StoredEvent
 from trainer_client.core.storage import Storage, join_path, storage_failures
 
@@ -58,8 +59,10 @@ _EVENT_FILE = re.compile(r"^\d{17}-\d+-\d+-[0-9a-f]+\.json$")
 class EventStore:
     """Append batches of events to a job's events directory; read them back, oldest first, within ``limits``."""
 
-    def __init__(self, storage: Storage, limits: EventLimits | None = None) -> None:
+    def __init__(self, storage: Storage, limits: EventLimits | None = None, *,
+                 read_only: Callable[[str], bool] | None = None) -> None:
         self.storage = storage
+        self.read_only = read_only  # job -> whether it is watched read-only: its events go on the side
         self.limits = limits or EventLimits()
         self._lock = threading.Lock()
         self._seq = 0
@@ -70,6 +73,8 @@ class EventStore:
         self.unreadable: dict[str, str] = {}  # path -> why (shown in notes, logged once)
 
     def directory(self, job: str) -> str:
+        if self.read_only is not None and self.read_only(job):  # nothing under <root>/<job>/ (records.py)
+            return self.storage.join(SIDE_EVENTS_DIR, job)
         return self.storage.join(job, EVENTS_DIR)
 
     def _job(self, job: str) -> JobWindow:

@@ -20,7 +20,7 @@ from ckptd.advisor.advice_text import render
 from ckptd.advisor.advisor import advise
 from ckptd.advisor.job_history import JobHistory, job_history
 from ckptd.catalog.events import EventStore
-from ckptd.cli.support import open_job
+from ckptd.cli.support import add_read_only, open_job
 from ckptd.errors import MissingInputs
 from trainer_client.core.protocol import AdviceQuery
 
@@ -54,6 +54,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                                 help=help_text)
     parser.add_argument("--points", type=int, default=13, help="periods per sweep (default 13)")
     parser.add_argument("--json", action="store_true", help="print the Advice as JSON")
+    add_read_only(parser)
     parser.set_defaults(func=run)
     return parser
 
@@ -69,11 +70,11 @@ def run(args: argparse.Namespace) -> int:
     history: JobHistory | None = None
     job = None
     if args.target:
-        opened = open_job(args.target)
+        opened = open_job(args.target, read_only=args.read_only)
         if opened is None:
             return EXIT_BAD
         cat, job = opened
-        history = job_history(cat.checkpoints(job), EventStore(cat.storage).load(job))
+        history = job_history(cat.checkpoints(job), EventStore(cat.storage, read_only=cat.read_only_for).load(job))
     try:
         advice = advise(query, history, job=job, points=max(3, args.points))
     except MissingInputs as exc:

@@ -88,7 +88,7 @@ def _cmd_events(args: argparse.Namespace) -> int:
     if opened is None:
         return EXIT_BAD
     storage, job = opened
-    events = _load(EventStore(storage), job, args.since)
+    events = _load(EventStore(storage, read_only=lambda _: args.read_only), job, args.since)
     if args.kind:
         events = [e for e in events if e.kind in set(args.kind)]
     if args.json:
@@ -108,7 +108,7 @@ def _cmd_goodput(args: argparse.Namespace) -> int:
     if opened is None:
         return EXIT_BAD
     storage, job = opened
-    store = EventStore(storage)
+    store = EventStore(storage, read_only=lambda _: args.read_only)
     _load(store, job, args.since)  # reads the event files (a progress bar when there are many)
     # this job only: the step time falls back to its checkpoints
     catalog = Catalog(storage, ":memory:", read_only=args.read_only)
@@ -137,6 +137,7 @@ def add_parsers(sub: Any) -> None:
     events.add_argument("--all", action="store_true",
                         help=f"also the kinds the table leaves out by default ({', '.join(sorted(NOISY_KINDS))})")
     events.add_argument("--json", action="store_true")
+    add_read_only(events)
     events.set_defaults(func=_cmd_events)
 
     goodput = sub.add_parser("goodput", help="a job's goodput and badput by cause, from its events on storage")

@@ -41,6 +41,8 @@ from trainer_client.core.storage import Storage
 from trainer_client.core.validation import latest_good_on_storage
 
 JOBS = ("llama", "mlp")
+EVENTS = {"events": [{"kind": "start", "time": 1.0, "step": 0, "id": "h:1:a:1"},
+                     {"kind": "restored", "time": 2.0, "step": 300, "id": "h:1:a:2"}]}
 REQUEST = {"alive_devices": 6, "slices": [{"index": 0, "devices": 2}, {"index": 1, "devices": 2},
                                           {"index": 3, "devices": 2}]}
 
@@ -127,9 +129,14 @@ def test_a_read_only_root_is_catalogued_and_planned_as_a_writable_one_and_left_u
                 **{f"list {job}": server.get(p.ROUTE_CHECKPOINTS.format(job=job)).json() for job in JOBS},
                 **{f"good {job}": server.get(p.ROUTE_LATEST_GOOD.format(job=job)).json() for job in JOBS},
                 **{f"plan {job}": server.post(p.ROUTE_RESUME.format(job=job), json=REQUEST).json() for job in JOBS},
+                "events posted": server.post(p.ROUTE_EVENTS.format(job="llama"), json=EVENTS).json(),
             }
+            listed = server.get(p.ROUTE_EVENTS.format(job="llama")).json()["events"]
+            got["events"] = [[e["kind"], e["step"]] for e in listed]
         answers[ro] = _relative(got, root)
     assert answers[True] == answers[False]
+    assert answers[True]["events"] == [["start", 0], ["restored", 300]]
+    assert len(list((read_only / SIDE_DIR / ".events" / "llama").iterdir())) == 1  # a read-only job's events
     states = {c["step"]: c["state"] for c in answers[True]["list llama"]["checkpoints"]}
     assert states == {100: "verified", 200: "verified", 300: "verified", 350: "corrupt", 400: "writing"}
     assert answers[True]["plan llama"]["step"] == 300 and answers[True]["plan mlp"]["data_position"] == 20 * 64

@@ -11,7 +11,9 @@ Reading does not depend on the mode, so every reader agrees whatever the writer'
 either mode, ``ckptd`` commands, the client's storage fallback): a manifest or verified record is taken from
 the side prefix when one is there (only a read-only ckptd puts one there, and it is that ckptd's latest
 word on the step: adopted or sealed), else from the step; a quarantine record counts wherever it is.
-Orbax never looks under ``.ckptd`` (not a step name) and no job can be named ``.ckptd``. No jax here.
+A read-only job's elastic events go to ``<root>/.ckptd/.events/<job>/`` instead of ``<root>/<job>/.ckptd/events/``
+(``.events`` is no job name, so they never mix with step records). Orbax never looks under ``.ckptd`` (not a
+step name) and no job can be named ``.ckptd``. No jax here.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from trainer_client.core.storage import Storage, join_path
 
 SIDE_DIR = ".ckptd"  # <root>/.ckptd/<job>/<step directory>/: records of steps ckptd does not write into
+SIDE_EVENTS_DIR = ".ckptd/.events"  # <root>/.ckptd/.events/<job>/: a read-only job's elastic events
 
 
 def side_dir(step_path: str) -> str:
@@ -90,5 +93,5 @@ def side_records(storage: Storage, job: str) -> dict[str, set[str]]:
     return out
 
 
-__all__ = ["SIDE_DIR", "RecordPlace", "read_record", "record_location", "record_paths", "side_dir",
+__all__ = ["SIDE_DIR", "SIDE_EVENTS_DIR", "RecordPlace", "read_record", "record_location", "record_paths", "side_dir",
            "side_job_dir", "side_records"]
