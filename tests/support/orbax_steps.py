@@ -269,6 +269,72 @@ def write_multi_item_steps(job_dir: str | Path, steps: Sequence[int], values: st
         pytest.fail(f"multi-item writer failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
 
 
+# A Flax user's steps, saved the way Flax's guides save them: a linen TrainState (flax.training.train_state,
+# optax adam) or an NNX model's and optimizer's states ({"model": nnx.state(model), "optimizer":
+# nnx.state(optimizer)}: Flax >= 0.11's Optimizer does not hold the model) through CheckpointManager + StandardSave,
+# on the mesh (replica=4, data=2), the hidden dimension (16) sharded over "data".
+_FLAX_WRITER = r"""
+import json, sys
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import linen as nn, nnx
+from flax.training import train_state
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+spec = json.loads(sys.argv[1])
+mesh = jax.make_mesh((4, 2), ("replica", "data"))
+def shard(tree):
+    def put(x):
+        if not hasattr(x, "shape"):
+            return x
+        return jax.device_put(x, NamedSharding(mesh, P(*["data" if d == 16 else None for d in x.shape])))
+    return jax.tree_util.tree_map(put, tree)
+class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(nn.relu(nn.Dense(16)(x)))
+class NnxMlp(nnx.Module):
+    def __init__(self, rngs):
+        self.l1, self.l2 = nnx.Linear(8, 16, rngs=rngs), nnx.Linear(16, 4, rngs=rngs)
+    def __call__(self, x):
+        return self.l2(nnx.relu(self.l1(x)))
+mgr = ocp.CheckpointManager(spec["job"])
+leaves = {}
+for step in spec["steps"]:
+    if spec["kind"] == "linen":
+        model = Mlp()
+        state = train_state.TrainState.create(apply_fn=model.apply, tx=optax.adam(1e-2),
+                                              params=model.init(jax.random.key(step), jnp.ones((1, 8)))["params"])
+        state = shard(state).apply_gradients(grads=jax.tree_util.tree_map(jnp.ones_like, state.params))
+    else:
+        model = NnxMlp(nnx.Rngs(step))
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        optimizer.update(model, jax.tree_util.tree_map(jnp.ones_like, nnx.state(model, nnx.Param)))
+        state = shard({"model": nnx.state(model), "optimizer": nnx.state(optimizer)})
+    mgr.save(step, args=ocp.args.StandardSave(state))
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        name = ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+        leaves[f"{step}/{name}"] = np.asarray(leaf)
+mgr.wait_until_finished()
+mgr.close()
+np.savez(spec["values"], **leaves)
+"""
+
+
+def write_flax_steps(job_dir: str | Path, steps: Sequence[int], kind: str, values: str | Path) -> None:
+    """Save a Flax ``kind`` (``linen``: a ``TrainState``; ``nnx``: ``nnx.state`` of a model and its optimizer) after
+    one optimizer update, at each of ``steps``, with plain Flax + Orbax in another process; ``values``: an
+    ``.npz`` of every saved leaf as ``"<step>/<dotted leaf name>"``."""
+    spec = {"job": str(job_dir), "steps": [int(s) for s in steps], "kind": kind, "values": str(values)}
+    proc = subprocess.run([sys.executable, "-c", _FLAX_WRITER, json.dumps(spec)], env=clean_env(),
+                          capture_output=True, text=True, timeout=180, check=False)
+    if proc.returncode != 0:
+        pytest.fail(f"flax writer failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
 def training_metadata(
     step: int,
     *,
@@ -318,6 +384,7 @@ __all__ = [
     "MODEL_PARALLEL_MESH",
     "model_parallel_metadata",
     "training_metadata",
+    "write_flax_steps",
     "write_maxtext_jobs",
     "write_multi_item_steps",
     "write_orbax_jobs",
