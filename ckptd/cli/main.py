@@ -99,6 +99,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             policy=args.policy, alive_devices=args.devices, slices=args.slices, step=args.step,
             device_memory_bytes=args.device_memory, memory_headroom_bytes=args.headroom or 0,
             batch=BatchOptions(mode=args.batch_mode, lr_scaling=args.lr_scaling),
+            run_id=args.run_id, process_count=args.process_count, allow_foreign_run=args.allow_foreign_run,
+            allow_foreign_topology=args.allow_foreign_topology,
         )
     except ValidationError as exc:  # e.g. --devices -1: one line each, no traceback
         for err in exc.errors():
@@ -177,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--headroom", type=_parse_bytes, help="per-device memory to keep free, e.g. 2GiB")
     plan.add_argument("--batch-mode", choices=["keep_global_batch", "scale_batch"], default="keep_global_batch")
     plan.add_argument("--lr-scaling", choices=["none", "linear", "sqrt"], default="linear")
+    plan.add_argument("--run-id", help="plan as this run asks (docs/protocol.md, Identity): another run's step is "
+                      "refused unless --allow-foreign-run")
+    plan.add_argument("--process-count", type=int, help="plan for this many JAX processes (another count's step is "
+                      "refused unless --allow-foreign-topology)")
+    plan.add_argument("--allow-foreign-run", action="store_true")
+    plan.add_argument("--allow-foreign-topology", action="store_true")
     plan.add_argument("--json", action="store_true")
     add_read_only(plan)
     plan.set_defaults(func=_cmd_plan)

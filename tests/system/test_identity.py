@@ -123,6 +123,11 @@ def test_the_cli_and_the_client_s_fallback_apply_the_same_rule(
 ) -> None:
     assert ckptd_main(["plan", f"{root}/mlp", "--devices", "6", "--json"]) == 0  # the CLI asks as no one
     assert json.loads(capsys.readouterr().out)["step"] == 20
+    assert ckptd_main(["plan", f"{root}/mlp", "--devices", "6", "--run-id", "another-run"]) == 1
+    assert "ckptd: FOREIGN_CHECKPOINT: step 20 was saved by run" in capsys.readouterr().err
+    assert ckptd_main(["plan", f"{root}/mlp", "--devices", "6", "--process-count", "4", "--allow-foreign-topology",
+                       "--json"]) == 0
+    assert any("(allow_foreign_topology)" in n for n in json.loads(capsys.readouterr().out)["notes"])
     down = ClientSettings(url=f"http://127.0.0.1:{tcp_port}", run_id="another-run", resume_deadline_s=0.5,
                           timeout_s=0.2)
     with CkptdClient(down, root=str(root)) as client:  # ckptd is down: the fallback plans, and refuses alike
