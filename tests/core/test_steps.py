@@ -13,7 +13,10 @@ from typing import Any
 import pytest
 
 from tests.support.orbax_steps import training_metadata
+from trainer_client.core.errors import ArrayIndexError
 from trainer_client.core.format.files import CHECKPOINT_METADATA, COMMIT_MARKER, TMP_DIR_SUFFIX
+from trainer_client.core.format.item_keys import item_kvstore_spec
+from trainer_client.core.format.records import RecordPlace, record_paths, side_dir
 from trainer_client.core.format.steps import (
     StepInspection,
     StepName,
@@ -299,3 +302,21 @@ def test_latest_committed_at_most_and_empty(job: Path, tmp_path: Path) -> None:
     assert at_most is not None and at_most.step == 1
     assert latest_committed(storage, str(job), at_most=0) is None
     assert latest_committed(Storage(str(tmp_path)), str(tmp_path / "nothing-here")) is None
+
+
+# ---- where the records and the root item of a step are -----------------------------------------------
+
+
+def test_side_records_and_the_root_item_are_addressed_alike_on_disk_and_gcs() -> None:
+    assert side_dir("/data/ckpt/llama/300/") == "/data/ckpt/.ckptd/llama/300"
+    assert side_dir("gs://b/ckpt/llama/checkpoint_300") == "gs://b/ckpt/.ckptd/llama/checkpoint_300"
+    assert record_paths("/r/j/5", "x.json") == ("/r/.ckptd/j/5/x.json", "/r/j/5/x.json")
+    assert RecordPlace("/r/j/5").write_path("x.json") == "/r/j/5/x.json"
+    assert RecordPlace("/r/j/5", read_only=True).write_path("x.json") == "/r/.ckptd/j/5/x.json"
+    assert item_kvstore_spec("gs://b/ckpt/job/100", "") == {"driver": "gcs", "bucket": "b", "path": "ckpt/job/100/"}
+    assert item_kvstore_spec("gs://b/ckpt/job/100", "items")["path"] == "ckpt/job/100/items/"
+    assert item_kvstore_spec("/r/job/100/", "") == {"driver": "file", "path": "/r/job/100/"}
+    assert item_kvstore_spec("/r/job/100", "default") == {"driver": "file", "path": "/r/job/100/default/"}
+    for bad in ("..", ".", "a/b", "/"):
+        with pytest.raises(ArrayIndexError):
+            item_kvstore_spec("/r/job/100", bad)
