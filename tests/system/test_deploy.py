@@ -535,6 +535,10 @@ def test_trainer_reaches_the_sidecar_on_loopback_with_the_token() -> None:
     # The trainer saves under the same root that ckptd serves.
     root_ref = env["CHECKPOINT_ROOT"]["valueFrom"]["configMapKeyRef"]
     assert root_ref == {"name": _one("ConfigMap")["metadata"]["name"], "key": "CKPTD_ROOT"}
+    # The run's identity (docs/protocol.md, Identity) is the JobSet's name: the same across restarts, so a
+    # restarted pod may resume the run's steps, and a step of another JobSet is refused.
+    run_ref = env["CKPTD_RUN_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert run_ref == "metadata.annotations['jobset.sigs.k8s.io/jobset-name']"
 
 
 def test_sidecar_reads_the_token_from_the_secret_as_a_file() -> None:

@@ -222,7 +222,7 @@ def test_trainer_env_names_the_proxy_backend_and_ckptd() -> None:
     assert env["CKPTD_URL"]["value"] == f"http://127.0.0.1:{ckptd_port}"
     # The token and the root exactly as in deploy/k8s/jobset.yaml.
     k8s_trainer = _trainer(_pod_spec(_one("JobSet")))
-    for name in ("CKPTD_TOKEN", "CHECKPOINT_ROOT"):
+    for name in ("CKPTD_TOKEN", "CHECKPOINT_ROOT", "CKPTD_RUN_ID"):
         assert env[name] == _env(k8s_trainer)[name], name
 
 
