@@ -146,7 +146,7 @@ def persist(snapshot: Path, job_url: str, *, compression: bool = False) -> str:
     # Orbax records of a tree. jax arrays, not numpy: Orbax writes jax arrays through its parallel array
     # path, numpy leaves ~7x slower.
     state = rebuild(meta.tree, snapshot_arrays(snapshot, meta=meta))
-    checkpointer = Checkpointer(job_url, compression=compression)
+    checkpointer = Checkpointer(job_url, compression=compression, item=meta.item)
     try:
         checkpointer.save_with_metadata(meta.step, state, meta.training, data_iterator=meta.data_iterator)
         checkpointer.wait()

@@ -189,7 +189,7 @@ def test_an_elastic_run_reads_every_batch_an_uninterrupted_iterator_gives(
         return PIPELINES[kind](BATCH, tokens=False)
 
     shm = tmp_path / "shm"
-    extra: dict[str, Any] = {"shm_dir": str(shm), "memory_period": 5} if tier == "memory" else {}
+    extra: dict[str, Any] = {"shm_dir": str(shm), "memory_period": 5, "max_snapshots": 4} if tier == "memory" else {}
     server = ckptd_server(tmp_path, refresh_interval_s=0.2, **({"shm_dir": str(shm)} if tier == "memory" else {}))
     runner = elastic_runner(tmp_path, server.url, "resize", [SliceFault(1, at_step=13, down_for_s=None)],
                             batch_mode="keep_global_batch", **extra)
@@ -206,7 +206,7 @@ def test_an_elastic_run_reads_every_batch_an_uninterrupted_iterator_gives(
     assert (down.restored_step, down.mesh_after, up.mesh_after) == (10, [3, 2], [4, 2])
     restored = [e.detail for e in result.events if e.kind == "restored"]
     assert len(restored) == 2 and all("data iterator restored" in d for d in restored), restored
-    assert all(f"from {tier}" in d for d in restored), restored
+    assert f"from {tier}" in restored[0], restored  # (the regrow's save may go to storage: a full memory tier)
     expected = _batches(make, 0, 40)
     for step in range(40):
         assert np.array_equal(seen[step], expected[step]), f"step {step} read another batch"

@@ -76,7 +76,8 @@ class Saver:
         tier = "storage"
         if self.memory is not None:
             try:
-                self.memory.save(step, state, meta, persist=persist, data_iterator=data_iterator)
+                self.memory.save(step, state, meta, persist=persist, data_iterator=data_iterator,
+                                 item=self.checkpointer.item)
                 tier = "memory+persist" if persist else "memory"
                 self.last_blocked_s = self.memory.last_blocked_s
                 away = persist and self.health is not None and not self.health.ok

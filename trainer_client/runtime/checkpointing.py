@@ -135,12 +135,17 @@ class Checkpointer:
     """One job directory's Orbax manager, async saves with ckptd metadata, restores by plan."""
 
     def __init__(
-        self, directory: str, *, async_save: bool = True, atomicity: str | None = None, compression: bool = False
+        self, directory: str, *, async_save: bool = True, atomicity: str | None = None, compression: bool = False,
+        item: str = DEFAULT_ITEM,
     ) -> None:
         """``atomicity``: None (Orbax's default for the storage: rename on local disk, commit file on
         ``gs://``), ``"commit_file"`` or ``"atomic_rename"``; ckptd's commit rule is right for all.
         ``compression``: Orbax's zstd on the array chunks. Off by default: it makes saving CPU-bound
-        (0.63 GB/s on 2 cores against 1.5 GB/s of raw disk) and trained weights barely compress."""
+        (0.63 GB/s on 2 cores against 1.5 GB/s of raw disk) and trained weights barely compress.
+        ``item``: the Orbax item the state is saved as (``default``; MaxText's steps call it ``items``)."""
+        if item == ITER_ITEM or not item.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"{item!r} cannot name the state's item")
+        self.item = item
         self.directory = directory
         self.async_save = async_save
         self.atomicity = atomicity
@@ -167,7 +172,7 @@ class Checkpointer:
         handler = standard_handler(self.compression)
         if not self._storage.is_remote:
             route_data_file_size(handler, lambda: self._data_file_size)
-        handlers = {DEFAULT_ITEM: handler, ITER_ITEM: IteratorStateHandler()}
+        handlers = {self.item: handler, ITER_ITEM: IteratorStateHandler()}
         return ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def save(
@@ -199,7 +204,7 @@ class Checkpointer:
         self._manager.wait_until_finished()  # one save in flight: the callback below knows its step
         self._pending = meta
         self._data_file_size = None if self._storage.is_remote else data_file_bytes(state)
-        items: dict[str, Any] = {DEFAULT_ITEM: ocp.args.StandardSave(state)}
+        items: dict[str, Any] = {self.item: ocp.args.StandardSave(state)}
         if data_iterator is not None:
             items[ITER_ITEM] = IteratorStateSave(data_iterator)
         try:

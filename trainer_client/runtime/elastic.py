@@ -96,6 +96,8 @@ class ElasticConfig:
     # a periodic save while the previous save to storage is still being written: waits for it (Orbax's way), or
     # is skipped so the loop never waits (fewer checkpoints when saves take longer than checkpoint_period)
     when_save_busy: Literal["wait", "skip"] = "wait"
+    checkpoint_item: str = "default"  # the Orbax item of the state in each step (MaxText's steps: "items")
+    async_save: bool = True  # Orbax writes in the background (MaxText's async_checkpointing); False: blocking
 
     @property
     def full_mesh(self) -> MeshSpec:
@@ -177,7 +179,7 @@ class ElasticRunner:
         self.manager = SliceManager(slices.slice_to_devices, config.monitor_interval_s,
                                     mesh_slices=total - config.spare_slices)
         self.precompiler = Precompiler(mesh_slices=total - config.spare_slices)
-        self.checkpointer = Checkpointer(checkpoint_dir)
+        self.checkpointer = Checkpointer(checkpoint_dir, async_save=config.async_save, item=config.checkpoint_item)
         memory = (MemoryTier(config.shm_dir, config.job, max_snapshots=config.max_snapshots,
                              preallocate=config.preallocate_snapshots) if config.shm_dir else None)
         self.saver = Saver(self.checkpointer, memory, HealthWatch(client) if memory is not None else None)

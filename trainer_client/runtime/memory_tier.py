@@ -28,7 +28,7 @@ import numpy as np
 import xxhash
 
 from trainer_client.core.errors import StoredFormatError
-from trainer_client.core.format.files import SNAPSHOT_DATA_FILE, SNAPSHOT_META_FILE, SNAPSHOT_SPARE_PREFIX
+from trainer_client.core.format.files import DEFAULT_ITEM, SNAPSHOT_DATA_FILE, SNAPSHOT_META_FILE, SNAPSHOT_SPARE_PREFIX
 from trainer_client.core.format.private_files import (
     ensure_private_dir,
     make_private_dir,
@@ -105,9 +105,9 @@ class MemoryTier:
             )
 
     def save(self, step: int, state: PyTree, training: TrainingMetadata, *, persist: bool,
-             data_iterator: DataIteratorRecord | None = None) -> Path:
+             data_iterator: DataIteratorRecord | None = None, item: str = DEFAULT_ITEM) -> Path:
         """Copy ``state`` into a new snapshot of ``step`` (with ``data_iterator``, the data iterator's state at
-        it); returns its directory."""
+        it; ``item``: the Orbax item ckptd persists the state as); returns its directory."""
         started = time.perf_counter()
         self.wait_spare()  # normally long done: it started right after the previous save
         ensure_private_dir(self.dir)
@@ -146,7 +146,7 @@ class MemoryTier:
             raise
         meta = SnapshotMeta(step=step, created_at=time.time(), persist=persist, nbytes=offset,
                             leaf_names=[name for name, _, _ in plan], tree=tree, arrays=arrays, training=training,
-                            data_iterator=data_iterator)
+                            data_iterator=data_iterator, item=item)
         write_private(tmp / SNAPSHOT_META_FILE, meta.model_dump_json().encode())
         final = self.dir / str(step)
         shutil.rmtree(final, ignore_errors=True)

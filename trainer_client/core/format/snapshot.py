@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, m
 from trainer_client.core.dtypes import np_dtype
 from trainer_client.core.errors import UnsafePathError
 from trainer_client.core.format.files import (
+    DEFAULT_ITEM,
     SNAPSHOT_DATA_FILE,
     SNAPSHOT_META_FILE,
     SNAPSHOT_PERSISTED_FILE,
@@ -110,6 +111,8 @@ class SnapshotMeta(_Model):
     training: TrainingMetadata
     data_iterator: DataIteratorRecord | None = Field(default=None, exclude_if=lambda v: v is None,
                                                      description="the data iterator's state, if the trainer has one")
+    item: str = Field(default=DEFAULT_ITEM, exclude_if=lambda v: v == DEFAULT_ITEM, pattern=r"^[A-Za-z0-9_-]{1,64}$",
+                      description="the Orbax item the trainer saves the state as (MaxText's: items)")
 
 
 def job_dir(shm_dir: str | os.PathLike[str], job: str) -> Path:
