@@ -46,8 +46,13 @@ def elastic(global_batch: int, *, shard_index: int = 0, shard_count: int = 1, se
     restores onto any shard count and global batch."""
     from grain.experimental import ElasticIterator
 
-    ds = grain.MapDataset.range(records).shuffle(seed=seed).map(_tokens)
-    return ElasticIterator(ds, global_batch, pygrain.ShardOptions(shard_index, shard_count))
+    return ElasticIterator(samples(seed=seed, records=records), global_batch,
+                           pygrain.ShardOptions(shard_index, shard_count))
 
 
-__all__ = ["RECORDS", "data_loader", "dataset", "elastic"]
+def samples(*, seed: int = 0, records: int = RECORDS) -> grain.MapDataset:
+    """The shuffled token rows ``elastic`` batches (``samples()[i]``: the ``i``-th sample it reads)."""
+    return grain.MapDataset.range(records).shuffle(seed=seed).map(_tokens)
+
+
+__all__ = ["RECORDS", "data_loader", "dataset", "elastic", "samples"]

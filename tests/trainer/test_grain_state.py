@@ -221,3 +221,28 @@ def test_an_elastic_run_reads_every_batch_an_uninterrupted_iterator_gives(
         next(fresh)
     want = fresh.get_state()
     assert json.loads(state_file.read_text()) == (json.loads(want) if isinstance(want, bytes) else want)
+
+
+def test_an_elastic_iterator_resumes_at_its_global_index_with_another_batch_or_shard_count(tmp_path: Path) -> None:
+    """Grain's ElasticIterator (for a global batch that changes, or another process count): the state saved
+    after 10 batches of 48 resumes at sample 480 with a global batch of 36, and on 2 shards, which read the
+    next 48 samples between them."""
+    mesh = jax.make_mesh((4, 2), ("replica", "data"))
+    saved = iter(grain_data.elastic(48))
+    for _ in range(10):
+        next(saved)
+    checkpointer = Checkpointer(str(tmp_path / "root" / "job"))
+    try:
+        checkpointer.save(10, _state(mesh), data_position=480, global_batch=48, mesh=mesh, slices=[0],
+                          data_iterator=state_record(saved))
+    finally:
+        checkpointer.close()
+    plan = _plan(tmp_path / "root", 10)
+    samples = grain_data.samples()  # the shuffled samples the iterators slice
+    smaller = iter(grain_data.elastic(36))
+    assert restore_iterator(plan, smaller)
+    assert np.array_equal(next(smaller), np.stack([samples[i] for i in range(480, 516)]))
+    shards = [iter(grain_data.elastic(48, shard_index=k, shard_count=2)) for k in range(2)]
+    assert all(restore_iterator(plan, shard) for shard in shards)
+    both = np.concatenate([next(shard) for shard in shards])
+    assert sorted(map(tuple, both.tolist())) == sorted(tuple(samples[i].tolist()) for i in range(480, 528))
