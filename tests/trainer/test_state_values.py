@@ -83,7 +83,7 @@ def test_values_survive_direct_memory_persist_and_a_restore_onto_fewer_devices(t
     for direct in (True, False):  # ckptd's reader with the values through Orbax, and Orbax alone
         _assert_exact(restore(str(job / "10"), _target(small), direct=direct))
 
-    tier = MemoryTier(str(tmp_path / "shm"), "job", preallocate=False)
+    tier = MemoryTier(str(tmp_path / "shm"), "job", preallocate=False, max_snapshots=3)
     snapshot = tier.save(20, _state(mesh, 1), meta.model_copy(update={"step": 20}), persist=True)
     later = tier.save(30, _state(mesh, 2), meta.model_copy(update={"step": 30}), persist=True)  # same structure
     recorded = {tuple(k for _, k in e.path): e.value for e in read_meta(later).tree if e.kind == "value"}
@@ -103,6 +103,13 @@ def test_values_survive_direct_memory_persist_and_a_restore_onto_fewer_devices(t
     restored = restore(plan.path, as_array)
     assert isinstance(restored["values"]["epoch"], jax.Array) and int(restored["values"]["epoch"]) == 4
     assert int(restore_snapshot(snapshot, as_array)["values"]["epoch"]) == 4
+    # and a value target for a saved 0-d array gets the value
+    as_value = _target(small)
+    as_value["w"] = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(small, P()))
+    counted = {**_state(mesh), "count": jax.device_put(np.int32(7), NamedSharding(mesh, P()))}
+    zero_d = tier.save(40, counted, meta.model_copy(update={"step": 40}), persist=False)
+    restored = restore_snapshot(zero_d, {**as_value, "count": 0})
+    assert type(restored["count"]) is int and restored["count"] == 7
 
     # plain Orbax, in another process, reads the persisted step's values as it reads the direct save's
     proc = subprocess.run([sys.executable, "-c", _PLAIN, str(job / "10" / "default"), str(job / "20" / "default")],

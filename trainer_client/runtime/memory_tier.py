@@ -250,14 +250,23 @@ def restore_snapshot(path: str | os.PathLike[str], target: PyTree) -> PyTree:
     damaged = damaged_shards(data, meta)  # nothing corrupt is resumed from: the caller falls back to storage
     if damaged:
         raise StoredFormatError(f"memory snapshot {path} is damaged: {'; '.join(damaged[:4])}")
-    values = {k: restored_leaf(decode_value(entry.value), want, leaf_name(where))
-              for k, ((where, want), entry) in enumerate(zip(all_leaves, saved, strict=True))
-              if entry.value is not None}
-    leaves = [want for k, (_, want) in enumerate(all_leaves) if k not in values]
-    if len(leaves) != len(meta.leaf_names):
-        raise ValueError(f"snapshot of step {meta.step} has {len(meta.leaf_names)} arrays, the target {len(leaves)}")
+    values: dict[int, Any] = {}  # target leaf index -> the value restored there
+    arrays: list[tuple[Any, str]] = []  # (target leaf, the snapshot's array) for the arrays restored
+    names = iter(meta.leaf_names)
+    for k, ((where, want), entry) in enumerate(zip(all_leaves, saved, strict=True)):
+        if entry.value is not None:
+            values[k] = restored_leaf(decode_value(entry.value), want, leaf_name(where))
+            continue
+        name = next(names, None)
+        if name is None or name not in meta.arrays:
+            raise StoredFormatError(f"snapshot {path}: its tree and its arrays differ")
+        if is_value(want):  # a saved (0-d) array asked for as a value
+            values[k] = restored_leaf(ShardReader(data, meta.arrays[name])(None), want, leaf_name(where))
+        else:
+            arrays.append((want, name))
+    leaves = [want for want, _ in arrays]
     readers = []
-    for want, name in zip(leaves, meta.leaf_names, strict=True):
+    for want, name in arrays:
         record = meta.arrays[name]
         if tuple(want.shape) != tuple(record.shape):
             raise ValueError(f"snapshot array {name} of shape {record.shape} does not fit a target of {want.shape}")
@@ -277,8 +286,8 @@ def restore_snapshot(path: str | os.PathLike[str], target: PyTree) -> PyTree:
             return ready if ready is not None else reader(index)
 
         out.append(jax.make_array_from_callback(want.shape, want.sharding, shard, dtype=want.dtype))
-    arrays = iter(out)
-    return jax.tree_util.tree_unflatten(treedef, [values[k] if k in values else next(arrays)
+    built = iter(out)
+    return jax.tree_util.tree_unflatten(treedef, [values[k] if k in values else next(built)
                                                   for k in range(len(all_leaves))])
 
 
