@@ -30,6 +30,7 @@ import functools
 import json
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -258,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     def bring_back(step: int) -> None:
         if step == args.back_at:
             slices.bring_back(2)
+            # steps take milliseconds here: give pathwaysutils' monitor thread the time to see the slice healthy
+            # (it checks the slices not in use every monitor_interval_s), so the run grows back at the next step
+            deadline = time.monotonic() + 60
+            while 2 not in runner.manager.available_inactive_slices and time.monotonic() < deadline:
+                time.sleep(0.05)
 
     seen: dict[int, np.ndarray] = {}
     losses: dict[int, float] = {}
