@@ -7,7 +7,7 @@ PYTHON ?= python3
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: venv demo test test-all lint typecheck check clean bench chaos
+.PHONY: venv demo test test-all lint typecheck check clean bench chaos soak
 
 # The virtual environment, with the project and its dev tools installed (re-made when pyproject changes).
 $(VENV)/.installed: pyproject.toml
@@ -30,13 +30,18 @@ test: venv
 test-all: venv
 	$(PY) -m pytest -q
 
+# The recovery soak: SOAK_TRIALS elastic trials (default 100) in one trainer process, a slice lost inside JAX at a
+# random phase of each; soak/results.json + the table in docs/operations.md. SOAK_SEED=N replays (random: a new one).
+soak: venv
+	$(PY) -m soak
+
 # Long forms of the chaos, load and storage-fault tests (CI runs their short forms in `make test`);
 # CHAOS_SEED=N replays a run, CHAOS_SEED=random draws a new one.
 chaos: venv
 	$(PY) -m pytest -q -s -m chaos
 
 lint: venv
-	$(VENV)/bin/ruff check ckptd trainer_client examples tests bench
+	$(VENV)/bin/ruff check ckptd trainer_client examples tests bench soak
 
 typecheck: venv
 	$(VENV)/bin/mypy

@@ -190,7 +190,8 @@ def last_step_on_storage(root: Path) -> int | None:
     storage = Storage(str(root))
     job = storage.join(JOB)
     for parsed, entry in step_entries(storage, job):
-        if not parsed.is_tmp and inspect_step(storage, entry).state == StepState.COMMITTED and \
+        inspection = None if parsed.is_tmp else inspect_step(storage, entry)
+        if inspection is not None and inspection.state == StepState.COMMITTED and \
                 read_verified_record(storage, entry.path) is not None:
             return parsed.step
     return None

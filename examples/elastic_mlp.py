@@ -9,6 +9,7 @@ mesh axis.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,6 +135,8 @@ class TrainLog:
     samples: dict[int, tuple[int, int]] = field(default_factory=dict)  # step -> [start, stop) sample ids
     batches: dict[int, tuple[int, float]] = field(default_factory=dict)  # step -> (microbatches, lr scale)
     steps_run: int = 0
+    # (step, time.time() when its jitted call returned: traced, compiled or loaded, dispatched), every step computed
+    dispatched: list[tuple[int, float]] = field(default_factory=list)
 
 
 def make_train_fn(
@@ -160,6 +163,7 @@ def make_train_fn(
             ids_host = np.arange(position, position + batch, dtype=np.int32).reshape(shape)
             ids = jax.device_put(ids_host, batch_sharding)
             state, loss = step_fn(state, ids)
+            log.dispatched.append((step, time.time()))
             log.samples[step] = (position, position + batch)
             log.batches[step] = (plan.accumulation_steps, plan.lr_scale)
             log.losses[step] = float(loss)

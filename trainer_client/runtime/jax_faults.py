@@ -84,6 +84,13 @@ class InJaxFaults:
         with self._lock:
             self._armed.append(_Armed(op, slice_index, nth, down_for_s, inside))
 
+    def disarm(self) -> int:
+        """Drop the faults armed that have not gone off (a soak's trial that ended first); how many."""
+        with self._lock:
+            n = len(self._armed)
+            self._armed.clear()
+            return n
+
     @property
     def armed(self) -> int:
         with self._lock:

@@ -14,12 +14,19 @@ training). After every elastic event the runner:
   attempt. The next attempt needs none of them: it restores from storage or from the memory tier, whose
   snapshots are files;
 
+- gives the host memory freed by all this back to the OS (glibc's ``malloc_trim``): the allocator otherwise
+  keeps freed pages, and the RSS of a process that recovered many times creeps up in steps that are free
+  memory, not live data (the recovery soak measured +76 MiB over 16 trials untrimmed, +11 MiB trimmed);
+
 and ``Manager.elastic_retry`` runs the next attempt under ``jax.default_device`` on a device of a live
 slice, so nothing without an explicit sharding lands on a dead slice 0.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import gc
 import logging
 import weakref
@@ -55,9 +62,30 @@ def release_failed_attempt(keep: ArraysBefore) -> int:
         except Exception as exc:  # already deleted by its owner meanwhile, or its runtime is gone
             _log.debug("could not delete an array of the failed attempt: %s", exc)
     gc.collect()
+    give_back_host_memory()
     if deleted:
         _log.info("elastic event: %d array(s) of the failed attempt deleted, JAX caches cleared", deleted)
     return deleted
 
 
-__all__ = ["ArraysBefore", "release_failed_attempt"]
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
+
+
+def give_back_host_memory() -> bool:
+    """Return the heap pages the allocator holds free to the OS (glibc ``malloc_trim(0)``); False where the C
+    library has no such call (musl, macOS): nothing to do there."""
+    libc = _libc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
+
+
+__all__ = ["ArraysBefore", "give_back_host_memory", "release_failed_attempt"]

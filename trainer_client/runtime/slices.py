@@ -41,7 +41,8 @@ def initialize_pathways() -> bool:
 class SliceProvider(Protocol):
     """What the elastic runner needs to know about the slices of the allocation."""
 
-    slice_to_devices: Mapping[int, Sequence[jax.Device]]
+    @property
+    def slice_to_devices(self) -> Mapping[int, Sequence[jax.Device]]: ...
 
     def healthy_slices(self) -> frozenset[int]: ...
 

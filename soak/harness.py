@@ -1,0 +1,255 @@
+"""What the soak's trials share, for the whole soak, in the one trainer process.
+
+- ``Ckptd``: a real ``ckptd serve`` process (examples/demo.py starts it the way ``make demo`` does) on a fixed
+  port, with the host-memory tier; a trial may SIGKILL it mid-recovery and restart it in the background.
+- ``Soak``: the root, the shared-memory directory, one ``SimulatedSlices`` (4 slices of 2 CPU devices) with one
+  ``InJaxFaults`` active for the whole soak (losses raised from inside JAX operations), the time of every slice
+  loss, the runner each trial builds, the reference state (a run without failures), and ``sample``: the
+  process's RSS, live arrays, live executables and threads between trials.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.extend.backend
+import numpy as np
+
+from bench.common import stop_process
+from examples.demo import free_port, start_ckptd
+from examples.elastic_mlp import TrainLog, make_train_fn
+from trainer_client.client.ckptd_client import CkptdClient
+from trainer_client.config import ClientSettings
+from trainer_client.runtime.elastic import ElasticConfig, ElasticResult, ElasticRunner, Event
+from trainer_client.runtime.jax_faults import InJaxFaults
+from trainer_client.runtime.recovery import give_back_host_memory
+from trainer_client.runtime.slices import SimulatedSlices
+
+STEPS = 30  # steps of one trial; saves every 10 (persistent) and every 5 (memory tier)
+BATCH = 48
+SLICES = 4
+
+
+class Ckptd:
+    """``ckptd serve`` on one port for the whole soak: started, SIGKILLed, restarted in the background."""
+
+    def __init__(self, root: Path, state_dir: Path, shm_dir: Path, log: Path) -> None:
+        self.root, self.state_dir, self.shm_dir, self.log = root, state_dir, shm_dir, log
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: Any = None
+        self.kills = 0
+        self._restart: threading.Thread | None = None
+        self._restart_error: BaseException | None = None
+
+    def start(self) -> None:
+        self.proc = start_ckptd(self.root, self.state_dir, self.shm_dir, self.port, self.log)
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown handler runs (its persist worker ends when its stdin closes)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+            self.kills += 1
+
+    def restart_in_background(self) -> None:
+        def restart() -> None:
+            try:
+                self.start()
+            except BaseException as exc:  # reported by settle()
+                self._restart_error = exc
+
+        self._restart = threading.Thread(target=restart, name="soak-ckptd-restart", daemon=True)
+        self._restart.start()
+
+    def settle(self) -> str | None:
+        """After a trial: ckptd running and ready again (restarted if it is not). What went wrong, if anything."""
+        problem = None
+        if self._restart is not None:
+            self._restart.join(90)
+            if self._restart.is_alive() or self._restart_error is not None:
+                problem = f"ckptd restart failed: {self._restart_error or 'still starting after 90 s'}"
+            self._restart, self._restart_error = None, None
+        if self.proc is None or self.proc.poll() is not None:
+            code = getattr(self.proc, "returncode", None)
+            problem = problem or f"ckptd was not running after the trial (exit {code})"
+            self.start()
+        return problem
+
+    def stop(self) -> None:
+        if self._restart is not None:
+            self._restart.join(90)
+        if self.proc is not None:
+            stop_process(self.proc, 60)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The trainer process between trials."""
+
+    after_trial: int
+    rss_mib: float
+    live_arrays: int
+    live_executables: int
+    threads: int
+    rss_anon_mib: float = 0.0  # of the RSS: private memory (the rest: files and shared memory mapped)
+    rss_shmem_mib: float = 0.0  # shared memory mapped (memory-tier snapshots still mapped)
+    open_files: int = 0
+    mappings: int = 0
+    rss_untrimmed_mib: float = 0.0  # before the allocator's free pages went back to the OS
+    arrays_by_kind: str = ""  # the live arrays by shape, dtype and device count (when there are any)
+    files_open: str = ""  # what the file descriptors point at
+    held_by: str = ""  # when arrays are alive: what references one of them (a chain of referrers)
+
+
+def _status_mib(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return round(int(line.split()[1]) / 1024.0, 1)
+    return float("nan")
+
+
+def rss_mib() -> float:
+    return _status_mib("VmRSS")
+
+
+def _arrays_by_kind() -> str:
+    kinds = Counter(f"{a.dtype}{list(a.shape)}@{len(a.sharding.device_set)}" for a in jax.live_arrays())
+    return ", ".join(f"{n} x {k}" for k, n in kinds.most_common(6))
+
+
+def _held_by(depth: int = 8) -> str:
+    """A chain of referrers of one live array (the first one that is not this function's own), for the report."""
+    arrays = jax.live_arrays()
+    if not arrays:
+        return ""
+    chain: list[str] = []
+    obj: Any = arrays[0]
+    here = sys._getframe()
+    ignore = {id(arrays), id(here)}
+    for _ in range(depth):
+        refs = [r for r in gc.get_referrers(obj) if id(r) not in ignore]
+        if not refs:
+            break
+        obj = refs[0]
+        ignore.add(id(obj))
+        name = type(obj).__name__
+        if isinstance(obj, type(here)):
+            name += f"({obj.f_code.co_qualname}:{obj.f_lineno})"
+        elif isinstance(obj, dict):
+            name += "{" + ",".join(map(str, list(obj)[:4])) + "}"
+        elif hasattr(obj, "getMessage"):
+            name += f"({obj.name}: {str(obj.msg)[:60]})"
+        chain.append(name)
+    del arrays
+    return " <- ".join(chain)
+
+
+def _files_open() -> str:
+    found: Counter[str] = Counter()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found[re.sub(r"\d+", "N", os.readlink(f"/proc/self/fd/{fd}"))] += 1
+        except OSError:
+            continue
+    return ", ".join(f"{n} x {k}" for k, n in sorted(found.items()))
+
+
+class Soak:
+    """The soak's shared state; a context manager (ckptd and the fault injector run inside it)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.root = workdir / "checkpoints"
+        self.root.mkdir(parents=True, exist_ok=True)
+        shm_base = Path("/dev/shm") if Path("/dev/shm").is_dir() else workdir
+        self.shm = Path(tempfile.mkdtemp(prefix="ckptd-soak-", dir=shm_base))
+        self.ckptd = Ckptd(self.root, workdir / "ckptd-state", self.shm, workdir / "ckptd.log")
+        self.slices = SimulatedSlices(num_slices=SLICES)
+        self.injector = InJaxFaults(self.slices)
+        self.losses: list[tuple[int, float]] = []  # (slice, time.time()) of every loss
+        self.slices.add_loss_listener(lambda k: self.losses.append((k, time.time())))
+        self.samples: list[Sample] = []
+        self.reference: list[np.ndarray] = []
+
+    def __enter__(self) -> Soak:
+        self.ckptd.start()
+        self.injector.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.injector.stop()
+        self.ckptd.stop()
+        shutil.rmtree(self.shm, ignore_errors=True)
+
+    def reset_slices(self) -> None:
+        """Every slice healthy, no fault left armed: where each trial starts."""
+        self.injector.disarm()
+        for k in self.slices.slice_to_devices:
+            self.slices.bring_back(k)
+
+    def runner(self, job: str, policy: str, *, memory_tier: bool, on_event: Any = None) -> ElasticRunner:
+        (self.root / job).mkdir(parents=True, exist_ok=True)
+        shm = str(self.shm) if memory_tier else None
+        config = ElasticConfig(
+            job=job, mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=BATCH, policy=policy,  # type: ignore[arg-type]
+            checkpoint_period=10, memory_period=5 if memory_tier else None, shm_dir=shm, max_snapshots=4,
+            elastic_timeout_s=60, poll_interval_s=0.05, scale_up_check_interval_s=0.0, monitor_interval_s=0.2,
+        )
+        client = CkptdClient(ClientSettings(url=self.ckptd.url, timeout_s=2.0, resume_deadline_s=3.0, shm_dir=shm,
+                                            events_flush_timeout_s=5.0), root=str(self.root))
+        return ElasticRunner(config, slices=self.slices, client=client, checkpoint_dir=str(self.root / job),
+                             on_event=on_event)
+
+    def train(self, runner: ElasticRunner, log: TrainLog, hook: Any = None) -> ElasticResult[Any]:
+        try:
+            return runner.run(make_train_fn(STEPS, log, step_hook=hook))
+        finally:
+            runner.checkpointer.close()
+            runner.client.close()
+
+    def make_reference(self) -> None:
+        """A run without failures: what every ``pause`` trial must end with, bit for bit (pause keeps the mesh)."""
+        self.reset_slices()
+        result = self.train(self.runner("reference", "pause", memory_tier=True), TrainLog())
+        self.reference = [np.asarray(x) for x in jax.tree_util.tree_leaves(result.value)]
+
+    def sample(self, after_trial: int) -> Sample:
+        """The process between trials, as the runner leaves it after an event (``recovery.py``): JAX's caches
+        cleared (what they hold is bounded by their LRU sizes: pathwaysutils' health checks, a pmap of a new bound
+        method each time, leave up to a few hundred one-slice arrays in them), the heap's free pages given back
+        to the OS (``rss_untrimmed_mib``: before that). What is counted is what the process holds."""
+        gc.collect()
+        jax.clear_caches()
+        gc.collect()
+        untrimmed = rss_mib()
+        give_back_host_memory()
+        backend = jax.extend.backend.get_backend()
+        found = Sample(after_trial, round(rss_mib(), 1), len(jax.live_arrays()), len(backend.live_executables()),
+                       threading.active_count(), _status_mib("RssAnon"), _status_mib("RssShmem"),
+                       len(os.listdir("/proc/self/fd")), len(Path("/proc/self/maps").read_text().splitlines()),
+                       untrimmed, _arrays_by_kind(), _files_open(), _held_by())
+        self.samples.append(found)
+        return found
+
+    def samples_json(self) -> list[dict[str, Any]]:
+        return [asdict(s) for s in self.samples]
+
+
+def events_of(result: ElasticResult[Any] | None) -> list[Event]:
+    return list(result.events) if result is not None else []
+
+
+__all__ = ["BATCH", "SLICES", "STEPS", "Ckptd", "Sample", "Soak", "events_of", "rss_mib"]
