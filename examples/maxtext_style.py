@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     slices = SimulatedSlices(num_slices=cfg.dcn_data_parallelism, faults=[SliceFault(2, args.fail_at, None)])
 
     def bring_back(step: int) -> None:
-        if step == args.back_at:
+        if step == args.back_at and 2 not in runner.manager.active_slice_indices:  # once, not again after it
             slices.bring_back(2)
             # steps take milliseconds here: give pathwaysutils' monitor thread the time to see the slice healthy
             # (it checks the slices not in use every monitor_interval_s), so the run grows back at the next step
