@@ -24,6 +24,7 @@ from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.errors import ElasticRetriesExhausted
 from trainer_client.runtime.elastic import ElasticContext, ElasticRunner
+from trainer_client.runtime.memory_tier import MemoryTier, MemoryTierFull
 from trainer_client.runtime.slices import SimulatedSlices, SliceFault
 
 
@@ -129,6 +130,42 @@ def test_scale_up_restores_the_state_it_saved(tmp_path: Path, ckptd_server: Any)
     assert (up.kind, up.mesh_before, up.mesh_after) == ("scale_up", [3, 2], [4, 2])
     assert up.failed_at_step == 18 and up.restored_step == 18 and up.lost_steps == 0
     assert result.final_step == 29
+    assert [log.samples[s] for s in range(30)] == [(s * BATCH, (s + 1) * BATCH) for s in range(30)]
+
+
+def test_scale_up_with_a_full_memory_tier_saves_its_step_to_storage(
+    tmp_path: Path, ckptd_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step a regrow starts from must exist somewhere: when the memory tier has no room for the scale-up's
+    memory snapshot, it is saved to storage instead (else the next attempt restored an older step)."""
+    shm = tmp_path / "shm"
+    server = ckptd_server(tmp_path, shm_dir=str(shm))
+    original = MemoryTier.save
+
+    def full_for_memory_only(self: MemoryTier, step: int, state: Any, meta: Any, *, persist: bool,
+                             **kwargs: Any) -> Any:
+        if not persist:
+            raise MemoryTierFull("no room (test)")
+        return original(self, step, state, meta, persist=persist, **kwargs)
+
+    monkeypatch.setattr(MemoryTier, "save", full_for_memory_only)
+    runner = _runner(tmp_path, server.url, "resize", [SliceFault(0, at_step=12, down_for_s=None)], shm_dir=str(shm))
+    slices = runner.slices
+    assert isinstance(slices, SimulatedSlices)
+
+    brought_back: list[int] = []
+
+    def hook(step: int) -> None:
+        if step == 17 and not brought_back:  # once: a regrow from an older step passes step 17 again
+            brought_back.append(step)
+            slices.bring_back(0)
+            wait_until(lambda: 0 in runner.manager.available_inactive_slices, what="the monitor to see slice 0")
+
+    log = TrainLog()
+    result = _run(runner, make_train_fn(30, log, step_hook=hook))
+    up = result.recoveries[-1]
+    assert up.kind == "scale_up" and up.failed_at_step == 18
+    assert up.restored_step == 18 and up.lost_steps == 0
     assert [log.samples[s] for s in range(30)] == [(s * BATCH, (s + 1) * BATCH) for s in range(30)]
 
 

@@ -102,11 +102,12 @@ class ElasticContext:
         return state, self.start_step, position
 
     def save(self, step: int, state: PyTree, data_position: int, *, persist: bool = True,
-             if_busy: Literal["wait", "skip"] = "wait") -> None:
+             if_busy: Literal["wait", "skip"] = "wait") -> str:
         """Save ``state`` as ``step`` (the loop is blocked only for the device-to-host copy): to storage
         (through ckptd's memory tier when it is on), or only to host memory when ``persist`` is False.
         ``if_busy="skip"`` (the periodic saves) skips a direct save that would wait for the previous one. The
-        data iterator given to ``restore_or_init`` is saved with it, as it is now."""
+        data iterator given to ``restore_or_init`` is saved with it, as it is now. Returns the tier used
+        (``memory``, ``memory+persist``, ``storage``) or ``skipped``."""
         meta = training_metadata(step, state, data_position=data_position, global_batch=self.global_batch,
                                  mesh=self.mesh, slices=sorted(self.active_slices), batch=self.batch)
         saver = self.runner.saver
@@ -116,6 +117,7 @@ class ElasticContext:
         self._start_precompile()  # after the attempt's first save: its first-time costs are paid alone
         self.runner.emit("checkpoint_started", step, f"{tier}, {saver.last_blocked_s or 0.0:.3f}s blocked",
                          blocked_seconds=saver.last_blocked_s, tier=tier)
+        return tier
 
     def _start_precompile(self) -> None:
         cfg = self.runner.config
@@ -160,7 +162,9 @@ class ElasticContext:
         if not back:
             return
         if step not in self.runner.saver.saved_steps:
-            self.save(step, state, data_position, persist=self.runner.saver.memory is None)
+            tier = self.save(step, state, data_position, persist=self.runner.saver.memory is None)
+            if tier == "skipped":  # the memory tier is full: the step we grow from goes to storage instead, or
+                self.save(step, state, data_position, persist=True)  # the next attempt would lose the steps since
         self.runner.saver.wait()  # the step we grow from must be whole (in memory) or committed
         raise ScaleUpSignalError(f"slice(s) {sorted(back)} healthy again at step {step}")
 
