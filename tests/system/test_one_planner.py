@@ -48,7 +48,8 @@ def _state(mesh: Mesh) -> Any:
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """trainer/30: saved by trainer_client's Checkpointer; persisted/40: a memory snapshot persisted by
+    """trainer/30: saved by trainer_client's Checkpointer (trainer_items/35: as the item ``items``);
+    persisted/40: a memory snapshot persisted by
     ckptd's persist worker; plain/50: plain Orbax in another process; maxtext/100: MaxText's layout."""
     from ckptd.catalog.persist_worker import persist
 
@@ -58,6 +59,9 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     checkpointer = Checkpointer(str(root / "trainer"))
     checkpointer.save(30, state, data_position=30 * 48, global_batch=48, mesh=mesh, slices=[0, 1, 2, 3])
     checkpointer.close()
+    named = Checkpointer(str(root / "trainer_items"), item="items")  # MaxText's item name for the state
+    named.save(35, state, data_position=35 * 48, global_batch=48, mesh=mesh, slices=[0, 1, 2, 3])
+    named.close()
     meta = training_metadata(40, state, data_position=40 * 48, global_batch=48, mesh=mesh, slices=[0, 1, 2, 3])
     snapshot = MemoryTier(str(tmp_path_factory.mktemp("shm")), "persisted").save(40, state, meta, persist=True)
     persist(snapshot, str(root / "persisted"))
@@ -82,7 +86,7 @@ def _fallback(root: Path, job: str, devices: int, shm: Path) -> p.ResumePlan:
     return plan.model_copy(update={"source": "ckptd"})
 
 
-@pytest.mark.parametrize("job", ["trainer", "persisted", "plain", "maxtext"])
+@pytest.mark.parametrize("job", ["trainer", "trainer_items", "persisted", "plain", "maxtext"])
 def test_the_cli_the_server_and_the_fallback_give_the_same_plan(
     root: Path, job: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -105,5 +109,9 @@ def test_the_cli_the_server_and_the_fallback_give_the_same_plan(
             axes = MAXTEXT_MESH_AXES if job == "maxtext" else ("replica", "data")
             assert served.saved_mesh is not None and tuple(served.saved_mesh.axis_names) == axes
             assert not any("not in the mesh" in note for note in served.notes), served.notes
+            # the plan names the item the arrays are in, as the step records it
+            # (absent when it is ``default``, as older ckptd sent it)
+            assert list(served.items or {"default": []}) == [
+                "items" if job in ("trainer_items", "maxtext") else "default"]
             assert any(spec.partition_spec and any(spec.partition_spec) for spec in served.arrays.values())
             json.loads(answer.content)  # the bytes served are the plan's JSON

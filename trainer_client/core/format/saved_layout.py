@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 from trainer_client.core.errors import ArrayIndexError
 from trainer_client.core.format.array_index import read_array_index
-from trainer_client.core.format.files import DEFAULT_ITEM
 from trainer_client.core.format.steps import array_items, read_saved_sharding, read_training
 from trainer_client.core.protocol import ArraySpec, MeshSpec, TrainingMetadata
 from trainer_client.core.storage import Storage
@@ -46,9 +45,9 @@ def read_step_layout(storage: Storage, step_path: str) -> StepLayout:
     ckptd's training metadata wins where a step has it (the trainer's mesh and specs, as the trainer had
     them); otherwise each array item's ``_sharding`` and zarr metadata say. Parts the step does not record
     stay empty (``mesh`` None, ``arrays`` without shapes)."""
-    training = read_training(storage, step_path)
-    if training is not None and training.arrays:  # trainer_client's Checkpointer: one item, Orbax's default
-        return StepLayout(training, training.mesh, dict(training.arrays), {DEFAULT_ITEM: sorted(training.arrays)})
+    training, item = read_training(storage, step_path)
+    if training is not None and training.arrays:  # trainer_client's Checkpointer: one array item
+        return StepLayout(training, training.mesh, dict(training.arrays), {item: sorted(training.arrays)})
     items = array_items(storage, step_path)
     mesh: MeshSpec | None = None
     arrays = {}

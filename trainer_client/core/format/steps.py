@@ -218,17 +218,23 @@ def array_items(storage: Storage, step_path: str) -> list[str]:
     return found or [DEFAULT_ITEM]
 
 
-def read_training(storage: Storage, step_path: str) -> TrainingMetadata | None:
+def read_training(storage: Storage, step_path: str) -> tuple[TrainingMetadata | None, str]:
     """ckptd's training metadata of a committed step, arrays included (None when the step has none or it
-    does not parse: the step was then never verified with it)."""
+    does not parse: the step was then never verified with it), and the item trainer_client saved its arrays
+    as: the one item with a tree handler (``default``, or ``items`` under ``ElasticConfig.checkpoint_item``;
+    an ``iter`` item beside it holds the data iterator's state), ``default`` when that is not one item."""
     meta = _read_json_object(storage, step_path, CHECKPOINT_METADATA)
-    custom = meta.get("custom_metadata") if isinstance(meta, dict) else None
+    if not isinstance(meta, dict):
+        return None, DEFAULT_ITEM
+    trees = [item for item, handler in item_handlers(meta).items() if _is_pytree_handler(handler)]
+    item = trees[0] if len(trees) == 1 else DEFAULT_ITEM
+    custom = meta.get("custom_metadata")
     if not isinstance(custom, dict) or CUSTOM_METADATA_KEY not in custom:
-        return None
+        return None, item
     try:
-        return TrainingMetadata.model_validate(custom[CUSTOM_METADATA_KEY])
+        return TrainingMetadata.model_validate(custom[CUSTOM_METADATA_KEY]), item
     except ValidationError:
-        return None
+        return None, item
 
 
 def read_saved_sharding(
