@@ -19,9 +19,9 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.extend.backend
@@ -32,7 +32,7 @@ from examples.demo import free_port, start_ckptd
 from examples.elastic_mlp import TrainLog, make_train_fn
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
-from trainer_client.runtime.elastic import ElasticConfig, ElasticResult, ElasticRunner, Event
+from trainer_client.runtime.elastic import ElasticConfig, ElasticResult, ElasticRunner
 from trainer_client.runtime.jax_faults import InJaxFaults
 from trainer_client.runtime.recovery import give_back_host_memory
 from trainer_client.runtime.slices import SimulatedSlices
@@ -40,6 +40,7 @@ from trainer_client.runtime.slices import SimulatedSlices
 STEPS = 30  # steps of one trial; saves every 10 (persistent) and every 5 (memory tier)
 BATCH = 48
 SLICES = 4
+Policy = Literal["pause", "resize"]
 
 
 class Ckptd:
@@ -200,11 +201,11 @@ class Soak:
         for k in self.slices.slice_to_devices:
             self.slices.bring_back(k)
 
-    def runner(self, job: str, policy: str, *, memory_tier: bool, on_event: Any = None) -> ElasticRunner:
+    def runner(self, job: str, policy: Policy, *, memory_tier: bool, on_event: Any = None) -> ElasticRunner:
         (self.root / job).mkdir(parents=True, exist_ok=True)
         shm = str(self.shm) if memory_tier else None
         config = ElasticConfig(
-            job=job, mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=BATCH, policy=policy,  # type: ignore[arg-type]
+            job=job, mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=BATCH, policy=policy,
             checkpoint_period=10, memory_period=5 if memory_tier else None, shm_dir=shm, max_snapshots=4,
             elastic_timeout_s=60, poll_interval_s=0.05, scale_up_check_interval_s=0.0, monitor_interval_s=0.2,
         )
@@ -244,12 +245,5 @@ class Soak:
         self.samples.append(found)
         return found
 
-    def samples_json(self) -> list[dict[str, Any]]:
-        return [asdict(s) for s in self.samples]
 
-
-def events_of(result: ElasticResult[Any] | None) -> list[Event]:
-    return list(result.events) if result is not None else []
-
-
-__all__ = ["BATCH", "SLICES", "STEPS", "Ckptd", "Sample", "Soak", "events_of", "rss_mib"]
+__all__ = ["BATCH", "SLICES", "STEPS", "Ckptd", "Policy", "Sample", "Soak", "rss_mib"]

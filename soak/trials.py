@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from examples.elastic_mlp import TrainLog
-from soak.harness import BATCH, SLICES, STEPS, Soak
+from soak.harness import BATCH, SLICES, STEPS, Policy, Soak
 from trainer_client.runtime.elastic import ElasticResult, ElasticRunner, Event
 
 PHASES = ("mid_step", "snapshot", "persist", "restore", "precompile", "second_failure", "slice_returns",
@@ -84,7 +84,7 @@ class _Scenario:
             self.armed_first = True
 
     @property
-    def policy(self) -> str:
+    def policy(self) -> Policy:
         return "resize" if self.phase == "slice_returns" else "pause"
 
     @property
