@@ -28,6 +28,7 @@ from trainer_client.core import protocol as p
 from trainer_client.core.format.snapshot import SNAPSHOT_META_FILE, problems
 from trainer_client.core.step_plan import plan_for_step
 from trainer_client.core.storage import Storage
+from trainer_client.runtime import _saver
 from trainer_client.runtime.checkpointing import Checkpointer, training_metadata
 from trainer_client.runtime.data_iterator import (
     ITER_ITEM,
@@ -176,14 +177,27 @@ def _grain_train_fn(total: int, make: Callable[[], Any], seen: dict[int, np.ndar
     return train
 
 
-@pytest.mark.parametrize("tier", ["storage", "memory"])
+@pytest.mark.parametrize("tier", ["storage", "memory", "memory_evicted"])
 def test_an_elastic_run_reads_every_batch_an_uninterrupted_iterator_gives(
-    tmp_path: Path, ckptd_server: Any, tier: str
+    tmp_path: Path, ckptd_server: Any, tier: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Slice 1 is lost at step 13 (restored at step 10: storage, or 10 from memory) and comes back at step 22:
     the run shrinks to 3 slices keeping the global batch (2 microbatches of 24), grows back to 4 (when the
     monitor sees the slice in time), and the batches of the trajectory that survived are exactly those of an
-    uninterrupted iterator."""
+    uninterrupted iterator. ``memory_evicted``: ckptd evicts the snapshot just after the restore mapped its
+    arrays (its snapshot.json is gone): the iterator's state was read before, so the resume still holds."""
+    if tier == "memory_evicted":
+        tier = "memory"
+        restore, evicted = _saver.restore_snapshot, []
+
+        def restore_then_evict(path: str, target: Any) -> Any:
+            arrays = restore(path, target)
+            if not evicted:  # the first resume's snapshot (the regrow's must still be persisted, below)
+                evicted.append(path)
+                (Path(path) / SNAPSHOT_META_FILE).unlink()
+            return arrays
+
+        monkeypatch.setattr(_saver, "restore_snapshot", restore_then_evict)
     kind = "data_loader" if tier == "storage" else "dataset"
 
     def make() -> Any:

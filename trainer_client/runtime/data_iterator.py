@@ -162,10 +162,11 @@ def planned_state(plan: ResumePlan) -> DataIteratorRecord | None:
     return record
 
 
-def restore_iterator(plan: ResumePlan, iterator: DataIterator) -> bool:
-    """Set ``iterator`` to the state saved with the plan's step; False (iterator untouched, a warning) when the
-    step saved none (a step written without an iterator: the data restarts where the iterator is)."""
-    record = planned_state(plan)
+def restore_iterator(plan: ResumePlan, iterator: DataIterator, record: DataIteratorRecord | None = None) -> bool:
+    """Set ``iterator`` to the state saved with the plan's step (``record``: that state, read already);
+    False (iterator untouched, a warning) when the step saved none (a step written without an iterator: the
+    data restarts where the iterator is)."""
+    record = record if record is not None else planned_state(plan)
     if record is None:
         _log.warning("step %s (%s) holds no data iterator state: the iterator is left where it is", plan.step,
                      plan.path)

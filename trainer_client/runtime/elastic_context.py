@@ -8,6 +8,7 @@ faults, the start of compile-ahead, growing back under ``resize``). Split from
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
@@ -20,7 +21,7 @@ from trainer_client.core.batching import initial_batch
 from trainer_client.core.protocol import BatchOptions, BatchPlan, ResumePlan
 from trainer_client.runtime._saver import restore_plan
 from trainer_client.runtime.checkpointing import mesh_spec, target_shardings, training_metadata
-from trainer_client.runtime.data_iterator import DataIterator, restore_iterator, state_record
+from trainer_client.runtime.data_iterator import DataIterator, planned_state, restore_iterator, state_record
 from trainer_client.runtime.precompile import PrecompileHook
 
 if TYPE_CHECKING:
@@ -86,6 +87,11 @@ class ElasticContext:
             self.start_step, position = 0, 0
             self.runner.emit("initialized", 0, f"fresh state on mesh {list(self.mesh.devices.shape)}")
         else:
+            planned = self.plan
+            held = None  # a memory snapshot's iterator state is read before its arrays: ckptd may evict the
+            if data_iterator is not None and planned.tier == "memory":  # snapshot once the restore has mapped it
+                with contextlib.suppress(OSError, ValueError):  # gone or unusable: the restore falls back, or says
+                    held = planned_state(planned)
             state, self.plan = restore_plan(
                 self.plan, lambda plan: target_shardings(abstract, self.mesh, specs, plan.arrays),
                 lambda: self.runner._plan(self.active_slices, use_memory_tier=False))
@@ -95,7 +101,8 @@ class ElasticContext:
             plan = self.plan
             detail = f"from {plan.tier}: {plan.path}"
             if data_iterator is not None:  # from the step actually restored (the plan may have fallen back)
-                detail += ", data iterator restored" if restore_iterator(plan, data_iterator) else (
+                detail += ", data iterator restored" if restore_iterator(
+                    plan, data_iterator, held if plan is planned and held is not None else None) else (
                     ", no data iterator state saved with the step: the iterator starts where it is")
             self.runner.emit("restored", plan.step, detail, tier=plan.tier)
         self.last_step = self.start_step
