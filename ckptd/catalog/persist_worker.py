@@ -142,6 +142,9 @@ def persist(snapshot: Path, job_url: str, *, compression: bool = False) -> str:
     if bad:
         raise ValueError(f"snapshot {snapshot} is not whole: {'; '.join(bad)}")
     meta = read_meta(snapshot)
+    if meta.is_part:  # the other hosts' shards are not here: a step committed from it would lack them
+        raise ValueError(f"snapshot {snapshot} is process {meta.process_index} of {meta.process_count}'s part only "
+                         "(docs/multihost.md)")
     # The trainer's tree as data (never unpickled): dicts and lists with the same key paths, which is all
     # Orbax records of a tree. jax arrays, not numpy: Orbax writes jax arrays through its parallel array
     # path, numpy leaves ~7x slower.

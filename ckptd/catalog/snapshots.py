@@ -7,7 +7,11 @@ manifest before the commit marker; one long-lived child, so jax and Orbax load o
 trainer that made it is still alive. Once the
 step is committed the snapshot is marked persisted and may be evicted; beyond ``max_snapshots`` per job
 the oldest evictable snapshots are dropped. A snapshot that is not whole is reported and dropped (it is a
-copy in memory; the storage tier never loses a step this way).
+copy in memory; the storage tier never loses a step this way). One host's part of a multi-process job's step
+(``process_count`` > 1: only that process's shards) is neither dropped as broken nor persisted: the keeper
+keeps it and reports it (one warning per snapshot, ``KeeperStats.parts``) until multi-host persist exists
+(docs/multihost.md); one marked ``persist`` is never evicted, one that is not goes beyond ``max_snapshots``
+like any snapshot kept in memory only.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from trainer_client.core.errors import StoredFormatError, UnsafePathError
 from trainer_client.core.format.files import COMMIT_MARKER
 from trainer_client.core.format.private_files import check_private_dir, ensure_private_dir, is_real_dir
 from trainer_client.core.format.snapshot import (
+    SnapshotMeta,
     complete_snapshots,
     drop_leftovers,
     evict,
@@ -51,6 +56,8 @@ class KeeperStats:
     evicted: int = 0
     broken: int = 0
     last_error: str | None = None
+    # the parts of multi-process steps held and not persisted (snapshot path -> why), for status and metrics
+    parts: dict[str, str] = field(default_factory=dict)
     persist_seconds: list[float] = field(default_factory=list)
 
 
@@ -201,9 +208,10 @@ class SnapshotKeeper:
             # a trainer killed between or during saves leaves a spare file or an unfinished snapshot behind
             drop_leftovers(job_dir(self.shm_dir, job), older_than_s=self.timeout_s)
             self.stats.evicted += evict_oldest(complete_snapshots(self.shm_dir, job), self.max_snapshots)
+        self._forget_gone_parts()
 
     def _consider(self, job: str, path: Path) -> None:
-        """Queue one snapshot for persisting, or drop it when it is broken."""
+        """Queue one snapshot for persisting, drop it when it is broken, hold it when it is one host's part."""
         bad = problems(path)
         if bad:
             if not path.exists():
@@ -212,11 +220,32 @@ class SnapshotKeeper:
             self.stats.broken += 1
             evict(path)
             return
-        if read_meta(path).persist and not is_persisted(path):
+        meta = read_meta(path)
+        if meta.is_part:
+            self._hold_part(path, meta)
+            return
+        if meta.persist and not is_persisted(path):
             with self._lock:
                 if path not in self._queued:
                     self._queued.add(path)
                     self._queue.put((job, path))
+
+    def _hold_part(self, path: Path, meta: SnapshotMeta) -> None:
+        """Keep one host's part of a multi-process step as it is: whether the step is whole is a job-level
+        fact no single host's file decides, and persisting it alone would commit a step missing the other
+        hosts' shards. Warned about once; listed in ``stats.parts`` while it exists."""
+        key = str(path)
+        if key in self.stats.parts:
+            return
+        why = (f"process {meta.process_index} of {meta.process_count}: one host's part of step {meta.step}, kept in "
+               "memory; ckptd does not persist multi-process steps from memory yet"
+               + (" (a persistent save: it stays until a whole-job persist exists)" if meta.persist else ""))
+        self.stats.parts[key] = why
+        _log.warning("not persisting snapshot %s: %s (docs/multihost.md)", path, why)
+
+    def _forget_gone_parts(self) -> None:
+        for key in [key for key in self.stats.parts if not Path(key).exists()]:
+            del self.stats.parts[key]
 
     def _persist_loop(self) -> None:
         while True:

@@ -74,7 +74,9 @@ class Saver:
         loop until that save is done (Orbax waits for it), with a warning.
         """
         tier = "storage"
-        if self.memory is not None:
+        # ckptd does not persist one host's part of a multi-process step from memory yet (docs/multihost.md):
+        # such a persistent save goes to Orbax directly, in every process alike (one multi-process Orbax save)
+        if self.memory is not None and not (persist and self.memory.process_count > 1):
             try:
                 self.memory.save(step, state, meta, persist=persist, data_iterator=data_iterator,
                                  item=self.checkpointer.item)

@@ -68,12 +68,22 @@ class MemoryTier:
     the memory held never exceeds ``max_snapshots`` snapshots, and the next save writes into pages that
     exist instead of making the kernel allocate and zero 4 KiB pages of shared memory while the training
     loop waits (measured: ~0.45 s instead of ~1.1 s for 2 GiB; docs/benchmarks.md).
+
+    In a multi-process job each process snapshots its own shards into its host's shared memory and the
+    snapshot records ``process_index`` of ``process_count`` (``jax.process_index()``/``jax.process_count()``
+    unless given): one host's part of the step, which ckptd keeps but neither persists nor takes for whole
+    on its own (docs/multihost.md).
     """
 
     def __init__(self, shm_dir: str, job: str, *, max_snapshots: int = 2, reserve_bytes: int = 64 << 20,
-                 preallocate: bool = True) -> None:
+                 preallocate: bool = True, process_index: int | None = None,
+                 process_count: int | None = None) -> None:
         if max_snapshots < 1:
             raise ValueError("max_snapshots must be at least 1")
+        self.process_index = jax.process_index() if process_index is None else process_index
+        self.process_count = jax.process_count() if process_count is None else process_count
+        if not 0 <= self.process_index < self.process_count:
+            raise ValueError(f"process {self.process_index} of {self.process_count}")
         self.dir = job_dir(shm_dir, job)
         self.max_snapshots = max_snapshots
         self.reserve_bytes = reserve_bytes
@@ -95,6 +105,8 @@ class MemoryTier:
             raise MemoryTierFull(
                 f"{len(held)} snapshots of {self.dir.name!r} are held in {self.dir} and none may be dropped "
                 f"yet (all wait to be persisted by ckptd); max_snapshots={self.max_snapshots}. Is ckptd running?"
+                + (" ckptd does not persist one host's part of a multi-process job's step yet (docs/multihost.md)."
+                   if self.process_count > 1 else "")
             )
         free = shutil.disk_usage(self.dir).free
         if nbytes and nbytes + self.reserve_bytes > free:
@@ -146,7 +158,8 @@ class MemoryTier:
             raise
         meta = SnapshotMeta(step=step, created_at=time.time(), persist=persist, nbytes=offset,
                             leaf_names=[name for name, _, _ in plan], tree=tree, arrays=arrays, training=training,
-                            data_iterator=data_iterator, item=item)
+                            data_iterator=data_iterator, item=item, process_index=self.process_index,
+                            process_count=self.process_count)
         write_private(tmp / SNAPSHOT_META_FILE, meta.model_dump_json().encode())
         final = self.dir / str(step)
         shutil.rmtree(final, ignore_errors=True)

@@ -9,7 +9,8 @@ snapshot.json    step, training metadata, the state's tree as data (``tree_paths
                  that are not arrays as values), per array: shape, dtype, and each shard's index, offset and
                  XXH3-64 checksum; and the data iterator's state when the trainer has one (Grain's
                  ``get_state()`` as JSON data, with the process it belongs to), which ckptd persists as the
-                 step's ``iter`` item in Grain's own format
+                 step's ``iter`` item in Grain's own format; in a multi-process job, the writing process's
+                 index and the process count: the snapshot is then that host's part of the step only
 persisted.json   written by ckptd once the step is committed on storage (path, time)
 ```
 
@@ -113,6 +114,25 @@ class SnapshotMeta(_Model):
                                                      description="the data iterator's state, if the trainer has one")
     item: str = Field(default=DEFAULT_ITEM, exclude_if=lambda v: v == DEFAULT_ITEM, pattern=r"^[A-Za-z0-9_-]{1,64}$",
                       description="the Orbax item the trainer saves the state as (MaxText's: items)")
+    # Written only by a process of a multi-process (multi-controller) job, so a single process's snapshot.json
+    # stays what readers before these fields parse. Such a snapshot is one host's part of the step: it holds
+    # that process's shards only, and whether the step is whole in memory is a job-level fact
+    # (docs/multihost.md).
+    process_index: int = Field(default=0, ge=0, exclude_if=lambda v: v == 0,
+                               description="the JAX process (jax.process_index()) whose shards these are")
+    process_count: int = Field(default=1, ge=1, exclude_if=lambda v: v == 1,
+                               description="how many JAX processes the job had (jax.process_count())")
+
+    @model_validator(mode="after")
+    def _process_in_range(self) -> SnapshotMeta:
+        if self.process_index >= self.process_count:
+            raise ValueError(f"process {self.process_index} of {self.process_count}")
+        return self
+
+    @property
+    def is_part(self) -> bool:
+        """One host's part of a multi-process job's step: never whole on its own."""
+        return self.process_count > 1
 
 
 def job_dir(shm_dir: str | os.PathLike[str], job: str) -> Path:
@@ -125,7 +145,8 @@ def read_meta(path: str | os.PathLike[str]) -> SnapshotMeta:
 
 
 def problems(path: str | os.PathLike[str]) -> list[str]:
-    """Why a snapshot directory cannot be used (empty: it is whole)."""
+    """Why a snapshot directory cannot be used (empty: it is whole, or for a part of a multi-process step
+    (``SnapshotMeta.is_part``), intact: its own shards are all there)."""
     path = Path(path)
     try:
         check_private_dir(path)
@@ -156,8 +177,10 @@ def problems(path: str | os.PathLike[str]) -> list[str]:
             if shard.nbytes != volume * itemsize or shard.offset + shard.nbytes > meta.nbytes:
                 out.append(f"{name}: a shard's extent does not match its bytes")
                 break
-        if covered != math.prod(array.shape):
-            out.append(f"{name}: shards cover {covered} of {math.prod(array.shape)} elements")
+        # a part holds its process's shards only: they fit in the array, the other hosts hold the rest
+        total = math.prod(array.shape)
+        if (covered > total) if meta.is_part else (covered != total):
+            out.append(f"{name}: shards cover {covered} of {total} elements")
     return out
 
 
@@ -250,7 +273,9 @@ def newest_whole(
         if at_most is not None and int(path.name) > at_most:
             continue
         if not problems(path):
-            return path, read_meta(path)
+            meta = read_meta(path)
+            if not meta.is_part:  # one host's part is whole only if every host's is (docs/multihost.md)
+                return path, meta
     return None
 
 
