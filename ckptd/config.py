@@ -129,6 +129,12 @@ class Settings(BaseSettings):
         description="on SIGTERM, how long to keep persisting the memory snapshots trainers asked for (keep it "
                     "below Kubernetes' terminationGracePeriodSeconds; what is left stays in shared memory)",
     )
+    lease_ttl_s: float | None = Field(
+        default=None, gt=0,
+        description="several sidecars on one root (a multi-host job): only the holder of a job's lease on storage "
+        "writes its records and runs its retention, the others serve what it wrote; a follower takes over when the "
+        "leader's heartbeat stopped this long (off: None, every sidecar writes; docs/multihost.md)",
+    )
     shm_dir: str | None = Field(
         default=None, description="host-memory tier: the shared-memory directory trainers snapshot into (off: None)"
     )

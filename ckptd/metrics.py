@@ -2,7 +2,8 @@
 
 Three kinds of sources, so that a scrape of ``GET /metrics`` stays fast (it reads only SQLite and memory):
 
-* the catalog, read at scrape time: steps by state, quarantined steps, the latest good step per job;
+* the catalog, read at scrape time: steps by state, quarantined steps, the latest good step per job, and
+  with a lease (CKPTD_LEASE_TTL_S) whether this sidecar leads each job and the newest epoch it saw;
 * the request path: HTTP requests, resume requests and plan latency, and the elastic events trainers
   report (``POST /v1/jobs/{job}/events``): events by kind, recovery seconds, lost steps, save stalls;
 * the background tracker (``ckptd.catalog.commit_tracker``): commits and bytes committed (from the manifests),
@@ -65,6 +66,10 @@ class Metrics:
         self.lost_steps = Counter("ckptd_lost_steps", "steps done again after recoveries", ["job"], registry=r)
         self.goodput = Gauge("ckptd_goodput_ratio", "productive training time over wall time (reported events)",
                              ["job"], registry=r)
+        self.lease_leader = Gauge("ckptd_lease_leader", "1 when this sidecar leads the job (writes its records; "
+                                  "CKPTD_LEASE_TTL_S), else 0", ["job"], registry=r)
+        self.lease_epoch = Gauge("ckptd_lease_epoch", "the newest lease epoch of the job this sidecar saw", ["job"],
+                                 registry=r)
         self._history_lock = threading.Lock()
         self._loaded: set[str] = set()  # jobs whose stored history is counted
         self._live: dict[str, EventStats] = {}  # counted on arrival before the job's history was loaded
@@ -122,6 +127,12 @@ class Metrics:
             for state in StepState:
                 self.steps.labels(job.name, state.value).set(counts.get(state.value, 0))
             self.quarantined.labels(job.name).set(counts.get(StepState.QUARANTINED.value, 0))
+        self.lease_leader.clear()
+        self.lease_epoch.clear()
+        for name, view in (catalog.lease.views() if catalog.lease is not None else {}).items():
+            self.lease_leader.labels(name).set(1 if view.role == "leader" else 0)
+            if view.epoch is not None:
+                self.lease_epoch.labels(name).set(view.epoch)
         return generate_latest(self.registry)
 
 

@@ -16,6 +16,7 @@ from ckptd.api.pool_watch import PoolWatch
 from ckptd.catalog.catalog import Catalog
 from ckptd.catalog.commit_tracker import CommitTracker
 from ckptd.catalog.events import EventLimits, EventStore, record_retention
+from ckptd.catalog.lease import LeaseBoard
 from ckptd.catalog.refresher import Refresher
 from ckptd.catalog.retention import prune
 from ckptd.catalog.snapshots import SnapshotKeeper
@@ -40,6 +41,7 @@ class Services:
     plans: PlanCache = field(default_factory=PlanCache)
     answers: Coalescer[bytes] = field(default_factory=Coalescer)
     listings: dict[str, tuple[int, bytes]] = field(default_factory=dict)  # job -> (catalog version, list answered)
+    lease: LeaseBoard | None = None  # with CKPTD_LEASE_TTL_S: which jobs this sidecar writes (ckptd/catalog/lease.py)
 
     def require_ready(self) -> None:
         if not self.catalog.ready.is_set():
@@ -59,6 +61,8 @@ class Services:
     def start(self) -> None:
         if self.keeper is not None:
             self.keeper.start()
+        if self.lease is not None:
+            self.lease.start()
         self.refresher.start()
         self.tracker.start()
 
@@ -69,6 +73,8 @@ class Services:
             self.keeper.stop(self.settings.drain_timeout_s)
         self.tracker.stop()
         self.refresher.stop()
+        if self.lease is not None:  # last: the other workers are done writing
+            self.lease.stop()
 
 
 def build_services(settings: Settings, catalog: Catalog | None = None) -> Services:
@@ -80,6 +86,9 @@ def build_services(settings: Settings, catalog: Catalog | None = None) -> Servic
     cat = catalog
     metrics = Metrics()
     cat.max_jobs = settings.max_jobs
+    if settings.lease_ttl_s is not None:  # one writer per job among the sidecars on this root
+        cat.lease = LeaseBoard(cat.storage, settings.lease_ttl_s, jobs=lambda: [j.name for j in cat.jobs()],
+                               read_only=cat.read_only_for)
     events = EventStore(cat.storage, EventLimits(  # <root>/<job>/.ckptd/events/ (ckptd/catalog/events.py)
         max_events=settings.events_max_per_job, max_bytes=settings.events_max_bytes_per_job,
         memory_bytes=settings.events_memory_bytes), read_only=cat.read_only_for)  # a read-only job's: on the side
@@ -102,7 +111,8 @@ def build_services(settings: Settings, catalog: Catalog | None = None) -> Servic
     advice = AdviceRunner(settings.advice_workers, timeout_s=settings.advice_timeout_s,
                           max_failures=settings.advice_max_failures)
     return Services(settings=settings, catalog=cat, metrics=metrics, events=events, tracker=tracker,
-                    refresher=refresher, keeper=keeper, advice=advice, pool_watch=PoolWatch(settings.wedged_after_s))
+                    refresher=refresher, keeper=keeper, advice=advice, pool_watch=PoolWatch(settings.wedged_after_s),
+                    lease=cat.lease)
 
 
 __all__ = ["Services", "build_services"]

@@ -16,9 +16,9 @@ quarantine record, on every answer; quick validation against its manifest, when 
 than ``revalidate_after_s`` (the refresher re-checks each job's newest good step ahead of that, so answers
 rarely wait for it).
 
-A job watched read-only (``read_only`` for the whole root, ``read_only_jobs`` for some) gets its manifests,
-verified and quarantine records on the side prefix ``<root>/.ckptd/<job>/`` instead of inside its steps
-(``trainer_client/core/format/records.py``); the records are read from there whatever the mode.
+A job watched read-only (``read_only`` for the whole root, ``read_only_jobs`` for some) gets its records on
+the side prefix ``<root>/.ckptd/<job>/`` (``trainer_client/core/format/records.py``). With a lease (``lease``,
+``ckptd/catalog/lease.py``) only the job's leader writes records; the others serve what it wrote.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from typing import TypeVar
 
 from ckptd.catalog.integrity import quarantine, settle
 from ckptd.catalog.job_admission import JobAdmission
+from ckptd.catalog.lease import LeaseBoard
 from ckptd.catalog.step_table import FINAL_STATES, UNSETTLED_STATES, StepTable, summary_json
 from trainer_client.core.errors import StorageError
 from trainer_client.core.format.files import CKPTD_MANIFEST, COMMIT_MARKER, QUARANTINE_FILE, VERIFIED_FILE
@@ -90,10 +91,15 @@ class Catalog(StepTable, JobAdmission):
         self.last_error: str | None = None
         self.refused: dict[str, str] = {}  # job -> why scans ignore it (a warning once each)
         self._side_jobs: set[str] = set()  # jobs with records on the side prefix (a read-only ckptd's), as listed
+        self.lease: LeaseBoard | None = None  # one writer per job among sidecars on one root (docs/multihost.md)
 
     def read_only_for(self, job: str) -> bool:
         """Whether ckptd writes nothing into the step directories of ``job`` (its records go on the side)."""
         return self.read_only or job in self.read_only_jobs
+
+    def writes(self, job: str) -> bool:
+        """Whether this ckptd writes ``job``'s records (any when no lease is on; else only while it leads)."""
+        return self.lease is None or self.lease.leads(job)
 
     def _read_only_at(self, step_path: str) -> bool:
         return self.read_only_for(posixpath.basename(posixpath.dirname(step_path.rstrip("/"))))
@@ -137,8 +143,7 @@ class Catalog(StepTable, JobAdmission):
         """Rescan one job directory; inspects (and settles) only steps not yet verified or quarantined.
 
         ``quick`` (what a resume does): on a local disk, when the job directory has not changed since the
-        last scan, only the steps not yet settled are looked at again — no listing of thousands of steps.
-        """
+        last scan, only the steps not yet settled are looked at again — no listing of thousands of steps."""
         job_path = self.storage.join(job)
         dir_mtime = self._dir_mtime_ns(job_path)
         self.storage.invalidate(job_path)
@@ -229,7 +234,7 @@ class Catalog(StepTable, JobAdmission):
         inspection = inspect_step(self.storage, entry, save_timeout_s=self.save_timeout_s, now=now)
         if inspection is not None and inspection.state is StepState.COMMITTED:
             settled = settle(self.storage, inspection, adopt_after_s=self.adopt_after_s,
-                             read_only=self.read_only_for(job))
+                             read_only=self.read_only_for(job), write=self.writes(job))
             inspection = replace(inspection, state=settled.state, reason=settled.reason)
             if settled.state is StepState.VERIFIED:
                 self._validated_at[self.storage.url_of(inspection.path)] = time.monotonic()
@@ -275,9 +280,7 @@ class Catalog(StepTable, JobAdmission):
         """``latest_good``, after checking on storage that the step still holds its commit marker.
 
         A verified step is not re-read by refreshes; if it was deleted, is being rewritten under the same
-        name, or was quarantined by another ckptd since, it is re-inspected here and the next newest good
-        step is tried.
-        """
+        name, or was quarantined by another ckptd since, it is re-inspected here and the next good one tried."""
         while True:
             info = self.latest_good(job, at_most)
             if info is None or self._still_good(info):
@@ -319,9 +322,10 @@ class Catalog(StepTable, JobAdmission):
         kept = self._manifests.get(info.path)
         known = kept[1] if kept is not None and key is not None and kept[0] == key else None
         result = validate_step(self.storage, info.path, "quick", manifest=known)
-        if not result.ok:
-            quarantine(self.storage, info.path, "quick validation failed: " + "; ".join(result.problems[:5]),
-                       result.problems, read_only=self._read_only_at(info.path))
+        if not result.ok:  # a follower leaves the verdict to the leader (not served meanwhile)
+            if self.writes(posixpath.basename(posixpath.dirname(info.path.rstrip("/")))):  # the step's job
+                quarantine(self.storage, info.path, "quick validation failed: " + "; ".join(result.problems[:5]),
+                           result.problems, read_only=self._read_only_at(info.path))
             return False
         if result.manifest is not None and key is not None:
             self._keep(self._manifests, info.path, (key, result.manifest))

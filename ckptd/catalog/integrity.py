@@ -49,6 +49,9 @@ from trainer_client.core.validation import Level, ValidationResult, read_quarant
 _log = logging.getLogger(__name__)
 
 
+FOLLOWER_REASON = "not verified yet: another ckptd leads this job and writes its records (docs/multihost.md)"
+
+
 @dataclass(frozen=True)
 class Settled:
     state: StepState
@@ -77,16 +80,20 @@ def _durable(storage: Storage, step_path: str) -> None:
 
 
 def settle(storage: Storage, inspection: StepInspection, *, adopt_after_s: float = 0.0,
-           read_only: bool = False) -> Settled:
+           read_only: bool = False, write: bool = True) -> Settled:
     """Verify (adopting and sealing as needed) or quarantine a committed step.
 
     A step without a manifest is adopted only once none of its files changed for ``adopt_after_s``: a
-    directory copied in by a tool may show its marker before its other files (Orbax writes it last)."""
+    directory copied in by a tool may show its marker before its other files (Orbax writes it last).
+    ``write=False`` (a follower: another sidecar leads the job, ``ckptd/catalog/lease.py``) writes nothing: the
+    step stays committed, never served, until the leader's verified or quarantine record is there."""
     path = inspection.path
     try:
         record = read_quarantine(storage, path)
         if record is not None:
             return Settled(StepState.QUARANTINED, str(record.get("reason", "quarantined")))
+        if not write:
+            return Settled(StepState.COMMITTED, FOLLOWER_REASON)
         result = validate_step(storage, path, "quick", recorded_training=inspection.training)
         if result.problems == ["no manifest"]:
             newest = newest_file_time(storage, path)
@@ -130,4 +137,4 @@ def validate_and_quarantine(
     return result
 
 
-__all__ = ["Settled", "quarantine", "settle", "validate_and_quarantine"]
+__all__ = ["FOLLOWER_REASON", "Settled", "quarantine", "settle", "validate_and_quarantine"]

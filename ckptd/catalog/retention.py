@@ -139,8 +139,8 @@ def prune(catalog: Catalog, policy: RetentionPolicy) -> list[Decision]:
     """Apply ``policy`` to every job of a catalog (what the server runs every ``gc_interval_s``)."""
     deleted: list[Decision] = []
     for job in catalog.jobs():
-        if catalog.read_only_for(job.name):
-            continue  # nothing is ever deleted there
+        if catalog.read_only_for(job.name) or not catalog.writes(job.name):
+            continue  # nothing is ever deleted there; another sidecar leads the job (ckptd/catalog/lease.py)
         catalog.refresh_job(job.name)
         deleted += collect(catalog.storage, checked_decisions(catalog, job.name, policy))
         catalog.refresh_job(job.name)

@@ -31,7 +31,8 @@ SWITCH_INTERVAL_S = 0.001
 _log = logging.getLogger("ckptd.serve")
 
 # flag -> setting; every flag overrides the CKPTD_ variable of the same name
-_FLAGS = {"--root": "root", "--host": "host", "--port": "port", "--state-dir": "state_dir", "--shm-dir": "shm_dir"}
+_FLAGS = {"--root": "root", "--host": "host", "--port": "port", "--state-dir": "state_dir", "--shm-dir": "shm_dir",
+          "--lease-ttl-s": "lease_ttl_s"}
 
 
 def _help(name: str) -> str:

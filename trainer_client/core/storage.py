@@ -218,6 +218,37 @@ class Storage:
         except storage_failures() as exc:
             raise StorageError(f"cannot read {self.url_of(path)}: {exc}") from exc
 
+    def create_new(self, path: str, data: bytes) -> bool:
+        """Create ``path`` holding ``data`` only if nothing is there: True when this call created it, False when
+        it existed (someone else won). The one coordination primitive among sidecars (docs/multihost.md):
+        ``O_CREAT | O_EXCL`` then fsync of the file and its directory locally; on GCS a write with
+        ``ifGenerationMatch=0`` (gcsfs's ``mode="create"``: HTTP 412 is raised as ``FileExistsError``)."""
+        self.require_inside(path)
+        if self.is_remote:
+            with storage_errors(f"cannot create {self.url_of(path)}"):
+                try:
+                    self.fs.pipe_file(path, data, mode="create")
+                except FileExistsError:
+                    return False
+            self.invalidate(posixpath.dirname(path))
+            return True
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        dir_fd = os.open(os.path.dirname(path), os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        return True
+
     def read_json(self, path: str) -> Any:
         """Parse a JSON file; ``FileNotFoundError`` when absent, ``ValueError`` when not JSON."""
         return json.loads(self.read_bytes(path).decode("utf-8"))
