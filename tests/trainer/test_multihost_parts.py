@@ -10,31 +10,20 @@ from __future__ import annotations
 import json
 import logging
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ckptd.catalog.persist_worker import persist
 from ckptd.catalog.snapshots import SnapshotKeeper
-from tests.support.helpers import REPO, clean_env, free_port
+from tests.support.jax_job import PREAMBLE, run_job
 from trainer_client.core.format.snapshot import newest_whole, problems, read_meta
 from trainer_client.core.storage import Storage
 
-_HOST = """
-import sys
-import jax
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-port, index, shm, root = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=index,
-                           initialization_timeout=60, heartbeat_timeout_seconds=30)
+_HOST = PREAMBLE + """
 from trainer_client.runtime._saver import Saver
 from trainer_client.runtime.checkpointing import Checkpointer, training_metadata
 from trainer_client.runtime.memory_tier import MemoryTier
-mesh = Mesh(np.array(jax.devices()).reshape(8), ("data",))
 state = {
     "w": jax.make_array_from_callback((16, 4), NamedSharding(mesh, P("data")),
                                       lambda i: np.arange(64, dtype=np.float32).reshape(16, 4)[i]),
@@ -59,20 +48,9 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str], li
     the tier each process's save of step 6 took, and the two parts of step 5."""
     base = tmp_path_factory.mktemp("hosts")
     root = base / "root"
-    port = str(free_port())
-    env = clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    procs = [subprocess.Popen([sys.executable, "-c", _HOST, port, str(k), str(base / f"shm{k}"), str(root)], cwd=REPO,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in range(2)]
     tiers, parts = [], []
-    for host in procs:
-        try:  # SIGKILL on timeout: a jax.distributed process takes SIGTERM as a preemption notice, not an end
-            stdout, stderr = host.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            raise
-        assert host.returncode == 0, stderr[-3000:]
-        went, path = stdout.split()[-2:]
+    for line in run_job(_HOST, base):
+        went, path = line.split()[-2:]
         tiers.append(went)
         parts.append(Path(path))
     return root, tiers, parts
@@ -99,7 +77,8 @@ def test_each_host_snapshots_its_own_part_and_records_which(parts: list[Path]) -
     assert not w[0] & w[1]  # the hosts hold different rows of the sharded array ...
     covered = [sum(math.prod(b - a for a, b in index) for index in part) for part in w]
     assert covered == [32, 32]  # ... each half of its 64 elements
-    assert [len(m.arrays["b"].shards) for m in metas] == [1, 0]  # a replicated array: one copy, on process 0
+    # a replicated array: one copy in each part, so that each process restores from its own part alone
+    assert [len(m.arrays["b"].shards) for m in metas] == [1, 1]
     for path in parts:
         assert problems(path) == []  # intact as a part ...
         assert newest_whole(path.parent.parent, "job") is None  # ... and never a whole snapshot on its own

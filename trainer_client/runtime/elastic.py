@@ -46,6 +46,7 @@ from trainer_client.runtime.elastic_context import ElasticContext
 from trainer_client.runtime.fault_classification import classify_failure
 from trainer_client.runtime.jax_faults import InJaxFaults
 from trainer_client.runtime.memory_tier import MemoryTier
+from trainer_client.runtime.multihost import ResumeAgreement
 from trainer_client.runtime.precompile import (
     Precompiler,
     build_mesh,
@@ -183,6 +184,9 @@ class ElasticRunner:
         memory = (MemoryTier(config.shm_dir, config.job, max_snapshots=config.max_snapshots,
                              preallocate=config.preallocate_snapshots) if config.shm_dir else None)
         self.saver = Saver(self.checkpointer, memory, HealthWatch(client) if memory is not None else None)
+        # a multi-controller job's processes restore one step, agreed through JAX's coordination service
+        self.agreement = (ResumeAgreement(config.job, config.shm_dir, client, process_index=jax.process_index(),
+                                          process_count=jax.process_count()) if jax.process_count() > 1 else None)
         self.on_event = on_event
         self.events: list[Event] = []
         self.recoveries: list[Recovery] = []
@@ -343,8 +347,11 @@ class ElasticRunner:
             process_count=jax.process_count(),  # who asks (docs/protocol.md, Identity); the client adds CKPTD_RUN_ID
         )
         try:
-            plan = self.client.resume(self.config.job, request)
+            plan = (self.agreement.plan(request) if self.agreement is not None
+                    else self.client.resume(self.config.job, request))
         except NoCheckpointError:
+            return None
+        if plan is None:
             return None
         batch = plan.batch
         self.emit("plan_received", plan.step,

@@ -92,9 +92,10 @@ class ElasticContext:
             if data_iterator is not None and planned.tier == "memory":  # snapshot once the restore has mapped it
                 with contextlib.suppress(OSError, ValueError):  # gone or unusable: the restore falls back, or says
                     held = planned_state(planned)
-            state, self.plan = restore_plan(
-                self.plan, lambda plan: target_shardings(abstract, self.mesh, specs, plan.arrays),
-                lambda: self.runner._plan(self.active_slices, use_memory_tier=False))
+            target_for = lambda plan: target_shardings(abstract, self.mesh, specs, plan.arrays)  # noqa: E731
+            agreement = self.runner.agreement
+            state, self.plan = agreement.restore(self.plan, target_for) if agreement is not None else restore_plan(
+                self.plan, target_for, lambda: self.runner._plan(self.active_slices, use_memory_tier=False))
             jax.block_until_ready(state)
             self.start_step = self.plan.step
             position = self.plan.data_position or 0

@@ -15,6 +15,7 @@ per job, and a snapshot that does not fit in the free shared memory is refused w
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import threading
@@ -132,7 +133,7 @@ class MemoryTier:
         for path, leaf in leaves:
             if is_value(leaf):  # recorded in the tree as data
                 continue
-            shards = [s for s in leaf.addressable_shards if s.replica_id == 0]
+            shards = self._own_shards(leaf)
             plan.append((leaf_name(path), leaf, shards))
             nbytes += sum(int(np.prod(s.data.shape)) * leaf.dtype.itemsize + SHARD_ALIGN for s in shards)
         spare = self._spare_bytes()
@@ -171,6 +172,17 @@ class MemoryTier:
                                                   name="ckptd-memory-tier-spare", daemon=True)
             self._spare_thread.start()
         return final
+
+    def _own_shards(self, leaf: jax.Array) -> list[Any]:
+        """The shards this snapshot holds: one replica of each. In a multi-process job, every region this
+        process's devices hold, once (a replicated array's too, whichever process holds replica 0), so that each
+        process restores onto the same global mesh from its own part alone (docs/multihost.md)."""
+        if self.process_count == 1:
+            return [s for s in leaf.addressable_shards if s.replica_id == 0]
+        regions: dict[Any, Any] = {}
+        for s in leaf.addressable_shards:
+            regions.setdefault(index_bounds(s.index, leaf.shape), s)
+        return list(regions.values())
 
     def _spare_bytes(self) -> int:
         try:
@@ -278,6 +290,8 @@ def restore_snapshot(path: str | os.PathLike[str], target: PyTree) -> PyTree:
         else:
             arrays.append((want, name))
     leaves = [want for want, _ in arrays]
+    if meta.is_part:  # one host's part holds only the regions its devices had: the target must need no other
+        _check_part_covers(path, meta, arrays)
     readers = []
     for want, name in arrays:
         record = meta.arrays[name]
@@ -302,6 +316,21 @@ def restore_snapshot(path: str | os.PathLike[str], target: PyTree) -> PyTree:
     built = iter(out)
     return jax.tree_util.tree_unflatten(treedef, [values[k] if k in values else next(built)
                                                   for k in range(len(all_leaves))])
+
+
+def _check_part_covers(path: str | os.PathLike[str], meta: SnapshotMeta, arrays: list[tuple[Any, str]]) -> None:
+    """``StoredFormatError`` unless every region this process's devices need of each array lies within the
+    part's shards (a part's shards never overlap: one of each region its process held)."""
+    for want, name in arrays:
+        shards = [[tuple(b) for b in s.index] for s in meta.arrays[name].shards]
+        for index in want.sharding.addressable_devices_indices_map(tuple(want.shape)).values():
+            bounds = index_bounds(index, tuple(want.shape))
+            held = sum(math.prod(max(0, min(b[1], s[1]) - max(b[0], s[0])) for b, s in zip(bounds, shard, strict=True))
+                       for shard in shards)
+            if held != math.prod(stop - start for start, stop in bounds):
+                raise StoredFormatError(f"memory snapshot {path} (process {meta.process_index} of "
+                                        f"{meta.process_count}'s part) does not hold {name}{list(bounds)}, which "
+                                        "this process's devices need")
 
 
 _ASSEMBLY_THREADS = 4

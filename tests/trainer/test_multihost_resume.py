@@ -1,0 +1,131 @@
+"""One resume step for every host of a multi-process job (docs/multihost.md, "One resume step"): two real JAX
+processes (jax.distributed on 127.0.0.1, 4 CPU devices each, one global mesh of 8), each with its own shared
+memory, one storage root. A first job saves step 5 to storage (a plain multi-process Orbax save) and keeps
+memory snapshots of steps 10 and 20 (each host its own part); a restarted job agrees through JAX's key-value
+store (``ResumeAgreement``) and restores. Each step's state differs (``w = arange + step``, ``b = step``), so
+the global sums each process computes after the restore say which step the whole job holds. ckptd is not
+running: process 0's storage answer is the client's storage scan."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.helpers import free_port
+from tests.support.jax_job import PREAMBLE, run_job
+from trainer_client.runtime.multihost import decide
+
+_COMMON = PREAMBLE + """
+from trainer_client.runtime.checkpointing import Checkpointer, training_metadata
+specs = {"w": P("data"), "b": P()}
+def state_of(step):
+    w = np.arange(64, dtype=np.float32).reshape(16, 4) + step
+    return {"w": jax.make_array_from_callback((16, 4), NamedSharding(mesh, specs["w"]), lambda i: w[i]),
+            "b": jax.make_array_from_callback((4,), NamedSharding(mesh, specs["b"]),
+                                              lambda i: np.full(4, step, np.float32)[i])}
+def meta_of(step, state):
+    return training_metadata(step, state, data_position=8 * step, global_batch=8, mesh=mesh, slices=[0])
+"""
+
+_BEFORE = _COMMON + """
+from trainer_client.runtime.memory_tier import MemoryTier
+checkpointer = Checkpointer(root + "/job")
+checkpointer.save_with_metadata(5, state_of(5), meta_of(5, state_of(5)))
+checkpointer.wait()
+tier = MemoryTier(shm, "job", max_snapshots=3, preallocate=False)
+for step in (10, 20):
+    tier.save(step, state_of(step), meta_of(step, state_of(step)), persist=False)
+print("saved", flush=True)
+"""
+
+_AFTER = _COMMON + """
+from trainer_client.client.ckptd_client import CkptdClient
+from trainer_client.config import ClientSettings
+from trainer_client.core.protocol import ResumeRequest
+from trainer_client.runtime.checkpointing import target_shardings
+from trainer_client.runtime.multihost import ResumeAgreement
+client = CkptdClient(ClientSettings(url=f"http://127.0.0.1:{sys.argv[6]}", resume_deadline_s=0.5, timeout_s=0.2,
+                                    report_events=False), root=root)
+agreement = ResumeAgreement("job", shm, client, process_index=index, process_count=2)
+plan = agreement.plan(ResumeRequest(policy="pause", alive_devices=8, process_count=2))
+abstract = jax.eval_shape(lambda: state_of(0))
+state, restored = agreement.restore(plan, lambda p: target_shardings(abstract, mesh, specs, p.arrays))
+total = jax.jit(lambda s: (s["w"].sum(), s["b"].sum()), out_shardings=NamedSharding(mesh, P()))(state)
+local = [[list(map(int, (s.index[0].start or 0, s.index[0].stop or 16))), float(np.asarray(s.data).sum())]
+         for s in state["w"].addressable_shards]
+print(json.dumps({"step": restored.step, "tier": restored.tier, "path": restored.path, "agreed": agreement.decision,
+                  "w_sum": float(total[0]), "b_sum": float(total[1]), "local": local}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Storage step 5 (committed by a 2-process Orbax save); each host's parts of steps 10 and 20 in memory."""
+    base = tmp_path_factory.mktemp("job")
+    assert run_job(_BEFORE, base) == ["saved", "saved"]
+    assert (base / "root" / "job" / "5" / "commit_success.txt").is_file()
+    return base
+
+
+def _restart(saved: Path, tmp_path: Path, change: Any = None) -> list[dict[str, Any]]:
+    """A restarted job on a copy of the saved hosts (``change(base)`` first); what each process restored."""
+    base = tmp_path / "job"
+    shutil.copytree(saved, base, symlinks=True)
+    if change is not None:
+        change(base)
+    return [json.loads(line) for line in run_job(_AFTER, base, str(free_port()))]
+
+
+def _expected(step: int) -> tuple[float, float]:
+    return float(sum(range(64)) + 64 * step), float(4 * step)
+
+
+def _assert_same_step(hosts: list[dict[str, Any]], step: int, tier: str) -> None:
+    assert [(h["step"], h["tier"]) for h in hosts] == [(step, tier), (step, tier)]
+    assert all((h["w_sum"], h["b_sum"]) == _expected(step) for h in hosts)  # the global state, seen by each
+    for h in hosts:  # and each process's own shards hold that step's rows
+        for (start, stop), got in h["local"]:
+            assert got == sum(range(start * 4, stop * 4)) + (stop - start) * 4 * step
+
+
+def test_every_host_restores_the_newest_step_all_hold_in_memory(saved: Path, tmp_path: Path) -> None:
+    hosts = _restart(saved, tmp_path)
+    _assert_same_step(hosts, 20, "memory")
+    assert [Path(h["path"]).parent.parent.name for h in hosts] == ["shm0", "shm1"]  # each from its own part
+    assert hosts[0]["agreed"] == hosts[1]["agreed"] and hosts[0]["agreed"]["storage"]["step"] == 5
+
+
+def test_a_host_whose_memory_was_wiped_sends_every_host_to_storage(saved: Path, tmp_path: Path) -> None:
+    hosts = _restart(saved, tmp_path, lambda base: shutil.rmtree(base / "shm1"))
+    _assert_same_step(hosts, 5, "storage")
+    assert {h["path"] for h in hosts} == {str(tmp_path / "job" / "root" / "job" / "5")}
+
+
+def test_hosts_holding_different_newest_steps_agree_on_the_newest_common_one(saved: Path, tmp_path: Path) -> None:
+    hosts = _restart(saved, tmp_path, lambda base: shutil.rmtree(base / "shm1" / "job" / "20"))
+    _assert_same_step(hosts, 10, "memory")  # host 0 holds 20 and 10, host 1 only 10
+
+
+def test_a_part_found_damaged_at_restore_sends_every_host_to_storage(saved: Path, tmp_path: Path) -> None:
+    def damage(base: Path) -> None:  # intact in size (offered), wrong in bytes (found by the restore's checksums)
+        data = base / "shm1" / "job" / "20" / "data.bin"
+        raw = bytearray(data.read_bytes())
+        raw[0] ^= 0xFF
+        data.write_bytes(bytes(raw))
+
+    hosts = _restart(saved, tmp_path, damage)
+    assert [h["agreed"]["tier"] for h in hosts] == ["memory", "memory"]  # agreed on 20, then host 1 failed it
+    _assert_same_step(hosts, 5, "storage")  # no host runs on step 20 while another runs on 5
+
+
+def test_the_decision_takes_the_newest_step_every_process_offered() -> None:
+    assert decide([[[20, "a"], [10, "b"]], [[10, "b"]]], 5) == ("memory", 10, "b")
+    assert decide([[[20, "a"]], [[20, "other save"]]], 5) == ("storage", 5, None)  # one step, two saves
+    assert decide([[[20, "a"]], []], 5) == ("storage", 5, None)  # a host with its memory wiped
+    assert decide([[[20, "a"]], [[20, "a"]]], 30) == ("storage", 30, None)  # storage is newer
+    assert decide([[[20, "a"]], [[20, "a"]]], 20) == ("memory", 20, "a")  # a tie: memory is the faster restore
+    assert decide([[], []], None) == ("none", None, None)
