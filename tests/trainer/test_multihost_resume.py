@@ -110,6 +110,19 @@ def test_hosts_holding_different_newest_steps_agree_on_the_newest_common_one(sav
     _assert_same_step(hosts, 10, "memory")  # host 0 holds 20 and 10, host 1 only 10
 
 
+def test_parts_of_one_step_from_different_saves_are_not_a_whole(saved: Path, tmp_path: Path) -> None:
+    def other_save(base: Path) -> None:  # host 1's step 20 as if saved by another incarnation of the job
+        meta = base / "shm1" / "job" / "20" / "snapshot.json"
+        recorded = json.loads(meta.read_text())
+        recorded["save_id"] = "0123456789abcdef-20"
+        meta.write_text(json.dumps(recorded))
+
+    ids = {json.loads((saved / f"shm{k}" / "job" / "20" / "snapshot.json").read_text())["save_id"] for k in (0, 1)}
+    assert len(ids) == 1 and ids.pop().endswith("-20")  # one save: one id in every host's part
+    hosts = _restart(saved, tmp_path, other_save)
+    _assert_same_step(hosts, 10, "memory")
+
+
 def test_a_part_found_damaged_at_restore_sends_every_host_to_storage(saved: Path, tmp_path: Path) -> None:
     def damage(base: Path) -> None:  # intact in size (offered), wrong in bytes (found by the restore's checksums)
         data = base / "shm1" / "job" / "20" / "data.bin"

@@ -54,6 +54,7 @@ from trainer_client.core.format.snapshot_shards import ShardReader, index_bounds
 from trainer_client.core.format.tree_paths import TreeEntry, decode_value
 from trainer_client.core.protocol import TrainingMetadata
 from trainer_client.errors import MemoryTierFull
+from trainer_client.runtime.job_store import job_incarnation
 from trainer_client.runtime.state_tree import describe_paths, is_value, leaf_name, restored_leaf, with_values
 
 _log = logging.getLogger(__name__)
@@ -73,18 +74,22 @@ class MemoryTier:
     In a multi-process job each process snapshots its own shards into its host's shared memory and the
     snapshot records ``process_index`` of ``process_count`` (``jax.process_index()``/``jax.process_count()``
     unless given): one host's part of the step, which ckptd keeps but neither persists nor takes for whole
-    on its own (docs/multihost.md).
+    on its own, and its ``save_id`` (``<job incarnation>-<step>``, the same in every host's part of one save).
+    Such a part holds every region its process's devices hold, once, so each process restores onto the same
+    global mesh from its own part alone (docs/multihost.md).
     """
 
     def __init__(self, shm_dir: str, job: str, *, max_snapshots: int = 2, reserve_bytes: int = 64 << 20,
                  preallocate: bool = True, process_index: int | None = None,
-                 process_count: int | None = None) -> None:
+                 process_count: int | None = None, incarnation: str | None = None) -> None:
         if max_snapshots < 1:
             raise ValueError("max_snapshots must be at least 1")
         self.process_index = jax.process_index() if process_index is None else process_index
         self.process_count = jax.process_count() if process_count is None else process_count
         if not 0 <= self.process_index < self.process_count:
             raise ValueError(f"process {self.process_index} of {self.process_count}")
+        # a part's save id is <this incarnation of the JAX job>-<step>: the same in every host's part of one save
+        self.incarnation = incarnation if incarnation is not None or self.process_count == 1 else job_incarnation()
         self.dir = job_dir(shm_dir, job)
         self.max_snapshots = max_snapshots
         self.reserve_bytes = reserve_bytes
@@ -160,7 +165,8 @@ class MemoryTier:
         meta = SnapshotMeta(step=step, created_at=time.time(), persist=persist, nbytes=offset,
                             leaf_names=[name for name, _, _ in plan], tree=tree, arrays=arrays, training=training,
                             data_iterator=data_iterator, item=item, process_index=self.process_index,
-                            process_count=self.process_count)
+                            process_count=self.process_count,
+                            save_id=f"{self.incarnation}-{step}" if self.incarnation is not None else None)
         write_private(tmp / SNAPSHOT_META_FILE, meta.model_dump_json().encode())
         final = self.dir / str(step)
         shutil.rmtree(final, ignore_errors=True)
@@ -174,9 +180,8 @@ class MemoryTier:
         return final
 
     def _own_shards(self, leaf: jax.Array) -> list[Any]:
-        """The shards this snapshot holds: one replica of each. In a multi-process job, every region this
-        process's devices hold, once (a replicated array's too, whichever process holds replica 0), so that each
-        process restores onto the same global mesh from its own part alone (docs/multihost.md)."""
+        """The shards this snapshot holds: one replica of each; in a multi-process job, every region this
+        process's devices hold, once (a replicated array's too, whichever process holds replica 0)."""
         if self.process_count == 1:
             return [s for s in leaf.addressable_shards if s.replica_id == 0]
         regions: dict[Any, Any] = {}

@@ -26,7 +26,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -37,30 +37,13 @@ from trainer_client.core.planner import memory_snapshot_plan
 from trainer_client.core.protocol import ResumePlan, ResumeRequest
 from trainer_client.errors import CkptdRequestError, NoCheckpointError
 from trainer_client.runtime._saver import restore_from_plan
+from trainer_client.runtime.job_store import KeyValueStore, job_store
 
 _log = logging.getLogger(__name__)
 PyTree = Any
 
 OFFER_TIMEOUT_MS = 120_000  # the slowest process's start (imports, jax.distributed) plus its shm scan
 RESTORE_TIMEOUT_MS = 600_000  # the slowest process's restore (storage: every process reads its shards)
-
-
-class KeyValueStore(Protocol):
-    """What ``jax._src.distributed.global_state.client`` (jaxlib's ``DistributedRuntimeClient``) offers."""
-
-    def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None: ...
-
-    def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str: ...
-
-
-def job_store() -> KeyValueStore:
-    """The coordination service's key-value store of this JAX job (``jax.distributed.initialize`` first)."""
-    from jax._src import distributed  # the one place its client is exposed (jax 0.10.2: docs/multihost.md)
-
-    client = distributed.global_state.client
-    if client is None:
-        raise RuntimeError("jax.distributed is not initialized: no coordination service to agree through")
-    return client  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)
@@ -73,11 +56,12 @@ class Part:
 
     @property
     def save(self) -> str:
-        """What every host's part of one save has alike (the step, the data position, the mesh, the arrays'
-        global shapes and dtypes): parts of the same step from different saves never make a whole."""
+        """What every host's part of one save has alike (its save id: ``<job incarnation>-<step>``, the data
+        position, the mesh, the arrays' global shapes and dtypes): parts of the same step from different saves
+        (a step run again after a restart) never make a whole."""
         t = self.meta.training
         arrays = sorted((name, a.shape, a.dtype) for name, a in self.meta.arrays.items())
-        return json.dumps([self.step, t.data_position, t.mesh.model_dump(mode="json"), arrays])
+        return json.dumps([self.meta.save_id, self.step, t.data_position, t.mesh.model_dump(mode="json"), arrays])
 
 
 def own_parts(shm_dir: str | None, job: str, process_index: int, process_count: int,
@@ -225,4 +209,4 @@ class ResumeAgreement:
         return restore_from_plan(fallback, target_for(fallback)), fallback
 
 
-__all__ = ["KeyValueStore", "Part", "ResumeAgreement", "decide", "job_store", "own_parts"]
+__all__ = ["Part", "ResumeAgreement", "decide", "own_parts"]

@@ -122,6 +122,8 @@ class SnapshotMeta(_Model):
                                description="the JAX process (jax.process_index()) whose shards these are")
     process_count: int = Field(default=1, ge=1, exclude_if=lambda v: v == 1,
                                description="how many JAX processes the job had (jax.process_count())")
+    save_id: str | None = Field(default=None, exclude_if=lambda v: v is None, pattern=r"^[0-9a-f]{1,32}-[0-9]{1,19}$",
+                                description="<job incarnation>-<step>: equal in every host's part of one save")
 
     @model_validator(mode="after")
     def _process_in_range(self) -> SnapshotMeta:
