@@ -4,7 +4,7 @@ memory, one storage root. A first job saves step 5 to storage (a plain multi-pro
 memory snapshots of steps 10 and 20 (each host its own part); a restarted job agrees through JAX's key-value
 store (``ResumeAgreement``) and restores. Each step's state differs (``w = arange + step``, ``b = step``), so
 the global sums each process computes after the restore say which step the whole job holds. ckptd is not
-running: process 0's storage answer is the client's storage scan."""
+running: process 0's storage answer is the client's storage scan (one test starts it: its sidecar's answer)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ from trainer_client.config import ClientSettings
 from trainer_client.core.protocol import ResumeRequest
 from trainer_client.runtime.checkpointing import target_shardings
 from trainer_client.runtime.multihost import ResumeAgreement
-client = CkptdClient(ClientSettings(url=f"http://127.0.0.1:{sys.argv[6]}", resume_deadline_s=0.5, timeout_s=0.2,
+client = CkptdClient(ClientSettings(url=sys.argv[6], resume_deadline_s=5, timeout_s=2,
                                     report_events=False), root=root)
 agreement = ResumeAgreement("job", shm, client, process_index=index, process_count=2)
 plan = agreement.plan(ResumeRequest(policy="pause", alive_devices=8, process_count=2))
@@ -57,7 +57,8 @@ state, restored = agreement.restore(plan, lambda p: target_shardings(abstract, m
 total = jax.jit(lambda s: (s["w"].sum(), s["b"].sum()), out_shardings=NamedSharding(mesh, P()))(state)
 local = [[list(map(int, (s.index[0].start or 0, s.index[0].stop or 16))), float(np.asarray(s.data).sum())]
          for s in state["w"].addressable_shards]
-print(json.dumps({"step": restored.step, "tier": restored.tier, "path": restored.path, "agreed": agreement.decision,
+print(json.dumps({"step": restored.step, "tier": restored.tier, "path": restored.path, "source": restored.source,
+                  "agreed": agreement.decision,
                   "w_sum": float(total[0]), "b_sum": float(total[1]), "local": local}), flush=True)
 """
 
@@ -71,13 +72,15 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base
 
 
-def _restart(saved: Path, tmp_path: Path, change: Any = None) -> list[dict[str, Any]]:
-    """A restarted job on a copy of the saved hosts (``change(base)`` first); what each process restored."""
+def _restart(saved: Path, tmp_path: Path, change: Any = None, ckptd: Any = None) -> list[dict[str, Any]]:
+    """A restarted job on a copy of the saved hosts (``change(base)`` first), with process 0's sidecar
+    ``ckptd(root)`` (a server factory) or none (the client scans storage); what each process restored."""
     base = tmp_path / "job"
     shutil.copytree(saved, base, symlinks=True)
     if change is not None:
         change(base)
-    return [json.loads(line) for line in run_job(_AFTER, base, str(free_port()))]
+    url = ckptd(base / "root").url if ckptd is not None else f"http://127.0.0.1:{free_port()}"
+    return [json.loads(line) for line in run_job(_AFTER, base, url)]
 
 
 def _expected(step: int) -> tuple[float, float]:
@@ -103,6 +106,13 @@ def test_a_host_whose_memory_was_wiped_sends_every_host_to_storage(saved: Path, 
     hosts = _restart(saved, tmp_path, lambda base: shutil.rmtree(base / "shm1"))
     _assert_same_step(hosts, 5, "storage")
     assert {h["path"] for h in hosts} == {str(tmp_path / "job" / "root" / "job" / "5")}
+
+
+def test_with_ckptd_up_every_host_restores_the_step_process_0s_sidecar_names(
+        saved: Path, tmp_path: Path, ckptd_server: Any) -> None:
+    hosts = _restart(saved, tmp_path, lambda base: shutil.rmtree(base / "shm1"), ckptd_server)
+    _assert_same_step(hosts, 5, "storage")
+    assert [h["source"] for h in hosts] == ["ckptd", "ckptd"]  # ckptd adopted the plain Orbax step: one answer
 
 
 def test_hosts_holding_different_newest_steps_agree_on_the_newest_common_one(saved: Path, tmp_path: Path) -> None:
