@@ -86,9 +86,10 @@ def build_services(settings: Settings, catalog: Catalog | None = None) -> Servic
     cat = catalog
     metrics = Metrics()
     cat.max_jobs = settings.max_jobs
-    if settings.lease_ttl_s is not None:  # one writer per job among the sidecars on this root
-        cat.lease = LeaseBoard(cat.storage, settings.lease_ttl_s, jobs=lambda: [j.name for j in cat.jobs()],
-                               read_only=cat.read_only_for)
+    if settings.lease_ttl_s is not None:  # one writer per job among the sidecars on this root; none leads before
+        # its first scan is done (a start's imports and scan can stall a process for seconds: it would lose the lease)
+        cat.lease = LeaseBoard(cat.storage, settings.lease_ttl_s, read_only=cat.read_only_for,
+                               jobs=lambda: [j.name for j in cat.jobs()] if cat.ready.is_set() else [])
     events = EventStore(cat.storage, EventLimits(  # <root>/<job>/.ckptd/events/ (ckptd/catalog/events.py)
         max_events=settings.events_max_per_job, max_bytes=settings.events_max_bytes_per_job,
         memory_bytes=settings.events_memory_bytes), read_only=cat.read_only_for)  # a read-only job's: on the side

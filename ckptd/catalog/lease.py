@@ -170,6 +170,9 @@ class Lease:
         with self._lock:  # counts only if it finished while we still led (docs above: why)
             if self.epoch == n and self._fresh():
                 self._renewed_at = started
+            elif self.epoch == n:
+                _log.warning("lease %s: the renewal of epoch %d took %.2fs, past %.2fs: it does not count",
+                             self.directory, n, self.clock() - started, self.ttl_s * FENCE)
 
     def _clean(self, epochs: list[int], n: int) -> None:
         for old in (e for e in epochs if e < n - KEEP_EPOCHS):

@@ -95,7 +95,7 @@ def test_followers_racing_for_the_next_epoch_one_wins(tmp_path: Path) -> None:
         assert f.view().holder == winners[0].holder
 
 
-def test_a_leader_that_cannot_renew_fences_itself_and_steps_down(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_leader_that_cannot_renew_fences_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = Clock()
     a = _lease(tmp_path, "a", clock)
     a.tick()
