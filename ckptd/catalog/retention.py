@@ -142,7 +142,9 @@ def prune(catalog: Catalog, policy: RetentionPolicy) -> list[Decision]:
         if catalog.read_only_for(job.name) or not catalog.writes(job.name):
             continue  # nothing is ever deleted there; another sidecar leads the job (ckptd/catalog/lease.py)
         catalog.refresh_job(job.name)
-        deleted += collect(catalog.storage, checked_decisions(catalog, job.name, policy))
+        decisions = checked_decisions(catalog, job.name, policy)
+        if catalog.writes(job.name):  # asked again: the checks take time, the lease may have passed on meanwhile
+            deleted += collect(catalog.storage, decisions)
         catalog.refresh_job(job.name)
     return deleted
 
