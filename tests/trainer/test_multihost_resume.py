@@ -152,3 +152,38 @@ def test_the_decision_takes_the_newest_step_every_process_offered() -> None:
     assert decide([[[20, "a"]], [[20, "a"]]], 30) == ("storage", 30, None)  # storage is newer
     assert decide([[[20, "a"]], [[20, "a"]]], 20) == ("memory", 20, "a")  # a tie: memory is the faster restore
     assert decide([[], []], None) == ("none", None, None)
+
+
+_RUNNER = PREAMBLE + """
+from trainer_client.client.ckptd_client import CkptdClient
+from trainer_client.config import ClientSettings
+from trainer_client.runtime.elastic import ElasticConfig, ElasticRunner
+from trainer_client.runtime.slices import SimulatedSlices
+stop = int(sys.argv[7])
+cfg = ElasticConfig(job="job", mesh_axes=("replica", "data"), mesh_shape=(1, 8), global_batch=8, checkpoint_period=0,
+                    memory_period=5, shm_dir=shm, policy="pause", precompile=False, preallocate_snapshots=False)
+client = CkptdClient(ClientSettings(url=sys.argv[6], timeout_s=2, resume_deadline_s=5, report_events=False),
+                     root=root)
+runner = ElasticRunner(cfg, slices=SimulatedSlices(num_slices=1), client=client, checkpoint_dir=root + "/job")
+def train(ctx):
+    state, step, position = ctx.restore_or_init(lambda: {"w": jax.numpy.zeros((16, 4))}, lambda a: {"w": P("data")})
+    first, add = step, jax.jit(lambda s: {"w": s["w"] + 1})
+    while step < stop:
+        ctx.step_boundary(step, state, position)
+        state, step, position = add(state), step + 1, position + 8
+    return first, float(jax.jit(lambda s: s["w"].sum(), out_shardings=NamedSharding(ctx.mesh, P()))(state))
+result = runner.run(train)
+print(json.dumps({"first": result.value[0], "sum": result.value[1], "pid": result.pid, "restored": [
+    e.detail for e in result.events if e.kind == "restored"]}), flush=True)
+"""
+
+
+def test_the_elastic_runner_of_every_process_resumes_the_agreed_step(tmp_path: Path) -> None:
+    """``ElasticRunner`` in each process of a 2-process job: memory snapshots at steps 5 and 10 of a run to 12;
+    the restarted job's runners agree on step 10 and restore it, each from its own host's part."""
+    url = f"http://127.0.0.1:{free_port()}"  # no ckptd: process 0's storage answer is the scan (no step there)
+    first = [json.loads(line) for line in run_job(_RUNNER, tmp_path, url, "12")]
+    assert [(h["first"], h["sum"]) for h in first] == [(0, 64.0 * 12)] * 2
+    again = [json.loads(line) for line in run_job(_RUNNER, tmp_path, url, "20")]
+    assert [(h["first"], h["sum"]) for h in again] == [(10, 64.0 * 20)] * 2  # 10 steps on from step 10's state
+    assert [h["restored"] for h in again] == [[f"from memory: {tmp_path / f'shm{k}' / 'job' / '10'}"] for k in (0, 1)]

@@ -15,7 +15,9 @@ noticed at a step boundary: the current state is saved first, so growing back lo
 spares (``spare_slices``) the mesh uses fewer slices than the allocation holds; a healthy idle slice takes a
 lost one's place (same mesh shape, no resize, no wait for a replacement: ``SliceManager.take_slices``), and a
 lost slice that returns becomes a spare; with no healthy spare left the policy (``pause`` or ``resize``)
-decides. On Pathways the runner calls ``pathwaysutils.initialize()``.
+decides. On Pathways the runner calls ``pathwaysutils.initialize()``. In a multi-controller job (one process per
+host, ``jax.process_count() > 1``) a lost process ends them all and the job restarts them: each runs one attempt
+and all restore the step they agree on (``multihost.ResumeAgreement``, docs/multihost.md).
 
 Options mirror MaxText's elastic flags: ``checkpoint_period``, ``elastic_timeout_s``,
 ``elastic_max_retries``, and the policy.
@@ -242,6 +244,8 @@ class ElasticRunner:
         total = len(self.slices.slice_to_devices)
         needed = self.manager.mesh_slices if cfg.policy == "pause" else min(cfg.min_slices, self.manager.mesh_slices)
         failures = 0
+        if self.agreement is not None:  # multi-controller: a lost process ends every process; the job restarts them
+            return self._only_attempt(train_fn)  # (docs/multihost.md, sections 2 and 6): no same-PID retry loop
 
         def retry(attempt: int, error: Exception) -> bool:
             nonlocal failures
@@ -279,6 +283,18 @@ class ElasticRunner:
                 f"{exc} (policy {cfg.policy!r} needs {needed} of {total}; elastic_timeout_s={cfg.elastic_timeout_s})"
             ) from exc
         raise error  # outside the except block: unchanged, with its own traceback and context
+
+    def _only_attempt(self, train_fn: Callable[[ElasticContext], T]) -> ElasticResult[T]:
+        """The one attempt of a process of a multi-controller job, on every slice, without pathwaysutils'
+        Manager: its slice health check is a pmap over one slice's devices, which fails when a slice spans
+        processes, and there is nothing to retry in this PID after a loss."""
+        self.manager.active_slice_indices = self.manager.all_slice_indices
+        self.manager.take_slices()
+        try:
+            return self._attempt(train_fn)
+        except _Raise as passed:
+            error = passed.error
+        raise error
 
     def _attempt(self, train_fn: Callable[[ElasticContext], T]) -> ElasticResult[T]:
         """One attempt on the slices Manager found. Only a confirmed slice loss (fault_classification.py)
