@@ -62,6 +62,21 @@ def _all_serve(procs: list[CkptdProcess], step: int) -> bool:
     return True
 
 
+def _sidecars(root: str, tmp_path: Path) -> list[CkptdProcess]:
+    return [CkptdProcess(root, tmp_path / f"state{i}", log_path=tmp_path / f"ckptd{i}.log",
+                         env={"CKPTD_LEASE_TTL_S": str(TTL_S), "CKPTD_ADOPT_AFTER_S": "0"})
+            for i in range(3)]
+
+
+def _start(procs: list[CkptdProcess]) -> None:
+    """Start the sidecars; wait until each serves step 1 (adopted by whichever leads)."""
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.wait_ready()
+    wait_until(lambda: _all_serve(procs, 1), timeout=30, what="step 1 adopted and served by all")
+
+
 def _stable_leader(procs: list[CkptdProcess]) -> CkptdProcess:
     """The one leader, once every sidecar names the same epoch and holder twice, a lease tick apart."""
     def agreed() -> tuple[object, ...] | None:
@@ -93,15 +108,9 @@ def test_one_leader_writes_and_a_follower_takes_over(root: str, tmp_path: Path) 
     write_orbax_steps(storage.url_of(storage.join(JOB)), [1])  # plain Orbax: no manifest
     staged = tmp_path / "staged"  # step 2, written by plain Orbax beside the root, moved in later at once
     write_orbax_steps(staged / JOB, [2])
-    procs = [CkptdProcess(root, tmp_path / f"state{i}", log_path=tmp_path / f"ckptd{i}.log",
-                          env={"CKPTD_LEASE_TTL_S": str(TTL_S), "CKPTD_ADOPT_AFTER_S": "0"})
-             for i in range(3)]
+    procs = _sidecars(root, tmp_path)
     try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.wait_ready()
-        wait_until(lambda: _all_serve(procs, 1), timeout=30, what="step 1 adopted and served by all")
+        _start(procs)
         assert len({repr(_answers(p)) for p in procs}) == 1, [_answers(p) for p in procs]
         leader = _stable_leader(procs)  # after the warm-up: a start's first imports can stall a process past 2 s
         followers = [p for p in procs if p is not leader]
@@ -156,4 +165,42 @@ def test_one_leader_writes_and_a_follower_takes_over(root: str, tmp_path: Path) 
         for p in procs:
             if p.proc is not None and p.proc.poll() is None:
                 os.kill(p.proc.pid, signal.SIGCONT)
+            p.stop()
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+def test_repeated_leader_kills_with_restarts(root: str, tmp_path: Path) -> None:
+    """Long form (``make chaos``): four rounds of "a plain-Orbax step lands, the leader is SIGKILLed at once,
+    restarted as a follower". Every round: a new leader within the lease time, a newer epoch than before, the
+    step served by all three, nothing quarantined."""
+    storage = Storage(root)
+    write_orbax_steps(storage.url_of(storage.join(JOB)), [1])
+    procs = _sidecars(root, tmp_path)
+    takeovers: list[float] = []
+    try:
+        _start(procs)
+        epoch = -1
+        for step in range(2, 6):
+            leader = _stable_leader(procs)
+            view = _lease(leader)
+            assert view is not None and view["epoch"] > epoch
+            epoch = view["epoch"]
+            write_orbax_steps(storage.url_of(storage.join(JOB)), [step])
+            leader.kill()
+            killed_at = time.monotonic()
+            others = [p for p in procs if p is not leader]
+            wait_until(lambda others=others: len(_leaders(others)) == 1, timeout=TAKEOVER_LIMIT_S,
+                       what="a new leader")
+            takeovers.append(time.monotonic() - killed_at)
+            leader.start()  # back as a follower
+            leader.wait_ready()
+            wait_until(lambda step=step: _all_serve(procs, step), timeout=30,
+                       what=f"step {step} served by all")
+            for p in procs:
+                states = {c["state"] for c in _get(p, "checkpoints")["checkpoints"]}
+                assert states == {"verified"}, (p.url, states)
+        print(f"[lease] takeovers after SIGKILL: {[round(t, 2) for t in takeovers]} s (ttl {TTL_S}s, {storage.url})")
+    finally:
+        for p in procs:
             p.stop()
