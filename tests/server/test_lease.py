@@ -13,7 +13,7 @@ import pytest
 from ckptd.catalog.catalog import Catalog
 from ckptd.catalog.integrity import FOLLOWER_REASON
 from ckptd.catalog.lease import FENCE, Lease, LeaseBoard, beat_name, epoch_name
-from tests.support.gcs_emulator import GcsEmulator, gcs_emulator  # noqa: F401  (fixture)
+from tests.support.gcs_emulator import GcsEmulator  # the gcs_emulator fixture: tests/conftest.py, one per session
 from tests.support.orbax_steps import write_orbax_steps
 from trainer_client.core.errors import StorageError
 from trainer_client.core.format.files import CKPTD_MANIFEST, VERIFIED_FILE
@@ -133,7 +133,7 @@ def test_create_new_is_create_only_locally_under_contention(tmp_path: Path) -> N
     assert sorted(results) == [False] * 15 + [True]
 
 
-def test_create_new_on_gcs_sends_the_precondition(gcs_emulator: GcsEmulator) -> None:  # noqa: F811
+def test_create_new_on_gcs_sends_the_precondition(gcs_emulator: GcsEmulator) -> None:
     storage = Storage(gcs_emulator.gs("lease-unit"))
     path = storage.join("job", "epoch.json")
     assert storage.create_new(path, b"first")

@@ -19,7 +19,7 @@ import pytest
 
 from ckptd.catalog.integrity import FOLLOWER_REASON
 from tests.support.chaos_support import CkptdProcess
-from tests.support.gcs_emulator import GcsEmulator, gcs_emulator  # noqa: F401  (fixture)
+from tests.support.gcs_emulator import GcsEmulator  # the gcs_emulator fixture: tests/conftest.py, one per session
 from tests.support.helpers import wait_until
 from tests.support.orbax_steps import write_orbax_steps
 from trainer_client.core.format.files import CKPTD_MANIFEST
