@@ -483,6 +483,16 @@ def test_sidecar_configuration_comes_from_the_configmap() -> None:
     assert sidecar["securityContext"]["readOnlyRootFilesystem"] is True
 
 
+def test_the_sidecars_of_a_multi_host_jobset_share_the_root_under_a_leader_lease() -> None:
+    """Several pods (one ckptd each) watch one root: without the lease every sidecar would write the same
+    records into the same steps (last write wins; one sidecar's read error would quarantine a step for all)."""
+    jobset = _one("JobSet")
+    pods = sum(rj["replicas"] * rj["template"]["spec"].get("parallelism", 1)
+               for rj in jobset["spec"]["replicatedJobs"])
+    assert pods > 1
+    assert float(_config()["CKPTD_LEASE_TTL_S"]) >= 10, "a TTL the sidecars can renew in time on GCS"
+
+
 def test_configmap_values_are_valid_settings(tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("t0ken\n")
