@@ -80,4 +80,25 @@ def make_settings(root: str | Path, state_dir: str | Path, **overrides: Any) -> 
     return Settings(**values)
 
 
-__all__ = ["REPO", "clean_env", "free_port", "make_settings", "stop_process", "wait_until"]
+def tree_from_leaf_names(flat: dict[str, Any]) -> Any:
+    """A nested tree from Orbax's dotted leaf names (digit keys make lists, as the state had them): a restore
+    target built from a plan's arrays."""
+    tree: dict[str, Any] = {}
+    for name, leaf in flat.items():
+        *parents, last = name.split(".")
+        node = tree
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = leaf
+
+    def lists(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        if node and all(k.isdigit() for k in node):
+            return [lists(node[str(i)]) for i in range(len(node))]
+        return {k: lists(v) for k, v in node.items()}
+
+    return lists(tree)
+
+
+__all__ = ["REPO", "clean_env", "free_port", "make_settings", "stop_process", "tree_from_leaf_names", "wait_until"]

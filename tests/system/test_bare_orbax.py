@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
@@ -22,7 +21,7 @@ from ckptd.api.app import create_app
 from ckptd.catalog.catalog import Catalog
 from ckptd.cli.main import main as ckptd_main
 from tests.support.bare_orbax_steps import write_bare_steps
-from tests.support.helpers import make_settings
+from tests.support.helpers import make_settings, tree_from_leaf_names
 from tests.support.server import app_over
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
@@ -65,17 +64,6 @@ def root(written: tuple[Path, Path], tmp_path: Path) -> Path:
     (copy / "named" / "data_1").mkdir()
     (copy / "named" / "data_1" / "notes.txt").write_text("not a checkpoint")
     return copy
-
-
-def _tree(flat: dict[str, Any]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for name, leaf in flat.items():
-        *parents, last = name.split(".")
-        node = tree
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[last] = leaf
-    return tree
 
 
 def test_bare_steps_are_listed_with_their_own_names_and_unfinished_saves_are_never_served(
@@ -156,7 +144,7 @@ def test_a_bare_step_is_planned_onto_6_of_8_devices_and_restored_exactly(
 
     values = np.load(values_file)
     mesh = Mesh(np.array(jax.devices()[:6]).reshape(3, 2), ("replica", "data"))
-    target = _tree({a: jax.ShapeDtypeStruct(tuple(plan.arrays[a].shape or ()), plan.arrays[a].dtype,
+    target = tree_from_leaf_names({a: jax.ShapeDtypeStruct(tuple(plan.arrays[a].shape or ()), plan.arrays[a].dtype,
                                             sharding=NamedSharding(mesh, spec_from_json(plan.arrays[a].partition_spec)))
                     for a in ARRAYS})
     restored = restore(plan.path, target)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
@@ -20,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from ckptd.api.app import create_app
 from ckptd.catalog.catalog import Catalog
 from ckptd.cli.main import main as ckptd_main
-from tests.support.helpers import make_settings
+from tests.support.helpers import make_settings, tree_from_leaf_names
 from tests.support.orbax_steps import MAXTEXT_MESH_AXES, write_maxtext_jobs, write_multi_item_steps
 from trainer_client.core import protocol as p
 from trainer_client.core.format.array_index import decode_all_arrays
@@ -39,26 +38,6 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     base = tmp_path_factory.mktemp("maxtext")
     write_maxtext_jobs({base / "run" / "checkpoints": STEPS}, values=base / "values.npz")
     return base / "run", base / "values.npz"
-
-
-def _tree(flat: dict[str, Any]) -> Any:
-    """A nested tree from Orbax's dotted leaf names (digit keys make lists, as the state had them)."""
-    tree: dict[str, Any] = {}
-    for name, leaf in flat.items():
-        *parents, last = name.split(".")
-        node = tree
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[last] = leaf
-
-    def lists(node: Any) -> Any:
-        if not isinstance(node, dict):
-            return node
-        if node and all(k.isdigit() for k in node):
-            return [lists(node[str(i)]) for i in range(len(node))]
-        return {k: lists(v) for k, v in node.items()}
-
-    return lists(tree)
 
 
 def test_a_maxtext_job_is_listed_and_validated_quick_and_deep(
@@ -113,7 +92,7 @@ def test_a_maxtext_step_is_planned_onto_6_of_8_devices_and_restored_exactly(
     assert found is not None and found.step == 200 and found.item_names == ("items", "iter")
 
     mesh = Mesh(np.array(jax.devices()[:6]).reshape(plan.mesh.shape), tuple(plan.mesh.axis_names))
-    target = _tree({name: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=NamedSharding(
+    target = tree_from_leaf_names({name: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=NamedSharding(
         mesh, spec_from_json(plan.arrays[name].partition_spec))) for name, value in saved.items()})
     restored = restore(plan.path, target)
     flat = jax.tree_util.tree_flatten_with_path(restored)[0]
@@ -137,7 +116,7 @@ def test_a_step_with_several_array_items_is_planned_and_restored_per_item(tmp_pa
     assert set(plan.arrays) == set(saved) and plan.mesh.shape == [3, 2]
     mesh = Mesh(np.array(jax.devices()[:6]).reshape(3, 2), ("data", "model"))
     dtypes = {name: spec.dtype for name, spec in plan.arrays.items()}
-    target = _tree({name: jax.ShapeDtypeStruct(value.shape, dtypes[name], sharding=NamedSharding(
+    target = tree_from_leaf_names({name: jax.ShapeDtypeStruct(value.shape, dtypes[name], sharding=NamedSharding(
         mesh, spec_from_json(plan.arrays[name].partition_spec))) for name, value in saved.items()})
     restored = restore(plan.path, target)
     assert set(restored) == {"params", "opt_state"}
