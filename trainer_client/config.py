@@ -4,7 +4,9 @@
 host-memory tier), ``CKPTD_TIMEOUT_S`` (per request), ``CKPTD_RESUME_DEADLINE_S`` (how long a resume may
 wait for the sidecar before the client scans storage itself), ``CKPTD_REPORT_EVENTS`` and
 ``CKPTD_EVENTS_FLUSH_TIMEOUT_S`` (the background event reporter, ``trainer_client.client.event_reporter``),
-``CKPTD_RUN_ID`` (the run's identity, recorded with every step and sent with every resume).
+``CKPTD_RUN_ID`` (the run's identity, recorded with every step and sent with every resume),
+``CKPTD_HEARTBEAT_TIMEOUT_S`` (a multi-controller job's ``jax.distributed`` heartbeat timeout:
+``trainer_client.runtime.job_store.initialize_multihost``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ class ClientSettings(BaseSettings):
     report_events: bool = Field(default=True, description="report elastic events to ckptd (in the background)")
     events_flush_timeout_s: float = Field(
         default=5.0, ge=0, description="at the end of a run, how long to wait for unsent events to reach ckptd"
+    )
+    heartbeat_timeout_s: int = Field(
+        default=10, ge=1, le=3600,
+        description="multi-controller jobs: jax.distributed's heartbeat timeout, how long a dead process goes "
+        "unnoticed before the others abort and the job restarts (jax's default, 100 s, docs/multihost.md section 2)",
     )
 
 

@@ -17,7 +17,8 @@ lost one's place (same mesh shape, no resize, no wait for a replacement: ``Slice
 lost slice that returns becomes a spare; with no healthy spare left the policy (``pause`` or ``resize``)
 decides. On Pathways the runner calls ``pathwaysutils.initialize()``. In a multi-controller job (one process per
 host, ``jax.process_count() > 1``) a lost process ends them all and the job restarts them: each runs one attempt
-and all restore the step they agree on (``multihost.ResumeAgreement``, docs/multihost.md).
+and all restore the step they agree on (``multihost.ResumeAgreement``, docs/multihost.md); a SIGTERM (a preemption
+notice there, not an end) makes every process save the step they agree on and return (``ElasticResult.preempted``).
 
 Options mirror MaxText's elastic flags: ``checkpoint_period``, ``elastic_timeout_s``,
 ``elastic_max_retries``, and the policy.
@@ -30,7 +31,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar, cast
 
 import jax
 from jax.sharding import Mesh
@@ -44,7 +45,7 @@ from trainer_client.core.protocol import BatchOptions, MeshSpec, ResumePlan, Res
 from trainer_client.errors import ElasticRetriesExhausted, ElasticTimeoutError, NoCheckpointError
 from trainer_client.runtime._saver import HealthWatch, Saver
 from trainer_client.runtime.checkpointing import Checkpointer
-from trainer_client.runtime.elastic_context import ElasticContext
+from trainer_client.runtime.elastic_context import ElasticContext, Preempted
 from trainer_client.runtime.fault_classification import classify_failure
 from trainer_client.runtime.jax_faults import InJaxFaults
 from trainer_client.runtime.memory_tier import MemoryTier
@@ -141,6 +142,9 @@ class ElasticResult(Generic[T]):
     events: list[Event]
     recoveries: list[Recovery]
     final_step: int | None
+    # a multi-controller job stopped at the step its processes agreed on after a preemption notice (SIGTERM), that
+    # step saved to storage; ``value`` is None then (the training function did not return)
+    preempted: bool = False
 
 
 class _Raise(CkptdError):
@@ -316,7 +320,12 @@ class ElasticRunner:
                 rec.restored_step = plan.step if plan else 0
                 rec.lost_steps = rec.failed_at_step - rec.restored_step
             ctx = ElasticContext(self, mesh, plan, active)
-            value = train_fn(ctx)
+            try:
+                value = train_fn(ctx)
+            except Preempted as stop:
+                self.checkpointer.wait()
+                return ElasticResult(cast(T, None), os.getpid(), list(self.events), list(self.recoveries),
+                                     stop.step, preempted=True)
             self.checkpointer.wait()
         except ScaleUpSignalError as exc:
             if ctx is not None:
@@ -386,4 +395,4 @@ class ElasticRunner:
         return build_mesh(spec, slice_order, self.slices.slice_to_devices)
 
 
-__all__ = ["ElasticConfig", "ElasticContext", "ElasticResult", "ElasticRunner", "Event", "Recovery"]
+__all__ = ["ElasticConfig", "ElasticContext", "ElasticResult", "ElasticRunner", "Event", "Preempted", "Recovery"]

@@ -18,16 +18,28 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pathwaysutils.elastic.manager import ScaleUpSignalError
 
 from trainer_client.core.batching import initial_batch
+from trainer_client.core.errors import CkptdError
 from trainer_client.core.protocol import BatchOptions, BatchPlan, ResumePlan
 from trainer_client.runtime._saver import restore_plan
 from trainer_client.runtime.checkpointing import mesh_spec, target_shardings, training_metadata
 from trainer_client.runtime.data_iterator import DataIterator, planned_state, restore_iterator, state_record
+from trainer_client.runtime.job_store import preemption_reached
 from trainer_client.runtime.precompile import PrecompileHook
 
 if TYPE_CHECKING:
     from trainer_client.runtime.elastic import ElasticRunner
 
 PyTree = Any
+
+
+class Preempted(CkptdError):
+    """Raised by ``step_boundary`` at the step where every process of a multi-controller job agreed to stop after
+    a preemption notice (SIGTERM), once that step is saved to storage; ``ElasticRunner`` ends the run cleanly
+    (``ElasticResult.preempted``)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"preempted: step {step} saved to storage, stopping")
+        self.step = step
 
 
 class ElasticContext:
@@ -49,6 +61,8 @@ class ElasticContext:
         self._precompile: PrecompileHook | None = None
         self._precompiling = False
         self._data_iterator: DataIterator | None = None
+        self._persisted: set[int] = set()  # steps this attempt saved to storage (or had ckptd persist)
+        self._preemptible = runner.agreement is not None  # a multi-controller job: SIGTERM is a preemption notice
 
     def set_precompile(self, hook: PrecompileHook) -> None:
         """Register ``hook(mesh, batch_plan)``: lower and compile the training step for ``mesh``. The runner
@@ -122,6 +136,8 @@ class ElasticContext:
         with self.runner.precompiler.paused():  # a save's Python must not queue for the GIL behind tracing
             tier = saver.save(step, state, meta, persist=persist, if_busy=if_busy, data_iterator=(
                 state_record(self._data_iterator) if self._data_iterator is not None else None))
+        if persist and tier != "skipped":
+            self._persisted.add(step)
         self._start_precompile()  # after the attempt's first save: its first-time costs are paid alone
         self.runner.emit("checkpoint_started", step, f"{tier}, {saver.last_blocked_s or 0.0:.3f}s blocked",
                          blocked_seconds=saver.last_blocked_s, tier=tier)
@@ -141,8 +157,13 @@ class ElasticContext:
         """Call before computing ``step`` (``state`` holds ``step`` completed steps).
 
         Reports the first step done after a recovery, fires injected faults (CPU simulation), saves every
-        ``checkpoint_period`` steps, and under ``resize`` grows back when lost slices have returned.
+        ``checkpoint_period`` steps, and under ``resize`` grows back when lost slices have returned. In a
+        multi-controller job, once a preemption notice (SIGTERM to any process) reached the step every process
+        agreed on (``multihost_utils.reached_preemption_sync_point``, asked at every step), saves ``step`` to
+        storage, waits for it and raises ``Preempted``: the runner ends the run cleanly.
         """
+        if self._preemptible and preemption_reached(step):
+            self._stop_for_preemption(step, state, data_position)
         if not self._first_step_done and step > self.start_step:
             jax.block_until_ready(state)
             self._first_step_done = True
@@ -158,6 +179,14 @@ class ElasticContext:
             self._start_precompile()  # no save came first (one in this boundary started it already)
         if self.runner.config.policy == "resize":
             self._maybe_scale_up(step, state, data_position)
+
+    def _stop_for_preemption(self, step: int, state: PyTree, data_position: int) -> None:
+        restored_from_storage = (step == self.start_step and self.plan is not None and self.plan.tier != "memory")
+        if step not in self._persisted and not restored_from_storage:
+            self.save(step, state, data_position, persist=True)
+        self.runner.saver.wait()
+        self.runner.emit("preempted", step, f"preemption notice: step {step} saved to storage, stopping")
+        raise Preempted(step)
 
     def _maybe_scale_up(self, step: int, state: PyTree, data_position: int) -> None:
         now = time.monotonic()
@@ -177,4 +206,4 @@ class ElasticContext:
         raise ScaleUpSignalError(f"slice(s) {sorted(back)} healthy again at step {step}")
 
 
-__all__ = ["ElasticContext"]
+__all__ = ["ElasticContext", "Preempted"]
