@@ -6,7 +6,8 @@ wait for the sidecar before the client scans storage itself), ``CKPTD_REPORT_EVE
 ``CKPTD_EVENTS_FLUSH_TIMEOUT_S`` (the background event reporter, ``trainer_client.client.event_reporter``),
 ``CKPTD_RUN_ID`` (the run's identity, recorded with every step and sent with every resume),
 ``CKPTD_HEARTBEAT_TIMEOUT_S`` (a multi-controller job's ``jax.distributed`` heartbeat timeout:
-``trainer_client.runtime.job_store.initialize_multihost``).
+``trainer_client.runtime.job_store.initialize_multihost``), ``CKPTD_RESTORE_HOST_BYTES`` (the host memory a
+restore may hold at once: ``trainer_client.runtime.restore_budget``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ class ClientSettings(BaseSettings):
         default=10, ge=1, le=3600,
         description="multi-controller jobs: jax.distributed's heartbeat timeout, how long a dead process goes "
         "unnoticed before the others abort and the job restarts (jax's default, 100 s, docs/multihost.md section 2)",
+    )
+    restore_host_bytes: int | None = Field(
+        default=None, gt=0,
+        description="host memory a restore may hold at once, in bytes: a larger state is restored in batches "
+        "(trainer_client.runtime.restore_budget); unset: no cap (on accelerators the direct reader still batches "
+        "at 4 GiB)",
     )
 
 

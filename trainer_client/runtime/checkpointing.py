@@ -46,6 +46,7 @@ from trainer_client.errors import DirectRestoreUnsupported
 from trainer_client.runtime.data_iterator import ITER_ITEM, IteratorStateHandler, IteratorStateSave
 from trainer_client.runtime.direct_restore import restore_direct
 from trainer_client.runtime.orbax_handlers import data_file_bytes, route_data_file_size, standard_handler
+from trainer_client.runtime.restore_budget import host_budget, orbax_restore_batched
 from trainer_client.runtime.state_tree import is_value, leaf_name, orbax_restore
 
 _log = logging.getLogger(__name__)
@@ -278,7 +279,8 @@ class Checkpointer:
         self._manager.close()
 
 
-def restore(step_path: str, target: PyTree, item: str | None = None, *, direct: bool = True) -> PyTree:
+def restore(step_path: str, target: PyTree, item: str | None = None, *, direct: bool = True,
+            host_bytes: int | None = None) -> PyTree:
     """Restore the step directory ``step_path`` onto ``target``'s shapes, dtypes and shardings.
 
     ``item``: the Orbax item to restore; by default the step's item that holds arrays (``default`` for what
@@ -287,7 +289,11 @@ def restore(step_path: str, target: PyTree, item: str | None = None, *, direct: 
     are read straight into the devices' buffers (``trainer_client.runtime.direct_restore``); where that
     reader does not apply (``gs://``, compressed chunks, zarr3, a target Orbax casts, ...) or with
     ``direct=False``, Orbax's ``PyTreeCheckpointer`` restores it. A target leaf that is a value (a Python or
-    numpy scalar, a string) gets the saved value as its type, as Orbax's restore gives it."""
+    numpy scalar, a string) gets the saved value as its type, as Orbax's restore gives it.
+
+    ``host_bytes`` (default ``CKPTD_RESTORE_HOST_BYTES``; unset: no cap) caps the host memory the restore
+    holds at once: a larger state is restored in batches of arrays (``trainer_client.runtime.restore_budget``)."""
+    budget = host_budget(host_bytes)
     if item is None:
         storage = Storage(step_path)
         items = array_items(storage, storage.root)
@@ -296,16 +302,18 @@ def restore(step_path: str, target: PyTree, item: str | None = None, *, direct: 
     if len(items) > 1:
         if not isinstance(target, Mapping) or set(target) != set(items):
             raise ValueError(f"{step_path} holds the array items {items}: the target must be a dict of them")
-        return {name: restore(step_path, target[name], name, direct=direct) for name in items}
+        return {name: restore(step_path, target[name], name, direct=direct, host_bytes=budget) for name in items}
     item_path = join_path(step_path, items[0])
     values = [is_value(leaf) for leaf in jax.tree_util.tree_leaves(target)]
     if direct and "://" not in step_path:
         try:
             arrays = restore_direct(item_path, jax.tree_util.tree_map(  # value leaves: None, no leaf
-                lambda leaf: None if is_value(leaf) else leaf, target), leaf_name)
+                lambda leaf: None if is_value(leaf) else leaf, target), leaf_name, host_batch_bytes=budget)
             return orbax_restore(item_path, target, arrays) if any(values) else arrays
         except DirectRestoreUnsupported as exc:
             _log.info("restoring %s through Orbax: %s", item_path, exc)
+    if budget is not None:
+        return orbax_restore_batched(item_path, target, budget)
     return orbax_restore(item_path, target)
 
 

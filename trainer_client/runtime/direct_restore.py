@@ -36,6 +36,7 @@ from trainer_client.core.dtypes import np_dtype
 from trainer_client.core.format.ocdbt_index import OcdbtIndex, ValueRef
 from trainer_client.core.format.snapshot_shards import aligned_empty, index_bounds
 from trainer_client.errors import DirectRestoreUnsupported, OcdbtFormatError
+from trainer_client.runtime.restore_budget import batches
 
 PyTree = Any
 Bounds = tuple[tuple[int, int], ...]
@@ -241,7 +242,9 @@ def restore_direct(item_dir: str | os.PathLike[str], target: PyTree, names: Call
     out: list[jax.Array] = []
     if host_batch_bytes is None and not on_host:
         host_batch_bytes = HOST_BATCH_BYTES
-    for batch in _batches(planned, host_batch_bytes):
+    sizes = [sum(math.prod(hi - lo for lo, hi in bounds) for bounds in needed) * array.dtype.itemsize
+             for _, array, needed in planned]
+    for batch in batches(planned, sizes, host_batch_bytes):
         reads = _Reads()
         regions: list[dict[Bounds, np.ndarray]] = []
         for _, array, needed in batch:
@@ -257,21 +260,6 @@ def restore_direct(item_dir: str | os.PathLike[str], target: PyTree, names: Call
             jax.block_until_ready(built)  # the copies are on the devices: this batch's host buffers can go
         out.extend(built)
     return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _batches(planned: list[_Planned], budget: int | None) -> Iterator[list[_Planned]]:
-    """``planned`` in runs of at most ``budget`` bytes of host buffers (an array larger than it alone)."""
-    batch: list[_Planned] = []
-    size = 0
-    for entry in planned:
-        nbytes = sum(math.prod(hi - lo for lo, hi in bounds) for bounds in entry[2]) * entry[1].dtype.itemsize
-        if batch and budget is not None and size + nbytes > budget:
-            yield batch
-            batch, size = [], 0
-        batch.append(entry)
-        size += nbytes
-    if batch:
-        yield batch
 
 
 __all__ = ["HOST_BATCH_BYTES", "READ_THREADS", "DirectRestoreUnsupported", "restore_direct"]

@@ -1,0 +1,84 @@
+"""A restore keeps to the host-memory cap (``host_bytes`` / ``CKPTD_RESTORE_HOST_BYTES``) and stays exact.
+
+Each restore runs in a child process of its own (``bench.restore_rss``: the kernel's peak RSS, reset just
+before the restore), so the figure is that restore's alone. The fake CPU devices keep the restored arrays
+in host memory, so the peak is the state itself plus what the restore held besides it; that extra must
+stay within the cap plus a bounded overhead. Through Orbax (a compressed step: the direct reader refuses
+it) an uncapped restore of this state held ~129 MiB besides it (~1.0x the state: tensorstore's read
+buffers), capped at 16 MiB ~50 MiB; the direct reader holds ~1 MiB either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from bench.common import PROFILES
+from bench.io import make_state
+from bench.restore_rss import digest, measure
+from tests.support.helpers import clean_env
+from trainer_client.runtime.checkpointing import Checkpointer
+from trainer_client.runtime.restore_budget import batches, host_budget
+
+LAYOUT = replace(PROFILES["toy"], arrays=8, rows=1536, cols=2816)  # 8 arrays of 16.5 MiB = 132 MiB
+CAP = 16 << 20
+OVERHEAD = 48 << 20  # what a restore holds besides its batch: tensorstore's pools, zstd contexts, jax
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+    """(an uncompressed step, a compressed step, the state's digest)."""
+    base = tmp_path_factory.mktemp("budget")
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    state = make_state(LAYOUT, mesh)
+    for name, compression in (("plain", False), ("zstd", True)):
+        ck = Checkpointer(str(base / name), compression=compression)
+        ck.save(1, state, data_position=0, global_batch=8, mesh=mesh, slices=list(range(8)))
+        ck.close()
+    return base / "plain" / "1", base / "zstd" / "1", digest(state)
+
+
+def _extra(result: dict[str, object]) -> int:
+    peak = result["peak_above_bytes"]
+    assert isinstance(peak, int)
+    return peak - LAYOUT.state_bytes
+
+
+def test_capped_restore_through_orbax_is_exact_and_bounded(steps: tuple[Path, Path, str]) -> None:
+    _, zstd, want = steps
+    # the cap from the environment (ClientSettings), as a user sets it
+    result = measure(zstd, "ckptd", arrays=LAYOUT.arrays, rows=LAYOUT.rows, cols=LAYOUT.cols, digest=True,
+                     env=clean_env(CKPTD_RESTORE_HOST_BYTES=str(CAP)))
+    assert result["digest"] == want
+    # one array (16.5 MiB) per batch: the peak is the state plus about one batch, not a second copy of it
+    assert _extra(result) <= CAP + OVERHEAD, f"held {_extra(result) / 2**20:.0f} MiB besides the state"
+    assert _extra(result) < LAYOUT.state_bytes * 0.6
+
+
+def test_capped_direct_restore_is_exact_and_bounded(steps: tuple[Path, Path, str]) -> None:
+    plain, _, want = steps
+    result = measure(plain, "ckptd", arrays=LAYOUT.arrays, rows=LAYOUT.rows, cols=LAYOUT.cols, cap=CAP, digest=True,
+                     env=clean_env())
+    assert result["digest"] == want
+    assert _extra(result) <= CAP + OVERHEAD, f"held {_extra(result) / 2**20:.0f} MiB besides the state"
+
+
+def test_batches_keep_to_the_budget() -> None:
+    sizes = [5, 5, 20, 1, 1, 9]
+    assert list(batches(list("abcdef"), sizes, 10)) == [["a", "b"], ["c"], ["d", "e"], ["f"]]
+    assert list(batches(list("abcdef"), sizes, None)) == [list("abcdef")]
+    assert host_budget(7) == 7
+    with pytest.raises(ValueError):
+        host_budget(0)
+
+
+def test_host_budget_reads_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CKPTD_RESTORE_HOST_BYTES", raising=False)
+    assert host_budget(None) is None
+    monkeypatch.setenv("CKPTD_RESTORE_HOST_BYTES", str(1 << 30))
+    assert host_budget(None) == 1 << 30
