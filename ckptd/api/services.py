@@ -98,7 +98,7 @@ def build_services(settings: Settings, catalog: Catalog | None = None) -> Servic
     keeper = (  # the host-memory tier, when a shared-memory directory is configured (ckptd/catalog/snapshots.py)
         SnapshotKeeper(cat.storage, settings.shm_dir, max_snapshots=settings.max_snapshots,
                        compression=settings.persist_compression, nice=settings.persist_nice,
-                       devices=settings.persist_devices,
+                       devices=settings.persist_devices, writes=cat.writes,
                        on_persisted=lambda job, _step: cat.refresh_job(job))
         if settings.shm_dir else None
     )

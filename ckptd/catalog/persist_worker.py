@@ -36,11 +36,13 @@ import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from ckptd.catalog.part_writer import commit_parts, write_part
 from trainer_client.core.errors import StoredFormatError
 from trainer_client.core.format.snapshot import (
     ArrayRecord,
@@ -142,9 +144,9 @@ def persist(snapshot: Path, job_url: str, *, compression: bool = False) -> str:
     if bad:
         raise ValueError(f"snapshot {snapshot} is not whole: {'; '.join(bad)}")
     meta = read_meta(snapshot)
-    if meta.is_part:  # the other hosts' shards are not here: a step committed from it would lack them
-        raise ValueError(f"snapshot {snapshot} is process {meta.process_index} of {meta.process_count}'s part only "
-                         "(docs/multihost.md)")
+    if meta.is_part:  # the other hosts' shards are not here: a part is written as one (``write_part``)
+        raise ValueError(f"snapshot {snapshot} is process {meta.process_index} of {meta.process_count}'s part only: "
+                         "it is persisted as a part, never as a whole step (docs/multihost.md)")
     # The trainer's tree as data (never unpickled): dicts and lists with the same key paths, which is all
     # Orbax records of a tree. jax arrays, not numpy: Orbax writes jax arrays through its parallel array
     # path, numpy leaves ~7x slower.
@@ -158,21 +160,38 @@ def persist(snapshot: Path, job_url: str, *, compression: bool = False) -> str:
     return join_path(job_url, str(meta.step))
 
 
+def handle(request: dict[str, Any], compression: bool = False) -> dict[str, Any]:
+    """One request: persist a whole snapshot (``{"snapshot": DIR, "job_url": URL}``; answer ``{"ok": true,
+    "path": URL}``), write a multi-process job's part (``{"part": DIR, "step_url": URL}``; answer: the part
+    record's fields under ``record``, ``ckptd/catalog/part_writer.py``) or commit a step from its parts
+    (``{"commit": STEP_URL, "record": process 0's record}``); ``{"ok": false, "error": ...}`` on failure."""
+    try:
+        answer: dict[str, Any] = {"ok": True}
+        if "part" in request:
+            answer["record"] = write_part(Path(request["part"]), request["step_url"], compression=compression)
+        elif "commit" in request:
+            commit_parts(request["commit"], request["record"])
+        else:
+            answer["path"] = persist(Path(request["snapshot"]), request["job_url"], compression=compression)
+    except Exception as exc:  # reported to the parent, which logs it and retries later
+        answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    return answer
+
+
 def serve(compression: bool) -> int:
-    """Persist one snapshot per request line (``{"snapshot": DIR, "job_url": URL}``), answering one JSON
-    line each (``{"ok": true, "path": URL}`` or ``{"ok": false, "error": ...}``) — so jax and Orbax are
-    imported once, not once per snapshot."""
+    """Answer one request line at a time (``handle``), one JSON line each — so jax and Orbax are imported
+    once, not once per snapshot."""
     jax.devices()  # make the CPU client now, while the worker waits for its first request
     for line in sys.stdin:
         if not line.strip():
             continue
         try:
             request = json.loads(line)
-            path = persist(Path(request["snapshot"]), request["job_url"], compression=compression)
-            answer: dict[str, object] = {"ok": True, "path": path}
-        except Exception as exc:  # reported to the parent, which logs it and retries later
-            answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        print(json.dumps(answer), flush=True)
+        except ValueError as exc:
+            print(json.dumps({"ok": False, "error": f"not JSON: {exc}"}), flush=True)
+            continue
+        print(json.dumps(handle(request, compression) if isinstance(request, dict) else
+                         {"ok": False, "error": "not an object"}), flush=True)
     return 0
 
 

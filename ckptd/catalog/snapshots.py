@@ -8,10 +8,11 @@ trainer that made it is still alive. Once the
 step is committed the snapshot is marked persisted and may be evicted; beyond ``max_snapshots`` per job
 the oldest evictable snapshots are dropped. A snapshot that is not whole is reported and dropped (it is a
 copy in memory; the storage tier never loses a step this way). One host's part of a multi-process job's step
-(``process_count`` > 1: only that process's shards) is neither dropped as broken nor persisted: the keeper
-keeps it and reports it (one warning per snapshot, ``KeeperStats.parts``) until multi-host persist exists
-(docs/multihost.md); one marked ``persist`` is never evicted, one that is not goes beyond ``max_snapshots``
-like any snapshot kept in memory only.
+(``process_count`` > 1: only that process's shards) marked ``persist`` is written as that process's part of
+the step and the step is committed by the job's leader once every host's part is durable
+(``ckptd.catalog.part_commit``, docs/multihost.md section 5); the part is marked persisted once the step is
+committed. A part is never dropped as broken for lacking the other hosts' shards; one not marked ``persist``
+goes beyond ``max_snapshots`` like any snapshot kept in memory only.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from trainer_client.core.errors import StoredFormatError, UnsafePathError
+from ckptd.catalog.part_commit import PartSaves
+from trainer_client.core.errors import StorageError, StoredFormatError, UnsafePathError
 from trainer_client.core.format.files import COMMIT_MARKER
 from trainer_client.core.format.private_files import check_private_dir, ensure_private_dir, is_real_dir
 from trainer_client.core.format.snapshot import (
@@ -59,6 +62,8 @@ class KeeperStats:
     # the parts of multi-process steps held and not persisted (snapshot path -> why), for status and metrics
     parts: dict[str, str] = field(default_factory=dict)
     persist_seconds: list[float] = field(default_factory=list)
+    parts_written: int = 0  # this host's parts of multi-process steps written to storage
+    commits: int = 0  # steps committed from host parts by this sidecar (as the job's leader)
 
 
 DEFAULT_NICE = 10  # how far below ckptd the persist worker runs, unless CKPTD_PERSIST_NICE says otherwise
@@ -86,7 +91,7 @@ def stop_persist_worker(worker: subprocess.Popen[str], timeout_s: float) -> None
         worker.kill()
 
 
-def ask_persist_worker(worker: subprocess.Popen[str], request: dict[str, str], timeout_s: float) -> dict[str, object]:
+def ask_persist_worker(worker: subprocess.Popen[str], request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     """One request line to a ``--serve`` worker and its answer line (``{"ok": ..., "path"|"error": ...}``); a
     worker that dies, says nonsense or does not answer within ``timeout_s`` gives an ``ok: false`` answer
     (and is killed when it may be stuck)."""
@@ -123,8 +128,11 @@ class SnapshotKeeper:
         timeout_s: float = 3600.0,
         nice: int = DEFAULT_NICE,
         devices: int | None = None,
+        writes: Callable[[str], bool] | None = None,
     ) -> None:
         self.storage = storage
+        # multi-host parts; ``writes(job)``: whether this ckptd commits the job's steps (Catalog.writes)
+        self.parts = PartSaves(storage, self._ask_worker, writes=writes or (lambda _job: True))
         self.nice = nice
         self.devices = devices
         self.shm_dir = Path(shm_dir)
@@ -133,7 +141,7 @@ class SnapshotKeeper:
         self.on_persisted = on_persisted
         self.timeout_s = timeout_s
         self.stats = KeeperStats()
-        self._queue: queue.Queue[tuple[str, Path] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[str, str, Path] | None] = queue.Queue()
         self._queued: set[Path] = set()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._persist_loop, name="ckptd-persister", daemon=True)
@@ -208,7 +216,15 @@ class SnapshotKeeper:
             # a trainer killed between or during saves leaves a spare file or an unfinished snapshot behind
             drop_leftovers(job_dir(self.shm_dir, job), older_than_s=self.timeout_s)
             self.stats.evicted += evict_oldest(complete_snapshots(self.shm_dir, job), self.max_snapshots)
+            if self.parts.writes(job):  # the leader commits what every host's part is there for
+                self._enqueue("commit", job, self.shm_dir / job / ".commit")
         self._forget_gone_parts()
+
+    def _enqueue(self, kind: str, job: str, path: Path) -> None:
+        with self._lock:
+            if path not in self._queued:
+                self._queued.add(path)
+                self._queue.put((kind, job, path))
 
     def _consider(self, job: str, path: Path) -> None:
         """Queue one snapshot for persisting, drop it when it is broken, hold it when it is one host's part."""
@@ -222,26 +238,41 @@ class SnapshotKeeper:
             return
         meta = read_meta(path)
         if meta.is_part:
-            self._hold_part(path, meta)
+            self._hold_part(job, path, meta)
             return
         if meta.persist and not is_persisted(path):
-            with self._lock:
-                if path not in self._queued:
-                    self._queued.add(path)
-                    self._queue.put((job, path))
+            self._enqueue("whole", job, path)
 
-    def _hold_part(self, path: Path, meta: SnapshotMeta) -> None:
-        """Keep one host's part of a multi-process step as it is: whether the step is whole is a job-level
-        fact no single host's file decides, and persisting it alone would commit a step missing the other
-        hosts' shards. Warned about once; listed in ``stats.parts`` while it exists."""
+    def _hold_part(self, job: str, path: Path, meta: SnapshotMeta) -> None:
+        """One host's part of a multi-process step: never whole on its own. Marked ``persist``: written as
+        this process's part of the step (queued), then marked persisted once the leader committed the step.
+        A part of a save another save's claim blocks, or one from an older trainer_client, is listed in
+        ``stats.parts`` (warned about once) and kept."""
         key = str(path)
-        if key in self.stats.parts:
+        if not meta.persist or is_persisted(path):
             return
-        why = (f"process {meta.process_index} of {meta.process_count}: one host's part of step {meta.step}, kept in "
-               "memory; ckptd does not persist multi-process steps from memory yet"
-               + (" (a persistent save: it stays until a whole-job persist exists)" if meta.persist else ""))
-        self.stats.parts[key] = why
-        _log.warning("not persisting snapshot %s: %s (docs/multihost.md)", path, why)
+        if meta.save_id is None:
+            self._note_part(key, f"process {meta.process_index} of {meta.process_count}: a part without a save id "
+                                 "(an older trainer_client): not persisted")
+            return
+        try:
+            state = self.parts.state(job, meta)
+        except (OSError, StorageError) as exc:
+            self._note_part(key, f"cannot read the step's claim or parts: {exc}")
+            return
+        if state == "committed":
+            mark_persisted(path, self.storage.url_of(self.parts.final_path(job, meta.step)))
+            self.stats.parts.pop(key, None)
+        elif state == "todo":
+            self._enqueue("part", job, path)
+        elif state == "claimed by another save":
+            self._note_part(key, f"step {meta.step} is claimed by another save; this part ({meta.save_id}) waits "
+                                 "until that save is committed or cleaned as abandoned")
+
+    def _note_part(self, key: str, why: str) -> None:
+        if self.stats.parts.get(key) != why:
+            self.stats.parts[key] = why
+            _log.warning("not persisting snapshot %s: %s (docs/multihost.md)", key, why)
 
     def _forget_gone_parts(self) -> None:
         for key in [key for key in self.stats.parts if not Path(key).exists()]:
@@ -252,9 +283,16 @@ class SnapshotKeeper:
             item = self._queue.get()
             if item is None or self._closed.is_set():
                 return
-            job, path = item
+            kind, job, path = item
             try:
-                self.persist(job, path)
+                if kind == "whole":
+                    self.persist(job, path)
+                elif kind == "part":
+                    self._persist_part(job, path)
+                else:
+                    self._commit(job)
+            except Exception as exc:  # reported; the next scan tries again
+                self._failed(path, f"{type(exc).__name__}: {exc}")
             finally:
                 with self._lock:
                     self._queued.discard(path)
@@ -288,7 +326,29 @@ class SnapshotKeeper:
             self.on_persisted(job, step)
         return step_url
 
-    def _ask_worker(self, request: dict[str, str]) -> dict[str, object]:
+    def _persist_part(self, job: str, path: Path) -> None:
+        """Write this host's part of a multi-process step (``PartSaves.persist_part``)."""
+        if not self.storage.inside(self.storage.join(job)):
+            self._failed(path, f"job {job!r}: its directory is a link leading out of the checkpoint root")
+            return
+        started = time.monotonic()
+        meta = read_meta(path)
+        outcome = self.parts.persist_part(job, str(path), meta)
+        if outcome == "written":
+            self.stats.parts_written += 1
+            self.stats.persist_seconds.append(time.monotonic() - started)
+            _log.info("wrote part %s of %s of step %s (%s) in %.2fs", meta.process_index, meta.process_count,
+                      meta.step, meta.save_id, time.monotonic() - started)
+        elif outcome != "committed":
+            self._note_part(str(path), outcome)
+
+    def _commit(self, job: str) -> None:
+        for step in self.parts.commit_ready(job):
+            self.stats.commits += 1
+            if self.on_persisted is not None:
+                self.on_persisted(job, step)
+
+    def _ask_worker(self, request: dict[str, Any]) -> dict[str, Any]:
         """One request to the long-lived persist worker (started, or restarted after a crash, on demand)."""
         worker = self._worker
         if self._closed.is_set():

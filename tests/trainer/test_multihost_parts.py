@@ -1,24 +1,30 @@
 """One host's part of a multi-process job's memory snapshot: two real JAX processes (jax.distributed on
 127.0.0.1, 4 CPU devices each, one global mesh of 8) each snapshot their own shards through the real
 ``MemoryTier``. The part records its process, is never taken for a whole snapshot, and ckptd's keeper keeps
-it — neither persisted alone (a step missing the other host's shards) nor deleted as broken (a persistent
-save lost) — and reports it once; the trainer's ``Saver`` sends a persistent save of such a job to storage
-directly, in every process (docs/multihost.md)."""
+it — never committed alone (a step missing the other host's shards) nor deleted as broken (a persistent
+save lost); the trainer's ``Saver`` sends a persistent save of such a job to the memory tier, in every
+process (docs/multihost.md). The multi-host persist: each part written as that process's part of a plain
+multi-process Orbax step, committed only with every part there, a commit redone after a crash, a claim of
+another save refused (``ckptd/catalog/part_commit.py``)."""
 
 from __future__ import annotations
 
 import json
-import logging
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from ckptd.catalog.persist_worker import persist
+from ckptd.catalog.part_commit import PartSaves
+from ckptd.catalog.persist_worker import handle, persist
 from ckptd.catalog.snapshots import SnapshotKeeper
 from tests.support.jax_job import PREAMBLE, run_job
-from trainer_client.core.format.snapshot import newest_whole, problems, read_meta
+from trainer_client.core.format.array_index import decode_all_arrays
+from trainer_client.core.format.parts import make_claim, part_problems, read_part
+from trainer_client.core.format.snapshot import is_persisted, newest_whole, problems, read_meta
 from trainer_client.core.storage import Storage
+from trainer_client.core.validation import latest_good_on_storage, validate_step
 
 _HOST = PREAMBLE + """
 from trainer_client.runtime._saver import Saver
@@ -61,13 +67,14 @@ def parts(hosts: tuple[Path, list[str], list[Path]]) -> list[Path]:
     return hosts[2]
 
 
-def test_a_persistent_save_of_a_multi_process_job_goes_to_storage(hosts: tuple[Path, list[str], list[Path]]) -> None:
+def test_a_persistent_save_of_a_multi_process_job_goes_to_the_memory_tier(
+        hosts: tuple[Path, list[str], list[Path]]) -> None:
     root, tiers, parts = hosts
-    assert tiers == ["storage", "storage"]  # every process alike: one multi-process Orbax save
-    assert (root / "job" / "6" / "commit_success.txt").is_file()
-    assert sorted(p.name for p in (root / "job" / "6" / "default").glob("ocdbt.process_*")) == [
-        "ocdbt.process_0", "ocdbt.process_1"]
-    assert all(not (part.parent / "6").exists() for part in parts)  # not left in memory as a part
+    assert tiers == ["memory+persist", "memory+persist"]  # every process alike: each host's part, for its ckptd
+    assert not (root / "job" / "6").exists()  # nothing written to storage by the trainers
+    for k, part in enumerate(parts):
+        meta = read_meta(part.parent / "6")
+        assert (meta.persist, meta.process_index, meta.process_count) == (True, k, 2)
 
 
 def test_each_host_snapshots_its_own_part_and_records_which(parts: list[Path]) -> None:
@@ -79,6 +86,9 @@ def test_each_host_snapshots_its_own_part_and_records_which(parts: list[Path]) -
     assert covered == [32, 32]  # ... each half of its 64 elements
     # a replicated array: one copy in each part, so that each process restores from its own part alone
     assert [len(m.arrays["b"].shards) for m in metas] == [1, 1]
+    # ... and which part writes it to storage: jax's replica 0 is on process 0's devices, as Orbax decides
+    assert [m.arrays["b"].shards[0].replica_id for m in metas] == [0, 4]
+    assert all(s.replica_id == 0 for m in metas for s in m.arrays["w"].shards)
     for path in parts:
         assert problems(path) == []  # intact as a part ...
         assert newest_whole(path.parent.parent, "job") is None  # ... and never a whole snapshot on its own
@@ -88,25 +98,106 @@ def test_each_host_snapshots_its_own_part_and_records_which(parts: list[Path]) -
     assert "process_index" not in single and "process_count" not in single  # what older readers parse
 
 
-def test_the_keeper_keeps_and_reports_a_part_without_persisting_it(
-        parts: list[Path], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_one_hosts_part_alone_is_written_but_never_committed(parts: list[Path], tmp_path: Path) -> None:
     part = parts[0]
     root = tmp_path / "root"
     keeper = SnapshotKeeper(Storage(str(root)), str(part.parent.parent), max_snapshots=1)
+    keeper.parts.ask = _in_process  # the worker's own handling, without a child's start (the system test has one)
     keeper.start()
-    with caplog.at_level(logging.WARNING, logger="ckptd.catalog.snapshots"):
-        keeper.scan()
-        keeper.scan()
-    left = keeper.stop(drain_timeout_s=30)
-    assert part.is_dir() and problems(part) == []  # kept: a persistent save is not lost
-    assert left == [] and keeper.stats.persisted == 0 and keeper.stats.failed == 0 and keeper.stats.broken == 0
-    assert not (root / "job" / "5").exists()  # no step committed from one host's shards
-    assert "process 0 of 2" in keeper.stats.parts[str(part)]
-    warned = [r for r in caplog.records if "not persisting snapshot" in r.getMessage() and str(part) in r.getMessage()]
-    assert len(warned) == 1  # once per snapshot, not once per scan
+    keeper.scan()
+    left = keeper.stop(drain_timeout_s=60)
+    assert part.is_dir() and problems(part) == [] and not is_persisted(part)  # kept: not committed yet
+    assert left == [] and keeper.stats.parts_written >= 1 and keeper.stats.broken == 0
+    assert keeper.stats.commits == 0 and not (root / "job" / "5").exists()  # host 1's part is missing
+    staged = root / "job" / ".ckptd" / "staging" / f"5.{read_meta(part).save_id}"
+    assert sorted(p.name for p in (staged / "ckptd_parts").iterdir()) == ["process_0.json"]
+    assert (root / "job" / ".ckptd" / "claims" / "5.json").is_file()
+    assert latest_good_on_storage(Storage(str(root)), str(root / "job")) is None  # never served
 
 
 def test_the_persist_worker_refuses_a_part(parts: list[Path], tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="process 1 of 2's part only"):
         persist(parts[1], str(tmp_path / "root" / "job"))
     assert not (tmp_path / "root" / "job" / "5").exists()
+
+
+def _in_process(request: dict[str, Any]) -> dict[str, Any]:
+    """The persist worker's own request handling, run in this process (which has jax already): the same code
+    ``ckptd.catalog.persist_worker --serve`` runs, without a child's start-up."""
+    return handle(request)
+
+
+def _deep_problems(storage: Storage, step: Path) -> list[str]:
+    return validate_step(storage, str(step), "deep", decode_arrays=decode_all_arrays).problems
+
+
+def _restored(step: Path, devices: int) -> dict[str, Any]:
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("data",))
+    rows = P("data") if 16 % devices == 0 else P()
+    target = {"w": jax.ShapeDtypeStruct((16, 4), np.float32, sharding=NamedSharding(mesh, rows)),
+              "b": jax.ShapeDtypeStruct((4,), np.float32, sharding=NamedSharding(mesh, P()))}
+    with ocp.StandardCheckpointer() as checkpointer:
+        out = checkpointer.restore(step / "default", target)
+    return {name: np.asarray(value) for name, value in out.items()}
+
+
+def test_both_parts_make_one_plain_orbax_step_committed_once(parts: list[Path], tmp_path: Path) -> None:
+    import numpy as np
+
+    storage = Storage(str(tmp_path / "root"))
+    sidecars = [PartSaves(storage, _in_process) for _ in parts]
+    for sidecar, part in zip(sidecars, parts, strict=True):
+        assert sidecar.persist_part("job", str(part), read_meta(part)) == "written"
+    assert sidecars[0].commit_ready("job") == [5]
+    assert sidecars[1].commit_ready("job") == [] and sidecars[0].commit_ready("job") == []  # once
+    step = tmp_path / "root" / "job" / "5"
+    assert sorted(p.name for p in (step / "ckptd_parts").iterdir()) == ["process_0.json", "process_1.json"]
+    assert sorted(p.name for p in (step / "default").glob("ocdbt.process_*")) == ["ocdbt.process_0", "ocdbt.process_1"]
+    assert not (tmp_path / "root" / "job" / ".ckptd" / "staging" / f"5.{read_meta(parts[0]).save_id}").exists()
+    assert _deep_problems(storage, step) == [] and part_problems(storage, str(step)) == []
+    assert [sidecar.state("job", read_meta(part)) for sidecar, part in zip(sidecars, parts, strict=True)] == [
+        "committed", "committed"]
+    for devices in (8, 6):  # plain Orbax, one process: on the saved mesh's size and onto another
+        out = _restored(step, devices)
+        assert np.array_equal(out["w"], np.arange(64, dtype=np.float32).reshape(16, 4))
+        assert np.array_equal(out["b"], np.ones(4, np.float32))
+    assert latest_good_on_storage(storage, str(tmp_path / "root" / "job")).step == 5  # type: ignore[union-attr]
+    (step / "ckptd_parts" / "process_1.json").unlink()  # the fallback never takes a step missing a part record
+    assert latest_good_on_storage(storage, str(tmp_path / "root" / "job")) is None
+
+
+def test_a_claim_of_another_save_is_refused(parts: list[Path], tmp_path: Path) -> None:
+    storage = Storage(str(tmp_path / "root"))
+    assert make_claim(storage, "job", 5, "00ff-5", 2) is not None  # an earlier incarnation's save of step 5
+    sidecar = PartSaves(storage, _in_process)
+    assert sidecar.persist_part("job", str(parts[0]), read_meta(parts[0])) == "claimed by another save"
+    assert sidecar.state("job", read_meta(parts[0])) == "claimed by another save"
+    assert not (tmp_path / "root" / "job" / ".ckptd" / "staging").exists()  # nothing written
+    assert sidecar.commit_ready("job") == []  # its parts never came: never committed
+    found = sidecar.abandoned("job", older_than_s=0.0)
+    assert [(a.step, a.save_id, a.missing) for a in found] == [(5, "00ff-5", [0, 1])]
+    sidecar.clean(found[0])  # the claim is free again: this save goes on
+    assert sidecar.persist_part("job", str(parts[0]), read_meta(parts[0])) == "written"
+
+
+def test_the_commit_is_redone_after_a_crash_between_merge_and_marker(parts: list[Path], tmp_path: Path) -> None:
+    storage = Storage(str(tmp_path / "root"))
+    sidecars = [PartSaves(storage, _in_process) for _ in parts]
+    for sidecar, part in zip(sidecars, parts, strict=True):
+        sidecar.persist_part("job", str(part), read_meta(part))
+    save_id = read_meta(parts[0]).save_id
+    staged = tmp_path / "root" / "job" / ".ckptd" / "staging" / f"5.{save_id}"
+    record = read_part(storage, str(staged), 0)
+    assert record is not None
+    assert _in_process({"commit": str(staged), "record": record.model_dump(mode="json")})["ok"]  # then it died
+    assert (staged / "default" / "manifest.ocdbt").is_file() and not (staged / "commit_success.txt").exists()
+    assert latest_good_on_storage(storage, str(tmp_path / "root" / "job")) is None
+    assert sidecars[1].commit_ready("job") == [5]  # the next leader redoes the commit from the start
+    step = tmp_path / "root" / "job" / "5"
+    assert _deep_problems(storage, step) == []

@@ -74,9 +74,11 @@ class Saver:
         loop until that save is done (Orbax waits for it), with a warning.
         """
         tier = "storage"
-        # ckptd does not persist one host's part of a multi-process step from memory yet (docs/multihost.md):
-        # such a persistent save goes to Orbax directly, in every process alike (one multi-process Orbax save)
-        if self.memory is not None and not (persist and self.memory.process_count > 1):
+        # In a multi-process job each host's ckptd persists its own part and the leader commits the step once
+        # every part is durable (docs/multihost.md, section 5). A full tier sends a persistent save to Orbax
+        # directly: every process must then take that path alike (one multi-process Orbax save), which holds
+        # where the hosts' tiers fill alike (the same state, the same max_snapshots, one ckptd per host).
+        if self.memory is not None:
             try:
                 self.memory.save(step, state, meta, persist=persist, data_iterator=data_iterator,
                                  item=self.checkpointer.item)

@@ -73,10 +73,12 @@ class MemoryTier:
 
     In a multi-process job each process snapshots its own shards into its host's shared memory and the
     snapshot records ``process_index`` of ``process_count`` (``jax.process_index()``/``jax.process_count()``
-    unless given): one host's part of the step, which ckptd keeps but neither persists nor takes for whole
+    unless given): one host's part of the step, which its host's ckptd persists as that process's part of a
+    plain multi-process Orbax step (committed once every host's part is durable) but never takes for whole
     on its own, and its ``save_id`` (``<job incarnation>-<step>``, the same in every host's part of one save).
-    Such a part holds every region its process's devices hold, once, so each process restores onto the same
-    global mesh from its own part alone (docs/multihost.md).
+    Such a part holds every region its process's devices hold, once, with the lowest jax ``replica_id`` its
+    devices have for it (the part with replica 0 writes the region to storage, as Orbax decides), so each
+    process restores onto the same global mesh from its own part alone (docs/multihost.md).
     """
 
     def __init__(self, shm_dir: str, job: str, *, max_snapshots: int = 2, reserve_bytes: int = 64 << 20,
@@ -111,8 +113,8 @@ class MemoryTier:
             raise MemoryTierFull(
                 f"{len(held)} snapshots of {self.dir.name!r} are held in {self.dir} and none may be dropped "
                 f"yet (all wait to be persisted by ckptd); max_snapshots={self.max_snapshots}. Is ckptd running?"
-                + (" ckptd does not persist one host's part of a multi-process job's step yet (docs/multihost.md)."
-                   if self.process_count > 1 else "")
+                + (" A host's part of a multi-process job's step is persisted by its own ckptd and evictable only once "
+                   "every host's part is committed (docs/multihost.md, section 5)." if self.process_count > 1 else "")
             )
         free = shutil.disk_usage(self.dir).free
         if nbytes and nbytes + self.reserve_bytes > free:
@@ -155,7 +157,7 @@ class MemoryTier:
                     os.replace(self._spare, tmp / SNAPSHOT_DATA_FILE)
                 except FileNotFoundError:  # ckptd dropped it meanwhile as stale: a new file (ENOSPC is caught)
                     reuse = False
-            arrays, offset = self._write(tmp, plan, reuse=reuse)
+            arrays, offset = self._write(tmp, plan, reuse=reuse, replicas=self.process_count > 1)
         except OSError as exc:  # e.g. ENOSPC: the room checked above was taken meanwhile
             shutil.rmtree(tmp, ignore_errors=True)
             raise MemoryTierFull(f"writing the snapshot of step {step} into {self.dir} failed: {exc}") from exc
@@ -185,8 +187,10 @@ class MemoryTier:
         if self.process_count == 1:
             return [s for s in leaf.addressable_shards if s.replica_id == 0]
         regions: dict[Any, Any] = {}
-        for s in leaf.addressable_shards:
-            regions.setdefault(index_bounds(s.index, leaf.shape), s)
+        for s in leaf.addressable_shards:  # the replica with the lowest id: 0 where this process writes the region
+            key = index_bounds(s.index, leaf.shape)
+            if key not in regions or s.replica_id < regions[key].replica_id:
+                regions[key] = s
         return list(regions.values())
 
     def _spare_bytes(self) -> int:
@@ -230,17 +234,19 @@ class MemoryTier:
 
     @staticmethod
     def _write(tmp: Path, plan: list[tuple[str, jax.Array, list[Any]]], *,
-               reuse: bool) -> tuple[dict[str, ArrayRecord], int]:
+               reuse: bool, replicas: bool = False) -> tuple[dict[str, ArrayRecord], int]:
         """One copy per shard, device to the shared-memory file (no pre-zeroing: that is a second pass), into
         the spare's allocated pages with ``reuse``. Each shard starts at a multiple of ``SHARD_ALIGN``, so the
-        persist worker's jax takes a view of it as is. Each shard's XXH3-64 checksum is computed from the host copy by
+        persist worker's jax takes a view of it as is (``replicas``: each shard's jax ``replica_id`` recorded, a
+        multi-process part's). Each shard's XXH3-64 checksum is computed from the host copy by
         a helper thread while the next shard is copied and written (zlib releases the GIL)."""
         arrays: dict[str, ArrayRecord] = {}
         offset = 0
         fd = open_private(tmp / SNAPSHOT_DATA_FILE, os.O_RDWR if reuse else os.O_WRONLY | os.O_CREAT)
         with os.fdopen(fd, "r+b" if reuse else "wb") as f, ThreadPoolExecutor(
                 _CHECKSUM_THREADS, thread_name_prefix="snapshot-checksum") as sums:
-            pending: list[tuple[str, list[int], str, list[tuple[list[list[int]], int, int, Future[int]]]]] = []
+            pending: list[tuple[str, list[int], str,
+                                list[tuple[list[list[int]], int, int, Future[int], int | None]]]] = []
             for name, leaf, shards in plan:
                 records = []
                 for shard in shards:
@@ -251,14 +257,14 @@ class MemoryTier:
                     digest = sums.submit(xxhash.xxh3_64_intdigest, host.data)
                     f.write(host.data)
                     index = [list(b) for b in index_bounds(shard.index, leaf.shape)]
-                    records.append((index, offset, host.nbytes, digest))
+                    records.append((index, offset, host.nbytes, digest, shard.replica_id if replicas else None))
                     offset += host.nbytes
                 pending.append((name, list(leaf.shape), str(leaf.dtype), records))
             f.truncate(offset)
             for name, shape, dtype, records in pending:
                 arrays[name] = ArrayRecord(shape=shape, dtype=dtype, shards=[
-                    ShardRecord(index=index, offset=at, nbytes=size, xxh3=digest.result())
-                    for index, at, size, digest in records])
+                    ShardRecord(index=index, offset=at, nbytes=size, xxh3=digest.result(), replica_id=replica)
+                    for index, at, size, digest, replica in records])
         return arrays, offset
 
 

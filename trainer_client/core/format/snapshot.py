@@ -76,6 +76,11 @@ class ShardRecord(_Model):
     offset: int = Field(ge=0)
     nbytes: int = Field(ge=0)
     xxh3: int = Field(ge=0, lt=2**64, description="XXH3-64 (seed 0) of the shard's bytes")
+    # Written only in a part of a multi-process job (a single process's snapshot.json stays as older readers
+    # parse it): the lowest jax ``replica_id`` among this process's devices holding the region. The part with
+    # replica 0 writes the region when the step is persisted from parts, as plain Orbax decides who writes.
+    replica_id: int | None = Field(default=None, ge=0, exclude_if=lambda v: v is None,
+                                   description="the lowest jax replica_id of this region on this process")
 
 
 class ArrayRecord(_Model):

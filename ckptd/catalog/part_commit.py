@@ -1,0 +1,199 @@
+"""Multi-host persist and commit on ckptd's side (docs/multihost.md, section 5), jax-free: the persist worker
+child does the Orbax writes (``ckptd.catalog.part_writer``); this module decides what to write and when.
+
+Host k's sidecar persists its own part of step S: it claims S for the part's save (``<job>/.ckptd/claims/
+<S>.json``, create-only: one save per step number), has the worker write the part into the step (staged under
+``<job>/.ckptd/staging/<S>.<save_id>/`` on a local root, in place on ``gs://``), then creates the part record
+``<S>/ckptd_parts/process_<k>.json`` (create-only) once the part is durable. Exactly one party commits: the
+job's leader (``Catalog.writes``; the one sidecar when no lease is on), for each claimed uncommitted step whose N
+part records are all there with the claim's save id: the worker's finalize (merge, ``_METADATA``,
+``_sharding``, ``_CHECKPOINT_METADATA``), ckptd's manifest, then the create-only commit marker, and on a local
+root the rename of the staging directory to ``<job>/<S>``. Every action before the marker is a rewrite of
+the same content, so a leader that dies mid-commit is replaced and the next one redoes it. A step missing a
+part is never committed, so never served; a claim older than ``save_timeout_s`` without a commit is reported
+abandoned and deleted, staged files included, by ``clean_abandoned``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from trainer_client.core.durability import sync_paths
+from trainer_client.core.errors import StorageError
+from trainer_client.core.format.files import COMMIT_MARKER
+from trainer_client.core.format.manifest import build_manifest, write_manifest
+from trainer_client.core.format.parts import (
+    CLAIMS_DIR,
+    PartInfo,
+    make_claim,
+    parts_of,
+    read_claim,
+    read_part,
+    record_bytes,
+    record_path,
+    step_path_for,
+)
+from trainer_client.core.format.snapshot import SnapshotMeta
+from trainer_client.core.storage import Storage
+
+_log = logging.getLogger(__name__)
+
+Ask = Callable[[dict[str, Any]], dict[str, Any]]
+PartState = Literal["committed", "written", "todo", "claimed by another save"]
+
+
+@dataclass(frozen=True)
+class Abandoned:
+    job: str
+    step: int
+    save_id: str
+    age_s: float
+    missing: list[int]
+
+
+class PartSaves:
+    """Persists this host's parts and, where this sidecar leads the job, commits the steps whose parts are all
+    durable. ``ask`` hands one request to the persist worker; ``writes(job)``: whether this sidecar leads."""
+
+    def __init__(self, storage: Storage, ask: Ask, *, writes: Callable[[str], bool] = lambda _job: True,
+                 sidecar: str = "") -> None:
+        self.storage = storage
+        self.ask = ask
+        self.writes = writes
+        self.sidecar = sidecar or f"{os.uname().nodename}/{os.getpid()}"
+        self.commits = 0
+
+    def final_path(self, job: str, step: int) -> str:
+        return self.storage.join(job, str(step))
+
+    def committed(self, job: str, step: int, save_id: str) -> bool:
+        """Whether ``step`` is committed from the parts of ``save_id``."""
+        final = self.final_path(job, step)
+        if not self.storage.exists(posixpath.join(final, COMMIT_MARKER)):
+            return False
+        first = read_part(self.storage, final, 0)
+        return first is not None and first.save_id == save_id
+
+    def state(self, job: str, meta: SnapshotMeta) -> PartState:
+        """Where this host's part of a save stands on storage."""
+        assert meta.save_id is not None
+        if self.committed(job, meta.step, meta.save_id):
+            return "committed"
+        claim = read_claim(self.storage, job, meta.step)
+        if claim is not None and claim.save_id != meta.save_id:
+            return "claimed by another save"
+        where = step_path_for(self.storage, job, meta.step, meta.save_id)
+        part = read_part(self.storage, where, meta.process_index)
+        return "written" if part is not None and part.save_id == meta.save_id else "todo"
+
+    def persist_part(self, job: str, snapshot: str, meta: SnapshotMeta) -> str:
+        """Claim the step for this save and write this host's part (a redo rewrites it whole); the part
+        record is created once it is durable. Returns what happened (``written``, ``committed``, or why not)."""
+        assert meta.save_id is not None
+        claim = make_claim(self.storage, job, meta.step, meta.save_id, meta.process_count)
+        if claim is None:
+            return "claim unreadable"
+        if claim.save_id != meta.save_id:
+            return "committed" if self.committed(job, meta.step, meta.save_id) else "claimed by another save"
+        where = step_path_for(self.storage, job, meta.step, meta.save_id)
+        if read_part(self.storage, where, meta.process_index) is not None:
+            return "written"  # an earlier try of this sidecar finished
+        answer = self.ask({"part": snapshot, "step_url": self.storage.url_of(where)})
+        if not answer.get("ok"):
+            raise RuntimeError(str(answer.get("error", "no answer")))
+        info = PartInfo.model_validate({**answer["record"], "sidecar": self.sidecar})
+        self.storage.create_new(record_path(where, meta.process_index), record_bytes(info))
+        return "written"
+
+    def claims(self, job: str) -> list[int]:
+        where = self.storage.join(job, CLAIMS_DIR)
+        try:
+            names = [posixpath.basename(e.path) for e in self.storage.list_dir(where)]
+        except (FileNotFoundError, StorageError):
+            return []
+        return sorted(int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit())
+
+    def commit_ready(self, job: str) -> list[int]:
+        """The leader's pass: commit every claimed step of ``job`` whose parts are all durable. Returns the
+        steps committed now."""
+        done = []
+        for step in self.claims(job):
+            if not self.writes(job):
+                break  # asked again before each commit: the lease may have moved
+            claim = read_claim(self.storage, job, step)
+            if claim is None or self.committed(job, step, claim.save_id):
+                continue
+            where = step_path_for(self.storage, job, step, claim.save_id)
+            parts = parts_of(self.storage, where, claim.process_count)
+            if any(p is None or p.save_id != claim.save_id for p in parts):
+                continue  # a missing part: never committed, never served
+            if self.storage.exists(self.final_path(job, step)) and not self.storage.is_remote:
+                _log.error("not committing step %s of %s from parts: %s exists already", step, job,
+                           self.final_path(job, step))
+                continue
+            self.commit(job, step, where, parts[0])  # type: ignore[arg-type]
+            done.append(step)
+        return done
+
+    def commit(self, job: str, step: int, where: str, first: PartInfo) -> None:
+        """Finalize, manifest, marker (create-only), and on a local root the rename into place."""
+        marker = posixpath.join(where, COMMIT_MARKER)
+        if not self.storage.exists(marker):  # else: the marker is there, the rename was not done
+            answer = self.ask({"commit": self.storage.url_of(where), "record": first.model_dump(mode="json")})
+            if not answer.get("ok"):
+                raise RuntimeError(f"commit of step {step} failed: {answer.get('error', 'no answer')}")
+            manifest = build_manifest(self.storage, where, step=step, writer="adopted",
+                                      arrays=first.training.arrays, training=first.training)
+            write_manifest(self.storage, where, manifest)
+            if not self.writes(job):  # the lease moved while finalizing: the new leader commits
+                return
+            if not self.storage.create_new(marker, f"Checkpoint commit was successful to {where}".encode()):
+                _log.info("step %s of %s: another leader committed it", step, job)
+        if not self.storage.is_remote:
+            final = self.final_path(job, step)
+            try:
+                os.rename(where, final)
+            except FileExistsError:
+                return
+            except OSError as exc:
+                if os.path.exists(final):
+                    return
+                raise StorageError(f"cannot move {where} to {final}: {exc}") from exc
+            sync_paths(posixpath.dirname(final))
+        self.storage.invalidate(self.storage.join(job))
+        self.commits += 1
+        _log.info("committed step %s of %s from %d host parts", step, job, first.process_count)
+
+    def abandoned(self, job: str, older_than_s: float, now: float | None = None) -> list[Abandoned]:
+        """Claims older than ``older_than_s`` whose step is not committed."""
+        now = time.time() if now is None else now
+        out = []
+        for step in self.claims(job):
+            claim = read_claim(self.storage, job, step)
+            if claim is None or now - claim.created_at < older_than_s or self.committed(job, step, claim.save_id):
+                continue
+            where = step_path_for(self.storage, job, step, claim.save_id)
+            missing = [k for k, p in enumerate(parts_of(self.storage, where, claim.process_count)) if p is None]
+            out.append(Abandoned(job, step, claim.save_id, now - claim.created_at, missing))
+        return out
+
+    def clean(self, found: Abandoned) -> None:
+        """Delete an abandoned save: its staged (or in place, uncommitted) files, then its claim."""
+        where = step_path_for(self.storage, found.job, found.step, found.save_id)
+        if self.storage.exists(posixpath.join(where, COMMIT_MARKER)):
+            return
+        if self.storage.exists(where):
+            self.storage.fs.rm(where, recursive=True)
+        self.storage.fs.rm(self.storage.join(found.job, CLAIMS_DIR, f"{found.step}.json"))
+        self.storage.invalidate(self.storage.join(found.job))
+        _log.warning("deleted abandoned save %s of step %s of %s (parts missing: %s)", found.save_id, found.step,
+                     found.job, found.missing)
+
+
+__all__ = ["Abandoned", "PartSaves"]
