@@ -41,6 +41,7 @@ class Profile:
     recovery_repeats: int
     drop_caches: bool  # cold restores: drop the page cache before each (needs root)
     persist_child: bool = True  # run the persist worker as ckptd does (a child process importing jax)
+    rss_capped: bool = True  # also measure the peak RSS of a restore capped at a quarter of the state (a child)
 
     @property
     def state_bytes(self) -> int:
@@ -54,7 +55,7 @@ PROFILES: dict[str, Profile] = {
     # 8 x 3072 x 2816 float32 = 264 MiB; 1,000 catalogued steps (the key's name says 10k: see "steps").
     "quick": Profile("quick", 8, 3072, 2816, 3, 1_000, 1000, 300, 3, 1, 3, True),
     # The smoke test: proves the harness runs (the persist worker runs in-process, not as a child).
-    "toy": Profile("toy", 4, 48, 32, 1, 12, 10, 20, 1, 1, 1, False, persist_child=False),
+    "toy": Profile("toy", 4, 48, 32, 1, 12, 10, 20, 1, 1, 1, False, persist_child=False, rss_capped=False),
 }
 
 
@@ -71,13 +72,16 @@ def summary(samples: Sequence[float]) -> dict[str, Any]:
     """Median and spread of repeated runs, with the raw samples."""
     values = [float(v) for v in samples]
     if not values:
-        return {"n": 0, "samples": [], "median": None, "min": None, "max": None}
+        return {"n": 0, "samples": [], "median": None, "min": None, "max": None, "spread": None}
     return {
         "n": len(values),
         "samples": [round(v, 6) for v in values],
         "median": round(statistics.median(values), 6),
         "min": round(min(values), 6),
         "max": round(max(values), 6),
+        # half the range relative to the median: what a second run of the same profile may differ by
+        "spread": round((max(values) - min(values)) / 2 / abs(statistics.median(values)), 4)
+        if statistics.median(values) else None,
     }
 
 

@@ -84,8 +84,8 @@ def write_limit(buffers: Sequence[np.ndarray], directory: Path, writers: int) ->
 
 
 def data_files(step_dir: Path) -> list[Path]:
-    """The files under ``step_dir`` larger than 1 MiB: an Orbax step's OCDBT data files."""
-    return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.stat().st_size > 1 << 20)
+    """An Orbax step's OCDBT data files (``<item>/ocdbt.process_<n>/d/*``): the bytes its arrays are in."""
+    return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.parent.name == "d")
 
 
 def read_limit(files: Sequence[Path], readers: int, *, cold: bool = True) -> float:

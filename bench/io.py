@@ -17,13 +17,12 @@ shared 2-core machine hits both sides alike. Figures:
   the two per repeat. Beside it: the worker's first request (process start and the jax/Orbax import
   included), the one-shot CLI (``python -m ckptd.catalog.persist_worker SNAPSHOT DIR``, a fresh process per
   snapshot), the worker called in-process, plain Orbax with its default zstd and with compression off.
-* ``restore_time_ratio_vs_orbax`` / ``reshard_restore_time_ratio_vs_orbax``: ``trainer_client.runtime.checkpointing
-  .restore`` (which reads the chunks itself: ``trainer_client.runtime.direct_restore``) against plain
-  ``ocp.CheckpointManager.restore`` of the same step, onto the same 8-device mesh and onto 6 devices, page
-  cache dropped before each (cold), order alternating. Both again with the files in the page cache (warm:
-  what an in-process recovery from the step it just wrote meets) are reported beside it.
-* ``memory_tier_restore_speedup_vs_disk``: cold restore from storage ÷ ``restore_snapshot`` from shared
-  memory, same state, same target (the warm-disk speedup beside it).
+* ``persist_throughput_ratio_vs_disk_limit``: the same persists against the disk's write limit
+  (``bench.disk_limit``: the best of 1, 2, 4, 8 parallel writers of the same bytes with fsync, swept once,
+  then timed at the winning count in every repeat); the worse of the two paths per repeat.
+* Restores (``restore_time_ratio_vs_orbax``, ``restore_throughput_ratio_vs_disk_limit``, the memory tier,
+  peak host memory): ``bench.io_restore``, on the last repeat's step and snapshot.
+* Storage requests on GCS against plain Orbax: ``bench.gcs_requests``.
 """
 
 from __future__ import annotations
@@ -37,19 +36,20 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
-from bench.common import Figure, Profile, Results, alternate, drop_page_cache, filesystem_of, free_gib, rmtree, timed
+from bench import disk_limit
+from bench.common import Figure, Profile, Results, alternate, filesystem_of, free_gib, rmtree, timed
+from bench.gcs_requests import run_gcs_requests
+from bench.io_restore import SPEC, run_restores
 from ckptd.catalog.snapshots import ask_persist_worker, start_persist_worker, stop_persist_worker
-from trainer_client.runtime.checkpointing import Checkpointer, restore, standard_handler, training_metadata
-from trainer_client.runtime.memory_tier import MemoryTier, restore_snapshot
+from trainer_client.runtime.checkpointing import Checkpointer, standard_handler, training_metadata
+from trainer_client.runtime.memory_tier import MemoryTier
 
 PyTree = Any
 JOB = "bench-io"
-SPEC = PartitionSpec("data", None)
 
 
 def make_state(profile: Profile, mesh: Mesh) -> PyTree:
@@ -67,13 +67,6 @@ def make_state(profile: Profile, mesh: Mesh) -> PyTree:
     return state
 
 
-def _target(profile: Profile, mesh: Mesh) -> PyTree:
-    sharding = NamedSharding(mesh, SPEC)
-    shape = (profile.rows, profile.cols)
-    return {"params": {f"layer{i}": jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)
-                       for i in range(profile.arrays)}}
-
-
 def _shard_views(state: PyTree) -> list[list[np.ndarray]]:
     """Per array, its shards' host bytes in row order (zero-copy views of the CPU device buffers)."""
     out = []
@@ -89,10 +82,6 @@ def orbax_manager(directory: Path, *, compression: bool | None) -> ocp.Checkpoin
     if compression is None:
         return ocp.CheckpointManager(str(directory), options=options)
     return ocp.CheckpointManager(str(directory), options=options, item_handlers=standard_handler(compression))
-
-
-def _block(tree: PyTree) -> None:
-    jax.block_until_ready(tree)
 
 
 class ServeWorker:
@@ -113,7 +102,8 @@ class ServeWorker:
 
 
 def _save_repeat(i: int, profile: Profile, state: PyTree, views: list[list[np.ndarray]], mesh8: Mesh,
-                 tier: MemoryTier, workdir: Path, worker: ServeWorker | None) -> tuple[dict[str, float], Path, Path]:
+                 tier: MemoryTier, workdir: Path, worker: ServeWorker | None,
+                 writers: int) -> tuple[dict[str, float], Path, Path]:
     """One repeat of every save and persist measurement; (timings, its snapshot, its Checkpointer step)."""
     step = 100 * (i + 1)
     print(f"  repeat {i + 1}/{profile.repeats} ({free_gib():.1f} GiB available)", flush=True)
@@ -228,7 +218,11 @@ def _save_repeat(i: int, profile: Profile, state: PyTree, views: list[list[np.nd
         rep["persist_worker_inprocess"] = t.seconds
         rmtree(d)
 
-    order: list[Callable[[], None]] = [raw_disk, checkpointer, worker_child, orbax(None, "orbax_zstd"),
+    def write_limit() -> None:
+        rep["disk_write_limit"] = disk_limit.write_limit([v for arr in views for v in arr], workdir / f"limit-{i}",
+                                                         writers)
+
+    order: list[Callable[[], None]] = [raw_disk, write_limit, checkpointer, worker_child, orbax(None, "orbax_zstd"),
                                        orbax(False, "orbax_nocompression"), worker_inprocess, worker_oneshot]
     shift = i % len(order)
     for run in order[shift:] + order[:shift]:
@@ -281,11 +275,12 @@ def run_io(profile: Profile, results: Results, workdir: Path, shm_dir: Path) -> 
     s: dict[str, list[float]] = {k: [] for k in (
         "memcpy", "memcpy_prefaulted", "checkpointer_blocked", "memory_tier_blocked", "memory_tier_spare",
         "orbax_blocked",
-        "raw_disk", "checkpointer_persist", "persist_worker_child", "persist_worker_inprocess",
+        "raw_disk", "disk_write_limit", "checkpointer_persist", "persist_worker_child", "persist_worker_inprocess",
         "persist_worker_oneshot", "orbax_zstd_persist", "orbax_nocompression_persist", "orbax_zstd_blocked")}
     ratio: dict[str, list[float]] = {k: [] for k in (
         "stall_checkpointer", "stall_memory_tier", "stall_orbax", "persist_checkpointer", "persist_worker_child",
-        "persist_worker_inprocess", "persist_worker_oneshot", "persist_orbax_zstd", "persist_orbax_nocompression")}
+        "persist_worker_inprocess", "persist_worker_oneshot", "persist_orbax_zstd", "persist_orbax_nocompression",
+        "limit_checkpointer", "limit_worker_child", "limit_orbax_nocompression")}
     keep_step_dir: Path | None = None
     keep_snapshot: Path | None = None
 
@@ -296,8 +291,12 @@ def run_io(profile: Profile, results: Results, workdir: Path, shm_dir: Path) -> 
             results.measure("io.persist_worker_first_request_s", [first], "s",
                             "the --serve worker's first request: process start, jax/Orbax import, one persist")
             print(f"  persist worker's first request (start and import included): {first:.2f}s", flush=True)
+        writers, sweep = disk_limit.write_sweep([v for arr in views for v in arr], workdir)
+        results.context["disk_write_sweep_gbps"] = {str(n): round(nbytes / t / 1e9, 3) for n, t in sweep.items()}
+        print("  write sweep (fsync included): " + ", ".join(
+            f"{n} writers {nbytes / t / 1e9:.2f} GB/s" for n, t in sweep.items()), flush=True)
         for i in range(profile.repeats):
-            rep, snap, step_dir = _save_repeat(i, profile, state, views, mesh8, tier, workdir, worker)
+            rep, snap, step_dir = _save_repeat(i, profile, state, views, mesh8, tier, workdir, worker, writers)
             for k, v in rep.items():
                 s[k].append(v)
             ratio["stall_checkpointer"].append(rep["checkpointer_blocked"] / rep["memcpy"])
@@ -311,6 +310,10 @@ def run_io(profile: Profile, results: Results, workdir: Path, shm_dir: Path) -> 
                               ("persist_orbax_zstd", "orbax_zstd_persist"),
                               ("persist_orbax_nocompression", "orbax_nocompression_persist")):
                 ratio[name].append((nbytes / rep[key]) / raw_tput)
+            for name, key in (("limit_checkpointer", "checkpointer_persist"),
+                              ("limit_worker_child", "persist_worker_child"),
+                              ("limit_orbax_nocompression", "orbax_nocompression_persist")):
+                ratio[name].append(rep["disk_write_limit"] / rep[key])
             if i == profile.repeats - 1:
                 keep_snapshot, keep_step_dir = snap, step_dir
             else:
@@ -332,8 +335,9 @@ def run_io(profile: Profile, results: Results, workdir: Path, shm_dir: Path) -> 
 
     for k, series in s.items():
         results.measure(f"io.{k}_s", series, "s")
-    for k in ("raw_disk", "checkpointer_persist", "persist_worker_child", "persist_worker_inprocess",
-              "persist_worker_oneshot", "orbax_zstd_persist", "orbax_nocompression_persist"):
+    for k in ("raw_disk", "disk_write_limit", "checkpointer_persist", "persist_worker_child",
+              "persist_worker_inprocess", "persist_worker_oneshot", "orbax_zstd_persist",
+              "orbax_nocompression_persist"):
         results.measure(f"io.{k}_gbps", [nbytes / x / 1e9 for x in s[k]], "GB/s")
     for k, series in ratio.items():
         results.measure(f"io.ratio.{k}", series, "ratio")
@@ -366,109 +370,23 @@ def run_io(profile: Profile, results: Results, workdir: Path, shm_dir: Path) -> 
          "raw_disk_gbps_median": results.measurements["io.raw_disk_gbps"]["median"], "state_gib": round(gib, 3)},
     ))
 
+    results.figure(Figure(
+        "persist_throughput_ratio_vs_disk_limit",
+        [min(a, b) for a, b in zip(ratio["limit_checkpointer"], ratio["limit_worker_child"], strict=True)],
+        ">=", 0.8, "ratio",
+        "bytes/s of a complete persist / the disk's write limit (the best of 1, 2, 4, 8 parallel writers of the same "
+        "bytes, each file fsynced), same repeat; worse of Checkpointer and the persist worker (--serve child)",
+        {"checkpointer_median": med["limit_checkpointer"], "persist_worker_child_median": med["limit_worker_child"],
+         "orbax_compression_off_median": med["limit_orbax_nocompression"], "writers": writers,
+         "write_sweep_gbps": results.context["disk_write_sweep_gbps"],
+         "disk_write_limit_gbps_median": results.measurements["io.disk_write_limit_gbps"]["median"]},
+    ))
+
     # -- restores ----------------------------------------------------------------------------------
     del views, state
     gc.collect()
     assert keep_step_dir is not None and keep_snapshot is not None
-    _restores(profile, results, keep_step_dir, keep_snapshot, mesh8, mesh6)
+    run_restores(profile, results, keep_step_dir, keep_snapshot, mesh8, mesh6)
     rmtree(keep_step_dir.parent)
     rmtree(keep_snapshot)
-
-
-def _restores(profile: Profile, results: Results, step_dir: Path, snapshot: Path, mesh8: Mesh, mesh6: Mesh) -> None:
-    job_dir, step = step_dir.parent, int(step_dir.name)
-    cold = profile.drop_caches and drop_page_cache()
-    results.notes["cold"] = (
-        "cold = `sync; echo 3 > /proc/sys/vm/drop_caches` before every cold restore (the checkpoint files are "
-        "read from disk); shared-memory snapshots are tmpfs pages and stay in RAM"
-        if cold else "page cache NOT dropped (not root, or toy profile): 'cold' restores read warm files")
-    results.context["restore_cold_cache_dropped"] = cold
-    t8, t6 = _target(profile, mesh8), _target(profile, mesh6)
-    s: dict[str, list[float]] = {k: [] for k in (
-        "ckptd_restore_cold", "orbax_restore_cold", "ckptd_reshard_cold", "orbax_reshard_cold", "memory_tier_restore",
-        "ckptd_restore_warm", "orbax_restore_warm",
-        "ckptd_restore_cold_touched", "memory_tier_restore_touched", "memory_tier_reshard")}
-    # A restore may hand back arrays that alias its source (restore_snapshot maps shared memory zero-copy when
-    # the layout matches): "touched" adds one jitted pass over every byte (a sum per array) to both sides.
-    checksum = jax.jit(lambda tree: [jnp.sum(x) for x in jax.tree_util.tree_leaves(tree)])
-
-    def timed_restore(name: str, fn: Callable[[], PyTree], *, drop: bool = True, touch: bool = False) -> None:
-        if drop and cold:
-            drop_page_cache()
-        with timed() as t:
-            out = fn()
-            _block(checksum(out) if touch else out)
-        s[name].append(t.seconds)
-        del out
-        gc.collect()
-
-    def ckptd(target: PyTree) -> Callable[[], PyTree]:
-        return lambda: restore(str(step_dir), target)
-
-    def orbax(target: PyTree) -> Callable[[], PyTree]:
-        def run() -> PyTree:
-            mgr = ocp.CheckpointManager(str(job_dir))
-            try:
-                return mgr.restore(step, args=ocp.args.StandardRestore(target))
-            finally:
-                mgr.close()
-
-        return run
-
-    # warm-up: the first restore in a process pays one-off imports and setup, not part of either side
-    _block(checksum(restore(str(step_dir), t8)))  # also compiles the checksum
-    gc.collect()
-    for i in range(profile.repeats):
-        print(f"  restore repeat {i + 1}/{profile.repeats} ({free_gib():.1f} GiB available)", flush=True)
-        alternate(i, lambda: timed_restore("ckptd_restore_cold", ckptd(t8)),
-                  lambda: timed_restore("orbax_restore_cold", orbax(t8)))
-        # right after a read of the same files (an in-process recovery finds the step it just wrote in the cache)
-        alternate(i, lambda: timed_restore("ckptd_restore_warm", ckptd(t8), drop=False),
-                  lambda: timed_restore("orbax_restore_warm", orbax(t8), drop=False))
-        alternate(i, lambda: timed_restore("ckptd_reshard_cold", ckptd(t6)),
-                  lambda: timed_restore("orbax_reshard_cold", orbax(t6)))
-        timed_restore("memory_tier_restore", lambda: restore_snapshot(snapshot, t8), drop=False)
-        alternate(i, lambda: timed_restore("ckptd_restore_cold_touched", ckptd(t8), touch=True),
-                  lambda: timed_restore("memory_tier_restore_touched", lambda: restore_snapshot(snapshot, t8),
-                                        drop=False, touch=True))
-        timed_restore("memory_tier_reshard", lambda: restore_snapshot(snapshot, t6), drop=False)
-        print(f"    same mesh: ckptd {s['ckptd_restore_cold'][-1]:.3f}s, orbax {s['orbax_restore_cold'][-1]:.3f}s; "
-              f"8->6: ckptd {s['ckptd_reshard_cold'][-1]:.3f}s, orbax {s['orbax_reshard_cold'][-1]:.3f}s; "
-              f"memory tier {s['memory_tier_restore'][-1]:.3f}s (8->6 {s['memory_tier_reshard'][-1]:.3f}s), warm disk "
-              f"{s['ckptd_restore_warm'][-1]:.3f}s (orbax {s['orbax_restore_warm'][-1]:.3f}s); "
-              f"with a pass over every byte: memory tier "
-              f"{s['memory_tier_restore_touched'][-1]:.3f}s, cold disk {s['ckptd_restore_cold_touched'][-1]:.3f}s",
-              flush=True)
-    for k, v in s.items():
-        results.measure(f"io.{k}_s", v, "s")
-    same = [a / b for a, b in zip(s["ckptd_restore_cold"], s["orbax_restore_cold"], strict=True)]
-    reshard = [a / b for a, b in zip(s["ckptd_reshard_cold"], s["orbax_reshard_cold"], strict=True)]
-    speedup = [a / b for a, b in zip(s["ckptd_restore_cold"], s["memory_tier_restore"], strict=True)]
-    warm = [a / b for a, b in zip(s["ckptd_restore_warm"], s["memory_tier_restore"], strict=True)]
-    results.measure("io.ratio.memory_tier_speedup_vs_warm_disk", warm, "x")
-    touched = [a / b for a, b in zip(s["ckptd_restore_cold_touched"], s["memory_tier_restore_touched"], strict=True)]
-    results.measure("io.ratio.memory_tier_speedup_touched", touched, "x",
-                    "cold disk restore + a sum over every array / memory tier restore + the same sum")
-    resharded = [a / b for a, b in zip(s["ckptd_reshard_cold"], s["memory_tier_reshard"], strict=True)]
-    results.measure("io.ratio.memory_tier_speedup_reshard_8_to_6", resharded, "x")
-    warm_vs_orbax = [a / b for a, b in zip(s["ckptd_restore_warm"], s["orbax_restore_warm"], strict=True)]
-    results.measure("io.ratio.restore_warm_vs_orbax", warm_vs_orbax, "ratio",
-                    "as restore_time_ratio_vs_orbax, with the step's files in the page cache")
-    results.figure(Figure("restore_time_ratio_vs_orbax", same, "<=", 1.0, "ratio",
-                          "ckptd restore (trainer_client.runtime.checkpointing.restore: chunks read directly, "
-                          "trainer_client.runtime.direct_restore) / plain Orbax CheckpointManager.restore, same step, "
-                          "same 8-device mesh, cold cache, alternating order",
-                          {"cold_cache_dropped": cold, "warm_cache_ratio_median": results.measurements[
-                              "io.ratio.restore_warm_vs_orbax"]["median"]}))
-    results.figure(Figure("reshard_restore_time_ratio_vs_orbax", reshard, "<=", 1.0, "ratio",
-                          "as above, restored onto 6 devices (saved on 8)", {"cold_cache_dropped": cold}))
-    results.figure(Figure("memory_tier_restore_speedup_vs_disk", speedup, ">=", 5.0, "x",
-                          "restore of the step from storage (cold) / restore_snapshot from shared memory, same "
-                          "state onto the same 8-device target",
-                          {"warm_disk_speedup_median": results.measurements[
-                              "io.ratio.memory_tier_speedup_vs_warm_disk"]["median"],
-                           "touched_speedup_median": results.measurements[
-                               "io.ratio.memory_tier_speedup_touched"]["median"],
-                           "reshard_8_to_6_speedup_median": results.measurements[
-                               "io.ratio.memory_tier_speedup_reshard_8_to_6"]["median"],
-                           "cold_cache_dropped": cold}))
+    run_gcs_requests(profile, results)

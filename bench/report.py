@@ -15,7 +15,12 @@ END = "<!-- bench:end -->"
 ORDER = (
     "save_stall_ratio_vs_memcpy",
     "persist_throughput_ratio_vs_raw_disk",
+    "persist_throughput_ratio_vs_disk_limit",
     "restore_time_ratio_vs_orbax",
+    "restore_throughput_ratio_vs_disk_limit",
+    "restore_peak_host_rss_ratio_vs_state",
+    "gcs_requests_per_restore_ratio_vs_orbax",
+    "gcs_requests_per_persist_ratio_vs_orbax",
     "reshard_restore_time_ratio_vs_orbax",
     "memory_tier_restore_speedup_vs_disk",
     "inprocess_recovery_speedup_vs_relaunch",
@@ -42,6 +47,23 @@ BESIDE: dict[str, list[tuple[str, str, str]]] = {
                                              ("Orbax default (zstd)", "orbax_default_zstd_median", "x"),
                                              ("Orbax, compression off", "orbax_compression_off_median", "x"),
                                              ("raw disk", "raw_disk_gbps_median", "GB/s")],
+    "persist_throughput_ratio_vs_disk_limit": [("Checkpointer", "checkpointer_median", "x"),
+                                               ("persist worker (child)", "persist_worker_child_median", "x"),
+                                               ("Orbax, compression off", "orbax_compression_off_median", "x"),
+                                               ("disk write limit", "disk_write_limit_gbps_median", "GB/s"),
+                                               ("writers", "writers", ""),
+                                               ("sweep (writers: GB/s)", "write_sweep_gbps", "")],
+    "restore_throughput_ratio_vs_disk_limit": [("plain Orbax", "orbax_median", "x"),
+                                               ("disk cold-read limit", "disk_read_limit_gbps_median", "GB/s"),
+                                               ("readers", "readers", ""),
+                                               ("sweep (readers: GB/s)", "read_sweep_gbps", "")],
+    "restore_peak_host_rss_ratio_vs_state": [("plain Orbax", "orbax_median", "x"),
+                                             ("ckptd capped at a quarter of the state",
+                                              "ckptd_capped_at_a_quarter_median", "x")],
+    "gcs_requests_per_restore_ratio_vs_orbax": [("ckptd", "ckptd_requests_median", "requests"),
+                                                ("Orbax", "orbax_requests_median", "requests")],
+    "gcs_requests_per_persist_ratio_vs_orbax": [("ckptd", "ckptd_requests_median", "requests"),
+                                                ("Orbax", "orbax_requests_median", "requests")],
     "memory_tier_restore_speedup_vs_disk": [("vs warm disk", "warm_disk_speedup_median", "x"),
                                             ("with a pass over every byte", "touched_speedup_median", "x"),
                                             ("onto 6 devices", "reshard_8_to_6_speedup_median", "x")],
@@ -68,6 +90,8 @@ def _num(value: Any) -> str:
         return str(value)
     if isinstance(value, int):
         return f"{value:,}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {_num(v)}" for k, v in value.items())
     if isinstance(value, float):
         if abs(value) >= 100:
             return f"{value:,.0f}"
@@ -77,6 +101,14 @@ def _num(value: Any) -> str:
             return f"{value:.2f}"
         return f"{value:.3f}"
     return str(value)
+
+
+def _spread(fig: dict[str, Any]) -> str:
+    """`` (±x%)``: half the range of the samples, relative to the median (absent for one sample)."""
+    value, low, high = fig.get("median"), fig.get("min"), fig.get("max")
+    if fig.get("n", 0) < 2 or not value or low is None or high is None:
+        return ""
+    return f" (±{50 * (high - low) / abs(value):.0f}%)"
 
 
 def render(payload: dict[str, Any]) -> str:
@@ -117,11 +149,11 @@ def render(payload: dict[str, Any]) -> str:
             "",
         ]
     lines += [
-        "| figure | target | median | min .. max | n | | beside it (medians) |",
+        "| figure | target | median | min .. max (± half range / median) | n | | beside it (medians) |",
         "|---|---|---|---|---|---|---|",
     ]
     keys = payload.get("keys", {})
-    for key in ORDER:
+    for key in [*ORDER, *sorted(k for k in keys if k not in ORDER)]:  # a new family's keys too, after these
         fig = keys.get(key)
         if fig is None:
             lines.append(f"| `{key}` | | not measured | | | | |")
@@ -132,7 +164,7 @@ def render(payload: dict[str, Any]) -> str:
         unit = "" if fig["unit"] == "ratio" else f" {fig['unit']}"
         lines.append(
             f"| `{key}` | {fig['target']}{unit} | **{_num(fig['value'])}**{unit} | {_num(fig['min'])} .. "
-            f"{_num(fig['max'])} | {fig['n']} | {'pass' if fig['pass'] else '**MISS**'} | {beside} |")
+            f"{_num(fig['max'])}{_spread(fig)} | {fig['n']} | {'pass' if fig['pass'] else '**MISS**'} | {beside} |")
     errors = payload.get("errors", {})
     if errors:
         lines += ["", "Errors: " + "; ".join(f"{k}: {v}" for k, v in errors.items())]

@@ -21,6 +21,11 @@ IO_KEYS = {
     "restore_time_ratio_vs_orbax",
     "reshard_restore_time_ratio_vs_orbax",
     "memory_tier_restore_speedup_vs_disk",
+    "persist_throughput_ratio_vs_disk_limit",
+    "restore_throughput_ratio_vs_disk_limit",
+    "restore_peak_host_rss_ratio_vs_state",
+    "gcs_requests_per_restore_ratio_vs_orbax",
+    "gcs_requests_per_persist_ratio_vs_orbax",
 }
 SERVICE_KEYS = {"resume_p99_ms", "resume_burst64_makespan_ms", "catalog_rebuild_s_10k_steps"}
 
@@ -49,7 +54,7 @@ def test_bench_harness_writes_valid_results(tmp_path: Path) -> None:
         env=clean_env(),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -61,6 +66,11 @@ def test_bench_harness_writes_valid_results(tmp_path: Path) -> None:
         assert fig["n"] >= 1 and len(fig["samples"]) == fig["n"], key
         assert fig["min"] <= fig["median"] <= fig["max"], key
         assert isinstance(fig["pass"], bool) and fig["target"].split()[0] in ("<=", ">="), key
+        assert "spread" in fig, key
+    for kind in ("restore", "persist"):  # requests were counted at the emulator's proxy, on both sides
+        details = payload["keys"][f"gcs_requests_per_{kind}_ratio_vs_orbax"]["details"]
+        assert details["ckptd_requests_median"] > 0 and details["orbax_requests_median"] > 0
+    assert payload["keys"]["restore_peak_host_rss_ratio_vs_state"]["value"] > 0
     assert payload["machine"]["cores"] and payload["context"]["io_state"]["bytes"] > 0
     report = docs.read_text()
     assert "<!-- bench:begin" in report and "`resume_p99_ms`" in report
