@@ -10,7 +10,12 @@ For every newly committed step ckptd
 * seals the manifest with the two files Orbax finished after it (``_CHECKPOINT_METADATA``, the marker);
 * records the verdict (``ckptd_verified.json``), so a later start catalogues the step from that small file;
 * on a local disk, fsyncs the commit marker, the final metadata, ckptd's files and the directory entries
-  (the step directory and the job directory that received the rename) before reporting the step good.
+  (the step directory and the job directory that received the rename) before reporting the step good —
+  all at once from a few threads (one journal commit for all of them, not one each), then the sealed
+  manifest and the directory entry of its rename.
+
+This is ckptd's *first sight* of a step (docs/operations.md, "First sight"): what it checks and what it
+costs (``first_sight_ms_per_step``, docs/benchmarks.md).
 
 A write that fails (read-only storage, a storage error) leaves the step ``committed``: never served,
 retried at the next refresh.
@@ -24,7 +29,9 @@ from __future__ import annotations
 
 import logging
 import posixpath
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,17 +73,37 @@ def quarantine(storage: Storage, step_path: str, reason: str, problems: list[str
     _log.warning("quarantined %s: %s (%s)", storage.url_of(step_path), reason, "; ".join(problems[:5]))
 
 
-def _durable(storage: Storage, step_path: str) -> None:
-    if storage.is_remote:
-        return
+_SYNC_THREADS = 5
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _sync_together(paths: list[str]) -> None:
+    """fsync ``paths`` concurrently (``sync_paths`` each: missing ones skipped); the first failure is raised.
+    The file system serves concurrent fsyncs with one journal commit: ~the cost of one, not of five."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(_SYNC_THREADS, thread_name_prefix="ckptd-fsync")
+        pool = _pool
+    for done in [pool.submit(sync_paths, path) for path in paths]:
+        done.result()
+
+
+def _durable(step_path: str, sealed_tmp: str) -> None:
+    """Orbax's files, the manifest, both directory entries (the step's rename into the job directory) and the
+    sealed manifest written beside (``sealed_tmp``), all before that is renamed over the manifest: a sealed
+    manifest means the step is durable. Nothing after the rename: if a power cut loses the rename itself, the
+    step keeps its unsealed manifest and is sealed again at the next first sight."""
     step_path = step_path.rstrip("/")
-    sync_paths(
+    _sync_together([
         join_path(step_path, COMMIT_MARKER),
         join_path(step_path, CHECKPOINT_METADATA),
         join_path(step_path, CKPTD_MANIFEST),
         step_path,
         posixpath.dirname(step_path),
-    )
+        sealed_tmp,
+    ])
 
 
 def settle(storage: Storage, inspection: StepInspection, *, adopt_after_s: float = 0.0,
@@ -112,12 +139,11 @@ def settle(storage: Storage, inspection: StepInspection, *, adopt_after_s: float
         verified = result.manifest
         if verified is not None and verified.sealed is None:
             # Durable first, then sealed: a sealed manifest means a ckptd already made this step durable,
-            # so a restart does not fsync every step again.
-            if not read_only:  # a step ckptd may not write into is made durable by its writer, not synced here
-                _durable(storage, path)
-            verified = seal_manifest(storage, path, verified, read_only=read_only)
-            if not read_only:
-                _durable(storage, path)
+            # so a restart does not fsync every step again. A step ckptd may not write into is made durable
+            # by its writer, not synced here; an object store's writes are durable when they return.
+            local = not read_only and not storage.is_remote
+            verified = seal_manifest(storage, path, verified, read_only=read_only, listed=result.listed,
+                                     sync=(lambda tmp: _durable(path, tmp)) if local else None)
         if verified is not None:  # the verdict, for every later start: one small file instead of a re-check
             write_verified_record(storage, path, verified, inspection.committed_at, read_only=read_only)
     except (OSError, StorageError, ValueError) as exc:

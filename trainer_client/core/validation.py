@@ -7,12 +7,12 @@ validation reads every file back and checks its CRC32C (including ``_CHECKPOINT_
 marker once the manifest is sealed), so it catches any flipped byte, and then decodes every array with tensorstore.
 
 Used by ckptd's catalog for new steps (quick), by ``ckptd validate [--deep]``, and by the client's
-fallback scan, so all of them reject the same steps. No jax here.
+fallback scan, so all of them reject the same steps. What ckptd's first sight of a step checks (quick, plus
+the commit rule and the structure of ``steps.py``) is in docs/operations.md, "First sight". No jax here.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -21,7 +21,9 @@ from pydantic import ValidationError
 
 from trainer_client.core.errors import StorageError
 from trainer_client.core.format.files import CHECKPOINT_METADATA, QUARANTINE_FILE
-from trainer_client.core.format.manifest import Manifest, file_entry, list_files, read_manifest
+from trainer_client.core.format.json_docs import loads, parse_training
+from trainer_client.core.format.manifest import Listed, Manifest, file_entry, list_files, read_manifest
+from trainer_client.core.format.parts import part_problems
 from trainer_client.core.format.records import read_record
 from trainer_client.core.format.steps import (
     CUSTOM_METADATA_KEY,
@@ -46,6 +48,7 @@ class ValidationResult:
     problems: list[str] = field(default_factory=list)
     files_checked: int = 0
     bytes_read: int = 0
+    listed: dict[str, Listed] | None = field(default=None, repr=False)  # the step's files, as listed for the check
 
     @property
     def ok(self) -> bool:
@@ -60,7 +63,7 @@ def read_quarantine(storage: Storage, step_path: str) -> dict[str, object] | Non
         return None
     raw = found[1]
     try:
-        record = json.loads(raw)
+        record = loads(raw)
     except ValueError:
         return {"reason": "quarantine record unreadable"}
     return record if isinstance(record, dict) else {"reason": "quarantine record unreadable"}
@@ -76,13 +79,13 @@ def _check_training(
             problems.append(f"{CHECKPOINT_METADATA}: training metadata differs from the manifest")
         return
     try:
-        meta = storage.read_json(join_path(step_path, CHECKPOINT_METADATA))
+        meta = loads(storage.read_bytes(join_path(step_path, CHECKPOINT_METADATA)))
         recorded = meta.get("custom_metadata", {}).get(CUSTOM_METADATA_KEY)
     except (FileNotFoundError, ValueError, AttributeError):
         problems.append(f"{CHECKPOINT_METADATA} unreadable")
         return
     try:
-        same = TrainingMetadata.model_validate(recorded) == manifest.training
+        same = parse_training(recorded) == manifest.training
     except ValidationError:
         same = False
     if not same:
@@ -122,7 +125,7 @@ def validate_step(
         problems.append(f"manifest is for step {manifest.step}, not {parsed.step}: a copied or moved directory")
     expected = manifest.expected_files()
     try:
-        present = list_files(storage, step_path)
+        present = result.listed = list_files(storage, step_path)
     except StorageError as exc:
         problems.append(f"cannot list the step: {exc}")
         return result
@@ -154,7 +157,8 @@ def latest_good_on_storage(
 ) -> StepInspection | None:
     """The client's fallback answer to "latest good": the newest committed step that is not quarantined
     and passes quick validation against its manifest (read-only; a step plain Orbax wrote, which ckptd
-    would adopt, is accepted on the commit rule and its structure alone)."""
+    would adopt, is accepted on the commit rule and its structure alone; a step committed from host parts,
+    only with every part's record: ``format/parts.py``)."""
     storage.invalidate(job_path)
     for parsed, entry in step_entries(storage, job_path):
         if parsed.is_tmp or (at_most is not None and parsed.step > at_most):
@@ -163,6 +167,8 @@ def latest_good_on_storage(
         if inspection is None or inspection.state is not StepState.COMMITTED:
             continue
         if read_quarantine(storage, entry.path) is not None:
+            continue
+        if part_problems(storage, entry.path):  # committed from host parts: every part's record must be there
             continue
         result = validate_step(storage, entry.path, "quick")
         if result.ok or result.problems == ["no manifest"]:

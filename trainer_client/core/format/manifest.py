@@ -16,6 +16,13 @@ verdict what the quarantine record is to a bad one: any ckptd that starts later 
 that one small file instead of re-reading and re-validating megabytes of metadata per step. A quarantine
 record wins over it; the step named in an answer is still checked against storage first.
 
+Each array is recorded once: in ``training.arrays`` (the copy of what ``_CHECKPOINT_METADATA`` says), and in
+the top-level ``arrays`` only when a manifest has no training metadata of its own or other arrays (older
+manifests hold both copies; they are read as before). The checksum is the CRC32C of the manifest's compact
+JSON without the field, as pydantic renders it; it is checked by rendering the parsed document with orjson
+(the same bytes, ``json_docs.dumps``), and only when that disagrees by pydantic's own rendering, so reading a
+manifest does not validate and re-serialize thousands of entries twice (docs/operations.md, "First sight").
+
 Orbax ignores ckptd's files (``ckptd_manifest.json``, ``ckptd_verified.json``, ``ckptd_quarantine.json``):
 plain Orbax restores a step that has them. No jax here.
 """
@@ -41,6 +48,7 @@ from trainer_client.core.format.files import (
     QUARANTINE_FILE,
     VERIFIED_FILE,
 )
+from trainer_client.core.format.json_docs import dumps, loads, validated_arrays
 from trainer_client.core.format.records import RecordPlace, read_record
 from trainer_client.core.identity import step_identity
 from trainer_client.core.protocol import ArraySpec, StepIdentity, TrainingMetadata
@@ -120,8 +128,42 @@ class Listed:
     crc32c: str | None
 
 
+def _walk_local(top: str) -> dict[str, Listed]:
+    """``list_files`` on a local disk: one ``scandir`` per directory (fsspec's listing stats every entry
+    several times), with fsspec's answer: a link is listed with its target's size and a link to a directory
+    is listed as an entry, not walked into (so no link loop is followed); an unreadable directory is left
+    out, a dangling link has size 0."""
+    out: dict[str, Listed] = {}
+    pending = [("", top)]
+    while pending:
+        rel_dir, path = pending.pop()
+        try:
+            with os.scandir(path) as children:
+                found = list(children)
+        except FileNotFoundError:
+            if not rel_dir:
+                return {}
+            continue
+        except OSError:
+            continue
+        for child in found:
+            rel = rel_dir + child.name
+            try:
+                if child.is_dir(follow_symlinks=False):
+                    pending.append((rel + "/", child.path))
+                    continue
+                size = child.stat().st_size
+            except OSError:  # a dangling link
+                size = 0
+            out[rel] = Listed(size, None)
+    return out
+
+
 def list_files(storage: Storage, step_path: str) -> dict[str, Listed]:
     """Every file under ``step_path`` (relative posix path -> size and object CRC32C), one listing."""
+    if not storage.is_remote:
+        with storage_errors(f"cannot list {storage.url_of(step_path)}"):
+            return _walk_local(step_path.rstrip("/") or "/")
     storage.invalidate(step_path)
     base = storage.fs._strip_protocol(step_path).rstrip("/") + "/"
     out = {}
@@ -156,7 +198,8 @@ def build_manifest(
     training: TrainingMetadata | None = None,
 ) -> Manifest:
     """Checksum every file of the step (but the unmanifested ones). On GCS the object store's own
-    CRC32C is used, so nothing is downloaded."""
+    CRC32C is used, so nothing is downloaded. ``arrays`` are kept apart from ``training.arrays`` only when
+    they differ from them (each array is recorded once)."""
     files = {}
     for rel, listed in sorted(list_files(storage, step_path).items()):
         if rel in UNMANIFESTED:
@@ -165,16 +208,22 @@ def build_manifest(
             files[rel] = FileEntry(size=listed.size, crc32c=listed.crc32c)
         else:
             files[rel] = file_entry(storage, join_path(step_path, rel))
+    if training is not None and arrays is not None and (arrays is training.arrays or arrays == training.arrays):
+        arrays = None  # the training metadata holds them
     return Manifest(step=step, writer=writer, created_at=time.time(), files=files, arrays=arrays or {},
                     training=training, identity=step_identity(storage, step_path, training))
 
 
-def write_json_file(storage: Storage, path: str, payload: str) -> None:
+def write_json_file(storage: Storage, path: str, payload: str | bytes, *, durable: bool = True,
+                    sync: Callable[[str], None] | None = None) -> None:
     """Write a small file whole: an object store replaces objects atomically; on a local disk the file
     is written beside and renamed over, so a crash never leaves half a manifest. Never through a link that
-    leads out of the root (``UnsafePathError``)."""
+    leads out of the root (``UnsafePathError``). ``durable=False`` skips the fsync, for a record whose loss
+    in a power cut costs only work (it is checksummed, so a torn one is never believed). ``sync(tmp)``, on a
+    local disk, replaces the fsync of the file written beside: it must make ``tmp`` durable before it returns
+    (the seal fsyncs it together with the step's own files: one wait instead of two)."""
     storage.require_inside(path)
-    data = payload.encode("utf-8")
+    data = payload.encode("utf-8") if isinstance(payload, str) else payload
     if storage.is_remote:
         with storage_errors(f"cannot write {storage.url_of(path)}"), storage.fs.open(path, "wb") as f:
             f.write(data)
@@ -183,19 +232,65 @@ def write_json_file(storage: Storage, path: str, payload: str) -> None:
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
     with open(tmp, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable and sync is None:
+            f.flush()
+            os.fsync(f.fileno())
+    if sync is not None:
+        sync(tmp)
     os.replace(tmp, path)
 
 
-def write_manifest(storage: Storage, step_path: str, manifest: Manifest, *, read_only: bool = False) -> Manifest:
+def write_manifest(storage: Storage, step_path: str, manifest: Manifest, *, read_only: bool = False,
+                   sync: Callable[[str], None] | None = None) -> Manifest:
     """Write ``manifest`` with its own checksum filled in; returns what was written. ``read_only``: to the
-    side prefix, not into the step (``records.py``)."""
+    side prefix, not into the step (``records.py``); ``sync``: as for ``write_json_file``."""
     path = RecordPlace(step_path, read_only).write_path(CKPTD_MANIFEST)
-    written = manifest.model_copy(update={"checksum": ""})
-    written = written.model_copy(update={"checksum": written.computed_checksum()})
-    write_json_file(storage, path, written.model_dump_json(indent=1))
-    return written
+    body = manifest.model_dump_json(exclude={"checksum"}).encode("utf-8")  # rendered once: summed and written
+    checksum = crc32c_b64(google_crc32c.value(body))
+    write_json_file(storage, path, _with_checksum(body, checksum), sync=sync)
+    return manifest.model_copy(update={"checksum": checksum})
+
+
+def _with_checksum(body: bytes, checksum: str) -> bytes:
+    """The compact JSON of the manifest from that of the manifest without its checksum (the last field)."""
+    if not body.endswith(b"}") or len(body) < 3:
+        raise ValueError("not a rendered manifest")
+    return body[:-1] + b',"checksum":' + dumps(checksum) + b"}"
+
+
+def _present(doc: dict[str, object], key: str) -> bool:
+    return key in doc and doc[key] != {}
+
+
+def parse_manifest(raw: bytes) -> Manifest:
+    """A manifest from its bytes, parsed once; ``ValueError`` (pydantic's ``ValidationError`` is one) when it
+    does not parse, is not a valid manifest or its own checksum does not match."""
+    doc = loads(raw)
+    stored = doc.pop("checksum", None) if isinstance(doc, dict) else None
+    if isinstance(stored, str):
+        try:
+            body = dumps(doc)
+        except (TypeError, ValueError):
+            body = b""
+        if body and crc32c_b64(google_crc32c.value(body)) == stored:
+            # The content is what its writer summed: validate it, each array's entry once per distinct layout.
+            training = doc.get("training")
+            light = {**doc, "checksum": stored, "arrays": {}}
+            if isinstance(training, dict):
+                light["training"] = {**training, "arrays": {}}
+            manifest = Manifest.model_validate(light)
+            update: dict[str, object] = {}
+            if _present(doc, "arrays"):
+                update["arrays"] = validated_arrays(doc["arrays"])
+            if manifest.training is not None and isinstance(training, dict) and _present(training, "arrays"):
+                update["training"] = manifest.training.model_copy(
+                    update={"arrays": validated_arrays(training["arrays"])})
+            return manifest.model_copy(update=update) if update else manifest
+    # Not the orjson rendering: pydantic's own (how every manifest is summed), or a mismatch.
+    manifest = Manifest.model_validate_json(raw)
+    if manifest.checksum != manifest.model_copy(update={"checksum": ""}).computed_checksum():
+        raise ValueError("manifest checksum does not match its content")
+    return manifest
 
 
 def read_manifest(storage: Storage, step_path: str) -> Manifest | None:
@@ -204,18 +299,21 @@ def read_manifest(storage: Storage, step_path: str) -> Manifest | None:
     found = read_record(storage, step_path, CKPTD_MANIFEST)
     if found is None:
         return None
-    raw = found[1]
-    manifest = Manifest.model_validate_json(raw)
-    if manifest.checksum != manifest.model_copy(update={"checksum": ""}).computed_checksum():
-        raise ValueError("manifest checksum does not match its content")
-    return manifest
+    return parse_manifest(found[1])
 
 
-def seal_manifest(storage: Storage, step_path: str, manifest: Manifest, *, read_only: bool = False) -> Manifest:
-    """Add the files Orbax finished after the manifest (final step metadata, commit marker)."""
-    files = {name: file_entry(storage, join_path(step_path, name)) for name in SEALED}
+def seal_manifest(storage: Storage, step_path: str, manifest: Manifest, *, read_only: bool = False,
+                  listed: dict[str, Listed] | None = None, sync: Callable[[str], None] | None = None) -> Manifest:
+    """Add the files Orbax finished after the manifest (final step metadata, commit marker). ``listed``: the
+    step's files as just listed (``list_files``); on an object store their CRC32C is taken from there, as
+    ``build_manifest`` takes it, instead of downloading them again. ``sync``: as for ``write_json_file``."""
+    files = {}
+    for name in SEALED:
+        seen = (listed or {}).get(name)
+        files[name] = (FileEntry(size=seen.size, crc32c=seen.crc32c) if seen is not None and seen.crc32c
+                       else file_entry(storage, join_path(step_path, name)))
     return write_manifest(storage, step_path, manifest.model_copy(update={"sealed": files, "sealed_at": time.time()}),
-                          read_only=read_only)
+                          read_only=read_only, sync=sync)
 
 
 # The step's own top-level files a verified record fingerprints: rewriting any of them (a new save under
@@ -265,8 +363,9 @@ def write_verified_record(
                             training=training_summary(manifest.training),
                             fingerprints=_fresh_fingerprints(storage, step_path))
     record = record.model_copy(update={"checksum": record.computed_checksum()})
+    # not fsynced: losing it in a power cut costs a re-verification; a torn one fails its checksum
     write_json_file(storage, RecordPlace(step_path, read_only).write_path(VERIFIED_FILE),
-                    record.model_dump_json(indent=1))
+                    record.model_dump_json(indent=1), durable=False)
     return record
 
 
@@ -304,6 +403,7 @@ __all__ = [
     "fingerprints",
     "list_files",
     "newest_file_time",
+    "parse_manifest",
     "quarantine_record",
     "read_manifest",
     "read_verified_record",

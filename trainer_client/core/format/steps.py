@@ -16,13 +16,13 @@ deleted as an abandoned save). A step saved by a bare ``Checkpointer`` (no ``Che
 item directory: its one item is the step directory itself (``ROOT_ITEM``, ``""``).
 
 Used by the sidecar's catalog and by the client's fallback scan, so both apply exactly the same rule.
-No jax here.
+Each document is read once and parsed with orjson (``json_docs.py``): ckptd's first sight of a step of a
+large model is mostly this parsing. No jax here.
 """
 
 from __future__ import annotations
 
 import base64
-import json
 import re
 import time
 from dataclasses import dataclass
@@ -38,6 +38,7 @@ from trainer_client.core.format.files import (
     ROOT_ITEM,
     SHARDING_FILE,
 )
+from trainer_client.core.format.json_docs import is_json_object, loads, parse_training
 from trainer_client.core.protocol import MAX_STEP, ArraySpec, CheckpointInfo, MeshSpec, StepState, TrainingMetadata
 from trainer_client.core.storage import Entry, Storage, join_path
 
@@ -130,14 +131,27 @@ def inspect_step(
 def _read_json_object(storage: Storage, step_path: str, name: str) -> dict[str, Any] | str:
     """The JSON object in ``step_path/name``, or the reason it is not usable."""
     try:
-        value = storage.read_json(join_path(step_path, name))
+        value = loads(storage.read_bytes(join_path(step_path, name)))
     except FileNotFoundError:
         return f"{name} missing"
-    except (ValueError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # UnicodeDecodeError is one
         return f"{name} is not JSON: {exc}"
     if not isinstance(value, dict):
         return f"{name} is not a JSON object"
     return value
+
+
+def _json_object_problem(storage: Storage, step_path: str, name: str) -> str | None:
+    """Why ``step_path/name`` is not a JSON object, or None when it is (the same bytes as an earlier step's
+    are not parsed again: ``json_docs.is_json_object``)."""
+    try:
+        if is_json_object(storage.read_bytes(join_path(step_path, name))):
+            return None
+    except FileNotFoundError:
+        return f"{name} missing"
+    except ValueError as exc:
+        return f"{name} is not JSON: {exc}"
+    return f"{name} is not a JSON object"
 
 
 def _inspect_finalized(storage: Storage, path: str, step: int) -> StepInspection:
@@ -152,16 +166,16 @@ def _inspect_finalized(storage: Storage, path: str, step: int) -> StepInspection
     for item, handler in sorted(handlers.items()):
         if not _is_pytree_handler(handler):
             continue  # another handler's item (Grain's iterator state, JSON): its own files, not Orbax's tree
-        item_meta = _read_json_object(storage, path, item_file(item, ITEM_METADATA))
-        if isinstance(item_meta, str):
-            return corrupt(item_meta)
+        problem = _json_object_problem(storage, path, item_file(item, ITEM_METADATA))
+        if problem is not None:
+            return corrupt(problem)
     committed_ns = meta.get("commit_timestamp_nsecs")
     committed_at = committed_ns / 1e9 if isinstance(committed_ns, int | float) else None
     training = None
     custom = meta.get("custom_metadata")
     if isinstance(custom, dict) and CUSTOM_METADATA_KEY in custom:
         try:
-            training = TrainingMetadata.model_validate(custom[CUSTOM_METADATA_KEY])
+            training = parse_training(custom[CUSTOM_METADATA_KEY])
         except ValidationError as exc:
             return corrupt(f"ckptd training metadata is invalid: {exc.error_count()} error(s)")
     return StepInspection(step, path, StepState.COMMITTED, None, committed_at, training, items)
@@ -232,7 +246,7 @@ def read_training(storage: Storage, step_path: str) -> tuple[TrainingMetadata | 
     if not isinstance(custom, dict) or CUSTOM_METADATA_KEY not in custom:
         return None, item
     try:
-        return TrainingMetadata.model_validate(custom[CUSTOM_METADATA_KEY]), item
+        return parse_training(custom[CUSTOM_METADATA_KEY]), item
     except ValidationError:
         return None, item
 
@@ -245,8 +259,8 @@ def read_saved_sharding(
     Keys there are base64 of the dotted leaf path. Arrays without a NamedSharding get no entry.
     """
     try:
-        raw = storage.read_json(join_path(step_path, item_file(item, SHARDING_FILE)))
-    except (FileNotFoundError, ValueError, UnicodeDecodeError):
+        raw = loads(storage.read_bytes(join_path(step_path, item_file(item, SHARDING_FILE))))
+    except (FileNotFoundError, ValueError):
         return None, {}
     if not isinstance(raw, dict):
         return None, {}
@@ -255,7 +269,7 @@ def read_saved_sharding(
     for key, value in raw.items():
         try:
             name = base64.b64decode(key).decode("utf-8")
-            sharding = json.loads(value) if isinstance(value, str) else value
+            sharding = loads(value) if isinstance(value, str) else value
         except (ValueError, UnicodeDecodeError):
             continue
         if not isinstance(sharding, dict) or sharding.get("sharding_type") != "NamedSharding":
