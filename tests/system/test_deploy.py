@@ -403,7 +403,6 @@ def test_jobset_is_a_multislice_tpu_v5e_job() -> None:
     assert slices["replicas"] >= 2, "multi-slice: one Job per slice, at least two"
     job = slices["template"]["spec"]
     pod = job["template"]["spec"]
-    assert pod["restartPolicy"] == "Never"
     assert job["completionMode"] == "Indexed"
     selector = pod["nodeSelector"]
     assert selector["cloud.google.com/gke-tpu-accelerator"] == "tpu-v5-lite-podslice"
@@ -422,6 +421,30 @@ def test_jobset_is_a_multislice_tpu_v5e_job() -> None:
     # The JobSet controller keeps each slice on its own node pool.
     annotations = jobset["metadata"]["annotations"]
     assert annotations["alpha.jobset.sigs.k8s.io/exclusive-topology"] == "cloud.google.com/gke-nodepool"
+
+
+def test_a_failed_trainer_restarts_in_place_keeping_its_sidecar_and_shared_memory() -> None:
+    """docs/multihost.md, section 8: a lost host aborts every trainer (jax's heartbeat); each trainer container
+    restarts in its pod, so the ckptd sidecar and the memory-backed /dev/shm stay and the job resumes from memory.
+    The Job's backoffLimit allows several such restarts of all its pods; the JobSet's policy is the fallback."""
+    jobset = _one("JobSet")
+    job = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
+    pod = job["template"]["spec"]
+    assert pod["restartPolicy"] == "OnFailure", "Never would recreate the pod: sidecar and shared memory gone"
+    assert "podFailurePolicy" not in job, "Kubernetes allows podFailurePolicy only with restartPolicy Never"
+    assert job["backoffLimit"] >= 2 * job["parallelism"], "every lost host restarts all the Job's trainers"
+    assert jobset["spec"]["failurePolicy"]["maxRestarts"] >= 1, "the JobSet recreates everything as the fallback"
+    shm = _only(pod["volumes"], "shm")
+    assert shm["emptyDir"]["medium"] == "Memory" and "sizeLimit" in shm["emptyDir"]
+    sidecar, trainer = _sidecar(pod), _trainer(pod)
+    for container in (sidecar, trainer):
+        assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+        assert _env(container)["CKPTD_SHM_DIR"]["value"] == "/dev/shm/ckptd/tier"
+    user = sidecar["securityContext"]["runAsUser"]
+    assert trainer["securityContext"]["runAsUser"] == user, "the memory tier is private to one user"
+    heartbeat = _env(trainer)["CKPTD_HEARTBEAT_TIMEOUT_S"]["value"]
+    assert ClientSettings(heartbeat_timeout_s=heartbeat).heartbeat_timeout_s == 10
+    assert int(heartbeat) < pod["terminationGracePeriodSeconds"]
 
 
 def test_ckptd_is_a_native_sidecar_running_ckptd_serve() -> None:
