@@ -47,11 +47,11 @@ from trainer_client.core.format.manifest import (
     write_manifest,
     write_verified_record,
 )
-from trainer_client.core.format.records import RecordPlace
+from trainer_client.core.format.records import RecordPlace, read_record, record_paths
 from trainer_client.core.format.steps import StepInspection
 from trainer_client.core.protocol import StepState
 from trainer_client.core.storage import Storage, join_path
-from trainer_client.core.validation import Level, ValidationResult, read_quarantine, validate_step
+from trainer_client.core.validation import Level, ValidationResult, parse_quarantine, read_quarantine, validate_step
 
 _log = logging.getLogger(__name__)
 
@@ -73,21 +73,50 @@ def quarantine(storage: Storage, step_path: str, reason: str, problems: list[str
     _log.warning("quarantined %s: %s (%s)", storage.url_of(step_path), reason, "; ".join(problems[:5]))
 
 
-_SYNC_THREADS = 5
+_THREADS = 6
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
-def _sync_together(paths: list[str]) -> None:
-    """fsync ``paths`` concurrently (``sync_paths`` each: missing ones skipped); the first failure is raised.
-    The file system serves concurrent fsyncs with one journal commit: ~the cost of one, not of five."""
+def _threads() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(_SYNC_THREADS, thread_name_prefix="ckptd-fsync")
-        pool = _pool
+            _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="ckptd-settle")
+        return _pool
+
+
+def _sync_together(paths: list[str]) -> None:
+    """fsync ``paths`` concurrently (``sync_paths`` each: missing ones skipped); the first failure is raised.
+    The file system serves concurrent fsyncs with one journal commit: ~the cost of one, not of six."""
+    pool = _threads()
     for done in [pool.submit(sync_paths, path) for path in paths]:
         done.result()
+
+
+def _read_records(storage: Storage, step_path: str, *, manifest: bool) -> tuple[bytes | None, bytes]:
+    """The step's quarantine record (None: none) and, when ``manifest``, its manifest (``b""``: none), each
+    from the side prefix when there is one there, else from the step (``records.py``). On an object store
+    the reads go out at once (each is a round trip; most find nothing); on a local disk they are read one
+    after the other, the manifest only when there is no quarantine record."""
+    if not storage.is_remote:
+        quarantined = read_record(storage, step_path, QUARANTINE_FILE)
+        if quarantined is not None or not manifest:
+            return (quarantined[1] if quarantined else None), b""
+        found = read_record(storage, step_path, CKPTD_MANIFEST)
+        return None, (found[1] if found else b"")
+    paths = [*record_paths(step_path, QUARANTINE_FILE), *(record_paths(step_path, CKPTD_MANIFEST) if manifest else ())]
+    reads = [_threads().submit(storage.read_bytes, path) for path in paths]
+    got: list[bytes | None] = []
+    for read in reads:
+        try:
+            got.append(read.result())
+        except FileNotFoundError:
+            got.append(None)
+    got += [None, None]  # no manifest asked for
+    quarantine_raw = got[0] if got[0] is not None else got[1]
+    manifest_raw = got[2] if got[2] is not None else got[3]
+    return quarantine_raw, manifest_raw if manifest_raw is not None else b""
 
 
 def _durable(step_path: str, sealed_tmp: str) -> None:
@@ -116,12 +145,14 @@ def settle(storage: Storage, inspection: StepInspection, *, adopt_after_s: float
     step stays committed, never served, until the leader's verified or quarantine record is there."""
     path = inspection.path
     try:
-        record = read_quarantine(storage, path)
-        if record is not None:
+        quarantine_raw, manifest_raw = _read_records(storage, path, manifest=write)
+        if quarantine_raw is not None:
+            record = parse_quarantine(quarantine_raw)
             return Settled(StepState.QUARANTINED, str(record.get("reason", "quarantined")))
         if not write:
             return Settled(StepState.COMMITTED, FOLLOWER_REASON)
-        result = validate_step(storage, path, "quick", recorded_training=inspection.training)
+        result = validate_step(storage, path, "quick", recorded_training=inspection.training,
+                               manifest_bytes=manifest_raw)
         if result.problems == ["no manifest"]:
             newest = newest_file_time(storage, path)
             if adopt_after_s > 0 and (newest is None or time.time() - newest < adopt_after_s):

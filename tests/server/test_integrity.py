@@ -222,6 +222,8 @@ def test_everything_is_fsynced_before_the_commit_and_before_ckptd_says_good(tmp_
         settled = [p for _, p, _ in recorder.events]
         for needed in (step / COMMIT_MARKER, step / CHECKPOINT_METADATA, step / CKPTD_MANIFEST, step, step.parent):
             assert str(needed) in settled, f"{needed} not fsynced before the step was reported good"
+        # the sealed manifest is fsynced (with the rest, at once) before it is renamed into place
+        assert any(p.startswith(str(step / CKPTD_MANIFEST) + ".tmp-") for p in settled)
         assert cat.step("job", 5).state is StepState.VERIFIED  # type: ignore[union-attr]
 
 

@@ -22,7 +22,14 @@ from pydantic import ValidationError
 from trainer_client.core.errors import StorageError
 from trainer_client.core.format.files import CHECKPOINT_METADATA, QUARANTINE_FILE
 from trainer_client.core.format.json_docs import loads, parse_training
-from trainer_client.core.format.manifest import Listed, Manifest, file_entry, list_files, read_manifest
+from trainer_client.core.format.manifest import (
+    Listed,
+    Manifest,
+    file_entry,
+    list_files,
+    parse_manifest,
+    read_manifest,
+)
 from trainer_client.core.format.parts import part_problems
 from trainer_client.core.format.records import read_record
 from trainer_client.core.format.steps import (
@@ -59,9 +66,11 @@ def read_quarantine(storage: Storage, step_path: str) -> dict[str, object] | Non
     """The quarantine record of a step (any ckptd wrote it, in the step or on the side prefix of a read-only
     job: ``format/records.py``), or None."""
     found = read_record(storage, step_path, QUARANTINE_FILE)
-    if found is None:
-        return None
-    raw = found[1]
+    return None if found is None else parse_quarantine(found[1])
+
+
+def parse_quarantine(raw: bytes) -> dict[str, object]:
+    """A quarantine record from its bytes (one that does not parse still quarantines)."""
     try:
         record = loads(raw)
     except ValueError:
@@ -101,18 +110,24 @@ def validate_step(
     decode_arrays: Callable[[str], list[str]] | None = None,
     recorded_training: TrainingMetadata | None = None,
     manifest: Manifest | None = None,
+    manifest_bytes: bytes | None = None,
 ) -> ValidationResult:
     """Check a committed step against its manifest (and seal). ``progress(n_bytes)`` is called as deep
     validation reads; ``decode_arrays(step_url)`` returns problems found decoding the arrays (it gets the
     step's URL, ``gs://...`` on GCS: tensorstore would take a bare ``bucket/...`` path for a local one).
     ``recorded_training``: the training metadata the caller just parsed from the step's
     ``_CHECKPOINT_METADATA``, so it is not read and parsed again (megabytes for a large model);
-    ``manifest``: the step's manifest as the caller read it before (unchanged since), likewise."""
+    ``manifest``: the step's manifest as the caller read it before (unchanged since), likewise;
+    ``manifest_bytes``: its bytes as the caller just read them (``b""``: it has none), so they are not read
+    again (``ckptd.catalog.integrity`` reads a step's records on GCS concurrently)."""
     step_path = step_path.rstrip("/")
     result = ValidationResult(step_path, level, None)
     problems = result.problems
     try:
-        manifest = manifest or read_manifest(storage, step_path)
+        if manifest is None and manifest_bytes is not None:
+            manifest = parse_manifest(manifest_bytes) if manifest_bytes else None
+        else:
+            manifest = manifest or read_manifest(storage, step_path)
     except (ValueError, ValidationError) as exc:
         problems.append(f"manifest unreadable: {str(exc).splitlines()[0][:200]}")
         return result
@@ -176,4 +191,5 @@ def latest_good_on_storage(
     return None
 
 
-__all__ = ["Level", "ValidationResult", "latest_good_on_storage", "read_quarantine", "validate_step"]
+__all__ = ["Level", "ValidationResult", "latest_good_on_storage", "parse_quarantine", "read_quarantine",
+           "validate_step"]

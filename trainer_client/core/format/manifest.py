@@ -35,7 +35,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Literal
 
 import google_crc32c
@@ -50,9 +49,10 @@ from trainer_client.core.format.files import (
 )
 from trainer_client.core.format.json_docs import dumps, loads, validated_arrays
 from trainer_client.core.format.records import RecordPlace, read_record
+from trainer_client.core.format.step_files import Listed, list_files, newest_file_time
 from trainer_client.core.identity import step_identity
 from trainer_client.core.protocol import ArraySpec, StepIdentity, TrainingMetadata
-from trainer_client.core.storage import Entry, Storage, join_path, mtime_of, storage_errors
+from trainer_client.core.storage import Entry, Storage, join_path, storage_errors
 
 MANIFEST_FORMAT = "ckptd-manifest/1"
 # Files that are not (or not yet) final when the manifest is written, or are ckptd's own.
@@ -118,74 +118,6 @@ def file_entry(storage: Storage, path: str) -> FileEntry:
     with storage_errors(f"cannot read {storage.url_of(path)}"), storage.fs.open(path, "rb") as f:
         size, crc = crc32c_of(lambda: f.read(_CHUNK))
     return FileEntry(size=size, crc32c=crc)
-
-
-@dataclass(frozen=True)
-class Listed:
-    """A file as a listing shows it: its size, and the object store's CRC32C where there is one."""
-
-    size: int
-    crc32c: str | None
-
-
-def _walk_local(top: str) -> dict[str, Listed]:
-    """``list_files`` on a local disk: one ``scandir`` per directory (fsspec's listing stats every entry
-    several times), with fsspec's answer: a link is listed with its target's size and a link to a directory
-    is listed as an entry, not walked into (so no link loop is followed); an unreadable directory is left
-    out, a dangling link has size 0."""
-    out: dict[str, Listed] = {}
-    pending = [("", top)]
-    while pending:
-        rel_dir, path = pending.pop()
-        try:
-            with os.scandir(path) as children:
-                found = list(children)
-        except FileNotFoundError:
-            if not rel_dir:
-                return {}
-            continue
-        except OSError:
-            continue
-        for child in found:
-            rel = rel_dir + child.name
-            try:
-                if child.is_dir(follow_symlinks=False):
-                    pending.append((rel + "/", child.path))
-                    continue
-                size = child.stat().st_size
-            except OSError:  # a dangling link
-                size = 0
-            out[rel] = Listed(size, None)
-    return out
-
-
-def list_files(storage: Storage, step_path: str) -> dict[str, Listed]:
-    """Every file under ``step_path`` (relative posix path -> size and object CRC32C), one listing."""
-    if not storage.is_remote:
-        with storage_errors(f"cannot list {storage.url_of(step_path)}"):
-            return _walk_local(step_path.rstrip("/") or "/")
-    storage.invalidate(step_path)
-    base = storage.fs._strip_protocol(step_path).rstrip("/") + "/"
-    out = {}
-    with storage_errors(f"cannot list {storage.url_of(step_path)}"):
-        found = storage.fs.find(step_path, detail=True)
-    for name, info in found.items():
-        name = str(name)
-        if info.get("type") != "directory" and name.startswith(base) and len(name) > len(base):
-            crc = info.get("crc32c") if storage.is_remote else None
-            out[name[len(base):]] = Listed(int(info.get("size") or 0), str(crc) if crc else None)
-    return out
-
-
-def newest_file_time(storage: Storage, step_path: str) -> float | None:
-    """When any file under ``step_path`` last changed (None when nothing says). On a local disk the
-    inode change time counts too: a copy that preserves modification times still shows when it landed."""
-    times = []
-    for info in storage.fs.find(step_path, detail=True).values():
-        for value in (mtime_of(info), info.get("created") if not storage.is_remote else None):
-            if isinstance(value, int | float):
-                times.append(float(value))
-    return max(times) if times else None
 
 
 def build_manifest(
