@@ -18,6 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from ckptd.catalog.part_commit import PartSaves
+from trainer_client.core.format.parts import step_path_for
 from trainer_client.core.protocol import CheckpointInfo, StepState
 from trainer_client.core.storage import Storage, storage_errors
 
@@ -135,6 +137,20 @@ def checked_decisions(catalog: Catalog, job: str, policy: RetentionPolicy) -> li
             return decisions
 
 
+def clean_abandoned_parts(storage: Storage, job: str, older_than_s: float) -> list[Decision]:
+    """Delete the multi-host saves of ``job`` claimed longer than ``older_than_s`` ago and never committed
+    (a host's part never came): their staged or in-place files, then the claim."""
+    saves = PartSaves(storage, lambda _request: {"ok": False, "error": "retention writes no parts"})
+    out = []
+    for found in saves.abandoned(job, older_than_s):
+        with storage_errors(f"cannot delete the abandoned save {found.save_id} of step {found.step}"):
+            saves.clean(found)
+        out.append(Decision(found.step, step_path_for(storage, job, found.step, found.save_id), StepState.ABANDONED,
+                            "delete", [f"multi-host save {found.save_id} abandoned: parts {found.missing} missing "
+                                       "after the save timeout"]))
+    return out
+
+
 def prune(catalog: Catalog, policy: RetentionPolicy) -> list[Decision]:
     """Apply ``policy`` to every job of a catalog (what the server runs every ``gc_interval_s``)."""
     deleted: list[Decision] = []
@@ -145,8 +161,11 @@ def prune(catalog: Catalog, policy: RetentionPolicy) -> list[Decision]:
         decisions = checked_decisions(catalog, job.name, policy)
         if catalog.writes(job.name):  # asked again: the checks take time, the lease may have passed on meanwhile
             deleted += collect(catalog.storage, decisions)
+            if policy.clean_abandoned:  # saves from host parts never completed (docs/multihost.md, section 5)
+                deleted += clean_abandoned_parts(catalog.storage, job.name, catalog.save_timeout_s)
         catalog.refresh_job(job.name)
     return deleted
 
 
-__all__ = ["READ_ONLY_REASON", "Decision", "RetentionPolicy", "checked_decisions", "collect", "decide", "prune"]
+__all__ = ["READ_ONLY_REASON", "Decision", "RetentionPolicy", "checked_decisions", "clean_abandoned_parts", "collect",
+           "decide", "prune"]

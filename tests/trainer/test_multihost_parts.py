@@ -25,6 +25,7 @@ import pytest
 
 from ckptd.catalog.part_commit import PartSaves
 from ckptd.catalog.persist_worker import handle, persist
+from ckptd.catalog.retention import clean_abandoned_parts
 from ckptd.catalog.snapshots import SnapshotKeeper
 from tests.support.chaos_support import CkptdProcess
 from tests.support.helpers import clean_env, wait_until
@@ -305,3 +306,14 @@ def test_a_sidecar_killed_at_a_random_point_never_leaves_a_step_served_without_e
     rng = random.Random(SEED + seed)
     (tmp_path / "root").mkdir()
     _persist_with_two_sidecars(str(tmp_path / "root"), parts, tmp_path, kill_at=rng.uniform(0.5, 12.0))
+
+
+def test_retention_cleans_an_abandoned_multi_host_save(parts: list[Path], tmp_path: Path) -> None:
+    storage = Storage(str(tmp_path / "root"))
+    sidecar = PartSaves(storage, _in_process)
+    assert sidecar.persist_part("job", str(parts[0]), read_meta(parts[0])) == "written"  # host 1's never comes
+    assert clean_abandoned_parts(storage, "job", older_than_s=3600) == []  # younger than the save timeout: kept
+    deleted = clean_abandoned_parts(storage, "job", older_than_s=0.0)
+    assert [(d.step, d.action) for d in deleted] == [(5, "delete")] and "parts [1] missing" in deleted[0].reasons[0]
+    assert not (tmp_path / "root" / "job" / ".ckptd" / "staging" / f"5.{read_meta(parts[0]).save_id}").exists()
+    assert not (tmp_path / "root" / "job" / ".ckptd" / "claims" / "5.json").exists()
