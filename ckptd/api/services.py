@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from ckptd.api.advice_runner import AdviceRunner
 from ckptd.api.coalesce import Coalescer
+from ckptd.api.conditional import Tagged
+from ckptd.api.listing import Listing
 from ckptd.api.plan_cache import PlanCache
 from ckptd.api.pool_watch import PoolWatch
 from ckptd.catalog.catalog import Catalog
@@ -39,8 +41,8 @@ class Services:
     advice: AdviceRunner  # advice runs on threads of its own (ckptd/api/advice_runner.py)
     pool_watch: PoolWatch  # /healthz fails when the handler pool is wedged (ckptd/api/pool_watch.py)
     plans: PlanCache = field(default_factory=PlanCache)
-    answers: Coalescer[bytes] = field(default_factory=Coalescer)
-    listings: dict[str, tuple[int, bytes]] = field(default_factory=dict)  # job -> (catalog version, list answered)
+    answers: Coalescer[Tagged] = field(default_factory=Coalescer)
+    listings: dict[str, Listing] = field(default_factory=dict)  # job -> its steps at the latest version listed
     lease: LeaseBoard | None = None  # with CKPTD_LEASE_TTL_S: which jobs this sidecar writes (ckptd/catalog/lease.py)
 
     def require_ready(self) -> None:

@@ -1,19 +1,23 @@
 """The checkpoint routes: jobs, a job's steps, its latest good step, and the resume plan.
 
 Handlers only read the catalog (and, for a resume, rescan that one job first), so they answer in
-milliseconds. Lists and resume plans are serialised here, not by FastAPI (its response_model would dump
-and validate a 1,000-array plan again on every answer), and identical requests asked together share one
-round of checks begun after they arrived (``ckptd/api/coalesce.py``).
+milliseconds. Lists, latest-good and resume plans are serialised here, not by FastAPI (its response_model
+would dump and validate a 1,000-array plan again on every answer); identical requests asked together
+share one round of checks begun after they arrived (``ckptd/api/coalesce.py``), which also makes the
+answer's ``ETag`` (``ckptd/api/conditional.py``: ``If-None-Match`` gets a ``304``). A job's list is built
+once per catalog version and paged newest first (``ckptd/api/listing.py``).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Header, Query
 
+from ckptd.api.conditional import Tagged, respond, tag
 from ckptd.api.errors import ERROR_RESPONSES
+from ckptd.api.listing import Listing
 from ckptd.api.openapi import route_doc
 from ckptd.api.services import Services
 from ckptd.errors import NoGoodCheckpoint, NotReady, ServiceError, StepNotFound, StepNotGood
@@ -25,6 +29,11 @@ from trainer_client.core.step_plan import plan_for_step
 
 # Refusals that name no catalogued job: not counted per job (a label per unknown name would grow without bound).
 _NOT_A_JOB = frozenset({p.ErrorCode.INVALID_JOB_NAME, p.ErrorCode.JOB_NOT_FOUND, p.ErrorCode.NOT_READY})
+_IfNoneMatch = Annotated[str | None, Header(
+    description="entity tags (`ETag`) of answers held: `304 Not Modified` when the answer's is among them")]
+_NOT_MODIFIED: dict[int | str, dict[str, Any]] = {
+    304: {"description": "Not Modified: the answer, worked out now, is the one whose `ETag` was sent in "
+          "`If-None-Match`"}}
 
 
 def _good_step(svc: Services, job: str, request: p.ResumeRequest, info: p.CheckpointInfo | None) -> p.CheckpointInfo:
@@ -59,32 +68,57 @@ def router(svc: Services) -> APIRouter:
         svc.require_ready()
         return p.JobList(jobs=cat.jobs())
 
-    def _listing(job: str) -> bytes:
-        """The job's list as answered, serialised once per catalog version (10,000 steps: ~3 MB, ~1 s of
-        GIL to build; 64 clients listing at once used to build it 64 times)."""
+    def _listing(job: str) -> Listing:
+        """The job's steps serialised once per catalog version (10,000 steps: ~3 MB, ~1 s of GIL to build;
+        64 clients listing at once used to build it 64 times)."""
         svc.check_job(job)
         version = cat.version  # read before the rows: a change after it gives a newer version, never a stale hit
         kept = svc.listings.get(job)
-        if kept is not None and kept[0] == version:
-            return kept[1]
-        body = p.CheckpointList(job=job, checkpoints=cat.checkpoints(job)).model_dump_json().encode()
-        svc.listings[job] = (version, body)
-        return body
+        if kept is not None and kept.version == version:
+            return kept
+        kept = svc.listings[job] = Listing.build(job, version, cat.checkpoints(job))
+        return kept
 
-    @api.get(p.ROUTE_CHECKPOINTS, response_model=p.CheckpointList, **route_doc("GET", p.ROUTE_CHECKPOINTS))
-    async def list_checkpoints(job: str) -> Any:
-        body = await svc.answers.answer(("list", job), lambda: _listing(job))
-        return Response(body, media_type="application/json")
+    def _list_answer(job: str, limit: int | None, cursor: str | None) -> Tagged:
+        listing = _listing(job)
+        if limit is None and cursor is None:
+            return listing.whole()
+        return tag(listing.page(limit or p.DEFAULT_PAGE_LIMIT, cursor), "list", job, str(limit), str(cursor))
 
-    @api.get(p.ROUTE_LATEST_GOOD, response_model=p.CheckpointInfo, **route_doc("GET", p.ROUTE_LATEST_GOOD))
-    def latest_good(job: str) -> p.CheckpointInfo:
+    @api.get(p.ROUTE_CHECKPOINTS, response_model=p.CheckpointList, responses=_NOT_MODIFIED,
+             **route_doc("GET", p.ROUTE_CHECKPOINTS))
+    async def list_checkpoints(
+        job: str,
+        limit: Annotated[int | None, Query(ge=1, le=p.MAX_PAGE_LIMIT, description=(
+            "page size: answer at most this many steps, newest first, with a `next` cursor when older ones "
+            f"remain (without `limit` and `cursor`: every step, oldest first; a cursor alone: "
+            f"{p.DEFAULT_PAGE_LIMIT})"))] = None,
+        cursor: Annotated[str | None, Query(pattern=p.CURSOR_PATTERN, description=(
+            "the `next` of the previous page (opaque): the page continues below the last step it gave"))] = None,
+        if_none_match: _IfNoneMatch = None,
+    ) -> Any:
+        answer = await svc.answers.answer(("list", job, limit, cursor), lambda: _list_answer(job, limit, cursor))
+        return respond(answer, if_none_match)
+
+    def _latest_good(job: str) -> Tagged:
         info = cat.confirmed_latest_good(svc.check_job(job))
         if info is None:
             raise _none_yet(svc, job)
-        return info
+        return tag(info.model_dump_json().encode(), "latest-good", job)
 
-    def _answer(job: str, request: p.ResumeRequest) -> bytes:
-        """The resume plan's bytes, from checks made now (run by a worker thread, once per round)."""
+    @api.get(p.ROUTE_LATEST_GOOD, response_model=p.CheckpointInfo, responses=_NOT_MODIFIED,
+             **route_doc("GET", p.ROUTE_LATEST_GOOD))
+    async def latest_good(job: str, if_none_match: _IfNoneMatch = None) -> Any:
+        # Asked together, answered together: one round of checks on storage begun after the request arrived.
+        answer = await svc.answers.answer(("latest-good", job), lambda: _latest_good(job))
+        return respond(answer, if_none_match)
+
+    def _answer(job: str, request: p.ResumeRequest, asked: str) -> Tagged:
+        """The resume plan and its tag, from checks made now (run by a worker thread, once per round)."""
+        return tag(_plan(job, request), "resume", job, asked)
+
+    def _plan(job: str, request: p.ResumeRequest) -> bytes:
+        """The resume plan's bytes, from checks made now."""
         svc.check_job(job)
         cat.refresh_job(job, quick=True)  # the newest committed step, even if the last periodic scan missed it
         shm_dir = svc.settings.shm_dir
@@ -104,21 +138,22 @@ def router(svc: Services) -> APIRouter:
                                   layout=layout).model_dump_json().encode(),
         )
 
-    @api.post(p.ROUTE_RESUME, response_model=p.ResumePlan, **route_doc("POST", p.ROUTE_RESUME))
-    async def resume(job: str, request: p.ResumeRequest) -> Any:
+    @api.post(p.ROUTE_RESUME, response_model=p.ResumePlan, responses=_NOT_MODIFIED, **route_doc("POST", p.ROUTE_RESUME))
+    async def resume(job: str, request: p.ResumeRequest, if_none_match: _IfNoneMatch = None) -> Any:
         started = time.perf_counter()
         # The hosts of a job ask together and alike: requests that arrive while the same question is being
-        # answered share the next answer, worked out after they arrived.
+        # answered share the next answer, worked out after they arrived. The request as asked (devices alive,
+        # allow flags, identity) keys the round and is part of the answer's tag.
+        asked = request.model_dump_json()
         try:
-            body = await svc.answers.answer(("resume", job, request.model_dump_json()),
-                                            lambda: _answer(job, request))
+            answer = await svc.answers.answer(("resume", job, asked), lambda: _answer(job, request, asked))
         except (ServiceError, PlanningError) as exc:
             if exc.code not in _NOT_A_JOB:  # no metric label for names that are not jobs
                 svc.metrics.resume_requests.labels(job).inc()
             raise
         svc.metrics.resume_requests.labels(job).inc()
         svc.metrics.plan_seconds.observe(time.perf_counter() - started)
-        return Response(body, media_type="application/json")
+        return respond(answer, if_none_match)
 
     return api
 

@@ -31,6 +31,11 @@ ROUTE_DASHBOARD = "/"
 # A job name is one path segment of the root: letters, digits, '.', '_', '-', not starting with '.'.
 JOB_NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$"
 _JOB_NAME_RE = re.compile(JOB_NAME_PATTERN)
+# Pages of a job's steps (GET .../checkpoints?limit=N&cursor=C, docs/protocol.md "Pagination"): newest first.
+DEFAULT_PAGE_LIMIT = 100  # a cursor without a limit
+MAX_PAGE_LIMIT = 1000
+# A cursor is opaque to clients; any string of this form is one (the step, '.', the directory name in hex).
+CURSOR_PATTERN = r"^[0-9]{1,16}\.(?:[0-9a-f]{2}){0,255}$"
 # The largest step: one that JSON carries exactly (a double holds integers up to 2**53; JavaScript, the dashboard
 # and schema-driven tools read numbers as doubles), far beyond any training run.
 MAX_STEP = 2**53 - 1
@@ -124,8 +129,14 @@ class JobList(_Model):
 
 
 class CheckpointList(_Model):
+    """A job's steps: every one, oldest first (no ``limit``), or one page of them, newest first."""
+
     job: str
     checkpoints: list[CheckpointInfo]
+    next: str | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="a page's cursor for the next (older) page; absent on the last page and on the whole list",
+    )
 
 
 class SliceAlive(_Request):
@@ -217,9 +228,12 @@ class ResumePlan(_Model):
 
 __all__ = [
     "API_PREFIX",
+    "CURSOR_PATTERN",
+    "DEFAULT_PAGE_LIMIT",
     "DEFAULT_PORT",
     "ERROR_STATUS",
     "JOB_NAME_PATTERN",
+    "MAX_PAGE_LIMIT",
     "MAX_STEP",
     "ROUTE_ADVICE",
     "ROUTE_CHECKPOINTS",
