@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 
 from bench.common import Figure, Profile, Results, percentile, rmtree, stop_process, timed
+from bench.load64 import run_load64
 from bench.resume_client import BUDGET_S as SEQUENTIAL_BUDGET_S
 from bench.resume_client import REQUEST_TIMEOUT_S
 from trainer_client.core.format.files import CHECKPOINT_METADATA, CKPTD_MANIFEST
@@ -303,6 +304,7 @@ def run_service(profile: Profile, results: Results, workdir: Path) -> None:
                                               "limit_ms": BURST_LIMIT_S * 1000,
                                               "per_request_p50_ms": round(percentile(all_lat, 50), 3),
                                               "per_request_max_ms": round(max(all_lat), 3)}))
+        run_load64(profile, results, url, job_dir, body)
     finally:
         stop_process(proc, 15)
     results.progress()  # the figures so far reach results.json before the long rebuilds
