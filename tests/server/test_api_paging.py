@@ -214,3 +214,15 @@ def test_errors_carry_no_etag_and_ignore_if_none_match(shared: tuple[TestClient,
     assert resp.status_code == 404 and "etag" not in resp.headers
     resp = client.post(f"/v1/jobs/{JOB}/resume", json={"alive_devices": 8, "step": 999}, headers={"If-None-Match": "*"})
     assert resp.status_code == 404 and "etag" not in resp.headers
+
+
+def test_the_client_walks_the_pages(shared: tuple[TestClient, Path]) -> None:
+    from trainer_client.client.ckptd_client import CkptdClient
+
+    client, _ = shared
+    with CkptdClient(transport=client._transport) as ckptd:  # type: ignore[attr-defined]  # TestClient's app
+        ckptd._http.base_url = httpx.URL(str(client.base_url))  # type: ignore[attr-defined]
+        assert [c.step for c in ckptd.iter_checkpoints(JOB, page_size=7)] == list(range(STEPS, 0, -1))
+        assert [c.step for c in ckptd.checkpoints(JOB).checkpoints] == list(range(1, STEPS + 1))
+        page = ckptd.checkpoints(JOB, limit=2)
+        assert [c.step for c in page.checkpoints] == [STEPS, STEPS - 1] and page.next is not None

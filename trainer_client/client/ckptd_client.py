@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import httpx
@@ -68,13 +69,14 @@ class CkptdClient:
 
     # ---- raw calls ------------------------------------------------------------------------------
 
-    def _request(self, method: str, url: str, answer: type[_M], json: Any = None) -> _M:
+    def _request(self, method: str, url: str, answer: type[_M], json: Any = None,
+                 params: dict[str, Any] | None = None) -> _M:
         """``answer`` parsed from ckptd's reply (straight from the bytes: a plan of 1,000 arrays is ~100 KB)."""
 
         @retry(self._policy, retry_on=(CkptdUnavailable,))
         def once() -> _M:
             try:
-                response = self._http.request(method, url, json=json)
+                response = self._http.request(method, url, json=json, params=params)
             except httpx.HTTPError as exc:
                 raise CkptdUnavailable(f"ckptd at {self.settings.url} did not answer: {exc}") from exc
             if response.status_code in _UNAVAILABLE_STATUSES:
@@ -106,8 +108,21 @@ class CkptdClient:
     def jobs(self) -> p.JobList:
         return self._request("GET", p.ROUTE_JOBS, p.JobList)
 
-    def checkpoints(self, job: str) -> p.CheckpointList:
-        return self._request("GET", p.ROUTE_CHECKPOINTS.format(job=job), p.CheckpointList)
+    def checkpoints(self, job: str, *, limit: int | None = None, cursor: str | None = None) -> p.CheckpointList:
+        """Every step of ``job``, oldest first; with ``limit`` (or ``cursor``) one page, newest first, whose
+        ``next`` asks for the following one (docs/protocol.md, "Pagination")."""
+        params = {k: v for k, v in (("limit", limit), ("cursor", cursor)) if v is not None}
+        return self._request("GET", p.ROUTE_CHECKPOINTS.format(job=job), p.CheckpointList, params=params or None)
+
+    def iter_checkpoints(self, job: str, *, page_size: int = p.DEFAULT_PAGE_LIMIT) -> Iterator[p.CheckpointInfo]:
+        """Every step of ``job``, newest first, a page at a time (each step once, even while steps arrive)."""
+        cursor: str | None = None
+        while True:
+            page = self.checkpoints(job, limit=page_size, cursor=cursor)
+            yield from page.checkpoints
+            if page.next is None:
+                return
+            cursor = page.next
 
     def latest_good(self, job: str) -> p.CheckpointInfo | None:
         try:
