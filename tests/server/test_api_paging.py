@@ -220,8 +220,8 @@ def test_the_client_walks_the_pages(shared: tuple[TestClient, Path]) -> None:
     from trainer_client.client.ckptd_client import CkptdClient
 
     client, _ = shared
-    with CkptdClient(transport=client._transport) as ckptd:  # type: ignore[attr-defined]  # TestClient's app
-        ckptd._http.base_url = httpx.URL(str(client.base_url))  # type: ignore[attr-defined]
+    with CkptdClient(transport=client._transport) as ckptd:  # the TestClient's transport: its app
+        ckptd._http.base_url = client.base_url
         assert [c.step for c in ckptd.iter_checkpoints(JOB, page_size=7)] == list(range(STEPS, 0, -1))
         assert [c.step for c in ckptd.checkpoints(JOB).checkpoints] == list(range(1, STEPS + 1))
         page = ckptd.checkpoints(JOB, limit=2)
