@@ -253,6 +253,7 @@ def test_a_step_that_cannot_be_made_durable_is_not_reported_good(root: Path) -> 
         cat.rebuild()
     info = cat.step("job", N_STEPS)
     assert info is not None and info.state is StepState.COMMITTED and "EIO" in (info.reason or "")
+    assert not list((root / "job" / str(N_STEPS)).glob("*.tmp-*"))  # no sealed manifest left half-done
     assert cat.latest_good("job").step == N_STEPS - 1  # type: ignore[union-attr]
 
 

@@ -30,6 +30,7 @@ plain Orbax restores a step that has them. No jax here.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import threading
@@ -168,7 +169,12 @@ def write_json_file(storage: Storage, path: str, payload: str | bytes, *, durabl
             f.flush()
             os.fsync(f.fileno())
     if sync is not None:
-        sync(tmp)
+        try:
+            sync(tmp)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)  # not left beside the step's files
+            raise
     os.replace(tmp, path)
 
 
