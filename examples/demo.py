@@ -12,6 +12,9 @@ Options: ``--spares 1`` keeps one of the 4 slices as a hot spare (mesh 3 x 2): t
 at once, same mesh, and slice 2 becomes the spare when it returns. ``--fault in-jax`` loses the slice from inside
 a JAX operation (``InJaxFaults``: reading the step's loss raises ``DATA_LOSS`` mid-step, as on Pathways) instead
 of at the step boundary.
+
+``--hosts 2 [--lose-host-memory K]``: a multi-controller job instead (a trainer process and a ckptd per host, one
+lost and every trainer restarted): examples/multihost_demo.py.
 """
 
 from __future__ import annotations
@@ -56,11 +59,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_ckptd(root: Path, state_dir: Path, shm_dir: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
+def start_ckptd(root: Path, state_dir: Path, shm_dir: Path, port: int, log: Path,
+                extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """``ckptd serve`` in its own process, its log (and its persist worker's) in ``log``: a pipe nobody
-    reads would fill up and stall it."""
+    reads would fill up and stall it. ``extra_env``: more ckptd settings."""
     env = {**os.environ, "CKPTD_REFRESH_INTERVAL_S": "0.5", "CKPTD_MAX_SNAPSHOTS": "8",
-           "CKPTD_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S)}
+           "CKPTD_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S), **(extra_env or {})}
     with log.open("ab") as sink:
         proc = subprocess.Popen(
             [sys.executable, "-m", "ckptd", "serve", "--root", str(root), "--host", "127.0.0.1",
@@ -82,6 +86,11 @@ def start_ckptd(root: Path, state_dir: Path, shm_dir: Path, port: int, log: Path
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--hosts" or a.startswith("--hosts=") for a in argv):  # a multi-controller job: its own demo
+        from examples.multihost_demo import main as multihost_main
+
+        return multihost_main(argv)
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="demo-output", help="directory for checkpoints and the report")
     parser.add_argument("--steps", type=int, default=400)
@@ -185,10 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-def last_step_on_storage(root: Path) -> int | None:
+def last_step_on_storage(root: Path, job_name: str = JOB) -> int | None:
     """The newest step of the job that is committed on storage and carries ckptd's verified record."""
     storage = Storage(str(root))
-    job = storage.join(JOB)
+    job = storage.join(job_name)
     for parsed, entry in step_entries(storage, job):
         inspection = None if parsed.is_tmp else inspect_step(storage, entry)
         if inspection is not None and inspection.state == StepState.COMMITTED and \
