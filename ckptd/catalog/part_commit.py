@@ -27,7 +27,7 @@ from typing import Any, Literal
 from trainer_client.core.durability import sync_paths
 from trainer_client.core.errors import StorageError
 from trainer_client.core.format.files import COMMIT_MARKER
-from trainer_client.core.format.manifest import build_manifest, write_manifest
+from trainer_client.core.format.manifest import UNMANIFESTED, FileEntry, Manifest, file_entry, write_manifest
 from trainer_client.core.format.parts import (
     CLAIMS_DIR,
     PartInfo,
@@ -40,6 +40,8 @@ from trainer_client.core.format.parts import (
     step_path_for,
 )
 from trainer_client.core.format.snapshot import SnapshotMeta
+from trainer_client.core.format.step_files import list_files
+from trainer_client.core.identity import step_identity
 from trainer_client.core.storage import Storage
 
 _log = logging.getLogger(__name__)
@@ -137,20 +139,38 @@ class PartSaves:
                 _log.error("not committing step %s of %s from parts: %s exists already", step, job,
                            self.final_path(job, step))
                 continue
-            self.commit(job, step, where, parts[0])  # type: ignore[arg-type]
+            self.commit(job, step, where, parts)  # type: ignore[arg-type]
             done.append(step)
         return done
 
-    def commit(self, job: str, step: int, where: str, first: PartInfo) -> None:
+    def manifest(self, where: str, step: int, parts: list[PartInfo]) -> Manifest:
+        """ckptd's manifest of the step: every file, the parts' ones with the checksums their writers
+        recorded (so the leader does not read every byte again), the leader's own read and checksummed."""
+        recorded = {f.path: FileEntry(size=f.size, crc32c=f.crc32c) for part in parts for f in part.files}
+        files = {}
+        for rel, listed in sorted(list_files(self.storage, where).items()):
+            if rel in UNMANIFESTED:
+                continue
+            known = recorded.get(rel)
+            if known is not None and known.size == listed.size:
+                files[rel] = known
+            elif listed.crc32c is not None:
+                files[rel] = FileEntry(size=listed.size, crc32c=listed.crc32c)
+            else:
+                files[rel] = file_entry(self.storage, posixpath.join(where, rel))
+        training = parts[0].training  # its arrays are the manifest's (recorded once, as build_manifest does)
+        return Manifest(step=step, writer="adopted", created_at=time.time(), files=files, training=training,
+                        identity=step_identity(self.storage, where, training))
+
+    def commit(self, job: str, step: int, where: str, parts: list[PartInfo]) -> None:
         """Finalize, manifest, marker (create-only), and on a local root the rename into place."""
+        first = parts[0]
         marker = posixpath.join(where, COMMIT_MARKER)
         if not self.storage.exists(marker):  # else: the marker is there, the rename was not done
             answer = self.ask({"commit": self.storage.url_of(where), "record": first.model_dump(mode="json")})
             if not answer.get("ok"):
                 raise RuntimeError(f"commit of step {step} failed: {answer.get('error', 'no answer')}")
-            manifest = build_manifest(self.storage, where, step=step, writer="adopted",
-                                      arrays=first.training.arrays, training=first.training)
-            write_manifest(self.storage, where, manifest)
+            write_manifest(self.storage, where, self.manifest(where, step, parts))
             if not self.writes(job):  # the lease moved while finalizing: the new leader commits
                 return
             if not self.storage.create_new(marker, f"Checkpoint commit was successful to {where}".encode()):

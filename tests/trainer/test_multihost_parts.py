@@ -47,7 +47,9 @@ state = {
 }
 meta = training_metadata(5, state, data_position=40, global_batch=8, mesh=mesh, slices=[0])
 tier = MemoryTier(shm, "job", preallocate=False)
-path = tier.save(5, state, meta, persist=True)
+from trainer_client.core.format.snapshot import DataIteratorRecord
+path = tier.save(5, state, meta, persist=True,
+                 data_iterator=DataIteratorRecord(process_index=index, process_count=2, state={"pos": 40 + index}))
 saver = Saver(Checkpointer(root + "/job"), tier, None)
 went = saver.save(6, state, training_metadata(6, state, data_position=48, global_batch=8, mesh=mesh, slices=[0]),
                   persist=True)
@@ -170,6 +172,10 @@ def test_both_parts_make_one_plain_orbax_step_committed_once(parts: list[Path], 
     assert sorted(p.name for p in (step / "ckptd_parts").iterdir()) == ["process_0.json", "process_1.json"]
     assert sorted(p.name for p in (step / "default").glob("ocdbt.process_*")) == ["ocdbt.process_0", "ocdbt.process_1"]
     assert not (tmp_path / "root" / "job" / ".ckptd" / "staging" / f"5.{read_meta(parts[0]).save_id}").exists()
+    for k in (0, 1):  # Grain's per-process iterator files, as each process of a plain save writes its own
+        assert json.loads((step / "iter" / f"process_{k}-of-2.json").read_text()) == {"pos": 40 + k}
+    assert json.loads((step / "_CHECKPOINT_METADATA").read_text())["item_handlers"]["iter"].endswith(
+        "IteratorStateHandler")
     assert _deep_problems(storage, step) == [] and part_problems(storage, str(step)) == []
     assert [sidecar.state("job", read_meta(part)) for sidecar, part in zip(sidecars, parts, strict=True)] == [
         "committed", "committed"]
