@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ from orbax.checkpoint._src.serialization import ocdbt_utils
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
 from trainer_client.core.dtypes import np_dtype
-from trainer_client.core.durability import sync_tree
+from trainer_client.core.durability import sync_paths, sync_tree
 from trainer_client.core.errors import StoredFormatError
 from trainer_client.core.format.files import CHECKPOINT_METADATA, COMMIT_MARKER, ITEM_METADATA
 from trainer_client.core.format.parts import PartInfo, part_files
@@ -53,6 +54,7 @@ from trainer_client.core.protocol import TrainingMetadata
 from trainer_client.core.storage import Storage, join_path
 from trainer_client.runtime.checkpointing import spec_from_json
 from trainer_client.runtime.data_iterator import process_file, state_text
+from trainer_client.runtime.orbax_handlers import DATA_FILES, MIN_DATA_FILE_BYTES
 
 ITER_ITEM = "iter"
 _STRINGS = "_strings.json"
@@ -93,7 +95,20 @@ def _value_leaves(tree: list[TreeEntry]) -> list[tuple[str, Any]]:
     return out
 
 
-async def _write_part_async(snapshot: Path, meta: SnapshotMeta, item_dir: str, compression: bool) -> None:
+def _data_file_bytes(meta: SnapshotMeta) -> int:
+    """The OCDBT data file size a trainer's save of this state asks for on a local disk (``orbax_handlers``:
+    about 1/``DATA_FILES`` of the whole state, at least its largest shard), so the part's files are written
+    and synced in parallel as a single-process save's are."""
+    total = largest = 0
+    for record in meta.arrays.values():
+        itemsize = np_dtype(record.dtype).itemsize
+        total += math.prod(record.shape) * itemsize
+        largest = max([largest, *(shard.nbytes for shard in record.shards)])
+    return max(largest, -(-total // DATA_FILES), MIN_DATA_FILE_BYTES)
+
+
+async def _write_part_async(snapshot: Path, meta: SnapshotMeta, item_dir: str, compression: bool,
+                            file_bytes: int | None) -> None:
     data = map_data(snapshot, meta)
     damaged = damaged_shards(data, meta)
     if damaged:
@@ -110,7 +125,7 @@ async def _write_part_async(snapshot: Path, meta: SnapshotMeta, item_dir: str, c
         write_shape = tuple(stop - start for start, stop in record.shards[0].index)
         spec = ts_utils.ArrayWriteSpec(item_dir, name, global_shape=tuple(record.shape), write_shape=write_shape,
                                        dtype=np_dtype(record.dtype), use_compression=compression, use_ocdbt=True,
-                                       process_id=k)
+                                       process_id=k, ocdbt_target_data_file_size=file_bytes)
         metadatas.append(spec.metadata)
         if primary:  # the zarr metadata: Orbax's primary host creates it
             await ts.open(ts.Spec(spec.json), create=True, open=True, context=context, transaction=txn)
@@ -120,7 +135,8 @@ async def _write_part_async(snapshot: Path, meta: SnapshotMeta, item_dir: str, c
             if shard.replica_id != 0 or not math.prod(record.shape):
                 continue  # another process's devices hold replica 0 of this region: it writes it
             index = tuple(slice(start, stop) for start, stop in shard.index)
-            writes.append(store[index].write(np.asarray(reader(index))))
+            # the snapshot's memory stays mapped and unchanged until the write is done: no copy into the cache
+            writes.append(store[index].write(np.asarray(reader(index)), can_reference_source_data_indefinitely=True))
     if primary:
         for name, value in _value_leaves(meta.tree):
             if isinstance(value, str):
@@ -147,24 +163,27 @@ def write_part(snapshot: Path, step_url: str, *, compression: bool = False) -> d
     meta = _part_meta(snapshot)
     item_dir = join_path(step_url, meta.item)
     epath.Path(item_dir).mkdir(parents=True, exist_ok=True)
-    asyncio.run(_write_part_async(snapshot, meta, item_dir, compression))
+    remote = Storage(step_url).is_remote
+    asyncio.run(_write_part_async(snapshot, meta, item_dir, compression, None if remote else _data_file_bytes(meta)))
     if meta.data_iterator is not None:
         iter_dir = epath.Path(join_path(step_url, ITER_ITEM))
         iter_dir.mkdir(parents=True, exist_ok=True)
         record = meta.data_iterator
         (iter_dir / process_file(record.process_index, record.process_count)).write_text(state_text(record.state))
     storage = Storage(step_url)
+    files = part_files(storage, storage.join(), meta.item, meta.process_index, meta.process_count)
+    if not remote:  # this part's files and the directories naming them (not the other parts')
+        own = {join_path(step_url, f.path) for f in files}
+        sync_paths(*sorted(own), *sorted({os.path.dirname(path) for path in own}, key=len, reverse=True),
+                   item_dir, step_url)
     info = PartInfo(save_id=meta.save_id or "", process_index=meta.process_index, process_count=meta.process_count,
                     item=meta.item, has_iter=meta.data_iterator is not None, training=meta.training,
-                    tree=list(meta.tree), files=part_files(storage, storage.join(), meta.item, meta.process_index,
-                                                           meta.process_count),
+                    tree=list(meta.tree), files=files,
                     arrays={name: [shard.index for shard in record.shards if shard.replica_id == 0]
                             for name, record in meta.arrays.items()},
                     write_shapes={name: [stop - start for start, stop in record.shards[0].index]
                                   for name, record in meta.arrays.items()},
                     written_at=time.time())
-    if not storage.is_remote:
-        sync_tree(step_url)
     return info.model_dump(mode="json")
 
 
