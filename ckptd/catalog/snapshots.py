@@ -66,6 +66,7 @@ class KeeperStats:
     commits: int = 0  # steps committed from host parts by this sidecar (as the job's leader)
 
 
+PART_RETRY_S = 30.0  # a host part whose write failed is tried again after this long
 DEFAULT_NICE = 10  # how far below ckptd the persist worker runs, unless CKPTD_PERSIST_NICE says otherwise
 
 
@@ -147,6 +148,7 @@ class SnapshotKeeper:
         self._thread = threading.Thread(target=self._persist_loop, name="ckptd-persister", daemon=True)
         self._worker: subprocess.Popen[str] | None = None
         self._closed = threading.Event()
+        self._part_retry_at: dict[Path, float] = {}  # a part whose write failed: not retried before then
 
     def start(self) -> None:
         try:  # made private now, so a trainer starting later finds it so (docs/operations.md, "Security")
@@ -263,7 +265,7 @@ class SnapshotKeeper:
         if state == "committed":
             mark_persisted(path, self.storage.url_of(self.parts.final_path(job, meta.step)))
             self.stats.parts.pop(key, None)
-        elif state == "todo":
+        elif state == "todo" and time.monotonic() >= self._part_retry_at.get(path, 0.0):
             self._enqueue("part", job, path)
         elif state == "claimed by another save":
             self._note_part(key, f"step {meta.step} is claimed by another save; this part ({meta.save_id}) waits "
@@ -277,6 +279,8 @@ class SnapshotKeeper:
     def _forget_gone_parts(self) -> None:
         for key in [key for key in self.stats.parts if not Path(key).exists()]:
             del self.stats.parts[key]
+        for path in [path for path in self._part_retry_at if not path.exists()]:
+            del self._part_retry_at[path]
 
     def _persist_loop(self) -> None:
         while True:
@@ -291,8 +295,10 @@ class SnapshotKeeper:
                     self._persist_part(job, path)
                 else:
                     self._commit(job)
-            except Exception as exc:  # reported; the next scan tries again
+            except Exception as exc:  # reported; a later scan tries again
                 self._failed(path, f"{type(exc).__name__}: {exc}")
+                if kind == "part":  # not at every scan: a part that cannot be written fails alike each time
+                    self._part_retry_at[path] = time.monotonic() + PART_RETRY_S
             finally:
                 with self._lock:
                     self._queued.discard(path)
