@@ -4,10 +4,10 @@ Each host k gets its own ``ckptd serve`` (its own port, state and shared-memory 
 on: ``CKPTD_LEASE_TTL_S``) over one storage root under ``--out``, and its own trainer process
 (examples/multihost_trainer.py: jax.distributed on 127.0.0.1, 4 CPU devices each, gloo, one global mesh).
 The trainers save to storage every ``--checkpoint-period`` steps and to host memory (each host its part) every
-``--memory-period``. After host ``--kill-host``'s memory save of step ``--kill-after`` (and once a step is
-committed on storage) the demo SIGKILLs that trainer. The survivors are left to what jax does
-(docs/multihost.md, section 2): their coordination agent aborts them once the heartbeat timeout passes (at
-once when process 0 died). Then the demo restarts every
+``--memory-period``. Past step ``--kill-after`` the trainers wait at each step boundary until the demo has
+seen host ``--kill-host``'s memory save of that step and a step committed on storage; then it SIGKILLs that
+trainer. The survivors are left to what jax does (docs/multihost.md, section 2): their coordination agent
+aborts them once the heartbeat timeout passes (at once when process 0 died). Then the demo restarts every
 trainer as a JobSet restarting its pods' trainer containers in place would (new PIDs; sidecars and shared
 memory stay) and all resume the step they agree on: from memory, or, with ``--lose-host-memory K`` (host K's
 shared memory wiped first, as on a replaced node), from storage. At the end it waits until the last step is
@@ -96,7 +96,8 @@ def launch(args: argparse.Namespace, hosts: list[dict[str, Any]], out: Path, rou
                "--coordinator", coordinator, "--url", host["url"], "--shm", str(host["shm"]), "--root", str(args.root),
                "--job", JOB, "--steps", str(args.steps), "--checkpoint-period", str(args.checkpoint_period),
                "--memory-period", str(args.memory_period), "--step-time-s", str(args.step_time_s),
-               "--heartbeat-s", str(args.heartbeat_s), "--cache", str(out / "jax-cache"), "--result", str(result)]
+               "--heartbeat-s", str(args.heartbeat_s), "--cache", str(out / "jax-cache"), "--result", str(result),
+               "--hold-after", str(args.kill_after), "--hold-file", str(out / "hold")]
         env = {**_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
         with (out / f"trainer-{k}-run{round_}.log").open("w") as log:
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
@@ -122,6 +123,9 @@ def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
 
 def first_run(args: argparse.Namespace, hosts: list[dict[str, Any]], out: Path, timeline: Timeline) -> list[Trainer]:
     """Train until host ``kill_host`` has saved ``kill_after`` to memory, SIGKILL it, wait for the others to end."""
+    hold = out / "hold"  # the trainers wait past step kill_after while it exists: the kill comes there
+    if not args.no_kill:
+        hold.touch()
     trainers = launch(args, hosts, out, 1, timeline)
     if args.no_kill:
         for t in trainers:
@@ -138,13 +142,13 @@ def first_run(args: argparse.Namespace, hosts: list[dict[str, Any]], out: Path, 
 
     wait_for(ready_to_kill, 600, f"trainer {args.kill_host}'s memory save of step {args.kill_after} and a step "
              "committed on storage")
-    time.sleep(3 * args.step_time_s)  # mid-step, a little after the save
     killed_at = time.time()
     victim.proc.kill()
     on_storage = last_step_on_storage(args.root, JOB)
     timeline.say(f"trainer {victim.index}", "SIGKILL", None, f"pid {victim.proc.pid} (step {on_storage} committed "
                  "on storage)", killed_at)
     victim.proc.wait()
+    hold.unlink()
     for t in trainers:
         if t is victim:
             continue

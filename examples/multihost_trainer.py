@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heartbeat-s", type=int, default=None)
     parser.add_argument("--cache", default=None, help="JAX's persistent compilation cache")
     parser.add_argument("--result", type=Path, required=True)
+    parser.add_argument("--hold-after", type=int, default=None,
+                        help="past this step, wait at each step boundary while --hold-file exists (the demo's kill)")
+    parser.add_argument("--hold-file", type=Path, default=None)
     args = parser.parse_args(argv)
 
     initialize_multihost(args.coordinator, args.count, args.index, heartbeat_timeout_s=args.heartbeat_s,
@@ -87,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"LOSS {step - 1} {log.losses[step - 1]!r}", flush=True)
         if args.step_time_s > 0:
             time.sleep(args.step_time_s)
+        while args.hold_after is not None and step > args.hold_after and args.hold_file and args.hold_file.exists():
+            time.sleep(0.02)  # the demo kills a trainer here, once a step is committed on storage
 
     result = runner.run(make_train_fn(args.steps, log, step_hook=hook, use_precompile=False))
     runner.checkpointer.close()

@@ -18,7 +18,7 @@ import pytest
 from tests.support.helpers import REPO, clean_env
 
 SHORT = ["--steps", "40", "--checkpoint-period", "15", "--memory-period", "5", "--kill-after", "25",
-         "--step-time-s", "0.02"]
+         "--step-time-s", "0.02", "--heartbeat-s", "5"]
 
 
 def _demo(out: Path, *extra: str, timeout_s: float = 420) -> dict[str, Any]:
@@ -47,10 +47,11 @@ def _check(report: dict[str, Any], steps: int, tier: str) -> None:
     assert steps in [s["step"] for s in validated["steps"]]
 
 
+@pytest.mark.timeout(600)
 def test_two_hosts_resume_one_step_from_memory(tmp_path: Path) -> None:
     report = _check_run(tmp_path, "memory")
-    # the newest memory save before the kill: past the last persisted step (15), at most the kill's (25)
-    assert 15 < report["agreed_step"] <= 25 and report["agreed_step"] % 5 == 0
+    # the memory save the trainers waited past for the kill (25)
+    assert report["agreed_step"] == 25
     assert all(f"/{h['resume_step']}" in h["restored_from"] for h in report["hosts"])
 
 
@@ -61,6 +62,7 @@ def _check_run(tmp_path: Path, tier: str, *extra: str) -> dict[str, Any]:
 
 
 @pytest.mark.chaos
+@pytest.mark.timeout(600)
 def test_a_host_that_lost_its_memory_sends_both_hosts_to_storage(tmp_path: Path) -> None:
     report = _check_run(tmp_path, "storage", "--lose-host-memory", "1")
     assert report["agreed_step"] == 15, "the newest step on storage before the kill"
@@ -68,6 +70,7 @@ def test_a_host_that_lost_its_memory_sends_both_hosts_to_storage(tmp_path: Path)
 
 
 @pytest.mark.chaos
+@pytest.mark.timeout(1200)
 def test_a_run_with_a_kill_ends_bitwise_equal_to_one_without(tmp_path: Path) -> None:
     """Deterministic data (each sample from its index) and an exact restore: the final state of every host's
     shards (sha256 over their bytes) and the final loss are those of the same run without a failure."""
