@@ -82,3 +82,34 @@ def test_host_budget_reads_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert host_budget(None) is None
     monkeypatch.setenv("CKPTD_RESTORE_HOST_BYTES", str(1 << 30))
     assert host_budget(None) == 1 << 30
+
+
+def test_batched_orbax_restore_keeps_values_and_every_array(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through Orbax, one array per batch (a 1-byte cap) and the value leaves read at the end: the same tree
+    as an uncapped restore."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import trainer_client.runtime.checkpointing as checkpointing
+    from trainer_client.runtime.checkpointing import restore
+
+    calls: list[int] = []
+    batched = checkpointing.orbax_restore_batched
+    monkeypatch.setattr(checkpointing, "orbax_restore_batched",
+                        lambda path, target, budget: calls.append(budget) or batched(path, target, budget))
+
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    rng = np.random.default_rng(3)
+    state = {"w": jax.device_put(rng.standard_normal((16, 4)).astype(np.float32), NamedSharding(mesh, P("data"))),
+             "b": jax.device_put(np.arange(8, dtype=np.int32), NamedSharding(mesh, P())), "epoch": 7, "name": "run"}
+    ck = Checkpointer(str(tmp_path / "job"), compression=True)
+    ck.save(2, state, data_position=0, global_batch=8, mesh=mesh, slices=list(range(8)))
+    ck.close()
+    target = {k: (jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) if isinstance(v, jax.Array) else v)
+              for k, v in state.items()}
+    capped = restore(str(tmp_path / "job" / "2"), target, host_bytes=1)
+    assert calls == [1]  # the compressed step went through the batched Orbax path
+    assert capped["epoch"] == 7 and capped["name"] == "run"
+    for k in ("w", "b"):
+        assert capped[k].sharding == state[k].sharding
+        np.testing.assert_array_equal(np.asarray(capped[k]), np.asarray(state[k]))
