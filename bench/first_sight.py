@@ -65,6 +65,7 @@ def _raw_read_ms(job_dir: Path, steps: int) -> float:
 
 def run_first_sight(profile: Profile, results: Results, base: Path) -> None:
     steps = _STEPS[profile.name]
+    base.mkdir(parents=True, exist_ok=True)
     template = _template_step(profile, base / "template")
     files = sum(len(names) for _, _, names in os.walk(template))
     print(f"first sight: {steps} steps of {profile.state_arrays} arrays ({files} files each) per sample", flush=True)
