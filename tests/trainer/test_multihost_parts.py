@@ -54,6 +54,9 @@ saver = Saver(Checkpointer(root + "/job"), tier, None)
 went = saver.save(6, state, training_metadata(6, state, data_position=48, global_batch=8, mesh=mesh, slices=[0]),
                   persist=True)
 saver.wait()
+plain = Checkpointer(root + "/plain")  # a plain 2-process Orbax save of step 5: the layout the parts must give
+plain.save_with_metadata(5, state, meta)
+plain.wait()
 print(went, path, flush=True)
 jax.distributed.shutdown()
 """
@@ -177,6 +180,14 @@ def test_both_parts_make_one_plain_orbax_step_committed_once(parts: list[Path], 
     assert json.loads((step / "_CHECKPOINT_METADATA").read_text())["item_handlers"]["iter"].endswith(
         "IteratorStateHandler")
     assert _deep_problems(storage, step) == [] and part_problems(storage, str(step)) == []
+    plain = parts[0].parents[2] / "root" / "plain" / "5"  # the job's own multi-process save
+    for rel in ("default/_METADATA", "default/array_metadatas/process_0", "default/array_metadatas/process_1"):
+        assert json.loads((step / rel).read_text()) == json.loads((plain / rel).read_text()), rel
+    ours, theirs = (json.loads((s / "default" / "_sharding").read_text()) for s in (step, plain))
+    assert ours.keys() == theirs.keys()  # the same arrays, each on the trainer's mesh with its partition spec
+    for name in ours:
+        a, b = json.loads(ours[name]), json.loads(theirs[name])
+        assert {k: v for k, v in a.items() if k != "device_mesh"} == {k: v for k, v in b.items() if k != "device_mesh"}
     assert [sidecar.state("job", read_meta(part)) for sidecar, part in zip(sidecars, parts, strict=True)] == [
         "committed", "committed"]
     for devices in (8, 6):  # plain Orbax, one process: on the saved mesh's size and onto another
