@@ -83,9 +83,11 @@ class PartSaves:
         return first is not None and first.save_id == save_id
 
     def state(self, job: str, meta: SnapshotMeta) -> PartState:
-        """Where this host's part of a save stands on storage."""
+        """Where this host's part of a save stands on storage. A step already committed is ``committed``
+        whichever save committed it (this save's parts, another save's before a restart, or a direct Orbax
+        save when a tier was full): a consistent state of the run, never overwritten; the part is done."""
         assert meta.save_id is not None
-        if self.committed(job, meta.step, meta.save_id):
+        if self.storage.exists(posixpath.join(self.final_path(job, meta.step), COMMIT_MARKER)):
             return "committed"
         claim = read_claim(self.storage, job, meta.step)
         if claim is not None and claim.save_id != meta.save_id:
@@ -102,7 +104,7 @@ class PartSaves:
         if claim is None:
             return "claim unreadable"
         if claim.save_id != meta.save_id:
-            return "committed" if self.committed(job, meta.step, meta.save_id) else "claimed by another save"
+            return self.state(job, meta)
         where = step_path_for(self.storage, job, meta.step, meta.save_id)
         if read_part(self.storage, where, meta.process_index) is not None:
             return "written"  # an earlier try of this sidecar finished

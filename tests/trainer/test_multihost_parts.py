@@ -190,6 +190,8 @@ def test_both_parts_make_one_plain_orbax_step_committed_once(parts: list[Path], 
         assert {k: v for k, v in a.items() if k != "device_mesh"} == {k: v for k, v in b.items() if k != "device_mesh"}
     assert [sidecar.state("job", read_meta(part)) for sidecar, part in zip(sidecars, parts, strict=True)] == [
         "committed", "committed"]
+    rerun = read_meta(parts[0]).model_copy(update={"save_id": "00ff-5"})  # step 5 saved again after a restart
+    assert sidecars[0].state("job", rerun) == "committed"  # the committed step stands: that part is done
     for devices in (8, 6):  # plain Orbax, one process: on the saved mesh's size and onto another
         out = _restored(step, devices)
         assert np.array_equal(out["w"], np.arange(64, dtype=np.float32).reshape(16, 4))
