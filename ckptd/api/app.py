@@ -14,9 +14,11 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI
 
 from ckptd import __version__
+from ckptd.api.answers import JobAnswers
 from ckptd.api.auth import BearerAuth
 from ckptd.api.docs_ui import install_docs
 from ckptd.api.errors import install_error_handlers
+from ckptd.api.hot_path import HotPath
 from ckptd.api.limits import BodySizeLimit, limit_worker_threads
 from ckptd.api.openapi import document_errors, reject_undeclared_query
 from ckptd.api.routes import advice, dashboard, events, health, jobs
@@ -73,12 +75,15 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
         return path.startswith(p.API_PREFIX) or (settings.metrics_require_token and path == p.ROUTE_METRICS)
 
     # Bodies are read within bounds (size, time, memory of all requests together) before routing or parsing
-    # see them; and only once the token is checked: the token check is outermost (added last).
+    # see them; and only once the token is checked: the token check is outermost (added last). Innermost
+    # (added first): the hot path answers plain latest-good and resume requests below FastAPI's routing.
+    answers = JobAnswers(svc)
+    app.add_middleware(HotPath, answers=answers)
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s,
                        max_in_flight=settings.max_body_bytes_in_flight)
     app.add_middleware(BearerAuth, token=settings.token, needs_token=_needs_token, count=count_request)
 
-    for router in (health.router(svc), jobs.router(svc), advice.router(svc), events.router(svc),
+    for router in (health.router(svc), jobs.router(svc, answers), advice.router(svc), events.router(svc),
                    dashboard.router()):
         app.include_router(router)
     install_docs(app)

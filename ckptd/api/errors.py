@@ -59,22 +59,28 @@ def raw_error_response(code: p.ErrorCode, message: str, detail: dict[str, object
     return head.encode("ascii") + body
 
 
+DOMAIN_ERRORS = (ServiceError, PlanningError, StorageError)
+
+
+def domain_error_response(exc: ServiceError | PlanningError | StorageError) -> JSONResponse:
+    """The answer to a domain error: its code's status and the one error body (``Retry-After`` for ``Busy``)."""
+    if isinstance(exc, ServiceError):
+        retry = getattr(exc, "retry_after_s", None)  # Busy: when to come back
+        return error_response(exc.code, exc.message, exc.detail,
+                              headers={"Retry-After": str(retry)} if retry is not None else None)
+    if isinstance(exc, PlanningError):
+        return error_response(exc.code, exc.message)
+    return error_response(p.ErrorCode.STORAGE_ERROR, str(exc))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Map domain errors, request validation, routing refusals and bugs onto the one error body."""
 
     @app.exception_handler(ServiceError)
-    async def _service(_: Request, exc: ServiceError) -> JSONResponse:
-        retry = getattr(exc, "retry_after_s", None)  # Busy: when to come back
-        return error_response(exc.code, exc.message, exc.detail,
-                              headers={"Retry-After": str(retry)} if retry is not None else None)
-
     @app.exception_handler(PlanningError)
-    async def _planning(_: Request, exc: PlanningError) -> JSONResponse:
-        return error_response(exc.code, exc.message)
-
     @app.exception_handler(StorageError)
-    async def _storage(_: Request, exc: StorageError) -> JSONResponse:
-        return error_response(p.ErrorCode.STORAGE_ERROR, str(exc))
+    async def _domain(_: Request, exc: ServiceError | PlanningError | StorageError) -> JSONResponse:
+        return domain_error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -126,5 +132,5 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(p.ErrorCode.INTERNAL, "internal error; see the ckptd log")
 
 
-__all__ = ["ERROR_RESPONSES", "REFUSED_BY", "error_response", "install_error_handlers", "is_json_media_type",
-           "raw_error_response"]
+__all__ = ["DOMAIN_ERRORS", "ERROR_RESPONSES", "REFUSED_BY", "domain_error_response", "error_response",
+           "install_error_handlers", "is_json_media_type", "raw_error_response"]

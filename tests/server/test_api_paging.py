@@ -1,5 +1,6 @@
-"""Pages of a job's steps (``limit`` + cursor, newest first) and conditional requests (``ETag`` / ``304``)
-on the list, latest-good and resume, through FastAPI's TestClient over steps written by Orbax."""
+"""Pages of a job's steps (``limit`` + cursor, newest first), conditional requests (``ETag`` / ``304``)
+on the list, latest-good and resume, and the hot path that answers the latter two, through FastAPI's
+TestClient over steps written by Orbax."""
 
 from __future__ import annotations
 
@@ -226,3 +227,28 @@ def test_the_client_walks_the_pages(shared: tuple[TestClient, Path]) -> None:
         assert [c.step for c in ckptd.checkpoints(JOB).checkpoints] == list(range(1, STEPS + 1))
         page = ckptd.checkpoints(JOB, limit=2)
         assert [c.step for c in page.checkpoints] == [STEPS, STEPS - 1] and page.next is not None
+
+
+# ---- the hot path (ckptd/api/hot_path.py) ---------------------------------------------------------
+
+
+def test_the_hot_path_answers_as_the_routes_do(shared: tuple[TestClient, Path]) -> None:
+    client, _ = shared
+    svc = client.app.state.services  # type: ignore[attr-defined]
+    rounds = svc.answers.rounds
+    good = client.get(f"/v1/jobs/{JOB}/checkpoints/latest-good")
+    plan = client.post(f"/v1/jobs/{JOB}/resume", json={"alive_devices": 8})
+    assert good.status_code == plan.status_code == 200 and svc.answers.rounds == rounds + 2
+    assert p.CheckpointInfo.model_validate_json(good.content).step == STEPS
+    assert p.ResumePlan.model_validate_json(plan.content).step == STEPS
+    counted = svc.metrics.requests.labels(p.ROUTE_RESUME, "200")._value.get()
+    client.post(f"/v1/jobs/{JOB}/resume", json={"alive_devices": 8})
+    assert svc.metrics.requests.labels(p.ROUTE_RESUME, "200")._value.get() == counted + 1  # labelled as the route
+    # What the hot path leaves to FastAPI is refused as before, with its details.
+    assert client.get(f"/v1/jobs/{JOB}/checkpoints/latest-good", params={"x": 1}).status_code == 422
+    bad = client.post(f"/v1/jobs/{JOB}/resume", json={"alive_devices": "8"})
+    assert bad.status_code == 422 and p.ErrorBody.model_validate_json(bad.content).detail
+    text = client.post(f"/v1/jobs/{JOB}/resume", content=b"{}", headers={"content-type": "text/plain"})
+    assert text.status_code == 415
+    assert client.get("/v1/jobs/..bad/checkpoints/latest-good").status_code == 400
+    assert client.get("/v1/jobs/nope/checkpoints/latest-good").json()["code"] == "JOB_NOT_FOUND"
