@@ -6,7 +6,9 @@ A part is exactly what process k of a plain multi-process Orbax save writes into
 section 5): its shards in ``<item>/ocdbt.process_<k>/`` through Orbax's own ``tensorstore_utils.ArrayWriteSpec``
 (``process_id=k``; each shard at its global index, the shard's shape as the write shape, one atomic
 transaction), its ``array_metadatas/process_<k>``, and in process 0's part what Orbax's primary host writes
-besides: every array's zarr metadata, the scalar leaves, ``_strings.json``. A region is written by the part
+besides: every array's zarr metadata, the value leaves (Python and numpy scalars, as 0-d arrays),
+``_strings.json`` (empty nodes — ``None``, ``{}``, ``[]``, ``()``, optax's ``EmptyState`` — are only in
+``_METADATA``, as Orbax records them). A region is written by the part
 whose devices hold it with jax ``replica_id`` 0 (recorded per shard in the snapshot), as Orbax decides: no
 region twice, so the merge of the parts is the merge of a plain save. The iterator item's
 ``iter/process_<k>-of-<n>.json`` goes beside it.
@@ -33,12 +35,12 @@ import numpy as np
 import tensorstore as ts
 from etils import epath
 from jax.sharding import Mesh, NamedSharding
-from orbax.checkpoint._src.metadata import array_metadata_store
+from orbax.checkpoint._src.metadata import array_metadata_store, empty_values
 from orbax.checkpoint._src.metadata import sharding as sharding_metadata
 from orbax.checkpoint._src.metadata import tree as tree_metadata
 from orbax.checkpoint._src.metadata.pytree_metadata_options import PyTreeMetadataOptions
 from orbax.checkpoint._src.metadata.value_metadata_entry import ValueMetadataEntry
-from orbax.checkpoint._src.serialization import ocdbt_utils
+from orbax.checkpoint._src.serialization import ocdbt_utils, type_handlers
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
 from trainer_client.core.dtypes import np_dtype
@@ -60,6 +62,8 @@ ITER_ITEM = "iter"
 _STRINGS = "_strings.json"
 _STANDARD = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
 _ITER_HANDLER = "trainer_client.runtime.data_iterator.IteratorStateHandler"
+_EMPTY_TYPES = {"none": empty_values.RESTORE_TYPE_NONE, "empty_dict": empty_values.RESTORE_TYPE_DICT,
+                "empty_list": empty_values.RESTORE_TYPE_LIST, "empty_tuple": empty_values.RESTORE_TYPE_TUPLE}
 
 
 def _context() -> ts.Context:
@@ -81,18 +85,26 @@ def _part_meta(snapshot: Path) -> SnapshotMeta:
 
 
 def _value_leaves(tree: list[TreeEntry]) -> list[tuple[str, Any]]:
-    """The leaves saved as values, by Orbax's parameter name; a kind Orbax's standard save would record
-    otherwise (numpy scalars, empty nodes) is refused, so a part never commits a tree plain Orbax reads
-    differently."""
-    out = []
-    for entry in tree:
-        if entry.kind == "array":
-            continue
-        if entry.kind != "value" or entry.value is None or entry.value.dtype is not None:
-            raise ValueError(f"leaf {'.'.join(k for _, k in entry.path)!r} ({entry.kind}) is not supported by the "
-                             "multi-host persist yet: arrays, Python numbers and strings are")
-        out.append((".".join(key for _, key in entry.path), decode_value(entry.value)))
-    return out
+    """The leaves saved as values, by Orbax's parameter name: Python numbers and strings (Orbax's
+    ``ScalarHandler``, ``StringHandler``) and numpy scalars (its ``NumpyHandler``: a 0-d array of their
+    dtype). Arrays and the empty nodes (``None``, ``{}``, ``[]``, ``()``: only in ``_METADATA``) are not."""
+    return [(".".join(key for _, key in entry.path), decode_value(entry.value))
+            for entry in tree if entry.kind == "value" and entry.value is not None]
+
+
+def _value_type(entry: TreeEntry) -> ValueMetadataEntry:
+    """A leaf's ``_METADATA`` value entry that is not an array, as Orbax's standard save records it: an
+    empty node by its type (``skip_deserialize``: nothing written; an empty namedtuple is ``None`` already),
+    a numpy scalar as ``np.ndarray``, a Python number as ``scalar``, a string as ``string``."""
+    if entry.kind in _EMPTY_TYPES:
+        return ValueMetadataEntry(value_type=_EMPTY_TYPES[entry.kind], skip_deserialize=True)
+    if entry.value is None:
+        raise StoredFormatError(f"leaf {'.'.join(k for _, k in entry.path)!r} ({entry.kind}) holds no value")
+    if entry.value.dtype is not None:
+        return ValueMetadataEntry(value_type=type_handlers.NumpyHandler().typestr())
+    if entry.value.type == "str":
+        return ValueMetadataEntry(value_type=type_handlers.StringHandler().typestr())
+    return ValueMetadataEntry(value_type=type_handlers.ScalarHandler().typestr())
 
 
 def _data_file_bytes(meta: SnapshotMeta) -> int:
@@ -214,8 +226,7 @@ def _tree_metadata(info: PartInfo) -> dict[str, Any]:
         if entry.kind == "array":
             value = ValueMetadataEntry(value_type="jax.Array", write_shape=tuple(info.write_shapes[name]))
         else:
-            decoded = decode_value(entry.value) if entry.value is not None else None
-            value = ValueMetadataEntry(value_type="string" if isinstance(decoded, str) else "scalar")
+            value = _value_type(entry)
         entries.append(tree_metadata.InternalTreeMetadataEntry(
             keypath=str(tuple(str(key) for _, key in entry.path)),
             key_metadata=tree_metadata.KeyMetadataEntry.build(keypath), value_metadata=value))

@@ -45,6 +45,11 @@ state = {
                                       lambda i: np.arange(64, dtype=np.float32).reshape(16, 4)[i]),
     "b": jax.make_array_from_callback((4,), NamedSharding(mesh, P()), lambda i: np.ones(4, np.float32)[i]),
 }
+import optax  # what real users train with: its adam state holds an EmptyState (stored by Orbax as None)
+init = optax.adam(1e-3).init
+layout = jax.tree.map(lambda x: NamedSharding(mesh, P("data") if x.ndim else P()),
+                      jax.eval_shape(init, {"w": state["w"]}))
+state.update(opt=jax.jit(init, out_shardings=layout)({"w": state["w"]}), none=None, empty={}, scale=np.float32(1.5))
 meta = training_metadata(5, state, data_position=40, global_batch=8, mesh=mesh, slices=[0])
 tier = MemoryTier(shm, "job", preallocate=False)
 from trainer_client.core.format.snapshot import DataIteratorRecord
@@ -146,20 +151,46 @@ def _deep_problems(storage: Storage, step: Path) -> list[str]:
     return validate_step(storage, str(step), "deep", decode_arrays=decode_all_arrays).problems
 
 
-def _restored(step: Path, devices: int) -> dict[str, Any]:
+def _target(devices: int) -> dict[str, Any]:
+    """The job's state as a restore target on ``devices`` devices: its arrays' shapes on a mesh of that size,
+    its values and empty nodes as they are (an optax adam state among them)."""
     import jax
     import numpy as np
-    import orbax.checkpoint as ocp
+    import optax
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     mesh = Mesh(np.array(jax.devices()[:devices]), ("data",))
-    rows = P("data") if 16 % devices == 0 else P()
-    target = {"w": jax.ShapeDtypeStruct((16, 4), np.float32, sharding=NamedSharding(mesh, rows)),
-              "b": jax.ShapeDtypeStruct((4,), np.float32, sharding=NamedSharding(mesh, P()))}
-    with ocp.StandardCheckpointer() as checkpointer:
-        out = checkpointer.restore(step / "default", target)
-    return {name: np.asarray(value) for name, value in out.items()}
+    rows = NamedSharding(mesh, P("data") if 16 % devices == 0 else P())
+    w = jax.ShapeDtypeStruct((16, 4), np.float32, sharding=rows)
+    adam = optax.ScaleByAdamState(count=jax.ShapeDtypeStruct((), np.int32, sharding=NamedSharding(mesh, P())),
+                                  mu={"w": w}, nu={"w": w})
+    return {"w": w, "b": jax.ShapeDtypeStruct((4,), np.float32, sharding=NamedSharding(mesh, P())),
+            "opt": (adam, optax.EmptyState()), "none": None, "empty": {}, "scale": np.float32(0)}
+
+
+def _restored(step: Path, devices: int) -> dict[str, Any]:
+    """The step restored by plain Orbax (its PyTree handler, one process) onto ``_target(devices)``; the
+    tree Orbax gives must have the target's structure."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    target = _target(devices)
+
+    def args(leaf: Any) -> Any:
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            return ocp.ArrayRestoreArgs(sharding=leaf.sharding, global_shape=leaf.shape, dtype=leaf.dtype)
+        return ocp.RestoreArgs(restore_type=np.ndarray)
+
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        out = checkpointer.restore(step / "default", args=ocp.args.PyTreeRestore(
+            item=target, restore_args=jax.tree_util.tree_map(args, target)))
+    assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(target)
+    assert out["none"] is None and out["empty"] == {} and out["opt"][1] == ()  # EmptyState: no fields
+    assert int(out["opt"][0].count) == 0 and not np.asarray(out["opt"][0].mu["w"]).any()
+    assert np.asarray(out["scale"]).dtype == np.float32 and float(out["scale"]) == 1.5
+    return {name: np.asarray(out[name]) for name in ("w", "b")}
 
 
 def test_both_parts_make_one_plain_orbax_step_committed_once(parts: list[Path], tmp_path: Path) -> None:
@@ -183,6 +214,10 @@ def test_both_parts_make_one_plain_orbax_step_committed_once(parts: list[Path], 
     plain = parts[0].parents[2] / "root" / "plain" / "5"  # the job's own multi-process save
     for rel in ("default/_METADATA", "default/array_metadatas/process_0", "default/array_metadatas/process_1"):
         assert json.loads((step / rel).read_text()) == json.loads((plain / rel).read_text()), rel
+    kinds = {key: entry["value_metadata"]["value_type"]
+             for key, entry in json.loads((step / "default" / "_METADATA").read_text())["tree_metadata"].items()}
+    assert (kinds["('opt', '1')"], kinds["('none',)"], kinds["('empty',)"], kinds["('scale',)"]) == (
+        "None", "None", "Dict", "np.ndarray")  # adam's EmptyState, None, {}, a numpy scalar: as Orbax records them
     ours, theirs = (json.loads((s / "default" / "_sharding").read_text()) for s in (step, plain))
     assert ours.keys() == theirs.keys()  # the same arrays, each on the trainer's mesh with its partition spec
     for name in ours:
@@ -312,6 +347,7 @@ def test_two_sidecars_commit_each_step_once_with_a_sidecar_killed_mid_persist(pa
 
 
 @pytest.mark.slow  # ~40 s on this loaded machine: the local short form above covers the same path
+@pytest.mark.chaos  # so that `make chaos` runs it (neither `make test` nor `make chaos` did while only slow)
 def test_two_sidecars_commit_from_parts_on_gcs(parts: list[Path], tmp_path: Path,
                                                request: pytest.FixtureRequest) -> None:
     emulator = request.getfixturevalue("gcs_emulator")
@@ -319,6 +355,7 @@ def test_two_sidecars_commit_from_parts_on_gcs(parts: list[Path], tmp_path: Path
 
 
 @pytest.mark.chaos
+@pytest.mark.slow  # a long form (~30 s a seed): out of `make test` (-m "not slow"), which runs the seed above
 @pytest.mark.parametrize("seed", range(4))
 def test_a_sidecar_killed_at_a_random_point_never_leaves_a_step_served_without_every_part(
         parts: list[Path], tmp_path: Path, seed: int) -> None:
