@@ -7,7 +7,8 @@ bound the work a failure can lose. The loop pays the device-to-host copy whether
 (snapshots marked ``persist`` wait in shared memory for it); when memory is full a persistent save goes
 through Orbax directly instead (``ElasticConfig.when_save_busy="skip"``: one that would wait for an
 earlier direct save still being written is skipped) — training never waits on the sidecar, and never
-stops saving because of it.
+stops saving because of it. In a multi-process job that route is agreed (``save_route.SaveRoute``): if any
+host's tier is full, every process saves through Orbax (a multi-process Orbax save is collective).
 
 ``restore_from_plan`` reads a plan's step from whichever tier the plan names.
 """
@@ -26,6 +27,7 @@ from trainer_client.core.protocol import ResumePlan, TrainingMetadata
 from trainer_client.errors import MemoryTierFull
 from trainer_client.runtime.checkpointing import Checkpointer, restore
 from trainer_client.runtime.memory_tier import MemoryTier, restore_snapshot
+from trainer_client.runtime.save_route import SaveRoute
 
 _log = logging.getLogger(__name__)
 PyTree = Any
@@ -53,10 +55,14 @@ class HealthWatch:
 class Saver:
     """Routes saves to the memory tier or to Orbax, and remembers which steps were saved how."""
 
-    def __init__(self, checkpointer: Checkpointer, memory: MemoryTier | None, health: HealthWatch | None) -> None:
+    def __init__(self, checkpointer: Checkpointer, memory: MemoryTier | None, health: HealthWatch | None,
+                 route: SaveRoute | None = None) -> None:
         self.checkpointer = checkpointer
         self.memory = memory
         self.health = health
+        if route is None and memory is not None and memory.process_count > 1 and memory.incarnation is not None:
+            route = SaveRoute(memory.incarnation, memory.process_index, memory.process_count)
+        self.route = route  # a multi-process job's agreement on each persistent save's route
         self.saved_steps: set[int] = set()
         self.last_tier: str | None = None
         self.last_blocked_s: float | None = None
@@ -76,8 +82,9 @@ class Saver:
         tier = "storage"
         # In a multi-process job each host's ckptd persists its own part and the leader commits the step once
         # every part is durable (docs/multihost.md, section 5). A full tier sends a persistent save to Orbax
-        # directly: every process must then take that path alike (one multi-process Orbax save), which holds
-        # where the hosts' tiers fill alike (the same state, the same max_snapshots, one ckptd per host).
+        # directly: every process must then take that path alike (one multi-process Orbax save), so the
+        # processes agree on it (``self.route``): one host's full tier sends every process's save to Orbax.
+        full: MemoryTierFull | None = None
         if self.memory is not None:
             try:
                 self.memory.save(step, state, meta, persist=persist, data_iterator=data_iterator,
@@ -94,7 +101,11 @@ class Saver:
                 if not persist:
                     _log.info("memory snapshot of step %s skipped: %s", step, exc)
                     return "skipped"
-                _log.warning("memory tier full, saving step %s through Orbax: %s", step, exc)
+                full = exc
+            if persist and self.route is not None and not self.route.all_in_memory(step, full is None):
+                tier = "storage"  # another host's tier (or this one's) is full: every process saves to storage
+            if full is not None:
+                _log.warning("memory tier full, saving step %s through Orbax: %s", step, full)
         if tier == "storage":
             if if_busy == "skip" and self.checkpointer.is_saving():
                 _log.warning("save of step %s skipped: the previous save to storage is still being written, and "
