@@ -41,6 +41,7 @@ from typing import Literal
 import google_crc32c
 from pydantic import BaseModel, ConfigDict, Field
 
+from trainer_client.core.format.checksum import crc32c_b64, file_crc32c, files_crc32c
 from trainer_client.core.format.files import (
     CHECKPOINT_METADATA,
     CKPTD_MANIFEST,
@@ -97,10 +98,6 @@ class Manifest(_Model):
         return base64.b64encode(google_crc32c.value(body).to_bytes(4, "big")).decode("ascii")
 
 
-def crc32c_b64(value: int) -> str:
-    return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
-
-
 def crc32c_of(read_chunks: Callable[[], bytes], chunk: int = _CHUNK) -> tuple[int, str]:
     """Size and CRC32C (base64) of a stream given as a ``read(n)``-like callable."""
     checksum = google_crc32c.Checksum()
@@ -115,9 +112,13 @@ def crc32c_of(read_chunks: Callable[[], bytes], chunk: int = _CHUNK) -> tuple[in
 
 
 def file_entry(storage: Storage, path: str) -> FileEntry:
-    """Read ``path`` through and checksum it."""
-    with storage_errors(f"cannot read {storage.url_of(path)}"), storage.fs.open(path, "rb") as f:
-        size, crc = crc32c_of(lambda: f.read(_CHUNK))
+    """Read ``path`` through and checksum it (on a local disk in small reads: ``checksum.py``)."""
+    with storage_errors(f"cannot read {storage.url_of(path)}"):
+        if not storage.is_remote:
+            size, crc = file_crc32c(path)
+        else:
+            with storage.fs.open(path, "rb") as f:
+                size, crc = crc32c_of(lambda: f.read(_CHUNK))
     return FileEntry(size=size, crc32c=crc)
 
 
@@ -131,16 +132,27 @@ def build_manifest(
     training: TrainingMetadata | None = None,
 ) -> Manifest:
     """Checksum every file of the step (but the unmanifested ones). On GCS the object store's own
-    CRC32C is used, so nothing is downloaded. ``arrays`` are kept apart from ``training.arrays`` only when
-    they differ from them (each array is recorded once)."""
+    CRC32C is used, so nothing is downloaded; on a local disk the files are read back several at a time
+    (``checksum.py``). ``arrays`` are kept apart from ``training.arrays`` only when they differ from them
+    (each array is recorded once)."""
     files = {}
+    local = []
     for rel, listed in sorted(list_files(storage, step_path).items()):
         if rel in UNMANIFESTED:
             continue
         if listed.crc32c is not None:
             files[rel] = FileEntry(size=listed.size, crc32c=listed.crc32c)
-        else:
+        elif storage.is_remote:
             files[rel] = file_entry(storage, join_path(step_path, rel))
+        else:
+            local.append(rel)
+    if local:
+        with storage_errors(f"cannot read a file of {storage.url_of(step_path)}"):
+            summed = files_crc32c([join_path(step_path, rel) for rel in local])
+        for rel in local:
+            size, crc = summed[join_path(step_path, rel)]
+            files[rel] = FileEntry(size=size, crc32c=crc)
+        files = dict(sorted(files.items()))
     if training is not None and arrays is not None and (arrays is training.arrays or arrays == training.arrays):
         arrays = None  # the training metadata holds them
     return Manifest(step=step, writer=writer, created_at=time.time(), files=files, arrays=arrays or {},
