@@ -7,7 +7,10 @@ chaos-marked (``make chaos``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,11 +24,19 @@ SHORT = ["--steps", "40", "--checkpoint-period", "15", "--memory-period", "5", "
          "--step-time-s", "0.02", "--heartbeat-s", "5"]
 
 
-def _demo(out: Path, *extra: str, timeout_s: float = 420) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-m", "examples.demo", "--hosts", "2", "--out", str(out), *extra],
-                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout_s)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
-    last = proc.stdout.strip().splitlines()[-1]
+def _demo(out: Path, *extra: str, timeout_s: float = 540) -> dict[str, Any]:
+    """Run the demo in a session of its own: on a timeout its sidecars and trainers go with it (SIGKILL)."""
+    proc = subprocess.Popen([sys.executable, "-m", "examples.demo", "--hosts", "2", "--out", str(out), *extra],
+                            cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever it left running
+        proc.wait()
+    assert proc.returncode == 0, stdout[-4000:] + stderr[-3000:]
+    last = stdout.strip().splitlines()[-1]
     assert last.startswith("report: "), last
     report: dict[str, Any] = json.loads(Path(last.removeprefix("report: ")).read_text())
     return report
