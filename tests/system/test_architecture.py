@@ -28,11 +28,12 @@ MAX_MODULE_LINES = 400
 
 # What the jax-free core may import besides the standard library and itself.
 CORE_THIRD_PARTY = {"numpy", "pydantic", "pydantic_settings", "fsspec", "google_crc32c", "zstandard", "ml_dtypes",
-                    "xxhash"}
+                    "xxhash", "orjson"}
 CORE_LAZY_ONLY = {"tensorstore"}  # only inside the functions that read zarr metadata or decode chunks
 JAX_SIDE = ("jax", "jaxlib", "orbax", "tensorstore", "pathwaysutils", "optax", "flax")
 SERVER_FRAMEWORK = ("fastapi", "starlette", "uvicorn", "prometheus_client")
 PERSIST_WORKER = "ckptd.catalog.persist_worker"  # a child process of the sidecar: the one server module with jax
+PART_WRITER = "ckptd.catalog.part_writer"  # the worker's writer of one host's part (docs/multihost.md): worker only
 
 
 @dataclass(frozen=True)
@@ -155,9 +156,11 @@ def test_the_trainer_library_never_imports_the_server(graph: list[Import]) -> No
 
 def test_the_server_never_imports_jax_or_the_trainer_runtime(graph: list[Import]) -> None:
     bad = _broken(graph, ("ckptd",), (*JAX_SIDE, "trainer_client.runtime", "trainer_client.client"),
-                  except_importers=(PERSIST_WORKER,))
+                  except_importers=(PERSIST_WORKER, PART_WRITER))
     assert not bad, "\n".join(bad)
     assert not [i for i in graph if i.target == PERSIST_WORKER], "the persist worker runs as a child process only"
+    assert not [i for i in graph if i.target == PART_WRITER and i.importer != PERSIST_WORKER], \
+        "the part writer runs inside the persist worker only"
 
 
 def test_the_server_layers(graph: list[Import]) -> None:
