@@ -27,7 +27,8 @@ IO_KEYS = {
     "gcs_requests_per_restore_ratio_vs_orbax",
     "gcs_requests_per_persist_ratio_vs_orbax",
 }
-SERVICE_KEYS = {"resume_p99_ms", "resume_burst64_makespan_ms", "catalog_rebuild_s_10k_steps"}
+SERVICE_KEYS = {"resume_p99_ms", "resume_burst64_makespan_ms", "catalog_rebuild_s_10k_steps", "load64_rps",
+                "load64_p99_ms", "first_sight_ms_per_step"}
 
 
 def test_bench_harness_writes_valid_results(tmp_path: Path) -> None:
@@ -40,7 +41,7 @@ def test_bench_harness_writes_valid_results(tmp_path: Path) -> None:
             "--profile",
             "toy",
             "--only",
-            "io,interference,service",
+            "io,interference,first_sight,service",
             "--out",
             str(out),
             "--docs",
