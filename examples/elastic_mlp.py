@@ -42,17 +42,7 @@ def make_batch(ids: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def optimizer(learning_rate: float = 3e-3) -> optax.GradientTransformation:
-    """Adam, computed as ``optax.adam`` computes it (``scale_by_adam``, then ``step_size * g`` with ``-lr``),
-    with ``scale_by_adam``'s state alone: ``optax.adam`` chains ``scale_by_learning_rate``, whose state is an
-    empty node (``EmptyState``), which the multi-host persist does not take yet (docs/multihost.md)."""
-    adam = optax.scale_by_adam()
-    step_size = -learning_rate
-
-    def update(updates: PyTree, state: optax.OptState, params: PyTree = None) -> tuple[PyTree, optax.OptState]:
-        updates, state = adam.update(updates, state, params)
-        return jax.tree_util.tree_map(lambda g: step_size * g, updates), state
-
-    return optax.GradientTransformation(adam.init, update)
+    return optax.adam(learning_rate)
 
 
 def init_state(seed: int = 0) -> PyTree:

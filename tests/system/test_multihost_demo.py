@@ -73,6 +73,7 @@ def _check_run(tmp_path: Path, tier: str, *extra: str) -> dict[str, Any]:
 
 
 @pytest.mark.chaos
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_host_that_lost_its_memory_sends_both_hosts_to_storage(tmp_path: Path) -> None:
     report = _check_run(tmp_path, "storage", "--lose-host-memory", "1")
@@ -81,6 +82,7 @@ def test_a_host_that_lost_its_memory_sends_both_hosts_to_storage(tmp_path: Path)
 
 
 @pytest.mark.chaos
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_a_run_with_a_kill_ends_bitwise_equal_to_one_without(tmp_path: Path) -> None:
     """Deterministic data (each sample from its index) and an exact restore: the final state of every host's

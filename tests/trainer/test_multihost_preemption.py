@@ -49,7 +49,8 @@ print(json.dumps({"preempted": result.preempted, "step": result.final_step, "val
 """
 
 
-@pytest.mark.chaos  # ~15 s on a quiet machine: kept out of make test's budget, which the --hosts demo test uses up
+@pytest.mark.chaos
+@pytest.mark.slow  # ~15 s on a quiet machine: kept out of make test's budget, which the --hosts demo test uses up
 def test_sigterm_to_one_process_saves_the_agreed_step_and_stops_every_process(tmp_path: Path) -> None:
     port, url = str(free_port()), f"http://127.0.0.1:{free_port()}"  # no ckptd: the storage scan answers
     env = clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
