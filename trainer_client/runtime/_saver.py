@@ -20,12 +20,15 @@ import threading
 from collections.abc import Callable
 from typing import Any, Literal
 
+import jax
+
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.core.errors import StoredFormatError
 from trainer_client.core.format.snapshot import DataIteratorRecord
 from trainer_client.core.protocol import ResumePlan, TrainingMetadata
 from trainer_client.errors import MemoryTierFull
 from trainer_client.runtime.checkpointing import Checkpointer, restore
+from trainer_client.runtime.job_store import job_incarnation
 from trainer_client.runtime.memory_tier import MemoryTier, restore_snapshot
 from trainer_client.runtime.save_route import SaveRoute
 
@@ -62,6 +65,8 @@ class Saver:
         self.health = health
         if route is None and memory is not None and memory.process_count > 1 and memory.incarnation is not None:
             route = SaveRoute(memory.incarnation, memory.process_index, memory.process_count)
+        elif route is None and memory is None and jax.process_count() > 1:  # the skip is agreed all the same
+            route = SaveRoute(job_incarnation(), jax.process_index(), jax.process_count())
         self.route = route  # a multi-process job's agreement on each persistent save's route
         self.saved_steps: set[int] = set()
         self.last_tier: str | None = None
@@ -85,6 +90,7 @@ class Saver:
         # directly: every process must then take that path alike (one multi-process Orbax save), so the
         # processes agree on it (``self.route``): one host's full tier sends every process's save to Orbax.
         full: MemoryTierFull | None = None
+        busy: bool | None = None  # whether some process's previous direct save is still being written
         if self.memory is not None:
             try:
                 self.memory.save(step, state, meta, persist=persist, data_iterator=data_iterator,
@@ -102,12 +108,17 @@ class Saver:
                     _log.info("memory snapshot of step %s skipped: %s", step, exc)
                     return "skipped"
                 full = exc
-            if persist and self.route is not None and not self.route.all_in_memory(step, full is None):
-                tier = "storage"  # another host's tier (or this one's) is full: every process saves to storage
+            if persist and self.route is not None:
+                in_memory, busy = self.route.agree(step, full is None, self.checkpointer.is_saving())
+                if not in_memory:
+                    tier = "storage"  # another host's tier (or this one's) is full: every process saves to storage
             if full is not None:
                 _log.warning("memory tier full, saving step %s through Orbax: %s", step, full)
         if tier == "storage":
-            if if_busy == "skip" and self.checkpointer.is_saving():
+            if busy is None:  # no memory tier: every save goes to storage; a multi-process job agrees on the skip
+                busy = (self.route.agree(step, False, self.checkpointer.is_saving())[1] if self.route is not None
+                        else self.checkpointer.is_saving())
+            if if_busy == "skip" and busy:
                 _log.warning("save of step %s skipped: the previous save to storage is still being written, and "
                              "waiting for it would stall training (the next periodic save tries again)", step)
                 self.last_blocked_s = 0.0

@@ -8,7 +8,11 @@ memory save, then the processes agree through JAX's coordination-service key-val
 (``trainer_client.runtime.job_store``): each publishes whether its snapshot was taken (``memory``) or its tier
 was full (``full``) and reads every other's; if any was full, every process saves through Orbax (those that
 took a snapshot too: it stays in their memory, and their ckptd, finding the step committed on storage, marks
-its part persisted). No device work, so no collective is needed to agree.
+its part persisted). No device work, so no collective is needed to agree. The same exchange carries whether
+each process's previous direct save is still being written: with ``if_busy="skip"`` a save to Orbax is skipped
+by every process when any of them is busy (a process that skipped while another started the collective save
+would leave that one waiting in its barrier). A job without a memory tier agrees the same way (every save
+goes to Orbax: only the skip is decided).
 
 Keys are unique per save: ``ckptd/save_route/<job incarnation>/<step>/<n>/<process>``, ``n`` counting this
 process's agreements on that step in this incarnation (every process makes the same persistent saves in the
@@ -27,7 +31,7 @@ from trainer_client.runtime.job_store import KeyValueStore, job_store
 _log = logging.getLogger(__name__)
 
 ROUTE_TIMEOUT_MS = 600_000  # the slowest process's way to this save (a step, its device-to-host copy)
-Answer = Literal["memory", "full"]
+Answer = Literal["memory", "full", "memory+busy", "full+busy"]
 
 
 class SaveRoute:
@@ -60,15 +64,17 @@ class SaveRoute:
         return [mine if k == self.index else self.store.blocking_key_value_get(f"{prefix}/{k}", self.timeout_ms)
                 for k in range(self.count)]
 
-    def all_in_memory(self, step: int, in_memory: bool) -> bool:
-        """Whether every process took its memory snapshot of this save of ``step`` (``in_memory``: whether
-        this one did); False: every process saves it through Orbax."""
-        answers = self.answers(step, "memory" if in_memory else "full")
-        full = [k for k, answer in enumerate(answers) if answer != "memory"]
+    def agree(self, step: int, in_memory: bool, busy: bool = False) -> tuple[bool, bool]:
+        """``(every process took its memory snapshot, some process's previous direct save is still being
+        written)`` for this save of ``step`` (``in_memory``, ``busy``: this process's). Not all in memory:
+        every process saves it through Orbax."""
+        mine: Answer = "memory" if in_memory else "full"
+        answers = self.answers(step, f"{mine}+busy" if busy else mine)  # type: ignore[arg-type]
+        full = [k for k, answer in enumerate(answers) if answer.partition("+")[0] != "memory"]
         if full and in_memory:
             _log.warning("the memory tier of process(es) %s is full: step %s is saved through Orbax by every "
                          "process (its snapshot here stays in memory)", full, step)
-        return not full
+        return not full, any(answer.endswith("+busy") for answer in answers)
 
 
 __all__ = ["ROUTE_TIMEOUT_MS", "SaveRoute"]
