@@ -252,3 +252,22 @@ def test_the_hot_path_answers_as_the_routes_do(shared: tuple[TestClient, Path]) 
     assert text.status_code == 415
     assert client.get("/v1/jobs/..bad/checkpoints/latest-good").status_code == 400
     assert client.get("/v1/jobs/nope/checkpoints/latest-good").json()["code"] == "JOB_NOT_FOUND"
+
+
+def test_the_client_polls_latest_good_with_its_etag(served: tuple[TestClient, Path], template: Path) -> None:
+    from trainer_client.client.ckptd_client import CkptdClient
+
+    client, root = served
+    requests = client.app.state.services.metrics.requests  # type: ignore[attr-defined]
+    with CkptdClient(transport=client._transport) as ckptd:
+        ckptd._http.base_url = client.base_url
+        first = ckptd.latest_good(JOB)
+        not_modified = requests.labels(p.ROUTE_LATEST_GOOD, "304")._value.get()
+        again = ckptd.latest_good(JOB)
+        assert again == first and again is not first and first is not None and first.step == STEPS
+        assert requests.labels(p.ROUTE_LATEST_GOOD, "304")._value.get() == not_modified + 1  # answered 304
+        add_step(root, template, STEPS + 1)
+        client.app.state.catalog.refresh_job(JOB)  # type: ignore[attr-defined]
+        newer = ckptd.latest_good(JOB)
+        assert newer is not None and newer.step == STEPS + 1
+        assert requests.labels(p.ROUTE_LATEST_GOOD, "304")._value.get() == not_modified + 1

@@ -54,6 +54,7 @@ class CkptdClient:
             headers=headers,
             transport=transport,
         )
+        self._tagged: dict[str, tuple[str, BaseModel]] = {}  # url -> (ETag, the answer it tags): If-None-Match
         self._policy = RetryPolicy(
             max_attempts=4, initial_backoff_s=0.1, max_backoff_s=1.0, deadline_s=self.settings.resume_deadline_s
         )
@@ -70,15 +71,21 @@ class CkptdClient:
     # ---- raw calls ------------------------------------------------------------------------------
 
     def _request(self, method: str, url: str, answer: type[_M], json: Any = None,
-                 params: dict[str, Any] | None = None) -> _M:
-        """``answer`` parsed from ckptd's reply (straight from the bytes: a plan of 1,000 arrays is ~100 KB)."""
+                 params: dict[str, Any] | None = None, *, conditional: bool = False) -> _M:
+        """``answer`` parsed from ckptd's reply (straight from the bytes: a plan of 1,000 arrays is ~100 KB).
+        ``conditional``: send the ``ETag`` of the last answer to this URL; a ``304`` gives that answer again
+        (a copy), unparsed (docs/protocol.md, "Conditional requests")."""
 
         @retry(self._policy, retry_on=(CkptdUnavailable,))
         def once() -> _M:
+            kept = self._tagged.get(url) if conditional and params is None else None
+            headers = {"If-None-Match": kept[0]} if kept is not None else None
             try:
-                response = self._http.request(method, url, json=json, params=params)
+                response = self._http.request(method, url, json=json, params=params, headers=headers)
             except httpx.HTTPError as exc:
                 raise CkptdUnavailable(f"ckptd at {self.settings.url} did not answer: {exc}") from exc
+            if response.status_code == 304 and kept is not None and isinstance(kept[1], answer):
+                return kept[1].model_copy(deep=True)
             if response.status_code in _UNAVAILABLE_STATUSES:
                 raise CkptdUnavailable(f"ckptd answered {response.status_code}: {response.text[:200]}")
             if response.status_code >= 400:
@@ -90,12 +97,16 @@ class CkptdClient:
                         response.status_code, "UNKNOWN", response.text[:200]
                     ) from None
             try:
-                return answer.model_validate_json(response.content)
+                parsed = answer.model_validate_json(response.content)
             except ValidationError as exc:  # not ckptd's answer (a proxy's page?): as if it had not answered
                 raise CkptdUnavailable(
                     f"ckptd at {self.settings.url} answered {response.status_code} with no {answer.__name__}: "
                     f"{response.text[:200]!r}"
                 ) from exc
+            etag = response.headers.get("etag")
+            if conditional and params is None and etag:
+                self._tagged[url] = (etag, parsed.model_copy(deep=True))
+            return parsed
 
         return once()
 
@@ -125,8 +136,10 @@ class CkptdClient:
             cursor = page.next
 
     def latest_good(self, job: str) -> p.CheckpointInfo | None:
+        """The newest good step, or None; asked with the last answer's ``ETag`` (a poller's unchanged answer
+        comes back as ``304``: no body, no parse)."""
         try:
-            return self._request("GET", p.ROUTE_LATEST_GOOD.format(job=job), p.CheckpointInfo)
+            return self._request("GET", p.ROUTE_LATEST_GOOD.format(job=job), p.CheckpointInfo, conditional=True)
         except CkptdRequestError as exc:
             if exc.code in (p.ErrorCode.NO_GOOD_CHECKPOINT.value, p.ErrorCode.JOB_NOT_FOUND.value):
                 return None
