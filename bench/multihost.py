@@ -82,7 +82,8 @@ jax.block_until_ready((state, total))
 done = time.time()
 print(json.dumps({"tier": restored.tier, "step": restored.step, "join_to_first_step": done - joined,
                   "launch_to_first_step": done - launched, "plan_s": planned - joined,
-                  "restore_s": restored_at - planned, "first_step_s": done - restored_at}), flush=True)
+                  "restore_s": restored_at - planned, "first_step_s": done - restored_at,
+                  "agreement": {k: round(v, 4) for k, v in agreement.timings.items()}}), flush=True)
 """
 
 
@@ -166,7 +167,8 @@ def _measure(profile: Profile, results: Results, base: Path, shms: list[str], sh
             raise RuntimeError(f"the {tier} restart restored from {[h['tier'] for h in hosts]}")
         (memory if tier == "memory" else storage).append(max(h["join_to_first_step"] for h in hosts))
         launch[tier].append(max(h["launch_to_first_step"] for h in hosts))
-        parts[tier].append({k: round(max(h[k] for h in hosts), 4) for k in ("plan_s", "restore_s", "first_step_s")})
+        parts[tier].append({**{k: round(max(h[k] for h in hosts), 4) for k in ("plan_s", "restore_s", "first_step_s")},
+                            "agreement": [h["agreement"] for h in hosts]})
 
     restart("memory")  # not counted: compiles the first step into JAX's cache, as the job's first start did
     for tier in ("memory", "storage"):

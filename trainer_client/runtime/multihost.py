@@ -8,7 +8,9 @@ exists; the store lives in process 0 and starts empty with every incarnation of 
 
 1. every process offers the steps whose part it holds intact in its own shared memory (``offer/<k>``);
 2. process 0 asks for the storage answer (its sidecar's resume plan with the memory tier off, or the
-   client's storage scan when the sidecar cannot answer), waits for all offers and decides: the newest step
+   client's storage scan when the sidecar cannot answer) on a thread of its own as soon as it enters the
+   round, so that call overlaps the listing of its own parts and the wait for the others' offers; it waits
+   for all offers and for that answer and decides: the newest step
    every process offered (the same save in every part), unless the storage step is newer; a host that
    offers nothing (its memory wiped) makes the job take storage. It publishes the decision with the storage
    plan (``decision``);
@@ -23,7 +25,9 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,6 +119,8 @@ class ResumeAgreement:
         self._round = 0  # every process agrees as often as the others, in the same order: the same keys
         self.decision: dict[str, Any] | None = None
         self.storage_plan: ResumePlan | None = None
+        self.timings: dict[str, float] = {}  # seconds per phase of the last round (the bench reports them)
+        self._planned: ResumePlan | None = None  # process 0's memory plan of the decided step, made once
 
     @property
     def store(self) -> KeyValueStore:
@@ -129,44 +135,72 @@ class ResumeAgreement:
         """The plan of the step every process restores (this process's part of it, or the storage step), or
         None when the job has no step anywhere. ``CkptdRequestError`` in every process when ckptd refused."""
         self._round += 1
+        self.timings = {}
+        self._planned = None
+        start = time.perf_counter()
+        storage = self._ask_storage(request) if self.index == 0 else None  # overlaps the listing and the waits
         parts = own_parts(self.shm_dir, self.job, self.index, self.count, request.step) \
             if request.use_memory_tier else []
+        self.timings["list_parts_s"] = time.perf_counter() - start
         self.store.key_value_set(self._key(f"offer/{self.index}"),
                                  json.dumps({"parts": [[p.step, p.save] for p in parts]}))
-        if self.index == 0:
-            self._decide(request, parts)
+        if storage is not None:
+            self._decide(request, parts, storage)
+        waited = time.perf_counter()
         decision = json.loads(self.store.blocking_key_value_get(self._key("decision"), OFFER_TIMEOUT_MS))
+        self.timings["decision_wait_s"] = time.perf_counter() - waited
         self.decision = decision
         if decision.get("refused"):
             raise CkptdRequestError(*decision["refused"])
         self.storage_plan = (ResumePlan.model_validate(decision["storage"])
                              if decision.get("storage") is not None else None)
+        self.timings["agreement_s"] = time.perf_counter() - start
         if decision["tier"] == "memory":
             part = next((p for p in parts if p.step == decision["step"] and p.save == decision["save"]), None)
             if part is None:  # cannot be: this process offered it
                 raise RuntimeError(f"the agreed memory step {decision['step']} is not in this host's memory")
-            plan = memory_snapshot_plan(job=self.job, request=request, snapshot=(part.path, part.meta),
-                                        source="storage_scan")
-            return plan.model_copy(update={"notes": [*plan.notes, f"agreed by {self.count} processes: each "
-                                                     f"restores its own part of step {part.step} from memory"]})
+            plan = self._planned or memory_snapshot_plan(job=self.job, request=request,
+                                                         snapshot=(part.path, part.meta))
+            return plan.model_copy(update={"source": "storage_scan", "notes": [
+                *plan.notes, f"agreed by {self.count} processes: each restores its own part of step {part.step} "
+                "from memory"]})
         return self.storage_plan
 
-    def _decide(self, request: ResumeRequest, parts: list[Part]) -> None:
-        """Process 0: the storage answer, every offer, the decision (published, read back like the others)."""
+    def _ask_storage(self, request: ResumeRequest) -> Future[ResumePlan | None]:
+        """Process 0's storage answer, asked on a thread now and awaited by ``_decide``."""
+        def ask() -> ResumePlan | None:
+            asked = time.perf_counter()
+            try:
+                return self.client.resume(self.job, request.model_copy(update={"use_memory_tier": False}))
+            except NoCheckpointError:
+                return None
+            finally:
+                self.timings["storage_answer_s"] = time.perf_counter() - asked
+        pool = ThreadPoolExecutor(1, thread_name_prefix="ckptd-storage-answer")
+        try:
+            return pool.submit(ask)
+        finally:
+            pool.shutdown(wait=False)  # the call runs on; the thread ends with it
+
+    def _decide(self, request: ResumeRequest, parts: list[Part], asked: Future[ResumePlan | None]) -> None:
+        """Process 0: every offer, the storage answer asked before, the decision (published, read back like
+        the others)."""
         storage: ResumePlan | None = None
         refused: list[Any] | None = None
+        waited = time.perf_counter()
+        offers = [json.loads(self.store.blocking_key_value_get(self._key(f"offer/{k}"), OFFER_TIMEOUT_MS))["parts"]
+                  for k in range(self.count)]
+        self.timings["offers_wait_s"] = time.perf_counter() - waited
         try:
-            storage = self.client.resume(self.job, request.model_copy(update={"use_memory_tier": False}))
-        except NoCheckpointError:
-            storage = None
+            storage = asked.result()
         except CkptdRequestError as exc:
             refused = [exc.status, exc.code, exc.message]
         except Exception as exc:  # every process must hear of it, or they wait out the timeout
             self.store.key_value_set(self._key("decision"), json.dumps(
                 {"tier": "none", "refused": [503, "UNAVAILABLE", f"no storage answer: {exc}"]}))
             raise
-        offers = [json.loads(self.store.blocking_key_value_get(self._key(f"offer/{k}"), OFFER_TIMEOUT_MS))["parts"]
-                  for k in range(self.count)]
+        finally:
+            self.timings["storage_after_offers_s"] = time.perf_counter() - waited - self.timings["offers_wait_s"]
         tier, step, save = decide(offers, storage.step if storage is not None else None)
         if tier == "memory":  # restored onto the same global mesh only: each process holds just its own regions
             mine = next(p for p in parts if (p.step, p.save) == (step, save))
@@ -176,6 +210,8 @@ class ResumeAgreement:
                              "saved %s: restoring from storage", step, planned.mesh.shape,
                              mine.meta.training.mesh.shape)
                 tier, step, save = ("storage", storage.step, None) if storage is not None else ("none", None, None)
+            else:
+                self._planned = planned
         _log.info("resume agreed by %d processes: %s step %s (offers: %s; storage: %s)", self.count, tier, step,
                   [[s for s, _ in offer] for offer in offers], storage.step if storage is not None else None)
         self.store.key_value_set(self._key("decision"), json.dumps({
