@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from tests.support.helpers import free_port
 from tests.support.jax_job import PREAMBLE, run_job
-from trainer_client.runtime.multihost import decide
+from trainer_client.client.ckptd_client import CkptdClient
+from trainer_client.core.protocol import ResumePlan, ResumeRequest
+from trainer_client.errors import NoCheckpointError
+from trainer_client.runtime import multihost
+from trainer_client.runtime.multihost import Part, ResumeAgreement, decide
 
 _COMMON = PREAMBLE + """
 from trainer_client.runtime.checkpointing import Checkpointer, training_metadata
@@ -187,3 +192,59 @@ def test_the_elastic_runner_of_every_process_resumes_the_agreed_step(tmp_path: P
     again = [json.loads(line) for line in run_job(_RUNNER, tmp_path, url, "20")]
     assert [(h["first"], h["sum"]) for h in again] == [(10, 64.0 * 20)] * 2  # 10 steps on from step 10's state
     assert [h["restored"] for h in again] == [[f"from memory: {tmp_path / f'shm{k}' / 'job' / '10'}"] for k in (0, 1)]
+
+
+class _Store:
+    """The coordination service's key-value store, in one process: create-only sets, blocking gets."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+        self.cond = threading.Condition()
+
+    def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
+        with self.cond:
+            assert allow_overwrite or key not in self.values, key
+            self.values[key] = value
+            self.cond.notify_all()
+
+    def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str:
+        with self.cond:
+            assert self.cond.wait_for(lambda: key in self.values, timeout_in_ms / 1000), key
+            return self.values[key]
+
+
+def test_process_0_asks_for_the_storage_answer_while_it_lists_its_own_parts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sidecar's storage answer is asked on a thread as process 0 enters the round: here process 0's
+    listing of its own parts finishes only once that call has started (asked after the listing, as before,
+    process 0 would wait out the listing's timeout and fail). Every process still gets the one decision."""
+    asked = threading.Event()
+    calls: list[bool] = []
+
+    class Client:
+        def resume(self, job: str, request: ResumeRequest) -> ResumePlan:
+            calls.append(request.use_memory_tier)
+            asked.set()
+            raise NoCheckpointError("no committed step")
+
+    def listing(shm_dir: str | None, job: str, index: int, count: int, at_most: int | None = None) -> list[Part]:
+        if index == 0:
+            assert asked.wait(10), "the storage answer was not asked while process 0 listed its parts"
+        return []
+
+    monkeypatch.setattr(multihost, "own_parts", listing)
+    store = _Store()
+    agreements = [ResumeAgreement("job", "/nonexistent", cast(CkptdClient, Client()), process_index=k,
+                                  process_count=2, store=store) for k in range(2)]
+    plans: dict[int, ResumePlan | None] = {}
+    threads = [threading.Thread(target=lambda k=k: plans.__setitem__(k, agreements[k].plan(
+        ResumeRequest(policy="pause", alive_devices=8, process_count=2)))) for k in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert plans == {0: None, 1: None}
+    assert calls == [False]  # asked once, by process 0, with the memory tier off
+    assert agreements[0].decision == agreements[1].decision
+    assert agreements[0].decision is not None and agreements[0].decision["tier"] == "none"
+    assert {"list_parts_s", "offers_wait_s", "storage_answer_s", "agreement_s"} <= set(agreements[0].timings)
