@@ -13,7 +13,7 @@ import pytest
 
 from trainer_client.core.durability import Syncer, sync_tree, using_syncer
 from trainer_client.core.format.checksum import READ_SIZE, file_crc32c, files_crc32c
-from trainer_client.core.format.manifest import build_manifest, crc32c_of, file_entry
+from trainer_client.core.format.manifest import build_manifest, crc32c_of, file_entries, file_entry
 from trainer_client.core.storage import Storage
 
 SIZES = [0, 1, READ_SIZE - 1, READ_SIZE, READ_SIZE + 1, 3 * READ_SIZE + 17, 4096]
@@ -44,6 +44,7 @@ def test_parallel_crc_equals_the_sequential_one_and_a_changed_byte_changes_it(tm
     assert list(manifest.files) == sorted(manifest.files)  # the order the manifest always had
     assert {str(step / rel): (e.size, e.crc32c) for rel, e in manifest.files.items()} == expected
     assert file_entry(storage, files[-1]).crc32c == expected[files[-1]][1]
+    assert {p: (e.size, e.crc32c) for p, e in file_entries(storage, files).items()} == expected
 
     # One flipped byte in the middle of the biggest file (past the first read) is seen by both paths.
     big = max(files, key=os.path.getsize)

@@ -122,6 +122,15 @@ def file_entry(storage: Storage, path: str) -> FileEntry:
     return FileEntry(size=size, crc32c=crc)
 
 
+def file_entries(storage: Storage, paths: list[str]) -> dict[str, FileEntry]:
+    """``file_entry`` of each path: on a local disk several files at a time (``checksum.py``), on an object
+    store one after another (prefer the CRC32C its listing gives, as ``build_manifest`` does)."""
+    if storage.is_remote or not paths:
+        return {path: file_entry(storage, path) for path in paths}
+    with storage_errors(f"cannot read the files under {storage.url_of(os.path.commonpath(paths))}"):
+        return {path: FileEntry(size=size, crc32c=crc) for path, (size, crc) in files_crc32c(paths).items()}
+
+
 def build_manifest(
     storage: Storage,
     step_path: str,
@@ -136,23 +145,17 @@ def build_manifest(
     (``checksum.py``). ``arrays`` are kept apart from ``training.arrays`` only when they differ from them
     (each array is recorded once)."""
     files = {}
-    local = []
+    unlisted = []  # no CRC32C in the listing: read back
     for rel, listed in sorted(list_files(storage, step_path).items()):
         if rel in UNMANIFESTED:
             continue
         if listed.crc32c is not None:
             files[rel] = FileEntry(size=listed.size, crc32c=listed.crc32c)
-        elif storage.is_remote:
-            files[rel] = file_entry(storage, join_path(step_path, rel))
         else:
-            local.append(rel)
-    if local:
-        with storage_errors(f"cannot read a file of {storage.url_of(step_path)}"):
-            summed = files_crc32c([join_path(step_path, rel) for rel in local])
-        for rel in local:
-            size, crc = summed[join_path(step_path, rel)]
-            files[rel] = FileEntry(size=size, crc32c=crc)
-        files = dict(sorted(files.items()))
+            unlisted.append(rel)
+    read = file_entries(storage, [join_path(step_path, rel) for rel in unlisted])
+    files.update({rel: read[join_path(step_path, rel)] for rel in unlisted})
+    files = dict(sorted(files.items()))
     if training is not None and arrays is not None and (arrays is training.arrays or arrays == training.arrays):
         arrays = None  # the training metadata holds them
     return Manifest(step=step, writer=writer, created_at=time.time(), files=files, arrays=arrays or {},
@@ -349,6 +352,7 @@ __all__ = [
     "build_manifest",
     "crc32c_b64",
     "crc32c_of",
+    "file_entries",
     "file_entry",
     "fingerprints",
     "list_files",
