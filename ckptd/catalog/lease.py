@@ -10,6 +10,10 @@ prefix, ``<root>/.ckptd/<job>/leader/``):
   ``ifGenerationMatch=0`` on GCS): ``{"holder", "ttl_s", "created_at"}``. The highest epoch is the current term;
   of two followers racing for the same epoch exactly one creates it.
 * ``beat-<n>.json``: ``{"holder", "seq"}``, rewritten by the holder of epoch n at every tick (``ttl_s / 4``).
+* ``released-<n>.json``: ``{"holder", "released_at"}``, created (create-only) by the holder of epoch n when it
+  stops cleanly (``LeaseBoard.stop``, after the drain): it first stops leading, then creates the file, so a
+  follower that sees it for the newest epoch takes the next epoch at its next tick instead of after ``ttl_s``,
+  and never while the old leader still leads.
 
 A follower times expiry on its own monotonic clock from the moment it saw (newest epoch, its beat) change:
 unchanged for ``ttl_s`` -> it tries to create the next epoch. The leader fences itself: it leads only within
@@ -44,6 +48,7 @@ LEASE_DIR = "leader"
 FENCE = 2 / 3  # the leader stops writing this far into its lease (a follower waits the whole of it)
 KEEP_EPOCHS = 2  # epoch and beat files older than the current epoch minus this are deleted by the leader
 _EPOCH = re.compile(r"epoch-(\d{20})\.json")
+_RELEASED = re.compile(r"released-(\d{20})\.json")
 
 
 def default_holder() -> str:
@@ -57,6 +62,10 @@ def epoch_name(n: int) -> str:
 
 def beat_name(n: int) -> str:
     return f"beat-{n:020d}.json"
+
+
+def released_name(n: int) -> str:
+    return f"released-{n:020d}.json"
 
 
 @dataclass(frozen=True)
@@ -115,7 +124,7 @@ class Lease:
     def tick(self) -> None:
         """Renew (leader), or watch the leader and take over once its beat stopped for ``ttl_s`` (follower)."""
         self.storage.invalidate(self.directory)
-        epochs = self._epochs()
+        epochs, released = self._listing()
         top = epochs[-1] if epochs else None
         with self._lock:
             self._top = top
@@ -130,6 +139,10 @@ class Lease:
             return
         if top is None:
             self._take(0)
+            return
+        if top in released:  # its holder stopped leading, then said so: no need to wait for expiry
+            _log.info("lease %s: epoch %d was released by its holder", self.directory, top)
+            self._take(top + 1)
             return
         key = (top, self._read(beat_name(top)))
         now = self.clock()
@@ -174,9 +187,27 @@ class Lease:
                 _log.warning("lease %s: the renewal of epoch %d took %.2fs, past %.2fs: it does not count",
                              self.directory, n, self.clock() - started, self.ttl_s * FENCE)
 
+    def release(self) -> bool:
+        """Hand the lease over at a clean stop: stop leading first, then create ``released-<n>`` for the epoch
+        held (followers take the next one at once). Only once nothing of this sidecar writes any more (the
+        board's thread is stopped first). Whether a release was written."""
+        with self._lock:
+            n = self.epoch if self._fresh() else None
+            self.epoch, self._renewed_at, self._seen = None, None, None
+        if n is None:
+            return False
+        record = {"holder": self.holder, "released_at": time.time()}
+        try:
+            self.storage.create_new(join_path(self.directory, released_name(n)), json.dumps(record).encode())
+        except (OSError, StorageError) as exc:  # the followers take over after ttl_s, as after a crash
+            _log.warning("lease %s: cannot release epoch %d: %s", self.directory, n, exc)
+            return False
+        _log.warning("lease %s: %s released epoch %d", self.directory, self.holder, n)
+        return True
+
     def _clean(self, epochs: list[int], n: int) -> None:
         for old in (e for e in epochs if e < n - KEEP_EPOCHS):
-            for name in (beat_name(old), epoch_name(old)):
+            for name in (beat_name(old), epoch_name(old), released_name(old)):
                 try:
                     self.storage.fs.rm(join_path(self.directory, name))
                 except FileNotFoundError:
@@ -186,9 +217,11 @@ class Lease:
 
     # ---- reading -------------------------------------------------------------------------------
 
-    def _epochs(self) -> list[int]:
-        found = (_EPOCH.fullmatch(e.name) for e in self.storage.list_dir(self.directory) if not e.is_dir)
-        return sorted(int(m.group(1)) for m in found if m)
+    def _listing(self) -> tuple[list[int], set[int]]:
+        """The epochs (sorted) and the released epochs, from one listing."""
+        names = [e.name for e in self.storage.list_dir(self.directory) if not e.is_dir]
+        epochs = sorted(int(m.group(1)) for m in map(_EPOCH.fullmatch, names) if m)
+        return epochs, {int(m.group(1)) for m in map(_RELEASED.fullmatch, names) if m}
 
     def _read(self, name: str) -> bytes | None:
         try:
@@ -259,10 +292,17 @@ class LeaseBoard:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, *, release: bool = True) -> None:
+        """Stop ticking; then (``release``) hand over every lease held, so that a follower leads at its next
+        tick rather than after ``ttl_s`` (``Lease.release``). Called last at shutdown: after the drain."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+        if release and not self._thread.is_alive():  # a tick still running could take a term again
+            with self._lock:
+                leases = list(self._leases.values())
+            for lease in leases:
+                lease.release()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -273,4 +313,5 @@ class LeaseBoard:
             self._stop.wait(self.ttl_s / 4)
 
 
-__all__ = ["FENCE", "LEASE_DIR", "Lease", "LeaseBoard", "LeaseView", "beat_name", "default_holder", "epoch_name"]
+__all__ = ["FENCE", "LEASE_DIR", "Lease", "LeaseBoard", "LeaseView", "beat_name", "default_holder", "epoch_name",
+           "released_name"]

@@ -1,4 +1,6 @@
-"""The refresher: a daemon thread that keeps the catalog in line with storage while ckptd serves."""
+"""The refresher: a daemon thread that keeps the catalog in line with storage while ckptd serves, and the
+commit pass of multi-host steps beside it (``ckptd.catalog.commit_pass``: every job the catalog knows, not only
+those in this host's shared memory)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import time
 from collections.abc import Callable
 
 from ckptd.catalog.catalog import Catalog
+from ckptd.catalog.commit_pass import CommitPass
 
 _log = logging.getLogger(__name__)
 
@@ -16,7 +19,9 @@ _log = logging.getLogger(__name__)
 class Refresher:
     """A daemon thread that rebuilds the catalog once, then refreshes it every ``interval_s`` (listing every
     step again every ``full_every`` passes) and runs ``maintenance`` (retention) every
-    ``maintenance_interval_s``."""
+    ``maintenance_interval_s``. ``commits``: the commit pass of multi-host steps, started and stopped with it
+    (default: one over the catalog's jobs, committing where ``catalog.writes``, with a persist worker of its own
+    started on the first step ready to commit)."""
 
     def __init__(
         self,
@@ -27,6 +32,7 @@ class Refresher:
         maintenance_interval_s: float = 300.0,
         on_refresh: Callable[[], object] | None = None,
         full_every: int = 30,
+        commits: CommitPass | None = None,
     ) -> None:
         self.catalog = catalog
         self.full_every = full_every
@@ -35,15 +41,20 @@ class Refresher:
         self.maintenance = maintenance
         self.maintenance_interval_s = maintenance_interval_s
         self._last_maintenance = time.monotonic()
+        self.commits = commits or CommitPass(
+            catalog.storage, jobs=lambda: [j.name for j in catalog.jobs()] if catalog.ready.is_set() else [],
+            writes=catalog.writes, interval_s=interval_s, on_committed=lambda job, _step: catalog.refresh_job(job))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ckptd-refresher", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+        self.commits.start()
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        self.commits.stop()
 
     def _run(self) -> None:
         first = True

@@ -10,9 +10,11 @@ the oldest evictable snapshots are dropped. A snapshot that is not whole is repo
 copy in memory; the storage tier never loses a step this way). One host's part of a multi-process job's step
 (``process_count`` > 1: only that process's shards) marked ``persist`` is written as that process's part of
 the step and the step is committed by the job's leader once every host's part is durable
-(``ckptd.catalog.part_commit``, docs/multihost.md section 5); the part is marked persisted once the step is
-committed. A part is never dropped as broken for lacking the other hosts' shards; one not marked ``persist``
-goes beyond ``max_snapshots`` like any snapshot kept in memory only.
+(``ckptd.catalog.part_commit``, docs/multihost.md section 5) — by the leader's commit pass
+(``ckptd.catalog.commit_pass``, beside the refresher), never by this keeper: the leader's host may hold no
+snapshot of the job at all; the part is marked persisted once the step is committed. A part is never dropped
+as broken for lacking the other hosts' shards; one not marked ``persist`` goes beyond ``max_snapshots`` like
+any snapshot kept in memory only.
 """
 
 from __future__ import annotations
@@ -63,7 +65,6 @@ class KeeperStats:
     parts: dict[str, str] = field(default_factory=dict)
     persist_seconds: list[float] = field(default_factory=list)
     parts_written: int = 0  # this host's parts of multi-process steps written to storage
-    commits: int = 0  # steps committed from host parts by this sidecar (as the job's leader)
 
 
 PART_RETRY_S = 30.0  # a host part whose write failed is tried again after this long
@@ -132,7 +133,7 @@ class SnapshotKeeper:
         writes: Callable[[str], bool] | None = None,
     ) -> None:
         self.storage = storage
-        # multi-host parts; ``writes(job)``: whether this ckptd commits the job's steps (Catalog.writes)
+        # multi-host parts (written here; committed by ckptd.catalog.commit_pass); ``writes``: Catalog.writes
         self.parts = PartSaves(storage, self._ask_worker, writes=writes or (lambda _job: True))
         self.nice = nice
         self.devices = devices
@@ -218,8 +219,6 @@ class SnapshotKeeper:
             # a trainer killed between or during saves leaves a spare file or an unfinished snapshot behind
             drop_leftovers(job_dir(self.shm_dir, job), older_than_s=self.timeout_s)
             self.stats.evicted += evict_oldest(complete_snapshots(self.shm_dir, job), self.max_snapshots)
-            if self.parts.writes(job):  # the leader commits what every host's part is there for
-                self._enqueue("commit", job, self.shm_dir / job / ".commit")
         self._forget_gone_parts()
 
     def _enqueue(self, kind: str, job: str, path: Path) -> None:
@@ -291,10 +290,8 @@ class SnapshotKeeper:
             try:
                 if kind == "whole":
                     self.persist(job, path)
-                elif kind == "part":
-                    self._persist_part(job, path)
                 else:
-                    self._commit(job)
+                    self._persist_part(job, path)
             except Exception as exc:  # reported; a later scan tries again
                 self._failed(path, f"{type(exc).__name__}: {exc}")
                 if kind == "part":  # not at every scan: a part that cannot be written fails alike each time
@@ -347,12 +344,6 @@ class SnapshotKeeper:
                       meta.step, meta.save_id, time.monotonic() - started)
         elif outcome != "committed":
             self._note_part(str(path), outcome)
-
-    def _commit(self, job: str) -> None:
-        for step in self.parts.commit_ready(job):
-            self.stats.commits += 1
-            if self.on_persisted is not None:
-                self.on_persisted(job, step)
 
     def _ask_worker(self, request: dict[str, Any]) -> dict[str, Any]:
         """One request to the long-lived persist worker (started, or restarted after a crash, on demand)."""

@@ -12,7 +12,7 @@ import pytest
 
 from ckptd.catalog.catalog import Catalog
 from ckptd.catalog.integrity import FOLLOWER_REASON
-from ckptd.catalog.lease import FENCE, Lease, LeaseBoard, beat_name, epoch_name
+from ckptd.catalog.lease import FENCE, Lease, LeaseBoard, beat_name, epoch_name, released_name
 from tests.support.gcs_emulator import GcsEmulator  # the gcs_emulator fixture: tests/conftest.py, one per session
 from tests.support.orbax_steps import write_orbax_steps
 from trainer_client.core.errors import StorageError
@@ -67,6 +67,36 @@ def test_a_renewing_leader_keeps_the_lease_and_a_silent_one_loses_it(tmp_path: P
     assert b.leads() and b.view().epoch == 1
     a.tick()  # a comes back: a newer epoch exists, it follows
     assert not a.leads() and a.view().as_dict() == {"role": "follower", "epoch": 1, "holder": "b", "ttl_s": TTL}
+
+
+def test_a_released_lease_is_taken_at_the_next_tick_and_its_holder_no_longer_leads(tmp_path: Path) -> None:
+    clock = Clock()
+    a, b = _lease(tmp_path, "a", clock), _lease(tmp_path, "b", clock)
+    a.tick()
+    b.tick()
+    clock.now += TTL / 4
+    b.tick()  # the beat unchanged for a quarter TTL: b waits, as before
+    assert a.leads() and not b.leads()
+    assert a.release() and not a.leads()  # stops leading first, then says so
+    record = json.loads((tmp_path / "job/.ckptd/leader" / released_name(0)).read_text())
+    assert record["holder"] == "a"
+    assert not a.release()  # nothing held any more
+    b.tick()  # no clock advance: the release is its expiry
+    assert b.leads() and b.view().as_dict() == {"role": "leader", "epoch": 1, "holder": "b", "ttl_s": TTL}
+    for _ in range(3):  # the old release does not move the lease again
+        clock.now += TTL / 4
+        b.tick()
+        assert b.leads() and b.view().epoch == 1
+
+
+def test_a_board_stopped_cleanly_releases_what_it_leads(tmp_path: Path) -> None:
+    storage = Storage(str(tmp_path))
+    (tmp_path / "job").mkdir()
+    board = LeaseBoard(storage, TTL, jobs=lambda: ["job"], holder="a")
+    board.tick()
+    assert board.leads("job")
+    board.stop()
+    assert not board.leads("job") and (tmp_path / "job/.ckptd/leader" / released_name(0)).is_file()
 
 
 def test_followers_racing_for_the_next_epoch_one_wins(tmp_path: Path) -> None:

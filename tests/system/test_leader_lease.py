@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from ckptd.catalog.integrity import FOLLOWER_REASON
+from ckptd.catalog.lease import released_name
 from tests.support.chaos_support import CkptdProcess
 from tests.support.gcs_emulator import GcsEmulator  # the gcs_emulator fixture: tests/conftest.py, one per session
 from tests.support.helpers import wait_until
@@ -165,6 +166,46 @@ def test_one_leader_writes_and_a_follower_takes_over(root: str, tmp_path: Path) 
         for p in procs:
             if p.proc is not None and p.proc.poll() is None:
                 os.kill(p.proc.pid, signal.SIGCONT)
+            p.stop()
+
+
+def test_a_leader_stopped_cleanly_hands_the_lease_over_at_once(tmp_path: Path) -> None:
+    """Two sidecars, a long lease (8 s); the leader SIGTERMed: after its drain it stops leading, then releases
+    its term (``released-<n>``), and the follower leads at its next tick. Without the release the follower
+    would wait for the beat to stay unchanged for the whole ttl: at least 3/4 of it after the SIGTERM (the
+    leader beats until its shutdown ends). Polled all along: never two leaders."""
+    ttl_s = 8.0
+    root = tmp_path / "root"
+    write_orbax_steps(str(root / JOB), [1])
+    procs = [CkptdProcess(str(root), tmp_path / f"state{i}", log_path=tmp_path / f"ckptd{i}.log",
+                          env={"CKPTD_LEASE_TTL_S": str(ttl_s), "CKPTD_ADOPT_AFTER_S": "0"}) for i in range(2)]
+    try:
+        _start(procs)
+        leader = _stable_leader(procs)
+        follower = next(p for p in procs if p is not leader)
+        old_epoch = _lease(leader)["epoch"]  # type: ignore[index]
+        assert leader.proc is not None
+        leader.proc.send_signal(signal.SIGTERM)
+        stopped_at = time.monotonic()
+        while True:
+            leaders = _leaders(procs)
+            assert len(leaders) <= 1, "two leaders at once"
+            if leaders == [follower]:
+                break
+            assert time.monotonic() - stopped_at < ttl_s + 5, "no follower took over"
+            time.sleep(0.05)
+        takeover_s = time.monotonic() - stopped_at
+        assert leader.proc.wait(timeout=20) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once done
+        print(f"[lease] takeover {takeover_s:.2f}s after the leader's SIGTERM (ttl {ttl_s}s, released)")
+        assert takeover_s < ttl_s * 3 / 4, takeover_s  # an expiry cannot be this quick: the release was used
+        view = _lease(follower)
+        assert view is not None and view["epoch"] == old_epoch + 1 and view["holder"] == view["me"]
+        lease_dir = root / JOB / ".ckptd" / "leader"
+        assert (lease_dir / released_name(old_epoch)).is_file()
+        write_orbax_steps(str(root / JOB), [2])
+        wait_until(lambda: _all_serve([follower], 2), timeout=20, what="step 2 adopted by the new leader")
+    finally:
+        for p in procs:
             p.stop()
 
 
