@@ -222,6 +222,8 @@ class Checkpointer:
         self.saved_steps.append(step)
 
     def _step_dir_before_commit(self, step: int) -> str:
+        if self._storage.is_remote and self.atomicity is None:  # Orbax commits in place there (commit_success.txt):
+            return self._storage.join(str(step))  # no tmp directory to look for (3 requests fewer per GCS save)
         tmp = self._storage.join(f"{step}{TMP_DIR_SUFFIX}")
         return tmp if self._storage.exists(tmp) else self._storage.join(str(step))
 
