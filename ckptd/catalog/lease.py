@@ -68,6 +68,52 @@ def released_name(n: int) -> str:
     return f"released-{n:020d}.json"
 
 
+def lease_directory(storage: Storage, job: str, *, read_only: bool = False) -> str:
+    """Where ``job``'s lease lives: in the job (``<job>/.ckptd/leader``), on the side when it is read-only."""
+    if read_only:
+        return join_path(side_job_dir(storage, job), LEASE_DIR)
+    return storage.join(job, ".ckptd", LEASE_DIR)
+
+
+@dataclass(frozen=True)
+class HeldLease:
+    """A job's lease as one look at storage finds it held: by ``holder``, in ``epoch``, beaten ``age_s`` ago."""
+
+    holder: str
+    epoch: int
+    age_s: float
+    ttl_s: float
+
+
+def held_lease(storage: Storage, directory: str, now: float | None = None) -> HeldLease | None:
+    """The lease in ``directory`` when one look finds it held (for tools that run once, e.g. ``ckptd gc``): the
+    newest epoch, not released, whose beat (or epoch file) was written less than its ``ttl_s`` ago by the
+    storage's modification time against this machine's wall clock (a sidecar watching keeps its own clock
+    instead: ``Lease.tick``). None when there is no lease, it was released, or it expired."""
+    try:
+        entries = {e.name: e for e in storage.list_dir(directory) if not e.is_dir}
+    except (FileNotFoundError, StorageError):
+        return None
+    epochs = sorted(int(m.group(1)) for m in map(_EPOCH.fullmatch, entries) if m)
+    if not epochs or released_name(epochs[-1]) in entries:
+        return None
+    top = epochs[-1]
+    try:
+        record = json.loads(storage.read_bytes(join_path(directory, epoch_name(top))))
+    except (FileNotFoundError, ValueError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    ttl_s = float(record.get("ttl_s", 0) or 0)
+    beat = entries.get(beat_name(top)) or entries.get(epoch_name(top))
+    if beat is None or beat.mtime is None:
+        return None
+    age_s = (time.time() if now is None else now) - beat.mtime
+    if age_s >= ttl_s:
+        return None
+    return HeldLease(str(record.get("holder")), top, max(age_s, 0.0), ttl_s)
+
+
 @dataclass(frozen=True)
 class LeaseView:
     """What a sidecar knows of one job's lease: its role, the newest epoch seen and that epoch's holder."""
@@ -254,10 +300,7 @@ class LeaseBoard:
         self._thread = threading.Thread(target=self._run, name="ckptd-lease", daemon=True)
 
     def directory(self, job: str) -> str:
-        """Where ``job``'s lease lives: in the job (``<job>/.ckptd/leader``), on the side when it is read-only."""
-        if self._read_only(job):
-            return join_path(side_job_dir(self.storage, job), LEASE_DIR)
-        return self.storage.join(job, ".ckptd", LEASE_DIR)
+        return lease_directory(self.storage, job, read_only=self._read_only(job))
 
     def lease(self, job: str) -> Lease:
         with self._lock:
@@ -313,5 +356,5 @@ class LeaseBoard:
             self._stop.wait(self.ttl_s / 4)
 
 
-__all__ = ["FENCE", "LEASE_DIR", "Lease", "LeaseBoard", "LeaseView", "beat_name", "default_holder", "epoch_name",
-           "released_name"]
+__all__ = ["FENCE", "LEASE_DIR", "HeldLease", "Lease", "LeaseBoard", "LeaseView", "beat_name", "default_holder",
+           "epoch_name", "held_lease", "lease_directory", "released_name"]

@@ -4,6 +4,11 @@
 ``--deep`` reads every byte back and decodes every array; bad steps (and structurally corrupt ones) are
 quarantined on storage unless ``--no-quarantine``. It exits 0 only when every checked step is good.
 ``gc`` prints what retention would delete and why, and deletes it unless ``--dry-run``.
+
+Both settle the job's steps first (adoption writes manifests and records) and then write or delete, so on a root
+where sidecars hold the job's leadership lease (docs/multihost.md, section 7) they refuse, naming the holder,
+rather than write beside the leader: exit 1, nothing written. ``--force`` overrides (the lease's holder may be
+stopped for good and its lease not yet expired, or the clocks disagree by more than the lease time).
 """
 
 from __future__ import annotations
@@ -17,12 +22,14 @@ from typing import Any
 from tqdm import tqdm
 
 from ckptd.catalog.integrity import quarantine, validate_and_quarantine
+from ckptd.catalog.lease import held_lease, lease_directory
 from ckptd.catalog.retention import RetentionPolicy, checked_decisions, collect
-from ckptd.cli.support import EXIT_BAD, EXIT_OK, add_read_only, open_job
+from ckptd.cli.support import EXIT_BAD, EXIT_OK, add_read_only, open_job, split_job
 from trainer_client.core.errors import ArrayIndexError
 from trainer_client.core.format.array_index import decode_all_arrays
 from trainer_client.core.format.manifest import read_manifest
-from trainer_client.core.protocol import StepState
+from trainer_client.core.protocol import StepState, is_valid_job_name
+from trainer_client.core.storage import Storage
 from trainer_client.core.validation import validate_step
 
 _FINALIZED = (StepState.VERIFIED, StepState.COMMITTED, StepState.QUARANTINED, StepState.CORRUPT)
@@ -45,7 +52,33 @@ def _decode_problems(step_path: str) -> list[str]:
         return [f"arrays: {exc}"]
 
 
+def leader_refusal(target: str, command: str) -> str | None:
+    """Why ``command`` must not write into ``ROOT/JOB`` now: a sidecar holds the job's lease (in the job, or on
+    the side for a read-only job), found by one look at storage (``held_lease``); None when nobody does."""
+    root, job = split_job(target)
+    if not is_valid_job_name(job):
+        return None
+    storage = Storage(root)
+    for read_only in (False, True):
+        held = held_lease(storage, lease_directory(storage, job, read_only=read_only))
+        if held is not None:
+            return (f"job {job!r} is led by the sidecar {held.holder} (lease epoch {held.epoch}, renewed "
+                    f"{held.age_s:.1f}s ago, ttl {held.ttl_s:g}s): `ckptd {command}` writes records and deletes "
+                    "steps as if alone; the leader does this work (docs/multihost.md, section 7). Stop the "
+                    "sidecars, or pass --force to write beside them")
+    return None
+
+
+def _refused(args: argparse.Namespace, command: str) -> bool:
+    why = None if args.force else leader_refusal(args.target, command)
+    if why is not None:
+        print(f"ckptd: {why}", file=sys.stderr)
+    return why is not None
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
+    if _refused(args, "validate"):
+        return EXIT_BAD
     # building the catalog settles every step: adopt, seal, quick-validate
     opened = open_job(args.target, read_only=args.read_only)
     if opened is None:
@@ -99,6 +132,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
+    if _refused(args, "gc"):
+        return EXIT_BAD
     opened = open_job(args.target, read_only=args.read_only)
     if opened is None:
         return EXIT_BAD
@@ -121,6 +156,11 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def add_force(parser: Any) -> None:
+    parser.add_argument("--force", action="store_true",
+                        help="write even while sidecars hold the job's leadership lease (by default: refuse)")
+
+
 def add_parsers(sub: Any) -> None:
     validate = sub.add_parser("validate", help="check a job's steps against their manifests (exit 0: all good)")
     validate.add_argument("target", metavar="ROOT/JOB")
@@ -130,6 +170,7 @@ def add_parsers(sub: Any) -> None:
                           help="report bad steps without recording them as quarantined on storage")
     validate.add_argument("--json", action="store_true")
     add_read_only(validate)
+    add_force(validate)
     validate.set_defaults(func=_cmd_validate)
 
     gc = sub.add_parser("gc", help="delete steps that retention does not keep (never the newest good step)")
@@ -141,7 +182,8 @@ def add_parsers(sub: Any) -> None:
     gc.add_argument("--keep-abandoned", action="store_true", help="do not clean abandoned saves")
     gc.add_argument("--json", action="store_true")
     add_read_only(gc)
+    add_force(gc)
     gc.set_defaults(func=_cmd_gc)
 
 
-__all__ = ["add_parsers", "parse_duration"]
+__all__ = ["add_parsers", "leader_refusal", "parse_duration"]
