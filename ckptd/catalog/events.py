@@ -16,7 +16,9 @@ of event files. Past either, the oldest files are folded into the job's summary
 of the folded stretch) and deleted, down to three quarters of the limits; goodput and the totals keep
 covering the whole history. In memory, the windows of the jobs used most recently are kept within
 ``memory_bytes`` (file bytes plus ``PER_EVENT_MEMORY`` per event); a job pushed out is read again
-(at most its window) when it is next asked for. Reading lists the directory and reads only the files it
+(at most its window) when it is next asked for. With several sidecars, each appends what it receives and
+reads everyone's files; a fold first reads every file on storage (else the other sidecars' files it never
+read would pass for folded), and with a lease only the job's leader folds (``writes``). Reading lists the directory and reads only the files it
 has not read before (files never change). Events carry ids; a resent batch (an answer lost on the way
 back) is deduplicated when the events are read, and by this process when they are appended.
 """
@@ -60,9 +62,12 @@ class EventStore:
     """Append batches of events to a job's events directory; read them back, oldest first, within ``limits``."""
 
     def __init__(self, storage: Storage, limits: EventLimits | None = None, *,
-                 read_only: Callable[[str], bool] | None = None) -> None:
+                 read_only: Callable[[str], bool] | None = None, writes: Callable[[str], bool] | None = None) -> None:
         self.storage = storage
         self.read_only = read_only  # job -> whether it is watched read-only: its events go on the side
+        # job -> whether this sidecar folds the job's events (Catalog.writes: its leader, docs/multihost.md §7):
+        # every sidecar appends its own files, but only one rewrites summary.json and deletes what it folded
+        self.writes = writes
         self.limits = limits or EventLimits()
         self._lock = threading.Lock()
         self._seq = 0
@@ -217,7 +222,7 @@ class EventStore:
         return events, size
 
     def _sync(self, job: str, state: JobWindow, *, read: bool = True, progress: Callable[[int], object] | None = None,
-              ) -> None:
+              fold: bool = True) -> None:
         """Bring ``state`` in line with storage: one listing; the summary when it changed; new files (with
         ``read``), folding the oldest whenever the window passes the limits."""
         directory = self.directory(job)
@@ -241,7 +246,8 @@ class EventStore:
         state.signature = hash((summary_key, tuple(live)))
         if not read:
             return
-        if self.limits.rotates and len(live) < len(files):  # folded by a sidecar that did not get to delete them
+        if self.limits.rotates and len(live) < len(files) and (self.writes is None or self.writes(job)):
+            # folded by a sidecar that did not get to delete them
             self._delete(job, [n for n, _ in files if n <= through])
         names = {n for n, _ in live}
         for gone in [n for n in state.files if n not in names]:  # deleted from storage by someone: gone here too
@@ -249,7 +255,8 @@ class EventStore:
         for name, size in live:
             if name not in state.files:
                 state.add(name, size, self._read(join_path(directory, name)))
-                self._rotate_if_over(job, state)
+                if fold:
+                    self._rotate_if_over(job, state)
             if progress is not None:
                 progress(1)
         state.resident = True
@@ -295,15 +302,14 @@ class EventStore:
     def _rotate_if_over(self, job: str, state: JobWindow) -> None:
         """Fold the oldest files of the window into the summary (then delete them) while it is over the limits,
         down to three quarters of them."""
+        if not self._over(*state.counts()) or (self.writes is not None and not self.writes(job)):
+            return  # a follower keeps its window past the limits until the leader's next fold (read at a sync)
+        # Every file on storage first, the other sidecars' included, and their last fold: the files this fold
+        # takes must be the oldest of all, or those it never read would pass for folded (names <= `through`).
+        state.summary_key = None  # the summary read again too
+        self._sync(job, state, fold=False)
         if not self._over(*state.counts()):
             return
-        current = self._read_summary(job)  # another sidecar may have folded since: fold on top of its summary
-        if current is not None and (state.summary is None or current.through > state.summary.through):
-            state.summary, state.summary_key = current, None
-            for name in [n for n in state.files if n <= current.through]:
-                state.drop(name)
-            if not self._over(*state.counts()):
-                return
         names = sorted(state.files)
         events, size = state.counts()
         chosen: list[str] = []
