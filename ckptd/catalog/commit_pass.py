@@ -10,7 +10,8 @@ so no two commits of one step run at once in one sidecar (and the lease keeps th
 
 The merge (``_METADATA``, ``_sharding``, ...) needs jax and Orbax, so it runs in a persist worker child
 (``python -m ckptd.catalog.persist_worker --serve``) this pass starts lazily, on the first step that is
-ready to commit here: a follower, or a leader of jobs without claims, never starts one.
+ready to commit here: a follower, or a leader of jobs without claims, never starts one. Cost: a leader (every
+sidecar when no lease is on) lists each job's claims directory once a pass, beside the refresher's listing.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 from ckptd.catalog.part_commit import PartSaves
 from ckptd.catalog.snapshots import DEFAULT_NICE, ask_persist_worker, start_persist_worker, stop_persist_worker
 from trainer_client.core.errors import StorageError
+from trainer_client.core.format.parts import CLAIMS_DIR
 from trainer_client.core.storage import Storage
 
 _log = logging.getLogger(__name__)
@@ -88,7 +90,10 @@ class CommitPass:
                 if self._stop.is_set() and self._thread.is_alive():
                     break
                 try:
-                    if not self.parts.writes(job) or not self.parts.claims(job):
+                    if not self.parts.writes(job):
+                        continue  # a follower lists nothing
+                    self.parts.storage.invalidate(self.parts.storage.join(job, CLAIMS_DIR))  # claims of others
+                    if not self.parts.claims(job):
                         continue
                     steps = self.parts.commit_ready(job)
                 except (OSError, StorageError, RuntimeError) as exc:  # reported; the next pass tries again
