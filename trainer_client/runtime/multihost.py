@@ -183,15 +183,12 @@ class ResumeAgreement:
             pool.shutdown(wait=False)  # the call runs on; the thread ends with it
 
     def _decide(self, request: ResumeRequest, parts: list[Part], asked: Future[ResumePlan | None]) -> None:
-        """Process 0: every offer, the storage answer asked before, the decision (published, read back like
+        """Process 0: the storage answer asked before, every offer, the decision (published, read back like
         the others)."""
         storage: ResumePlan | None = None
         refused: list[Any] | None = None
         waited = time.perf_counter()
-        offers = [json.loads(self.store.blocking_key_value_get(self._key(f"offer/{k}"), OFFER_TIMEOUT_MS))["parts"]
-                  for k in range(self.count)]
-        self.timings["offers_wait_s"] = time.perf_counter() - waited
-        try:
+        try:  # first: an error getting it reaches every process at once, not after the offers
             storage = asked.result()
         except CkptdRequestError as exc:
             refused = [exc.status, exc.code, exc.message]
@@ -200,7 +197,10 @@ class ResumeAgreement:
                 {"tier": "none", "refused": [503, "UNAVAILABLE", f"no storage answer: {exc}"]}))
             raise
         finally:
-            self.timings["storage_after_offers_s"] = time.perf_counter() - waited - self.timings["offers_wait_s"]
+            self.timings["storage_wait_s"] = time.perf_counter() - waited
+        offers = [json.loads(self.store.blocking_key_value_get(self._key(f"offer/{k}"), OFFER_TIMEOUT_MS))["parts"]
+                  for k in range(self.count)]
+        self.timings["offers_wait_s"] = time.perf_counter() - waited - self.timings["storage_wait_s"]
         tier, step, save = decide(offers, storage.step if storage is not None else None)
         if tier == "memory":  # restored onto the same global mesh only: each process holds just its own regions
             mine = next(p for p in parts if (p.step, p.save) == (step, save))
