@@ -111,9 +111,17 @@ class CommitPass:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop; first one last pass (at shutdown the keeper's drain may just have written the last parts, and
+        the lease is released only after this)."""
         self._stop.set()
+        started = self._thread.ident is not None
         if self._thread.is_alive():
             self._thread.join(timeout=30)
+        if started and not self._thread.is_alive():
+            try:
+                self.run_once()
+            except Exception:  # shutting down: reported, the next leader commits
+                _log.exception("last commit pass failed")
         if self.worker is not None:
             self.worker.close()
 

@@ -395,3 +395,26 @@ def test_a_leader_without_the_job_in_its_shared_memory_commits_the_parts_on_stor
         proc.stop()
     assert (tmp_path / "ckptd.log").read_text().count("committed step 5 of job from 2 host parts") == 1
     assert part_problems(storage, storage.join("job", "5")) == [] and _deep_problems(storage, root / "job" / "5") == []
+
+
+def test_the_commit_pass_commits_only_where_it_leads_and_once(parts: list[Path], tmp_path: Path) -> None:
+    """``CommitPass`` over the catalog's jobs (here a list): a follower commits nothing and lists nothing;
+    the leader commits step 5 once; the keeper no longer commits (one owner of the commit pass)."""
+    from ckptd.catalog.commit_pass import CommitPass
+
+    storage = Storage(str(tmp_path / "root"))
+    for part in parts:
+        assert PartSaves(storage, _in_process).persist_part("job", str(part), read_meta(part)) == "written"
+    leads = {"job": False}
+    committed: list[tuple[str, int]] = []
+    commits = CommitPass(storage, jobs=lambda: ["job", "other"], writes=lambda job: leads.get(job, False),
+                         interval_s=3600, ask=_in_process, on_committed=lambda job, step: committed.append((job, step)))
+    assert commits.run_once() == [] and not (tmp_path / "root" / "job" / "5").exists()
+    keeper = SnapshotKeeper(storage, str(parts[0].parent.parent), max_snapshots=2)
+    keeper.parts.ask = _in_process
+    keeper.scan()  # a leader's keeper with the job in its memory: queues parts (step 6's), nothing to commit
+    assert {item[0] for item in list(keeper._queue.queue) if item is not None} <= {"part"}
+    leads["job"] = True
+    assert commits.run_once() == [("job", 5)] == committed
+    assert commits.run_once() == [] and commits.commits == 1
+    assert (tmp_path / "root" / "job" / "5" / "commit_success.txt").is_file()
