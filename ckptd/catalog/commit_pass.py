@@ -66,12 +66,13 @@ class LazyWorker:
 
 class CommitPass:
     """Every ``interval_s``: for each job of ``jobs()`` that ``writes(job)`` (leads) and has claims, commit what
-    is ready (``PartSaves.commit_ready``); ``on_committed(job, step)`` after each commit."""
+    is ready (``PartSaves.commit_ready``); ``on_committed(job, step)`` after each commit. The merge goes to
+    ``ask`` (tests: in process), else to ``worker`` (default: a ``LazyWorker`` with the worker's defaults)."""
 
     def __init__(self, storage: Storage, *, jobs: Callable[[], Iterable[str]], writes: Callable[[str], bool],
                  interval_s: float, ask: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
-                 on_committed: Callable[[str, int], object] | None = None) -> None:
-        self.worker = LazyWorker() if ask is None else None
+                 worker: LazyWorker | None = None, on_committed: Callable[[str, int], object] | None = None) -> None:
+        self.worker = (worker or LazyWorker()) if ask is None else None  # closed by stop
         self.parts = PartSaves(storage, ask or self.worker.ask, writes=writes)  # type: ignore[union-attr]
         self._jobs = jobs
         self.interval_s = interval_s

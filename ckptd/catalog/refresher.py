@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from ckptd.catalog.catalog import Catalog
-from ckptd.catalog.commit_pass import CommitPass
+from ckptd.catalog.commit_pass import CommitPass, LazyWorker
 
 _log = logging.getLogger(__name__)
 
@@ -19,9 +19,9 @@ _log = logging.getLogger(__name__)
 class Refresher:
     """A daemon thread that rebuilds the catalog once, then refreshes it every ``interval_s`` (listing every
     step again every ``full_every`` passes) and runs ``maintenance`` (retention) every
-    ``maintenance_interval_s``. ``commits``: the commit pass of multi-host steps, started and stopped with it
-    (default: one over the catalog's jobs, committing where ``catalog.writes``, with a persist worker of its own
-    started on the first step ready to commit)."""
+    ``maintenance_interval_s``. ``commits``: the commit pass of multi-host steps over the catalog's jobs,
+    committing where ``catalog.writes``, started and stopped with it; its persist worker (``commit_worker``,
+    default: the worker's defaults) starts on the first step ready to commit."""
 
     def __init__(
         self,
@@ -32,7 +32,7 @@ class Refresher:
         maintenance_interval_s: float = 300.0,
         on_refresh: Callable[[], object] | None = None,
         full_every: int = 30,
-        commits: CommitPass | None = None,
+        commit_worker: LazyWorker | None = None,
     ) -> None:
         self.catalog = catalog
         self.full_every = full_every
@@ -41,9 +41,10 @@ class Refresher:
         self.maintenance = maintenance
         self.maintenance_interval_s = maintenance_interval_s
         self._last_maintenance = time.monotonic()
-        self.commits = commits or CommitPass(
+        self.commits = CommitPass(
             catalog.storage, jobs=lambda: [j.name for j in catalog.jobs()] if catalog.ready.is_set() else [],
-            writes=catalog.writes, interval_s=interval_s, on_committed=lambda job, _step: catalog.refresh_job(job))
+            writes=catalog.writes, interval_s=interval_s, worker=commit_worker,
+            on_committed=lambda job, _step: catalog.refresh_job(job))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ckptd-refresher", daemon=True)
 
