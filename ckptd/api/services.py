@@ -16,6 +16,7 @@ from ckptd.api.listing import Listing
 from ckptd.api.plan_cache import PlanCache
 from ckptd.api.pool_watch import PoolWatch
 from ckptd.catalog.catalog import Catalog
+from ckptd.catalog.commit_pass import LazyWorker
 from ckptd.catalog.commit_tracker import CommitTracker
 from ckptd.catalog.events import EventLimits, EventStore, record_retention
 from ckptd.catalog.lease import LeaseBoard
@@ -94,7 +95,8 @@ def build_services(settings: Settings, catalog: Catalog | None = None) -> Servic
                                jobs=lambda: [j.name for j in cat.jobs()] if cat.ready.is_set() else [])
     events = EventStore(cat.storage, EventLimits(  # <root>/<job>/.ckptd/events/ (ckptd/catalog/events.py)
         max_events=settings.events_max_per_job, max_bytes=settings.events_max_bytes_per_job,
-        memory_bytes=settings.events_memory_bytes), read_only=cat.read_only_for)  # a read-only job's: on the side
+        memory_bytes=settings.events_memory_bytes), read_only=cat.read_only_for,  # a read-only job's: on the side
+        writes=cat.writes)  # with a lease only the job's leader folds its events (docs/multihost.md, section 7)
     tracker = CommitTracker(cat, metrics, events, interval_s=settings.refresh_interval_s)
     policy = settings.retention()
     keeper = (  # the host-memory tier, when a shared-memory directory is configured (ckptd/catalog/snapshots.py)
@@ -110,6 +112,7 @@ def build_services(settings: Settings, catalog: Catalog | None = None) -> Servic
         if policy.prunes_good_steps or policy.clean_abandoned else None,
         maintenance_interval_s=settings.gc_interval_s,
         on_refresh=keeper.scan if keeper is not None else None,
+        commit_worker=LazyWorker(nice=settings.persist_nice, devices=settings.persist_devices),  # the leader's commits
     )
     advice = AdviceRunner(settings.advice_workers, timeout_s=settings.advice_timeout_s,
                           max_failures=settings.advice_max_failures)
