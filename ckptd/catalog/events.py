@@ -18,9 +18,10 @@ covering the whole history. In memory, the windows of the jobs used most recentl
 ``memory_bytes`` (file bytes plus ``PER_EVENT_MEMORY`` per event); a job pushed out is read again
 (at most its window) when it is next asked for. With several sidecars, each appends what it receives and
 reads everyone's files; a fold first reads every file on storage (else the other sidecars' files it never
-read would pass for folded), and with a lease only the job's leader folds (``writes``). Reading lists the directory and reads only the files it
-has not read before (files never change). Events carry ids; a resent batch (an answer lost on the way
-back) is deduplicated when the events are read, and by this process when they are appended.
+read would pass for folded), and with a lease only the job's leader folds (``writes``). Reading lists the
+directory and reads only the files it has not read before (files never change). Events carry ids; a resent
+batch (an answer lost on the way back) is deduplicated when the events are read, and by this process when they
+are appended.
 """
 
 from __future__ import annotations
