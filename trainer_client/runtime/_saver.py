@@ -152,11 +152,12 @@ def restore_from_plan(plan: ResumePlan, target: PyTree) -> PyTree:
 def restore_plan(plan: ResumePlan, target_for: Callable[[ResumePlan], PyTree],
                  storage_plan: Callable[[], ResumePlan | None]) -> tuple[PyTree, ResumePlan]:
     """``(state, plan restored)``: the plan's step onto ``target_for(plan)``. A memory snapshot whose bytes
-    no longer match their checksums is never resumed from: the step ``storage_plan()`` names instead (when
-    it keeps the mesh; otherwise the error stands)."""
+    no longer match their checksums, or that is gone by the time it is read (evicted after the plan named it),
+    is never resumed from: the step ``storage_plan()`` names instead (when it keeps the mesh; otherwise the
+    error stands)."""
     try:
         return restore_from_plan(plan, target_for(plan)), plan
-    except StoredFormatError as exc:
+    except (StoredFormatError, FileNotFoundError) as exc:
         if plan.tier != "memory":
             raise
         _log.error("%s; restoring from storage instead", exc)
