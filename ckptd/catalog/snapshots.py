@@ -1,20 +1,19 @@
 """ckptd's side of the host-memory tier: persist the snapshots trainers leave in shared memory, and keep
 memory bounded.
 
-Every few seconds the keeper looks at ``<shm_dir>/<job>/<step>/``. A whole snapshot marked ``persist`` that
-is not on storage yet is written there by a child process (``ckptd.catalog.persist_worker``: Orbax's layout, the
-manifest before the commit marker; one long-lived child, so jax and Orbax load once) — whether or not the
-trainer that made it is still alive. Once the
-step is committed the snapshot is marked persisted and may be evicted; beyond ``max_snapshots`` per job
-the oldest evictable snapshots are dropped. A snapshot that is not whole is reported and dropped (it is a
-copy in memory; the storage tier never loses a step this way). One host's part of a multi-process job's step
-(``process_count`` > 1: only that process's shards) marked ``persist`` is written as that process's part of
-the step and the step is committed by the job's leader once every host's part is durable
-(``ckptd.catalog.part_commit``, docs/multihost.md section 5) — by the leader's commit pass
-(``ckptd.catalog.commit_pass``, beside the refresher), never by this keeper: the leader's host may hold no
-snapshot of the job at all; the part is marked persisted once the step is committed. A part is never dropped
-as broken for lacking the other hosts' shards; one not marked ``persist`` goes beyond ``max_snapshots`` like
-any snapshot kept in memory only.
+Every few seconds the keeper looks at ``<shm_dir>/<job>/<step>/``. A whole snapshot marked ``persist`` that is not
+on storage yet is written there by a child process (``ckptd.catalog.persist_worker``: Orbax's layout, the manifest
+before the commit marker; one long-lived child, so jax and Orbax load once) — whether or not the trainer that made
+it is still alive. Once the step is committed the snapshot is marked persisted and may be evicted; beyond
+``max_snapshots`` per job the oldest evictable snapshots are dropped, never the newest (a resume may be reading it).
+A snapshot that is not whole is reported and dropped (it is a copy in memory; the storage tier never loses a step
+this way). One host's part of a multi-process job's step (``process_count`` > 1: only that process's shards) marked
+``persist`` is written as that process's part of the step and the step is committed by the job's leader once every
+host's part is durable (``ckptd.catalog.part_commit``, docs/multihost.md section 5) — by the leader's commit pass
+(``ckptd.catalog.commit_pass``, beside the refresher), never by this keeper: the leader's host may hold no snapshot
+of the job at all; the part is marked persisted once the step is committed. A part is never dropped as broken for
+lacking the other hosts' shards; one not marked ``persist`` goes beyond ``max_snapshots`` like any snapshot kept in
+memory only.
 """
 
 from __future__ import annotations
@@ -218,7 +217,10 @@ class SnapshotKeeper:
                     continue  # evicted or replaced by its trainer meanwhile
             # a trainer killed between or during saves leaves a spare file or an unfinished snapshot behind
             drop_leftovers(job_dir(self.shm_dir, job), older_than_s=self.timeout_s)
-            self.stats.evicted += evict_oldest(complete_snapshots(self.shm_dir, job), self.max_snapshots)
+            # never the newest: older snapshots waiting to be persisted are not evictable, and the one a resume
+            # takes next (the trainer may be restoring it right now) must not go in their place
+            now_held = complete_snapshots(self.shm_dir, job)
+            self.stats.evicted += evict_oldest(now_held, self.max_snapshots, never=now_held[-1] if now_held else None)
         self._forget_gone_parts()
 
     def _enqueue(self, kind: str, job: str, path: Path) -> None:

@@ -179,6 +179,27 @@ def test_memory_is_bounded_with_a_clear_error(tmp_path: Path) -> None:
     assert not (tmp_path / "other" / "1").exists()
 
 
+def test_ckptd_never_evicts_the_newest_snapshot_in_place_of_older_ones_awaiting_persist(tmp_path: Path) -> None:
+    """ckptd keeps fewer snapshots than the trainer (2 against 4 here) and the two oldest wait to be persisted:
+    the newest, memory-only one is the one a resume takes next (a regrow may be restoring it right now), so
+    ckptd leaves it rather than evict it as the only evictable one (it did: a regrow's restore found its
+    snapshot.json gone)."""
+    from ckptd.catalog.snapshots import SnapshotKeeper
+    from trainer_client.core.storage import Storage
+
+    mesh = _mesh()
+    state = _state(mesh)
+    tier = MemoryTier(str(tmp_path / "shm"), "job", max_snapshots=4, preallocate=False)
+    for step, persist in ((1, True), (2, True), (3, False)):
+        tier.save(step, state, _meta(step, state, mesh), persist=persist)
+    keeper = SnapshotKeeper(Storage(str(tmp_path / "root")), str(tmp_path / "shm"), max_snapshots=2)
+    keeper.scan()  # not started: nothing gets persisted, so 1 and 2 may not go
+    assert _snapshots(tmp_path / "shm" / "job") == ["1", "2", "3"]
+    tier.save(4, state, _meta(4, state, mesh), persist=False)
+    keeper.scan()  # 3 is no longer the newest: it goes, 4 stays
+    assert _snapshots(tmp_path / "shm" / "job") == ["1", "2", "4"]
+
+
 _TRAINER = r"""
 import sys
 import jax, numpy as np
