@@ -18,6 +18,7 @@ import pytest
 
 from tests.support.helpers import free_port
 from tests.support.jax_job import PREAMBLE, run_job
+from tests.support.kv_store import InProcessKeyValueStore
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.core.protocol import ResumePlan, ResumeRequest
 from trainer_client.errors import NoCheckpointError
@@ -194,25 +195,6 @@ def test_the_elastic_runner_of_every_process_resumes_the_agreed_step(tmp_path: P
     assert [h["restored"] for h in again] == [[f"from memory: {tmp_path / f'shm{k}' / 'job' / '10'}"] for k in (0, 1)]
 
 
-class _Store:
-    """The coordination service's key-value store, in one process: create-only sets, blocking gets."""
-
-    def __init__(self) -> None:
-        self.values: dict[str, str] = {}
-        self.cond = threading.Condition()
-
-    def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
-        with self.cond:
-            assert allow_overwrite or key not in self.values, key
-            self.values[key] = value
-            self.cond.notify_all()
-
-    def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str:
-        with self.cond:
-            assert self.cond.wait_for(lambda: key in self.values, timeout_in_ms / 1000), key
-            return self.values[key]
-
-
 def test_process_0_asks_for_the_storage_answer_while_it_lists_its_own_parts(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The sidecar's storage answer is asked on a thread as process 0 enters the round: here process 0's
@@ -233,7 +215,7 @@ def test_process_0_asks_for_the_storage_answer_while_it_lists_its_own_parts(
         return []
 
     monkeypatch.setattr(multihost, "own_parts", listing)
-    store = _Store()
+    store = InProcessKeyValueStore()
     agreements = [ResumeAgreement("job", "/nonexistent", cast(CkptdClient, Client()), process_index=k,
                                   process_count=2, store=store) for k in range(2)]
     plans: dict[int, ResumePlan | None] = {}

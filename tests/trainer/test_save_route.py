@@ -5,13 +5,13 @@ Orbax — one multi-process Orbax save, committed — instead of host 1 waiting 
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from tests.support.jax_job import PREAMBLE, run_job
+from tests.support.kv_store import InProcessKeyValueStore
 from trainer_client.core.format.snapshot import complete_snapshots, read_meta
 from trainer_client.core.storage import Storage
 from trainer_client.core.validation import latest_good_on_storage
@@ -53,32 +53,13 @@ def test_one_hosts_full_tier_sends_every_process_to_orbax(tmp_path: Path) -> Non
     assert _deep_problems(storage, step) == []
 
 
-class _Store:
-    """The coordination service's key-value store, in one process: create-only sets, blocking gets."""
-
-    def __init__(self) -> None:
-        self.values: dict[str, str] = {}
-        self.cond = threading.Condition()
-
-    def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
-        with self.cond:
-            assert allow_overwrite or key not in self.values, key
-            self.values[key] = value
-            self.cond.notify_all()
-
-    def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str:
-        with self.cond:
-            assert self.cond.wait_for(lambda: key in self.values, timeout_in_ms / 1000), key
-            return self.values[key]
-
-
 @pytest.mark.parametrize(("full", "busy"), [((False, False), (False, False)), ((False, True), (False, False)),
                                             ((False, False), (True, False)), ((True, False), (False, True))])
 def test_every_process_gets_one_answer_on_the_route_and_the_skip(full: tuple[bool, bool],
                                                                  busy: tuple[bool, bool]) -> None:
     """Any process's full tier sends all to Orbax; any process's unfinished direct save makes all skip (one
     process skipping while another starts the collective save would leave that one in its barrier)."""
-    store = _Store()
+    store = InProcessKeyValueStore()
     routes = [SaveRoute("inc", k, 2, store=store, timeout_ms=10_000) for k in (0, 1)]
     with ThreadPoolExecutor(2) as pool:
         for step in (5, 5, 6):  # a step saved twice never reads the earlier save's answers
