@@ -6,7 +6,9 @@ wait for the sidecar before the client scans storage itself), ``CKPTD_REPORT_EVE
 ``CKPTD_EVENTS_FLUSH_TIMEOUT_S`` (the background event reporter, ``trainer_client.client.event_reporter``),
 ``CKPTD_RUN_ID`` (the run's identity, recorded with every step and sent with every resume),
 ``CKPTD_HEARTBEAT_TIMEOUT_S`` (a multi-controller job's ``jax.distributed`` heartbeat timeout:
-``trainer_client.runtime.job_store.initialize_multihost``), ``CKPTD_RESTORE_HOST_BYTES`` (the host memory a
+``trainer_client.runtime.job_store.initialize_multihost``), ``CKPTD_ROUTE_TIMEOUT_S`` (how long a process of
+a multi-process job waits for another's answer on a persistent save's route: ``trainer_client.runtime.save_route``),
+``CKPTD_RESTORE_HOST_BYTES`` (the host memory a
 restore may hold at once: ``trainer_client.runtime.restore_budget``).
 """
 
@@ -45,6 +47,12 @@ class ClientSettings(BaseSettings):
         default=10, ge=1, le=3600,
         description="multi-controller jobs: jax.distributed's heartbeat timeout, how long a dead process goes "
         "unnoticed before the others abort and the job restarts (jax's default, 100 s, docs/multihost.md section 2)",
+    )
+    route_timeout_s: float = Field(
+        default=600.0, gt=0,
+        description="multi-process jobs: how long a process waits for each other process's answer on a persistent "
+        "save's route (memory or Orbax, trainer_client.runtime.save_route) before it fails; a process whose "
+        "snapshot fails still answers, so only a dead process is waited for (and a dead process ends the job)",
     )
     restore_host_bytes: int | None = Field(
         default=None, gt=0,

@@ -1,10 +1,13 @@
 """A persistent save's route agreed by every process of a multi-process job (``trainer_client/runtime/
 save_route.py``): two real JAX processes, host 1's memory tier full (its one snapshot marked persist, no ckptd
 to persist it), host 0's with room. Host 0 takes its snapshot, host 1 cannot; both then save the step through
-Orbax — one multi-process Orbax save, committed — instead of host 1 waiting alone in Orbax's barrier."""
+Orbax — one multi-process Orbax save, committed — instead of host 1 waiting alone in Orbax's barrier. A host
+whose snapshot fails otherwise still answers the route (threads over ``tests/support/kv_store.py``), and the
+route's timeout is a setting."""
 
 from __future__ import annotations
 
+import errno
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from tests.support.kv_store import InProcessKeyValueStore
 from trainer_client.core.format.snapshot import complete_snapshots, read_meta
 from trainer_client.core.storage import Storage
 from trainer_client.core.validation import latest_good_on_storage
+from trainer_client.runtime._saver import Saver
 from trainer_client.runtime.save_route import SaveRoute
 
 _HOST = PREAMBLE + """
@@ -65,3 +69,66 @@ def test_every_process_gets_one_answer_on_the_route_and_the_skip(full: tuple[boo
         for step in (5, 5, 6):  # a step saved twice never reads the earlier save's answers
             answers = list(pool.map(lambda k, s=step: routes[k].agree(s, not full[k], busy[k]), (0, 1)))
             assert answers == [(not any(full), any(busy))] * 2
+
+
+class _Checkpointer:
+    """What the ``Saver`` asks of Orbax's side: the saves it was handed."""
+
+    item = "default"
+    last_save_blocked_s = 0.0
+
+    def __init__(self) -> None:
+        self.saved: list[int] = []
+
+    def is_saving(self) -> bool:
+        return False
+
+    def save_with_metadata(self, step: int, state: object, meta: object, data_iterator: object = None) -> None:
+        self.saved.append(step)
+
+
+class _Tier:
+    """A host's memory tier whose snapshot succeeds, or fails with ``error``."""
+
+    last_blocked_s = 0.01
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+        self.saved: list[int] = []
+
+    def save(self, step: int, state: object, meta: object, **_: object) -> None:
+        if self.error is not None:
+            raise self.error
+        self.saved.append(step)
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"), OSError(errno.EIO, "I/O"),
+                                   RuntimeError("a device-to-host copy failed")], ids=["ENOSPC", "EIO", "other"])
+def test_a_failed_snapshot_still_answers_the_route(error: BaseException) -> None:
+    """Host 1's snapshot fails; host 0's is taken. Before the fix host 1 published no answer unless the error was
+    ``MemoryTierFull``, and host 0 waited out the route's timeout (600 s) in ``blocking_key_value_get``. Now an
+    ``OSError`` of shared memory counts as a full tier (both save through Orbax), and any other error answers
+    ``full`` before it propagates (host 0 goes on to Orbax; host 1 raises)."""
+    store = InProcessKeyValueStore()
+    tiers = [_Tier(None), _Tier(error)]
+    checkpointers = [_Checkpointer(), _Checkpointer()]
+    savers = [Saver(checkpointers[k], tiers[k], None,  # type: ignore[arg-type]
+                    route=SaveRoute("inc", k, 2, store=store, timeout_ms=5_000)) for k in (0, 1)]
+    with ThreadPoolExecutor(2) as pool:
+        went = [pool.submit(savers[k].save, 7, {}, None, persist=True) for k in (0, 1)]  # type: ignore[arg-type]
+        assert went[0].result(timeout=30) == "storage"  # the old code: the store's wait for host 1 failed
+        if isinstance(error, OSError):
+            assert went[1].result(timeout=30) == "storage"
+        else:
+            with pytest.raises(RuntimeError, match="device-to-host"):
+                went[1].result(timeout=30)
+    assert tiers[0].saved == [7]  # host 0's snapshot stays (its ckptd marks it persisted once 7 is committed)
+    assert checkpointers[0].saved == [7]
+    assert checkpointers[1].saved == ([7] if isinstance(error, OSError) else [])
+
+
+def test_the_route_timeout_is_a_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert SaveRoute("inc", 0, 2, store=InProcessKeyValueStore()).timeout_ms == 600_000
+    monkeypatch.setenv("CKPTD_ROUTE_TIMEOUT_S", "2.5")
+    assert SaveRoute("inc", 0, 2, store=InProcessKeyValueStore()).timeout_ms == 2_500
+    assert SaveRoute("inc", 0, 2, store=InProcessKeyValueStore(), timeout_ms=10).timeout_ms == 10

@@ -82,7 +82,10 @@ class Saver:
         snapshot marked ``persist`` waits in shared memory until ckptd (or the one Kubernetes restarts)
         writes it. Only when the tier is full does a persistent save go to Orbax directly; and while an
         earlier direct save is still being written, ``if_busy="skip"`` skips this one rather than block the
-        loop until that save is done (Orbax waits for it), with a warning.
+        loop until that save is done (Orbax waits for it), with a warning. An ``OSError`` of the snapshot
+        (shared memory out of space, an I/O error) counts as a full tier. In a multi-process job any other
+        failure of the snapshot still answers the route (``full``) before it propagates, so the other
+        processes go on to Orbax instead of waiting out the route's timeout for an answer that never comes.
         """
         tier = "storage"
         # In a multi-process job each host's ckptd persists its own part and the leader commits the step once
@@ -103,11 +106,16 @@ class Saver:
                                  "do the next saves (until the memory tier is full; then they go to storage "
                                  "directly)", step)
                 self._said_away = away or (self._said_away and not persist)
-            except MemoryTierFull as exc:
+            except (MemoryTierFull, OSError) as exc:  # an OSError from shared memory (ENOSPC, EIO): full
                 if not persist:
                     _log.info("memory snapshot of step %s skipped: %s", step, exc)
                     return "skipped"
-                full = exc
+                full = exc if isinstance(exc, MemoryTierFull) else MemoryTierFull(
+                    f"the snapshot of step {step} failed: {exc!r}")
+            except Exception:
+                if persist and self.route is not None:  # the others wait for this process's answer: never in vain
+                    self.route.agree(step, False, self.checkpointer.is_saving())
+                raise
             if persist and self.route is not None:
                 in_memory, busy = self.route.agree(step, full is None, self.checkpointer.is_saving())
                 if not in_memory:

@@ -17,7 +17,10 @@ goes to Orbax: only the skip is decided).
 Keys are unique per save: ``ckptd/save_route/<job incarnation>/<step>/<n>/<process>``, ``n`` counting this
 process's agreements on that step in this incarnation (every process makes the same persistent saves in the
 same order), so a step saved again never reads an earlier save's answers. The store starts empty with every
-incarnation of the job.
+incarnation of the job. Each wait for another process's answer lasts at most ``CKPTD_ROUTE_TIMEOUT_S``
+(600 s by default: the slowest process's way to this save, a step and its device-to-host copy); a process
+whose snapshot fails answers all the same (``Saver.save``), so only a dead process is waited for, and a dead
+process ends the job anyway (docs/multihost.md, section 2).
 """
 
 from __future__ import annotations
@@ -26,26 +29,28 @@ import logging
 from collections import Counter
 from typing import Literal
 
+from trainer_client.config import ClientSettings
 from trainer_client.runtime.job_store import KeyValueStore, job_store
 
 _log = logging.getLogger(__name__)
 
-ROUTE_TIMEOUT_MS = 600_000  # the slowest process's way to this save (a step, its device-to-host copy)
 Answer = Literal["memory", "full", "memory+busy", "full+busy"]
 
 
 class SaveRoute:
     """The agreement on each persistent save's route among the ``process_count`` processes of one job
-    incarnation (``incarnation``: the same in every process, e.g. ``MemoryTier.incarnation``)."""
+    incarnation (``incarnation``: the same in every process, e.g. ``MemoryTier.incarnation``; ``timeout_ms``:
+    the wait for each other process's answer, ``CKPTD_ROUTE_TIMEOUT_S`` unless given)."""
 
     def __init__(self, incarnation: str, process_index: int, process_count: int, *,
-                 store: KeyValueStore | None = None, timeout_ms: int = ROUTE_TIMEOUT_MS) -> None:
+                 store: KeyValueStore | None = None, timeout_ms: int | None = None) -> None:
         if not 0 <= process_index < process_count:
             raise ValueError(f"process {process_index} of {process_count}")
         self.incarnation = incarnation
         self.index = process_index
         self.count = process_count
-        self.timeout_ms = timeout_ms
+        self.timeout_ms = (timeout_ms if timeout_ms is not None
+                           else max(1, round(ClientSettings().route_timeout_s * 1000)))
         self._store = store
         self._agreed: Counter[int] = Counter()  # agreements per step so far, in this process
 
@@ -77,4 +82,4 @@ class SaveRoute:
         return not full, any(answer.endswith("+busy") for answer in answers)
 
 
-__all__ = ["ROUTE_TIMEOUT_MS", "SaveRoute"]
+__all__ = ["SaveRoute"]
