@@ -115,6 +115,36 @@ def test_any_changed_byte_of_a_manifest_is_caught(tmp_path: Path) -> None:
     assert not result.ok and "manifest unreadable" in result.problems[0]
 
 
+def test_a_malformed_array_entry_is_refused_after_steps_that_shared_their_arrays(tmp_path: Path) -> None:
+    """Steps 1-3 share their per-array metadata byte for byte (parsed once: ``json_docs.loads_sharing``);
+    step 4's manifest holds one malformed entry under a checksum that matches, step 5's training metadata
+    one: still refused (quarantined, corrupt), their files kept."""
+    import google_crc32c
+
+    from trainer_client.core.format.checksum import crc32c_b64
+
+    job = tmp_path / "job"
+    for step in range(1, 6):
+        _step(job, step)
+    raw = (job / "4" / CKPTD_MANIFEST).read_bytes()
+    body = raw[:raw.rindex(b',"checksum":')] + b"}"
+    assert body.count(b'"shape":[8,16]') == ARRAYS
+    at = body.rindex(b'"shape":[8,16]')
+    body = body[:at] + b'"shape":"eight"' + body[at + len(b'"shape":[8,16]'):]
+    checksum = crc32c_b64(google_crc32c.value(body))
+    (job / "4" / CKPTD_MANIFEST).write_bytes(body[:-1] + b',"checksum":"' + checksum.encode() + b'"}')
+    meta = (job / "5" / CHECKPOINT_METADATA).read_bytes()
+    at = meta.rindex(b'"shape": [8, 16]')
+    (job / "5" / CHECKPOINT_METADATA).write_bytes(meta[:at] + b'"shape": "eight"' + meta[at + 16:])
+    cat = Catalog(Storage(str(tmp_path)), ":memory:")
+    cat.rebuild()
+    states = {info.step: info for info in cat.checkpoints("job")}
+    assert [states[s].state for s in (1, 2, 3)] == [StepState.VERIFIED] * 3
+    assert states[4].state is StepState.QUARANTINED and "manifest unreadable" in (states[4].reason or "")
+    assert states[5].state is StepState.CORRUPT and "training metadata is invalid" in (states[5].reason or "")
+    assert (job / "4" / CKPTD_MANIFEST).exists() and (job / "5" / "default" / "d" / "chunk").exists()
+
+
 def test_a_manifest_orjson_cannot_render_is_checked_the_pydantic_way(tmp_path: Path) -> None:
     """A file size beyond 64 bits: orjson refuses it, the pydantic rendering (the definition) still checks."""
     path = _step(tmp_path / "job", 5)

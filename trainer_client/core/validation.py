@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from trainer_client.core.errors import StorageError
 from trainer_client.core.format.files import CHECKPOINT_METADATA, QUARANTINE_FILE
-from trainer_client.core.format.json_docs import loads, parse_training
+from trainer_client.core.format.json_docs import loads, loads_sharing, parse_training
 from trainer_client.core.format.manifest import (
     Listed,
     Manifest,
@@ -34,6 +34,7 @@ from trainer_client.core.format.parts import part_problems
 from trainer_client.core.format.records import read_record
 from trainer_client.core.format.steps import (
     CUSTOM_METADATA_KEY,
+    TRAINING_ARRAYS,
     StepInspection,
     inspect_step,
     parse_step_name,
@@ -88,7 +89,7 @@ def _check_training(
             problems.append(f"{CHECKPOINT_METADATA}: training metadata differs from the manifest")
         return
     try:
-        meta = loads(storage.read_bytes(join_path(step_path, CHECKPOINT_METADATA)))
+        meta = loads_sharing(storage.read_bytes(join_path(step_path, CHECKPOINT_METADATA)), TRAINING_ARRAYS)
         recorded = meta.get("custom_metadata", {}).get(CUSTOM_METADATA_KEY)
     except (FileNotFoundError, ValueError, AttributeError):
         problems.append(f"{CHECKPOINT_METADATA} unreadable")

@@ -11,15 +11,22 @@ array's entry with pydantic cost ~40 ms a step: ten thousand steps seen for the 
   run share their array layout, so the arrays of step N+1 are byte for byte those of step N (the key is
   the exact compact JSON of that part, never a hash of it) and their validated models are reused;
 * an item's ``_METADATA`` (the tree's structure, no step number in it) that was already found to be a
-  JSON object is not parsed again when the next step holds the same bytes.
+  JSON object is not parsed again when the next step holds the same bytes;
+* the per-array part itself is not parsed again either (``loads_sharing``): a document whose bytes hold,
+  at that place, exactly the bytes an earlier document held there is parsed without them (a few hundred
+  bytes instead of ~110 KB) and given the earlier value. Parsing the two documents that carry the arrays
+  was most of what remained of a first sight (docs/benchmarks.md).
 
-Nothing is checked less: a document that differs in any byte is parsed and validated in full. The memos
-hold the last few layouts only (``_KEPT``). No jax here.
+Nothing is checked less: a document that differs in any byte is parsed and validated in full, and a part
+is only taken over when it is proven to sit at that very place in the document (below). The memos hold the
+last few layouts only (``_KEPT``). No jax here.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -33,17 +40,49 @@ _KEPT = 2  # distinct layouts remembered: a run's current one and the one before
 _lock = threading.Lock()
 _arrays: OrderedDict[bytes, dict[str, ArraySpec]] = OrderedDict()
 _objects: OrderedDict[bytes, None] = OrderedDict()  # documents known to be JSON objects
+# Parts shared between documents (``loads_sharing``): their exact bytes -> their parsed value, and the values
+# by identity -> their validated arrays (``validated_arrays`` of a shared value is a dictionary look-up).
+_parts: OrderedDict[bytes, Any] = OrderedDict()
+_validated: dict[int, tuple[Any, dict[str, ArraySpec]]] = {}
+_TRIES = 3  # occurrences of a part (or of its key) tried in one document
+_ENDS = 32  # closing braces, from the end of a document, tried as the end of its part
+_COLON = re.compile(rb"\s*:\s*")
+_MISSES_KEPT = 8  # after this many documents of a kind that shared nothing, only every 8th one is learned from
+_misses: dict[tuple[str, ...], int] = {}
+_MIN_PART = 4096  # smaller parts are parsed as they are: cheap, not worth remembering
+# The stand-in for a shared part: an object whose one key no escape-free document holds by chance. It starts
+# with a letter, so outside a string its bytes are never a JSON token of their own.
+_NONCE = "zckptd" + secrets.token_hex(12)
+_STAND_IN = b'{"' + _NONCE.encode() + b'":0}'
+_HUGE = float(2**64)  # orjson reads integers from -2**63 to 2**64 - 1 as integers, others as floats
 _ARRAYS: TypeAdapter[dict[str, ArraySpec]] = TypeAdapter(dict[str, ArraySpec])  # TrainingMetadata.arrays
 
 
 def loads(raw: bytes | str) -> Any:
     """Parse JSON (``ValueError`` when it is not JSON). What orjson refuses but Python's ``json`` reads
-    (``NaN``, integers beyond 64 bits, lone surrogates: Orbax writes its metadata with ``json``) is read by
-    ``json``, so no document that parsed before is refused now."""
+    (``NaN``, lone surrogates: Orbax writes its metadata with ``json``) is read by ``json``, so no document
+    that parsed before is refused now; so is one where orjson read an integer beyond 64 bits as a float
+    (it does so silently), so every number is read as it is written."""
     try:
-        return orjson.loads(raw)
+        value = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return json.loads(raw)
+    return json.loads(raw) if _has_huge_float(value) else value
+
+
+def _has_huge_float(value: Any) -> bool:
+    """Whether ``value`` holds a float beyond the 64-bit integers: what orjson makes of an integer it cannot
+    hold (or a float written that large: read again by ``json``, to the same value)."""
+    pending = [value]
+    while pending:
+        current = pending.pop()
+        if isinstance(current, dict):
+            pending.extend(current.values())
+        elif isinstance(current, list):
+            pending.extend(current)
+        elif isinstance(current, float) and not -_HUGE <= current < _HUGE:
+            return True
+    return False
 
 
 def dumps(value: Any) -> bytes:
@@ -73,7 +112,10 @@ def is_json_object(raw: bytes) -> bool:
     all). The same bytes seen again are not parsed again."""
     if _recall(_objects, raw):
         return True
-    found = isinstance(loads(raw), dict)
+    try:  # only its shape matters here: no need to read its numbers exactly
+        found = isinstance(orjson.loads(raw), dict)
+    except orjson.JSONDecodeError:
+        found = isinstance(json.loads(raw), dict)
     if found:
         _remember(_objects, raw, None)
     return found
@@ -82,7 +124,11 @@ def is_json_object(raw: bytes) -> bool:
 def validated_arrays(value: Any) -> dict[str, ArraySpec]:
     """``value`` (the ``arrays`` part of training metadata, as parsed from JSON) validated; raises pydantic's
     ``ValidationError``. Validated once per distinct content (the same models are returned for the same
-    bytes: they are never changed in place)."""
+    bytes: they are never changed in place); a value ``loads_sharing`` handed out is looked up, not rendered."""
+    with _lock:
+        shared = _validated.get(id(value))
+    if shared is not None and shared[0] is value:
+        return dict(shared[1])
     try:
         key = dumps(value) if isinstance(value, dict) and value else b""
     except (TypeError, ValueError):
@@ -96,6 +142,9 @@ def validated_arrays(value: Any) -> dict[str, ArraySpec]:
     arrays = _ARRAYS.validate_python(value)
     if key:
         _remember(_arrays, key, arrays)
+    with _lock:
+        if any(part is value for part in _parts.values()):
+            _validated[id(value)] = (value, arrays)
     return dict(arrays)
 
 
@@ -108,4 +157,120 @@ def parse_training(value: Any) -> TrainingMetadata:
     return summary.model_copy(update={"arrays": validated_arrays(value["arrays"])})
 
 
-__all__ = ["dumps", "is_json_object", "loads", "parse_training", "validated_arrays"]
+def _at(doc: Any, path: tuple[str, ...]) -> tuple[dict[str, Any] | None, Any]:
+    """The object holding ``path``'s last key in ``doc`` and the value there (None, None: no such place)."""
+    parent = doc
+    for key in path[:-1]:
+        parent = parent.get(key) if isinstance(parent, dict) else None
+    if not isinstance(parent, dict):
+        return None, None
+    return parent, parent.get(path[-1])
+
+
+def _value_starts(raw: bytes, path: tuple[str, ...]) -> list[int]:
+    """Where a value of ``path``'s last key may start in ``raw``: after each of its first ``_TRIES``
+    occurrences as a key (quoted, then a colon). Cheaper than searching ``raw`` for a 100 KB part."""
+    key = b'"' + path[-1].encode("utf-8") + b'"'
+    starts: list[int] = []
+    at = raw.find(key)
+    while at >= 0 and len(starts) < _TRIES:
+        colon = _COLON.match(raw, at + len(key))
+        if colon is not None:
+            starts.append(colon.end())
+        at = raw.find(key, at + 1)
+    return starts
+
+
+def _without(raw: bytes, part: bytes, path: tuple[str, ...], starts: list[int]) -> Any:
+    """The document ``raw`` parsed with ``part``, where it occurs at one of ``starts``, replaced by the
+    stand-in, when that proves ``part`` is the value at ``path``; else None.
+
+    The proof: the bytes around ``part`` hold no backslash and not the stand-in's key, so the only string in
+    the document equal to that key is the stand-in's own; found as the key of the object at ``path``, the
+    stand-in was read as a whole JSON value there, outside any string (inside one, its first quote would end
+    the string and the bare key after it would not parse). ``part`` is a whole JSON value too (it parsed on
+    its own), so in ``raw`` it is read at the same place, as the same value, and the bytes after it as
+    after the stand-in: ``raw`` parses to the returned document with that value in place of the stand-in."""
+    key = _STAND_IN[2:-4]
+    for at in starts:  # an older manifest holds its arrays twice: the second is the one at ``path``
+        if not raw.startswith(part, at):
+            continue
+        head, tail = raw[:at], raw[at + len(part):]
+        if b"\\" in head or b"\\" in tail or key in head or key in tail:
+            return None
+        try:
+            doc = orjson.loads(head + _STAND_IN + tail)
+        except orjson.JSONDecodeError:
+            continue
+        if _has_huge_float(doc):
+            return None  # ``loads`` reads it in full (exactly)
+        _, value = _at(doc, path)
+        if isinstance(value, dict) and list(value) == [_NONCE] and value[_NONCE] == 0:
+            return doc  # the stand-in at ``path``: the caller puts the value there
+    return None
+
+
+def loads_sharing(raw: bytes, path: tuple[str, ...]) -> Any:
+    """``loads(raw)``; the object at ``path`` (a key of an object at each level: ``("training", "arrays")``)
+    may be the very value an earlier document held there in the same bytes, so the caller must not change
+    it. What makes a step's first sight cheap: a run's steps carry the same ~110 KB of per-array metadata
+    twice each (``_CHECKPOINT_METADATA``, the manifest), byte for byte the previous step's."""
+    with _lock:
+        known = list(reversed(_parts.items()))
+    starts = _value_starts(raw, path) if known else []
+    for part, value in known:
+        doc = _without(raw, part, path, starts)
+        if doc is not None:
+            parent, _ = _at(doc, path)
+            assert parent is not None
+            parent[path[-1]] = value
+            with _lock:
+                if part in _parts:
+                    _parts.move_to_end(part)
+            return doc
+    doc = loads(raw)
+    _learn(raw, doc, path)
+    return doc
+
+
+def _learn(raw: bytes, doc: Any, path: tuple[str, ...]) -> None:
+    """Remember the bytes of the part of ``doc`` (``raw`` parsed) at ``path``, however the writer spaced
+    them (orjson and pydantic compact, Python's ``json`` as Orbax calls it, pydantic's ``indent=1`` of older
+    manifests): the part starts after its key; it ends at one of the last closing braces of the document (what
+    follows the part is short); the one that ``_without`` proves, and that parses on its own, is it."""
+    _, value = _at(doc, path)
+    if not isinstance(value, dict) or len(raw) < _MIN_PART:
+        return
+    with _lock:
+        misses = _misses.get(path, 0)
+        _misses[path] = misses + 1
+    if misses >= _MISSES_KEPT and misses % _MISSES_KEPT:
+        return  # this kind of document rarely shares its part lately: try again only now and then
+    starts = [at for at in _value_starts(raw, path) if raw[at:at + 1] == b"{"]
+    ends: list[int] = []  # what follows the part is rarely more than a few closing braces
+    at = raw.rfind(b"}")
+    while at >= 0 and len(ends) < _ENDS:
+        ends.append(at)
+        at = raw.rfind(b"}", 0, at)
+    for start in starts:
+        for end in ends:
+            part = raw[start:end + 1]
+            if len(part) < _MIN_PART or _without(raw, part, path, [start]) is None:
+                continue
+            try:
+                own = loads(part)
+            except ValueError:
+                continue
+            if own != value:
+                continue
+            with _lock:
+                _parts[part] = value
+                _parts.move_to_end(part)
+                while len(_parts) > 2 * _KEPT:  # for the last two layouts, the part of each kind of document
+                    _, dropped = _parts.popitem(last=False)
+                    _validated.pop(id(dropped), None)
+                _misses[path] = 0
+            return
+
+
+__all__ = ["dumps", "is_json_object", "loads", "loads_sharing", "parse_training", "validated_arrays"]

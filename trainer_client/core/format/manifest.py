@@ -49,7 +49,7 @@ from trainer_client.core.format.files import (
     QUARANTINE_FILE,
     VERIFIED_FILE,
 )
-from trainer_client.core.format.json_docs import dumps, loads, validated_arrays
+from trainer_client.core.format.json_docs import dumps, loads_sharing, validated_arrays
 from trainer_client.core.format.records import RecordPlace, read_record
 from trainer_client.core.format.step_files import Listed, list_files, newest_file_time
 from trainer_client.core.identity import step_identity
@@ -61,6 +61,7 @@ MANIFEST_FORMAT = "ckptd-manifest/1"
 UNMANIFESTED = frozenset({CHECKPOINT_METADATA, COMMIT_MARKER, CKPTD_MANIFEST, QUARANTINE_FILE, VERIFIED_FILE})
 SEALED = (CHECKPOINT_METADATA, COMMIT_MARKER)
 _CHUNK = 8 << 20
+MANIFEST_ARRAYS = ("training", "arrays")  # where a manifest holds the per-array part (``json_docs.loads_sharing``)
 
 
 class _Model(BaseModel):
@@ -215,30 +216,40 @@ def _present(doc: dict[str, object], key: str) -> bool:
     return key in doc and doc[key] != {}
 
 
+def _checksum_holds(raw: bytes, doc: dict[str, object], stored: str) -> bool:
+    """Whether the manifest's own checksum ``stored`` (taken out of ``doc``, the parsed ``raw``) matches its
+    content rendered compactly: checked on ``raw`` itself when it is that rendering with the checksum last
+    (what ``write_manifest`` writes: every byte of it is then covered), else on orjson's rendering of
+    ``doc``. False sends the caller to pydantic's rendering."""
+    end = b',"checksum":' + dumps(stored) + b"}"
+    if raw.endswith(end) and crc32c_b64(google_crc32c.value(raw[:-len(end)] + b"}")) == stored:
+        return True
+    try:
+        body = dumps(doc)
+    except (TypeError, ValueError):
+        return False
+    return crc32c_b64(google_crc32c.value(body)) == stored
+
+
 def parse_manifest(raw: bytes) -> Manifest:
     """A manifest from its bytes, parsed once; ``ValueError`` (pydantic's ``ValidationError`` is one) when it
     does not parse, is not a valid manifest or its own checksum does not match."""
-    doc = loads(raw)
+    doc = loads_sharing(raw, MANIFEST_ARRAYS)
     stored = doc.pop("checksum", None) if isinstance(doc, dict) else None
-    if isinstance(stored, str):
-        try:
-            body = dumps(doc)
-        except (TypeError, ValueError):
-            body = b""
-        if body and crc32c_b64(google_crc32c.value(body)) == stored:
-            # The content is what its writer summed: validate it, each array's entry once per distinct layout.
-            training = doc.get("training")
-            light = {**doc, "checksum": stored, "arrays": {}}
-            if isinstance(training, dict):
-                light["training"] = {**training, "arrays": {}}
-            manifest = Manifest.model_validate(light)
-            update: dict[str, object] = {}
-            if _present(doc, "arrays"):
-                update["arrays"] = validated_arrays(doc["arrays"])
-            if manifest.training is not None and isinstance(training, dict) and _present(training, "arrays"):
-                update["training"] = manifest.training.model_copy(
-                    update={"arrays": validated_arrays(training["arrays"])})
-            return manifest.model_copy(update=update) if update else manifest
+    if isinstance(stored, str) and _checksum_holds(raw, doc, stored):
+        # The content is what its writer summed: validate it, each array's entry once per distinct layout.
+        training = doc.get("training")
+        light = {**doc, "checksum": stored, "arrays": {}}
+        if isinstance(training, dict):
+            light["training"] = {**training, "arrays": {}}
+        manifest = Manifest.model_validate(light)
+        update: dict[str, object] = {}
+        if _present(doc, "arrays"):
+            update["arrays"] = validated_arrays(doc["arrays"])
+        if manifest.training is not None and isinstance(training, dict) and _present(training, "arrays"):
+            update["training"] = manifest.training.model_copy(
+                update={"arrays": validated_arrays(training["arrays"])})
+        return manifest.model_copy(update=update) if update else manifest
     # Not the orjson rendering: pydantic's own (how every manifest is summed), or a mismatch.
     manifest = Manifest.model_validate_json(raw)
     if manifest.checksum != manifest.model_copy(update={"checksum": ""}).computed_checksum():

@@ -16,8 +16,9 @@ deleted as an abandoned save). A step saved by a bare ``Checkpointer`` (no ``Che
 item directory: its one item is the step directory itself (``ROOT_ITEM``, ``""``).
 
 Used by the sidecar's catalog and by the client's fallback scan, so both apply exactly the same rule.
-Each document is read once and parsed with orjson (``json_docs.py``): ckptd's first sight of a step of a
-large model is mostly this parsing. No jax here.
+Each document is read once and parsed with orjson (``json_docs.py``), the per-array part of the training
+metadata only when its bytes differ from an earlier step's (``TRAINING_ARRAYS``): ckptd's first sight of a
+step of a large model was mostly this parsing. No jax here.
 """
 
 from __future__ import annotations
@@ -38,11 +39,13 @@ from trainer_client.core.format.files import (
     ROOT_ITEM,
     SHARDING_FILE,
 )
-from trainer_client.core.format.json_docs import is_json_object, loads, parse_training
+from trainer_client.core.format.json_docs import is_json_object, loads, loads_sharing, parse_training
 from trainer_client.core.protocol import MAX_STEP, ArraySpec, CheckpointInfo, MeshSpec, StepState, TrainingMetadata
 from trainer_client.core.storage import Entry, Storage, join_path
 
 CUSTOM_METADATA_KEY = "ckptd"
+# Where ``_CHECKPOINT_METADATA`` holds the per-array part of ckptd's training metadata (``json_docs.loads_sharing``).
+TRAINING_ARRAYS = ("custom_metadata", CUSTOM_METADATA_KEY, "arrays")
 DEFAULT_SAVE_TIMEOUT_S = 3600.0
 
 # Orbax's handlers that write a tree of arrays (the class name's end: subclasses keep it, e.g. MaxText's own).
@@ -129,9 +132,11 @@ def inspect_step(
 
 
 def _read_json_object(storage: Storage, step_path: str, name: str) -> dict[str, Any] | str:
-    """The JSON object in ``step_path/name``, or the reason it is not usable."""
+    """The JSON object in ``step_path/name``, or the reason it is not usable (``_CHECKPOINT_METADATA``: its
+    per-array part possibly shared with an earlier step's, ``json_docs.loads_sharing``: not to be changed)."""
     try:
-        value = loads(storage.read_bytes(join_path(step_path, name)))
+        raw = storage.read_bytes(join_path(step_path, name))
+        value = loads_sharing(raw, TRAINING_ARRAYS) if name == CHECKPOINT_METADATA else loads(raw)
     except FileNotFoundError:
         return f"{name} missing"
     except ValueError as exc:  # UnicodeDecodeError is one
@@ -314,6 +319,7 @@ def latest_committed(storage: Storage, job_path: str, *, at_most: int | None = N
 __all__ = [
     "CUSTOM_METADATA_KEY",
     "DEFAULT_SAVE_TIMEOUT_S",
+    "TRAINING_ARRAYS",
     "StepInspection",
     "StepName",
     "array_items",
