@@ -33,7 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
-from ckptd.catalog.integrity import quarantine, settle
+from ckptd.catalog.integrity import each_step, quarantine, settle
 from ckptd.catalog.job_admission import JobAdmission
 from ckptd.catalog.lease import LeaseBoard
 from ckptd.catalog.step_table import FINAL_STATES, UNSETTLED_STATES, StepTable, summary_json
@@ -184,24 +184,23 @@ class Catalog(StepTable, JobAdmission):
                 self._scanned_mtime.pop(job, None)
         now = time.time()
         found: list[tuple[str, StepInspection]] = []
-        side: dict[str, set[str]] | None = None  # records on the side prefix, listed once when needed
-        for _, entry in entries:
-            if known.get(entry.name) in FINAL_STATES:
-                continue
+        todo = [entry for _, entry in entries if known.get(entry.name) not in FINAL_STATES]
+        for entry in todo:
             self._forget(self.storage.url_of(entry.path))
-            if side is None:
-                side = side_records(self.storage, job)
-                if side:
-                    self._side_jobs.add(job)
-            try:
-                inspection = (self._from_verified_record(entry, side.get(entry.name, set()))
-                              or self._inspect(job, entry, now))
-            except StorageError as exc:  # one unreadable step must not hide the others
-                self.last_error = f"{entry.path}: {exc}"
-                _log.warning("cannot inspect %s: %s", entry.path, exc)
-                continue
-            if inspection is not None:
-                found.append((entry.name, inspection))
+        side = side_records(self.storage, job) if todo else {}  # records on the side prefix, listed once
+        if side:
+            self._side_jobs.add(job)
+
+        def look(entry: Entry) -> StepInspection | None:
+            return self._from_verified_record(entry, side.get(entry.name, set())) or self._inspect(job, entry, now)
+
+        # several steps at a time: one step's reads and fsyncs wait while another's metadata is parsed
+        for entry, outcome in each_step(look, todo):
+            if isinstance(outcome, StorageError):  # one unreadable step must not hide the others
+                self.last_error = f"{entry.path}: {outcome}"
+                _log.warning("cannot inspect %s: %s", entry.path, outcome)
+            elif outcome is not None:
+                found.append((entry.name, outcome))
         with self._tx() as db:
             db.execute(
                 "INSERT INTO jobs (name, path, scanned_at) VALUES (?, ?, ?) "

@@ -31,9 +31,10 @@ import logging
 import posixpath
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from trainer_client.core.durability import sync_paths
 from trainer_client.core.errors import StorageError
@@ -55,6 +56,9 @@ from trainer_client.core.validation import Level, ValidationResult, parse_quaran
 
 _log = logging.getLogger(__name__)
 
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 FOLLOWER_REASON = "not verified yet: another ckptd leads this job and writes its records (docs/multihost.md)"
 
@@ -84,6 +88,32 @@ def _threads() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="ckptd-settle")
         return _pool
+
+
+_STEPS_AT_ONCE = 4  # steps settled at a time (first sight of many steps: a start without records)
+_steps_pool: ThreadPoolExecutor | None = None
+
+
+def each_step(look: Callable[[_T], _R], items: list[_T]) -> Iterator[tuple[_T, _R | StorageError]]:
+    """``look(item)`` for each item, ``_STEPS_AT_ONCE`` at a time (one step's reads and fsyncs wait while another
+    step's metadata is parsed), in order; a ``StorageError`` is handed back in place of that item's result, any
+    other exception raised."""
+    global _steps_pool
+
+    def guarded(item: _T) -> _R | StorageError:
+        try:
+            return look(item)
+        except StorageError as exc:
+            return exc
+
+    if len(items) <= 1 or _STEPS_AT_ONCE <= 1:
+        yield from ((item, guarded(item)) for item in items)
+        return
+    with _pool_lock:
+        if _steps_pool is None:
+            _steps_pool = ThreadPoolExecutor(_STEPS_AT_ONCE, thread_name_prefix="ckptd-first-sight")
+        pool = _steps_pool
+    yield from zip(items, pool.map(guarded, items), strict=True)
 
 
 def _sync_together(paths: list[str]) -> None:
@@ -199,4 +229,4 @@ def validate_and_quarantine(
     return result
 
 
-__all__ = ["FOLLOWER_REASON", "Settled", "quarantine", "settle", "validate_and_quarantine"]
+__all__ = ["FOLLOWER_REASON", "Settled", "each_step", "quarantine", "settle", "validate_and_quarantine"]

@@ -25,6 +25,7 @@ last few layouts only (``_KEPT``). No jax here.
 from __future__ import annotations
 
 import json
+import operator
 import re
 import secrets
 import threading
@@ -44,6 +45,8 @@ _objects: OrderedDict[bytes, None] = OrderedDict()  # documents known to be JSON
 # by identity -> their validated arrays (``validated_arrays`` of a shared value is a dictionary look-up).
 _parts: OrderedDict[bytes, Any] = OrderedDict()
 _validated: dict[int, tuple[Any, dict[str, ArraySpec]]] = {}
+_compact: dict[int, tuple[Any, bytes]] = {}  # shared values by identity -> their compact rendering
+_rendered: OrderedDict[int, tuple[dict[str, ArraySpec], bytes]] = OrderedDict()  # validated layouts -> pydantic's
 _TRIES = 3  # occurrences of a part (or of its key) tried in one document
 _ENDS = 32  # closing braces, from the end of a document, tried as the end of its part
 _COLON = re.compile(rb"\s*:\s*")
@@ -54,35 +57,33 @@ _MIN_PART = 4096  # smaller parts are parsed as they are: cheap, not worth remem
 # with a letter, so outside a string its bytes are never a JSON token of their own.
 _NONCE = "zckptd" + secrets.token_hex(12)
 _STAND_IN = b'{"' + _NONCE.encode() + b'":0}'
-_HUGE = float(2**64)  # orjson reads integers from -2**63 to 2**64 - 1 as integers, others as floats
+_STAND_IN_VALUE = {_NONCE: 0}
+# Digits as "0", minus signs as "-", the rest as " ": runs of digits found at C speed (``_may_hold_huge_int``).
+_DIGIT_SHAPES = bytes(ord("0") if chr(b).isdigit() and b < 128 else ord("-") if b == ord("-") else ord(" ")
+                      for b in range(256))
 _ARRAYS: TypeAdapter[dict[str, ArraySpec]] = TypeAdapter(dict[str, ArraySpec])  # TrainingMetadata.arrays
 
 
 def loads(raw: bytes | str) -> Any:
     """Parse JSON (``ValueError`` when it is not JSON). What orjson refuses but Python's ``json`` reads
     (``NaN``, lone surrogates: Orbax writes its metadata with ``json``) is read by ``json``, so no document
-    that parsed before is refused now; so is one where orjson read an integer beyond 64 bits as a float
-    (it does so silently), so every number is read as it is written."""
+    that parsed before is refused now; so is one that may hold an integer beyond 64 bits, which orjson reads
+    as a float (silently): every number is read as it is written."""
     try:
         value = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return json.loads(raw)
-    return json.loads(raw) if _has_huge_float(value) else value
+    return json.loads(raw) if _may_hold_huge_int(raw) else value
 
 
-def _has_huge_float(value: Any) -> bool:
-    """Whether ``value`` holds a float beyond the 64-bit integers: what orjson makes of an integer it cannot
-    hold (or a float written that large: read again by ``json``, to the same value)."""
-    pending = [value]
-    while pending:
-        current = pending.pop()
-        if isinstance(current, dict):
-            pending.extend(current.values())
-        elif isinstance(current, list):
-            pending.extend(current)
-        elif isinstance(current, float) and not -_HUGE <= current < _HUGE:
-            return True
-    return False
+def _may_hold_huge_int(raw: bytes | str) -> bool:
+    """Whether ``raw`` may hold an integer orjson reads as a float: beyond ``2**64 - 1`` (20 digits or more) or
+    below ``-2**63`` (a minus and 19 digits or more). A run of digits anywhere counts (in a string too: then
+    the document is only read the slower, exact way)."""
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "surrogatepass")
+    shape = raw.translate(_DIGIT_SHAPES)
+    return b"0" * 20 in shape or b"-" + b"0" * 19 in shape
 
 
 def dumps(value: Any) -> bytes:
@@ -202,7 +203,7 @@ def _without(raw: bytes, part: bytes, path: tuple[str, ...], starts: list[int]) 
             doc = orjson.loads(head + _STAND_IN + tail)
         except orjson.JSONDecodeError:
             continue
-        if _has_huge_float(doc):
+        if _may_hold_huge_int(head) or _may_hold_huge_int(tail):
             return None  # ``loads`` reads it in full (exactly)
         _, value = _at(doc, path)
         if isinstance(value, dict) and list(value) == [_NONCE] and value[_NONCE] == 0:
@@ -269,8 +270,58 @@ def _learn(raw: bytes, doc: Any, path: tuple[str, ...]) -> None:
                 while len(_parts) > 2 * _KEPT:  # for the last two layouts, the part of each kind of document
                     _, dropped = _parts.popitem(last=False)
                     _validated.pop(id(dropped), None)
+                    _compact.pop(id(dropped), None)
                 _misses[path] = 0
             return
 
 
-__all__ = ["dumps", "is_json_object", "loads", "loads_sharing", "parse_training", "validated_arrays"]
+def dumps_sharing(doc: dict[str, Any], path: tuple[str, ...]) -> bytes:
+    """``dumps(doc)``; a part at ``path`` that ``loads_sharing`` handed out is rendered once, not with each
+    document (JSON is rendered part by part: the document's rendering with a stand-in there, the stand-in's
+    bytes replaced by the part's, is the whole rendering)."""
+    parent, value = _at(doc, path)
+    if parent is None or not isinstance(value, dict) or not value:
+        return dumps(doc)
+    with _lock:
+        known = _compact.get(id(value))
+        shared = (known is not None and known[0] is value) or any(part is value for part in _parts.values())
+    if not shared:
+        return dumps(doc)
+    if known is None or known[0] is not value:
+        known = (value, dumps(value))
+        with _lock:
+            if any(part is value for part in _parts.values()):
+                _compact[id(value)] = known
+    parent[path[-1]] = _STAND_IN_VALUE
+    try:
+        body = dumps(doc)
+    finally:
+        parent[path[-1]] = value
+    if body.count(_STAND_IN) != 1:
+        return dumps(doc)
+    return body.replace(_STAND_IN, known[1])
+
+
+def rendered_arrays(arrays: dict[str, ArraySpec]) -> bytes | None:
+    """pydantic's rendering of ``arrays`` when they are a layout ``validated_arrays`` handed out (the very
+    models, in the same order), rendered once per layout; None for any other."""
+    with _lock:
+        layouts = list(_arrays.values())
+    for layout in layouts:
+        if len(layout) == len(arrays) and all(map(operator.is_, layout, arrays)) and all(
+                map(operator.is_, layout.values(), arrays.values())):
+            with _lock:
+                kept = _rendered.get(id(layout))
+            if kept is not None and kept[0] is layout:
+                return kept[1]
+            rendering = _ARRAYS.dump_json(layout)
+            with _lock:
+                _rendered[id(layout)] = (layout, rendering)
+                while len(_rendered) > _KEPT:
+                    _rendered.popitem(last=False)
+            return rendering
+    return None
+
+
+__all__ = ["dumps", "dumps_sharing", "is_json_object", "loads", "loads_sharing", "parse_training", "rendered_arrays",
+           "validated_arrays"]

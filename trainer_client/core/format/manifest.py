@@ -33,13 +33,14 @@ import base64
 import contextlib
 import json
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
 from typing import Literal
 
 import google_crc32c
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from trainer_client.core.format.checksum import crc32c_b64, file_crc32c, files_crc32c
 from trainer_client.core.format.files import (
@@ -49,7 +50,7 @@ from trainer_client.core.format.files import (
     QUARANTINE_FILE,
     VERIFIED_FILE,
 )
-from trainer_client.core.format.json_docs import dumps, loads_sharing, validated_arrays
+from trainer_client.core.format.json_docs import dumps, dumps_sharing, loads_sharing, rendered_arrays, validated_arrays
 from trainer_client.core.format.records import RecordPlace, read_record
 from trainer_client.core.format.step_files import Listed, list_files, newest_file_time
 from trainer_client.core.identity import step_identity
@@ -62,6 +63,9 @@ UNMANIFESTED = frozenset({CHECKPOINT_METADATA, COMMIT_MARKER, CKPTD_MANIFEST, QU
 SEALED = (CHECKPOINT_METADATA, COMMIT_MARKER)
 _CHUNK = 8 << 20
 MANIFEST_ARRAYS = ("training", "arrays")  # where a manifest holds the per-array part (``json_docs.loads_sharing``)
+# What stands in for a layout rendered once (``_rendered_body``): one array under a name no manifest holds.
+_STAND_IN_ARRAYS = {f"ckptd-stand-in-{secrets.token_hex(12)}": ArraySpec(partition_spec=[])}
+_STAND_IN_RENDERED = TypeAdapter(dict[str, ArraySpec]).dump_json(_STAND_IN_ARRAYS)
 
 
 class _Model(BaseModel):
@@ -199,10 +203,24 @@ def write_manifest(storage: Storage, step_path: str, manifest: Manifest, *, read
     """Write ``manifest`` with its own checksum filled in; returns what was written. ``read_only``: to the
     side prefix, not into the step (``records.py``); ``sync``: as for ``write_json_file``."""
     path = RecordPlace(step_path, read_only).write_path(CKPTD_MANIFEST)
-    body = manifest.model_dump_json(exclude={"checksum"}).encode("utf-8")  # rendered once: summed and written
+    body = _rendered_body(manifest)  # rendered once: summed and written
     checksum = crc32c_b64(google_crc32c.value(body))
     write_json_file(storage, path, _with_checksum(body, checksum), sync=sync)
     return manifest.model_copy(update={"checksum": checksum})
+
+
+def _rendered_body(manifest: Manifest) -> bytes:
+    """``manifest.model_dump_json(exclude={"checksum"})``, its training metadata's arrays rendered once per
+    layout (``json_docs.rendered_arrays``; the rest with a stand-in there, the stand-in's bytes replaced)."""
+    training = manifest.training
+    arrays = rendered_arrays(training.arrays) if training is not None and training.arrays else None
+    if training is None or arrays is None:
+        return manifest.model_dump_json(exclude={"checksum"}).encode("utf-8")
+    stand_in = training.model_copy(update={"arrays": _STAND_IN_ARRAYS})
+    body = manifest.model_copy(update={"training": stand_in}).model_dump_json(exclude={"checksum"}).encode("utf-8")
+    if body.count(_STAND_IN_RENDERED) != 1:
+        return manifest.model_dump_json(exclude={"checksum"}).encode("utf-8")
+    return body.replace(_STAND_IN_RENDERED, arrays)
 
 
 def _with_checksum(body: bytes, checksum: str) -> bytes:
@@ -225,7 +243,7 @@ def _checksum_holds(raw: bytes, doc: dict[str, object], stored: str) -> bool:
     if raw.endswith(end) and crc32c_b64(google_crc32c.value(raw[:-len(end)] + b"}")) == stored:
         return True
     try:
-        body = dumps(doc)
+        body = dumps_sharing(doc, MANIFEST_ARRAYS)
     except (TypeError, ValueError):
         return False
     return crc32c_b64(google_crc32c.value(body)) == stored
