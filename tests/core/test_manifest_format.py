@@ -20,10 +20,11 @@ from trainer_client.core.format.manifest import (
     list_files,
     parse_manifest,
     read_manifest,
+    seal_manifest,
     write_manifest,
 )
 from trainer_client.core.format.steps import inspect_step
-from trainer_client.core.protocol import StepState, TrainingMetadata
+from trainer_client.core.protocol import ArraySpec, StepState, TrainingMetadata
 from trainer_client.core.storage import Entry, Storage
 from trainer_client.core.validation import validate_step
 
@@ -143,6 +144,23 @@ def test_a_malformed_array_entry_is_refused_after_steps_that_shared_their_arrays
     assert states[4].state is StepState.QUARANTINED and "manifest unreadable" in (states[4].reason or "")
     assert states[5].state is StepState.CORRUPT and "training metadata is invalid" in (states[5].reason or "")
     assert (job / "4" / CKPTD_MANIFEST).exists() and (job / "5" / "default" / "d" / "chunk").exists()
+
+
+def test_a_sealed_manifest_is_written_as_pydantic_renders_it(tmp_path: Path) -> None:
+    """The seal renders the arrays of a layout seen before once (``json_docs.rendered_arrays``): the bytes
+    written are still pydantic's rendering of the whole manifest, checksum last."""
+    job = tmp_path / "job"
+    storage = Storage(str(tmp_path))
+    for step in (1, 2):
+        _step(job, step)
+        manifest = read_manifest(storage, str(job / str(step)))
+        assert manifest is not None and manifest.training is not None
+        assert json_docs.rendered_arrays(manifest.training.arrays) is not None  # a layout validated before
+        sealed = seal_manifest(storage, str(job / str(step)), manifest)
+        assert (job / str(step) / CKPTD_MANIFEST).read_bytes() == sealed.model_dump_json().encode()
+        assert read_manifest(storage, str(job / str(step))) == sealed
+    other = {"params.other": ArraySpec(partition_spec=["data"])}
+    assert json_docs.rendered_arrays(other) is None
 
 
 def test_a_manifest_orjson_cannot_render_is_checked_the_pydantic_way(tmp_path: Path) -> None:

@@ -65,3 +65,13 @@ def test_numbers_read_as_written_around_a_shared_part() -> None:
     parsed = json_docs.loads_sharing(raw, path)
     assert parsed["big"] == 2**70 + 1 and isinstance(parsed["big"], int) and parsed["neg"] == -(2**64)
     assert json_docs.loads(b'{"size": 18446744073709551617}')["size"] == 18446744073709551617
+
+
+def test_a_shared_part_is_rendered_as_the_whole_document_would_be() -> None:
+    key, path = "arrays_render", ("meta", "arrays_render")
+    render = RENDERINGS["indented (older manifests)"]
+    json_docs.loads_sharing(render(_doc(1, _arrays(), key)), path)
+    doc = json_docs.loads_sharing(render(_doc(2, _arrays(), key, big=2**63 - 1)), path)
+    assert json_docs.dumps_sharing(doc, path) == json_docs.dumps(doc)
+    assert json_docs.dumps_sharing(doc, path) == json_docs.dumps(doc)  # the part's rendering kept: same bytes
+    assert doc == json.loads(render(_doc(2, _arrays(), key, big=2**63 - 1)))  # the document is left as it was
