@@ -35,6 +35,7 @@ import json
 import logging
 import math
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -108,19 +109,24 @@ def _as_trained(record: ArrayRecord, spec: ArraySpec | None, mesh: Mesh | None) 
     return sharding if wanted == saved else None
 
 
+def _damage_error(snapshot: Path, damaged: list[str]) -> StoredFormatError:
+    return StoredFormatError(f"snapshot {snapshot} is damaged: {'; '.join(damaged[:4])}"
+                             + (f" (and {len(damaged) - 4} more shards)" if len(damaged) > 4 else ""))
+
+
 def snapshot_arrays(snapshot: Path, devices: Sequence[jax.Device] | None = None,
-                    meta: SnapshotMeta | None = None) -> list[jax.Array]:
+                    meta: SnapshotMeta | None = None, *, data: np.ndarray | None = None,
+                    check: bool = True) -> list[jax.Array]:
     """Every array of the snapshot as a jax array on ``devices`` (default: this process's CPU devices), in
     leaf order, sharded as saved: on the trainer's mesh with its partition spec where ``devices`` are
     enough, else one device per saved shard; a device's buffer is the shard's read-only view of the
-    memory map where jax takes it as is (on the CPU it does: no copy). ``StoredFormatError`` when a
-    shard's bytes do not match their checksum: a damaged snapshot is never written to storage."""
+    memory map (``data``: ``map_data``'s, made here when not given) where jax takes it as is (on the CPU it
+    does: no copy). With ``check``, first ``StoredFormatError`` when a shard's bytes do not match their
+    checksum; without it the caller checks them (``persist`` does, beside the write, before the commit)."""
     meta = meta or read_meta(snapshot)
-    data = map_data(snapshot, meta)
-    damaged = damaged_shards(data, meta)
-    if damaged:
-        raise StoredFormatError(f"snapshot {snapshot} is damaged: {'; '.join(damaged[:4])}"
-                                + (f" (and {len(damaged) - 4} more shards)" if len(damaged) > 4 else ""))
+    data = map_data(snapshot, meta) if data is None else data
+    if check and (damaged := damaged_shards(data, meta)):
+        raise _damage_error(snapshot, damaged)
     devices = list(devices or jax.devices("cpu"))
     mesh = _trainer_mesh(meta.training, devices)
     out: list[jax.Array] = []
@@ -139,7 +145,12 @@ def snapshot_arrays(snapshot: Path, devices: Sequence[jax.Device] | None = None,
 
 
 def persist(snapshot: Path, job_url: str, *, compression: bool = False) -> str:
-    """Save the snapshot as a committed Orbax step under ``job_url``; the step's URL."""
+    """Save the snapshot as a committed Orbax step under ``job_url``; the step's URL.
+
+    Every shard's checksum is checked in a thread beside Orbax's write (the check reads the same memory
+    map the write does: its cost hides behind the disk's) and the save's commit waits for it: a damaged
+    snapshot raises ``StoredFormatError`` and is never committed (what was written of it stays in the
+    step's uncommitted temporary directory, as any failed save's does, which no plan names)."""
     bad = problems(snapshot)
     if bad:
         raise ValueError(f"snapshot {snapshot} is not whole: {'; '.join(bad)}")
@@ -147,16 +158,30 @@ def persist(snapshot: Path, job_url: str, *, compression: bool = False) -> str:
     if meta.is_part:  # the other hosts' shards are not here: a part is written as one (``write_part``)
         raise ValueError(f"snapshot {snapshot} is process {meta.process_index} of {meta.process_count}'s part only: "
                          "it is persisted as a part, never as a whole step (docs/multihost.md)")
-    # The trainer's tree as data (never unpickled): dicts and lists with the same key paths, which is all
-    # Orbax records of a tree. jax arrays, not numpy: Orbax writes jax arrays through its parallel array
-    # path, numpy leaves ~7x slower.
-    state = rebuild(meta.tree, snapshot_arrays(snapshot, meta=meta))
-    checkpointer = Checkpointer(job_url, compression=compression, item=meta.item)
-    try:
-        checkpointer.save_with_metadata(meta.step, state, meta.training, data_iterator=meta.data_iterator)
-        checkpointer.wait()
-    finally:
-        checkpointer.close()
+    data = map_data(snapshot, meta)
+    with ThreadPoolExecutor(1, thread_name_prefix="snapshot-check") as pool:
+        check = pool.submit(damaged_shards, data, meta)
+
+        def verify() -> None:
+            if damaged := check.result():
+                raise _damage_error(snapshot, damaged)
+
+        try:
+            # The trainer's tree as data (never unpickled): dicts and lists with the same key paths, which
+            # is all Orbax records of a tree. jax arrays, not numpy: Orbax writes jax arrays through its
+            # parallel array path, numpy leaves ~7x slower.
+            state = rebuild(meta.tree, snapshot_arrays(snapshot, meta=meta, data=data, check=False))
+            checkpointer = Checkpointer(job_url, compression=compression, item=meta.item)
+            try:
+                checkpointer.save_with_metadata(meta.step, state, meta.training, data_iterator=meta.data_iterator,
+                                                verify=verify)
+                checkpointer.wait()
+            finally:
+                checkpointer.close()
+        except Exception:
+            verify()  # a damaged snapshot is the reason, whatever Orbax made of it
+            raise
+        verify()  # also when the step was on storage already (nothing saved, nothing committed)
     return join_path(job_url, str(meta.step))
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -153,6 +153,7 @@ class Checkpointer:
         self.compression = compression
         self._storage = Storage(directory)
         self._pending: TrainingMetadata | None = None
+        self._verify: Callable[[], None] | None = None  # of the save in flight: checked before its commit
         self._data_file_size: int | None = None  # of the save being started; None: Orbax's default
         self._manager = self._new_manager()
         self.saved_steps: list[int] = []
@@ -196,14 +197,23 @@ class Checkpointer:
 
     def save_with_metadata(
         self, step: int, state: PyTree, meta: TrainingMetadata, *, extra: Mapping[str, Any] | None = None,
-        data_iterator: DataIteratorRecord | None = None,
+        data_iterator: DataIteratorRecord | None = None, verify: Callable[[], None] | None = None,
     ) -> None:
         """Save with training metadata given as is (ckptd's persister: the layout the trainer had, not the
-        host arrays it is handed); with ``data_iterator`` (its state at this step) the item ``iter`` too."""
+        host arrays it is handed); with ``data_iterator`` (its state at this step) the item ``iter`` too.
+
+        ``verify``: called once every file is written and before the manifest and the commit (in Orbax's
+        background thread for an asynchronous save, before anything is written for a synchronous one); if it
+        raises, the step is never committed and ``wait`` raises. The persist worker checks the snapshot's
+        bytes there, beside the write instead of before it."""
         custom = {CUSTOM_METADATA_KEY: meta.model_dump(mode="json"), **dict(extra or {})}
         started = time.perf_counter()
         self._manager.wait_until_finished()  # one save in flight: the callback below knows its step
+        if verify is not None and not self.async_save:  # no callback before a synchronous save's commit
+            verify()
+            verify = None
         self._pending = meta
+        self._verify = verify
         self._data_file_size = None if self._storage.is_remote else data_file_bytes(state)
         items: dict[str, Any] = {self.item: ocp.args.StandardSave(state)}
         if data_iterator is not None:
@@ -214,7 +224,7 @@ class Checkpointer:
             # A committed step of this number is already on storage (saved before an elastic event took the
             # job back to an older step). It is a consistent state of this run: keep it, never overwrite.
             _log.warning("step %s is already on storage; not saving it again", step)
-            self._pending = None
+            self._pending = self._verify = None
             return
         if not self.async_save:
             self._before_commit_fallback(step)
@@ -234,7 +244,11 @@ class Checkpointer:
         it, so the commit that follows covers the manifest and reaches stable storage. Orbax runs this
         callback in every process of a multi-process job, after its barrier; only the primary process (0,
         the one that commits) writes the manifest: several writers raced on one file, and each one's
-        listing could miss files another had not finished."""
+        listing could miss files another had not finished. A save's ``verify`` runs first: if it raises, the
+        step stays uncommitted."""
+        verify, self._verify = self._verify, None
+        if verify is not None:
+            verify()
         meta = self._pending
         if meta is None or jax.process_index() != 0:
             return

@@ -1,0 +1,137 @@
+"""The persist path's work beside the write (docs/benchmarks.md, ``persist_throughput_ratio_vs_disk_limit``):
+a save's ``verify`` gates its commit (the persist worker checks the snapshot's bytes there, beside Orbax's
+write), and ``ClosedFileSums`` checksums OCDBT data files as their writer closes them, trusting a sum only
+for the file it read, unchanged since."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from trainer_client.core.format.checksum import file_crc32c
+from trainer_client.core.format.files import CKPTD_MANIFEST, TMP_DIR_SUFFIX
+from trainer_client.core.written_crc import ClosedFileSums
+from trainer_client.runtime.checkpointing import Checkpointer, training_metadata
+
+
+def _state() -> dict[str, jax.Array]:
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    return {"w": jax.device_put(jnp.arange(64.0 * 8).reshape(64, 8), NamedSharding(mesh, P("data")))}
+
+
+def _save(ck: Checkpointer, step: int, **kwargs: object) -> None:
+    state = _state()
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    meta = training_metadata(step, state, data_position=step, global_batch=8, mesh=mesh, slices=[0])
+    ck.save_with_metadata(step, state, meta, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_save_whose_verify_raises_is_never_committed(tmp_path: Path) -> None:
+    calls: list[bool] = []
+
+    def verify() -> None:
+        # every file of the step is written by now, and nothing is committed yet
+        assert (tmp_path / f"3{TMP_DIR_SUFFIX}").is_dir() and not (tmp_path / "3").exists()
+        calls.append(True)
+        raise ValueError("damaged")
+
+    ck = Checkpointer(str(tmp_path))
+    _save(ck, 3, verify=verify)
+    with pytest.raises(Exception, match="damaged"):
+        ck.wait()
+    with contextlib.suppress(Exception):
+        ck.close()
+    assert calls == [True]
+    assert not (tmp_path / "3").exists()
+    # the next save is not affected by the last one's verify
+    ck2 = Checkpointer(str(tmp_path))
+    _save(ck2, 4, verify=lambda: None)
+    ck2.wait()
+    ck2.close()
+    assert (tmp_path / "4" / CKPTD_MANIFEST).is_file()
+
+
+def test_a_synchronous_save_verifies_before_writing(tmp_path: Path) -> None:
+    ck = Checkpointer(str(tmp_path), async_save=False)
+
+    def verify() -> None:
+        raise ValueError("damaged")
+
+    with pytest.raises(ValueError, match="damaged"):
+        _save(ck, 3, verify=verify)
+    assert not any(tmp_path.glob("3*"))
+
+
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def test_closed_data_files_are_summed_as_read_back(tmp_path: Path) -> None:
+    data_dir = tmp_path / "1.tmp" / "item" / "ocdbt.process_0" / "d"
+    data_dir.mkdir(parents=True)
+    sums = ClosedFileSums(str(tmp_path))
+    if not sums.watching:
+        pytest.skip("no inotify on this platform: nothing is summed early, the manifest reads every file")
+    rng = np.random.default_rng(0)
+    payloads = {f"f{i}": rng.bytes(100_000 + i) for i in range(4)}
+    for name, data in payloads.items():
+        _write(data_dir / name, data)
+    _write(data_dir.parent / "manifest.ocdbt", b"metadata: rewritten and renamed, never trusted early")
+    with open(data_dir / "f3", "ab") as f:  # reopened and written: its sum holds only if taken after this
+        f.write(b"changed after its close")
+    os.rename(tmp_path / "1.tmp", tmp_path / "1")  # the commit renames directories, not the files
+    entries = sums.entries(str(tmp_path / "1"))
+    sums.shutdown()
+    for name in ("f0", "f1", "f2"):
+        rel = f"item/ocdbt.process_0/d/{name}"
+        assert entries[rel] == file_crc32c(str(tmp_path / "1" / rel)) == (len(payloads[name]), entries[rel][1])
+    f3 = "item/ocdbt.process_0/d/f3"
+    assert f3 not in entries or entries[f3] == file_crc32c(str(tmp_path / "1" / f3))
+    assert "item/ocdbt.process_0/manifest.ocdbt" not in entries
+
+
+def test_an_orbax_save_is_summed_as_the_manifest_would_read_it(tmp_path: Path) -> None:
+    """A real save: every data file summed early has the CRC32C the manifest's own pass reads back."""
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    state = {f"w{i}": jax.device_put(jnp.full((512, 512), float(i)), NamedSharding(mesh, P("data")))
+             for i in range(8)}  # 8 MiB: OCDBT data files of ~1 MiB, closed one after another
+    ck = Checkpointer(str(tmp_path))
+    sums = ClosedFileSums(str(tmp_path))
+    if not sums.watching:
+        pytest.skip("no inotify on this platform")
+    ck.save(1, state, data_position=1, global_batch=8, mesh=mesh, slices=[0])
+    ck.wait()
+    ck.close()
+    entries = sums.entries(str(tmp_path / "1"))
+    sums.shutdown()
+    assert entries
+    for rel, entry in entries.items():
+        assert "/d/" in rel
+        assert entry == file_crc32c(str(tmp_path / "1" / rel))
+
+
+def test_a_file_changed_after_its_sum_is_not_trusted(tmp_path: Path) -> None:
+    data_dir = tmp_path / "d"
+    data_dir.mkdir()
+    sums = ClosedFileSums(str(tmp_path))
+    if not sums.watching:
+        pytest.skip("no inotify on this platform")
+    _write(data_dir / "a", b"x" * 50_000)
+    _write(data_dir / "b", b"y" * 50_000)
+    sums.close()  # no more events: b's rewrite below is seen only by its changed size and times
+    sums_before = sums.entries(str(tmp_path))
+    _write(data_dir / "b", b"z" * 60_000)
+    after = sums.entries(str(tmp_path))
+    sums.shutdown()
+    assert sums_before["d/a"] == file_crc32c(str(data_dir / "a"))
+    assert after["d/a"] == sums_before["d/a"]
+    assert "d/b" not in after
