@@ -64,13 +64,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hold-after", type=int, default=None,
                         help="past this step, wait at each step boundary while --hold-file exists (the demo's kill)")
     parser.add_argument("--hold-file", type=Path, default=None)
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="the mesh's replica axis (e.g. one per process: a state replicated across hosts)")
+    parser.add_argument("--no-memory-tier", action="store_true",
+                        help="no host-memory tier: every persistent save goes through Orbax directly")
     args = parser.parse_args(argv)
 
     initialize_multihost(args.coordinator, args.count, args.index, heartbeat_timeout_s=args.heartbeat_s,
                          initialization_timeout_s=120)
+    shm = None if args.no_memory_tier else args.shm
     config = ElasticConfig(
-        job=args.job, mesh_axes=("replica", "data"), mesh_shape=(1, jax.device_count()), global_batch=48,
-        checkpoint_period=args.checkpoint_period, memory_period=args.memory_period, shm_dir=args.shm,
+        job=args.job, mesh_axes=("replica", "data"), mesh_shape=(args.replicas, jax.device_count() // args.replicas),
+        global_batch=48, checkpoint_period=args.checkpoint_period, memory_period=args.memory_period, shm_dir=shm,
         max_snapshots=4, policy="pause", precompile=False, compilation_cache_dir=args.cache,
     )
 
@@ -80,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                                          "wall": event.wall_time, "detail": event.detail,
                                          "tier": event.fields.get("tier")}), flush=True)
 
-    client = CkptdClient(ClientSettings(url=args.url, shm_dir=args.shm), root=args.root)
+    client = CkptdClient(ClientSettings(url=args.url, shm_dir=shm), root=args.root)
     runner = ElasticRunner(config, slices=SimulatedSlices(num_slices=1), client=client,
                            checkpoint_dir=f"{args.root}/{args.job}", on_event=show)
     log = TrainLog()
