@@ -30,6 +30,7 @@ import re
 import secrets
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -134,15 +135,14 @@ def validated_arrays(value: Any) -> dict[str, ArraySpec]:
         key = dumps(value) if isinstance(value, dict) and value else b""
     except (TypeError, ValueError):
         key = b""
-    if key:
-        with _lock:
-            kept = _arrays.get(key)
-            if kept is not None:
-                _arrays.move_to_end(key)
-                return dict(kept)
-    arrays = _ARRAYS.validate_python(value)
-    if key:
-        _remember(_arrays, key, arrays)
+    with _lock:
+        arrays = _arrays.get(key) if key else None
+        if arrays is not None:
+            _arrays.move_to_end(key)
+    if arrays is None:
+        arrays = _ARRAYS.validate_python(value)
+        if key:
+            _remember(_arrays, key, arrays)
     with _lock:
         if any(part is value for part in _parts.values()):
             _validated[id(value)] = (value, arrays)
@@ -168,23 +168,24 @@ def _at(doc: Any, path: tuple[str, ...]) -> tuple[dict[str, Any] | None, Any]:
     return parent, parent.get(path[-1])
 
 
-def _value_starts(raw: bytes, path: tuple[str, ...]) -> list[int]:
+def _value_starts(raw: bytes, path: tuple[str, ...]) -> Iterator[int]:
     """Where a value of ``path``'s last key may start in ``raw``: after each of its first ``_TRIES``
-    occurrences as a key (quoted, then a colon). Cheaper than searching ``raw`` for a 100 KB part."""
+    occurrences as a key (quoted, then a colon), found as they are asked for. Cheaper than searching ``raw``
+    for a 100 KB part."""
     key = b'"' + path[-1].encode("utf-8") + b'"'
-    starts: list[int] = []
     at = raw.find(key)
-    while at >= 0 and len(starts) < _TRIES:
+    for _ in range(_TRIES):
+        if at < 0:
+            return
         colon = _COLON.match(raw, at + len(key))
         if colon is not None:
-            starts.append(colon.end())
+            yield colon.end()
         at = raw.find(key, at + 1)
-    return starts
 
 
-def _without(raw: bytes, part: bytes, path: tuple[str, ...], starts: list[int]) -> Any:
-    """The document ``raw`` parsed with ``part``, where it occurs at one of ``starts``, replaced by the
-    stand-in, when that proves ``part`` is the value at ``path``; else None.
+def _without(raw: bytes, part: bytes, path: tuple[str, ...], at: int) -> Any:
+    """The document ``raw`` parsed with ``part``, which occurs at ``at``, replaced by the stand-in, when that
+    proves ``part`` is the value at ``path``; else None.
 
     The proof: the bytes around ``part`` hold no backslash and not the stand-in's key, so the only string in
     the document equal to that key is the stand-in's own; found as the key of the object at ``path``, the
@@ -193,21 +194,20 @@ def _without(raw: bytes, part: bytes, path: tuple[str, ...], starts: list[int]) 
     its own), so in ``raw`` it is read at the same place, as the same value, and the bytes after it as
     after the stand-in: ``raw`` parses to the returned document with that value in place of the stand-in."""
     key = _STAND_IN[2:-4]
-    for at in starts:  # an older manifest holds its arrays twice: the second is the one at ``path``
-        if not raw.startswith(part, at):
-            continue
-        head, tail = raw[:at], raw[at + len(part):]
-        if b"\\" in head or b"\\" in tail or key in head or key in tail:
-            return None
-        try:
-            doc = orjson.loads(head + _STAND_IN + tail)
-        except orjson.JSONDecodeError:
-            continue
-        if _may_hold_huge_int(head) or _may_hold_huge_int(tail):
-            return None  # ``loads`` reads it in full (exactly)
-        _, value = _at(doc, path)
-        if isinstance(value, dict) and list(value) == [_NONCE] and value[_NONCE] == 0:
-            return doc  # the stand-in at ``path``: the caller puts the value there
+    if not raw.startswith(part, at):
+        return None
+    head, tail = raw[:at], raw[at + len(part):]
+    if b"\\" in head or b"\\" in tail or key in head or key in tail:
+        return None
+    try:
+        doc = orjson.loads(head + _STAND_IN + tail)
+    except orjson.JSONDecodeError:
+        return None
+    if _may_hold_huge_int(head) or _may_hold_huge_int(tail):
+        return None  # ``loads`` reads it in full (exactly)
+    _, value = _at(doc, path)
+    if isinstance(value, dict) and list(value) == [_NONCE] and value[_NONCE] == 0:
+        return doc  # the stand-in at ``path``: the caller puts the value there
     return None
 
 
@@ -218,17 +218,17 @@ def loads_sharing(raw: bytes, path: tuple[str, ...]) -> Any:
     twice each (``_CHECKPOINT_METADATA``, the manifest), byte for byte the previous step's."""
     with _lock:
         known = list(reversed(_parts.items()))
-    starts = _value_starts(raw, path) if known else []
-    for part, value in known:
-        doc = _without(raw, part, path, starts)
-        if doc is not None:
-            parent, _ = _at(doc, path)
-            assert parent is not None
-            parent[path[-1]] = value
-            with _lock:
-                if part in _parts:
-                    _parts.move_to_end(part)
-            return doc
+    for at in _value_starts(raw, path) if known else ():  # an older manifest holds its arrays twice: the 2nd
+        for part, value in known:
+            doc = _without(raw, part, path, at)
+            if doc is not None:
+                parent, _ = _at(doc, path)
+                assert parent is not None
+                parent[path[-1]] = value
+                with _lock:
+                    if part in _parts:
+                        _parts.move_to_end(part)
+                return doc
     doc = loads(raw)
     _learn(raw, doc, path)
     return doc
@@ -256,7 +256,7 @@ def _learn(raw: bytes, doc: Any, path: tuple[str, ...]) -> None:
     for start in starts:
         for end in ends:
             part = raw[start:end + 1]
-            if len(part) < _MIN_PART or _without(raw, part, path, [start]) is None:
+            if len(part) < _MIN_PART or _without(raw, part, path, start) is None:
                 continue
             try:
                 own = loads(part)
