@@ -28,6 +28,7 @@ and nothing is written or synced inside the step: quarantine is a record there, 
 from __future__ import annotations
 
 import logging
+import os
 import posixpath
 import threading
 import time
@@ -48,7 +49,7 @@ from trainer_client.core.format.manifest import (
     write_manifest,
     write_verified_record,
 )
-from trainer_client.core.format.records import RecordPlace, read_record, record_paths
+from trainer_client.core.format.records import RecordPlace, record_paths
 from trainer_client.core.format.steps import StepInspection
 from trainer_client.core.protocol import StepState
 from trainer_client.core.storage import Storage, join_path
@@ -135,11 +136,10 @@ def _read_records(storage: Storage, step_path: str, *, manifest: bool) -> tuple[
     the reads go out at once (each is a round trip; most find nothing); on a local disk they are read one
     after the other, the manifest only when there is no quarantine record."""
     if not storage.is_remote:
-        quarantined = read_record(storage, step_path, QUARANTINE_FILE)
+        quarantined = _read_local_record(storage, step_path, QUARANTINE_FILE)
         if quarantined is not None or not manifest:
-            return (quarantined[1] if quarantined else None), b""
-        found = read_record(storage, step_path, CKPTD_MANIFEST)
-        return None, (found[1] if found else b"")
+            return quarantined, b""
+        return None, _read_local_record(storage, step_path, CKPTD_MANIFEST) or b""
     paths = [*record_paths(step_path, QUARANTINE_FILE), *(record_paths(step_path, CKPTD_MANIFEST) if manifest else ())]
     reads = [_threads().submit(storage.read_bytes, path) for path in paths]
     got: list[bytes | None] = []
@@ -152,6 +152,26 @@ def _read_records(storage: Storage, step_path: str, *, manifest: bool) -> tuple[
     quarantine_raw = got[0] if got[0] is not None else got[1]
     manifest_raw = got[2] if got[2] is not None else got[3]
     return quarantine_raw, manifest_raw if manifest_raw is not None else b""
+
+
+def _read_local_record(storage: Storage, step_path: str, name: str) -> bytes | None:
+    """``read_record`` on a local disk, reading only where a listing shows the file (the step directory and
+    its side directory, listed at once: cheaper than reads that find nothing). Read through ``storage``, so
+    a link leading out of the root is still not there."""
+    for path in record_paths(step_path, name):
+        try:
+            with os.scandir(posixpath.dirname(path)) as children:
+                there = any(child.name == name for child in children)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            there = True  # cannot list: try the read itself
+        if there:
+            try:
+                return storage.read_bytes(path)
+            except FileNotFoundError:
+                continue
+    return None
 
 
 def _durable(step_path: str, sealed_tmp: str) -> None:
