@@ -156,8 +156,10 @@ def run_job(base: Path, hosts: int, kill: Kill | None, *, memory_tier: bool = Tr
                 victim.proc.kill()
                 hit = _hit(job, kill)
                 print(f"[kill] {kill}: {hit}")
+                killed_at = time.monotonic()
                 ended = wait_exit(trainers, job.heartbeat_s + 60)
-                print(f"[kill] the trainers ended: {ended} (None: still running, SIGKILLed as JobSet would)")
+                print(f"[kill] the trainers ended: {ended} within {time.monotonic() - killed_at:.1f} s "
+                      "(None: still running, SIGKILLed as JobSet would)")
                 job.kill(trainers)
                 trainers = job.launch(2)
             codes = wait_exit(trainers, 600)
