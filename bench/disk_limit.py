@@ -46,7 +46,7 @@ def _pieces(buffers: Sequence[np.ndarray]) -> list[memoryview]:
     """The buffers' bytes as pieces of at most ``PIECE`` bytes (so that 8 writers share even one big array)."""
     out = []
     for b in buffers:
-        flat = memoryview(np.ascontiguousarray(b).reshape(-1).view(np.uint8))
+        flat = np.ascontiguousarray(b).reshape(-1).view(np.uint8).data
         out += [flat[o : o + PIECE] for o in range(0, len(flat), PIECE)]
     return out
 
@@ -99,7 +99,7 @@ def read_limit(files: Sequence[Path], readers: int, *, cold: bool = True) -> flo
             drop_page_cache()
 
         def read(k: int) -> None:
-            view = memoryview(buffers[k])
+            view = buffers[k].data
             for j in range(k, len(jobs), len(buffers)):
                 path, offset, length = jobs[j]
                 done = 0

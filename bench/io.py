@@ -40,11 +40,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 
-from bench import disk_limit
+from bench import disk_limit, persist_phases
 from bench.common import Figure, Profile, Results, alternate, filesystem_of, free_gib, rmtree, timed
 from bench.gcs_requests import run_gcs_requests
 from bench.io_restore import SPEC, run_restores
-from ckptd.catalog.snapshots import ask_persist_worker, start_persist_worker, stop_persist_worker
+from bench.persist_phases import ServeWorker
 from trainer_client.runtime.checkpointing import Checkpointer, standard_handler, training_metadata
 from trainer_client.runtime.memory_tier import MemoryTier
 
@@ -84,27 +84,11 @@ def orbax_manager(directory: Path, *, compression: bool | None) -> ocp.Checkpoin
     return ocp.CheckpointManager(str(directory), options=options, item_handlers=standard_handler(compression))
 
 
-class ServeWorker:
-    """``python -m ckptd.catalog.persist_worker --serve``, as ckptd's SnapshotKeeper runs it: one long-lived child
-    for all snapshots, a JSON request line and a JSON answer line per snapshot."""
-
-    def __init__(self) -> None:
-        self.proc = start_persist_worker()  # what SnapshotKeeper starts: niced, compression off
-
-    def persist(self, snapshot: Path, job_dir: Path) -> str:
-        answer = ask_persist_worker(self.proc, {"snapshot": str(snapshot), "job_url": str(job_dir)}, 3600.0)
-        if not answer.get("ok"):
-            raise RuntimeError(f"persist worker failed: {answer.get('error')}")
-        return str(answer["path"])
-
-    def close(self) -> None:
-        stop_persist_worker(self.proc, 60.0)
-
-
 def _save_repeat(i: int, profile: Profile, state: PyTree, views: list[list[np.ndarray]], mesh8: Mesh,
-                 tier: MemoryTier, workdir: Path, worker: ServeWorker | None,
-                 writers: int) -> tuple[dict[str, float], Path, Path]:
-    """One repeat of every save and persist measurement; (timings, its snapshot, its Checkpointer step)."""
+                 tier: MemoryTier, workdir: Path, worker: ServeWorker | None, writers: int,
+                 phases: dict[str, dict[str, float]]) -> tuple[dict[str, float], Path, Path]:
+    """One repeat of every save and persist measurement; (timings, its snapshot, its Checkpointer step).
+    ``phases`` gets the worker's persist phases, child and in-process (``bench.persist_phases``)."""
     step = 100 * (i + 1)
     print(f"  repeat {i + 1}/{profile.repeats} ({free_gib():.1f} GiB available)", flush=True)
     rep: dict[str, float] = {}
@@ -193,6 +177,7 @@ def _save_repeat(i: int, profile: Profile, state: PyTree, views: list[list[np.nd
         with timed() as t:
             worker.persist(snapshot[0], d)
         rep["persist_worker_child"] = t.seconds
+        phases["child"] = worker.last_phases
         rmtree(d)
 
     def worker_oneshot() -> None:
@@ -212,9 +197,12 @@ def _save_repeat(i: int, profile: Profile, state: PyTree, views: list[list[np.nd
         from ckptd.catalog.persist_worker import persist
 
         d = workdir / f"worker-inproc-{i}"
+        persist_phases.install()
         os.sync()
         with timed() as t:
+            started = persist_phases.begin()
             persist(snapshot[0], str(d))
+            phases["inprocess"] = persist_phases.end(started)
         rep["persist_worker_inprocess"] = t.seconds
         rmtree(d)
 
@@ -284,7 +272,8 @@ def run_io(profile: Profile, results: Results, workdir: Path, shm_dir: Path) -> 
     keep_step_dir: Path | None = None
     keep_snapshot: Path | None = None
 
-    worker = ServeWorker() if profile.persist_child else None
+    worker = ServeWorker(os.environ.get("BENCH_PERSIST_PHASES", "1") != "0") if profile.persist_child else None
+    phase_series: dict[str, list[float]] = {}
     try:
         if worker is not None:
             first = _first_request(worker, state, mesh8, tier, workdir)
@@ -296,9 +285,13 @@ def run_io(profile: Profile, results: Results, workdir: Path, shm_dir: Path) -> 
         print("  write sweep (fsync included): " + ", ".join(
             f"{n} writers {nbytes / t / 1e9:.2f} GB/s" for n, t in sweep.items()), flush=True)
         for i in range(profile.repeats):
-            rep, snap, step_dir = _save_repeat(i, profile, state, views, mesh8, tier, workdir, worker, writers)
+            phases: dict[str, dict[str, float]] = {}
+            rep, snap, step_dir = _save_repeat(i, profile, state, views, mesh8, tier, workdir, worker, writers, phases)
             for k, v in rep.items():
                 s[k].append(v)
+            for path, spans in phases.items():
+                for phase, seconds in spans.items():
+                    phase_series.setdefault(f"{path}.{phase}", []).append(seconds)
             ratio["stall_checkpointer"].append(rep["checkpointer_blocked"] / rep["memcpy"])
             ratio["stall_memory_tier"].append(rep["memory_tier_blocked"] / rep["memcpy"])
             ratio["stall_orbax"].append(rep["orbax_blocked"] / rep["memcpy"])
@@ -341,6 +334,8 @@ def run_io(profile: Profile, results: Results, workdir: Path, shm_dir: Path) -> 
         results.measure(f"io.{k}_gbps", [nbytes / x / 1e9 for x in s[k]], "GB/s")
     for k, series in ratio.items():
         results.measure(f"io.ratio.{k}", series, "ratio")
+    for k, series in sorted(phase_series.items()):  # bench.persist_phases: where the worker's persist goes
+        results.measure(f"io.persist_phase.{k}", series, "count" if k.endswith("page_faults") else "s")
 
     med = {k: results.measurements[f"io.ratio.{k}"]["median"] for k in ratio}
     results.figure(Figure(

@@ -1,0 +1,143 @@
+"""The persist worker as the benchmarks run it (``ServeWorker``), and where a persist's time goes:
+``python -m bench.persist_phases --serve ...`` is ckptd's persist worker
+(``ckptd.catalog.persist_worker``, unchanged, same arguments) with a timer around each phase, its answers
+carrying them under ``phases``; ``install()`` puts the same timers into this process for the in-process
+persist. ``bench.io`` uses it with ``BENCH_PERSIST_PHASES=1`` (docs/benchmarks.md, "persist phases").
+
+Phases, in seconds from the request's start: ``check`` (every shard's XXH3 through the snapshot's map: in
+a thread beside the write since it overlaps it), ``start`` (the arrays made from the map and Orbax's save
+started), ``write`` (from then until Orbax's finalize hands over: tensorstore's writes and fsyncs),
+``manifest`` (the CRC32C pass reading the step back and the manifest written), ``sync`` (the tree's fsync),
+``commit`` (after that until the save is committed), plus the process's CPU time and page faults.
+"""
+
+from __future__ import annotations
+
+import functools
+import resource
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ckptd.catalog.snapshots import DEFAULT_NICE, ask_persist_worker, start_persist_worker, stop_persist_worker
+
+_events: list[tuple[str, float, float]] = []
+_t0 = [0.0]
+_lock = threading.Lock()
+
+
+def _timed(owner: Any, name: str, label: str) -> None:
+    original = getattr(owner, name)
+    if getattr(original, "_bench_timed", False):
+        return
+
+    @functools.wraps(original)
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            with _lock:
+                _events.append((label, start - _t0[0], time.perf_counter() - _t0[0]))
+
+    inner._bench_timed = True  # type: ignore[attr-defined]
+    setattr(owner, name, inner)
+
+
+def install() -> None:
+    """Time the persist path's phases in this process (idempotent)."""
+    import ckptd.catalog.persist_worker as worker
+    import trainer_client.runtime.checkpointing as checkpointing
+
+    _timed(worker, "damaged_shards", "check")
+    _timed(checkpointing.Checkpointer, "save_with_metadata", "start")
+    _timed(checkpointing.Checkpointer, "_before_commit", "before_commit")
+    _timed(checkpointing, "build_manifest", "crc")
+    _timed(checkpointing, "write_manifest", "write_manifest")
+    _timed(checkpointing, "sync_tree", "sync")
+
+
+def begin() -> tuple[float, resource.struct_rusage]:
+    with _lock:
+        _events.clear()
+    _t0[0] = time.perf_counter()
+    return _t0[0], resource.getrusage(resource.RUSAGE_SELF)
+
+
+def end(started: tuple[float, resource.struct_rusage]) -> dict[str, float]:
+    """The phases of the persist since ``begin``."""
+    total = time.perf_counter() - started[0]
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    with _lock:
+        spans: dict[str, tuple[float, float]] = {}
+        for label, a, b in _events:
+            spans.setdefault(label, (a, b))
+
+    def length(label: str) -> float:
+        a, b = spans.get(label, (0.0, 0.0))
+        return b - a
+
+    start = spans.get("start", (0.0, 0.0))
+    before = spans.get("before_commit", (start[1], start[1]))
+    return {
+        "total": total,
+        "check": length("check"),
+        "start": start[1],
+        "write": before[0] - start[1],
+        "manifest": length("crc") + length("write_manifest"),
+        "sync": length("sync"),
+        "commit": total - before[1],
+        "cpu_user": usage.ru_utime - started[1].ru_utime,
+        "cpu_system": usage.ru_stime - started[1].ru_stime,
+        "page_faults": float(usage.ru_minflt - started[1].ru_minflt),
+    }
+
+
+class ServeWorker:
+    """``python -m ckptd.catalog.persist_worker --serve``, as ckptd's SnapshotKeeper runs it: one long-lived child
+    for all snapshots, a JSON request line and a JSON answer line per snapshot. With ``phases`` (the default;
+    ``BENCH_PERSIST_PHASES=0`` turns it off) the same worker through ``bench.persist_phases``, which times
+    each phase of a persist and sends the times with its answer (``last_phases``)."""
+
+    def __init__(self, phases: bool = True) -> None:
+        if phases:  # the same arguments as SnapshotKeeper's start_persist_worker: niced, compression off
+            self.proc = subprocess.Popen([sys.executable, "-m", "bench.persist_phases", "--serve",
+                                          f"--nice={DEFAULT_NICE}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         text=True, bufsize=1)
+        else:
+            self.proc = start_persist_worker()  # what SnapshotKeeper starts: niced, compression off
+        self.last_phases: dict[str, float] = {}
+
+    def persist(self, snapshot: Path, job_dir: Path) -> str:
+        answer = ask_persist_worker(self.proc, {"snapshot": str(snapshot), "job_url": str(job_dir)}, 3600.0)
+        if not answer.get("ok"):
+            raise RuntimeError(f"persist worker failed: {answer.get('error')}")
+        self.last_phases = dict(answer.get("phases") or {})
+        return str(answer["path"])
+
+    def close(self) -> None:
+        stop_persist_worker(self.proc, 60.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import ckptd.catalog.persist_worker as worker
+
+    install()
+    handle: Callable[..., dict[str, Any]] = worker.handle
+
+    def timed_handle(request: dict[str, Any], compression: bool = False) -> dict[str, Any]:
+        started = begin()
+        answer = handle(request, compression)
+        answer["phases"] = end(started)
+        return answer
+
+    worker.handle = timed_handle
+    return worker.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
