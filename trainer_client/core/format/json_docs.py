@@ -265,7 +265,7 @@ def _learn(raw: bytes, doc: Any, path: tuple[str, ...]) -> None:
             if own != value:
                 continue
             with _lock:
-                _parts[part] = value
+                _parts.setdefault(part, value)  # learnt by another thread meanwhile: its value stays the one
                 _parts.move_to_end(part)
                 while len(_parts) > 2 * _KEPT:  # for the last two layouts, the part of each kind of document
                     _, dropped = _parts.popitem(last=False)
