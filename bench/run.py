@@ -1,6 +1,8 @@
 """``python -m bench.run`` (``make bench``; ``BENCH_QUICK=1`` for the short form): measure every figure of
 docs/benchmarks.md on this machine, print each as it is measured, write ``bench/results.json`` and the
-table in ``docs/benchmarks.md``.
+table in ``docs/benchmarks.md``. The quick profile writes ``bench/results-quick.json`` and a table of its
+own in docs/benchmarks.md, each figure beside the full run's and whether that lies within the quick run's
+spread (the quick profile is a stand-in for the full one only where it agrees).
 
 Families: ``io`` (save, persist, restore, memory tier: bench/io.py), ``service`` (resume latency, burst,
 catalog rebuild: bench/service.py), ``recovery`` (in-process recovery against a relaunch:
@@ -112,7 +114,9 @@ def run(profile: Profile, families: tuple[str, ...], out: Path, docs: Path | Non
     write_json(out, payload)
     print(f"\nwrote {out}", flush=True)
     if docs is not None:
-        write_report(payload, docs)
+        full = ROOT / "bench" / "results.json"  # a quick run's table says how each figure compares with it
+        reference = json.loads(full.read_text()) if profile.name == "quick" and full.exists() else None
+        write_report(payload, docs, reference)
         print(f"wrote {docs}", flush=True)
     return payload
 
@@ -122,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", choices=["full", "quick", "toy"], default=None,
                         help="default: quick when BENCH_QUICK=1, else full")
     parser.add_argument("--only", default=",".join(FAMILIES), help="comma-separated families")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: bench/results.json (full), bench/results-quick.json (quick), "
+                        "bench/results-toy.json (toy)")
     parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "benchmarks.md",
                         help="the Markdown report to (re)write; 'none' to skip")
     parser.add_argument("--workdir", default=os.environ.get("BENCH_WORKDIR"),
@@ -140,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--set: no profile field {name!r}")
         profile = replace(profile, **{name: type(getattr(profile, name))(int(value))})
     families = tuple(f for f in args.only.split(",") if f)
+    out = args.out or ROOT / "bench" / ("results.json" if profile.name == "full" else f"results-{profile.name}.json")
     docs = None if str(args.docs) == "none" else args.docs
-    payload = run(profile, families, args.out, docs, args.workdir, args.shm, merge=args.merge)
+    payload = run(profile, families, out, docs, args.workdir, args.shm, merge=args.merge)
     return 1 if payload["errors"] else 0
 
 
