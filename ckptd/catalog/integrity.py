@@ -32,8 +32,9 @@ import os
 import posixpath
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -98,7 +99,8 @@ _steps_pool: ThreadPoolExecutor | None = None
 def each_step(look: Callable[[_T], _R], items: list[_T]) -> Iterator[tuple[_T, _R | StorageError]]:
     """``look(item)`` for each item, ``_STEPS_AT_ONCE`` at a time (one step's reads and fsyncs wait while another
     step's metadata is parsed), in order; a ``StorageError`` is handed back in place of that item's result, any
-    other exception raised."""
+    other exception raised — and then no further item is started (at most the few already running finish),
+    as the loop over the steps stopped before."""
     global _steps_pool
 
     def guarded(item: _T) -> _R | StorageError:
@@ -114,7 +116,19 @@ def each_step(look: Callable[[_T], _R], items: list[_T]) -> Iterator[tuple[_T, _
         if _steps_pool is None:
             _steps_pool = ThreadPoolExecutor(_STEPS_AT_ONCE, thread_name_prefix="ckptd-first-sight")
         pool = _steps_pool
-    yield from zip(items, pool.map(guarded, items), strict=True)
+    pending: deque[tuple[_T, Future[_R | StorageError]]] = deque()
+    try:
+        for item in items:
+            pending.append((item, pool.submit(guarded, item)))
+            if len(pending) >= 2 * _STEPS_AT_ONCE:  # a few queued ahead, not the whole job
+                done, future = pending.popleft()
+                yield done, future.result()
+        while pending:
+            done, future = pending.popleft()
+            yield done, future.result()
+    finally:
+        for _, future in pending:  # an exception, or the caller stopped: start nothing more
+            future.cancel()
 
 
 def _sync_together(paths: list[str]) -> None:
