@@ -54,6 +54,8 @@ _COLON = re.compile(rb"\s*:\s*")
 _MISSES_KEPT = 8  # after this many documents of a kind that shared nothing, only every 8th one is learned from
 _misses: dict[tuple[str, ...], int] = {}
 _MIN_PART = 4096  # smaller parts are parsed as they are: cheap, not worth remembering
+# Larger ones too: a parsed part takes ~6x its bytes in memory, and four are kept (~35,000 arrays and more)
+_MAX_PART = 4 << 20
 # The stand-in for a shared part: an object whose one key no escape-free document holds by chance. It starts
 # with a letter, so outside a string its bytes are never a JSON token of their own.
 _NONCE = "zckptd" + secrets.token_hex(12)
@@ -256,7 +258,7 @@ def _learn(raw: bytes, doc: Any, path: tuple[str, ...]) -> None:
     for start in starts:
         for end in ends:
             part = raw[start:end + 1]
-            if len(part) < _MIN_PART or _without(raw, part, path, start) is None:
+            if not _MIN_PART <= len(part) <= _MAX_PART or _without(raw, part, path, start) is None:
                 continue
             try:
                 own = loads(part)
