@@ -257,8 +257,10 @@ def _learn(raw: bytes, doc: Any, path: tuple[str, ...]) -> None:
         at = raw.rfind(b"}", 0, at)
     for start in starts:
         for end in ends:
+            if not _MIN_PART <= end + 1 - start <= _MAX_PART:
+                continue
             part = raw[start:end + 1]
-            if not _MIN_PART <= len(part) <= _MAX_PART or _without(raw, part, path, start) is None:
+            if _without(raw, part, path, start) is None:
                 continue
             try:
                 own = loads(part)
