@@ -17,8 +17,9 @@ array's entry with pydantic cost ~40 ms a step: ten thousand steps seen for the 
   bytes instead of ~110 KB) and given the earlier value. Parsing the two documents that carry the arrays
   was most of what remained of a first sight (docs/benchmarks.md).
 
-Nothing is checked less: a document that differs in any byte is parsed and validated in full, and a part
-is only taken over when it is proven to sit at that very place in the document (below). The memos hold the
+Nothing is checked less: a part that differs in any byte is parsed and validated in full, a part is only
+taken over when it is proven to sit at that very place in the document (``_without``), and a document that
+may hold an integer beyond 64 bits is read by ``json`` (orjson would make it a float). The memos hold the
 last few layouts only (``_KEPT``). No jax here.
 """
 
