@@ -23,7 +23,7 @@ from typing import Any, Literal
 import jax
 
 from trainer_client.client.ckptd_client import CkptdClient
-from trainer_client.core.errors import StoredFormatError
+from trainer_client.core.errors import CkptdError, StoredFormatError
 from trainer_client.core.format.snapshot import DataIteratorRecord
 from trainer_client.core.protocol import ResumePlan, TrainingMetadata
 from trainer_client.errors import MemoryTierFull
@@ -83,7 +83,8 @@ class Saver:
         writes it. Only when the tier is full does a persistent save go to Orbax directly; and while an
         earlier direct save is still being written, ``if_busy="skip"`` skips this one rather than block the
         loop until that save is done (Orbax waits for it), with a warning. An ``OSError`` of the snapshot
-        (shared memory out of space, an I/O error) counts as a full tier. In a multi-process job any other
+        (shared memory out of space, an I/O error) counts as a full tier; ckptd's refusal of an unsafe
+        directory (``UnsafePathError``) does not. In a multi-process job any other
         failure of the snapshot still answers the route (``full``) before it propagates, so the other
         processes go on to Orbax instead of waiting out the route's timeout for an answer that never comes.
         """
@@ -106,16 +107,19 @@ class Saver:
                                  "do the next saves (until the memory tier is full; then they go to storage "
                                  "directly)", step)
                 self._said_away = away or (self._said_away and not persist)
-            except (MemoryTierFull, OSError) as exc:  # an OSError from shared memory (ENOSPC, EIO): full
+            except Exception as exc:
+                # shared memory out of space or failing (ENOSPC, EIO): as full. Not a refusal of ckptd's own
+                # (UnsafePathError, a PermissionError: a directory others may write), which stands.
+                shm_failed = isinstance(exc, OSError) and not isinstance(exc, CkptdError)
+                if not isinstance(exc, MemoryTierFull) and not shm_failed:
+                    if persist and self.route is not None:  # the others wait for this process's answer
+                        self.route.agree(step, False, self.checkpointer.is_saving())
+                    raise
                 if not persist:
                     _log.info("memory snapshot of step %s skipped: %s", step, exc)
                     return "skipped"
                 full = exc if isinstance(exc, MemoryTierFull) else MemoryTierFull(
                     f"the snapshot of step {step} failed: {exc!r}")
-            except Exception:
-                if persist and self.route is not None:  # the others wait for this process's answer: never in vain
-                    self.route.agree(step, False, self.checkpointer.is_saving())
-                raise
             if persist and self.route is not None:
                 in_memory, busy = self.route.agree(step, full is None, self.checkpointer.is_saving())
                 if not in_memory:
