@@ -101,15 +101,15 @@ class ServeWorker:
     """``python -m ckptd.catalog.persist_worker --serve``, as ckptd's SnapshotKeeper runs it: one long-lived child
     for all snapshots, a JSON request line and a JSON answer line per snapshot. With ``phases`` (the default;
     ``BENCH_PERSIST_PHASES=0`` turns it off) the same worker through ``bench.persist_phases``, which times
-    each phase of a persist and sends the times with its answer (``last_phases``)."""
+    each phase of a persist and sends the times with its answer (``last_phases``). ``nice``: ckptd's default
+    (``CKPTD_PERSIST_NICE``) unless ``BENCH_PERSIST_NICE`` says otherwise (to measure what it costs)."""
 
-    def __init__(self, phases: bool = True) -> None:
+    def __init__(self, phases: bool = True, nice: int = DEFAULT_NICE) -> None:
         if phases:  # the same arguments as SnapshotKeeper's start_persist_worker: niced, compression off
-            self.proc = subprocess.Popen([sys.executable, "-m", "bench.persist_phases", "--serve",
-                                          f"--nice={DEFAULT_NICE}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         text=True, bufsize=1)
+            self.proc = subprocess.Popen([sys.executable, "-m", "bench.persist_phases", "--serve", f"--nice={nice}"],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         else:
-            self.proc = start_persist_worker()  # what SnapshotKeeper starts: niced, compression off
+            self.proc = start_persist_worker(nice=nice)  # what SnapshotKeeper starts: niced, compression off
         self.last_phases: dict[str, float] = {}
 
     def persist(self, snapshot: Path, job_dir: Path) -> str:
