@@ -65,7 +65,10 @@ def _all_serve(procs: list[CkptdProcess], step: int) -> bool:
 
 def _sidecars(root: str, tmp_path: Path) -> list[CkptdProcess]:
     return [CkptdProcess(root, tmp_path / f"state{i}", log_path=tmp_path / f"ckptd{i}.log",
-                         env={"CKPTD_LEASE_TTL_S": str(TTL_S), "CKPTD_ADOPT_AFTER_S": "0"})
+                         # rescans 8x a TTL: a follower lists a new step well within the lease time, even when
+                         # a loaded machine delays it (at the default 2 s, one missed rescan was the whole TTL)
+                         env={"CKPTD_LEASE_TTL_S": str(TTL_S), "CKPTD_ADOPT_AFTER_S": "0",
+                              "CKPTD_REFRESH_INTERVAL_S": str(TTL_S / 8)})
             for i in range(3)]
 
 
