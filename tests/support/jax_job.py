@@ -146,6 +146,7 @@ class TrainerJob:
     memory_tier: bool = True
     pause_s: float = 0.0
     heartbeat_s: int = 5
+    step_time_s: float = 0.0  # extra time per step (paces the job, so that a kill lands mid-run)
     sidecar_env: dict[str, str] = field(default_factory=dict)  # more ckptd settings
     sidecars: list[CkptdProcess] = field(default_factory=list)
 
@@ -177,8 +178,8 @@ class TrainerJob:
                    "--coordinator", coordinator, "--url", self.sidecars[k].url, "--shm", str(self.shms[k]),
                    "--root", str(self.root), "--job", self.job, "--steps", str(self.steps),
                    "--checkpoint-period", str(self.checkpoint_period), "--memory-period", str(self.memory_period),
-                   "--heartbeat-s", str(self.heartbeat_s), "--cache", str(self.base / "jax-cache"),
-                   "--result", str(result), "--replicas", str(replicas),
+                   "--heartbeat-s", str(self.heartbeat_s), "--step-time-s", str(self.step_time_s),
+                   "--cache", str(self.base / "jax-cache"), "--result", str(result), "--replicas", str(replicas),
                    *([] if self.memory_tier else ["--no-memory-tier"])]
             with (self.base / f"trainer-{k}-run{incarnation}.log").open("w") as log:
                 proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(XLA_FLAGS=FOUR_DEVICES), stdout=subprocess.PIPE,
