@@ -2,7 +2,7 @@
 
 One state of ``profile.arrays`` float32 arrays (rows sharded over 8 fake CPU devices, mesh ``("data",)``)
 is saved and restored by every path in turn. Every repeat measures a path *and its baseline* back to back
-(the order rotates from repeat to repeat), and every ratio is formed within one repeat, so the noise of a
+(the order changes from repeat to repeat), and every ratio is formed within one repeat, so the noise of a
 shared 2-core machine hits both sides alike. Figures:
 
 * ``save_stall_ratio_vs_memcpy``: time the training loop is blocked per save — ``Checkpointer.save``
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 import subprocess
 import sys
 from collections.abc import Callable
@@ -123,7 +124,7 @@ def _save_repeat(i: int, profile: Profile, state: PyTree, views: list[list[np.nd
 
     alternate(i, memcpy, tier_save)
 
-    # -- complete persists against the raw disk, order rotating by repeat --------------------------
+    # -- complete persists against the raw disk, a new order each repeat ----------------------------
     def raw_disk() -> None:
         d = workdir / f"raw-{i}"
         d.mkdir()
@@ -213,8 +214,9 @@ def _save_repeat(i: int, profile: Profile, state: PyTree, views: list[list[np.nd
 
     order: list[Callable[[], None]] = [raw_disk, write_limit, checkpointer, worker_child, orbax(None, "orbax_zstd"),
                                        orbax(False, "orbax_nocompression"), worker_inprocess, worker_oneshot]
-    shift = i % len(order)
-    for run in order[shift:] + order[:shift]:
+    # A different order each repeat, not a rotation: a rotation keeps who follows whom, and a persist
+    # run right after the Checkpointer's save measured slower (docs/benchmarks.md, "phase by phase").
+    for run in random.Random(i).sample(order, len(order)):
         run()
         gc.collect()
 
