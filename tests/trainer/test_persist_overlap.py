@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from pathlib import Path
 
 import jax
@@ -135,3 +136,40 @@ def test_a_file_changed_after_its_sum_is_not_trusted(tmp_path: Path) -> None:
     assert sums_before["d/a"] == file_crc32c(str(data_dir / "a"))
     assert after["d/a"] == sums_before["d/a"]
     assert "d/b" not in after
+
+
+def test_the_checkpointers_manifest_takes_the_early_sums_and_stays_exact(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Checkpointer save on a local disk hands the data files summed as they were closed to the manifest
+    (not read again), and every CRC32C in the committed manifest is that of the bytes on disk."""
+    import trainer_client.runtime.checkpointing as checkpointing
+    from trainer_client.core.format.manifest import build_manifest, read_manifest
+    from trainer_client.core.storage import Storage
+
+    probe = ClosedFileSums(str(tmp_path))
+    watching = probe.watching
+    probe.shutdown()
+    if not watching:
+        pytest.skip("no inotify on this platform")
+    given: list[dict[str, tuple[int, str]] | None] = []
+
+    def spy(*args: object, **kwargs: object) -> object:
+        given.append(kwargs.get("known"))  # type: ignore[arg-type]
+        return build_manifest(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(checkpointing, "build_manifest", spy)
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    state = {f"w{i}": jax.device_put(jnp.full((512, 512), float(i)), NamedSharding(mesh, P("data")))
+             for i in range(8)}
+    ck = Checkpointer(str(tmp_path / "job"))
+    ck.save(1, state, data_position=1, global_batch=8, mesh=mesh, slices=[0])
+    ck.wait()
+    ck.close()
+    assert len(given) == 1 and given[0], "the manifest got no early sums"
+    step = tmp_path / "job" / "1"
+    manifest = read_manifest(Storage(str(tmp_path / "job")), str(step))
+    assert manifest is not None
+    assert set(given[0]) <= set(manifest.files) and all("/d/" in rel for rel in given[0])
+    for rel, entry in manifest.files.items():
+        assert (entry.size, entry.crc32c) == file_crc32c(str(step / rel)), rel
+    assert not [t for t in threading.enumerate() if t.name.startswith("ckptd-crc")], "left running"

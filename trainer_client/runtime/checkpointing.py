@@ -42,6 +42,7 @@ from trainer_client.core.format.snapshot import DataIteratorRecord
 from trainer_client.core.format.steps import CUSTOM_METADATA_KEY, array_items
 from trainer_client.core.protocol import ArraySpec, BatchPlan, MeshSpec, PartitionSpecJSON, TrainingMetadata
 from trainer_client.core.storage import Storage, join_path
+from trainer_client.core.written_crc import ClosedFileSums
 from trainer_client.errors import DirectRestoreUnsupported
 from trainer_client.runtime.data_iterator import ITER_ITEM, IteratorStateHandler, IteratorStateSave
 from trainer_client.runtime.direct_restore import restore_direct
@@ -154,6 +155,8 @@ class Checkpointer:
         self._storage = Storage(directory)
         self._pending: TrainingMetadata | None = None
         self._verify: Callable[[], None] | None = None  # of the save in flight: checked before its commit
+        # the save in flight's data files summed as they are closed (local disk, the process that manifests)
+        self._sums: ClosedFileSums | None = None
         self._data_file_size: int | None = None  # of the save being started; None: Orbax's default
         self._manager = self._new_manager()
         self.saved_steps: list[int] = []
@@ -218,6 +221,8 @@ class Checkpointer:
         items: dict[str, Any] = {self.item: ocp.args.StandardSave(state)}
         if data_iterator is not None:
             items[ITER_ITEM] = IteratorStateSave(data_iterator)
+        if not self._storage.is_remote and jax.process_index() == 0:  # the manifest's pass, beside the write
+            self._sums = ClosedFileSums(self._storage.root)
         try:
             self._manager.save(step, args=ocp.args.Composite(**items), custom_metadata=custom, force=True)
         except StepAlreadyExistsError:
@@ -225,7 +230,11 @@ class Checkpointer:
             # job back to an older step). It is a consistent state of this run: keep it, never overwrite.
             _log.warning("step %s is already on storage; not saving it again", step)
             self._pending = self._verify = None
+            self._drop_sums()
             return
+        except BaseException:
+            self._drop_sums()
+            raise
         if not self.async_save:
             self._before_commit_fallback(step)
         self.last_save_blocked_s = time.perf_counter() - started
@@ -245,20 +254,32 @@ class Checkpointer:
         callback in every process of a multi-process job, after its barrier; only the primary process (0,
         the one that commits) writes the manifest: several writers raced on one file, and each one's
         listing could miss files another had not finished. A save's ``verify`` runs first: if it raises, the
-        step stays uncommitted."""
-        verify, self._verify = self._verify, None
-        if verify is not None:
-            verify()
-        meta = self._pending
-        if meta is None or jax.process_index() != 0:
-            return
-        step_path = self._step_dir_before_commit(meta.step)
-        manifest = build_manifest(
-            self._storage, step_path, step=meta.step, writer="trainer_client", arrays=meta.arrays, training=meta
-        )
-        write_manifest(self._storage, step_path, manifest)
-        if not self._storage.is_remote:
-            sync_tree(step_path)
+        step stays uncommitted. The data files already summed as they were closed (``written_crc``) are not
+        read again for the manifest."""
+        sums, self._sums = self._sums, None
+        try:
+            verify, self._verify = self._verify, None
+            if verify is not None:
+                verify()
+            meta = self._pending
+            if meta is None or jax.process_index() != 0:
+                return
+            step_path = self._step_dir_before_commit(meta.step)
+            manifest = build_manifest(
+                self._storage, step_path, step=meta.step, writer="trainer_client", arrays=meta.arrays, training=meta,
+                known=sums.entries(step_path) if sums is not None else None,
+            )
+            write_manifest(self._storage, step_path, manifest)
+            if not self._storage.is_remote:
+                sync_tree(step_path)
+        finally:
+            if sums is not None:
+                sums.shutdown()
+
+    def _drop_sums(self) -> None:
+        sums, self._sums = self._sums, None
+        if sums is not None:
+            sums.shutdown()
 
     def _before_commit_fallback(self, step: int) -> None:
         """Synchronous saves have no callback: manifest the committed step right after it."""
@@ -288,11 +309,15 @@ class Checkpointer:
             self._manager.close()
         except Exception as exc:
             _log.warning("closing the checkpoint manager failed: %s", exc)
+        self._drop_sums()
         self._manager = self._new_manager()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self._manager.wait_until_finished()
+            self._manager.close()
+        finally:
+            self._drop_sums()
 
 
 def restore(step_path: str, target: PyTree, item: str | None = None, *, direct: bool = True,

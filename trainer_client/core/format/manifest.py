@@ -36,7 +36,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 import google_crc32c
@@ -144,11 +144,14 @@ def build_manifest(
     writer: Literal["trainer_client", "adopted"],
     arrays: dict[str, ArraySpec] | None = None,
     training: TrainingMetadata | None = None,
+    known: Mapping[str, tuple[int, str]] | None = None,
 ) -> Manifest:
     """Checksum every file of the step (but the unmanifested ones). On GCS the object store's own
     CRC32C is used, so nothing is downloaded; on a local disk the files are read back several at a time
-    (``checksum.py``). ``arrays`` are kept apart from ``training.arrays`` only when they differ from them
-    (each array is recorded once)."""
+    (``checksum.py``), but those in ``known`` (relative path -> (size, CRC32C base64) of the bytes on disk,
+    read back as the writer closed them: ``trainer_client.core.written_crc``) when the listed size agrees.
+    ``arrays`` are kept apart from ``training.arrays`` only when they differ from them (each array is
+    recorded once)."""
     files = {}
     unlisted = []  # no CRC32C in the listing: read back
     for rel, listed in sorted(list_files(storage, step_path).items()):
@@ -156,6 +159,8 @@ def build_manifest(
             continue
         if listed.crc32c is not None:
             files[rel] = FileEntry(size=listed.size, crc32c=listed.crc32c)
+        elif known is not None and (entry := known.get(rel)) is not None and entry[0] == listed.size:
+            files[rel] = FileEntry(size=entry[0], crc32c=entry[1])
         else:
             unlisted.append(rel)
     read = file_entries(storage, [join_path(step_path, rel) for rel in unlisted])
