@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -162,14 +163,38 @@ def test_the_checkpointers_manifest_takes_the_early_sums_and_stays_exact(
     state = {f"w{i}": jax.device_put(jnp.full((512, 512), float(i)), NamedSharding(mesh, P("data")))
              for i in range(8)}
     ck = Checkpointer(str(tmp_path / "job"))
-    ck.save(1, state, data_position=1, global_batch=8, mesh=mesh, slices=[0])
-    ck.wait()
+    for step_number in (1, 2):  # the second save: the job's directory already holds a step
+        ck.save(step_number, state, data_position=1, global_batch=8, mesh=mesh, slices=[0])
+        ck.wait()
     ck.close()
-    assert len(given) == 1 and given[0], "the manifest got no early sums"
-    step = tmp_path / "job" / "1"
+    assert len(given) == 2 and all(given), "the manifest got no early sums"
+    step = tmp_path / "job" / "2"
     manifest = read_manifest(Storage(str(tmp_path / "job")), str(step))
     assert manifest is not None
-    assert set(given[0]) <= set(manifest.files) and all("/d/" in rel for rel in given[0])
+    assert given[1] is not None
+    assert set(given[1]) <= set(manifest.files) and all("/d/" in rel for rel in given[1])
     for rel, entry in manifest.files.items():
         assert (entry.size, entry.crc32c) == file_crc32c(str(step / rel)), rel
     assert not [t for t in threading.enumerate() if t.name.startswith("ckptd-crc")], "left running"
+
+
+def test_a_watch_of_new_directories_only_leaves_the_old_ones_alone(tmp_path: Path) -> None:
+    """What a save watches in a job's directory: the directory and what is created in it from then on, not a
+    watch and a descriptor for every directory of every earlier step."""
+    for k in range(50):
+        (tmp_path / str(k) / "d").mkdir(parents=True)
+    sums = ClosedFileSums(str(tmp_path), existing_dirs=False)
+    if not sums.watching:
+        sums.shutdown()
+        pytest.skip("no inotify on this platform")
+    try:
+        assert len(sums._dirs) == 1  # the job's directory alone
+        (tmp_path / "new" / "d").mkdir(parents=True)
+        deadline = time.monotonic() + 30
+        while len(sums._dirs) < 3 and time.monotonic() < deadline:  # new and new/d, once seen
+            time.sleep(0.01)
+        _write(tmp_path / "new" / "d" / "a", b"x" * 50_000)
+        entries = sums.entries(str(tmp_path / "new"))
+    finally:
+        sums.shutdown()
+    assert entries == {"d/a": file_crc32c(str(tmp_path / "new" / "d" / "a"))}

@@ -59,7 +59,10 @@ class ClosedFileSums:
     """Watch ``root`` (an existing directory) and everything created under it; sum each OCDBT data file
     when it is closed after writing. ``entries(step_dir)`` then gives the sums still true, by path."""
 
-    def __init__(self, root: str, workers: int = WORKERS) -> None:
+    def __init__(self, root: str, workers: int = WORKERS, *, existing_dirs: bool = True) -> None:
+        """``existing_dirs=False``: watch ``root`` and only the directories created under it from now on (a
+        job's directory holds every step: watching each one's tree on every save would cost a watch and a
+        descriptor per directory)."""
         self.root = root
         self._lock = threading.Lock()
         self._sums: dict[tuple[int, int], Future[tuple[Signature, int, str] | None]] = {}
@@ -75,7 +78,10 @@ class ClosedFileSums:
         if fd < 0:
             return
         self._fd = fd
-        self._watch_tree(root)
+        if existing_dirs:
+            self._watch_tree(root)
+        else:
+            self._watch(root)
         self._thread = threading.Thread(target=self._run, name="ckptd-crc-watch", daemon=True)
         self._thread.start()
 

@@ -222,7 +222,7 @@ class Checkpointer:
         if data_iterator is not None:
             items[ITER_ITEM] = IteratorStateSave(data_iterator)
         if not self._storage.is_remote and jax.process_index() == 0:  # the manifest's pass, beside the write
-            self._sums = ClosedFileSums(self._storage.root)
+            self._sums = ClosedFileSums(self._storage.root, existing_dirs=False)  # the new step's dirs only
         try:
             self._manager.save(step, args=ocp.args.Composite(**items), custom_metadata=custom, force=True)
         except StepAlreadyExistsError:
