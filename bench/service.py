@@ -36,7 +36,7 @@ from bench.load64 import run_load64
 from bench.resume_client import BUDGET_S as SEQUENTIAL_BUDGET_S
 from bench.resume_client import REQUEST_TIMEOUT_S
 from trainer_client.core.format.files import CHECKPOINT_METADATA, CKPTD_MANIFEST
-from trainer_client.core.format.manifest import read_manifest
+from trainer_client.core.format.manifest import read_manifest, write_manifest
 from trainer_client.core.protocol import ResumeRequest, SliceAlive
 from trainer_client.core.storage import Storage
 
@@ -66,6 +66,10 @@ def _template_step(profile: Profile, directory: Path) -> Path:
     return directory / "1"
 
 
+def _no_fsync(_tmp: str) -> None:
+    """Fabricated steps need not survive a power cut (``write_manifest``'s ``sync``)."""
+
+
 def fabricate(template: Path, job_dir: Path, steps: int) -> None:
     """``steps`` valid committed steps 1..steps in ``job_dir``, each with its own step metadata and manifest."""
     storage = Storage(str(template.parent))
@@ -79,6 +83,7 @@ def fabricate(template: Path, job_dir: Path, steps: int) -> None:
         dirs.add(rel_dir)
         files.extend(os.path.normpath(os.path.join(rel_dir, n)) for n in names if n not in PER_STEP)
     job_dir.mkdir(parents=True, exist_ok=True)
+    jobs = Storage(str(job_dir))
     training0 = manifest.training
     for step in range(1, steps + 1):
         step_dir = job_dir / str(step)
@@ -90,11 +95,9 @@ def fabricate(template: Path, job_dir: Path, steps: int) -> None:
                                                 "wall_time": training0.wall_time + step})
         ckpt_meta["custom_metadata"]["ckptd"] = training.model_dump(mode="json")
         (step_dir / CHECKPOINT_METADATA).write_text(json.dumps(ckpt_meta))
-        # write_manifest's content (the checksum over the manifest without it), without its fsync per file
-        m = manifest.model_copy(update={"step": step, "training": training, "created_at": time.time(),
-                                        "checksum": ""})
-        m = m.model_copy(update={"checksum": m.computed_checksum()})
-        (step_dir / CKPTD_MANIFEST).write_text(m.model_dump_json(indent=1))
+        # the bytes write_manifest writes (what a trainer writes today), without its fsync per file
+        m = manifest.model_copy(update={"step": step, "training": training, "created_at": time.time()})
+        write_manifest(jobs, str(step_dir), m, sync=_no_fsync)
 
 
 def _rebuild_once(root: Path, db: Path) -> tuple[float, dict[str, int]]:
