@@ -60,7 +60,7 @@ class Kill:
 def draw_kill(name: str, hosts: int, phases: list[str]) -> Kill:
     rng = chaos_rng(name)
     phase = rng.choice(phases)
-    window = {"memory-write": 2 * PAUSE_S + 0.1, "memory-persist": 1.5, "orbax-save": 1.0}[phase]
+    window = {"memory-write": 2 * PAUSE_S + 0.1, "memory-persist": 1.5, "orbax-save": 0.4}[phase]
     kill = Kill(host=rng.randrange(hosts), phase=phase, step=rng.choice([PERIOD, 2 * PERIOD]),
                 delay_s=round(rng.uniform(0.0, window), 3))
     print(f"[chaos] {name}: {kill}")
