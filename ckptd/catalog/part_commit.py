@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -165,7 +166,17 @@ class PartSaves:
                         identity=step_identity(self.storage, where, training))
 
     def commit(self, job: str, step: int, where: str, parts: list[PartInfo]) -> None:
-        """Finalize, manifest, marker (create-only), and on a local root the rename into place."""
+        """Finalize, manifest, marker (create-only), and on a local root the rename into place; under the
+        job's lock (``clean`` never deletes a save being committed)."""
+        with _job_lock(self.storage, job):
+            claim = read_claim(self.storage, job, step)  # again under the lock: retention may have run meanwhile
+            if claim is None or claim.save_id != parts[0].save_id or self._missing(job, step, claim.save_id,
+                                                                                    claim.process_count):
+                _log.info("step %s of %s: its save changed before the commit; not committed now", step, job)
+                return
+            self._commit(job, step, where, parts)
+
+    def _commit(self, job: str, step: int, where: str, parts: list[PartInfo]) -> None:
         first = parts[0]
         marker = posixpath.join(where, COMMIT_MARKER)
         if not self.storage.exists(marker):  # else: the marker is there, the rename was not done
@@ -200,22 +211,47 @@ class PartSaves:
             claim = read_claim(self.storage, job, step)
             if claim is None or now - claim.created_at < older_than_s or self.committed(job, step, claim.save_id):
                 continue
-            where = step_path_for(self.storage, job, step, claim.save_id)
-            missing = [k for k, p in enumerate(parts_of(self.storage, where, claim.process_count)) if p is None]
+            missing = self._missing(job, step, claim.save_id, claim.process_count)
+            if not missing:
+                continue  # every part is durable: the commit pass's to commit, never abandoned
             out.append(Abandoned(job, step, claim.save_id, now - claim.created_at, missing))
         return out
 
+    def _missing(self, job: str, step: int, save_id: str, count: int) -> list[int]:
+        where = step_path_for(self.storage, job, step, save_id)
+        return [k for k, p in enumerate(parts_of(self.storage, where, count)) if p is None or p.save_id != save_id]
+
     def clean(self, found: Abandoned) -> None:
-        """Delete an abandoned save: its staged (or in place, uncommitted) files, then its claim."""
-        where = step_path_for(self.storage, found.job, found.step, found.save_id)
-        if self.storage.exists(posixpath.join(where, COMMIT_MARKER)):
-            return
-        if self.storage.exists(where):
-            self.storage.fs.rm(where, recursive=True)
-        self.storage.fs.rm(self.storage.join(found.job, CLAIMS_DIR, f"{found.step}.json"))
-        self.storage.invalidate(self.storage.join(found.job))
+        """Delete an abandoned save: its staged (or in place, uncommitted) files, then its claim. Under the
+        job's lock, which a commit holds too, and only if it is still abandoned then: a part that landed
+        since ``abandoned`` looked makes the save the commit pass's (docs/multihost.md, section 5)."""
+        with _job_lock(self.storage, found.job):
+            claim = read_claim(self.storage, found.job, found.step)
+            if (claim is None or claim.save_id != found.save_id
+                    or self.committed(found.job, found.step, found.save_id)
+                    or not self._missing(found.job, found.step, found.save_id, claim.process_count)):
+                return
+            where = step_path_for(self.storage, found.job, found.step, found.save_id)
+            if self.storage.exists(posixpath.join(where, COMMIT_MARKER)):
+                return
+            if self.storage.exists(where):
+                self.storage.fs.rm(where, recursive=True)
+            self.storage.fs.rm(self.storage.join(found.job, CLAIMS_DIR, f"{found.step}.json"))
+            self.storage.invalidate(self.storage.join(found.job))
         _log.warning("deleted abandoned save %s of step %s of %s (parts missing: %s)", found.save_id, found.step,
                      found.job, found.missing)
+
+
+_locks_guard = threading.Lock()
+_locks: dict[str, threading.RLock] = {}
+
+
+def _job_lock(storage: Storage, job: str) -> threading.RLock:
+    """One lock per job directory in this process: the leader's commit pass and its retention (two threads)
+    never work on one job's parts at once."""
+    key = storage.join(job)
+    with _locks_guard:
+        return _locks.setdefault(key, threading.RLock())
 
 
 __all__ = ["Abandoned", "PartSaves"]

@@ -418,3 +418,45 @@ def test_the_commit_pass_commits_only_where_it_leads_and_once(parts: list[Path],
     assert commits.run_once() == [("job", 5)] == committed
     assert commits.run_once() == [] and commits.commits == 1
     assert (tmp_path / "root" / "job" / "5" / "commit_success.txt").is_file()
+
+
+def test_retention_never_cleans_a_save_the_leader_is_committing(parts: list[Path], tmp_path: Path) -> None:
+    """The leader's gc thread (retention's ``clean_abandoned_parts``) runs while its commit pass merges a save
+    whose every part is durable but whose claim is older than ``save_timeout_s``; meanwhile host 1's sidecar
+    redoes its part (its snapshot is not marked persisted). Seen in tests/system/test_multihost_trainer_kill.py
+    (CKPTD_SAVE_TIMEOUT_S=30, a loaded machine): step 15 committed and served with process_1.json only."""
+    storage = Storage(str(tmp_path / "root"))
+    sidecars = [PartSaves(storage, _in_process) for _ in parts]
+    for sidecar, part in zip(sidecars, parts, strict=True):
+        assert sidecar.persist_part("job", str(part), read_meta(part)) == "written"
+
+    def racing(request: dict[str, Any]) -> dict[str, Any]:
+        answer = _in_process(request)
+        if "commit" in request:  # merged; before the manifest and the marker, the gc thread and host 1's keeper run
+            clean_abandoned_parts(storage, "job", older_than_s=0.0)
+            sidecars[1].persist_part("job", str(parts[1]), read_meta(parts[1]))
+        return answer
+
+    leader = PartSaves(storage, racing)
+    leader.commit_ready("job")
+    step = tmp_path / "root" / "job" / "5"
+    if (step / "commit_success.txt").exists():  # committed: then whole
+        assert part_problems(storage, storage.join("job", "5")) == []
+        assert _deep_problems(storage, step) == []
+
+
+def test_a_part_that_lands_after_retention_looked_keeps_its_save(parts: list[Path], tmp_path: Path) -> None:
+    """Retention finds a save abandoned (part 1 missing, the claim past ``save_timeout_s``); part 1 lands before
+    it deletes: the save is the commit pass's now, and clean leaves it (checked again under the job's lock)."""
+    storage = Storage(str(tmp_path / "root"))
+    sidecars = [PartSaves(storage, _in_process) for _ in parts]
+    assert sidecars[0].persist_part("job", str(parts[0]), read_meta(parts[0])) == "written"
+    [found] = sidecars[0].abandoned("job", older_than_s=0.0)
+    assert found.missing == [1]
+    assert sidecars[1].persist_part("job", str(parts[1]), read_meta(parts[1])) == "written"
+    sidecars[0].clean(found)
+    assert sidecars[0].claims("job") == [5]
+    assert sidecars[0].commit_ready("job") == [5]
+    step = tmp_path / "root" / "job" / "5"
+    assert part_problems(storage, storage.join("job", "5")) == []
+    assert _deep_problems(storage, step) == []
