@@ -150,8 +150,12 @@ class PartSaves:
         """ckptd's manifest of the step: every file, the parts' ones with the checksums their writers
         recorded (so the leader does not read every byte again), the leader's own read and checksummed."""
         recorded = {f.path: FileEntry(size=f.size, crc32c=f.crc32c) for part in parts for f in part.files}
+        on_storage = list_files(self.storage, where)
+        absent = sorted(set(recorded) - set(on_storage))
+        if absent:  # a part record names what is not there: never committed (never served)
+            raise StorageError(f"step {step} at {where}: files of its parts are missing: {', '.join(absent[:4])}")
         files = {}
-        for rel, listed in sorted(list_files(self.storage, where).items()):
+        for rel, listed in sorted(on_storage.items()):
             if rel in UNMANIFESTED:
                 continue
             known = recorded.get(rel)

@@ -460,3 +460,26 @@ def test_a_part_that_lands_after_retention_looked_keeps_its_save(parts: list[Pat
     step = tmp_path / "root" / "job" / "5"
     assert part_problems(storage, storage.join("job", "5")) == []
     assert _deep_problems(storage, step) == []
+
+
+def test_a_part_record_naming_a_missing_file_is_never_committed(parts: list[Path], tmp_path: Path) -> None:
+    """Defence in depth beside the job's lock: the commit's manifest refuses a step when a file a part record
+    names is not in the step (deleted behind the leader's back), so nothing partial is ever committed."""
+    from trainer_client.core.errors import StorageError
+    from trainer_client.core.format.parts import read_claim, step_path_for
+
+    storage = Storage(str(tmp_path / "root"))
+    sidecars = [PartSaves(storage, _in_process) for _ in parts]
+    for sidecar, part in zip(sidecars, parts, strict=True):
+        assert sidecar.persist_part("job", str(part), read_meta(part)) == "written"
+    claim = read_claim(storage, "job", 5)
+    assert claim is not None
+    where = Path(step_path_for(storage, "job", 5, claim.save_id))
+    record = read_part(storage, str(where), 1)
+    assert record is not None
+    gone = next(f.path for f in record.files if "ocdbt" not in f.path)  # not read by the merge
+    (where / gone).unlink()
+    with pytest.raises(StorageError, match="missing"):
+        sidecars[0].commit_ready("job")
+    assert not (where / "commit_success.txt").exists()
+    assert not (tmp_path / "root" / "job" / "5").exists()
