@@ -136,22 +136,13 @@ def file_entries(storage: Storage, paths: list[str]) -> dict[str, FileEntry]:
         return {path: FileEntry(size=size, crc32c=crc) for path, (size, crc) in files_crc32c(paths).items()}
 
 
-def build_manifest(
-    storage: Storage,
-    step_path: str,
-    *,
-    step: int,
-    writer: Literal["trainer_client", "adopted"],
-    arrays: dict[str, ArraySpec] | None = None,
-    training: TrainingMetadata | None = None,
-    known: Mapping[str, tuple[int, str]] | None = None,
-) -> Manifest:
-    """Checksum every file of the step (but the unmanifested ones). On GCS the object store's own
-    CRC32C is used, so nothing is downloaded; on a local disk the files are read back several at a time
-    (``checksum.py``), but those in ``known`` (relative path -> (size, CRC32C base64) of the bytes on disk,
-    read back as the writer closed them: ``trainer_client.core.written_crc``) when the listed size agrees.
-    ``arrays`` are kept apart from ``training.arrays`` only when they differ from them (each array is
-    recorded once)."""
+def build_manifest(storage: Storage, step_path: str, *, step: int, writer: Literal["trainer_client", "adopted"],
+                   arrays: dict[str, ArraySpec] | None = None, training: TrainingMetadata | None = None,
+                   known: Mapping[str, tuple[int, str]] | None = None) -> Manifest:
+    """Checksum every file of the step (but the unmanifested ones): on GCS the object store's CRC32C; on a
+    local disk the files are read back (``checksum.py``) but those in ``known`` at the listed size (path ->
+    (size, CRC32C) read back as the writer closed them, ``core.written_crc``). ``arrays`` are kept apart
+    from ``training.arrays`` only when they differ (each array is recorded once)."""
     files = {}
     unlisted = []  # no CRC32C in the listing: read back
     for rel, listed in sorted(list_files(storage, step_path).items()):
