@@ -17,9 +17,10 @@ without a memory tier, where every persistent save is a multi-process Orbax save
   final state, the final loss) to the same job run without a kill.
 
 Every form takes one to three minutes on this 2-core machine (two incarnations of the job, each starting its
-JAX processes), far over the normal suite's budget: all are ``chaos`` and ``slow`` (``make chaos``); the
-normal suite has the demo's trainer kill (tests/system/test_multihost_demo.py) and the sidecar kills
-(tests/trainer/test_multihost_parts.py)."""
+JAX processes): the long forms (each kill phase, 3 hosts, and the bitwise comparison with a run without a
+kill) are ``chaos`` and ``slow`` (``make chaos``). The normal suite runs the short form: 2 hosts, a kill while
+the sidecars persist and commit, every check but the bitwise one (~25-60 s); beside it the demo's trainer kill
+(tests/system/test_multihost_demo.py) and the sidecar kills (tests/trainer/test_multihost_parts.py)."""
 
 from __future__ import annotations
 
@@ -218,6 +219,17 @@ def assert_bitwise_equal(killed: Outcome, clean: Outcome) -> None:
     if killed.results[0]["resume_step"] == STEPS:  # killed after the last save: nothing left to run, no loss
         return
     assert killed.results[0]["losses"][last] == clean.results[0]["losses"][last]
+
+
+@pytest.mark.timeout(900)
+def test_short_a_trainer_killed_while_the_sidecars_persist_leaves_one_whole_step_for_all(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The normal suite's short form: 2 hosts, one trainer killed while the sidecars persist its save's parts."""
+    kill = draw_kill("multihost-trainer-kill-short", 2, ["memory-persist"])
+    base = tmp_path_factory.mktemp("kill-short")
+    killed = run_job(base, 2, kill)
+    check(killed, base / "root", 2)
+    assert all(r["restored_from"].startswith(("memory: ", "storage: ")) for r in killed.results), killed.results
 
 
 @pytest.mark.chaos
