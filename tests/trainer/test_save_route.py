@@ -8,6 +8,7 @@ route's timeout is a setting."""
 from __future__ import annotations
 
 import errno
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -137,3 +138,16 @@ def test_the_route_timeout_is_a_setting(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("CKPTD_ROUTE_TIMEOUT_S", "2.5")
     assert SaveRoute("inc", 0, 2, store=InProcessKeyValueStore()).timeout_ms == 2_500
     assert SaveRoute("inc", 0, 2, store=InProcessKeyValueStore(), timeout_ms=10).timeout_ms == 10
+
+
+def test_a_failing_process_raises_without_waiting_for_the_others() -> None:
+    """The process whose snapshot failed with an error that stands publishes its answer and raises at once: it
+    does not wait for the others' answers (a peer that is itself failing may never give one)."""
+    store = InProcessKeyValueStore()
+    saver = Saver(_Checkpointer(), _Tier(RuntimeError("a device-to-host copy failed")), None,  # type: ignore[arg-type]
+                  route=SaveRoute("inc", 1, 2, store=store, timeout_ms=60_000))
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="device-to-host"):
+        saver.save(7, {}, None, persist=True)  # type: ignore[arg-type]
+    assert time.monotonic() - started < 30, "waited for host 0's answer"
+    assert store.blocking_key_value_get("ckptd/save_route/inc/7/0/1", 1_000) == "full"

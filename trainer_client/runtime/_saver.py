@@ -113,7 +113,7 @@ class Saver:
                 shm_failed = isinstance(exc, OSError) and not isinstance(exc, CkptdError)
                 if not isinstance(exc, MemoryTierFull) and not shm_failed:
                     if persist and self.route is not None:  # the others wait for this process's answer
-                        self.route.agree(step, False, self.checkpointer.is_saving())
+                        self.route.tell(step, "full+busy" if self.checkpointer.is_saving() else "full")
                     raise
                 if not persist:
                     _log.info("memory snapshot of step %s skipped: %s", step, exc)

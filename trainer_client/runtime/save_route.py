@@ -60,12 +60,18 @@ class SaveRoute:
             self._store = job_store()
         return self._store
 
-    def answers(self, step: int, mine: Answer) -> list[str]:
-        """Publish this process's answer for its next save of ``step`` and read every process's (waiting up
-        to ``timeout_ms`` for each: a process that never comes is a dead host, which ends the job anyway)."""
+    def tell(self, step: int, mine: Answer) -> str:
+        """Publish this process's answer for its next save of ``step`` without waiting for the others' (a
+        process about to raise: the others read it and go on); returns the save's key prefix."""
         prefix = f"ckptd/save_route/{self.incarnation}/{step}/{self._agreed[step]}"
         self._agreed[step] += 1
         self.store.key_value_set(f"{prefix}/{self.index}", mine)
+        return prefix
+
+    def answers(self, step: int, mine: Answer) -> list[str]:
+        """Publish this process's answer for its next save of ``step`` and read every process's (waiting up
+        to ``timeout_ms`` for each: a process that never comes is a dead host, which ends the job anyway)."""
+        prefix = self.tell(step, mine)
         return [mine if k == self.index else self.store.blocking_key_value_get(f"{prefix}/{k}", self.timeout_ms)
                 for k in range(self.count)]
 
