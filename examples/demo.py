@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-def last_step_on_storage(root: Path, job_name: str = JOB) -> int | None:
+def last_step_on_storage(root: Path | str, job_name: str = JOB) -> int | None:
     """The newest step of the job that is committed on storage and carries ckptd's verified record."""
     storage = Storage(str(root))
     job = storage.join(job_name)

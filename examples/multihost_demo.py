@@ -163,10 +163,12 @@ def first_run(args: argparse.Namespace, hosts: list[dict[str, Any]], out: Path, 
     return trainers
 
 
-def validate_deep(root: Path) -> dict[str, Any]:
-    """``ckptd validate ROOT/JOB --deep``: every finalized step read back and decoded."""
-    proc = subprocess.run([sys.executable, "-m", "ckptd", "validate", str(root / JOB), "--deep", "--no-quarantine",
-                           "--json"], cwd=REPO, capture_output=True, text=True, timeout=600, env=_env())
+def validate_deep(root: Path | str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``ckptd validate ROOT/JOB --deep``: every finalized step read back and decoded (``root``: a directory or
+    a storage URL; ``env``: more environment for the CLI, e.g. a storage emulator's)."""
+    proc = subprocess.run([sys.executable, "-m", "ckptd", "validate", f"{root}/{JOB}", "--deep", "--no-quarantine",
+                           "--json"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**_env(), **(env or {})})
     try:
         answer = json.loads(proc.stdout)
     except json.JSONDecodeError:

@@ -133,7 +133,8 @@ def served_step(url: str, job: str) -> int | None:
 @dataclass
 class TrainerJob:
     """``hosts`` hosts over ``base``: host k's ckptd (``base/state<k>``, shared memory ``base/shm<k>``), one root
-    ``base/root``; ``launch`` starts an incarnation's trainers (the demo's MLP, a persistent save every
+    ``base/root`` (or ``storage_url``, e.g. a ``gs://`` prefix on the GCS emulator, with ``env`` for every
+    process); ``launch`` starts an incarnation's trainers (the demo's MLP, a persistent save every
     ``checkpoint_period`` steps, a memory-only one every ``memory_period``; without ``memory_tier`` every
     persistent save goes through Orbax directly). With 3 hosts (12 devices) the mesh is 3 replicas of 4."""
 
@@ -148,15 +149,19 @@ class TrainerJob:
     heartbeat_s: int = 5
     step_time_s: float = 0.0  # extra time per step (paces the job, so that a kill lands mid-run)
     sidecar_env: dict[str, str] = field(default_factory=dict)  # more ckptd settings
+    storage_url: str | None = None  # the root on another storage (gs://...: the GCS emulator); else base/root
+    env: dict[str, str] = field(default_factory=dict)  # for every process (sidecars, trainers): e.g. the emulator's
     sidecars: list[CkptdProcess] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.root = self.base / "root"
-        (self.root / self.job).mkdir(parents=True, exist_ok=True)
+        self.url = self.storage_url or str(self.root)  # the storage root, as every process is given it
+        if self.storage_url is None:
+            (self.root / self.job).mkdir(parents=True, exist_ok=True)
         self.shms = [self.base / f"shm{k}" for k in range(self.hosts)]
-        self.sidecars = [CkptdProcess(self.root, self.base / f"state{k}", log_path=self.base / f"ckptd{k}.log", env={
+        self.sidecars = [CkptdProcess(self.url, self.base / f"state{k}", log_path=self.base / f"ckptd{k}.log", env={
             "CKPTD_SHM_DIR": str(self.shms[k]), "CKPTD_LEASE_TTL_S": "3", "CKPTD_MAX_SNAPSHOTS": "8",
-            "CKPTD_PERSIST_DEVICES": str(4 * self.hosts), "CKPTD_LOG_LEVEL": "info", **self.sidecar_env})
+            "CKPTD_PERSIST_DEVICES": str(4 * self.hosts), "CKPTD_LOG_LEVEL": "info", **self.env, **self.sidecar_env})
             for k in range(self.hosts)]
 
     def start(self) -> None:
@@ -176,14 +181,14 @@ class TrainerJob:
             result = self.base / f"trainer-{k}-run{incarnation}.json"
             cmd = [sys.executable, "-c", TRAINER, str(self.pause_s), "--index", str(k), "--count", str(self.hosts),
                    "--coordinator", coordinator, "--url", self.sidecars[k].url, "--shm", str(self.shms[k]),
-                   "--root", str(self.root), "--job", self.job, "--steps", str(self.steps),
+                   "--root", self.url, "--job", self.job, "--steps", str(self.steps),
                    "--checkpoint-period", str(self.checkpoint_period), "--memory-period", str(self.memory_period),
                    "--heartbeat-s", str(self.heartbeat_s), "--step-time-s", str(self.step_time_s),
                    "--cache", str(self.base / "jax-cache"), "--result", str(result), "--replicas", str(replicas),
                    *([] if self.memory_tier else ["--no-memory-tier"])]
             with (self.base / f"trainer-{k}-run{incarnation}.log").open("w") as log:
-                proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(XLA_FLAGS=FOUR_DEVICES), stdout=subprocess.PIPE,
-                                        stderr=log, text=True)
+                proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(XLA_FLAGS=FOUR_DEVICES, **self.env),
+                                        stdout=subprocess.PIPE, stderr=log, text=True)
             trainer = Trainer(proc, k, result)
             threading.Thread(target=trainer.follow, daemon=True).start()
             trainers.append(trainer)

@@ -24,8 +24,10 @@ the sidecars persist and commit, every check but the bitwise one (~25-60 s); bes
 
 from __future__ import annotations
 
+import posixpath
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,9 @@ import pytest
 from examples.demo import last_step_on_storage
 from examples.multihost_demo import JOB, validate_deep
 from tests.support.chaos_support import chaos_rng
+from tests.support.gcs_emulator import GcsEmulator
 from tests.support.jax_job import Trainer, TrainerJob, wait_exit
+from trainer_client.core.errors import StorageError
 from trainer_client.core.format.parts import part_problems, parts_of
 from trainer_client.core.storage import Storage
 
@@ -82,7 +86,7 @@ class ServedWatch:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        storage = Storage(str(self.job.root))
+        storage = Storage(self.job.url)
         while not self._stop.wait(0.2):
             for step in self.job.served():
                 if step is None:
@@ -111,6 +115,7 @@ class Outcome:
     validation: dict[str, Any]
     watch: ServedWatch
     hit: str = ""  # what the kill found on the victim's host and on storage
+    root: str = ""  # the storage root the job ran on
 
 
 def _wait(predicate: Any, timeout_s: float, what: str, trainers: list[Trainer], job: TrainerJob) -> None:
@@ -131,20 +136,38 @@ def _reached(victim: Trainer, kill: Kill) -> bool:
     return ("memory-write" if kill.phase == "memory-write" else "orbax-save", kill.step) in victim.phases
 
 
+def _names(storage: Storage, path: str) -> list[str]:
+    try:
+        return sorted(posixpath.basename(e.path.rstrip("/")) for e in storage.list_dir(path))
+    except (FileNotFoundError, StorageError):
+        return []
+
+
+def _committed(storage: Storage, job: str) -> list[int]:
+    """The job's step numbers whose directory holds the commit marker."""
+    return sorted(int(name) for name in _names(storage, storage.join(job))
+                  if name.isdigit() and storage.exists(storage.join(job, name, "commit_success.txt")))
+
+
 def _hit(job: TrainerJob, kill: Kill) -> str:
     held = sorted(p.name for p in (job.shms[kill.host] / job.job).glob("*")) if job.memory_tier else []
-    on_storage = sorted(p.name for p in (job.root / job.job).iterdir() if p.name.startswith(str(kill.step)))
-    committed = (job.root / job.job / str(kill.step) / "commit_success.txt").exists()
+    storage = Storage(job.url)
+    storage.invalidate()
+    on_storage = [n for n in _names(storage, storage.join(job.job)) if n.startswith(str(kill.step))]
+    committed = kill.step in _committed(storage, job.job)
     return (f"host {kill.host}'s shared memory held {held}; storage had {on_storage} for step {kill.step} "
             f"(committed: {committed})")
 
 
-def run_job(base: Path, hosts: int, kill: Kill | None, *, memory_tier: bool = True) -> Outcome:
+def run_job(base: Path, hosts: int, kill: Kill | None, *, memory_tier: bool = True,
+            gcs: GcsEmulator | None = None) -> Outcome:
     """The job to its end: without ``kill`` in one incarnation; with it, the victim killed, the others left to
     jax (they abort once the heartbeat times out; SIGKILLed as JobSet would after 60 s more) and every trainer
     restarted. Then the last step committed and verified, the sidecars stopped, every step deep-validated."""
     job = TrainerJob(base, hosts, JOB, steps=STEPS, checkpoint_period=PERIOD, memory_tier=memory_tier,
-                     pause_s=PAUSE_S, step_time_s=STEP_TIME_S, sidecar_env=SIDECAR_ENV)
+                     pause_s=PAUSE_S, step_time_s=STEP_TIME_S, sidecar_env=SIDECAR_ENV,
+                     storage_url=gcs.gs(f"kill-{uuid.uuid4().hex[:8]}") if gcs is not None else None,
+                     env=gcs.env if gcs is not None else {})
     trainers: list[Trainer] = []
     hit = ""
     try:
@@ -168,16 +191,16 @@ def run_job(base: Path, hosts: int, kill: Kill | None, *, memory_tier: bool = Tr
             run = 2 if kill is not None else 1
             assert codes == [0] * hosts, "\n".join(job.log(f"trainer-{k}-run{run}.log") for k in range(hosts))
             deadline = time.monotonic() + 180
-            while last_step_on_storage(job.root, JOB) != STEPS:
+            while last_step_on_storage(job.url, JOB) != STEPS:
                 assert time.monotonic() < deadline, f"step {STEPS} not committed and verified within 180 s"
                 time.sleep(0.2)
         results = [t.report() for t in trainers]
     finally:
         job.stop(trainers)
-    return Outcome(results, validate_deep(job.root), watch, hit)
+    return Outcome(results, validate_deep(job.url, job.env), watch, hit, job.url)
 
 
-def check(outcome: Outcome, job_root: Path, hosts: int) -> None:
+def check(outcome: Outcome, hosts: int) -> None:
     results = outcome.results
     assert [r["process_index"] for r in results] == list(range(hosts))
     assert len({r["resume_step"] for r in results}) == 1, f"hosts resumed different steps: {results}"
@@ -186,14 +209,14 @@ def check(outcome: Outcome, job_root: Path, hosts: int) -> None:
     assert outcome.watch.bad == [], outcome.watch.bad
     validated = outcome.validation
     assert validated["exit_code"] == 0 and all(s["ok"] for s in validated["steps"]), validated
-    storage = Storage(str(job_root))
-    committed = sorted(int(p.parent.name) for p in (job_root / JOB).glob("*/commit_success.txt")
-                       if p.parent.name.isdigit())
+    storage = Storage(outcome.root)
+    storage.invalidate()
+    committed = _committed(storage, JOB)
     assert STEPS in committed and {s["step"] for s in validated["steps"]} >= set(committed)
     for step in committed:  # a step committed from parts has every host's, of one save
         path = storage.join(JOB, str(step))
         assert part_problems(storage, path) == [], step
-        if (job_root / JOB / str(step) / "ckptd_parts").is_dir():
+        if storage.exists(storage.join(JOB, str(step), "ckptd_parts")):
             parts = parts_of(storage, path, hosts)
             assert all(p is not None and p.process_count == hosts for p in parts), (step, parts)
     assert outcome.watch.seen <= set(committed)
@@ -208,7 +231,7 @@ def clean_run(hosts: int, factory: pytest.TempPathFactory) -> Outcome:
     if hosts not in _CLEAN:
         base = factory.mktemp(f"clean{hosts}")
         _CLEAN[hosts] = run_job(base, hosts, None)
-        check(_CLEAN[hosts], base / "root", hosts)
+        check(_CLEAN[hosts], hosts)
     return _CLEAN[hosts]
 
 
@@ -228,7 +251,7 @@ def test_short_a_trainer_killed_while_the_sidecars_persist_leaves_one_whole_step
     kill = draw_kill("multihost-trainer-kill-short", 2, ["memory-persist"])
     base = tmp_path_factory.mktemp("kill-short")
     killed = run_job(base, 2, kill)
-    check(killed, base / "root", 2)
+    check(killed, 2)
     assert all(r["restored_from"].startswith(("memory: ", "storage: ")) for r in killed.results), killed.results
 
 
@@ -241,7 +264,7 @@ def test_a_trainer_killed_mid_persist_resumes_every_host_from_one_whole_step(
     kill = draw_kill(f"multihost-trainer-kill-{phase}", 2, [phase])
     base = tmp_path_factory.mktemp(f"kill-{phase}")
     killed = run_job(base, 2, kill, memory_tier=phase != "orbax-save")
-    check(killed, base / "root", 2)
+    check(killed, 2)
     if phase == "orbax-save":  # no memory tier: storage is the only tier
         assert all(r["restored_from"].startswith(("storage: ", "none: ")) for r in killed.results)
     assert_bitwise_equal(killed, clean_run(2, tmp_path_factory))
@@ -256,5 +279,19 @@ def test_three_hosts_persist_commit_and_resume_one_step_after_a_trainer_kill(
     kill = draw_kill("multihost-trainer-kill-3-hosts", 3, ["memory-write", "memory-persist"])
     base = tmp_path_factory.mktemp("kill3")
     killed = run_job(base, 3, kill)
-    check(killed, base / "root", 3)
+    check(killed, 3)
     assert_bitwise_equal(killed, clean_run(3, tmp_path_factory))
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_on_the_gcs_emulator_a_trainer_killed_mid_persist_leaves_one_whole_step_for_all(
+        tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> None:
+    """The same on a ``gs://`` root (the GCS emulator; parts written in place, the commit marker create-only)."""
+    gcs: GcsEmulator = request.getfixturevalue("gcs_emulator")
+    kill = draw_kill("multihost-trainer-kill-gcs", 2, ["memory-write", "memory-persist"])
+    base = tmp_path_factory.mktemp("kill-gcs")
+    killed = run_job(base, 2, kill, gcs=gcs)
+    check(killed, 2)
+    assert killed.root.startswith("gs://")
