@@ -1,24 +1,18 @@
 """The catalog: a SQLite cache of what storage holds, rebuilt from storage at start and kept fresh.
 
-Storage is the source of truth (docs/architecture.md, invariant 1). The catalog only remembers what a scan of storage
-found, so that answering ``latest-good`` or ``resume`` does not re-read every step's metadata. Killing
-ckptd loses nothing: the next start drops the cache and scans again.
+Storage is the source of truth (docs/architecture.md, invariant 1): the catalog only remembers what a scan
+found, so that answering ``latest-good`` or ``resume`` does not re-read every step's metadata; killing ckptd
+loses nothing (the next start scans again). A refresh lists each job directory and inspects only the steps
+it has not yet settled (verified or quarantined: ``ckptd.catalog.integrity``); a step gone from storage
+leaves the catalog. A step some ckptd already verified carries a verified record (``ckptd_verified.json``)
+and is catalogued from that small file alone (10,000 small reads at a start, not gigabytes of per-array
+metadata). Rows keep the training metadata without its per-array part, read when a plan needs it.
 
-A refresh lists each job directory and inspects only the step directories it has not yet settled
-(verified or quarantined, see ``ckptd.catalog.integrity``); a step that vanished from storage leaves the catalog.
-A step that some ckptd already verified carries a verified record (``ckptd_verified.json``): it is
-catalogued from that small file alone, so a start over 10,000 steps reads 10,000 small files, not
-gigabytes of per-array metadata. Rows keep the training metadata without its per-array part; the arrays
-of a step are read when a plan needs them, and kept for the few steps recently planned.
-
-Before a step is named in an answer it is checked on storage: its commit marker is there and no
-quarantine record, on every answer; quick validation against its manifest, when the last one is older
-than ``revalidate_after_s`` (the refresher re-checks each job's newest good step ahead of that, so answers
-rarely wait for it).
-
-A job watched read-only (``read_only`` for the whole root, ``read_only_jobs`` for some) gets its records on
-the side prefix ``<root>/.ckptd/<job>/`` (``trainer_client/core/format/records.py``). With a lease (``lease``,
-``ckptd/catalog/lease.py``) only the job's leader writes records; the others serve what it wrote.
+Before a step is named in an answer its commit marker is checked and the absence of a quarantine record;
+quick validation against its manifest when the last one is older than ``revalidate_after_s`` (the refresher
+re-checks each job's newest good step ahead of that). A job watched read-only (``read_only``, ``read_only_jobs``)
+gets its records on the side prefix ``<root>/.ckptd/<job>/`` (``trainer_client/core/format/records.py``). With
+a lease (``ckptd/catalog/lease.py``) only the job's leader writes records; the others serve what it wrote.
 """
 
 from __future__ import annotations
@@ -160,9 +154,8 @@ class Catalog(StepTable, JobAdmission):
             # An unchanged directory needs only its unsettled steps (a resume must not load 10,000 rows).
             if unchanged:
                 marks = ", ".join("?" * len(UNSETTLED_STATES))
-                rows = self._db.execute(
-                    f"SELECT dirname, state, reason FROM steps WHERE job = ? AND state IN ({marks})",
-                    (job, *UNSETTLED_STATES))
+                rows = self._db.execute(f"SELECT dirname, state, reason FROM steps WHERE job = ? AND state IN "
+                                        f"({marks})", (job, *UNSETTLED_STATES))
             else:
                 rows = self._db.execute("SELECT dirname, state, reason FROM steps WHERE job = ?", (job,))
             seen = {str(row[0]): (str(row[1]), row[2]) for row in rows}
@@ -175,9 +168,8 @@ class Catalog(StepTable, JobAdmission):
         else:
             entries = step_entries(self.storage, job_path)  # type: ignore[assignment]
             present = {entry.name for _, entry in entries}
-            # Taken before the listing, so a later change rescans. Directory times are coarse (a clock tick):
-            # a change within the same tick as the listing would keep the time, so a directory that changed
-            # in the last second is not trusted to be unchanged.
+            # Taken before the listing, so a later change rescans. Directory times are coarse (a clock tick): a
+            # directory that changed in the last second is not trusted to be unchanged.
             if dir_mtime is not None and time.time() - dir_mtime / 1e9 > 1.0:
                 self._scanned_mtime[job] = dir_mtime
             else:
@@ -185,20 +177,25 @@ class Catalog(StepTable, JobAdmission):
         now = time.time()
         found: list[tuple[str, StepInspection]] = []
         todo = [entry for _, entry in entries if known.get(entry.name) not in FINAL_STATES]
-        for entry in todo:
-            self._forget(self.storage.url_of(entry.path))
         side = side_records(self.storage, job) if todo else {}  # records on the side prefix, listed once
         if side:
             self._side_jobs.add(job)
-
-        def look(entry: Entry) -> StepInspection | None:
-            return self._from_verified_record(entry, side.get(entry.name, set())) or self._inspect(job, entry, now)
-
+        unseen: list[Entry] = []  # no verified record: inspected in full below
+        for entry in todo:  # a record is one small read: here (handed to another thread it cost 3x)
+            self._forget(self.storage.url_of(entry.path))
+            try:
+                recorded = self._from_verified_record(entry, side.get(entry.name, set()))
+            except StorageError as exc:
+                self._unreadable(entry, exc)
+                continue
+            if recorded is None:
+                unseen.append(entry)
+            else:
+                found.append((entry.name, recorded))
         # several steps at a time: one step's reads and fsyncs wait while another's metadata is parsed
-        for entry, outcome in each_step(look, todo):
-            if isinstance(outcome, StorageError):  # one unreadable step must not hide the others
-                self.last_error = f"{entry.path}: {outcome}"
-                _log.warning("cannot inspect %s: %s", entry.path, outcome)
+        for entry, outcome in each_step(lambda e: self._inspect(job, e, now), unseen):
+            if isinstance(outcome, StorageError):
+                self._unreadable(entry, outcome)
             elif outcome is not None:
                 found.append((entry.name, outcome))
         with self._tx() as db:
@@ -227,6 +224,10 @@ class Catalog(StepTable, JobAdmission):
         # after the commit: a reader that sees the new version reads the new rows (answers are cached per version)
         if gone or any(seen.get(dirname) != (ins.state.value, ins.reason) for dirname, ins in found):
             self.version += 1
+
+    def _unreadable(self, entry: Entry, exc: StorageError) -> None:  # one unreadable step hides no other
+        self.last_error = f"{entry.path}: {exc}"
+        _log.warning("cannot inspect %s: %s", entry.path, exc)
 
     def _inspect(self, job: str, entry: Entry, now: float | None = None) -> StepInspection | None:
         """The commit rule and structural checks; a committed step is then verified or quarantined."""
