@@ -150,10 +150,11 @@ def _read_records(storage: Storage, step_path: str, *, manifest: bool) -> tuple[
     the reads go out at once (each is a round trip; most find nothing); on a local disk they are read one
     after the other, the manifest only when there is no quarantine record."""
     if not storage.is_remote:
-        quarantined = _read_local_record(storage, step_path, QUARANTINE_FILE)
+        listed: dict[str, set[str] | None] = {}  # each record directory listed once for both records
+        quarantined = _read_local_record(storage, step_path, QUARANTINE_FILE, listed)
         if quarantined is not None or not manifest:
             return quarantined, b""
-        return None, _read_local_record(storage, step_path, CKPTD_MANIFEST) or b""
+        return None, _read_local_record(storage, step_path, CKPTD_MANIFEST, listed) or b""
     paths = [*record_paths(step_path, QUARANTINE_FILE), *(record_paths(step_path, CKPTD_MANIFEST) if manifest else ())]
     reads = [_threads().submit(storage.read_bytes, path) for path in paths]
     got: list[bytes | None] = []
@@ -168,19 +169,22 @@ def _read_records(storage: Storage, step_path: str, *, manifest: bool) -> tuple[
     return quarantine_raw, manifest_raw if manifest_raw is not None else b""
 
 
-def _read_local_record(storage: Storage, step_path: str, name: str) -> bytes | None:
+def _read_local_record(storage: Storage, step_path: str, name: str, listed: dict[str, set[str] | None]) -> bytes | None:
     """``read_record`` on a local disk, reading only where a listing shows the file (the step directory and
-    its side directory, listed at once: cheaper than reads that find nothing). Read through ``storage``, so
-    a link leading out of the root is still not there."""
+    its side directory, each listed once into ``listed``: cheaper than reads that find nothing). Read through
+    ``storage``, so a link leading out of the root is still not there."""
     for path in record_paths(step_path, name):
-        try:
-            with os.scandir(posixpath.dirname(path)) as children:
-                there = any(child.name == name for child in children)
-        except FileNotFoundError:
-            continue
-        except OSError:
-            there = True  # cannot list: try the read itself
-        if there:
+        directory = posixpath.dirname(path)
+        if directory not in listed:
+            try:
+                with os.scandir(directory) as children:
+                    listed[directory] = {child.name for child in children}
+            except FileNotFoundError:
+                listed[directory] = set()
+            except OSError:
+                listed[directory] = None  # cannot list: try the reads themselves
+        names = listed[directory]
+        if names is None or name in names:
             try:
                 return storage.read_bytes(path)
             except FileNotFoundError:

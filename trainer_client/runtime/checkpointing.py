@@ -221,6 +221,7 @@ class Checkpointer:
         items: dict[str, Any] = {self.item: ocp.args.StandardSave(state)}
         if data_iterator is not None:
             items[ITER_ITEM] = IteratorStateSave(data_iterator)
+        self._drop_sums()  # a watch a failed save never handed to its commit
         if not self._storage.is_remote and jax.process_index() == 0:  # the manifest's pass, beside the write
             self._sums = ClosedFileSums(self._storage.root, existing_dirs=False)  # the new step's dirs only
         try:
@@ -237,6 +238,7 @@ class Checkpointer:
             raise
         if not self.async_save:
             self._before_commit_fallback(step)
+            self._drop_sums()  # a committed step that had its manifest already took none
         self.last_save_blocked_s = time.perf_counter() - started
         self.saved_steps.append(step)
 
