@@ -54,6 +54,9 @@ def install() -> None:
     import trainer_client.runtime.checkpointing as checkpointing
 
     _timed(worker, "damaged_shards", "check")
+    for name in ("problems", "read_meta", "map_data", "snapshot_arrays"):  # the parts of "start"
+        _timed(worker, name, f"start.{name}")
+    _timed(checkpointing.Checkpointer, "__init__", "start.checkpointer")
     _timed(checkpointing.Checkpointer, "save_with_metadata", "start")
     _timed(checkpointing.Checkpointer, "_before_commit", "before_commit")
     _timed(checkpointing, "build_manifest", "crc")
@@ -61,14 +64,37 @@ def install() -> None:
     _timed(checkpointing, "sync_tree", "sync")
 
 
-def begin() -> tuple[float, resource.struct_rusage]:
+# The kernel's memory work during a persist, machine-wide (the benchmark runs one thing at a time): direct
+# reclaim (allocstall_*, pgscan_direct), compaction stalls and transparent huge pages faulted in, each of
+# which the allocating process pays in system CPU.
+_VMSTAT = ("allocstall", "pgscan_direct", "compact_stall", "thp_fault_alloc")
+
+
+def vmstat() -> dict[str, float]:
+    counts = dict.fromkeys(_VMSTAT, 0.0)
+    try:
+        lines = Path("/proc/vmstat").read_text().splitlines()
+    except OSError:
+        return counts
+    for line in lines:
+        name, _, value = line.partition(" ")
+        for key in _VMSTAT:
+            if name == key or name.startswith(key + "_"):
+                counts[key] += float(value)
+    return counts
+
+
+Started = tuple[float, resource.struct_rusage, dict[str, float]]
+
+
+def begin() -> Started:
     with _lock:
         _events.clear()
     _t0[0] = time.perf_counter()
-    return _t0[0], resource.getrusage(resource.RUSAGE_SELF)
+    return _t0[0], resource.getrusage(resource.RUSAGE_SELF), vmstat()
 
 
-def end(started: tuple[float, resource.struct_rusage]) -> dict[str, float]:
+def end(started: Started) -> dict[str, float]:
     """The phases of the persist since ``begin``."""
     total = time.perf_counter() - started[0]
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -91,9 +117,12 @@ def end(started: tuple[float, resource.struct_rusage]) -> dict[str, float]:
         "manifest": length("crc") + length("write_manifest"),
         "sync": length("sync"),
         "commit": total - before[1],
+        **{label: length(label) for label in spans if label.startswith("start.")},
         "cpu_user": usage.ru_utime - started[1].ru_utime,
         "cpu_system": usage.ru_stime - started[1].ru_stime,
         "page_faults": float(usage.ru_minflt - started[1].ru_minflt),
+        "involuntary_switches": float(usage.ru_nivcsw - started[1].ru_nivcsw),
+        **{f"vm_{key}": value - started[2][key] for key, value in vmstat().items()},
     }
 
 
