@@ -163,9 +163,16 @@ class Checkpointer:
         self.last_save_blocked_s: float | None = None
 
     def _new_manager(self) -> ocp.CheckpointManager:
+        remote = self._storage.is_remote
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=self.async_save,
-            create=True,
+            # An object store has no directory to make (Orbax's root check and its barrier are skipped), and the
+            # job's steps are listed without reading each one's metadata: ckptd uses no Orbax retention, metrics
+            # or timestamps, and the persist worker opens a Checkpointer per snapshot (docs/gcs.md, Requests).
+            create=not remote,
+            lightweight_initialize=remote,
+            # Orbax's check of the step before its tmp path's create, which checks (and clears) the same place
+            file_options=ocp.options.FileOptions(skip_sync_file_validations=self._commits_in_place()),
             max_to_keep=None,  # retention is ckptd's job: it never deletes the newest good step
             atomicity_options=(
                 ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode(self.atomicity))
@@ -242,9 +249,14 @@ class Checkpointer:
         self.last_save_blocked_s = time.perf_counter() - started
         self.saved_steps.append(step)
 
+    def _commits_in_place(self) -> bool:
+        """Orbax writes the step where it stays and commits it with ``commit_success.txt`` (its default on
+        an object store): there is no ``<step>.orbax-checkpoint-tmp``."""
+        return self._storage.is_remote and self.atomicity in (None, "commit_file")
+
     def _step_dir_before_commit(self, step: int) -> str:
-        if self._storage.is_remote and self.atomicity is None:  # Orbax commits in place there (commit_success.txt):
-            return self._storage.join(str(step))  # no tmp directory to look for (3 requests fewer per GCS save)
+        if self._commits_in_place():  # no tmp directory to look for (3 requests fewer per GCS save)
+            return self._storage.join(str(step))
         tmp = self._storage.join(f"{step}{TMP_DIR_SUFFIX}")
         return tmp if self._storage.exists(tmp) else self._storage.join(str(step))
 

@@ -1,0 +1,54 @@
+"""A ckptd save on ``gs://`` costs no more storage requests than plain Orbax's save of the same state.
+
+Pins ``gcs_requests_per_persist_ratio_vs_orbax`` (bench/gcs_requests.py) on the requests whose number does
+not depend on timing (``settled``): ckptd's manifest costs two (the step's listing, which gives every
+file's CRC32C as stored, and the upload), paid for by Orbax's checks ckptd skips on an object store
+(docs/gcs.md, Requests): the job root's existence check and barrier, the step's check before the one
+Orbax's commit-file path makes anyway, and ckptd's own look for a ``<step>.orbax-checkpoint-tmp`` that
+Orbax never makes there. Each of those checks is three requests: any one coming back fails the test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from bench.gcs_requests import logging_proxy, saves_of, settled
+from tests.support.gcs_emulator import GcsEmulator, emulator_env
+
+MARGIN = 4  # settled(orbax) - settled(ckptd) with the checks skipped (6 skipped, 2 for the manifest)
+
+
+@pytest.fixture
+def proxied(gcs_emulator: GcsEmulator, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    """The logging proxy in front of the emulator, with gcsfs and tensorstore pointed at it for the test."""
+    import gcsfs  # only once the emulator's settings are in place (tests/support/gcs_emulator.py)
+
+    with logging_proxy(gcs_emulator.url) as proxy:
+        for key, value in emulator_env(proxy.url).items():
+            monkeypatch.setenv(key, value)
+        gcsfs.GCSFileSystem.clear_instance_cache()  # a cached instance still talks to the emulator itself
+        try:
+            yield proxy
+        finally:
+            gcsfs.GCSFileSystem.clear_instance_cache()
+
+
+def test_a_gcs_save_settles_in_fewer_requests_than_orbax(gcs_emulator: GcsEmulator, proxied: object) -> None:
+    ckptd, orbax = saves_of(proxied, gcs_emulator.gs("persist-requests"), arrays=2)
+    assert any("ocdbt.process_0%2Fd%2F" in r for r in ckptd)  # tensorstore's writes pass the proxy too
+
+    listing = f"GET /storage/v1/b/{gcs_emulator.bucket}/o?delimiter=&prefix=JOB/1/&maxResults=1000"
+    assert ckptd.count(listing) == 1 and listing not in orbax  # the manifest's one listing, with the CRC32Cs
+    assert sum("JOB/1/ckptd_manifest.json" in r for r in ckptd) == 1  # its one upload, nothing reads it back
+    assert not any("orbax-checkpoint-tmp" in r for r in ckptd + orbax)
+    committed = [i for i, r in enumerate(ckptd) if r.startswith("POST") and "JOB/1/commit_success.txt" in r]
+    manifested = [i for i, r in enumerate(ckptd) if "JOB/1/ckptd_manifest.json" in r]
+    assert committed and manifested and manifested[0] < committed[-1]  # the manifest before the commit
+
+    # the job root: Orbax checks it twice (create, then its list of steps); ckptd once
+    root = [r for r in ckptd if r.split("?")[0].endswith("/o/JOB") or "prefix=JOB/&" in r]
+    orbax_root = [r for r in orbax if r.split("?")[0].endswith("/o/JOB") or "prefix=JOB/&" in r]
+    assert 0 < len(root) < len(orbax_root), (root, orbax_root)
+    assert settled(ckptd) <= settled(orbax) - MARGIN, (settled(ckptd), settled(orbax), ckptd, orbax)
