@@ -93,8 +93,10 @@ def batch_layout(mesh: Mesh, batch: BatchPlan) -> tuple[tuple[int, ...], NamedSh
     return (batch.global_batch,), NamedSharding(mesh, PartitionSpec(axes))
 
 
-def precompile(mesh: Mesh, batch: BatchPlan) -> None:
-    """Lower and compile the training step for ``mesh`` (the ElasticRunner calls it in the background)."""
+def precompile(mesh: Mesh, batch: BatchPlan) -> jax.stages.Compiled:
+    """Lower and compile the training step for ``mesh`` (the ElasticRunner calls it in the background). The
+    runner keeps what this returns and hands it to the attempt after an event onto exactly this mesh
+    (``ctx.precompiled``): its first step runs it with no trace."""
     specs = partition_specs(jax.eval_shape(init_state))
     abstract = jax.tree_util.tree_map(
         lambda leaf, spec: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec)),
@@ -102,7 +104,24 @@ def precompile(mesh: Mesh, batch: BatchPlan) -> None:
     )
     shape, sharding = batch_layout(mesh, batch)
     ids = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
-    jitted_step(batch.accumulation_steps, batch.lr_scale).lower(abstract, ids).compile()
+    return jitted_step(batch.accumulation_steps, batch.lr_scale).lower(abstract, ids).compile()
+
+
+def step_layout(batch: BatchPlan) -> tuple[int, int, int, float]:
+    """What a compiled step depends on in a batch plan: the ids' shape (``batch_layout``) and ``jitted_step``'s
+    key (microbatches, lr scale)."""
+    return batch.accumulation_steps, batch.micro_batch, batch.global_batch, batch.lr_scale
+
+
+def step_for(ctx: ElasticContext) -> Callable[..., tuple[PyTree, jax.Array]]:
+    """The attempt's step: compile-ahead's executable for this mesh when the runner kept one for this batch plan
+    (called like the jitted step, nothing traced), the jitted step otherwise."""
+    plan, pre = ctx.batch, ctx.precompiled
+    compiled = pre.executable if pre is not None and step_layout(pre.batch) == step_layout(plan) else None
+    if isinstance(compiled, jax.stages.Compiled):
+        return compiled
+    step: Callable[..., tuple[PyTree, jax.Array]] = jitted_step(plan.accumulation_steps, plan.lr_scale)
+    return step
 
 
 def make_train_step(accumulation_steps: int = 1, lr_scale: float = 1.0) -> Callable[..., tuple[PyTree, jax.Array]]:
@@ -154,7 +173,7 @@ def make_train_fn(
             ctx.set_precompile(precompile)
         plan = ctx.batch
         shape, batch_sharding = batch_layout(ctx.mesh, plan)
-        step_fn = jitted_step(plan.accumulation_steps, plan.lr_scale)
+        step_fn = step_for(ctx)
         batch = plan.global_batch
         while step < total_steps:
             ctx.step_boundary(step, state, position)
@@ -186,5 +205,7 @@ __all__ = [
     "make_train_step",
     "partition_specs",
     "precompile",
+    "step_for",
+    "step_layout",
     "train_step",
 ]

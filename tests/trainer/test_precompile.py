@@ -1,8 +1,9 @@
 """Compiling the likely next meshes ahead of time takes the compile off the recovery's critical path.
 
-The runner clears JAX's in-memory caches after every elastic event (docs/architecture.md), so what carries
-the precompiled executables across the event is the compilation cache: after the recovery the step is
-traced and lowered again, and its executable comes from the cache instead of an XLA compile."""
+The runner clears JAX's in-memory caches after every elastic event (docs/architecture.md) but keeps the
+executable the precompile hook returned for exactly the new mesh and hands it to the next attempt
+(``ctx.precompiled``): after the recovery the step is neither lowered nor compiled. Without compile-ahead the
+step is lowered again and compiled (tests/trainer/test_precompiled_handover.py: the handover itself)."""
 
 from __future__ import annotations
 
@@ -119,9 +120,9 @@ def test_the_step_after_a_recovery_does_not_compile_when_precompiled(
     compiled_in_recovery = compiles.messages[marks[restored][1] : marks[first][1]]
     lowered = [m for m in compiled_in_recovery if m.startswith("Compiling ") and _is_step(m)]
     from_cache = [m for m in compiled_in_recovery if m.startswith("Persistent") and _is_step(m)]
-    assert lowered, "the caches were cleared at the event: the step is lowered again"
     if precompile:
-        assert len(from_cache) == len(lowered), "the recovery compiled the step"
+        assert not lowered, f"the precompiled executable was not used: the step was lowered again {lowered}"
         assert len(runner.precompiler.compiled) >= 4
     else:
+        assert lowered, "the caches were cleared at the event: the step is lowered again"
         assert len(from_cache) < len(lowered), "without precompilation the recovery compiles the step"

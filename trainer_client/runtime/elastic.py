@@ -1,27 +1,26 @@
 """The elastic runner: survive slice failures inside the running process (same PID, no relaunch).
 
-``ElasticRunner.run(train_fn)`` calls the user's training function with an ``ElasticContext``, through
-pathwaysutils' ``Manager.elastic_retry`` (runtime/slice_manager.py): Manager waits for the slices the policy
-needs (``pause``: all of them, ``resize``: at least ``min_slices``), runs the attempt under
-``jax.default_device`` on a live slice, retries it after a slice loss or a ``ScaleUpSignalError``, and its
-monitor thread health-checks the slices not in use. ckptd's part rides in the attempt and the callbacks:
-when a slice dies the JAX operation that touches it raises (``JaxRuntimeError`` with ``DATA_LOSS``); only
-what pathwaysutils classifies as a slice loss *and* a health check confirms reaches Manager
-(``fault_classification``; anything else is re-raised at once, unchanged). After the event the failed
-attempt is freed (JAX's caches cleared, its arrays deleted: ``recovery``); the next attempt asks ckptd for
-the resume plan (or scans storage when ckptd cannot answer), rebuilds the mesh from it and restores onto it
-through ``ctx.restore_or_init``. Under ``resize`` a slice that Manager's monitor finds healthy again is
-noticed at a step boundary: the current state is saved first, so growing back loses no steps. With hot
-spares (``spare_slices``) the mesh uses fewer slices than the allocation holds; a healthy idle slice takes a
-lost one's place (same mesh shape, no resize, no wait for a replacement: ``SliceManager.take_slices``), and a
-lost slice that returns becomes a spare; with no healthy spare left the policy (``pause`` or ``resize``)
-decides. On Pathways the runner calls ``pathwaysutils.initialize()``. In a multi-controller job (one process per
-host, ``jax.process_count() > 1``) a lost process ends them all and the job restarts them: each runs one attempt
-and all restore the step they agree on (``multihost.ResumeAgreement``, docs/multihost.md); a SIGTERM (a preemption
-notice there, not an end) makes every process save the step they agree on and return (``ElasticResult.preempted``).
+``ElasticRunner.run(train_fn)`` calls the user's training function with an ``ElasticContext``, through pathwaysutils'
+``Manager.elastic_retry`` (runtime/slice_manager.py): Manager waits for the slices the policy needs (``pause``: all of
+them, ``resize``: at least ``min_slices``), runs the attempt under ``jax.default_device`` on a live slice, retries it
+after a slice loss or a ``ScaleUpSignalError``, and its monitor thread health-checks the slices not in use. ckptd's
+part rides in the attempt and the callbacks: when a slice dies the JAX operation that touches it raises
+(``JaxRuntimeError`` with ``DATA_LOSS``); only what pathwaysutils classifies as a slice loss *and* a health check
+confirms reaches Manager (``fault_classification``; anything else is re-raised at once, unchanged). After the event
+the failed attempt is freed (JAX's caches cleared, its arrays deleted: ``recovery``; compile-ahead's executable for
+exactly the new mesh is kept: ``ctx.precompiled``); the next attempt asks ckptd for the resume plan (or scans storage
+when ckptd cannot answer), rebuilds the mesh from it and restores onto it through ``ctx.restore_or_init``. Under
+``resize`` a slice that Manager's monitor finds healthy again is noticed at a step boundary: the current state is
+saved first, so growing back loses no steps. With hot spares (``spare_slices``) the mesh uses fewer slices than the
+allocation holds; a healthy idle slice takes a lost one's place (same mesh shape, no resize, no wait for a
+replacement: ``SliceManager.take_slices``), and a lost slice that returns becomes a spare; with no healthy spare left
+the policy (``pause`` or ``resize``) decides. On Pathways the runner calls ``pathwaysutils.initialize()``. In a
+multi-controller job (one process per host, ``jax.process_count() > 1``) a lost process ends them all and the job
+restarts them: each runs one attempt and all restore the step they agree on (``multihost.ResumeAgreement``,
+docs/multihost.md); a SIGTERM (a preemption notice there, not an end) makes every process save the step they agree on
+and return (``ElasticResult.preempted``).
 
-Options mirror MaxText's elastic flags: ``checkpoint_period``, ``elastic_timeout_s``,
-``elastic_max_retries``, and the policy.
+Options mirror MaxText's elastic flags (``checkpoint_period``, ``elastic_timeout_s``, ``elastic_max_retries``, policy).
 """
 from __future__ import annotations
 
@@ -50,12 +49,7 @@ from trainer_client.runtime.fault_classification import classify_failure
 from trainer_client.runtime.jax_faults import InJaxFaults
 from trainer_client.runtime.memory_tier import MemoryTier
 from trainer_client.runtime.multihost import ResumeAgreement
-from trainer_client.runtime.precompile import (
-    Precompiler,
-    build_mesh,
-    enable_persistent_cache,
-    ensure_compilation_cache,
-)
+from trainer_client.runtime.precompile import Precompiler, build_mesh, enable_persistent_cache, ensure_compilation_cache
 from trainer_client.runtime.recovery import ArraysBefore, release_failed_attempt
 from trainer_client.runtime.slice_manager import SliceManager
 from trainer_client.runtime.slices import SimulatedSlices, SliceProvider, initialize_pathways
@@ -196,6 +190,7 @@ class ElasticRunner:
         self.on_event = on_event
         self.events: list[Event] = []
         self.recoveries: list[Recovery] = []
+        self._lost: frozenset[int] = frozenset()  # the slices the last event took
         self._t0 = time.monotonic()
 
     def emit(self, kind: str, step: int | None = None, detail: str = "", **fields: Any) -> None:
@@ -230,9 +225,9 @@ class ElasticRunner:
             self.emit("aborted", None, f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}")
             raise
         finally:
-            # No background compile may outlive the run: XLA aborts the process if the interpreter exits
-            # while one is in flight.
+            # No background compile may outlive the run (XLA aborts the process if the interpreter exits in one)
             self.precompiler.stop(wait=True)
+            self.precompiler.release()
             self.saver.close()
             if self.reporter is not None:
                 self.reporter.close(self.client.settings.events_flush_timeout_s)
@@ -260,10 +255,10 @@ class ElasticRunner:
 
         def after_event() -> None:  # before the wait for slices; the failed attempt's frames still exist
             self.precompiler.stop()
+            self.precompiler.forget(self._lost)  # executables on lost slices go with the clear below
             self.checkpointer.reset()  # a save in flight has its host copy: the device arrays may go
             with self.manager.device_work:  # not while the monitor's health check runs on arrays of its own
                 release_failed_attempt(callers_arrays)
-            self.precompiler.forget()
             self.emit("waiting_for_slices", None, f"policy {cfg.policy} needs {needed} of {total} slices")
 
         def ready() -> None:  # after Manager's wait, before the attempt: which healthy slices the mesh uses
@@ -319,7 +314,8 @@ class ElasticRunner:
                     rec.spares_used = sorted(active - set(rec.slices_before))
                 rec.restored_step = plan.step if plan else 0
                 rec.lost_steps = rec.failed_at_step - rec.restored_step
-            ctx = ElasticContext(self, mesh, plan, active)
+            # compile-ahead's executable for exactly this mesh, if any (every other one is dropped)
+            ctx = ElasticContext(self, mesh, plan, active, precompiled=self.precompiler.claim(mesh))
             try:
                 value = train_fn(ctx)
             except Preempted as stop:
@@ -336,14 +332,16 @@ class ElasticRunner:
             if ctx is None or loss is None:
                 raise _Raise(exc) from None
             self._record("slice_down", ctx, f"slice(s) {sorted(loss.lost)} down: "
-                         f"{(str(exc).splitlines() or [''])[0][:300]}")
+                         f"{(str(exc).splitlines() or [''])[0][:300]}", loss.lost)
             raise
         except Exception as exc:
             raise _Raise(exc) from None
         self.emit("finished", ctx.last_step)
         return ElasticResult(value, os.getpid(), list(self.events), list(self.recoveries), ctx.last_step)
 
-    def _record(self, kind: Literal["slice_down", "scale_up"], ctx: ElasticContext, detail: str) -> None:
+    def _record(self, kind: Literal["slice_down", "scale_up"], ctx: ElasticContext, detail: str,
+                lost: frozenset[int] = frozenset()) -> None:
+        self._lost = lost  # the event's compile-ahead executables on these slices are dropped (after_event)
         step = ctx.last_step if ctx.last_step is not None else ctx.start_step
         self.emit("failure_detected" if kind == "slice_down" else "scale_up_detected", step, detail)
         self.recoveries.append(Recovery(kind, step, self.events[-1].t,

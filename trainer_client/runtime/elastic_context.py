@@ -1,6 +1,7 @@
 """What one attempt of the user's training function gets from the elastic runner: ``ElasticContext``.
 
-The mesh and resume plan of the attempt, ``restore_or_init`` (the plan's step onto this mesh, and the
+The mesh and resume plan of the attempt, compile-ahead's executable for exactly that mesh (``precompiled``),
+``restore_or_init`` (the plan's step onto this mesh, and the
 data iterator's state saved with it), ``save`` and the ``step_boundary`` hook (periodic saves, injected
 faults, the start of compile-ahead, growing back under ``resize``). Split from
 ``trainer_client.runtime.elastic`` (the loop around attempts), which re-exports it.
@@ -24,7 +25,7 @@ from trainer_client.runtime._saver import restore_plan
 from trainer_client.runtime.checkpointing import mesh_spec, target_shardings, training_metadata
 from trainer_client.runtime.data_iterator import DataIterator, planned_state, restore_iterator, state_record
 from trainer_client.runtime.job_store import preemption_reached
-from trainer_client.runtime.precompile import PrecompileHook
+from trainer_client.runtime.precompile import Precompiled, PrecompileHook
 
 if TYPE_CHECKING:
     from trainer_client.runtime.elastic import ElasticRunner
@@ -45,7 +46,11 @@ class Preempted(CkptdError):
 class ElasticContext:
     """What one attempt of the training function gets: the mesh, the plan, and the step hooks."""
 
-    def __init__(self, runner: ElasticRunner, mesh: Mesh, plan: ResumePlan | None, active: frozenset[int]):
+    def __init__(self, runner: ElasticRunner, mesh: Mesh, plan: ResumePlan | None, active: frozenset[int],
+                 precompiled: Precompiled | None = None):
+        if precompiled is not None and not precompiled.fits(mesh):  # never run on devices it was not built for
+            raise ValueError(f"an executable precompiled for devices {precompiled.key[2]} given to a different mesh")
+        self._precompiled = precompiled
         self.runner = runner
         self.mesh = mesh
         self.plan = plan
@@ -66,8 +71,19 @@ class ElasticContext:
 
     def set_precompile(self, hook: PrecompileHook) -> None:
         """Register ``hook(mesh, batch_plan)``: lower and compile the training step for ``mesh``. The runner
-        calls it in the background for the meshes an elastic event would lead to next."""
+        calls it in the background for the meshes an elastic event would lead to next; what it returns (e.g.
+        ``jit(step).lower(...).compile()``) is kept, and the attempt after an event onto exactly that mesh gets
+        it as ``precompiled``."""
         self._precompile = hook
+
+    @property
+    def precompiled(self) -> Precompiled | None:
+        """What the precompile hook returned for exactly this attempt's mesh (the same devices in the same order)
+        before the elastic event that led here, or None (the first attempt, a hook that returns nothing, a mesh
+        that was not compiled ahead). ``.executable`` is the hook's object, e.g. a ``jax.stages.Compiled``, to
+        call instead of the jitted step: no trace, no compile. ``.batch`` is the batch plan it was compiled for;
+        use it only when that matches ``batch`` (the step's shapes and lr scale), the jitted step otherwise."""
+        return self._precompiled
 
     @property
     def global_batch(self) -> int:

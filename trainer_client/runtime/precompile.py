@@ -4,16 +4,20 @@ Recovery after a slice failure is dominated by re-tracing and recompiling the tr
 mesh. While training runs on a mesh, a background thread asks the user's ``precompile(mesh, batch)``
 hook to lower and compile the step for the meshes an elastic event would lead to next: the full mesh
 again when running degraded (the regrow), with hot spares the same mesh with a spare in place of each slice
-that could be lost, then every mesh with one slice fewer (one per slice that could be lost). The runner
-clears JAX's in-memory caches after every elastic event (docs/architecture.md), so what carries the compiled
-executables across the event is the compilation cache: JAX's persistent cache (``compilation_cache_dir``, or
-a private default, ``ensure_compilation_cache``), or Pathways' own. The first step on the new mesh traces and
-lowers again and loads its executable: no XLA compile.
+that could be lost, then every mesh with one slice fewer (one per slice that could be lost).
+
+What the hook returns (``jit(step).lower(...).compile()``, a ``jax.stages.Compiled``) is kept per exact mesh
+(axis names, shape and the devices in order: ``mesh_key``) as a ``Precompiled``. At an elastic event the runner
+drops every one that uses a lost slice before it clears JAX's caches (docs/architecture.md), and hands the one
+built for exactly the new attempt's mesh to it (``ElasticContext.precompiled``), dropping the rest: the first
+step on the new mesh runs that executable, with no trace, no lowering and no compile. A hook that returns
+nothing still helps through the compilation cache, which outlives the cache clear: JAX's persistent cache
+(``compilation_cache_dir``, or a private default, ``ensure_compilation_cache``), or Pathways' own; the first
+step then traces and lowers again and loads its executable from there.
 
 The hook is the user's because only the training code knows its step function and input layouts (see
 ``examples/elastic_mlp.py``). A failing compile is logged and skipped: precompiling is an optimisation.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -22,7 +26,8 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence, Set
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -38,7 +43,30 @@ from trainer_client.errors import PlanningError
 
 _log = logging.getLogger(__name__)
 
-PrecompileHook = Callable[[Mesh, BatchPlan], object]
+PrecompileHook = Callable[[Mesh, BatchPlan], object]  # returns what it compiled (kept for the mesh), or None
+MeshKey = tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]
+
+
+def mesh_key(mesh: Mesh) -> MeshKey:
+    """What makes an executable fit a mesh: its axis names, its shape and its devices, in order."""
+    return tuple(str(a) for a in mesh.axis_names), tuple(int(n) for n in mesh.devices.shape), tuple(
+        int(d.id) for d in mesh.devices.flat)
+
+
+@dataclass(frozen=True)
+class Precompiled:
+    """What the precompile hook returned for one mesh (e.g. a ``jax.stages.Compiled``), with what it was built
+    for: the mesh (``key``: axis names, shape, devices in order), the slices it uses and the batch plan the hook
+    was given. ``ElasticContext.precompiled`` hands it to the attempt whose mesh is exactly that mesh."""
+
+    executable: object
+    key: MeshKey
+    slices: frozenset[int]
+    batch: BatchPlan
+
+    def fits(self, mesh: Mesh) -> bool:
+        """Built for exactly ``mesh`` (the same devices in the same order, the same shape and axis names)."""
+        return self.key == mesh_key(mesh)
 
 
 def enable_persistent_cache(directory: str) -> None:
@@ -132,11 +160,15 @@ class Precompiler:
     Whatever a compile does — raise (a slice lost under it raises ``DATA_LOSS`` inside the compile), or
     never return — it happens in that thread: it is logged (``failed``) and never reaches the training
     loop. A pass that is still busy when an elastic event stops it is abandoned, not waited for: the next
-    attempt's pass starts at once in a thread of its own."""
+    attempt's pass starts at once in a thread of its own, and what the abandoned one compiles is not kept.
+    What the hook returns is kept per exact mesh until the event: ``forget`` drops those on the lost slices
+    before the cache clear, then ``claim`` hands over the new mesh's and drops the rest."""
 
     def __init__(self, join_timeout_s: float = 60.0, mesh_slices: int | None = None) -> None:
         self.mesh_slices = mesh_slices  # slices a whole mesh uses (fewer than the allocation's: hot spares)
-        self._done: set[tuple[int, ...]] = set()
+        self._done: set[MeshKey] = set()
+        self._kept: dict[MeshKey, Precompiled] = {}  # what the hook returned, per exact mesh
+        self._lock = threading.Lock()  # _kept and the passes' stop flags
         self._current: _Pass | None = None
         self._passes: list[_Pass] = []
         self._clear = threading.Event()  # set: no save is in progress, compiling may go on
@@ -192,19 +224,23 @@ class Precompiler:
             if run.stop.is_set():
                 return
             mesh = build_mesh(spec, slices, slice_to_devices)
-            key = tuple(d.id for d in mesh.devices.flat)
+            key = mesh_key(mesh)
             if key in self._done:
                 continue
             started = time.perf_counter()
+            planned = plan_batch(batch, spec, options)
             try:
-                hook(mesh, plan_batch(batch, spec, options))
+                executable = hook(mesh, planned)
             except Exception as exc:  # an optimisation only: never let it hurt training
                 _log.warning("precompiling for mesh %s failed: %s", spec.shape, exc)
                 self.failed.append((list(spec.shape), f"{type(exc).__name__}: {exc}"))
                 continue
-            if run.stop.is_set():  # compiled for an attempt that is over: the caches were cleared since
-                return
-            self._done.add(key)
+            with self._lock:
+                if run.stop.is_set():  # compiled for an attempt that is over: dropped, not kept past the event
+                    return
+                self._done.add(key)
+                if executable is not None:
+                    self._kept[key] = Precompiled(executable, key, frozenset(slices), planned)
             self.compiled.append((list(spec.shape), time.perf_counter() - started))
 
     def wait(self, timeout: float | None = None) -> None:
@@ -212,16 +248,39 @@ class Precompiler:
         if self._current is not None and self._current.thread is not None:
             self._current.thread.join(timeout)
 
-    def forget(self) -> None:
-        """The in-memory caches were cleared (after an elastic event): compile every mesh again when asked."""
+    def forget(self, lost: Set[int] = frozenset()) -> None:
+        """At an elastic event, before JAX's in-memory caches are cleared: compile every mesh again when asked,
+        and drop every kept executable that uses a slice in ``lost`` (it can never run again; the clear frees
+        it). The others wait for ``claim``, which hands over the new mesh's."""
         self._done.clear()
+        with self._lock:
+            self._kept = {k: p for k, p in self._kept.items() if not p.slices & lost}
+
+    def claim(self, mesh: Mesh) -> Precompiled | None:
+        """The executable built for exactly ``mesh`` (None when there is none), handed over once; every other
+        kept executable is dropped with it, so the next attempt holds only what it runs."""
+        with self._lock:
+            found = self._kept.pop(mesh_key(mesh), None)
+            self._kept.clear()
+        return found
+
+    def release(self) -> None:
+        """Drop every kept executable (the end of the run)."""
+        with self._lock:
+            self._kept.clear()
+
+    def kept(self) -> list[Precompiled]:
+        """The executables kept now (tests; diagnostics)."""
+        with self._lock:
+            return list(self._kept.values())
 
     def stop(self, wait: bool = False) -> None:
         """Stop every pass; with ``wait``, wait for their compiles in flight (XLA aborts the process if the
         interpreter exits while one runs), at most ``join_timeout_s`` in all: a compile that hangs (a dead
         slice under it) is abandoned with an error line rather than hang the process."""
-        for run in self._passes:
-            run.stop.set()
+        with self._lock:  # a compile that finishes after this keeps nothing
+            for run in self._passes:
+                run.stop.set()
         if not wait:
             return
         deadline = time.monotonic() + self.join_timeout_s
@@ -236,6 +295,6 @@ class Precompiler:
 
 
 __all__ = [
-    "PrecompileHook", "Precompiler", "build_mesh", "default_cache_dir", "enable_persistent_cache",
-    "ensure_compilation_cache", "likely_next",
+    "MeshKey", "PrecompileHook", "Precompiled", "Precompiler", "build_mesh", "default_cache_dir",
+    "enable_persistent_cache", "ensure_compilation_cache", "likely_next", "mesh_key",
 ]

@@ -4,10 +4,13 @@ A recovered process lives on for the whole job, so what a failed attempt leaves 
 recoveries (freeing memory after an in-process restart is a known complaint about elastic JAX
 training). After every elastic event the runner:
 
-- clears JAX's compilation and tracing caches (``jax.clear_caches()``): the executables of the old mesh,
-  including the ones compile-ahead made for meshes that did not happen, and every trace that captured the
-  old devices. Compile-ahead survives it through the compilation cache (``precompile.ensure_compilation_cache``:
-  JAX's persistent cache; on Pathways the runtime's own), so the new mesh's step is not compiled again;
+- clears JAX's compilation and tracing caches (``jax.clear_caches()``): the executables of the old mesh and
+  every trace that captured the old devices. Compile-ahead's executables that use a lost slice are dropped
+  just before (``Precompiler.forget``), so the clear frees them; the one built for exactly the new mesh is
+  handed to the next attempt (``ElasticContext.precompiled``: its first step runs with no trace) and every
+  other one is dropped when that mesh is built (``Precompiler.claim``). A step the hook did not return is
+  found in the compilation cache (``precompile.ensure_compilation_cache``: JAX's persistent cache; on
+  Pathways the runtime's own): it is traced and lowered again, not compiled;
 - deletes the arrays the failed attempt created (``jax.live_arrays()`` minus those alive before the first
   attempt) even where something still references them — a training function or a callback that keeps its
   state or metrics would otherwise hold device memory (on the dead slice, or on a live one) into the next
