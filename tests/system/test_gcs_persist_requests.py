@@ -16,6 +16,8 @@ import pytest
 
 from bench.gcs_requests import logging_proxy, saves_of, settled
 from tests.support.gcs_emulator import GcsEmulator, emulator_env
+from trainer_client.core.format.files import CKPTD_MANIFEST
+from trainer_client.core.storage import Storage
 
 MARGIN = 4  # settled(orbax) - settled(ckptd) with the checks skipped (6 skipped, 2 for the manifest)
 
@@ -41,11 +43,15 @@ def test_a_gcs_save_settles_in_fewer_requests_than_orbax(gcs_emulator: GcsEmulat
 
     listing = f"GET /storage/v1/b/{gcs_emulator.bucket}/o?delimiter=&prefix=JOB/1/&maxResults=1000"
     assert ckptd.count(listing) == 1 and listing not in orbax  # the manifest's one listing, with the CRC32Cs
-    assert sum("JOB/1/ckptd_manifest.json" in r for r in ckptd) == 1  # its one upload, nothing reads it back
-    assert not any("orbax-checkpoint-tmp" in r for r in ckptd + orbax)
+    # its one upload: a simple one (the object's name in the body), the only one of the save; never read back
+    manifested = [i for i, r in enumerate(ckptd) if r.startswith("POST") and "uploadType=multipart" in r]
+    assert len(manifested) == 1 and not any("uploadType=multipart" in r for r in orbax)
+    assert not any("ckptd_manifest.json" in r for r in ckptd)
+    step = Storage(gcs_emulator.gs("persist-requests", "ckptd-0", "1"))
+    assert step.exists(step.join(CKPTD_MANIFEST))
     committed = [i for i, r in enumerate(ckptd) if r.startswith("POST") and "JOB/1/commit_success.txt" in r]
-    manifested = [i for i, r in enumerate(ckptd) if "JOB/1/ckptd_manifest.json" in r]
-    assert committed and manifested and manifested[0] < committed[-1]  # the manifest before the commit
+    assert committed and manifested[0] < committed[-1]  # the manifest before the commit
+    assert not any("orbax-checkpoint-tmp" in r for r in ckptd + orbax)
 
     # the job root: Orbax checks it twice (create, then its list of steps); ckptd once
     root = [r for r in ckptd if r.split("?")[0].endswith("/o/JOB") or "prefix=JOB/&" in r]

@@ -174,8 +174,8 @@ def write_json_file(storage: Storage, path: str, payload: str | bytes, *, durabl
     storage.require_inside(path)
     data = payload.encode("utf-8") if isinstance(payload, str) else payload
     if storage.is_remote:
-        with storage_errors(f"cannot write {storage.url_of(path)}"), storage.fs.open(path, "wb") as f:
-            f.write(data)
+        with storage_errors(f"cannot write {storage.url_of(path)}"):
+            storage.fs.pipe_file(path, data)  # on GCS one request (a simple upload), not a resumable one's two
         return
     os.makedirs(os.path.dirname(path), exist_ok=True)  # a record on the side prefix: its directory may be new
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
