@@ -8,8 +8,9 @@ persistent compilation cache on (one directory shared by every run, warmed by a 
 * ``inprocess``: the ElasticRunner trains, slice 2 goes down at step ``FAIL_AT`` (for good), the runner
   recovers in the same process onto ``(3, 2)``; the figure is its ``Recovery.seconds`` (exception caught ->
   first completed step on the new mesh). Variants: background precompilation of the likely next meshes on
-  (it is given time to finish before the failure), off with the persistent cache warm, and off with an
-  empty cache (the compile is on the critical path).
+  (it is given time to finish before the failure; the attempt after it gets the executable compiled for its
+  mesh, ``ctx.precompiled``, and runs its first step with it: no trace, recorded as ``handed_over``), off with
+  the persistent cache warm, and off with an empty cache (the compile is on the critical path).
 * ``relaunch``: a new process with slice 2 already down imports jax and the trainer code, initialises,
   asks ckptd, compiles (persistent cache warm) and restores from the same tier (the memory snapshot the
   resume plan names), and runs one step on ``(3, 2)``; timed from just before the spawn to that first step.
@@ -91,13 +92,21 @@ def _child(argv: list[str]) -> int:
 
         runner = ElasticRunner(config, slices=slices, client=client, checkpoint_dir=f"{args.root}/{args.job}",
                                on_event=events.append)
-        result = runner.run(make_train_fn(FAIL_AT + 3, TrainLog(), step_hook=hook, use_precompile=precompile))
+        inner = make_train_fn(FAIL_AT + 3, TrainLog(), step_hook=hook, use_precompile=precompile)
+        handed: list[bool] = []
+
+        def train(ctx: Any) -> Any:
+            handed.append(ctx.precompiled is not None)
+            return inner(ctx)
+
+        result = runner.run(train)
         rec = result.recoveries[0]
         restored = next((e for e in result.events if e.kind == "restored" and e.t > rec.detected_t), None)
         out.update(seconds=rec.seconds, restored_step=rec.restored_step, lost_steps=rec.lost_steps,
                    mesh_before=rec.mesh_before, mesh_after=rec.mesh_after,
                    restored_from=restored.detail if restored else None,
                    precompiled=[[shape, round(s, 3)] for shape, s in runner.precompiler.compiled],
+                   handed_over=handed[1:],
                    timeline=[[e.kind, round(e.t - rec.detected_t, 4)] for e in result.events
                              if e.t >= rec.detected_t])
     else:
