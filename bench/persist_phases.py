@@ -14,6 +14,7 @@ started), ``write`` (from then until Orbax's finalize hands over: tensorstore's 
 from __future__ import annotations
 
 import functools
+import gc
 import resource
 import subprocess
 import sys
@@ -86,17 +87,32 @@ def vmstat() -> dict[str, float]:
 
 Started = tuple[float, resource.struct_rusage, dict[str, float]]
 
+_gc_seconds = [0.0, 0.0]  # total time in Python's garbage collector; when the running collection started
+
+
+def _gc_timer(phase: str, info: dict[str, Any]) -> None:
+    if phase == "start":
+        _gc_seconds[1] = time.perf_counter()
+    else:
+        _gc_seconds[0] += time.perf_counter() - _gc_seconds[1]
+
+
+if _gc_timer not in gc.callbacks:
+    gc.callbacks.append(_gc_timer)
+
 
 def begin() -> Started:
     with _lock:
         _events.clear()
     _t0[0] = time.perf_counter()
+    _gc_seconds[0] = 0.0
     return _t0[0], resource.getrusage(resource.RUSAGE_SELF), vmstat()
 
 
 def end(started: Started) -> dict[str, float]:
     """The phases of the persist since ``begin``."""
     total = time.perf_counter() - started[0]
+
     usage = resource.getrusage(resource.RUSAGE_SELF)
     with _lock:
         spans: dict[str, tuple[float, float]] = {}
@@ -122,6 +138,7 @@ def end(started: Started) -> dict[str, float]:
         "cpu_system": usage.ru_stime - started[1].ru_stime,
         "page_faults": float(usage.ru_minflt - started[1].ru_minflt),
         "involuntary_switches": float(usage.ru_nivcsw - started[1].ru_nivcsw),
+        "gc": _gc_seconds[0],
         **{f"vm_{key}": value - started[2][key] for key, value in vmstat().items()},
     }
 
