@@ -218,7 +218,9 @@ def _save_repeat(i: int, profile: Profile, state: PyTree, views: list[list[np.nd
                                                          writers)
 
     order: list[Callable[[], None]] = [raw_disk, write_limit, checkpointer, worker_child, orbax(None, "orbax_zstd"),
-                                       orbax(False, "orbax_nocompression"), worker_inprocess, worker_oneshot]
+                                       orbax(False, "orbax_nocompression"), worker_inprocess]
+    if profile.oneshot_repeats is None or i < profile.oneshot_repeats:
+        order.append(worker_oneshot)
     # A different order each repeat, not a rotation: a rotation keeps who follows whom, and a persist
     # run right after the Checkpointer's save measured slower (docs/benchmarks.md, "phase by phase").
     for run in random.Random(i).sample(order, len(order)):
@@ -311,7 +313,8 @@ def run_io(profile: Profile, results: Results, workdir: Path, shm_dir: Path) -> 
                               ("persist_worker_oneshot", "persist_worker_oneshot"),
                               ("persist_orbax_zstd", "orbax_zstd_persist"),
                               ("persist_orbax_nocompression", "orbax_nocompression_persist")):
-                ratio[name].append((nbytes / rep[key]) / raw_tput)
+                if key in rep:  # the one-shot CLI: not in every repeat of the quick profile
+                    ratio[name].append((nbytes / rep[key]) / raw_tput)
             for name, key in (("limit_checkpointer", "checkpointer_persist"),
                               ("limit_worker_child", "persist_worker_child"),
                               ("limit_orbax_nocompression", "orbax_nocompression_persist")):
@@ -328,7 +331,7 @@ def run_io(profile: Profile, results: Results, workdir: Path, shm_dir: Path) -> 
                   f"{nbytes / rep['checkpointer_persist'] / 1e9:.2f}, "
                   f"worker {nbytes / rep['persist_worker_child'] / 1e9:.2f} (in-process "
                   f"{nbytes / rep['persist_worker_inprocess'] / 1e9:.2f}, one-shot CLI "
-                  f"{nbytes / rep['persist_worker_oneshot'] / 1e9:.2f}), orbax zstd "
+                  f"{nbytes / rep.get('persist_worker_oneshot', float('nan')) / 1e9:.2f}), orbax zstd "
                   f"{nbytes / rep['orbax_zstd_persist'] / 1e9:.2f}, orbax no compression "
                   f"{nbytes / rep['orbax_nocompression_persist'] / 1e9:.2f} GB/s", flush=True)
     finally:
