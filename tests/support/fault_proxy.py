@@ -8,6 +8,13 @@ failure: the write happened, the client is told it did not), delay it (a slow re
 the client's timeout and drop the connection, or reset the connection at once. The plan can be changed
 while the proxy runs (``proxy.plan = ...``), e.g. to take storage down completely (``FaultPlan.down()``).
 
+Every follow-up request comes back through here too: a response header that hands the client a URL on
+the upstream (``Location``: fake-gcs-server answers the first request of a resumable upload with the
+upload's URL, built from its own ``-external-url``) is rewritten to the same URL on the proxy, so the
+upload's later ``PUT``/``POST`` requests are counted and can be faulted like any other. Bodies are
+forwarded untouched (the JSON API names no upload URL in them; ``selfLink``/``mediaLink`` are not
+followed by gcsfs or tensorstore).
+
 Only the standard library; every request and every injected fault is counted (``proxy.stats``).
 """
 
@@ -24,7 +31,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 # Headers that belong to one hop, never forwarded as they are.
 _HOP_BY_HOP = {
@@ -38,6 +45,9 @@ _HOP_BY_HOP = {
     "content-length",
     "expect",
 }
+
+# Response headers that hand the client a URL to follow (a resumable upload's URL is in ``Location``).
+_URL_HEADERS = {"location", "content-location", "x-goog-upload-url"}
 
 
 @dataclass(frozen=True)
@@ -81,6 +91,7 @@ class FaultProxy:
         if parts.hostname is None or parts.port is None:
             raise ValueError(f"upstream must be http://host:port, not {upstream!r}")
         self.upstream_host, self.upstream_port = parts.hostname, parts.port
+        self._upstream_netloc = parts.netloc.lower()
         self.plan = plan or FaultPlan()
         self.stats: Counter[str] = Counter()
         self._rng = random.Random(seed)
@@ -107,6 +118,17 @@ class FaultProxy:
 
     def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
+
+    def to_proxy(self, url: str) -> str:
+        """``url`` with the upstream's ``http://host:port`` replaced by the proxy's (any other URL as it is)."""
+        parts = urlsplit(url)
+        if parts.scheme != "http" or parts.netloc.lower() != self._upstream_netloc:
+            return url
+        return urlunsplit(parts._replace(netloc=urlsplit(self.url).netloc))
+
+    def _rewritten(self, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """Forwarded response headers, with every URL on the upstream pointed back at the proxy."""
+        return [(k, self.to_proxy(v) if k.lower() in _URL_HEADERS else v) for k, v in headers]
 
     # ---- decisions -------------------------------------------------------------------------------
 
@@ -201,7 +223,7 @@ class FaultProxy:
                     )
                     response = conn.getresponse()
                     data = response.read()
-                    return response.status, data, list(response.getheaders())
+                    return response.status, data, proxy._rewritten(response.getheaders())
                 finally:
                     conn.close()
 
