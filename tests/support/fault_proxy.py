@@ -13,7 +13,10 @@ the upstream (``Location``: fake-gcs-server answers the first request of a resum
 upload's URL, built from its own ``-external-url``) is rewritten to the same URL on the proxy, so the
 upload's later ``PUT``/``POST`` requests are counted and can be faulted like any other. Bodies are
 forwarded untouched (the JSON API names no upload URL in them; ``selfLink``/``mediaLink`` are not
-followed by gcsfs or tensorstore).
+followed by gcsfs or tensorstore). A finished upload answers as on GCS: fake-gcs-server forgets an
+upload once its last part is in and answers a repeat of it ``404``, where GCS answers with the object,
+so a client retrying a last part whose answer the proxy faulted (``503`` after forwarding) would fail
+on the emulator alone; the proxy keeps each upload's final answer and gives it again in that case.
 
 Only the standard library; every request and every injected fault is counted (``proxy.stats``).
 """
@@ -31,7 +34,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 # Headers that belong to one hop, never forwarded as they are.
 _HOP_BY_HOP = {
@@ -45,6 +48,8 @@ _HOP_BY_HOP = {
     "content-length",
     "expect",
 }
+
+_Answer = tuple[int, bytes, list[tuple[str, str]]]  # an HTTP response: status, body, headers
 
 # Response headers that hand the client a URL to follow (a resumable upload's URL is in ``Location``).
 _URL_HEADERS = {"location", "content-location", "x-goog-upload-url"}
@@ -94,6 +99,7 @@ class FaultProxy:
         self._upstream_netloc = parts.netloc.lower()
         self.plan = plan or FaultPlan()
         self.stats: Counter[str] = Counter()
+        self._finished_uploads: dict[str, _Answer] = {}
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._server = _QuietServer(("127.0.0.1", 0), self._handler_class())
@@ -129,6 +135,20 @@ class FaultProxy:
     def _rewritten(self, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
         """Forwarded response headers, with every URL on the upstream pointed back at the proxy."""
         return [(k, self.to_proxy(v) if k.lower() in _URL_HEADERS else v) for k, v in headers]
+
+    def _as_gcs(self, path: str, answer: _Answer) -> _Answer:
+        """The upstream's ``answer`` to ``path``, except that a finished resumable upload answers with its
+        object (as GCS does) where the emulator has forgotten it (``404``)."""
+        upload_id = parse_qs(urlsplit(path).query).get("upload_id", [""])[0]
+        if not upload_id:
+            return answer
+        with self._lock:
+            if answer[0] in (200, 201):
+                self._finished_uploads[upload_id] = answer
+            elif answer[0] == 404 and upload_id in self._finished_uploads:
+                self.stats["finished_upload_replayed"] += 1
+                return self._finished_uploads[upload_id]
+        return answer
 
     # ---- decisions -------------------------------------------------------------------------------
 
@@ -210,7 +230,7 @@ class FaultProxy:
                 ).encode()
                 self._answer(503, body, [("Content-Type", "application/json")])
 
-            def _forward(self, body: bytes) -> tuple[int, bytes, list[tuple[str, str]]]:
+            def _forward(self, body: bytes) -> _Answer:
                 conn = http.client.HTTPConnection(proxy.upstream_host, proxy.upstream_port, timeout=60)
                 try:
                     headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
@@ -223,7 +243,7 @@ class FaultProxy:
                     )
                     response = conn.getresponse()
                     data = response.read()
-                    return response.status, data, proxy._rewritten(response.getheaders())
+                    return proxy._as_gcs(self.path, (response.status, data, proxy._rewritten(response.getheaders())))
                 finally:
                     conn.close()
 

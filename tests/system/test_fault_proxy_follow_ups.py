@@ -53,3 +53,27 @@ def test_the_upload_url_names_the_proxy_and_its_requests_can_be_faulted(request:
         assert done.status_code == 200, done.text
         assert proxy.stats["method:PUT"] == 2 and proxy.stats["requests"] == 3
     assert gcs.other_writer().cat_file(f"{gcs.bucket}/{name}") == b"abc"
+
+
+def test_a_retried_last_part_of_a_finished_upload_gets_its_object_as_on_gcs(request: pytest.FixtureRequest) -> None:
+    """The proxy's ``503`` after forwarding the last part: the client retries it; GCS answers with the object,
+    fake-gcs-server alone would answer ``404`` (it forgets a finished upload) and fail the client."""
+    gcs: GcsEmulator = request.getfixturevalue("gcs_emulator")
+    with (
+        FaultProxy(gcs.url, FaultPlan(p_503_after=1.0, only_methods=frozenset({"PUT"}))) as proxy,
+        httpx.Client(base_url=proxy.url, trust_env=False, timeout=10) as http,
+    ):
+        name = "fault-proxy/retried.bin"
+        started = http.post(f"/upload/storage/v1/b/{gcs.bucket}/o", params={"uploadType": "resumable", "name": name},
+                            json={"name": name})
+        location = started.headers["Location"]
+        part = {"content": b"abcd", "headers": {"Content-Range": "bytes 0-3/4"}}
+        assert http.put(location, **part).status_code == 503  # it went through; the client is told it did not
+        proxy.plan = FaultPlan.healthy()
+        retried = http.put(location, **part)
+        assert retried.status_code == 200, retried.text
+        assert retried.json()["name"] == name and retried.json()["size"] == "4"
+        assert proxy.stats["finished_upload_replayed"] == 1
+        unknown = http.put(location.replace("upload_id=", "upload_id=0"), **part)
+        assert unknown.status_code == 404  # an upload the proxy never saw finish: the emulator's answer as it is
+    assert gcs.other_writer().cat_file(f"{gcs.bucket}/{name}") == b"abcd"
