@@ -8,11 +8,29 @@ miss them and no fault is ever injected into them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import httpx
 import pytest
 
 from tests.support.fault_proxy import FaultPlan, FaultProxy
 from tests.support.gcs_emulator import GcsEmulator
+
+
+@contextmanager
+def _upload_through(gcs: GcsEmulator, plan: FaultPlan, name: str) -> Iterator[tuple[FaultProxy, httpx.Client, str]]:
+    """A proxy with ``plan`` in front of the emulator, a client of it, and the URL of a resumable upload of
+    ``name`` started through it (its start is a POST: give ``plan`` ``only_methods`` without POST)."""
+    with (
+        FaultProxy(gcs.url, plan) as proxy,
+        httpx.Client(base_url=proxy.url, trust_env=False, timeout=10) as http,
+    ):
+        started = http.post(f"/upload/storage/v1/b/{gcs.bucket}/o", params={"uploadType": "resumable", "name": name},
+                            json={"name": name})
+        assert started.status_code == 200, started.text
+        yield proxy, http, started.headers["Location"]
+
 
 
 def test_a_gcsfs_resumable_upload_passes_the_proxy_whole(request: pytest.FixtureRequest) -> None:
@@ -34,15 +52,8 @@ def test_a_gcsfs_resumable_upload_passes_the_proxy_whole(request: pytest.Fixture
 
 def test_the_upload_url_names_the_proxy_and_its_requests_can_be_faulted(request: pytest.FixtureRequest) -> None:
     gcs: GcsEmulator = request.getfixturevalue("gcs_emulator")
-    with (
-        FaultProxy(gcs.url, FaultPlan(p_503=1.0, only_methods=frozenset({"PUT"}))) as proxy,
-        httpx.Client(base_url=proxy.url, trust_env=False, timeout=10) as http,
-    ):
-        name = "fault-proxy/faulted.bin"
-        started = http.post(f"/upload/storage/v1/b/{gcs.bucket}/o", params={"uploadType": "resumable", "name": name},
-                            json={"name": name})
-        assert started.status_code == 200, started.text
-        location = started.headers["Location"]
+    name = "fault-proxy/faulted.bin"
+    with _upload_through(gcs, FaultPlan(p_503=1.0, only_methods=frozenset({"PUT"})), name) as (proxy, http, location):
         assert location.startswith(f"{proxy.url}/upload/storage/v1/b/{gcs.bucket}/o?"), location
         assert "upload_id=" in location
         assert proxy.to_proxy("http://example.com:1/x") == "http://example.com:1/x"  # only the upstream's URLs
@@ -59,14 +70,9 @@ def test_a_retried_last_part_of_a_finished_upload_gets_its_object_as_on_gcs(requ
     """The proxy's ``503`` after forwarding the last part: the client retries it; GCS answers with the object,
     fake-gcs-server alone would answer ``404`` (it forgets a finished upload) and fail the client."""
     gcs: GcsEmulator = request.getfixturevalue("gcs_emulator")
-    with (
-        FaultProxy(gcs.url, FaultPlan(p_503_after=1.0, only_methods=frozenset({"PUT"}))) as proxy,
-        httpx.Client(base_url=proxy.url, trust_env=False, timeout=10) as http,
-    ):
-        name = "fault-proxy/retried.bin"
-        started = http.post(f"/upload/storage/v1/b/{gcs.bucket}/o", params={"uploadType": "resumable", "name": name},
-                            json={"name": name})
-        location = started.headers["Location"]
+    name = "fault-proxy/retried.bin"
+    plan = FaultPlan(p_503_after=1.0, only_methods=frozenset({"PUT"}))
+    with _upload_through(gcs, plan, name) as (proxy, http, location):
         part = {"content": b"abcd", "headers": {"Content-Range": "bytes 0-3/4"}}
         assert http.put(location, **part).status_code == 503  # it went through; the client is told it did not
         proxy.plan = FaultPlan.healthy()
