@@ -3,7 +3,8 @@
 fake-gcs-server answers a resumable upload's first request with the upload's URL in ``Location``, built
 from its own ``-external-url`` (the emulator's address). Unless the proxy points that URL back at itself,
 the upload's later requests go straight to the emulator: the GCS request counts of bench/gcs_requests.py
-miss them and no fault is ever injected into them.
+miss them and no fault is ever injected into them. And once they pass it, a fault the proxy injects into
+an upload's last part must be survivable as on GCS (a retry gets the finished upload's object).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ def _upload_through(gcs: GcsEmulator, plan: FaultPlan, name: str) -> Iterator[tu
                             json={"name": name})
         assert started.status_code == 200, started.text
         yield proxy, http, started.headers["Location"]
-
 
 
 def test_a_gcsfs_resumable_upload_passes_the_proxy_whole(request: pytest.FixtureRequest) -> None:
