@@ -1,4 +1,4 @@
-"""Storage requests per restore and per persist on GCS: ckptd against plain Orbax, counted at the emulator.
+"""Storage requests per restore and per persist on GCS: ckptd against plain Orbax, counted at a proxy.
 
 ``gcs_requests_per_restore_ratio_vs_orbax``: requests that ``trainer_client.runtime.checkpointing.restore``
 makes for one step on ``gs://`` ÷ those of plain ``ocp.CheckpointManager(job).restore(step)`` of the same
@@ -7,7 +7,9 @@ until committed (what ckptd's persist worker runs for every snapshot, manifest a
 those of a plain Orbax ``CheckpointManager.save`` until finished, same state.
 
 Every request passes through ``tests.support.fault_proxy.FaultProxy`` (healthy plan: nothing injected) in
-front of the fake-gcs-server of ``tests.support.gcs_emulator``; the proxy counts each request it forwards.
+front of the fake-gcs-server of ``tests.support.gcs_emulator``; the proxy counts each request it forwards,
+and points the upload URLs the emulator answers with back at itself, so a resumable upload's follow-up
+requests are counted too.
 All of it runs in a child process (``python -m bench.gcs_requests``) whose environment points gcsfs and
 tensorstore at the proxy before either is imported, so the parent's clients are never redirected. A
 request count does not depend on the bytes (one object per OCDBT data file, one ranged read per chunk),
