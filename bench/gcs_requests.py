@@ -45,7 +45,7 @@ from typing import Any
 from bench.common import Figure, Profile, Results
 
 ROWS, COLS = 768, 1024  # per array: 3 MiB (rows divide by 8)
-REPEATS = 2  # a count hardly varies (by a few requests: gcsfs's listing cache); a repeat costs two saves
+REPEATS = 4  # a restore's count varies by ~10% between repeats on both sides (tensorstore's reads race as they come)
 
 
 def counted(proxy: Any, work: Callable[[], object]) -> Counter[str]:
@@ -87,6 +87,15 @@ def logging_proxy(upstream: str) -> Any:
             return Handler
 
     return LoggingProxy(upstream)
+
+
+def forget_listings() -> None:
+    """Empty the listings cache of every gcsfs client in this process (fsspec keeps one per set of arguments),
+    so that a counted restore lists what it needs, whatever ran before it."""
+    import gcsfs
+
+    for fs in list(gcsfs.GCSFileSystem._cache.values()):
+        fs.invalidate_cache()
 
 
 def _savers(arrays: int, rows: int, cols: int) -> tuple[Callable[[str], None], Callable[[str], None], Any]:
@@ -151,6 +160,7 @@ def _child(arrays: int, repeats: int) -> dict[str, Any]:
             out["settled_persist"].append(settled_counts)
             restores = [("ckptd_restore", ckptd_restore), ("orbax_restore", orbax_restore)]
             for name, work in restores[:: 1 if i % 2 == 0 else -1]:  # the same step, alternating order
+                forget_listings()  # neither side finds the other's listings cached
                 out[name].append(dict(counted(proxy, functools.partial(work, ckptd_job))))
         return out
 
