@@ -43,6 +43,17 @@ class Profile:
     persist_child: bool = True  # run the persist worker as ckptd does (a child process importing jax)
     rss_capped: bool = True  # also measure the peak RSS of a restore capped at a quarter of the state (a child)
     oneshot_repeats: int | None = None  # repeats that also time the one-shot persist CLI (None: every repeat)
+    interference_repeats: int | None = None  # repeats of the interference family (None: ``repeats``)
+    multihost_rows: int | None = None  # the multi-host families' state: ``arrays`` x multihost_rows x cols
+
+    @property
+    def multihost_shape(self) -> tuple[int, int, int]:
+        return (self.multihost_rows or self.rows, self.cols, self.arrays)
+
+    @property
+    def multihost_state_bytes(self) -> int:
+        rows, cols, arrays = self.multihost_shape
+        return rows * cols * arrays * 4
 
     @property
     def state_bytes(self) -> int:
@@ -57,8 +68,11 @@ PROFILES: dict[str, Profile] = {
     # write and the quick ratios a floor of the full ones; five repeats, so that a min .. max of the quick run
     # holds the full run's median when nothing differs (3 samples: 75% of the time; 5: 94%).
     # 1,000 catalogued steps (the key's name says 10k: see "steps").
-    # The one-shot CLI (beside a key: a fresh process per persist, ~5 s each) is timed in the first two repeats.
-    "quick": Profile("quick", 8, 6144, 5632, 5, 1_000, 1000, 300, 3, 1, 3, True, oneshot_repeats=2),
+    # Within its 10 minutes: the one-shot CLI (beside a key: a fresh process per persist, ~5 s each) is timed in
+    # the first two repeats; the interference family (measurements, no key) repeats 3 times; the multi-host
+    # families (ratios of two paths on the same state) run on half the rows (528 MiB).
+    "quick": Profile("quick", 8, 6144, 5632, 5, 1_000, 1000, 300, 3, 1, 3, True, oneshot_repeats=2,
+                     interference_repeats=3, multihost_rows=3072),
     # The smoke test: proves the harness runs (the persist worker runs in-process, not as a child).
     "toy": Profile("toy", 4, 48, 32, 1, 12, 10, 20, 1, 1, 1, False, persist_child=False, rss_capped=False),
 }

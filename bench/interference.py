@@ -130,7 +130,7 @@ def run_interference(profile: Profile, results: Results, workdir: Path, shm_dir:
         "checkpointer": checkpointer, "orbax_zstd": orbax_zstd, "persist_worker": persist_worker}
     names = list(savers)
     try:
-        for i in range(profile.repeats):
+        for i in range(profile.interference_repeats or profile.repeats):
             shift = i % len(names)
             for name in names[shift:] + names[:shift]:
                 alone = _time_steps(step, lambda: True, ALONE_STEPS)

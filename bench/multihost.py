@@ -129,8 +129,8 @@ def _env() -> dict[str, str]:
 
 def run_multihost(profile: Profile, results: Results, base: Path, shm: Path) -> None:
     base.mkdir(parents=True, exist_ok=True)
-    shape = (profile.rows, profile.cols, profile.arrays)
-    state_bytes = profile.state_bytes
+    shape = profile.multihost_shape
+    state_bytes = profile.multihost_state_bytes
     shms = [str(shm / f"multihost-host{k}") for k in range(2)]
     timeout_s = 120 + state_bytes / 2**20  # a second per MiB on top of the start: a stalled job, not a slow one
     print(f"  state {state_bytes / 2**20:.1f} MiB over 2 processes x 4 devices; {free_gib():.1f} GiB available",
@@ -152,7 +152,7 @@ def run_multihost(profile: Profile, results: Results, base: Path, shm: Path) -> 
 
 def _measure(profile: Profile, results: Results, base: Path, shms: list[str], shape: tuple[int, int, int],
              timeout_s: float, url: str, verified: Any) -> None:
-    state_bytes = profile.state_bytes
+    state_bytes = profile.multihost_state_bytes
     _job(base, "save", shape, shms, timeout_s, url)
     deadline = time.monotonic() + 120
     while verified(base / "root", "job") != 10:

@@ -62,8 +62,9 @@ print(MemoryTier(shm, "job", max_snapshots=2, preallocate=False).save(10, state,
 def _snapshot(profile: Profile, shm: Path) -> Path:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", _SNAPSHOT, str(shm), str(profile.rows), str(profile.cols),
-                          str(profile.arrays)], cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    rows, cols, arrays = profile.multihost_shape
+    out = subprocess.run([sys.executable, "-c", _SNAPSHOT, str(shm), str(rows), str(cols),
+                          str(arrays)], cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"snapshotting the state failed: {out.stderr[-2000:]}")
     return Path(out.stdout.strip().splitlines()[-1])
@@ -184,7 +185,7 @@ def run_multihost_persist(profile: Profile, results: Results, base: Path, shm: P
     results.figure(Figure(KEY, ratios, ">=", TARGET, "x",
                           "two hosts' sidecars persisting one state from their parts (and the leader's commit) "
                           "vs one sidecar persisting it whole: the single's time over the parts' (same bytes)",
-                          {"state_bytes": profile.state_bytes, "single_s": single_s, "parts_s": parts_s}))
+                          {"state_bytes": profile.multihost_state_bytes, "single_s": single_s, "parts_s": parts_s}))
     print(json.dumps({"single_s": single_s, "parts_s": parts_s}), flush=True)
 
 
