@@ -31,6 +31,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"  # never the host's accelerators
 
 import argparse
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -144,13 +145,31 @@ def snapshot_arrays(snapshot: Path, devices: Sequence[jax.Device] | None = None,
     return out
 
 
-def persist(snapshot: Path, job_url: str, *, compression: bool = False) -> str:
+# The arrays of a persist whose answer is not out yet (``handle``): releasing them unmaps the snapshot, page
+# tables and all — ~0.1 s a GiB once Orbax has read every page — so ``serve`` does it after answering. Left
+# to jax, the views are freed lazily and the unmap lands inside the next persist's start (measured in the
+# long-lived worker: 0.28-0.50 s of a 2 GiB persist; docs/benchmarks.md, "What holds the persist gap").
+_unreleased: list[jax.Array] = []
+
+
+def release_arrays(arrays: list[jax.Array] | None = None) -> None:
+    """Free ``arrays`` (default: those ``handle`` left for after its answer) and the snapshot maps they view."""
+    batch = _unreleased if arrays is None else arrays
+    for arr in batch:
+        with contextlib.suppress(Exception):  # deleted already
+            arr.delete()
+    batch.clear()
+    gc.collect()  # the map's last references may sit in reference cycles (Orbax's, jax's)
+
+
+def persist(snapshot: Path, job_url: str, *, compression: bool = False, defer_release: bool = False) -> str:
     """Save the snapshot as a committed Orbax step under ``job_url``; the step's URL.
 
     Every shard's checksum is checked in a thread beside Orbax's write (the check reads the same memory
     map the write does: its cost hides behind the disk's) and the save's commit waits for it: a damaged
     snapshot raises ``StoredFormatError`` and is never committed (what was written of it stays in the
-    step's uncommitted temporary directory, as any failed save's does, which no plan names)."""
+    step's uncommitted temporary directory, as any failed save's does, which no plan names). The arrays made
+    from the snapshot's map are freed before returning, or with ``defer_release`` by ``release_arrays()``."""
     bad = problems(snapshot)
     if bad:
         raise ValueError(f"snapshot {snapshot} is not whole: {'; '.join(bad)}")
@@ -159,6 +178,19 @@ def persist(snapshot: Path, job_url: str, *, compression: bool = False) -> str:
         raise ValueError(f"snapshot {snapshot} is process {meta.process_index} of {meta.process_count}'s part only: "
                          "it is persisted as a part, never as a whole step (docs/multihost.md)")
     data = map_data(snapshot, meta)
+    arrays: list[jax.Array] = []
+    try:
+        return _persist_arrays(snapshot, job_url, meta, data, arrays, compression)
+    finally:
+        if defer_release:
+            _unreleased.extend(arrays)
+        else:
+            release_arrays(arrays)
+
+
+def _persist_arrays(snapshot: Path, job_url: str, meta: SnapshotMeta, data: np.ndarray, arrays: list[jax.Array],
+                    compression: bool) -> str:
+    """``persist``'s save: ``arrays`` gets the jax arrays made from ``data`` (the snapshot's map)."""
     with ThreadPoolExecutor(1, thread_name_prefix="snapshot-check") as pool:
         check = pool.submit(damaged_shards, data, meta)
 
@@ -170,7 +202,8 @@ def persist(snapshot: Path, job_url: str, *, compression: bool = False) -> str:
             # The trainer's tree as data (never unpickled): dicts and lists with the same key paths, which
             # is all Orbax records of a tree. jax arrays, not numpy: Orbax writes jax arrays through its
             # parallel array path, numpy leaves ~7x slower.
-            state = rebuild(meta.tree, snapshot_arrays(snapshot, meta=meta, data=data, check=False))
+            arrays.extend(snapshot_arrays(snapshot, meta=meta, data=data, check=False))
+            state = rebuild(meta.tree, arrays)
             checkpointer = Checkpointer(job_url, compression=compression, item=meta.item)
             try:
                 checkpointer.save_with_metadata(meta.step, state, meta.training, data_iterator=meta.data_iterator,
@@ -190,6 +223,7 @@ def handle(request: dict[str, Any], compression: bool = False) -> dict[str, Any]
     "path": URL}``), write a multi-process job's part (``{"part": DIR, "step_url": URL}``; answer: the part
     record's fields under ``record``, ``ckptd/catalog/part_writer.py``) or commit a step from its parts
     (``{"commit": STEP_URL, "record": process 0's record}``); ``{"ok": false, "error": ...}`` on failure."""
+    release_arrays()  # a caller that did not (``serve`` does, after each answer): at most one persist's held
     try:
         answer: dict[str, Any] = {"ok": True}
         if "part" in request:
@@ -197,7 +231,8 @@ def handle(request: dict[str, Any], compression: bool = False) -> dict[str, Any]
         elif "commit" in request:
             commit_parts(request["commit"], request["record"])
         else:
-            answer["path"] = persist(Path(request["snapshot"]), request["job_url"], compression=compression)
+            answer["path"] = persist(Path(request["snapshot"]), request["job_url"], compression=compression,
+                                     defer_release=True)
     except Exception as exc:  # reported to the parent, which logs it and retries later
         answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     return answer
@@ -217,6 +252,7 @@ def serve(compression: bool) -> int:
             continue
         print(json.dumps(handle(request, compression) if isinstance(request, dict) else
                          {"ok": False, "error": "not an object"}), flush=True)
+        release_arrays()  # after the answer: the unmap is not on any request's path
     return 0
 
 
