@@ -155,6 +155,8 @@ _unreleased: list[jax.Array] = []
 def release_arrays(arrays: list[jax.Array] | None = None) -> None:
     """Free ``arrays`` (default: those ``handle`` left for after its answer) and the snapshot maps they view."""
     batch = _unreleased if arrays is None else arrays
+    if not batch:  # nothing held: no collection on a request's path (``handle`` calls this first)
+        return
     for arr in batch:
         with contextlib.suppress(Exception):  # deleted already
             arr.delete()
