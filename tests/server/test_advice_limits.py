@@ -171,7 +171,8 @@ def test_a_wedged_handler_pool_fails_liveness(ckptd_server: StartServer, root: P
                 wedged = wait_until(lambda: (r := http.get("/healthz")).status_code == 503 and r, timeout=10,
                                     what="/healthz to fail with the handler pool wedged")
                 assert wedged.json()["status"] == "wedged"
-                assert wedged.json()["detail"]["handler_pool_waited_s"] > 0.5
+                # over wedged_after_s, reported to the millisecond: 0.5004 s reads 0.5
+                assert wedged.json()["detail"]["handler_pool_waited_s"] >= 0.5
             finally:
                 release.set()
             assert all(f.result().status_code == 200 for f in held)
