@@ -50,7 +50,7 @@ from trainer_client.config import ClientSettings
 from trainer_client.core.format.array_index import decode_all_arrays
 from trainer_client.core.format.files import COMMIT_MARKER, TMP_DIR_SUFFIX
 from trainer_client.core.format.steps import parse_step_name
-from trainer_client.core.protocol import ResumeRequest, StepState
+from trainer_client.core.protocol import ROUTE_RESUME, ResumeRequest, StepState
 from trainer_client.core.storage import Storage
 from trainer_client.core.validation import validate_step
 from trainer_client.runtime.checkpointing import restore
@@ -376,6 +376,7 @@ def _elastic_runner(
     resume_deadline_s: float = 3.0,
     on_event: Any = None,
     period: int = 5,
+    transport: httpx.BaseTransport | None = None,
 ) -> ElasticRunner:
     cfg = ElasticConfig(
         job=JOB,
@@ -390,12 +391,25 @@ def _elastic_runner(
         scale_up_check_interval_s=0.0,
     )
     client = CkptdClient(
-        ClientSettings(url=url, timeout_s=timeout_s, resume_deadline_s=resume_deadline_s), root=str(root)
+        ClientSettings(url=url, timeout_s=timeout_s, resume_deadline_s=resume_deadline_s), root=str(root),
+        transport=transport,
     )
     return ElasticRunner(cfg, slices=slices, client=client, checkpoint_dir=str(root / JOB), on_event=on_event)
 
 
 ELASTIC_BATCH = 48
+
+
+class _ThreadRecordingTransport(httpx.HTTPTransport):
+    """An HTTP transport that records which thread made each request to ckptd (thread name, path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, str]] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.calls.append((threading.current_thread().name, request.url.path))
+        return super().handle_request(request)
 
 
 def _assert_each_sample_once(log: TrainLog, steps: int) -> None:
@@ -462,7 +476,9 @@ def test_ckptd_sigkilled_and_restarted_during_training(tmp_path: Path, size: dic
     steps = size["steps"]
     schedule = _fault_schedule(rng, 8, steps - 5, size["faults"], (0.2, 1.5))
     slices = RandomSliceFaults(schedule, rng)
-    runner = _elastic_runner(root, ckptd.url, "resize", slices, timeout_s=2.0, resume_deadline_s=3.0, on_event=on_event)
+    recorded = _ThreadRecordingTransport()
+    runner = _elastic_runner(root, ckptd.url, "resize", slices, timeout_s=2.0, resume_deadline_s=3.0, on_event=on_event,
+                             transport=recorded)
     stamps: list[tuple[int, float]] = []
     log = TrainLog()
     chaos_thread = threading.Thread(target=chaos, name="ckptd-killer", daemon=True)
@@ -525,7 +541,14 @@ def test_ckptd_sigkilled_and_restarted_during_training(tmp_path: Path, size: dic
         settings = runner.client.settings
         assert ckptd.kills >= 2 and len(slices.fired) == size["faults"]
         assert worst < SAVE_BLOCK_BOUND_S + 10 * d2h, f"a save blocked the loop {worst:.2f}s"
-        assert max(step_times) < settings.timeout_s, "a training step waited on ckptd"
+        # No step can wait on ckptd: the training thread asks it for nothing but a resume plan, in a recovery
+        # (events go from a thread of their own). Step times are printed, not judged: on a
+        # loaded machine a step may be descheduled for seconds without ckptd being involved.
+        training = threading.current_thread().name
+        asked = Counter(path for thread, path in recorded.calls if thread == training)
+        resume = ROUTE_RESUME.format(job=JOB)
+        assert set(asked) <= {resume}, f"the training thread called ckptd: {dict(asked)}"
+        assert asked[resume] >= 1, "no resume reached ckptd"
         assert max(plan_times) < settings.resume_deadline_s + settings.timeout_s + 1.0, plan_times
         assert sources["storage_scan"] >= 1, "no resume met a dead ckptd"
         _assert_each_sample_once(log, steps)
