@@ -4,7 +4,7 @@
 One numpy ``tofile`` stream is not what the disk can do: parallel writers beat it (Orbax without
 compression measured 2.35x one stream), so a ratio against one stream says nothing about how close a path
 is to the hardware. Here the same bytes are written by 1, 2, 4 and 8 parallel writers (each its share into
-its own file, then ``fsync``) and read back cold (page cache dropped) by 1, 2, 4, 8 and 16 parallel readers
+its own file, then ``fsync``) and read back cold (evicted from the page cache) by 1, 2, 4, 8 and 16 parallel readers
 (64 MiB ``preadv`` pieces of the step's own data files, so as many requests outstanding as readers: the
 direct restore keeps 16); the best of each sweep is the limit. ``fio`` is not installed on these machines;
 threads calling ``os.write``/``os.preadv`` (which release the GIL) keep every request in the kernel, which
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import drop_page_cache, rmtree, timed
+from bench.common import evict_from_page_cache, rmtree, timed
 
 WRITERS = (1, 2, 4, 8)
 READERS = (1, 2, 4, 8, 16)
@@ -89,14 +89,14 @@ def data_files(step_dir: Path) -> list[Path]:
 
 
 def read_limit(files: Sequence[Path], readers: int, *, cold: bool = True) -> float:
-    """Seconds for ``readers`` threads to read every byte of ``files`` (64 MiB pieces, page cache dropped first
-    when ``cold``), each into a buffer of its own that it reuses."""
+    """Seconds for ``readers`` threads to read every byte of ``files`` (64 MiB pieces, the files evicted from
+    the page cache first when ``cold``), each into a buffer of its own that it reuses."""
     jobs = [(f, o, min(PIECE, f.stat().st_size - o)) for f in files for o in range(0, f.stat().st_size, PIECE)]
     fds = {f: os.open(f, os.O_RDONLY) for f in files}
     buffers = [np.empty(PIECE, np.uint8) for _ in range(min(readers, len(jobs)) or 1)]
     try:
         if cold:
-            drop_page_cache()
+            evict_from_page_cache(*files)
 
         def read(k: int) -> None:
             view = buffers[k].data

@@ -6,7 +6,8 @@ Figures (the state and step come from ``bench.io``'s save repeats):
 * ``restore_time_ratio_vs_orbax`` / ``reshard_restore_time_ratio_vs_orbax``: ``trainer_client.runtime
   .checkpointing.restore`` (which reads the chunks itself: ``trainer_client.runtime.direct_restore``) against
   plain ``ocp.CheckpointManager.restore`` of the same step, onto the same 8-device mesh and onto 6 devices,
-  page cache dropped before each (cold), order alternating; warm (files in the page cache) beside it.
+  the step's files evicted from the page cache before each (cold), order alternating; warm (files in the
+  page cache) beside it.
 * ``restore_throughput_ratio_vs_disk_limit``: bytes/s of that cold restore ÷ bytes/s of the disk's cold-read
   limit (``bench.disk_limit``: the best reader count of a sweep, timed again in every repeat beside the
   restore on the step's own data files).
@@ -32,7 +33,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bench import disk_limit, restore_rss
-from bench.common import Figure, Profile, Results, alternate, drop_page_cache, free_gib, timed
+from bench.common import Figure, Profile, Results, alternate, evict_from_page_cache, free_gib, timed
 from trainer_client.runtime.checkpointing import restore
 from trainer_client.runtime.memory_tier import restore_snapshot
 
@@ -50,12 +51,13 @@ def target(profile: Profile, mesh: Mesh) -> PyTree:
 
 def run_restores(profile: Profile, results: Results, step_dir: Path, snapshot: Path, mesh8: Mesh, mesh6: Mesh) -> None:
     job_dir, step = step_dir.parent, int(step_dir.name)
-    cold = profile.drop_caches and drop_page_cache()
+    cold = profile.cold_reads and evict_from_page_cache(job_dir)
     results.notes["cold"] = (
-        "cold = `sync; echo 3 > /proc/sys/vm/drop_caches` before every cold restore (the checkpoint files are "
-        "read from disk); shared-memory snapshots are tmpfs pages and stay in RAM"
-        if cold else "page cache NOT dropped (not root, or toy profile): 'cold' restores read warm files")
-    results.context["restore_cold_cache_dropped"] = cold
+        "cold = the step's files written back and evicted from the page cache (`posix_fadvise(DONTNEED)` on "
+        "each) before every cold restore, so they are read from disk; shared-memory snapshots are tmpfs pages "
+        "and stay in RAM, untouched (bench/common.py, evict_from_page_cache: why not drop_caches)"
+        if cold else "page cache NOT evicted (toy profile, or no posix_fadvise): 'cold' restores read warm files")
+    results.context["restore_cold_files_evicted"] = cold
     t8, t6 = target(profile, mesh8), target(profile, mesh6)
     s: dict[str, list[float]] = {k: [] for k in (
         "ckptd_restore_cold", "orbax_restore_cold", "ckptd_reshard_cold", "orbax_reshard_cold", "memory_tier_restore",
@@ -67,7 +69,7 @@ def run_restores(profile: Profile, results: Results, step_dir: Path, snapshot: P
 
     def timed_restore(name: str, fn: Callable[[], PyTree], *, drop: bool = True, touch: bool = False) -> None:
         if drop and cold:
-            drop_page_cache()
+            evict_from_page_cache(job_dir)
         with timed() as t:
             out = fn()
             jax.block_until_ready(checksum(out) if touch else out)
@@ -161,10 +163,10 @@ def run_restores(profile: Profile, results: Results, step_dir: Path, snapshot: P
                           "ckptd restore (trainer_client.runtime.checkpointing.restore: chunks read directly, "
                           "trainer_client.runtime.direct_restore) / plain Orbax CheckpointManager.restore, same step, "
                           "same 8-device mesh, cold cache, alternating order",
-                          {"cold_cache_dropped": cold, "warm_cache_ratio_median": results.measurements[
+                          {"cold_files_evicted": cold, "warm_cache_ratio_median": results.measurements[
                               "io.ratio.restore_warm_vs_orbax"]["median"]}))
     results.figure(Figure("reshard_restore_time_ratio_vs_orbax", reshard, "<=", 1.0, "ratio",
-                          "as above, restored onto 6 devices (saved on 8)", {"cold_cache_dropped": cold}))
+                          "as above, restored onto 6 devices (saved on 8)", {"cold_files_evicted": cold}))
     results.figure(Figure("memory_tier_restore_speedup_vs_disk", speedup, ">=", 5.0, "x",
                           "restore of the step from storage (cold) / restore_snapshot from shared memory, same "
                           "state onto the same 8-device target",
@@ -174,7 +176,7 @@ def run_restores(profile: Profile, results: Results, step_dir: Path, snapshot: P
                                "io.ratio.memory_tier_speedup_touched"]["median"],
                            "reshard_8_to_6_speedup_median": results.measurements[
                                "io.ratio.memory_tier_speedup_reshard_8_to_6"]["median"],
-                           "cold_cache_dropped": cold}))
+                           "cold_files_evicted": cold}))
 
     vs_limit = {name: [(profile.state_bytes / t) / (file_bytes / lim) for t, lim in zip(
         s[f"{name}_restore_cold"], s["disk_read_limit"], strict=True)] for name in ("ckptd", "orbax")}
@@ -184,11 +186,11 @@ def run_restores(profile: Profile, results: Results, step_dir: Path, snapshot: P
     results.figure(Figure(
         "restore_throughput_ratio_vs_disk_limit", vs_limit["ckptd"], ">=", 0.8, "ratio",
         "bytes/s of ckptd's cold restore (same 8-device mesh) / bytes/s of the disk's cold-read limit (the best of "
-        "1, 2, 4, 8, 16 parallel readers of the step's data files, page cache dropped), same repeat",
+        "1, 2, 4, 8, 16 parallel readers of the step's data files, evicted from the page cache), same repeat",
         {"disk_read_limit_gbps_median": results.measurements["io.disk_read_limit_gbps"]["median"],
          "readers": readers, "read_sweep_gbps": results.context["disk_read_sweep_gbps"],
          "orbax_median": results.measurements["io.ratio.orbax_restore_vs_disk_limit"]["median"],
-         "cold_cache_dropped": cold}))
+         "cold_files_evicted": cold}))
     for name, series in rss.items():
         results.measure(f"io.restore_peak_rss_ratio.{name}", series, "ratio")
     results.figure(Figure(

@@ -20,6 +20,7 @@ writers share the cores the single writer has alone.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -152,7 +153,7 @@ def run_multihost_persist(profile: Profile, results: Results, base: Path, shm: P
 
         def from_parts(i: int) -> None:
             job = f"parts{i}"
-            sidecars = [PartSaves(storage, lambda request, k=k: workers.ask(1 + k, request)) for k in range(2)]
+            sidecars = [PartSaves(storage, functools.partial(workers.ask, 1 + k)) for k in range(2)]
             errors: list[str] = []
 
             def write(k: int) -> None:
@@ -174,7 +175,7 @@ def run_multihost_persist(profile: Profile, results: Results, base: Path, shm: P
             parts_s.append(time.perf_counter() - started)
 
         for i in range(profile.repeats):
-            alternate(i, lambda i=i: single(i), lambda i=i: from_parts(i))
+            alternate(i, functools.partial(single, i), functools.partial(from_parts, i))
             results.progress()
     finally:
         workers.close()

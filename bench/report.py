@@ -135,6 +135,15 @@ def agrees(quick: dict[str, Any], full: dict[str, Any]) -> bool | None:
     return bool(low - slack <= value <= high + slack)
 
 
+def _cold_note(context: dict[str, Any]) -> str:
+    """How the run made its cold restores cold (runs before 2026-12-02 08:00 dropped the whole page cache)."""
+    if context.get("restore_cold_files_evicted"):
+        return "Cold = the step's files evicted from the page cache before every cold restore."
+    if context.get("restore_cold_cache_dropped"):
+        return "Cold = page cache dropped before every cold restore."
+    return "Page cache NOT evicted: 'cold' restores are warm."
+
+
 def render(payload: dict[str, Any], reference: dict[str, Any] | None = None) -> str:
     """The table of ``payload``; with ``reference`` (the full run's results, for a quick run) a column with
     the full run's median and whether it lies within this run's spread."""
@@ -162,8 +171,7 @@ def render(payload: dict[str, Any], reference: dict[str, Any] | None = None) -> 
             f"State (save, persist, restore): {io['arrays']} float32 arrays of {io['shape'][0]} x {io['shape'][1]} = "
             f"{io['gib']:.2f} GiB, rows sharded over {io['mesh']}; resharded onto {io['reshard_mesh']}. Storage: "
             f"`{io['storage_fs']}`; shared memory: `{io['shm_fs']}`. "
-            + ("Cold = page cache dropped before every cold restore."
-               if context.get("restore_cold_cache_dropped") else "Page cache NOT dropped: 'cold' restores are warm."),
+            + _cold_note(context),
             "",
         ]
     if service:
