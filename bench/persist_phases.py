@@ -112,7 +112,6 @@ def begin() -> Started:
 def end(started: Started) -> dict[str, float]:
     """The phases of the persist since ``begin``."""
     total = time.perf_counter() - started[0]
-
     usage = resource.getrusage(resource.RUSAGE_SELF)
     with _lock:
         spans: dict[str, tuple[float, float]] = {}
