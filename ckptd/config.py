@@ -1,4 +1,5 @@
-"""ckptd's settings: the one place where the sidecar reads its environment (prefix ``CKPTD_``).
+"""ckptd's settings: the one place where the sidecar and the ``ckptd`` command read their environment (prefix
+``CKPTD_``): ``Settings`` for ``ckptd serve``, ``CliSettings`` for the commands that read a root themselves.
 
 Command-line flags override these; tests build ``Settings`` directly.
 """
@@ -227,4 +228,20 @@ class Settings(BaseSettings):
         return base / "catalog.sqlite3"
 
 
-__all__ = ["PLACEHOLDER_TOKEN_PREFIX", "Settings", "token_problem"]
+class CliSettings(BaseSettings):
+    """What the commands that read a root without a server (``ckptd ls``, ``show``, ``plan``, ...) take from the
+    environment: ``CKPTD_ROOT`` stands for a root not given, and the first contact with storage is bounded."""
+
+    model_config = SettingsConfigDict(env_prefix="CKPTD_", extra="ignore")
+
+    root: str | None = Field(
+        default=None, description="the root of `ckptd ls` when none is given, and of a bare JOB given to the others",
+    )
+    storage_timeout_s: float = Field(
+        default=15.0, gt=0, le=3600,
+        description="how long a command waits for storage's first answer (a root that does not answer: one line "
+        "naming the cause, exit 1)",
+    )
+
+
+__all__ = ["PLACEHOLDER_TOKEN_PREFIX", "CliSettings", "Settings", "token_problem"]
