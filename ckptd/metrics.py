@@ -1,13 +1,17 @@
 """ckptd's Prometheus metrics: one registry per app, and the one place that names and documents them.
 
-Three kinds of sources, so that a scrape of ``GET /metrics`` stays fast (it reads only SQLite and memory):
+Four kinds of sources, so that a scrape of ``GET /metrics`` stays fast (it reads only SQLite, memory and /proc):
 
 * the catalog, read at scrape time: steps by state, quarantined steps, the latest good step per job, and
   with a lease (CKPTD_LEASE_TTL_S) whether this sidecar leads each job and the newest epoch it saw;
 * the request path: HTTP requests, resume requests and plan latency, and the elastic events trainers
   report (``POST /v1/jobs/{job}/events``): events by kind, recovery seconds, lost steps, save stalls;
 * the background tracker (``ckptd.catalog.commit_tracker``): commits and bytes committed (from the manifests),
-  save durations, validation failures, goodput per job — everything that needs storage reads.
+  save durations, validation failures, goodput per job — everything that needs storage reads;
+* /proc, read at scrape time (``ckptd.process_metrics``): the memory, CPU, file descriptors and threads of
+  ckptd and of its persist worker, to size the sidecar's limits from.
+
+Every per-job series carries the job's name in the label ``ckpt_job`` (``JOB_LABEL``), never ``job``.
 
 The event metrics (events by kind, recovery seconds, lost steps, save stalls) count a job's whole stored
 history: the tracker loads it once per job after a start (``load_history``, from ``EventStore.stats``:
@@ -24,12 +28,17 @@ import threading
 from collections import Counter as Multiset
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from ckptd.catalog.catalog import Catalog
 from ckptd.catalog.event_summary import EventStats, Stat
+from ckptd.process_metrics import ProcessTreeCollector
 from trainer_client.core.protocol import EVENT_KINDS, StepState, StoredEvent
 
+# The training job's label. Not ``job``: Prometheus gives every scraped series its own ``job`` label (the
+# scrape job: the PodMonitoring or the Service) and renames a clashing one to ``exported_job``, so the alerts,
+# the rules (deploy/k8s/rules.yaml, prometheusrule.yaml) and the dashboard (deploy/monitoring/) use this one.
+JOB_LABEL = "ckpt_job"
 _KNOWN_KINDS = frozenset(EVENT_KINDS)
 _SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 _STALL = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -40,35 +49,37 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_*: memory, CPU, file descriptors (docs/operations.md, "Sizing")
+        r.register(ProcessTreeCollector())  # threads, and the persist worker's memory and CPU
         self.requests = Counter("ckptd_http_requests", "HTTP requests by route and status", ["route", "status"],
                                 registry=r)
-        self.resume_requests = Counter("ckptd_resume_requests", "resume requests by job", ["job"], registry=r)
+        self.resume_requests = Counter("ckptd_resume_requests", "resume requests by job", [JOB_LABEL], registry=r)
         self.plan_seconds = Histogram(
             "ckptd_resume_plan_seconds", "time to answer a resume request", registry=r,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
         )
-        self.latest_good = Gauge("ckptd_latest_good_step", "newest verified step per job", ["job"], registry=r)
-        self.steps = Gauge("ckptd_steps", "catalogued steps by job and state", ["job", "state"], registry=r)
-        self.quarantined = Gauge("ckptd_quarantined_steps", "quarantined steps per job", ["job"], registry=r)
-        self.commits = Counter("ckptd_commits", "steps seen committed by Orbax (finalized)", ["job"], registry=r)
+        self.latest_good = Gauge("ckptd_latest_good_step", "newest verified step per job", [JOB_LABEL], registry=r)
+        self.steps = Gauge("ckptd_steps", "catalogued steps by job and state", [JOB_LABEL, "state"], registry=r)
+        self.quarantined = Gauge("ckptd_quarantined_steps", "quarantined steps per job", [JOB_LABEL], registry=r)
+        self.commits = Counter("ckptd_commits", "steps seen committed by Orbax (finalized)", [JOB_LABEL], registry=r)
         self.committed_bytes = Counter("ckptd_committed_bytes", "bytes of the committed steps, from their manifests",
-                                       ["job"], registry=r)
+                                       [JOB_LABEL], registry=r)
         self.save_seconds = Histogram("ckptd_save_duration_seconds", "save start until Orbax committed the step",
-                                      ["job"], registry=r, buckets=_SECONDS)
+                                      [JOB_LABEL], registry=r, buckets=_SECONDS)
         self.save_stall = Histogram("ckptd_save_stall_seconds", "training blocked by a save (reported events)",
-                                    ["job"], registry=r, buckets=_STALL)
+                                    [JOB_LABEL], registry=r, buckets=_STALL)
         self.validation_failures = Counter("ckptd_validation_failures",
-                                           "steps found bad (quarantined or corrupt)", ["job"], registry=r)
+                                           "steps found bad (quarantined or corrupt)", [JOB_LABEL], registry=r)
         self.elastic_events = Counter("ckptd_elastic_events", "elastic events reported by trainers, by kind",
-                                      ["job", "kind"], registry=r)
+                                      [JOB_LABEL, "kind"], registry=r)
         self.recovery_seconds = Histogram("ckptd_recovery_seconds", "failure detected until the first step after it",
-                                          ["job"], registry=r, buckets=_SECONDS)
-        self.lost_steps = Counter("ckptd_lost_steps", "steps done again after recoveries", ["job"], registry=r)
+                                          [JOB_LABEL], registry=r, buckets=_SECONDS)
+        self.lost_steps = Counter("ckptd_lost_steps", "steps done again after recoveries", [JOB_LABEL], registry=r)
         self.goodput = Gauge("ckptd_goodput_ratio", "productive training time over wall time (reported events)",
-                             ["job"], registry=r)
+                             [JOB_LABEL], registry=r)
         self.lease_leader = Gauge("ckptd_lease_leader", "1 when this sidecar leads the job (writes its records; "
-                                  "CKPTD_LEASE_TTL_S), else 0", ["job"], registry=r)
-        self.lease_epoch = Gauge("ckptd_lease_epoch", "the newest lease epoch of the job this sidecar saw", ["job"],
+                                  "CKPTD_LEASE_TTL_S), else 0", [JOB_LABEL], registry=r)
+        self.lease_epoch = Gauge("ckptd_lease_epoch", "the newest lease epoch of the job this sidecar saw", [JOB_LABEL],
                                  registry=r)
         self._history_lock = threading.Lock()
         self._loaded: set[str] = set()  # jobs whose stored history is counted
@@ -141,9 +152,9 @@ class Metrics:
         however many jobs come and go."""
         for metric in (self.resume_requests, self.commits, self.committed_bytes, self.save_seconds, self.save_stall,
                        self.validation_failures, self.elastic_events, self.recovery_seconds, self.lost_steps):
-            names = ("job", "kind") if metric is self.elastic_events else ("job",)
+            names = (JOB_LABEL, "kind") if metric is self.elastic_events else (JOB_LABEL,)
             stale = {tuple(sample.labels[n] for n in names) for family in metric.collect() for sample in family.samples
-                     if "job" in sample.labels and sample.labels["job"] not in jobs}
+                     if JOB_LABEL in sample.labels and sample.labels[JOB_LABEL] not in jobs}
             for labels in stale:
                 metric.remove(*labels)
         with self._history_lock:  # a job that comes back has its history loaded again
@@ -163,4 +174,4 @@ def _replay(histogram: Histogram, stored: Stat, live: Stat) -> None:
             histogram.observe(mean)
 
 
-__all__ = ["Metrics"]
+__all__ = ["JOB_LABEL", "Metrics"]

@@ -492,26 +492,26 @@ def test_metrics(client: TestClient) -> None:
     assert resp.headers["content-type"].startswith("text/plain")
     assert "ckptd_latest_good_step" in resp.text
     samples = _samples(resp.text)
-    assert samples[("ckptd_latest_good_step", (("job", "plain"),))] == 3
-    assert samples[("ckptd_latest_good_step", (("job", "meta"),))] == 20
-    assert ("ckptd_latest_good_step", (("job", "empty"),)) not in samples
-    assert samples[("ckptd_steps", (("job", "plain"), ("state", "corrupt")))] == 1
-    assert samples[("ckptd_steps", (("job", "plain"), ("state", "verified")))] == 3
+    assert samples[("ckptd_latest_good_step", (("ckpt_job", "plain"),))] == 3
+    assert samples[("ckptd_latest_good_step", (("ckpt_job", "meta"),))] == 20
+    assert ("ckptd_latest_good_step", (("ckpt_job", "empty"),)) not in samples
+    assert samples[("ckptd_steps", (("ckpt_job", "plain"), ("state", "corrupt")))] == 1
+    assert samples[("ckptd_steps", (("ckpt_job", "plain"), ("state", "verified")))] == 3
     assert samples[("ckptd_http_requests_total", (("route", "/v1/jobs"), ("status", "200")))] >= 1
 
 
 def test_metrics_forget_steps_and_jobs_that_are_gone(private_client: tuple[TestClient, Path]) -> None:
     client, root = private_client
     before = _samples(client.get("/metrics").text)
-    assert before[("ckptd_latest_good_step", (("job", "meta"),))] == 20
+    assert before[("ckptd_latest_good_step", (("ckpt_job", "meta"),))] == 20
     for step in ("10", "20"):
         shutil.rmtree(root / "meta" / step)
     shutil.rmtree(root / "plain")
     client.app.state.catalog.refresh()  # type: ignore[attr-defined]
     after = _samples(client.get("/metrics").text)
-    assert ("ckptd_latest_good_step", (("job", "meta"),)) not in after
-    assert ("ckptd_latest_good_step", (("job", "plain"),)) not in after
-    assert ("ckptd_steps", (("job", "plain"), ("state", "verified"))) not in after
+    assert ("ckptd_latest_good_step", (("ckpt_job", "meta"),)) not in after
+    assert ("ckptd_latest_good_step", (("ckpt_job", "plain"),)) not in after
+    assert ("ckptd_steps", (("ckpt_job", "plain"), ("state", "verified"))) not in after
 
 
 def test_openapi_documents_every_route(client: TestClient) -> None:

@@ -240,9 +240,9 @@ def test_metrics_from_events_and_from_the_commit_tracker(env: tuple[TestClient, 
     tracker.poll(goodput=True)
     client.post("/v1/jobs/meta/resume", json={"alive_devices": 8})
     s = _samples(client.get("/metrics").text)
-    job_label = (("job", "meta"),)
-    assert s[("ckptd_elastic_events_total", (("job", "meta"), ("kind", "recovered")))] == 1
-    assert s[("ckptd_elastic_events_total", (("job", "meta"), ("kind", "other")))] == 1
+    job_label = (("ckpt_job", "meta"),)
+    assert s[("ckptd_elastic_events_total", (("ckpt_job", "meta"), ("kind", "recovered")))] == 1
+    assert s[("ckptd_elastic_events_total", (("ckpt_job", "meta"), ("kind", "other")))] == 1
     assert s[("ckptd_recovery_seconds_sum", job_label)] == 4.0
     assert s[("ckptd_lost_steps_total", job_label)] == 3
     assert s[("ckptd_save_stall_seconds_count", job_label)] == 1
@@ -285,7 +285,7 @@ def test_a_scrape_reads_no_storage(env: tuple[TestClient, Path], monkeypatch: py
         resp = client.get("/metrics")
         assert resp.status_code == 200, resp.text
     assert (time.perf_counter() - started) / 10 < 0.25
-    assert _samples(resp.text)[("ckptd_save_stall_seconds_count", (("job", "meta"),))] == 5000
+    assert _samples(resp.text)[("ckptd_save_stall_seconds_count", (("ckpt_job", "meta"),))] == 5000
 
 
 def test_retention_deletions_are_recorded_as_events(

@@ -55,7 +55,7 @@ def _samples(client: TestClient) -> dict[tuple[str, tuple[tuple[str, str], ...]]
 
 
 def _value(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted({"job": "llm", **labels}.items()))), 0.0)
+    return samples.get((name, tuple(sorted({"ckpt_job": "llm", **labels}.items()))), 0.0)
 
 
 def test_a_restarted_ckptd_rebuilds_its_recovery_metrics_from_storage(restarted: TestClient) -> None:

@@ -155,9 +155,9 @@ def test_one_leader_writes_and_a_follower_takes_over(root: str, tmp_path: Path) 
         assert new_view is not None and new_view["epoch"] > old_epoch and new_view["holder"] == new_view["me"]
         for p in followers:  # the role as a metric too
             metrics = httpx.get(f"{p.url}/metrics", timeout=10).text
-            assert f'ckptd_lease_leader{{job="{JOB}"}} {1.0 if p is new_leader else 0.0}' in metrics
+            assert f'ckptd_lease_leader{{ckpt_job="{JOB}"}} {1.0 if p is new_leader else 0.0}' in metrics
             if p is new_leader:
-                assert f'ckptd_lease_epoch{{job="{JOB}"}} {float(new_view["epoch"])}' in metrics
+                assert f'ckptd_lease_epoch{{ckpt_job="{JOB}"}} {float(new_view["epoch"])}' in metrics
 
         wait_until(lambda: _all_serve(followers, 2), timeout=20, what="step 2 adopted by the new leader")
         write_orbax_steps(storage.url_of(storage.join(JOB)), [3])

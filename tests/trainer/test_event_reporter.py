@@ -223,6 +223,6 @@ def test_the_elastic_runner_reports_a_recovery_that_ckptd_turns_into_goodput(
         assert bad.restore > 0 and bad.recompile > 0 and bad.checkpoint > 0 and bad.lost > 0
         assert bad.waiting + bad.restore + bad.recompile <= recovered.recovery_seconds + 0.05  # type: ignore[operator]
         metrics = _samples(http.get("/metrics").text)
-        assert metrics[("ckptd_elastic_events_total", (("job", "mlp"), ("kind", "recovered")))] == 1
-        assert metrics[("ckptd_lost_steps_total", (("job", "mlp"),))] == 2
-        assert metrics[("ckptd_save_stall_seconds_count", (("job", "mlp"),))] == len(saves)
+        assert metrics[("ckptd_elastic_events_total", (("ckpt_job", "mlp"), ("kind", "recovered")))] == 1
+        assert metrics[("ckptd_lost_steps_total", (("ckpt_job", "mlp"),))] == 2
+        assert metrics[("ckptd_save_stall_seconds_count", (("ckpt_job", "mlp"),))] == len(saves)
