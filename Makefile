@@ -7,20 +7,33 @@ PYTHON ?= python3
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: venv demo test test-all lint typecheck check clean bench chaos soak
+.PHONY: venv venv-run demo test test-all lint typecheck check clean bench chaos soak
 
-# The virtual environment, with the project and its dev tools installed (re-made when pyproject changes).
-$(VENV)/.installed: pyproject.toml
+# The virtual environment, created when it is missing and installed again when pyproject.toml changes. What
+# runs the project (`make demo`, `make soak`) needs its server and trainer roles only, `.[server,trainer]`
+# (~0.9 GB); `make test` and the other development targets add the dev tools on top, `.[dev]` (~1.3 GB in all).
+comma := ,
+define install
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]' 2> >(grep -v "is ignored: it is neither" >&2)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[$(1)]' 2> >(grep -v "is ignored: it is neither" >&2)
+endef
+
+$(VENV)/.installed-run: pyproject.toml
+	$(call install,server$(comma)trainer)
 	touch $@
 
+$(VENV)/.installed: pyproject.toml
+	$(call install,dev)
+	touch $@ $(VENV)/.installed-run
+
+venv-run: $(VENV)/.installed-run
 venv: $(VENV)/.installed
 
-demo: venv
+demo: venv-run
 	$(PY) -m examples.demo
 
-# Benchmarks against Orbax, the disk and a relaunch: bench/results.json + docs/benchmarks.md (BENCH_QUICK=1: short form).
+# Benchmarks against Orbax, the disk and a relaunch (BENCH_QUICK=1: the short form). Results go to bench-output/
+# (untracked); BENCH_PUBLISH=1 writes the tracked bench/results*.json and the table in docs/benchmarks.md instead.
 bench: venv
 	$(PY) -m bench.run
 
@@ -35,8 +48,9 @@ test-all: venv
 	$(PY) -m pytest -q
 
 # The recovery soak: SOAK_TRIALS elastic trials (default 100) in one trainer process, a slice lost inside JAX at a
-# random phase of each; soak/results.json + the table in docs/operations.md. SOAK_SEED=N replays (random: a new one).
-soak: venv
+# random phase of each; prints the tables of docs/operations.md and writes soak-output/results.json (untracked;
+# SOAK_PUBLISH=1: the tracked soak/results.json). SOAK_SEED=N replays (random: a new one).
+soak: venv-run
 	$(PY) -m soak
 
 # Long forms of the chaos, load and storage-fault tests (CI runs their short forms in `make test`);
@@ -53,4 +67,4 @@ typecheck: venv
 check: lint typecheck test
 
 clean:
-	rm -rf demo-output .pytest_cache .mypy_cache .ruff_cache
+	rm -rf demo-output bench-output soak-output maxtext-output quickstart-output .pytest_cache .mypy_cache .ruff_cache
