@@ -53,7 +53,7 @@ DOCKERFILE = DEPLOY / "Dockerfile"
 # Native sidecars (init containers with restartPolicy: Always) are on by default from 1.29 (GA in 1.33).
 K8S_VERSIONS = ("1.29", ".".join(kubernetes_validate.latest_version().split(".")[:2]))
 # Files in deploy/k8s that kustomization.yaml leaves out on purpose (docs/deploy.md says why).
-NOT_IN_KUSTOMIZATION = {"secret.example.yaml", "servicemonitor.yaml"}
+NOT_IN_KUSTOMIZATION = {"secret.example.yaml", "servicemonitor.yaml", "prometheusrule.yaml"}
 SIDECAR = "ckptd"
 TRAINER = "trainer"
 ENV_PREFIX = "CKPTD_"
