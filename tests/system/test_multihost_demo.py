@@ -39,6 +39,7 @@ def _demo(out: Path, *extra: str, timeout_s: float = 540) -> dict[str, Any]:
     last = stdout.strip().splitlines()[-1]
     assert last.startswith("report: "), last
     report: dict[str, Any] = json.loads(Path(last.removeprefix("report: ")).read_text())
+    report["stdout"] = stdout
     return report
 
 
@@ -64,6 +65,9 @@ def test_two_hosts_resume_one_step_from_memory(tmp_path: Path) -> None:
     # the memory save the trainers waited past for the kill (25)
     assert report["agreed_step"] == 25
     assert all(f"/{h['resume_step']}" in h["restored_from"] for h in report["hosts"])
+    # the timeline names who made each host's plan: the processes, from memory (not a storage scan)
+    planned = [line for line in report["stdout"].splitlines() if " plan_received " in line]
+    assert len(planned) == 2 and all("from memory_agreement" in line for line in planned), planned
 
 
 def _check_run(tmp_path: Path, tier: str, *extra: str) -> dict[str, Any]:

@@ -105,6 +105,8 @@ def test_every_host_restores_the_newest_step_all_hold_in_memory(saved: Path, tmp
     hosts = _restart(saved, tmp_path)
     _assert_same_step(hosts, 20, "memory")
     assert [Path(h["path"]).parent.parent.name for h in hosts] == ["shm0", "shm1"]  # each from its own part
+    # made by the processes from their own memory: neither ckptd's answer nor a storage scan
+    assert [h["source"] for h in hosts] == ["memory_agreement", "memory_agreement"]
     assert hosts[0]["agreed"] == hosts[1]["agreed"] and hosts[0]["agreed"]["storage"]["step"] == 5
 
 
@@ -112,6 +114,7 @@ def test_a_host_whose_memory_was_wiped_sends_every_host_to_storage(saved: Path, 
     hosts = _restart(saved, tmp_path, lambda base: shutil.rmtree(base / "shm1"))
     _assert_same_step(hosts, 5, "storage")
     assert {h["path"] for h in hosts} == {str(tmp_path / "job" / "root" / "job" / "5")}
+    assert [h["source"] for h in hosts] == ["storage_scan", "storage_scan"]  # no sidecar up: process 0 scanned
 
 
 def test_with_ckptd_up_every_host_restores_the_step_process_0s_sidecar_names(

@@ -161,7 +161,7 @@ class ResumeAgreement:
                 raise RuntimeError(f"the agreed memory step {decision['step']} is not in this host's memory")
             plan = self._planned or memory_snapshot_plan(job=self.job, request=request,
                                                          snapshot=(part.path, part.meta))
-            return plan.model_copy(update={"source": "storage_scan", "notes": [
+            return plan.model_copy(update={"source": "memory_agreement", "notes": [
                 *plan.notes, f"agreed by {self.count} processes: each restores its own part of step {part.step} "
                 "from memory"]})
         return self.storage_plan

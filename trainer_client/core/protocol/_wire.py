@@ -219,7 +219,10 @@ class ResumePlan(_Model):
     idle_slices: list[SliceAlive] = Field(default_factory=list, description="alive devices left out, per slice")
     bytes_per_device: int | None = Field(default=None, description="state bytes per device on the new mesh")
     fits_memory: bool | None = None
-    source: Literal["ckptd", "storage_scan"] = "ckptd"
+    source: Literal["ckptd", "storage_scan", "memory_agreement"] = Field(
+        default="ckptd", description="who made the plan: ckptd; the client from storage (`storage_scan`: ckptd did "
+        "not answer); or the processes of a multi-controller job from their hosts' memory (`memory_agreement`)",
+    )
     tier: Literal["memory", "storage"] = Field(
         default="storage", description="memory: `path` is a host-memory snapshot; storage: an Orbax step"
     )
