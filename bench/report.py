@@ -232,8 +232,9 @@ def render(payload: dict[str, Any], reference: dict[str, Any] | None = None) -> 
 
 _SKELETON = """# Benchmarks
 
-`make bench` measures every figure below on this machine and writes `bench/results.json` (raw samples,
-median, min/max, pass/fail per key) and the table in this file; `BENCH_QUICK=1 make bench` is the short
+`make bench` measures every figure below on this machine and writes `bench-output/results.json` (raw samples,
+median, min/max, pass/fail per key) and this file's table in `bench-output/benchmarks.md` (`BENCH_PUBLISH=1`:
+`bench/results.json` and docs/benchmarks.md); `BENCH_QUICK=1 make bench` is the short
 form (smaller state, fewer repeats, every figure). Each ratio is formed within one repeat from two
 measurements taken back to back, so the noise of a shared machine falls on both sides.
 
@@ -242,12 +243,15 @@ measurements taken back to back, so the noise of a shared machine falls on both 
 """
 
 
-def write_report(payload: dict[str, Any], path: Path, reference: dict[str, Any] | None = None) -> None:
+def write_report(payload: dict[str, Any], path: Path, reference: dict[str, Any] | None = None,
+                 template: Path | None = None) -> None:
     """Rewrite the table of ``payload``'s profile in ``path`` (the quick profile's in a section of its own,
-    with ``reference``: the full run's results); the prose around the markers is kept."""
+    with ``reference``: the full run's results); the prose around the markers is kept. A ``path`` not there
+    yet starts as a copy of ``template`` (the published docs/benchmarks.md: this run's table in its prose)."""
     quick = payload["profile"]["name"] == "quick"
     begin, end = (QUICK_BEGIN, QUICK_END) if quick else (BEGIN, END)
-    text = path.read_text() if path.exists() else _SKELETON.format(begin=BEGIN, end=END)
+    source = path if path.exists() else template
+    text = source.read_text() if source is not None and source.exists() else _SKELETON.format(begin=BEGIN, end=END)
     if begin not in text or end not in text:
         heading = "\n\n## The quick profile (`BENCH_QUICK=1 make bench`)\n\n" if quick else "\n\n"
         text = text.rstrip() + heading + begin + "\n" + end + "\n"

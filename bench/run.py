@@ -1,8 +1,12 @@
 """``python -m bench.run`` (``make bench``; ``BENCH_QUICK=1`` for the short form): measure every figure of
-docs/benchmarks.md on this machine, print each as it is measured, write ``bench/results.json`` and the
-table in ``docs/benchmarks.md``. The quick profile writes ``bench/results-quick.json`` and a table of its
-own in docs/benchmarks.md, each figure beside the full run's and whether that lies within the quick run's
-spread (the quick profile is a stand-in for the full one only where it agrees).
+docs/benchmarks.md on this machine, print each as it is measured, write ``results.json`` and the table of
+docs/benchmarks.md. The quick profile writes ``results-quick.json`` and a table of its own, each figure beside
+the full run's and whether that lies within the quick run's spread (the quick profile is a stand-in for the full
+one only where it agrees).
+
+Where: ``bench-output/`` in the current directory (the repository's root under ``make bench``; untracked), the
+report as ``bench-output/benchmarks.md`` (docs/benchmarks.md's prose with this run's table). Only
+``--publish`` (``BENCH_PUBLISH=1``) writes the tracked files: ``bench/results*.json`` and docs/benchmarks.md.
 
 Families: ``io`` (save, persist, restore, memory tier: bench/io.py), ``service`` (resume latency, burst,
 catalog rebuild: bench/service.py), ``recovery`` (in-process recovery against a relaunch:
@@ -34,6 +38,9 @@ from bench.report import write_report
 
 FAMILIES = ("io", "interference", "recovery", "multihost", "first_sight", "service")  # the longest (service) last
 ROOT = Path(__file__).resolve().parent.parent
+PUBLISHED = ROOT / "bench"  # the tracked results (--publish), and the tracked report beside them
+PUBLISHED_DOCS = ROOT / "docs" / "benchmarks.md"
+OUTPUT = Path("bench-output")  # a run's results unless it publishes (relative to where it runs)
 
 
 def _merge(previous: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
@@ -114,9 +121,10 @@ def run(profile: Profile, families: tuple[str, ...], out: Path, docs: Path | Non
     write_json(out, payload)
     print(f"\nwrote {out}", flush=True)
     if docs is not None:
-        full = ROOT / "bench" / "results.json"  # a quick run's table says how each figure compares with it
-        reference = json.loads(full.read_text()) if profile.name == "quick" and full.exists() else None
-        write_report(payload, docs, reference)
+        # a quick run's table says how each figure compares with the full run's: the one beside it, else the published
+        full = next((f for f in (out.parent / "results.json", PUBLISHED / "results.json") if f.exists()), None)
+        reference = json.loads(full.read_text()) if profile.name == "quick" and full is not None else None
+        write_report(payload, docs, reference, template=PUBLISHED_DOCS)
         print(f"wrote {docs}", flush=True)
     return payload
 
@@ -127,10 +135,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="default: quick when BENCH_QUICK=1, else full")
     parser.add_argument("--only", default=",".join(FAMILIES), help="comma-separated families")
     parser.add_argument("--out", type=Path, default=None,
-                        help="default: bench/results.json (full), bench/results-quick.json (quick), "
-                        "bench/results-toy.json (toy)")
-    parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "benchmarks.md",
-                        help="the Markdown report to (re)write; 'none' to skip")
+                        help="default: results.json (full), results-quick.json (quick), results-toy.json (toy) in "
+                        f"{OUTPUT}/ (with --publish: in bench/)")
+    parser.add_argument("--docs", type=Path, default=None,
+                        help=f"the Markdown report to (re)write; 'none' to skip (default: {OUTPUT}/benchmarks.md, "
+                        "with --publish: docs/benchmarks.md)")
+    parser.add_argument("--publish", action="store_true", default=os.environ.get("BENCH_PUBLISH") == "1",
+                        help="write the tracked bench/results*.json and docs/benchmarks.md (BENCH_PUBLISH=1)")
     parser.add_argument("--workdir", default=os.environ.get("BENCH_WORKDIR"),
                         help="storage for checkpoints (default: the temp directory)")
     parser.add_argument("--shm", default=os.environ.get("BENCH_SHM", "/dev/shm"))
@@ -146,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--set: no profile field {name!r}")
         profile = replace(profile, **{name: type(getattr(profile, name))(int(value))})
     families = tuple(f for f in args.only.split(",") if f)
-    out = args.out or ROOT / "bench" / ("results.json" if profile.name == "full" else f"results-{profile.name}.json")
-    docs = None if str(args.docs) == "none" else args.docs
+    where = PUBLISHED if args.publish else OUTPUT
+    out = args.out or where / ("results.json" if profile.name == "full" else f"results-{profile.name}.json")
+    report = PUBLISHED_DOCS if args.publish else OUTPUT / "benchmarks.md"
+    docs = None if str(args.docs) == "none" else args.docs or report
     payload = run(profile, families, out, docs, args.workdir, args.shm, merge=args.merge)
     return 1 if payload["errors"] else 0
 
