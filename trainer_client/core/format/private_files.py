@@ -22,6 +22,7 @@ import stat
 from pathlib import Path
 
 from trainer_client.core.errors import UnsafePathError
+from trainer_client.core.storage import read_fd
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
@@ -93,16 +94,13 @@ def open_private(path: str | os.PathLike[str], flags: int = os.O_RDONLY) -> int:
 
 
 def read_private(path: str | os.PathLike[str], *, max_bytes: int) -> bytes:
-    """The bytes of the private file ``path``; ``UnsafePathError`` past ``max_bytes`` (one more byte is read)."""
+    """The bytes of the private file ``path``; ``RecordTooLargeError`` past ``max_bytes``, by its size before
+    a byte is read and by what the read finds (at most one byte more: ``storage.read_fd``)."""
     fd = open_private(path)
     try:
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(max_bytes + 1)  # bounded whatever the file's size says (it may grow meanwhile)
+        return read_fd(fd, max_bytes, str(path))
     finally:
         os.close(fd)
-    if len(data) > max_bytes:
-        raise UnsafePathError(f"{path} has more than the {max_bytes} bytes such a file may have")
-    return data
 
 
 def write_private(path: str | os.PathLike[str], data: bytes) -> None:
