@@ -1,6 +1,8 @@
 """``python -m soak`` (``make soak``): the recovery soak. ``SOAK_TRIALS`` (default 100) trials, ``SOAK_SEED``
-(default 0; ``random`` draws one) replays a soak; writes ``soak/results.json`` and prints the tables of
-docs/operations.md. Exit status 0 only when every trial recovered and the process's samples stayed flat.
+(default 0; ``random`` draws one) replays a soak; prints the tables of docs/operations.md and writes
+``soak-output/results.json`` in the current directory (untracked); ``SOAK_PUBLISH=1`` (``--publish``) writes the
+tracked ``soak/results.json`` instead. Exit status 0 only when every trial recovered and the process's samples
+stayed flat, both as the library left the process and after the harness cleared JAX's caches.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from soak.harness import Soak
 from soak.report import flat, markdown, summarize, write
 from soak.trials import PHASES, Trial, run_trial
 
-RESULTS = Path(__file__).resolve().parent / "results.json"
+PUBLISHED = Path(__file__).resolve().parent / "results.json"  # the tracked results (--publish)
+OUTPUT = Path("soak-output") / "results.json"  # a run's results unless it publishes (relative to where it runs)
 # What may grow from the first sample (after the reference run and one trial) to the last: no array, executable
 # or thread of a trial may outlive it; RSS may move by what the allocator keeps (docs/operations.md).
 RSS_TOLERANCE_MIB = 64.0
@@ -61,9 +64,13 @@ def run_soak(trials: int, seed: int, workdir: Path, *, sample_every: int = 10,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"default: {OUTPUT} (with --publish: the tracked soak/results.json)")
+    parser.add_argument("--publish", action="store_true", default=os.environ.get("SOAK_PUBLISH") == "1",
+                        help="write the tracked soak/results.json (SOAK_PUBLISH=1)")
     parser.add_argument("--sample-every", type=int, default=10, help="sample the process every N trials")
     args = parser.parse_args(argv)
+    out: Path = args.out or (PUBLISHED if args.publish else OUTPUT)
     trials = int(os.environ.get("SOAK_TRIALS", "100"))
     seed_text = os.environ.get("SOAK_SEED", "0")
     seed = random.SystemRandom().randrange(2**32) if seed_text == "random" else int(seed_text)
@@ -76,12 +83,12 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="ckptd-soak-") as tmp:
         results = run_soak(trials, seed, Path(tmp), sample_every=args.sample_every, progress=show)
-    write(results, args.out)
+    write(results, out)
     print()
     print(markdown(results))
     if results["grew"]:
         print(f"\nNOT FLAT: {results['grew']}")
-    print(f"\nresults: {args.out}")
+    print(f"\nresults: {out}")
     return 0 if results["successes"] == trials and not results["grew"] else 1
 
 

@@ -110,6 +110,10 @@ class Sample:
     open_files: int = 0
     mappings: int = 0
     rss_untrimmed_mib: float = 0.0  # before the allocator's free pages went back to the OS
+    # as the library left the process, before the harness collected garbage, cleared JAX's caches or trimmed the heap
+    rss_raw_mib: float = 0.0
+    live_arrays_raw: int = 0
+    live_executables_raw: int = 0
     arrays_by_kind: str = ""  # the live arrays by shape, dtype and device count (when there are any)
     files_open: str = ""  # what the file descriptors point at
     held_by: str = ""  # when arrays are alive: what references one of them (a chain of referrers)
@@ -228,20 +232,25 @@ class Soak:
         self.reference = [np.asarray(x) for x in jax.tree_util.tree_leaves(result.value)]
 
     def sample(self, after_trial: int) -> Sample:
-        """The process between trials, as the runner leaves it after an event (``recovery.py``): JAX's caches
-        cleared (what they hold is bounded by their LRU sizes: pathwaysutils' health checks, a pmap of a new bound
-        method each time, leave up to a few hundred one-slice arrays in them), the heap's free pages given back
-        to the OS (``rss_untrimmed_mib``: before that). What is counted is what the process holds."""
+        """The process between trials, twice. First as the library left it (``*_raw``): the runner clears JAX's
+        caches and trims the heap after every elastic event (``recovery.py``), not when a run ends, so the last
+        attempt's executables and what JAX's caches hold are still there. Then as the runner leaves it after an
+        event: garbage collected, JAX's caches cleared (what they hold is bounded by their LRU sizes:
+        pathwaysutils' health checks, a pmap of a new bound method each time, leave up to a few hundred one-slice
+        arrays in them), the heap's free pages given back to the OS (``rss_untrimmed_mib``: before that)."""
+        backend = jax.extend.backend.get_backend()
+        raw_rss, raw_arrays, raw_executables = rss_mib(), len(jax.live_arrays()), len(backend.live_executables())
         gc.collect()
         jax.clear_caches()
         gc.collect()
         untrimmed = rss_mib()
         give_back_host_memory()
-        backend = jax.extend.backend.get_backend()
         found = Sample(after_trial, round(rss_mib(), 1), len(jax.live_arrays()), len(backend.live_executables()),
-                       threading.active_count(), _status_mib("RssAnon"), _status_mib("RssShmem"),
-                       len(os.listdir("/proc/self/fd")), len(Path("/proc/self/maps").read_text().splitlines()),
-                       untrimmed, _arrays_by_kind(), _files_open(), _held_by())
+                       threading.active_count(), rss_anon_mib=_status_mib("RssAnon"),
+                       rss_shmem_mib=_status_mib("RssShmem"), open_files=len(os.listdir("/proc/self/fd")),
+                       mappings=len(Path("/proc/self/maps").read_text().splitlines()), rss_untrimmed_mib=untrimmed,
+                       rss_raw_mib=raw_rss, live_arrays_raw=raw_arrays, live_executables_raw=raw_executables,
+                       arrays_by_kind=_arrays_by_kind(), files_open=_files_open(), held_by=_held_by())
         self.samples.append(found)
         return found
 
