@@ -69,8 +69,8 @@ class Catalog(StepTable, JobAdmission):
         read_only_jobs: frozenset[str] = frozenset(),
     ) -> None:
         self.storage = storage
-        self.read_only = read_only  # write nothing into any step directory of the root
-        self.read_only_jobs = read_only_jobs  # ... of these jobs
+        self.read_only, self.read_only_jobs = read_only, read_only_jobs  # write nothing under any job, or these
+        storage.guard_writes(self.read_only_for)  # every writer of the root is refused there (Storage.writable)
         self.max_jobs = max_jobs  # None: every job under the root
         self.save_timeout_s = save_timeout_s
         self.adopt_after_s = adopt_after_s

@@ -12,6 +12,11 @@ The merge (``_METADATA``, ``_sharding``, ...) needs jax and Orbax, so it runs in
 (``python -m ckptd.catalog.persist_worker --serve``) this pass starts lazily, on the first step that is
 ready to commit here: a follower, or a leader of jobs without claims, never starts one. Cost: a leader (every
 sidecar when no lease is on) lists each job's claims directory once a pass, beside the refresher's listing.
+
+Claims and part records are whatever storage holds, forged ones included: each job gets at most
+``JOB_BUDGET_S`` of a pass (a commit started is finished), so one job's claims never hold up another's
+commits, and the pass stops between records when ckptd is stopped, so a SIGTERM is not kept waiting. A job
+ckptd watches read-only is skipped: nothing is committed under it (docs/protocol.md, "Read-only adoption").
 """
 
 from __future__ import annotations
@@ -19,16 +24,23 @@ from __future__ import annotations
 import logging
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ckptd.catalog.part_commit import PartSaves
+from ckptd.catalog.part_commit import JOB_BUDGET_S, PartSaves
 from ckptd.catalog.snapshots import DEFAULT_NICE, ask_persist_worker, start_persist_worker, stop_persist_worker
 from trainer_client.core.errors import StorageError
 from trainer_client.core.format.parts import CLAIMS_DIR
 from trainer_client.core.storage import Storage
 
 _log = logging.getLogger(__name__)
+STOP_WAIT_S = 5.0  # a stop waits this long for a commit in progress, then as long for its last pass
+
+
+def _spent(stopping: Callable[[], bool], deadline: float) -> Callable[[], bool]:
+    """Whether a job's share of a pass is used up: ckptd is stopping, or ``deadline`` (monotonic) passed."""
+    return lambda: stopping() or time.monotonic() > deadline
 
 
 class LazyWorker:
@@ -58,24 +70,30 @@ class LazyWorker:
             return ask_persist_worker(self._worker, request, self.timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        with self._lock:
-            self._closed = True
-            if self._worker is not None:
-                stop_persist_worker(self._worker, timeout_s)
+        """Stop the worker: it finishes the request in hand for up to ``timeout_s``, then is killed. Not under the
+        lock, which a request in progress holds (its answer comes, or its worker is gone, when this returns)."""
+        self._closed = True
+        worker = self._worker
+        if worker is not None:
+            stop_persist_worker(worker, timeout_s)
 
 
 class CommitPass:
     """Every ``interval_s``: for each job of ``jobs()`` that ``writes(job)`` (leads) and has claims, commit what
-    is ready (``PartSaves.commit_ready``); ``on_committed(job, step)`` after each commit. The merge goes to
-    ``ask`` (tests: in process), else to ``worker`` (default: a ``LazyWorker`` with the worker's defaults)."""
+    is ready (``PartSaves.commit_ready``), for at most ``job_budget_s`` a job; ``on_committed(job, step)`` after
+    each commit. The merge goes to ``ask`` (tests: in process), else to ``worker`` (default: a ``LazyWorker``
+    with the worker's defaults)."""
 
     def __init__(self, storage: Storage, *, jobs: Callable[[], Iterable[str]], writes: Callable[[str], bool],
                  interval_s: float, ask: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
-                 worker: LazyWorker | None = None, on_committed: Callable[[str, int], object] | None = None) -> None:
+                 worker: LazyWorker | None = None, on_committed: Callable[[str, int], object] | None = None,
+                 job_budget_s: float = JOB_BUDGET_S, stop_wait_s: float = STOP_WAIT_S) -> None:
         self.worker = (worker or LazyWorker()) if ask is None else None  # closed by stop
         self.parts = PartSaves(storage, ask or self.worker.ask, writes=writes)  # type: ignore[union-attr]
         self._jobs = jobs
         self.interval_s = interval_s
+        self.job_budget_s = job_budget_s
+        self.stop_wait_s = stop_wait_s
         self.on_committed = on_committed
         self.commits = 0
         self.last_error: str | None = None
@@ -83,20 +101,22 @@ class CommitPass:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ckptd-commit-pass", daemon=True)
 
-    def run_once(self) -> list[tuple[str, int]]:
-        """One pass over every job; the (job, step) pairs committed now."""
+    def run_once(self, *, stopping: Callable[[], bool] = lambda: False) -> list[tuple[str, int]]:
+        """One pass over every job; the (job, step) pairs committed now. It ends early once ``stopping()``."""
         done: list[tuple[str, int]] = []
+        storage = self.parts.storage
         with self._lock:
             for job in sorted(set(self._jobs())):
-                if self._stop.is_set() and self._thread.is_alive():
+                if stopping():
                     break
+                deadline = time.monotonic() + self.job_budget_s
                 try:
-                    if not self.parts.writes(job):
-                        continue  # a follower lists nothing
-                    self.parts.storage.invalidate(self.parts.storage.join(job, CLAIMS_DIR))  # claims of others
+                    if not self.parts.writes(job) or storage.write_refusal(storage.join(job)) is not None:
+                        continue  # a follower lists nothing; nothing is committed in a read-only job
+                    storage.invalidate(storage.join(job, CLAIMS_DIR))  # claims of others
                     if not self.parts.claims(job):
                         continue
-                    steps = self.parts.commit_ready(job)
+                    steps = self.parts.commit_ready(job, spent=_spent(stopping, deadline))
                 except (OSError, StorageError, RuntimeError) as exc:  # reported; the next pass tries again
                     self.last_error = f"{job}: {type(exc).__name__}: {exc}"
                     _log.error("committing the host parts of %s failed: %s", job, exc)
@@ -113,23 +133,27 @@ class CommitPass:
 
     def stop(self) -> None:
         """Stop; first one last pass (at shutdown the keeper's drain may just have written the last parts, and
-        the lease is released only after this)."""
+        the lease is released only after this). A pass in progress stops at its next record or claim; one busy
+        in a commit is waited for ``stop_wait_s`` at most, then left (its worker is stopped: the next leader
+        redoes the commit, docs/multihost.md, section 5). The last pass gets ``stop_wait_s`` too, all jobs
+        together: a stop takes seconds, well within Kubernetes' default grace of 30 s."""
         self._stop.set()
         started = self._thread.ident is not None
         if self._thread.is_alive():
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=self.stop_wait_s)
         if started and not self._thread.is_alive():
+            deadline = time.monotonic() + self.stop_wait_s
             try:
-                self.run_once()
+                self.run_once(stopping=lambda: time.monotonic() > deadline)
             except Exception:  # shutting down: reported, the next leader commits
                 _log.exception("last commit pass failed")
         if self.worker is not None:
-            self.worker.close()
+            self.worker.close(self.stop_wait_s)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                self.run_once()
+                self.run_once(stopping=self._stop.is_set)
             except Exception:  # never let the thread die
                 _log.exception("commit pass failed")
 

@@ -122,7 +122,7 @@ class EventStore:
                              separators=(",", ":"))
         try:
             if not self.storage.is_remote:  # never through a link out of the root (UnsafePathError)
-                self.storage.fs.makedirs(self.storage.require_inside(directory), exist_ok=True)
+                self.storage.fs.makedirs(self.storage.writable(directory), exist_ok=True)
             write_json_file(self.storage, join_path(directory, name), payload)
         except BaseException:
             with self._lock:  # not stored: a resend must not be taken for a duplicate
@@ -340,7 +340,7 @@ class EventStore:
             return
         paths = [join_path(self.directory(job), n) for n in names]
         try:
-            self.storage.fs.rm(paths)
+            self.storage.remove(paths)
         except FileNotFoundError:
             pass
         except storage_failures() as exc:  # they are in the summary: deleted by the next fold that sees them

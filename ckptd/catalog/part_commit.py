@@ -31,13 +31,18 @@ from trainer_client.core.format.files import COMMIT_MARKER
 from trainer_client.core.format.manifest import UNMANIFESTED, FileEntry, Manifest, file_entry, write_manifest
 from trainer_client.core.format.parts import (
     CLAIMS_DIR,
+    OutOfTime,
     PartInfo,
+    SaveParts,
+    claimed_steps,
     make_claim,
-    parts_of,
     read_claim,
     read_part,
     record_bytes,
     record_path,
+    report_refused,
+    save_parts,
+    spans,
     step_path_for,
 )
 from trainer_client.core.format.snapshot import SnapshotMeta
@@ -48,6 +53,10 @@ from trainer_client.core.storage import Storage
 _log = logging.getLogger(__name__)
 
 Ask = Callable[[dict[str, Any]], dict[str, Any]]
+# The time one pass over a job's claims may take, commits aside (a commit started is finished): past it the
+# pass moves on to the next job (docs/operations.md, "What each limit defends").
+JOB_BUDGET_S = 5.0
+Spent = Callable[[], bool]  # whether the time a caller allowed is spent (asked between records and steps)
 PartState = Literal["committed", "written", "todo", "claimed by another save"]
 
 
@@ -71,6 +80,7 @@ class PartSaves:
         self.writes = writes
         self.sidecar = sidecar or f"{os.uname().nodename}/{os.getpid()}"
         self.commits = 0
+        self._resume_after: dict[str, int] = {}  # job -> the claim a pass out of time stopped after
 
     def final_path(self, job: str, step: int) -> str:
         return self.storage.join(job, str(step))
@@ -109,7 +119,7 @@ class PartSaves:
         where = step_path_for(self.storage, job, meta.step, meta.save_id)
         if read_part(self.storage, where, meta.process_index) is not None:
             return "written"  # an earlier try of this sidecar finished
-        answer = self.ask({"part": snapshot, "step_url": self.storage.url_of(where)})
+        answer = self.ask({"part": snapshot, "step_url": self.storage.url_of(self.storage.writable(where))})
         if not answer.get("ok"):
             raise RuntimeError(str(answer.get("error", "no answer")))
         info = PartInfo.model_validate({**answer["record"], "sidecar": self.sidecar})
@@ -117,34 +127,49 @@ class PartSaves:
         return "written"
 
     def claims(self, job: str) -> list[int]:
-        where = self.storage.join(job, CLAIMS_DIR)
-        try:
-            names = [posixpath.basename(e.path) for e in self.storage.list_dir(where)]
-        except (FileNotFoundError, StorageError):
-            return []
-        return sorted(int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit())
+        return claimed_steps(self.storage, job)
 
-    def commit_ready(self, job: str) -> list[int]:
+    def commit_ready(self, job: str, *, spent: Spent = lambda: False) -> list[int]:
         """The leader's pass: commit every claimed step of ``job`` whose parts are all durable. Returns the
-        steps committed now."""
-        done = []
-        for step in self.claims(job):
-            if not self.writes(job):
-                break  # asked again before each commit: the lease may have moved
-            claim = read_claim(self.storage, job, step)
-            if claim is None or self.committed(job, step, claim.save_id):
-                continue
-            where = step_path_for(self.storage, job, step, claim.save_id)
-            parts = parts_of(self.storage, where, claim.process_count)
-            if any(p is None or p.save_id != claim.save_id for p in parts):
-                continue  # a missing part: never committed, never served
-            if self.storage.exists(self.final_path(job, step)) and not self.storage.is_remote:
-                _log.error("not committing step %s of %s from parts: %s exists already", step, job,
-                           self.final_path(job, step))
-                continue
-            self.commit(job, step, where, parts)  # type: ignore[arg-type]
-            done.append(step)
+        steps committed now. Once ``spent()`` (asked before each claim and each record read) says the time
+        allowed is up, the pass stops, and the next one starts after the last claim this one finished, so
+        claims that cost much (forged ones) delay the others of the job by one pass at most, never for good."""
+        done: list[int] = []
+        steps = self.claims(job)
+        after = self._resume_after.pop(job, None)
+        if after is not None:  # where the last pass ran out of time; round the end
+            steps = [s for s in steps if s > after] + [s for s in steps if s <= after]
+        last = None
+        try:
+            for step in steps:
+                if not self.writes(job):
+                    break  # asked again before each commit: the lease may have moved
+                if spent():
+                    raise OutOfTime(f"claims of {job}")
+                if self._commit_if_ready(job, step, spent):
+                    done.append(step)
+                last = step
+        except OutOfTime:
+            if last is not None:
+                self._resume_after[job] = last
+            _log.warning("committing the host parts of %s: out of time for this pass after step %s; the next "
+                         "pass goes on from there", job, last)
         return done
+
+    def _commit_if_ready(self, job: str, step: int, spent: Spent) -> bool:
+        claim = read_claim(self.storage, job, step)
+        if claim is None or self.committed(job, step, claim.save_id):
+            return False
+        where = step_path_for(self.storage, job, step, claim.save_id)
+        held = save_parts(self.storage, where, claim.save_id, claim.process_count, first_gap=True, spent=spent)
+        if not held.whole:
+            return False  # a missing part: never committed, never served
+        if self.storage.exists(self.final_path(job, step)) and not self.storage.is_remote:
+            _log.error("not committing step %s of %s from parts: %s exists already", step, job,
+                       self.final_path(job, step))
+            return False
+        self.commit(job, step, where, held.found)
+        return True
 
     def manifest(self, where: str, step: int, parts: list[PartInfo]) -> Manifest:
         """ckptd's manifest of the step: every file, the parts' ones with the checksums their writers
@@ -174,8 +199,8 @@ class PartSaves:
         job's lock (``clean`` never deletes a save being committed)."""
         with _job_lock(self.storage, job):
             claim = read_claim(self.storage, job, step)  # again under the lock: retention may have run meanwhile
-            if claim is None or claim.save_id != parts[0].save_id or self._missing(job, step, claim.save_id,
-                                                                                    claim.process_count):
+            if claim is None or claim.save_id != parts[0].save_id or not self._held(job, step, claim.save_id,
+                                                                                     claim.process_count).whole:
                 _log.info("step %s of %s: its save changed before the commit; not committed now", step, job)
                 return
             self._commit(job, step, where, parts)
@@ -184,7 +209,8 @@ class PartSaves:
         first = parts[0]
         marker = posixpath.join(where, COMMIT_MARKER)
         if not self.storage.exists(marker):  # else: the marker is there, the rename was not done
-            answer = self.ask({"commit": self.storage.url_of(where), "record": first.model_dump(mode="json")})
+            answer = self.ask({"commit": self.storage.url_of(self.storage.writable(where)),
+                               "record": first.model_dump(mode="json")})
             if not answer.get("ok"):
                 raise RuntimeError(f"commit of step {step} failed: {answer.get('error', 'no answer')}")
             write_manifest(self.storage, where, self.manifest(where, step, parts))
@@ -195,7 +221,7 @@ class PartSaves:
         if not self.storage.is_remote:
             final = self.final_path(job, step)
             try:
-                os.rename(where, final)
+                self.storage.rename(where, final)
             except FileExistsError:
                 return
             except OSError as exc:
@@ -207,23 +233,35 @@ class PartSaves:
         self.commits += 1
         _log.info("committed step %s of %s from %d host parts", step, job, first.process_count)
 
-    def abandoned(self, job: str, older_than_s: float, now: float | None = None) -> list[Abandoned]:
-        """Claims older than ``older_than_s`` whose step is not committed."""
+    def abandoned(self, job: str, older_than_s: float, now: float | None = None, *,
+                  spent: Spent = lambda: False) -> list[Abandoned]:
+        """Claims older than ``older_than_s`` whose step is not committed and whose parts are absent, not
+        unreadable: a save with a record that is there but forged, damaged or of another save is reported and
+        kept for inspection, never deleted. Stops (with what it found) once ``spent()``."""
         now = time.time() if now is None else now
         out = []
-        for step in self.claims(job):
-            claim = read_claim(self.storage, job, step)
-            if claim is None or now - claim.created_at < older_than_s or self.committed(job, step, claim.save_id):
-                continue
-            missing = self._missing(job, step, claim.save_id, claim.process_count)
-            if not missing:
-                continue  # every part is durable: the commit pass's to commit, never abandoned
-            out.append(Abandoned(job, step, claim.save_id, now - claim.created_at, missing))
+        try:
+            for step in self.claims(job):
+                if spent():
+                    break
+                claim = read_claim(self.storage, job, step)
+                if claim is None or now - claim.created_at < older_than_s or self.committed(job, step, claim.save_id):
+                    continue
+                held = self._held(job, step, claim.save_id, claim.process_count, spent)
+                if held.whole:
+                    continue  # every part is durable: the commit pass's to commit, never abandoned
+                if held.bad:
+                    report_refused(step_path_for(self.storage, job, step, claim.save_id),
+                                   f"an abandoned save whose part records of processes {spans(held.bad)} are "
+                                   "unreadable or of another save: kept for inspection, never deleted")
+                    continue
+                out.append(Abandoned(job, step, claim.save_id, now - claim.created_at, held.absent))
+        except OutOfTime:
+            pass
         return out
 
-    def _missing(self, job: str, step: int, save_id: str, count: int) -> list[int]:
-        where = step_path_for(self.storage, job, step, save_id)
-        return [k for k, p in enumerate(parts_of(self.storage, where, count)) if p is None or p.save_id != save_id]
+    def _held(self, job: str, step: int, save_id: str, count: int, spent: Spent | None = None) -> SaveParts:
+        return save_parts(self.storage, step_path_for(self.storage, job, step, save_id), save_id, count, spent=spent)
 
     def clean(self, found: Abandoned) -> None:
         """Delete an abandoned save: its staged (or in place, uncommitted) files, then its claim. Under the
@@ -231,19 +269,20 @@ class PartSaves:
         since ``abandoned`` looked makes the save the commit pass's (docs/multihost.md, section 5)."""
         with _job_lock(self.storage, found.job):
             claim = read_claim(self.storage, found.job, found.step)
-            if (claim is None or claim.save_id != found.save_id
-                    or self.committed(found.job, found.step, found.save_id)
-                    or not self._missing(found.job, found.step, found.save_id, claim.process_count)):
+            if claim is None or claim.save_id != found.save_id or self.committed(found.job, found.step, found.save_id):
+                return
+            held = self._held(found.job, found.step, found.save_id, claim.process_count)
+            if held.whole or held.bad:
                 return
             where = step_path_for(self.storage, found.job, found.step, found.save_id)
             if self.storage.exists(posixpath.join(where, COMMIT_MARKER)):
                 return
             if self.storage.exists(where):
-                self.storage.fs.rm(where, recursive=True)
-            self.storage.fs.rm(self.storage.join(found.job, CLAIMS_DIR, f"{found.step}.json"))
+                self.storage.remove(where, recursive=True)
+            self.storage.remove(self.storage.join(found.job, CLAIMS_DIR, f"{found.step}.json"))
             self.storage.invalidate(self.storage.join(found.job))
         _log.warning("deleted abandoned save %s of step %s of %s (parts missing: %s)", found.save_id, found.step,
-                     found.job, found.missing)
+                     found.job, spans(found.missing))
 
 
 _locks_guard = threading.Lock()
@@ -258,4 +297,4 @@ def _job_lock(storage: Storage, job: str) -> threading.RLock:
         return _locks.setdefault(key, threading.RLock())
 
 
-__all__ = ["Abandoned", "PartSaves"]
+__all__ = ["JOB_BUDGET_S", "Abandoned", "PartSaves"]

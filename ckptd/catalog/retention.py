@@ -18,8 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from ckptd.catalog.part_commit import PartSaves
-from trainer_client.core.format.parts import step_path_for
+from ckptd.catalog.part_commit import JOB_BUDGET_S, PartSaves
+from trainer_client.core.format.parts import spans, step_path_for
 from trainer_client.core.protocol import CheckpointInfo, StepState
 from trainer_client.core.storage import Storage, storage_errors
 
@@ -108,7 +108,7 @@ def collect(storage: Storage, decisions: Iterable[Decision], *, dry_run: bool = 
             continue
         if not dry_run:
             with storage_errors(f"cannot delete {d.path}"):
-                storage.fs.rm(d.path, recursive=True)
+                storage.remove(d.path, recursive=True)
             _log.info("retention deleted step %s (%s): %s", d.step, d.path, "; ".join(d.reasons))
         deleted.append(d)
     if deleted and not dry_run:
@@ -137,17 +137,20 @@ def checked_decisions(catalog: Catalog, job: str, policy: RetentionPolicy) -> li
             return decisions
 
 
-def clean_abandoned_parts(storage: Storage, job: str, older_than_s: float) -> list[Decision]:
+def clean_abandoned_parts(storage: Storage, job: str, older_than_s: float, *,
+                          budget_s: float = JOB_BUDGET_S) -> list[Decision]:
     """Delete the multi-host saves of ``job`` claimed longer than ``older_than_s`` ago and never committed
-    (a host's part never came): their staged or in-place files, then the claim."""
+    (a host's part never came): their staged or in-place files, then the claim. Looking for them stops after
+    ``budget_s`` (the rest waits for the next run): a job's forged claims hold up no other job's retention."""
     saves = PartSaves(storage, lambda _request: {"ok": False, "error": "retention writes no parts"})
     out = []
-    for found in saves.abandoned(job, older_than_s):
+    deadline = time.monotonic() + budget_s
+    for found in saves.abandoned(job, older_than_s, spent=lambda: time.monotonic() > deadline):
         with storage_errors(f"cannot delete the abandoned save {found.save_id} of step {found.step}"):
             saves.clean(found)
         out.append(Decision(found.step, step_path_for(storage, job, found.step, found.save_id), StepState.ABANDONED,
-                            "delete", [f"multi-host save {found.save_id} abandoned: parts {found.missing} missing "
-                                       "after the save timeout"]))
+                            "delete", [f"multi-host save {found.save_id} abandoned: parts {spans(found.missing)} "
+                                       "missing after the save timeout"]))
     return out
 
 

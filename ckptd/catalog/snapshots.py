@@ -64,6 +64,9 @@ class KeeperStats:
     parts: dict[str, str] = field(default_factory=dict)
     persist_seconds: list[float] = field(default_factory=list)
     parts_written: int = 0  # this host's parts of multi-process steps written to storage
+    # snapshots marked persist that ckptd may not write (a read-only job, a link out of the root): path -> why;
+    # kept in shared memory, never dropped for it (docs/protocol.md, "Read-only adoption")
+    held: dict[str, str] = field(default_factory=dict)
 
 
 PART_RETRY_S = 30.0  # a host part whose write failed is tried again after this long
@@ -240,6 +243,10 @@ class SnapshotKeeper:
             evict(path)
             return
         meta = read_meta(path)
+        refused = self.storage.write_refusal(self.storage.join(job, str(meta.step))) if meta.persist else None
+        if refused is not None and not is_persisted(path):
+            self._note(self.stats.held, str(path), refused)
+            return
         if meta.is_part:
             self._hold_part(job, path, meta)
             return
@@ -273,13 +280,18 @@ class SnapshotKeeper:
                                  "until that save is committed or cleaned as abandoned")
 
     def _note_part(self, key: str, why: str) -> None:
-        if self.stats.parts.get(key) != why:
-            self.stats.parts[key] = why
-            _log.warning("not persisting snapshot %s: %s (docs/multihost.md)", key, why)
+        self._note(self.stats.parts, key, f"{why} (docs/multihost.md)")
+
+    def _note(self, table: dict[str, str], key: str, why: str) -> None:
+        """Say once why the snapshot ``key`` is kept and not persisted (``table``: where it is listed)."""
+        if table.get(key) != why:
+            table[key] = why
+            _log.warning("not persisting snapshot %s: %s", key, why)
 
     def _forget_gone_parts(self) -> None:
-        for key in [key for key in self.stats.parts if not Path(key).exists()]:
-            del self.stats.parts[key]
+        for table in (self.stats.parts, self.stats.held):
+            for key in [key for key in table if not Path(key).exists()]:
+                del table[key]
         for path in [path for path in self._part_retry_at if not path.exists()]:
             del self._part_retry_at[path]
 
@@ -305,8 +317,9 @@ class SnapshotKeeper:
     def persist(self, job: str, path: Path) -> str | None:
         """Write one snapshot to ``<root>/<job>/<step>`` through the persist worker; the step URL or None."""
         step = int(path.name)
-        if not self.storage.inside(self.storage.join(job)):  # never written through a link out of the root
-            self._failed(path, f"job {job!r}: its directory is a link leading out of the checkpoint root")
+        refused = self.storage.write_refusal(self.storage.join(job, str(step)))  # a link out, a read-only job
+        if refused is not None:
+            self._failed(path, refused)
             return None
         job_url = self.storage.url_of(self.storage.join(job))
         step_url = join_path(job_url, str(step))
@@ -333,8 +346,9 @@ class SnapshotKeeper:
 
     def _persist_part(self, job: str, path: Path) -> None:
         """Write this host's part of a multi-process step (``PartSaves.persist_part``)."""
-        if not self.storage.inside(self.storage.join(job)):
-            self._failed(path, f"job {job!r}: its directory is a link leading out of the checkpoint root")
+        refused = self.storage.write_refusal(self.storage.join(job))
+        if refused is not None:
+            self._failed(path, refused)
             return
         started = time.monotonic()
         meta = read_meta(path)

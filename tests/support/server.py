@@ -1,8 +1,11 @@
-"""A real ckptd app served by uvicorn on 127.0.0.1 (a free port) in a background thread."""
+"""A real ckptd app served by uvicorn on 127.0.0.1 (a free port) in a background thread, or ``ckptd serve`` as a
+child process (``serve_process``: for what needs a process of its own, a SIGTERM, a persist worker child)."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +19,7 @@ from fastapi import FastAPI
 from ckptd.api.app import create_app
 from ckptd.api.connections import server_config
 from ckptd.config import Settings
-from tests.support.helpers import make_settings, wait_until
+from tests.support.helpers import REPO, clean_env, free_port, make_settings, wait_until
 
 
 @dataclass
@@ -87,4 +90,26 @@ def start_server(root: str | Path, state_dir: Path, **overrides: Any) -> ServerH
     return handle
 
 
-__all__ = ["ServerHandle", "StartServer", "app_over", "start_server"]
+def serve_process(root: str | Path, log: Path, *args: str, **env: str) -> tuple[subprocess.Popen[bytes], str]:
+    """``python -m ckptd serve --root ROOT`` on 127.0.0.1 (a free port) with ``args``, the ``CKPTD_*`` variables
+    ``env`` (nothing else of the caller's) and its output in ``log``; returns once ``/readyz`` answers 200:
+    the process and its URL (failing the test, with the log's end, when it exits first)."""
+    port = free_port()
+    with log.open("wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "ckptd", "serve", "--root", str(root), "--host", "127.0.0.1",
+                                 "--port", str(port), *args], env=clean_env(**env), stdin=subprocess.DEVNULL,
+                                stdout=sink, stderr=subprocess.STDOUT, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            return httpx.get(f"{url}/readyz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(ready, timeout=60, what="ckptd ready")
+    return proc, url
+
+
+__all__ = ["ServerHandle", "StartServer", "app_over", "serve_process", "start_server"]

@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
-import httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tests.support.helpers import clean_env, free_port, wait_until
+from tests.support.server import serve_process
 from trainer_client.core.format.files import COMMIT_MARKER
 from trainer_client.core.format.manifest import read_verified_record
 from trainer_client.core.storage import Storage
@@ -23,24 +21,10 @@ from trainer_client.runtime.checkpointing import training_metadata
 from trainer_client.runtime.memory_tier import MemoryTier
 
 
-def _serve(root: Path, shm: Path, tmp: Path, drain_s: float) -> tuple[subprocess.Popen[str], Path]:
-    port = free_port()
+def _serve(root: Path, shm: Path, tmp: Path, drain_s: float) -> tuple[subprocess.Popen[bytes], Path]:
     log = tmp / "ckptd.log"
-    env = clean_env(CKPTD_STATE_DIR=str(tmp / "state"), CKPTD_REFRESH_INTERVAL_S="30",
-                    CKPTD_DRAIN_TIMEOUT_S=str(drain_s), CKPTD_LOG_LEVEL="info")
-    with log.open("w") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "ckptd", "serve", "--root", str(root), "--host", "127.0.0.1",
-                                 "--port", str(port), "--shm-dir", str(shm)],
-                                env=env, stdout=sink, stderr=subprocess.STDOUT, text=True)
-
-    def ready() -> bool:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(ready, timeout=60, what="ckptd ready")
+    proc, _ = serve_process(root, log, "--shm-dir", str(shm), CKPTD_STATE_DIR=str(tmp / "state"),
+                            CKPTD_REFRESH_INTERVAL_S="30", CKPTD_DRAIN_TIMEOUT_S=str(drain_s), CKPTD_LOG_LEVEL="info")
     return proc, log
 
 

@@ -370,7 +370,7 @@ def test_retention_cleans_an_abandoned_multi_host_save(parts: list[Path], tmp_pa
     assert sidecar.persist_part("job", str(parts[0]), read_meta(parts[0])) == "written"  # host 1's never comes
     assert clean_abandoned_parts(storage, "job", older_than_s=3600) == []  # younger than the save timeout: kept
     deleted = clean_abandoned_parts(storage, "job", older_than_s=0.0)
-    assert [(d.step, d.action) for d in deleted] == [(5, "delete")] and "parts [1] missing" in deleted[0].reasons[0]
+    assert [(d.step, d.action) for d in deleted] == [(5, "delete")] and "parts 1 missing" in deleted[0].reasons[0]
     assert not (tmp_path / "root" / "job" / ".ckptd" / "staging" / f"5.{read_meta(parts[0]).save_id}").exists()
     assert not (tmp_path / "root" / "job" / ".ckptd" / "claims" / "5.json").exists()
 

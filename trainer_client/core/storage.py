@@ -14,7 +14,7 @@ import os
 import posixpath
 import stat
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -22,6 +22,7 @@ from typing import Any
 import fsspec
 
 from trainer_client.core.errors import RecordTooLargeError, StorageError, StoredFormatError, UnsafePathError
+from trainer_client.core.format.files import SIDE_DIR
 
 _log = logging.getLogger(__name__)
 
@@ -114,8 +115,15 @@ def mtime_of(info: dict[str, Any]) -> float | None:
 
 def join_path(path: str, *names: str) -> str:
     """``path`` (a local path, an fsspec path or a ``gs://`` URL) with ``names`` appended, one ``/`` between
-    each: the one way paths are joined, for local roots and object stores alike."""
-    parts = [path.rstrip("/"), *(name.strip("/") for name in names)]
+    each: the one way paths are joined, for local roots and object stores alike. A name is one or more plain
+    segments (``item/_METADATA``); one with an empty, ``.`` or ``..`` segment, or an absolute one, is refused
+    with ``UnsafePathError``: a name read from a record or a listing never leads out of ``path``
+    (docs/operations.md, "Security")."""
+    for name in names:
+        segments = name.removesuffix("/").split("/")
+        if any(segment in ("", ".", "..") or "\0" in segment for segment in segments):
+            raise UnsafePathError(f"{name[:200]!r} is no relative path of plain names: refused")
+    parts = [path.rstrip("/"), *(name.removesuffix("/") for name in names)]
     return "/".join(parts) if parts[0] else "/" + "/".join(parts[1:])
 
 
@@ -131,6 +139,7 @@ class Storage:
         self.fs: fsspec.AbstractFileSystem = fs
         self.root: str = path if path.startswith("/") or self.is_remote else os.path.abspath(path)
         self._links_refused: dict[str, dict[str, str]] = {}  # directory -> {child name: where it leads}
+        self._read_only: Callable[[str], bool] = lambda _job: False  # job -> ckptd writes nothing under it
 
     @property
     def is_remote(self) -> bool:
@@ -186,6 +195,52 @@ class Storage:
             raise UnsafePathError(f"{path} leads to {os.path.realpath(path)}, outside the checkpoint root "
                                   f"{self.root}: refused")
         return path
+
+    # ---- the one check before every write (docs/operations.md, "Security") ----------------------------
+
+    def guard_writes(self, read_only: Callable[[str], bool]) -> None:
+        """From now on ``writable`` refuses every path under ``<root>/<job>/`` of a job ``read_only(job)`` names:
+        such a job's records go to ``<root>/.ckptd/`` (docs/protocol.md, "Read-only adoption")."""
+        self._read_only = read_only
+
+    def write_refusal(self, path: str) -> str | None:
+        """Why ckptd may not create, replace, move or delete ``path``; None when it may: ``path`` is spelled
+        plainly (no empty, ``.`` or ``..`` segment) below the root, stays below it once its links are resolved
+        (local roots: its real path under the root's), and is not under a read-only job (``guard_writes``)."""
+        base = self.root.rstrip("/")
+        if not path.startswith(base + "/") or posixpath.normpath(path) != path.rstrip("/"):
+            return f"{path[:300]} is not a plain path inside the checkpoint root {self.root}: refused"
+        job = path[len(base) + 1:].split("/", 1)[0]
+        if job != SIDE_DIR and self._read_only(job):
+            return (f"{path}: job {job!r} is watched read-only, ckptd changes nothing under {base}/{job}/ "
+                    f"(docs/protocol.md, Read-only adoption)")
+        if not self.inside(path):
+            return (f"{path} leads through a link to {os.path.realpath(path)}, outside the checkpoint root "
+                    f"{self.root}: refused")
+        return None
+
+    def writable(self, path: str) -> str:
+        """``path`` when ckptd may write it (``write_refusal``); else ``UnsafePathError``. Every writer of a
+        root calls it: ``create_new``, ``write_json_file``, ``remove``, ``rename``, and whoever hands a path to
+        the persist worker."""
+        why = self.write_refusal(path)
+        if why is not None:
+            raise UnsafePathError(why)
+        return path
+
+    def remove(self, paths: str | list[str], *, recursive: bool = False) -> None:
+        """Delete ``paths`` (files; with ``recursive`` directories and all below them), each ``writable``."""
+        listed = [paths] if isinstance(paths, str) else list(paths)
+        for path in listed:
+            self.writable(path)
+        if listed:
+            with storage_errors(f"cannot delete {self.url_of(listed[0])}" + (" ..." if len(listed) > 1 else "")):
+                self.fs.rm(listed if len(listed) > 1 else listed[0], recursive=recursive)
+
+    def rename(self, source: str, target: str) -> None:
+        """Move ``source`` to ``target`` on a local root (both ``writable``): ``os.rename``, which refuses to
+        replace a directory that is not empty (``OSError``)."""
+        os.rename(self.writable(source), self.writable(target))
 
     def links_refused(self, path: str) -> dict[str, str]:
         """The children of ``path`` its last listing left out: links leading out of it (name -> target)."""
@@ -278,7 +333,7 @@ class Storage:
         it existed (someone else won). The one coordination primitive among sidecars (docs/multihost.md):
         ``O_CREAT | O_EXCL`` then fsync of the file and its directory locally; on GCS a write with
         ``ifGenerationMatch=0`` (gcsfs's ``mode="create"``: HTTP 412 is raised as ``FileExistsError``)."""
-        self.require_inside(path)
+        self.writable(path)
         if self.is_remote:
             with storage_errors(f"cannot create {self.url_of(path)}"):
                 try:

@@ -23,8 +23,11 @@ CKPTD_MANIFEST = "ckptd_manifest.json"  # every file's size and CRC32C, written 
 QUARANTINE_FILE = "ckptd_quarantine.json"  # why a step was found bad (the step is kept, never served)
 VERIFIED_FILE = "ckptd_verified.json"  # a verdict some ckptd reached, so a restart need not verify again
 
-# ---- ckptd's files inside a job directory -----------------------------------------------------------
+# ---- ckptd's own directory: in a job (<job>/.ckptd/) and at the root (the side prefix, records.py) ---
+SIDE_DIR = ".ckptd"  # never a job's or a step's name
 EVENTS_DIR = ".ckptd/events"  # <job>/.ckptd/events/: elastic events, one object per batch
+# an Orbax item's name, as a snapshot or a part record may give it (one plain path segment)
+ITEM_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 
 # ---- a host-memory snapshot: <shm>/<job>/<step>/ ----------------------------------------------------
 SNAPSHOT_DATA_FILE = "data.bin"  # every shard's bytes, each 64-byte aligned
@@ -40,11 +43,13 @@ __all__ = [
     "DEFAULT_ITEM",
     "EVENTS_DIR",
     "ITEM_METADATA",
+    "ITEM_NAME_PATTERN",
     "OCDBT_MANIFEST",
     "OCDBT_PROCESS_PREFIX",
     "QUARANTINE_FILE",
     "ROOT_ITEM",
     "SHARDING_FILE",
+    "SIDE_DIR",
     "SNAPSHOT_DATA_FILE",
     "SNAPSHOT_META_FILE",
     "SNAPSHOT_PERSISTED_FILE",

@@ -166,12 +166,13 @@ def build_manifest(storage: Storage, step_path: str, *, step: int, writer: Liter
 def write_json_file(storage: Storage, path: str, payload: str | bytes, *, durable: bool = True,
                     sync: Callable[[str], None] | None = None) -> None:
     """Write a small file whole: an object store replaces objects atomically; on a local disk the file
-    is written beside and renamed over, so a crash never leaves half a manifest. Never through a link that
-    leads out of the root (``UnsafePathError``). ``durable=False`` skips the fsync, for a record whose loss
-    in a power cut costs only work (it is checksummed, so a torn one is never believed). ``sync(tmp)``, on a
+    is written beside and renamed over, so a crash never leaves half a manifest. Never where
+    ``Storage.writable`` refuses (``UnsafePathError``): outside the root, through a link leading out of it,
+    under a read-only job. ``durable=False`` skips the fsync, for a record whose loss in a power cut costs only
+    work (it is checksummed, so a torn one is never believed). ``sync(tmp)``, on a
     local disk, replaces the fsync of the file written beside: it must make ``tmp`` durable before it returns
     (the seal fsyncs it together with the step's own files: one wait instead of two)."""
-    storage.require_inside(path)
+    storage.writable(path)
     data = payload.encode("utf-8") if isinstance(payload, str) else payload
     if storage.is_remote:
         with storage_errors(f"cannot write {storage.url_of(path)}"):

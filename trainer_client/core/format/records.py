@@ -21,9 +21,9 @@ from __future__ import annotations
 import posixpath
 from dataclasses import dataclass
 
+from trainer_client.core.format.files import SIDE_DIR  # <root>/.ckptd/<job>/<step directory>/: the side prefix
 from trainer_client.core.storage import Storage, join_path
 
-SIDE_DIR = ".ckptd"  # <root>/.ckptd/<job>/<step directory>/: records of steps ckptd does not write into
 SIDE_EVENTS_DIR = ".ckptd/.events"  # <root>/.ckptd/.events/<job>/: a read-only job's elastic events
 
 

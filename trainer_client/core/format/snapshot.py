@@ -34,7 +34,7 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol, TypeVar
 
 import numpy as np
 import xxhash
@@ -44,6 +44,7 @@ from trainer_client.core.dtypes import np_dtype
 from trainer_client.core.errors import UnsafePathError
 from trainer_client.core.format.files import (
     DEFAULT_ITEM,
+    ITEM_NAME_PATTERN,
     SNAPSHOT_DATA_FILE,
     SNAPSHOT_META_FILE,
     SNAPSHOT_PERSISTED_FILE,
@@ -69,6 +70,22 @@ _STEP_DIR = re.compile(r"^[0-9]{1,19}$")
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class _OfProcess(Protocol):
+    process_index: int
+    process_count: int
+
+
+_P = TypeVar("_P", bound=_OfProcess)
+
+
+def process_in_range(record: _P) -> _P:
+    """The check of a record that names one process of a job (``process_index`` of ``process_count``): a
+    model's after-validator."""
+    if record.process_index >= record.process_count:
+        raise ValueError(f"process {record.process_index} of {record.process_count}")
+    return record
 
 
 class ShardRecord(_Model):
@@ -98,11 +115,7 @@ class DataIteratorRecord(_Model):
     process_count: int = Field(ge=1)
     state: JsonValue
 
-    @model_validator(mode="after")
-    def _index_in_range(self) -> DataIteratorRecord:
-        if self.process_index >= self.process_count:
-            raise ValueError(f"process {self.process_index} of {self.process_count}")
-        return self
+    _index_in_range = model_validator(mode="after")(process_in_range)
 
 
 class SnapshotMeta(_Model):
@@ -117,7 +130,7 @@ class SnapshotMeta(_Model):
     training: TrainingMetadata
     data_iterator: DataIteratorRecord | None = Field(default=None, exclude_if=lambda v: v is None,
                                                      description="the data iterator's state, if the trainer has one")
-    item: str = Field(default=DEFAULT_ITEM, exclude_if=lambda v: v == DEFAULT_ITEM, pattern=r"^[A-Za-z0-9_-]{1,64}$",
+    item: str = Field(default=DEFAULT_ITEM, exclude_if=lambda v: v == DEFAULT_ITEM, pattern=ITEM_NAME_PATTERN,
                       description="the Orbax item the trainer saves the state as (MaxText's: items)")
     # Written only by a process of a multi-process (multi-controller) job, so a single process's snapshot.json
     # stays what readers before these fields parse. Such a snapshot is one host's part of the step: it holds
@@ -130,11 +143,7 @@ class SnapshotMeta(_Model):
     save_id: str | None = Field(default=None, exclude_if=lambda v: v is None, pattern=r"^[0-9a-f]{1,32}-[0-9]{1,19}$",
                                 description="<job incarnation>-<step>: equal in every host's part of one save")
 
-    @model_validator(mode="after")
-    def _process_in_range(self) -> SnapshotMeta:
-        if self.process_index >= self.process_count:
-            raise ValueError(f"process {self.process_index} of {self.process_count}")
-        return self
+    _process_in_range = model_validator(mode="after")(process_in_range)
 
     @property
     def is_part(self) -> bool:
@@ -372,5 +381,6 @@ __all__ = [
     "mark_persisted",
     "newest_whole",
     "problems",
+    "process_in_range",
     "read_meta",
 ]
