@@ -9,7 +9,9 @@ CkptdError                              root: ``except CkptdError`` catches ever
 │   └── OcdbtFormatError                an OCDBT index this reader does not understand (tensorstore reads it)
 ├── UnsafePathError (PermissionError)   a memory-tier path others could write or that is a link, or a
 │                                       path that a link leads out of the checkpoint root: refused
-└── PlanningError (ValueError)          no resume plan exists for these inputs; ``code`` says why
+├── PlanningError (ValueError)          no resume plan exists for these inputs; ``code`` says why
+└── MissingExtra (ModuleNotFoundError)  a name or command needs a library of another install role:
+                                        the message says which (``pip install 'ckptd[trainer]'``)
 ```
 Each error also subclasses the closest built-in, so generic handlers keep working. The trainer library
 adds its own branches (``trainer_client/errors.py``) and the sidecar its own (``ckptd/errors.py``), all
@@ -60,9 +62,15 @@ class PlanningError(CkptdError, ValueError):
         self.message = message
 
 
+class MissingExtra(CkptdError, ModuleNotFoundError):
+    """What was asked for needs a library that this install role does not bring (docs/architecture.md, the roles);
+    the message names the extra that does (``trainer_client.core.extras.needs_extra``)."""
+
+
 __all__ = [
     "ArrayIndexError",
     "CkptdError",
+    "MissingExtra",
     "OcdbtFormatError",
     "PlanningError",
     "RecordTooLargeError",

@@ -22,6 +22,7 @@ from typing import Any
 import fsspec
 
 from trainer_client.core.errors import RecordTooLargeError, StorageError, StoredFormatError, UnsafePathError
+from trainer_client.core.storage_causes import failure_cause
 from trainer_client.core.format.files import SIDE_DIR
 
 _log = logging.getLogger(__name__)
@@ -285,10 +286,14 @@ class Storage:
             raise StorageError(f"cannot stat {self.url_of(path)}: {exc}") from exc
 
     def is_dir(self, path: str) -> bool:
+        """Whether ``path`` is a directory; False when nothing is there. Storage that cannot answer raises
+        ``StorageError`` (fsspec's ``isdir`` answers False for it: a network down read as "not a directory")."""
         try:
-            return bool(self.fs.isdir(path))
+            return bool(self.fs.info(path).get("type") == "directory")
+        except (FileNotFoundError, NotADirectoryError):
+            return False
         except storage_failures() as exc:
-            raise StorageError(f"cannot stat {self.url_of(path)}: {exc}") from exc
+            raise StorageError(f"cannot stat {self.url_of(path)}: {failure_cause(exc)}") from exc
 
     def read_bytes(self, path: str, *, max_bytes: int = MAX_RECORD_BYTES) -> bytes:
         """The file's bytes; ``FileNotFoundError`` when absent, or when on a local root it is reached through a
