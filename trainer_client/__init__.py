@@ -85,7 +85,12 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'trainer_client' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    if not module.startswith("trainer_client.runtime."):
+        return getattr(importlib.import_module(module), name)
+    from trainer_client.core.extras import needs_extra
+
+    with needs_extra("trainer", f"trainer_client.{name}"):  # the base install has no jax: say which extra has
+        return getattr(importlib.import_module(module), name)
 
 
 def __dir__() -> list[str]:

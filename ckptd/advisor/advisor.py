@@ -80,6 +80,39 @@ UNITS: dict[str, str] = {
 }
 
 
+# What ``ckptd advise ROOT/JOB`` assumes when the job's history cannot tell (a run that never restored from storage,
+# never recovered on the same mesh, never waited for a replacement; the failure rate is never measured): a measured
+# neighbour when there is one, else a stated value. The HTTP route assumes none of them (MISSING_INPUT instead).
+ASSUMABLE = ("restore_time_s", "recovery_time_s", "replace_time_s", "mtbf_hours")
+
+
+def assumed_inputs(out: dict[str, AdviceInput]) -> dict[str, AdviceInput]:
+    """The ``ASSUMABLE`` inputs that ``out`` lacks, each labelled an assumption and sourced ``derived`` (from a
+    measured neighbour) or ``default``."""
+    found: dict[str, AdviceInput] = {}
+
+    def put(name: str, value: float, note: str, like: str = "", why: str = "") -> None:
+        """``name`` = ``value`` (``note``), or = the input ``like`` when ``out`` has it (``why``)."""
+        if name in out:
+            return
+        derived = like in out
+        if derived:
+            value, note = float(out[like].value), f"= {like} ({why})"
+        else:
+            note = f"{value:g} {_unit(name)}, {note}"
+        found[name] = AdviceInput(value=value, unit=_unit(name), source="derived" if derived else "default",
+                                  note=f"assumption, not in the job's history: {note}")
+
+    put("restore_time_s", 60.0, "to read the state back from storage", "persist_time_s",
+        "the bytes written, read back")
+    put("recovery_time_s", 60.0, "to recompile and warm up", "resize_recovery_time_s",
+        "a recovery on the same mesh costs no more than on a new one")
+    put("replace_time_s", 600.0, "until a replacement slice is ready")
+    if not any(k in out for k in FAILURE_RATE):
+        put("mtbf_hours", 24.0, "between failures (a job's history is too short to measure its failure rate)")
+    return found
+
+
 def missing_inputs(names: list[str]) -> MissingInputs:
     """The error for inputs neither the request nor the job's history gives (``a|b``: either one will do)."""
     words = [" or ".join(n.split("|")) for n in names]
@@ -92,8 +125,10 @@ def _unit(name: str) -> str:
     return UNITS.get(name, "s")
 
 
-def resolve_inputs(query: AdviceQuery, history: JobHistory | None = None) -> dict[str, AdviceInput]:
-    """Every input with its value and source: given > history > derived/default. Raises MissingInputs."""
+def resolve_inputs(query: AdviceQuery, history: JobHistory | None = None, *,
+                   assume: bool = False) -> dict[str, AdviceInput]:
+    """Every input with its value and source: given > history > derived/default. Raises MissingInputs, for fewer
+    inputs with ``assume`` (``assumed_inputs``)."""
     given = query.model_dump(exclude_none=True)
     if all(k in given for k in FAILURE_RATE):
         raise ValueError("give either mtbf_hours or failures_per_slice_day, not both")
@@ -103,6 +138,8 @@ def resolve_inputs(query: AdviceQuery, history: JobHistory | None = None) -> dic
             out[name] = AdviceInput(value=measured.value, unit=_unit(name), source="history", note=measured.note)
     for name, (value, note) in DEFAULTS.items():
         out.setdefault(name, AdviceInput(value=value, unit=_unit(name), source="default", note=note))
+    if assume:
+        out.update(assumed_inputs(out))
     missing = [name for name in REQUIRED if name not in out]
     if not any(k in out for k in FAILURE_RATE):
         missing.append("|".join(FAILURE_RATE))
@@ -281,11 +318,12 @@ def _policy_advice(plan: Plan, policy: Policy, schedule: Schedule, res: SimResul
 
 
 def advise(query: AdviceQuery, history: JobHistory | None = None, *, job: str | None = None,
-           points: int = 13, budget: WorkBudget | None = None) -> Advice:
+           points: int = 13, budget: WorkBudget | None = None, assume: bool = False) -> Advice:
     """The full answer: inputs, first-order periods, per-policy optimum, recommendation and reasoning.
-    ``budget`` bounds the simulation (default: unbounded); what it refuses raises before any run."""
+    ``budget`` bounds the simulation (default: unbounded); what it refuses raises before any run. ``assume``:
+    labelled assumptions for what the history cannot tell (``assumed_inputs``)."""
     started = time.perf_counter()
-    inputs = resolve_inputs(query, history)
+    inputs = resolve_inputs(query, history, assume=assume)
     plan = make_plan(inputs, budget)
     # Runs: per policy the sweep, the persistent multiples (at most 13), the final one; then the current period.
     runs = len(POLICIES) * (len(_grid(plan, points)) + (13 if plan.memory_tier else 0) + 1) + 1
@@ -319,11 +357,13 @@ def advice_for_job(job: str, checkpoints: Sequence[CheckpointInfo], query: Advic
 
 
 __all__ = [
+    "ASSUMABLE",
     "DEFAULTS",
     "REQUIRED",
     "Plan",
     "advice_for_job",
     "advise",
+    "assumed_inputs",
     "fit_optimum",
     "job_model",
     "make_plan",

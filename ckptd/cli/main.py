@@ -1,35 +1,41 @@
-"""The ``ckptd`` command: serve the API, or inspect a checkpoint root without a server.
+"""The ``ckptd`` command: ``serve`` runs the sidecar, the other subcommands read a checkpoint root themselves.
 
-``serve`` runs the FastAPI app under uvicorn. ``ls``, ``show`` and ``plan`` apply the same commit rule and
-planner as the server, straight on storage; every command exits 0 only when its answer is good.
+``ls``, ``show``, ``plan``, ``validate``, ``gc``, ``events``, ``goodput`` and ``advise`` apply the same commit rule
+and planner as the server, straight on storage, in every install (``pip install ckptd``); ``serve`` needs the
+server's libraries and says so without them (``trainer_client.core.extras``). Every command exits 0 only when its
+answer is good; storage that cannot answer is one line (``ckptd.cli.reach``), and so is a reader that stops
+reading (``ckptd plan ... | head``: no BrokenPipeError traceback). The text of ``--help`` is ``DESCRIPTION`` and the
+subcommands' own, written for a user: no markup, no module paths (these docstrings are for the code's readers).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
+import os
 import sys
 from collections.abc import Sequence
 
-from pydantic import ValidationError
-
 from ckptd import __version__
-from ckptd.cli import advise, maintenance, observe, serve
-from ckptd.cli.support import add_read_only, open_catalog, open_job
-from trainer_client.core.errors import PlanningError, StorageError
-from trainer_client.core.planner import format_bytes
-from trainer_client.core.protocol import BatchOptions, ResumePlan, ResumeRequest, SliceAlive, StepState
-from trainer_client.core.step_plan import plan_for_step
+from ckptd.cli import advise, maintenance, observe, plan, serve
+from ckptd.cli.reach import Unreachable
+from ckptd.cli.support import add_read_only, open_catalog, open_job, root_or_default
+from trainer_client.core.errors import MissingExtra, StorageError
 
 EXIT_OK = 0
 EXIT_BAD = 1
 EXIT_USAGE = 2
 
+DESCRIPTION = (
+    "ckptd, the checkpoint sidecar for elastic JAX training. `ckptd serve` runs the sidecar (install ckptd[server]); "
+    "the other commands read a checkpoint root (a directory or gs://bucket/prefix) directly, with no server. A job is "
+    "given as ROOT/JOB, or as JOB alone with CKPTD_ROOT set. Each command exits 0 only when its answer is good."
+)
+
 
 def _cmd_ls(args: argparse.Namespace) -> int:
     # ROOT/JOB given by mistake: exit 2 with the command that fits
-    cat = open_catalog(args.root, read_only=args.read_only)
+    cat = open_catalog(root_or_default(args.root), read_only=args.read_only)
     jobs = cat.jobs()
     if args.json:
         print(json.dumps([j.model_dump(mode="json") for j in jobs], indent=2))
@@ -59,135 +65,29 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return EXIT_OK if good is not None else EXIT_BAD
 
 
-def _parse_slices(text: str) -> list[SliceAlive]:
-    """``"0:2,1:2,3:2"`` -> slices 0, 1 and 3 with 2 devices each (an argparse type: bad text is a usage error)."""
-    out = []
-    for part in text.split(","):
-        index, _, devices = part.strip().partition(":")
-        try:  # "foo", "1" (no devices), "0:-1": a usage error, not a traceback
-            out.append(SliceAlive(index=int(index), devices=int(devices)))
-        except (ValueError, ValidationError):
-            raise argparse.ArgumentTypeError(
-                f"not INDEX:DEVICES: {part!r} (use e.g. 0:2,1:2,3:2; indices and device counts >= 0)") from None
-    return out
-
-
-_UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
-          "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4}
-
-
-def _parse_bytes(text: str) -> int:
-    """``"16GiB"`` -> 17179869184; plain integers are bytes."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    if m is None or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 16GiB, 512MiB, 1000000)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def _cmd_plan(args: argparse.Namespace) -> int:
-    opened = open_job(args.target, read_only=args.read_only)
-    if opened is None:
-        return EXIT_BAD
-    cat, job = opened
-    info = cat.latest_good(job) if args.step is None else cat.step(job, args.step)
-    if info is None or info.state is not StepState.VERIFIED:
-        print(f"ckptd: job {job!r} has no good step{'' if args.step is None else f' {args.step}'}",
-              file=sys.stderr)
-        return EXIT_BAD
-    try:
-        request = ResumeRequest(
-            policy=args.policy, alive_devices=args.devices, slices=args.slices, step=args.step,
-            device_memory_bytes=args.device_memory, memory_headroom_bytes=args.headroom or 0,
-            batch=BatchOptions(mode=args.batch_mode, lr_scaling=args.lr_scaling),
-            run_id=args.run_id, process_count=args.process_count, allow_foreign_run=args.allow_foreign_run,
-            allow_foreign_topology=args.allow_foreign_topology,
-        )
-    except ValidationError as exc:  # e.g. --devices -1: one line each, no traceback
-        for err in exc.errors():
-            print(f"ckptd: plan: {'.'.join(map(str, err['loc'])) or 'request'}: {err['msg']}", file=sys.stderr)
-        return EXIT_USAGE
-    try:  # the one planner the server and the client's fallback call too (trainer_client/core/step_plan.py)
-        plan = plan_for_step(cat.storage, info.path, request, job=job, step=info.step)
-    except PlanningError as exc:
-        print(f"ckptd: {exc.code.value}: {exc.message}", file=sys.stderr)
-        return EXIT_BAD
-    if args.json:
-        print(plan.model_dump_json(indent=2))
-        return EXIT_OK
-    print(_render_plan(plan))
-    return EXIT_OK
-
-
-def _render_plan(plan: ResumePlan) -> str:
-    mesh = ", ".join(f"{a}={s}" for a, s in zip(plan.mesh.axis_names, plan.mesh.shape, strict=True))
-    saved = ", ".join(f"{a}={s}" for a, s in zip(plan.saved_mesh.axis_names, plan.saved_mesh.shape, strict=True)
-                      ) if plan.saved_mesh else "unknown"
-    lines = [
-        f"step           {plan.step}    ({plan.path})",
-        f"mesh           ({mesh})    saved on ({saved})",
-        f"devices        {plan.mesh.size} used, {plan.idle_devices} idle"
-        + (f" (idle: {', '.join(f'slice {s.index}: {s.devices}' for s in plan.idle_slices)})"
-           if plan.idle_slices else ""),
-        *(["items          " + ", ".join(f"{item or '(the step directory)'} ({len(names)} arrays)"
-                                      for item, names in plan.items.items())]
-          if plan.items else []),
-        f"data position  {plan.data_position}",
-        f"memory         {format_bytes(plan.bytes_per_device)} per device"
-        + ("" if plan.fits_memory is None else " (fits)" if plan.fits_memory else " (does NOT fit)"),
-    ]
-    if plan.batch is not None:
-        b = plan.batch
-        lines.append(
-            f"batch          {b.mode}: global {b.global_batch} = {b.accumulation_steps} x {b.micro_batch} "
-            f"({b.per_device_batch} per device on {b.data_parallel_size}), lr x {b.lr_scale:.4g}"
-            + ("" if b.exact else "  (inexact)")
-        )
-    lines.append(f"{'ARRAY':<40} {'SHAPE':<18} {'DTYPE':<10} PARTITION SPEC")
-    for name, spec in plan.arrays.items():
-        lines.append(f"{name:<40} {spec.shape!s:<18} {spec.dtype or '?':<10} {spec.partition_spec}"
-                     + ("  (changed)" if spec.changed else ""))
-    lines.extend(f"note: {note}" for note in plan.notes)
-    return "\n".join(lines)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ckptd", description=__doc__)
+    parser = argparse.ArgumentParser(prog="ckptd", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"ckptd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve.add_parser(sub)  # ckptd serve: the HTTP API (ckptd/cli/serve.py)
 
-    ls = sub.add_parser("ls", help="list the jobs of a root")
-    ls.add_argument("root")
+    ls = sub.add_parser("ls", help="list the jobs of a root", description="List the jobs of a checkpoint root and "
+                        "their newest and newest good steps. A directory that holds no job is refused.")
+    ls.add_argument("root", nargs="?", metavar="ROOT", help="the root (default: CKPTD_ROOT)")
     ls.add_argument("--json", action="store_true")
     add_read_only(ls)
     ls.set_defaults(func=_cmd_ls)
 
-    show = sub.add_parser("show", help="list a job's steps and their states")
-    show.add_argument("target", metavar="ROOT/JOB")
+    show = sub.add_parser("show", help="list a job's steps and their states",
+                          description="List a job's steps, their states and data positions; exit 0 when it has a "
+                          "good step.")
+    show.add_argument("target", metavar="[ROOT/]JOB", help="the job (JOB alone: under CKPTD_ROOT)")
     show.add_argument("--json", action="store_true")
     add_read_only(show)
     show.set_defaults(func=_cmd_show)
 
-    plan = sub.add_parser("plan", help="print the resume plan for the devices given")
-    plan.add_argument("target", metavar="ROOT/JOB")
-    plan.add_argument("--devices", type=int, required=True)
-    plan.add_argument("--slices", type=_parse_slices, help="alive slices as INDEX:DEVICES,... e.g. 0:2,1:2,3:2")
-    plan.add_argument("--policy", choices=["pause", "resize"], default="resize")
-    plan.add_argument("--step", type=int)
-    plan.add_argument("--device-memory", type=_parse_bytes, help="memory of one device, e.g. 16GiB")
-    plan.add_argument("--headroom", type=_parse_bytes, help="per-device memory to keep free, e.g. 2GiB")
-    plan.add_argument("--batch-mode", choices=["keep_global_batch", "scale_batch"], default="keep_global_batch")
-    plan.add_argument("--lr-scaling", choices=["none", "linear", "sqrt"], default="linear")
-    plan.add_argument("--run-id", help="plan as this run asks (docs/protocol.md, Identity): another run's step is "
-                      "refused unless --allow-foreign-run")
-    plan.add_argument("--process-count", type=int, help="plan for this many JAX processes (another count's step is "
-                      "refused unless --allow-foreign-topology)")
-    plan.add_argument("--allow-foreign-run", action="store_true")
-    plan.add_argument("--allow-foreign-topology", action="store_true")
-    plan.add_argument("--json", action="store_true")
-    add_read_only(plan)
-    plan.set_defaults(func=_cmd_plan)
+    plan.add_parser(sub)  # ckptd plan [ROOT/]JOB --devices N (ckptd/cli/plan.py)
 
     maintenance.add_parsers(sub)  # ckptd validate / gc (ckptd/cli/maintenance.py)
     advise.add_parser(sub)  # ckptd advise [ROOT/JOB]: periods and recovery policy (ckptd/cli/advise.py)
@@ -195,12 +95,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stdout_gone() -> int:
+    """The reader of stdout went away (``| head``): Python's documented way out, without a second error at exit
+    when the interpreter flushes stdout again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return EXIT_BAD
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # a reader gone shows here, inside the try, not at exit
+        return code
+    except BrokenPipeError:
+        return _stdout_gone()
+    except Unreachable as exc:
+        print(f"ckptd: {exc}", file=sys.stderr)
+        return EXIT_BAD
     except StorageError as exc:
-        print(f"ckptd: storage error: {exc}", file=sys.stderr)
+        print(f"ckptd: storage error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return EXIT_BAD
+    except MissingExtra as exc:
+        print(f"ckptd: {exc}", file=sys.stderr)
         return EXIT_BAD
 
 

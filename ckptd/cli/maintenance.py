@@ -24,12 +24,11 @@ from tqdm import tqdm
 from ckptd.catalog.integrity import quarantine, validate_and_quarantine
 from ckptd.catalog.lease import held_lease, lease_directory
 from ckptd.catalog.retention import RetentionPolicy, checked_decisions, collect
-from ckptd.cli.support import EXIT_BAD, EXIT_OK, add_read_only, open_job, split_job
-from trainer_client.core.errors import ArrayIndexError
+from ckptd.cli.support import EXIT_BAD, EXIT_OK, add_read_only, open_job, open_storage, split_job
+from trainer_client.core.errors import ArrayIndexError, StoredFormatError
 from trainer_client.core.format.array_index import decode_all_arrays
 from trainer_client.core.format.manifest import read_manifest
 from trainer_client.core.protocol import StepState, is_valid_job_name
-from trainer_client.core.storage import Storage
 from trainer_client.core.validation import validate_step
 
 _FINALIZED = (StepState.VERIFIED, StepState.COMMITTED, StepState.QUARANTINED, StepState.CORRUPT)
@@ -54,13 +53,18 @@ def _decode_problems(step_path: str) -> list[str]:
 
 def leader_refusal(target: str, command: str) -> str | None:
     """Why ``command`` must not write into ``ROOT/JOB`` now: a sidecar holds the job's lease (in the job, or on
-    the side for a read-only job), found by one look at storage (``held_lease``); None when nobody does."""
+    the side for a read-only job), found by one look at storage (``held_lease``); None when nobody does. A lease
+    whose record is invalid (forged or damaged) holds nothing: said in one line on stderr, and ignored."""
     root, job = split_job(target)
     if not is_valid_job_name(job):
         return None
-    storage = Storage(root)
+    storage = open_storage(root)
     for read_only in (False, True):
-        held = held_lease(storage, lease_directory(storage, job, read_only=read_only))
+        try:
+            held = held_lease(storage, lease_directory(storage, job, read_only=read_only))
+        except StoredFormatError as exc:  # forged or damaged: it leads nobody (ckptd/catalog/lease_records.py)
+            print(f"ckptd: ignoring the lease of job {job!r}: {exc}", file=sys.stderr)
+            continue
         if held is not None:
             return (f"job {job!r} is led by the sidecar {held.holder} (lease epoch {held.epoch}, renewed "
                     f"{held.age_s:.1f}s ago, ttl {held.ttl_s:g}s): `ckptd {command}` writes records and deletes "
@@ -163,7 +167,7 @@ def add_force(parser: Any) -> None:
 
 def add_parsers(sub: Any) -> None:
     validate = sub.add_parser("validate", help="check a job's steps against their manifests (exit 0: all good)")
-    validate.add_argument("target", metavar="ROOT/JOB")
+    validate.add_argument("target", metavar="[ROOT/]JOB")
     validate.add_argument("step", nargs="?", type=int, help="only this step")
     validate.add_argument("--deep", action="store_true", help="read every byte back and decode every array")
     validate.add_argument("--no-quarantine", action="store_true",
@@ -174,7 +178,7 @@ def add_parsers(sub: Any) -> None:
     validate.set_defaults(func=_cmd_validate)
 
     gc = sub.add_parser("gc", help="delete steps that retention does not keep (never the newest good step)")
-    gc.add_argument("target", metavar="ROOT/JOB")
+    gc.add_argument("target", metavar="[ROOT/]JOB")
     gc.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
     gc.add_argument("--keep-last", type=int, metavar="N")
     gc.add_argument("--keep-every", type=int, metavar="K")

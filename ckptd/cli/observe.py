@@ -21,7 +21,16 @@ from tqdm import tqdm
 from ckptd.advisor.goodput import CAUSES
 from ckptd.catalog.catalog import Catalog
 from ckptd.catalog.events import EventStore
-from ckptd.cli.support import EXIT_BAD, EXIT_OK, add_read_only, misplaced, split_job, usage_error
+from ckptd.cli.support import (
+    EXIT_BAD,
+    EXIT_OK,
+    add_read_only,
+    job_target,
+    misplaced,
+    open_storage,
+    split_job,
+    usage_error,
+)
 from trainer_client.core.protocol import EventList, Goodput, StoredEvent, is_valid_job_name
 from trainer_client.core.storage import Storage
 
@@ -32,11 +41,11 @@ _CAUSE_TEXT = {"checkpoint": "checkpoint stalls", "waiting": "waiting for slices
 
 def _open(target: str) -> tuple[Storage, str] | None:
     root, job = split_job(target)
-    storage = Storage(root)
+    storage = open_storage(root)
     if not is_valid_job_name(job) or not storage.is_dir(storage.join(job)):
         print(f"ckptd: no job {job!r} under {root}", file=sys.stderr)
         return None
-    wrong = misplaced(storage, storage.join(job), target.rstrip("/"), "job")
+    wrong = misplaced(storage, storage.join(job), job_target(target), "job")
     if wrong is not None:
         usage_error(wrong)
     return storage, job
@@ -130,7 +139,7 @@ def _positive(text: str) -> float:
 
 def add_parsers(sub: Any) -> None:
     events = sub.add_parser("events", help="a job's elastic events, read from storage (exit 0: it has some)")
-    events.add_argument("target", metavar="ROOT/JOB")
+    events.add_argument("target", metavar="[ROOT/]JOB")
     events.add_argument("--since", type=float, metavar="UNIX_TIME", help="only events at or after this time")
     events.add_argument("--kind", action="append", help="only events of this kind (repeatable)")
     events.add_argument("--limit", type=int, default=0, help="only the newest N")
@@ -141,7 +150,7 @@ def add_parsers(sub: Any) -> None:
     events.set_defaults(func=_cmd_events)
 
     goodput = sub.add_parser("goodput", help="a job's goodput and badput by cause, from its events on storage")
-    goodput.add_argument("target", metavar="ROOT/JOB")
+    goodput.add_argument("target", metavar="[ROOT/]JOB")
     goodput.add_argument("--step-time", type=_positive, metavar="SECONDS",
                          help="a normal step's time (default: measured from the events, else the checkpoints)")
     goodput.add_argument("--since", type=float, metavar="UNIX_TIME", help="only the window from this time on")

@@ -5,7 +5,9 @@ non-zero exit, never a traceback and never after "startup complete": invalid set
 root that does not exist (exit 2; ``--create-root`` creates it, with a warning) or is no readable
 directory, a port that cannot be bound (exit 1: the socket is bound here, before uvicorn starts the
 application). Listening beyond loopback without a token is allowed (the container image does it) but
-warned about loudly. The flags' help shows each setting's default and environment variable.
+warned about loudly. The flags' help shows each setting's default and environment variable. Once it answers, it
+logs where (``serving_line``: the root, the URL with the port bound, the dashboard, ``/docs``, ``/metrics``). In the
+base install, without the server's libraries, it says which install has them (``pip install 'ckptd[server]'``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ckptd.config import Settings
+from trainer_client.core.extras import needs_extra
 
 EXIT_OK = 0
 EXIT_BAD = 1
@@ -106,12 +109,23 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def serving_line(settings: Settings, sock: socket.socket) -> str:
+    """Where the server answers, for its log: the root, the URL (the port bound, when 0 was asked for) and the pages
+    a person opens there."""
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    mode = ", read-only" if settings.read_only else ""
+    return (f"serving the checkpoint root {settings.root}{mode} at {url}: dashboard {url}/, API docs {url}/docs, "
+            f"metrics {url}/metrics")
+
+
 def run(args: argparse.Namespace) -> int:
     """``ckptd serve``: check, bind, then serve until SIGTERM/SIGINT."""
-    import uvicorn
+    with needs_extra("server", "ckptd serve"):  # the base install has the CLI, not the server's libraries
+        import uvicorn
 
-    from ckptd.api.app import create_app
-    from ckptd.api.connections import server_config
+        from ckptd.api.app import create_app
+        from ckptd.api.connections import server_config
 
     overrides = {name: value for name in [*_FLAGS.values(), "create_root", "read_only"]
                  if (value := getattr(args, name, None)) is not None}
@@ -141,9 +155,17 @@ def run(args: argparse.Namespace) -> int:
     # A 1 ms GIL switch interval (Python's default is 5 ms) keeps a background pass from adding its whole
     # slice to every GIL hand-over of an answer.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    server = uvicorn.Server(server_config(app, settings))
+    served = serving_line(settings, sock)
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:  # said once it answers, not before (a failed startup says why instead)
+                _log.info("%s", served)
+
+    server = Server(server_config(app, settings))
     with sock:
         server.run(sockets=[sock])
     return EXIT_OK if server.started else EXIT_BAD  # not started: the application's startup failed (logged)
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "run", "serving_line"]

@@ -9,15 +9,20 @@ exit 2 (a usage error, like argparse's).
 
 from __future__ import annotations
 
+import functools
+import logging
 import posixpath
 import sys
 import time
 from typing import Any, NoReturn
 
+from pydantic import ValidationError
 from tqdm import tqdm
 
 from ckptd.catalog.catalog import Catalog
-from trainer_client.core.format.files import CHECKPOINT_METADATA, COMMIT_MARKER
+from ckptd.cli.reach import reach
+from ckptd.config import CliSettings
+from trainer_client.core.format.files import CHECKPOINT_METADATA, COMMIT_MARKER, SIDE_DIR
 from trainer_client.core.format.steps import parse_step_name, step_entries
 from trainer_client.core.protocol import is_valid_job_name
 from trainer_client.core.storage import Storage
@@ -27,13 +32,44 @@ EXIT_BAD = 1
 EXIT_USAGE = 2
 
 
+@functools.cache
+def settings() -> CliSettings:
+    """``CKPTD_ROOT`` and ``CKPTD_STORAGE_TIMEOUT_S``, read once; a bad value is a usage error."""
+    try:
+        return CliSettings()
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        usage_error(f"CKPTD_{str(err['loc'][0]).upper()}: {err['msg']}")
+
+
+def root_or_default(root: str | None) -> str:
+    """``root``, else ``CKPTD_ROOT``; a usage error when neither is there."""
+    chosen = root or settings().root
+    if not chosen:
+        usage_error("no ROOT given and CKPTD_ROOT is not set")
+    return chosen
+
+
 def split_job(target: str) -> tuple[str, str]:
-    """``ROOT/JOB`` -> (root, job)."""
+    """``ROOT/JOB`` -> (root, job); a bare ``JOB`` is a job of ``CKPTD_ROOT``."""
     target = target.rstrip("/")
     if "/" not in target:
-        raise SystemExit(f"ckptd: expected ROOT/JOB, got {target!r}")
+        if settings().root:
+            return settings().root or "", target
+        usage_error(f"expected ROOT/JOB (or JOB with CKPTD_ROOT set), got {target!r}")
     root, job = target.rsplit("/", 1)
     return root or "/", job
+
+
+def job_target(target: str) -> str:
+    """``target`` as ``ROOT/JOB``, the way messages show it."""
+    root, job = split_job(target)
+    return f"{root.rstrip('/')}/{job}"
+
+
+def open_storage(root: str) -> Storage:
+    """The storage of ``root`` once it has answered, within ``CKPTD_STORAGE_TIMEOUT_S`` (``ckptd.cli.reach``)."""
+    return reach(root, root, settings().storage_timeout_s)
 
 
 def usage_error(message: str) -> NoReturn:
@@ -92,17 +128,37 @@ def add_read_only(parser: Any) -> None:
     parser.add_argument("--read-only", action="store_true", help=READ_ONLY_HELP)
 
 
+def holds_jobs(storage: Storage, jobs: list[str]) -> bool:
+    """Whether the root, with these job-named directories, looks like a checkpoint root: it has none yet, or ckptd's
+    own directory, or one of them holds steps or ckptd's records (events)."""
+    if not jobs or storage.is_dir(storage.join(SIDE_DIR)):
+        return True
+    # These directories may be anything (``ls /etc``): the links out of them that listing them warns about are no
+    # news while asking whether they are jobs.
+    links = logging.getLogger(Storage.__module__)
+    level = links.level
+    links.setLevel(logging.ERROR)
+    try:
+        return any(steps_in(storage, storage.join(job)) or storage.is_dir(storage.join(job, SIDE_DIR))
+                   for job in jobs)
+    finally:
+        links.setLevel(level)
+
+
 def open_catalog(root: str, *, read_only: bool = False) -> Catalog:
-    """A catalog of ``root`` built now, in memory, settling every step the way the server does."""
-    storage = Storage(root)
-    if not storage.is_dir(storage.root):
-        raise SystemExit(f"ckptd: {root} is not a directory")
+    """A catalog of ``root`` built now, in memory, settling every step the way the server does. A directory that
+    holds directories but no job (``/etc``) is refused (exit 1), as ``show`` refuses a directory that is no job."""
+    storage = open_storage(root)
     wrong = misplaced(storage, storage.root, root, "root")
     if wrong is not None:
         usage_error(wrong)
+    jobs = [e.name for e in storage.list_dir(storage.root) if e.is_dir and is_valid_job_name(e.name)]
+    if not holds_jobs(storage, jobs):
+        print(f"ckptd: {root} is not a checkpoint root: none of its {len(jobs)} directories holds checkpoint steps "
+              f"({_some(jobs)}); a root holds JOB/STEP directories", file=sys.stderr)
+        raise SystemExit(EXIT_BAD)
     cat = Catalog(storage, ":memory:", read_only=read_only)  # one-shot: nothing to keep, no file left behind
     # What cat.rebuild() does, job by job, with a progress bar on a terminal (settling steps can take long).
-    jobs = [e.name for e in storage.list_dir(storage.root) if e.is_dir and is_valid_job_name(e.name)]
     for name in tqdm(jobs, desc="scanning jobs", unit="job", file=sys.stderr, disable=None, leave=False):
         cat.refresh_job(name)
     cat.last_refresh = time.time()
@@ -114,9 +170,7 @@ def open_job(target: str, *, read_only: bool = False) -> tuple[Catalog, str] | N
     """A catalog of ``ROOT/JOB`` (that job alone, settled now) and the job's name; None (having said why on
     stderr) when there is no such job; exit 2 when ``ROOT/JOB`` names a root or a step instead."""
     root, job = split_job(target)
-    storage = Storage(root)
-    if not storage.is_dir(storage.root):
-        raise SystemExit(f"ckptd: {root} is not a directory")
+    storage = open_storage(root)
     cat = Catalog(storage, ":memory:", read_only=read_only)  # one-shot: nothing to keep, no file left behind
     if is_valid_job_name(job):
         cat.refresh_job(job)
@@ -126,11 +180,12 @@ def open_job(target: str, *, read_only: bool = False) -> tuple[Catalog, str] | N
         why = cat.refused.get(job)
         print(f"ckptd: no job {job!r} under {root}" + (f": {why}" if why else ""), file=sys.stderr)
         return None
-    wrong = misplaced(storage, storage.join(job), target.rstrip("/"), "job")  # its jobs' names may look like steps
+    wrong = misplaced(storage, storage.join(job), job_target(target), "job")  # its jobs' names may look like steps
     if wrong is not None:
         usage_error(wrong)
     return cat, job
 
 
-__all__ = ["EXIT_BAD", "EXIT_OK", "EXIT_USAGE", "READ_ONLY_HELP", "add_read_only", "misplaced", "open_catalog",
-           "open_job", "split_job", "steps_in", "usage_error"]
+__all__ = ["EXIT_BAD", "EXIT_OK", "EXIT_USAGE", "READ_ONLY_HELP", "add_read_only", "holds_jobs", "job_target",
+           "misplaced", "open_catalog", "open_job", "open_storage", "root_or_default", "settings", "split_job",
+           "steps_in", "usage_error"]

@@ -243,12 +243,12 @@ def test_cli_fills_inputs_from_the_history(root: Path, capsys: pytest.CaptureFix
 
 
 def test_cli_says_what_is_missing(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["advise", f"{root}/llm", "--save-stall", "1"]) == 1
+    assert main(["advise", "--save-stall", "1"]) == 1  # no job: nothing measured, nothing assumed
     err = capsys.readouterr().err
-    assert "--restore-time" in err and "--mtbf-hours or --failures-per-slice-day" in err
-    assert "--step-time" not in err and "--slices" not in err  # the history has those
-    assert main(["advise", "--save-stall", "1"]) == 1
-    assert "--step-time" in capsys.readouterr().err
+    assert "--step-time" in err and "--restore-time" in err and "--mtbf-hours or --failures-per-slice-day" in err
+    assert main(["advise", f"{root}/bare", "--save-stall", "1"]) == 1  # one step: no step time to measure
+    err = capsys.readouterr().err
+    assert "--step-time" in err and "--restore-time" not in err and "--slices" not in err  # assumed, measured
     assert main(["advise", f"{root}/nope", *GIVEN]) == 1
     assert main(["advise", f"{root}/llm", *GIVEN, "--host-loss-fraction", "2"]) == 2
 
@@ -265,6 +265,55 @@ def test_cli_takes_stall_restore_and_recovery_times_from_the_events(root: Path,
     assert main(["advise", f"{root}/llm", *rate, "--restore-time", "30"]) == 0  # a flag overrides the history
     inputs = p.Advice.model_validate_json(capsys.readouterr().out).inputs
     assert inputs["restore_time_s"].source == "given" and inputs["restore_time_s"].value == 30
+
+
+def _demo_events(job_dir: Path) -> None:
+    """Events as ``make demo`` records them: saves, a slice lost and the run resized from host memory onto 3 slices,
+    the slice back and the run grown again from memory: no restore from storage, no recovery on the same mesh, no
+    wait for a replacement."""
+    t = 1_700_000_000.0
+    ev = [
+        ("start", 0.0, {}), ("slices_ready", 0.3, {}), ("initialized", 1.3, {"step": 0}),
+        ("first_step_done", 3.1, {"step": 1}),
+        *[("checkpoint_started", 3.5 + i, {"step": 5 * i, "blocked_seconds": 0.014}) for i in range(1, 20)],
+        ("failure_detected", 24.8, {"step": 150}), ("waiting_for_slices", 25.4, {}), ("slices_ready", 25.5, {}),
+        ("plan_received", 25.5, {"step": 145}), ("restored", 25.55, {"step": 145, "detail": "from memory: /shm/145"}),
+        ("first_step_done", 27.5, {"step": 146}),
+        ("recovered", 27.5, {"recovery_seconds": 2.6, "lost_steps": 5, "mesh_before": [4, 2], "mesh_after": [3, 2]}),
+        ("scale_up_detected", 29.0, {"step": 260}), ("slices_ready", 29.6, {}),
+        ("restored", 29.65, {"step": 260, "detail": "from memory: /shm/260"}), ("first_step_done", 30.0, {"step": 261}),
+        ("recovered", 30.0, {"recovery_seconds": 0.96, "lost_steps": 0, "mesh_before": [3, 2], "mesh_after": [4, 2]}),
+        ("finished", 31.5, {"step": 399}),
+    ]
+    EventStore(Storage(str(job_dir.parent))).append(job_dir.name, [
+        p.ElasticEvent(kind=kind, time=t + dt, run="r1", id=str(i), **fields)  # type: ignore[arg-type]
+        for i, (kind, dt, fields) in enumerate(ev)])
+
+
+def test_cli_answers_for_the_demos_job_saying_what_it_assumed(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``ckptd advise ROOT/JOB`` on a job like the demo's exited 1 ("missing: --restore-time ..."): what the job's
+    steps and events measured is used, the rest is assumed and labelled so, in the answer and on stderr."""
+    _demo_events(root / "llm")
+    quick = ["--min-failures", "200", "--points", "5"]
+    assert main(["advise", f"{root}/llm", *quick, "--json"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr()
+    inputs = p.Advice.model_validate_json(out.out).inputs
+    for name in ("step_time_s", "persist_time_s", "slices", "save_stall_s", "memory_restore_time_s",
+                 "resize_recovery_time_s"):
+        assert inputs[name].source == "history", name
+    assert (inputs["restore_time_s"].source, inputs["restore_time_s"].value) == ("derived", pytest.approx(42.0))
+    assert inputs["recovery_time_s"].value == inputs["resize_recovery_time_s"].value
+    assert (inputs["replace_time_s"].source, inputs["mtbf_hours"].source) == ("default", "default")
+    for name in ("restore_time_s", "recovery_time_s", "replace_time_s", "mtbf_hours"):
+        assert inputs[name].note.startswith("assumption, not in the job's history"), name
+    recovery = float(inputs["recovery_time_s"].value)
+    assert out.err.splitlines() == [
+        f"ckptd: advise: assumed, not in the history of job llm: --restore-time 42, --recovery-time {recovery:.3g}, "
+        "--replace-time 600, --mtbf-hours 24 (the inputs say why; a flag sets any of them)"]
+    assert main(["advise", f"{root}/llm", *quick, "--mtbf-hours", "6", "--replace-time", "60"]) == 0
+    out = capsys.readouterr()
+    assert "--mtbf-hours" not in out.err and "--replace-time" not in out.err  # given: not assumed
+    assert "recommended:" in out.out and "assumption, not in the job's history: = persist_time_s" in out.out
 
 
 @pytest.fixture

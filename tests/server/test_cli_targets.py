@@ -87,9 +87,9 @@ def test_plan_with_malformed_slices_is_a_usage_error(root: Path, capsys: pytest.
 def test_plan_with_an_invalid_request_says_so_in_one_line(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", f"{root}/llm", "--devices", "-1"]) == 2  # was a pydantic traceback
     err = capsys.readouterr().err
-    assert err == "ckptd: plan: alive_devices: Input should be greater than or equal to 0\n"
+    assert err == "ckptd: plan: --devices: Input should be greater than or equal to 0\n"  # the flag, not the field
     assert main(["plan", f"{root}/llm", "--devices", "8", "--slices", "0:2,1:2"]) == 1  # no plan for it
-    assert capsys.readouterr().err == "ckptd: INVALID_REQUEST: alive_devices=8 but the slices listed hold 4 devices\n"
+    assert capsys.readouterr().err == "ckptd: INVALID_REQUEST: --devices=8 but the slices listed hold 4 devices\n"
     assert main(["plan", f"{root}/llm", "--devices", "4", "--slices", "0:2,1:2"]) == 0
 
 

@@ -5,6 +5,7 @@ listens beyond loopback without a token; its ``--help`` shows the defaults. Each
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import httpx
 import pytest
 
 from tests.support.helpers import clean_env, free_port, stop_process, wait_until
+from tests.support.serve_cli import served
 from trainer_client.core import protocol as p
 
 pytestmark = pytest.mark.integration
@@ -52,21 +54,9 @@ def test_a_missing_root_is_refused_unless_asked_to_create_it(tmp_path: Path) -> 
 
     port = free_port()
     log = tmp_path / "create.log"
-    with log.open("w") as sink:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "ckptd", "serve", "--root", str(missing), "--create-root", "--port", str(port),
-             "--state-dir", str(tmp_path / "state")], env=clean_env(), stdout=sink, stderr=subprocess.STDOUT)
-    try:
-        def ready() -> bool:
-            assert proc.poll() is None, log.read_text()
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}{p.ROUTE_READYZ}", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(ready, timeout=30, what="ckptd serve --create-root to be ready")
-    finally:
-        assert stop_process(proc, 15)
+    with served(["--root", str(missing), "--create-root", "--state-dir", str(tmp_path / "state")], port, clean_env(),
+                log, route=p.ROUTE_READYZ, timeout=30):
+        pass
     assert missing.is_dir()
     assert f"WARNING ckptd.serve: created the checkpoint root {missing}" in log.read_text()
 
@@ -105,3 +95,29 @@ def test_help_shows_every_flag_with_its_default_and_variable() -> None:
         assert flag in text and f"env {variable}; default: {default})" in text, (flag, text)
     assert "env CKPTD_STATE_DIR)" in text and "~/.cache" in text
     assert "None (env" not in text, "a flag without a description"
+
+
+def test_serve_logs_where_it_serves(tmp_path: Path) -> None:
+    """Once it answers, ``ckptd serve`` logs the root, its URL (the port it bound: here 0 was asked for) and the pages
+    a person opens there; each of them answers."""
+    (tmp_path / "root").mkdir()
+    log = tmp_path / "serve.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "ckptd", "serve", "--root", str(tmp_path / "root"), "--port",
+                                 "0", "--state-dir", str(tmp_path / "state")], env=clean_env(), stdout=sink,
+                                stderr=subprocess.STDOUT)
+    try:
+        def serving_line() -> str | None:
+            assert proc.poll() is None, log.read_text()
+            return next((line for line in log.read_text().splitlines() if "serving the checkpoint root" in line), None)
+
+        line = wait_until(serving_line, timeout=60, what="ckptd serve to log where it serves")
+        found = re.search(r"INFO ckptd.serve: serving the checkpoint root (\S+) at (http://127\.0\.0\.1:\d+): "
+                          r"dashboard (\S+)/, API docs (\S+)/docs, metrics (\S+)/metrics$", line)
+        assert found is not None, line
+        assert found.group(1) == str(tmp_path / "root") and len(set(found.groups()[1:])) == 1, line
+        url = found.group(2)
+        for page in ("/", "/docs", "/metrics", p.ROUTE_HEALTHZ):
+            assert httpx.get(url + page, timeout=10).status_code == 200, page
+    finally:
+        assert stop_process(proc, 15)

@@ -57,7 +57,13 @@ class PathwaysSlices:
 
     def __init__(self, devices: Sequence[jax.Device] | None = None) -> None:
         initialize_pathways()
-        self.slice_to_devices = elastic.get_slice_to_devices(list(devices or jax.devices()))
+        found = list(devices or jax.devices())
+        plain = [d for d in found if not hasattr(d, "slice_index")]
+        if plain:  # pathwaysutils would fail on them with a bare AttributeError
+            kinds = ", ".join(sorted({d.platform for d in plain}))
+            raise ValueError(f"PathwaysSlices needs Pathways devices (each with a slice_index); these {len(plain)} "
+                             f"{kinds} device(s) have none: on CPU use SimulatedSlices(num_slices=...)")
+        self.slice_to_devices = elastic.get_slice_to_devices(found)
 
     def healthy_slices(self) -> frozenset[int]:
         return frozenset(elastic.get_active_slice_indices(self.slice_to_devices))
