@@ -74,8 +74,9 @@ class Settings(BaseSettings):
     )
     max_connections: int = Field(
         default=256, ge=1, le=65536,
-        description="open HTTP connections at most (well below the process's file limit); past it a few more are "
-        "taken for the probes only (/healthz, /readyz), anything else gets 503 BUSY",
+        description="open HTTP connections at most (well below the process's file limit); a new one that finds them "
+        "all taken takes the place of the oldest idle one (no request in progress); when every one has a request in "
+        "progress a few more are taken for the probes only (/healthz, /readyz), anything else gets 503 BUSY",
     )
     max_header_bytes: int = Field(
         default=32 << 10, ge=4096, le=1 << 20,

@@ -6,10 +6,14 @@ connection that sent half a request stayed open for good) and accepts connection
 out of file descriptors (then ``/healthz`` and the catalog's storage reads fail too). ``guarded_protocol``
 is uvicorn's httptools protocol with these bounds (``Limits``, from the settings):
 
-* at most ``max_connections`` connections; past that a few more (``PROBE_CONNECTIONS``) are taken for the
-  probes only (``GET /healthz``, ``GET /readyz``, then closed), so a client holding every connection does
-  not fail the kubelet's liveness probe; any other request on them gets ``503 BUSY``, and a connection past
-  those is answered ``503 BUSY`` and closed at once;
+* at most ``max_connections`` connections. A new connection that finds them all taken takes the slot of the
+  oldest idle one (no complete request head yet, or idle between requests; ``ConnectionTable``,
+  ckptd/api/connection_table.py), which is closed (``503 BUSY`` when it had not asked anything): idle
+  sockets cannot keep a probe or an authenticated client out. Only when every connection has a request in
+  progress are a few more (``PROBE_CONNECTIONS``) taken for the probes only (``GET /healthz``,
+  ``GET /readyz``, then closed), so requests that hold every connection do not fail the kubelet's liveness
+  probe; any other request on them gets ``503 BUSY``, and a connection past those is answered ``503 BUSY``
+  and closed at once;
 * a request head (request line and headers) of at most ``max_header_bytes`` bytes and ``max_headers``
   headers, else ``431 HEADERS_TOO_LARGE``;
 * a request head complete within ``header_timeout_s`` of its first byte, and a new connection's first
@@ -35,6 +39,8 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from ckptd.api.auth import BearerAuth
+from ckptd.api.connection_table import ConnectionTable
 from ckptd.api.errors import raw_error_response
 from ckptd.config import Settings
 from trainer_client.core import protocol as p
@@ -51,24 +57,30 @@ Count = Callable[[str, int], None]  # (why, status): the request counter's route
 @dataclass(frozen=True)
 class Limits:
     """The connection limits of one server (``Settings`` fields of the same names), and ``count(why, status)``,
-    called per refusal (``why``: ``connection_limit``, ``header_limit``, ``header_timeout``, ``malformed_http``)."""
+    called per refusal (``why``: ``connection_limit``, ``connection_evicted``, ``header_limit``,
+    ``header_timeout``, ``malformed_http``). ``token``: the bearer token, whose requests leave their connection
+    in the tier given up last (``ConnectionTable``); ``None``: every request does."""
 
     max_connections: int
     max_header_bytes: int
     max_headers: int
     header_timeout_s: float
     count: Count | None = field(default=None, compare=False)
+    token: bytes | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_settings(cls, settings: Settings, count: Count | None = None) -> Limits:
         return cls(max_connections=settings.max_connections, max_header_bytes=settings.max_header_bytes,
-                   max_headers=settings.max_headers, header_timeout_s=settings.header_timeout_s, count=count)
+                   max_headers=settings.max_headers, header_timeout_s=settings.header_timeout_s, count=count,
+                   token=settings.token.encode("utf-8") if settings.token else None)
 
 
 class _GuardedProtocol(HttpToolsProtocol):
-    """``HttpToolsProtocol`` with ``limits``; ``guarded_protocol`` makes the subclass that binds them."""
+    """``HttpToolsProtocol`` with ``limits``; ``guarded_protocol`` makes the subclass that binds them and the
+    server's ``table`` of connections."""
 
     limits: ClassVar[Limits]
+    table: ClassVar[ConnectionTable[_GuardedProtocol]]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -79,6 +91,7 @@ class _GuardedProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._head_count = 0
         self._head_timer: asyncio.TimerHandle | None = None
+        self._trusted = False  # the last request carried the token (or ckptd has none)
 
     # ---- refusals ----------------------------------------------------------------------------------
 
@@ -115,18 +128,37 @@ class _GuardedProtocol(HttpToolsProtocol):
     # ---- the connection ----------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        others = len(self.connections)
         super().connection_made(transport)
+        if len(self.table) >= self.limits.max_connections and (idle := self.table.oldest_idle()) is not None:
+            idle._give_up()  # an idle connection's slot: this one may be a probe or an authenticated client
+        others = len(self.table)
         if others >= self.limits.max_connections + PROBE_CONNECTIONS:
             self._refuse("connection_limit", p.ErrorCode.BUSY,
                          f"more than {self.limits.max_connections} open connections; retry later",
                          {"max_connections": self.limits.max_connections})
             return
+        self.table.add(self)
         self._probes_only = others >= self.limits.max_connections
         self._arm()  # the first request must come, and its head be whole, within header_timeout_s
 
+    def _give_up(self) -> None:
+        """Close this idle connection for a newer one: ``503 BUSY`` when it has not asked anything yet (or is
+        half-way through a request head); closed without a word between requests, as a keep-alive timeout
+        closes it (HTTP clients reconnect)."""
+        self.table.drop(self)
+        if self._in_head or self.cycle is None:
+            self._refuse("connection_evicted", p.ErrorCode.BUSY,
+                         f"all {self.limits.max_connections} connections were taken: this one, idle, gave its "
+                         "place to a newer one; retry", {"max_connections": self.limits.max_connections})
+            return
+        self._refused = True
+        self._disarm()
+        _log.debug("closed an idle connection for a newer one")
+        self.transport.close()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self.table.drop(self)
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -157,6 +189,8 @@ class _GuardedProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self._in_head, self._in_body = True, False
         self._head_bytes = self._head_count = 0
+        if self.cycle is None or self.cycle.response_complete:
+            self.table.waiting(self)  # between requests: half a head holds no slot against a newer connection
         self._arm()
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -175,6 +209,9 @@ class _GuardedProtocol(HttpToolsProtocol):
             return
         self._in_head, self._in_body = False, True
         self._disarm()
+        self.table.busy(self)
+        token = self.limits.token
+        self._trusted = token is None or BearerAuth.carries_token({"headers": self.headers}, token)
         if not self._probes_only:
             super().on_headers_complete()
             return
@@ -198,10 +235,19 @@ class _GuardedProtocol(HttpToolsProtocol):
         self._in_body = False
         super().on_message_complete()
 
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._refused or self.transport.is_closing() or not self.cycle.response_complete:
+            return  # closing, or a pipelined request started
+        if self._in_head:
+            self.table.waiting(self)
+        else:
+            self.table.idle(self, trusted=self._trusted)
+
 
 def guarded_protocol(limits: Limits) -> type[asyncio.Protocol]:
-    """uvicorn's httptools protocol bounded by ``limits``."""
-    return type("GuardedHttpToolsProtocol", (_GuardedProtocol,), {"limits": limits})
+    """uvicorn's httptools protocol bounded by ``limits``, with a table of its own connections."""
+    return type("GuardedHttpToolsProtocol", (_GuardedProtocol,), {"limits": limits, "table": ConnectionTable()})
 
 
 def server_config(app: FastAPI, settings: Settings, **overrides: Any) -> uvicorn.Config:

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from ckptd.api.connection_table import ConnectionTable
 from ckptd.api.connections import PROBE_CONNECTIONS
 from ckptd.api.limits import BodySizeLimit
 from tests.support.helpers import wait_until
@@ -190,34 +191,87 @@ def test_keep_alive_and_pipelining_still_work(guarded: ServerHandle) -> None:
     assert data.count(b"HTTP/1.1 200 OK") == 4
 
 
-def test_connections_past_the_limit_are_refused_and_the_probes_still_answer(
-    serve: Callable[..., ServerHandle],
-) -> None:
-    handle = serve(max_connections=6, header_timeout_s=60.0)
-    state = handle.server.server_state
-    held = [socket.create_connection(_address(handle), timeout=10) for _ in range(6)]
+def _table(handle: ServerHandle) -> ConnectionTable[Any]:
+    protocol: Any = handle.server.config.http_protocol_class  # guarded_protocol's class, with its table
+    table: ConnectionTable[Any] = protocol.table
+    return table
+
+
+def test_idle_connections_give_their_place_to_new_ones_oldest_first(serve: Callable[..., ServerHandle]) -> None:
+    """A full table no longer keeps a newcomer out: the oldest idle connection gives its slot up (``503 BUSY``
+    when it never asked anything), the silent ones first, a keep-alive connection that carried the token last."""
+    handle = serve(token=TOKEN, max_connections=4, header_timeout_s=60.0)
+    table = _table(handle)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with httpx.Client(base_url=handle.url, headers=auth, timeout=10,
+                      limits=httpx.Limits(keepalive_expiry=120)) as pooled:
+        port = pooled.get("/v1/jobs").extensions["network_stream"].get_extra_info("client_addr")[1]
+        before = _metric(handle, "connection_evicted", 503)
+        silent = [socket.create_connection(_address(handle), timeout=10) for _ in range(3)]  # no byte sent
+        wait_until(lambda: len(table) == 4, timeout=10, what="the table full")
+        newcomers = [httpx.Client(base_url=handle.url, timeout=10) for _ in silent]
+        try:
+            for newcomer, evicted in zip(newcomers, silent, strict=True):
+                # each newcomer is served and takes the oldest silent connection's slot (and keeps its own)
+                assert newcomer.get(p.ROUTE_HEALTHZ).status_code == 200
+                with evicted:
+                    error = _error(*_answer(evicted)[:2], p.ErrorCode.BUSY)
+                    assert error.detail == {"max_connections": 4}
+        finally:
+            for newcomer in newcomers:
+                newcomer.close()
+        assert _metric(handle, "connection_evicted", 503) == before + 3
+        # the authenticated keep-alive connection was kept while silent ones were there to give up
+        again = pooled.get("/v1/jobs")
+        assert again.extensions["network_stream"].get_extra_info("client_addr")[1] == port
+        # with nothing else idle (three requests in progress), it is the one given up for a newcomer, closed
+        # without a word, as a keep-alive timeout closes it: the client reconnects
+        head = (b"POST /v1/jobs/meta/events HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Authorization: Bearer {TOKEN}\r\nContent-Length: 100\r\n\r\n{{".encode())
+        busy = [_send(handle, head) for _ in range(3)]
+        try:
+            wait_until(lambda: len(table) == 4 and getattr(table.oldest_idle(), "client", (None, None))[1] == port,
+                       timeout=10, what="only the keep-alive one idle")
+            with httpx.Client(base_url=handle.url, timeout=10) as newcomer:
+                assert newcomer.get(p.ROUTE_HEALTHZ).status_code == 200
+            reconnected = pooled.get("/v1/jobs")
+            assert reconnected.status_code == 200
+            assert reconnected.extensions["network_stream"].get_extra_info("client_addr")[1] != port
+        finally:
+            for sock in busy:
+                sock.close()
+
+
+def test_when_every_connection_is_busy_only_the_probes_are_answered(serve: Callable[..., ServerHandle]) -> None:
+    handle = serve(max_connections=6, header_timeout_s=60.0, body_timeout_s=60.0)
+    table = _table(handle)
+    # six requests in progress: their heads sent, their bodies not (each holds its connection)
+    head = (b"POST /v1/jobs/meta/events HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{")
+    held = [_send(handle, head) for _ in range(6)]
     try:
-        wait_until(lambda: len(state.connections) >= 6, timeout=10, what="6 connections accepted")
+        wait_until(lambda: len(table) >= 6 and table.oldest_idle() is None, timeout=10, what="6 requests in progress")
         with _send(handle, b"GET /v1/jobs HTTP/1.1\r\nHost: x\r\n\r\n") as sock:
             error = _error(*_answer(sock)[:2], p.ErrorCode.BUSY)
             assert error.detail == {"max_connections": 6}
         for probe in (p.ROUTE_HEALTHZ, p.ROUTE_READYZ):  # the kubelet's probes, each on a fresh connection
             with _send(handle, f"GET {probe} HTTP/1.1\r\nHost: x\r\n\r\n".encode()) as sock:
                 assert _answer(sock)[0] == 200, probe  # and closed after it (the read ends)
-        # the probes' reserve taken too: the next connection is answered BUSY at once, before it sends a byte
-        held += [socket.create_connection(_address(handle), timeout=10) for _ in range(PROBE_CONNECTIONS)]
-        wait_until(lambda: len(state.connections) >= 6 + PROBE_CONNECTIONS, timeout=10, what="reserve taken")
-        with socket.create_connection(_address(handle), timeout=10) as sock:
-            status, body, took = _answer(sock)
-            _error(status, body, p.ErrorCode.BUSY)
-            assert took < 2
+        # silent sockets cannot hold the probes' reserve: each newcomer takes the slot of the one before it
+        silent = [socket.create_connection(_address(handle), timeout=10) for _ in range(PROBE_CONNECTIONS)]
+        held += silent
+        wait_until(lambda: len(table) == 7, timeout=10, what="the last silent socket in the reserve")
+        with _send(handle, f"GET {p.ROUTE_HEALTHZ} HTTP/1.1\r\nHost: x\r\n\r\n".encode()) as sock:
+            assert _answer(sock)[0] == 200
+        for sock in silent:
+            _error(*_answer(sock)[:2], p.ErrorCode.BUSY)
     finally:
         for sock in held:
             sock.close()
-    wait_until(lambda: len(state.connections) == 0, timeout=10, what="the held connections to close")
+    wait_until(lambda: len(table) == 0, timeout=10, what="the held connections to close")
     with httpx.Client(base_url=handle.url, timeout=10) as http:
         assert http.get("/v1/jobs").status_code == 200  # below the limit again: served
-    assert _metric(handle, "connection_limit", 503) == 2
+    assert _metric(handle, "connection_limit", 503) == 1
 
 
 def _body_limit(handle: ServerHandle) -> BodySizeLimit:
