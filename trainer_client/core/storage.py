@@ -22,8 +22,8 @@ from typing import Any
 import fsspec
 
 from trainer_client.core.errors import RecordTooLargeError, StorageError, StoredFormatError, UnsafePathError
-from trainer_client.core.storage_causes import failure_cause
 from trainer_client.core.format.files import SIDE_DIR
+from trainer_client.core.storage_causes import failure_cause
 
 _log = logging.getLogger(__name__)
 
