@@ -132,7 +132,7 @@ class Settings(BaseSettings):
                     "below Kubernetes' terminationGracePeriodSeconds; what is left stays in shared memory)",
     )
     lease_ttl_s: float | None = Field(
-        default=None, gt=0,
+        default=None, gt=0, le=86400,
         description="several sidecars on one root (a multi-host job): only the holder of a job's lease on storage "
         "writes its records and runs its retention, the others serve what it wrote; a follower takes over when the "
         "leader's heartbeat stopped this long (off: None, every sidecar writes; docs/multihost.md)",

@@ -22,96 +22,47 @@ that window, and once the window has passed it steps down rather than renew. So 
 change for ``ttl_s`` takes over only after the old leader stopped leading (no clock has to agree with
 another). Writes already in flight when the window closes are the overlap the design accepts: each is the
 same content whoever writes it (docs/multihost.md).
+
+What counts on storage is decided by ``lease_records.py`` (names, bounds, records: anyone who can write the root
+can plant files here). A name that does not count is reported once and ignored; a takeover creates the next
+epoch whose name is free, never one past ``MAX_EPOCH``. An epoch at the bound, whose beat stopped, can only be
+forged (no ckptd gets there): it is reported and ignored too, so a follower never waits for good.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import re
-import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from trainer_client.core.errors import StorageError
+from ckptd.catalog.lease_records import (
+    LEASE_DIR,
+    MAX_EPOCH,
+    MAX_LEASE_TTL_S,
+    HeldLease,
+    LeaseListing,
+    beat_name,
+    default_holder,
+    epoch_name,
+    held_lease,
+    lease_directory,
+    list_lease,
+    read_epoch_record,
+    read_record,
+    released_name,
+)
+from trainer_client.core.errors import StorageError, StoredFormatError
 from trainer_client.core.format.manifest import write_json_file
-from trainer_client.core.format.records import side_job_dir
 from trainer_client.core.storage import Storage, join_path
 
 _log = logging.getLogger(__name__)
 
-LEASE_DIR = "leader"
 FENCE = 2 / 3  # the leader stops writing this far into its lease (a follower waits the whole of it)
 KEEP_EPOCHS = 2  # epoch and beat files older than the current epoch minus this are deleted by the leader
-_EPOCH = re.compile(r"epoch-(\d{20})\.json")
-_RELEASED = re.compile(r"released-(\d{20})\.json")
-
-
-def default_holder() -> str:
-    """This process, as the lease names it: ``<host>/<pid>/<random>`` (unique per start)."""
-    return f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
-
-
-def epoch_name(n: int) -> str:
-    return f"epoch-{n:020d}.json"
-
-
-def beat_name(n: int) -> str:
-    return f"beat-{n:020d}.json"
-
-
-def released_name(n: int) -> str:
-    return f"released-{n:020d}.json"
-
-
-def lease_directory(storage: Storage, job: str, *, read_only: bool = False) -> str:
-    """Where ``job``'s lease lives: in the job (``<job>/.ckptd/leader``), on the side when it is read-only."""
-    if read_only:
-        return join_path(side_job_dir(storage, job), LEASE_DIR)
-    return storage.join(job, ".ckptd", LEASE_DIR)
-
-
-@dataclass(frozen=True)
-class HeldLease:
-    """A job's lease as one look at storage finds it held: by ``holder``, in ``epoch``, beaten ``age_s`` ago."""
-
-    holder: str
-    epoch: int
-    age_s: float
-    ttl_s: float
-
-
-def held_lease(storage: Storage, directory: str, now: float | None = None) -> HeldLease | None:
-    """The lease in ``directory`` when one look finds it held (for tools that run once, e.g. ``ckptd gc``): the
-    newest epoch, not released, whose beat (or epoch file) was written less than its ``ttl_s`` ago by the
-    storage's modification time against this machine's wall clock (a sidecar watching keeps its own clock
-    instead: ``Lease.tick``). None when there is no lease, it was released, or it expired."""
-    try:
-        entries = {e.name: e for e in storage.list_dir(directory) if not e.is_dir}
-    except (FileNotFoundError, StorageError):
-        return None
-    epochs = sorted(int(m.group(1)) for m in map(_EPOCH.fullmatch, entries) if m)
-    if not epochs or released_name(epochs[-1]) in entries:
-        return None
-    top = epochs[-1]
-    try:
-        record = json.loads(storage.read_bytes(join_path(directory, epoch_name(top))))
-    except (FileNotFoundError, ValueError):
-        return None
-    if not isinstance(record, dict):
-        return None
-    ttl_s = float(record.get("ttl_s", 0) or 0)
-    beat = entries.get(beat_name(top)) or entries.get(epoch_name(top))
-    if beat is None or beat.mtime is None:
-        return None
-    age_s = (time.time() if now is None else now) - beat.mtime
-    if age_s >= ttl_s:
-        return None
-    return HeldLease(str(record.get("holder")), top, max(age_s, 0.0), ttl_s)
+MAX_REPORTED = 256  # names a lease reports as ignored (once each); past that it stops reporting new ones
 
 
 @dataclass(frozen=True)
@@ -132,8 +83,8 @@ class Lease:
 
     def __init__(self, storage: Storage, directory: str, holder: str, ttl_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if ttl_s <= 0:
-            raise ValueError("the lease's ttl_s must be positive")
+        if not 0 < ttl_s <= MAX_LEASE_TTL_S:  # NaN fails this too
+            raise ValueError(f"the lease's ttl_s must be in (0, {MAX_LEASE_TTL_S:g}] seconds, not {ttl_s}")
         self.storage = storage
         self.directory = directory.rstrip("/")
         self.holder = holder
@@ -147,6 +98,8 @@ class Lease:
         self._seen_at = 0.0
         self._top: int | None = None  # the newest epoch listed
         self._top_holder: str | None = None
+        self._exhausted: set[int] = set()  # epochs at the bound whose beat stopped: ignored from then on
+        self._reported: set[str] = set()  # names reported as ignored (once each)
 
     # ---- the gate ------------------------------------------------------------------------------
 
@@ -170,7 +123,8 @@ class Lease:
     def tick(self) -> None:
         """Renew (leader), or watch the leader and take over once its beat stopped for ``ttl_s`` (follower)."""
         self.storage.invalidate(self.directory)
-        epochs, released = self._listing()
+        listing = self._listing()
+        epochs, released = listing.epochs, listing.released
         top = epochs[-1] if epochs else None
         with self._lock:
             self._top = top
@@ -184,11 +138,11 @@ class Lease:
             self._clean(epochs, leading)
             return
         if top is None:
-            self._take(0)
+            self._take_after(None, listing)
             return
         if top in released:  # its holder stopped leading, then said so: no need to wait for expiry
             _log.info("lease %s: epoch %d was released by its holder", self.directory, top)
-            self._take(top + 1)
+            self._take_after(top, listing)
             return
         key = (top, self._read(beat_name(top)))
         now = self.clock()
@@ -198,7 +152,21 @@ class Lease:
                 self._top_holder = self._holder_of(top)
             return
         if now - self._seen_at >= self.ttl_s:
-            self._take(top + 1)
+            self._take_after(top, listing)
+
+    def _take_after(self, top: int | None, listing: LeaseListing) -> None:
+        """Take the term after ``top`` (None: the first); when no epoch after it can be listed, ``top`` is at the
+        bound, so forged: ignored from now on (the next tick watches the epoch below it)."""
+        n = listing.successor(top)
+        if n is not None:
+            self._take(n)
+            return
+        assert top is not None  # successor(None) is 0 or the first free name above it, never past the bound
+        _log.error("lease %s: ignoring %s: no epoch after it may be written (the bound is %d): only a forged "
+                   "record gets there", self.directory, epoch_name(top), MAX_EPOCH)
+        with self._lock:
+            self._exhausted.add(top)
+            self._seen = None
 
     def _take(self, n: int) -> None:
         started = self.clock()
@@ -263,25 +231,41 @@ class Lease:
 
     # ---- reading -------------------------------------------------------------------------------
 
-    def _listing(self) -> tuple[list[int], set[int]]:
-        """The epochs (sorted) and the released epochs, from one listing."""
-        names = [e.name for e in self.storage.list_dir(self.directory) if not e.is_dir]
-        epochs = sorted(int(m.group(1)) for m in map(_EPOCH.fullmatch, names) if m)
-        return epochs, {int(m.group(1)) for m in map(_RELEASED.fullmatch, names) if m}
+    def _listing(self) -> LeaseListing:
+        """One listing: what counts (less the epochs found at the bound), each ignored name reported once."""
+        listing = list_lease(self.storage, self.directory)
+        if self._exhausted:
+            listing.epochs = [e for e in listing.epochs if e not in self._exhausted]
+        for name, why in listing.ignored.items():
+            self._report(name, why)
+        return listing
+
+    def _report(self, name: str, why: str) -> None:
+        with self._lock:
+            if name in self._reported or len(self._reported) >= MAX_REPORTED:
+                return
+            self._reported.add(name)
+        _log.warning("lease %s: ignoring %s: %s", self.directory, name, why)
 
     def _read(self, name: str) -> bytes | None:
+        """A lease file's bytes; None when it is absent, or too large or not a file (reported once: a forged
+        beat then never changes, and its epoch expires)."""
         try:
-            return self.storage.read_bytes(join_path(self.directory, name))
+            return read_record(self.storage, join_path(self.directory, name))
         except FileNotFoundError:
+            return None
+        except StoredFormatError as exc:
+            self._report(name, str(exc))
             return None
 
     def _holder_of(self, n: int) -> str | None:
         try:
-            record = json.loads(self._read(epoch_name(n)) or b"{}")
-        except ValueError:  # being written (local create-only is not atomic): known next tick
+            return read_epoch_record(self.storage, join_path(self.directory, epoch_name(n))).holder
+        except FileNotFoundError:
             return None
-        holder = record.get("holder") if isinstance(record, dict) else None
-        return str(holder) if holder is not None else None
+        except StoredFormatError as exc:  # being written (local create-only is not atomic), or forged
+            _log.debug("lease %s: epoch %d's holder unknown: %s", self.directory, n, exc)
+            return None
 
 
 class LeaseBoard:
@@ -356,5 +340,5 @@ class LeaseBoard:
             self._stop.wait(self.ttl_s / 4)
 
 
-__all__ = ["FENCE", "LEASE_DIR", "HeldLease", "Lease", "LeaseBoard", "LeaseView", "beat_name", "default_holder",
-           "epoch_name", "held_lease", "lease_directory", "released_name"]
+__all__ = ["FENCE", "LEASE_DIR", "MAX_EPOCH", "HeldLease", "Lease", "LeaseBoard", "LeaseView", "beat_name",
+           "default_holder", "epoch_name", "held_lease", "lease_directory", "released_name"]

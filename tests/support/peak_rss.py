@@ -1,6 +1,7 @@
-"""How much a piece of code adds to a process's peak memory, measured in a fresh interpreter: its imports run
-first, then the peak (``VmHWM`` in ``/proc/self/status``) is reset to the current RSS (``/proc/self/clear_refs``)
-and the code runs (after its set-up, not measured); the growth of the peak over the RSS it started from is what the code cost at its worst."""
+"""How much a piece of code adds to a process's peak memory, measured in a fresh interpreter: its imports and
+set-up run first, then the peak (``VmHWM`` in ``/proc/self/status``) is reset to the current RSS
+(``/proc/self/clear_refs``) and the code runs; the growth of the peak over the RSS it started from is what the
+code cost at its worst."""
 
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ from ckptd.catalog.lease import released_name
 from tests.support.chaos_support import CkptdProcess
 from tests.support.gcs_emulator import GcsEmulator  # the gcs_emulator fixture: tests/conftest.py, one per session
 from tests.support.helpers import wait_until
+from tests.support.lease_views import lease_view
 from tests.support.orbax_steps import write_orbax_steps
 from trainer_client.core.format.files import CKPTD_MANIFEST
 from trainer_client.core.storage import Storage
@@ -32,12 +33,7 @@ TAKEOVER_LIMIT_S = TTL_S + TTL_S / 4 + 3.0  # TTL, one tick, and a margin for th
 
 
 def _lease(proc: CkptdProcess) -> dict[str, Any] | None:
-    try:
-        detail = httpx.get(f"{proc.url}/readyz", timeout=2).json().get("detail", {})
-    except (httpx.HTTPError, ValueError):
-        return None
-    lease = detail.get("lease", {}).get("jobs", {}).get(JOB)
-    return {**lease, "me": detail["lease"]["holder"]} if lease else None
+    return lease_view(proc, JOB)
 
 
 def _leaders(procs: list[CkptdProcess]) -> list[CkptdProcess]:
