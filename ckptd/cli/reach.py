@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import fsspec
 from tqdm import tqdm
 
 from trainer_client.core.errors import StorageError
@@ -44,6 +45,7 @@ class _LastMessage(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
         self.last: str | None = None
+        self.last_from = ""  # the logger that said it
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -52,10 +54,10 @@ class _LastMessage(logging.Handler):
             return
         for prefix in _PREFIXES:
             if prefix in text:
-                self.last = _clip(text.split(prefix, 1)[1])
+                self.last, self.last_from = _clip(text.split(prefix, 1)[1]), record.name
                 return
         if record.levelno >= logging.WARNING:
-            self.last = _clip(text)
+            self.last, self.last_from = _clip(text), record.name
 
 
 _HANDLER = _LastMessage()
@@ -106,22 +108,26 @@ def reach(url: str, shown_as: str, timeout_s: float) -> Storage:
     (credentials, network), has no such bucket, or holds nothing or a file there. On a terminal the wait shows
     after a second (stderr)."""
     handler = quiet_backends()
-    handler.last = None
+    handler.last, handler.last_from = None, ""
+    if "://" in url:  # the backend's library (gcsfs) is imported before the clock starts: no storage in that
+        fsspec.get_filesystem_class(url.split("://", 1)[0])
     out = _Probe()
     worker = threading.Thread(target=_probe, args=(url, out), name="ckptd-first-contact", daemon=True)
     started = time.monotonic()
     worker.start()
     with tqdm(total=round(timeout_s, 1), desc=f"waiting for {shown_as}", unit="s", file=sys.stderr, disable=None,
               delay=1.0, leave=False, bar_format="{desc}: {n:.0f}/{total:.0f} s{postfix}") as bar:
+        shown = 0.0
         while worker.is_alive() and (waited := time.monotonic() - started) < timeout_s:
             worker.join(min(0.25, max(0.0, timeout_s - waited)))
-            bar.n = round(min(time.monotonic() - started, timeout_s), 1)
             if handler.last:
                 bar.set_postfix_str(f"retrying: {handler.last[:80]}", refresh=False)
-            bar.refresh()
+            now = min(time.monotonic() - started, timeout_s)
+            bar.update(now - shown)  # tqdm shows it past its delay, and clears it at the end
+            shown = now
     if worker.is_alive():  # left behind, a daemon: the command ends now
         last = f"; last error: {failure_cause(handler.last)}" if handler.last else ""
-        if out.storage is None and "://" in url:  # google-auth still looking (it asks the metadata server 5 times)
+        if out.storage is None and handler.last_from.startswith("google.auth"):  # still looking for credentials
             last = ("; credentials: none found yet (set GOOGLE_APPLICATION_CREDENTIALS or run `gcloud auth "
                     f"application-default login`){': ' + handler.last if handler.last else ''}")
         raise Unreachable(f"{shown_as}: storage did not answer within {timeout_s:g} s{last} (CKPTD_STORAGE_TIMEOUT_S "

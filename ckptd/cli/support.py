@@ -9,7 +9,6 @@ exit 2 (a usage error, like argparse's).
 
 from __future__ import annotations
 
-import functools
 import logging
 import posixpath
 import sys
@@ -32,9 +31,9 @@ EXIT_BAD = 1
 EXIT_USAGE = 2
 
 
-@functools.cache
 def settings() -> CliSettings:
-    """``CKPTD_ROOT`` and ``CKPTD_STORAGE_TIMEOUT_S``, read once; a bad value is a usage error."""
+    """``CKPTD_ROOT`` and ``CKPTD_STORAGE_TIMEOUT_S`` as the environment has them now; a bad value is a usage
+    error."""
     try:
         return CliSettings()
     except ValidationError as exc:
