@@ -80,7 +80,8 @@ class PartSaves:
         self.writes = writes
         self.sidecar = sidecar or f"{os.uname().nodename}/{os.getpid()}"
         self.commits = 0
-        self._resume_after: dict[str, int] = {}  # job -> the claim a pass out of time stopped after
+        self._resume_at: dict[str, int] = {}  # job -> the claim a pass out of time stopped at
+        self._checked: dict[tuple[str, int, str], int] = {}  # (job, step, save) -> its records below this are good
 
     def final_path(self, job: str, step: int) -> str:
         return self.storage.join(job, str(step))
@@ -131,45 +132,54 @@ class PartSaves:
 
     def commit_ready(self, job: str, *, spent: Spent = lambda: False) -> list[int]:
         """The leader's pass: commit every claimed step of ``job`` whose parts are all durable. Returns the
-        steps committed now. Once ``spent()`` (asked before each claim and each record read) says the time
-        allowed is up, the pass stops, and the next one starts after the last claim this one finished, so
-        claims that cost much (forged ones) delay the others of the job by one pass at most, never for good."""
+        steps committed now. Once ``spent()`` (asked between claims and between records) says the time allowed
+        is up, the pass stops; the next one goes on from that claim and record, and every pass gets through one
+        record at least, so claims that cost much (forged ones) delay the others by some passes, never for
+        good, and hold up no other job."""
         done: list[int] = []
         steps = self.claims(job)
-        after = self._resume_after.pop(job, None)
-        if after is not None:  # where the last pass ran out of time; round the end
-            steps = [s for s in steps if s > after] + [s for s in steps if s <= after]
-        last = None
-        try:
-            for step in steps:
-                if not self.writes(job):
-                    break  # asked again before each commit: the lease may have moved
-                if spent():
-                    raise OutOfTime(f"claims of {job}")
+        first = self._resume_at.pop(job, None)
+        if first is not None:  # where the last pass ran out of time; round the end
+            steps = [s for s in steps if s >= first] + [s for s in steps if s < first]
+        self._checked = {key: k for key, k in self._checked.items() if key[0] != job or key[1] in steps}
+        for n, step in enumerate(steps):
+            if not self.writes(job):
+                break  # asked again before each commit: the lease may have moved
+            try:
+                if n and spent():
+                    raise OutOfTime(0)
                 if self._commit_if_ready(job, step, spent):
                     done.append(step)
-                last = step
-        except OutOfTime:
-            if last is not None:
-                self._resume_after[job] = last
-            _log.warning("committing the host parts of %s: out of time for this pass after step %s; the next "
-                         "pass goes on from there", job, last)
+            except OutOfTime:
+                self._resume_at[job] = step
+                _log.info("committing the host parts of %s: out of time for this pass at step %s; the next pass "
+                          "goes on from there", job, step)
+                break
         return done
 
     def _commit_if_ready(self, job: str, step: int, spent: Spent) -> bool:
+        """Commit ``step`` when every part record of its claim's save is there and good. What a pass out of
+        time found good is not read again by the next (``_checked``: records are create-only)."""
         claim = read_claim(self.storage, job, step)
         if claim is None or self.committed(job, step, claim.save_id):
             return False
         where = step_path_for(self.storage, job, step, claim.save_id)
-        held = save_parts(self.storage, where, claim.save_id, claim.process_count, first_gap=True, spent=spent)
+        key = (job, step, claim.save_id)
+        try:
+            held = save_parts(self.storage, where, claim.save_id, claim.process_count, first_gap=True,
+                              start=self._checked.get(key, 0), spent=spent)
+        except OutOfTime as exc:
+            self._checked[key] = exc.reached
+            raise
         if not held.whole:
+            self._checked[key] = min(held.absent + held.bad)  # the records below it are good
             return False  # a missing part: never committed, never served
+        self._checked.pop(key, None)
         if self.storage.exists(self.final_path(job, step)) and not self.storage.is_remote:
             _log.error("not committing step %s of %s from parts: %s exists already", step, job,
                        self.final_path(job, step))
             return False
-        self.commit(job, step, where, held.found)
-        return True
+        return self.commit(job, step, where)
 
     def manifest(self, where: str, step: int, parts: list[PartInfo]) -> Manifest:
         """ckptd's manifest of the step: every file, the parts' ones with the checksums their writers
@@ -194,16 +204,18 @@ class PartSaves:
         return Manifest(step=step, writer="adopted", created_at=time.time(), files=files, training=training,
                         identity=step_identity(self.storage, where, training))
 
-    def commit(self, job: str, step: int, where: str, parts: list[PartInfo]) -> None:
-        """Finalize, manifest, marker (create-only), and on a local root the rename into place; under the
-        job's lock (``clean`` never deletes a save being committed)."""
+    def commit(self, job: str, step: int, where: str) -> bool:
+        """Finalize, manifest, marker (create-only), and on a local root the rename into place, from the part
+        records read whole under the job's lock (``clean`` never deletes a save being committed). Whether it
+        went ahead."""
         with _job_lock(self.storage, job):
             claim = read_claim(self.storage, job, step)  # again under the lock: retention may have run meanwhile
-            if claim is None or claim.save_id != parts[0].save_id or not self._held(job, step, claim.save_id,
-                                                                                     claim.process_count).whole:
+            held = None if claim is None else self._held(job, step, claim.save_id, claim.process_count)
+            if held is None or not held.whole or where != step_path_for(self.storage, job, step, held.found[0].save_id):
                 _log.info("step %s of %s: its save changed before the commit; not committed now", step, job)
-                return
-            self._commit(job, step, where, parts)
+                return False
+            self._commit(job, step, where, held.found)
+            return True
 
     def _commit(self, job: str, step: int, where: str, parts: list[PartInfo]) -> None:
         first = parts[0]

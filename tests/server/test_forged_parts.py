@@ -9,6 +9,7 @@ decides before it asks."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -179,35 +180,36 @@ def _ready(root: Path, job: str, step: int) -> None:
         forge_part(root, job, step, k)
 
 
-def test_one_jobs_costly_claims_hold_up_no_other_job_and_are_all_visited(tmp_path: Path) -> None:
+def test_one_jobs_costly_claims_hold_up_no_other_job_and_are_all_visited(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="ckptd.catalog.part_commit")
     root = tmp_path / "root"
-    _costly_job(root, "aaa", 800)
+    _costly_job(root, "aaa", 400)  # ~0.5 ms each to read: far more than the budget of 0.02 s
     _ready(root, "aaa", 99_999)  # after every costly claim: reached in later passes, never starved
     _ready(root, "zzz", 5)
     worker = Recorder()
     commits = CommitPass(Storage(str(root)), jobs=lambda: ["aaa", "zzz"], writes=lambda _job: True, interval_s=3600,
-                         ask=worker, job_budget_s=0.1)
+                         ask=worker, job_budget_s=0.02)
     started = time.monotonic()
     commits.run_once()
     took = time.monotonic() - started
     asked = [request["commit"].rsplit("/", 1)[-1] for request in worker.asked]
     assert asked == ["5.ab-5"], asked  # zzz's ready step was reached in the first pass
-    assert took < 1.0, f"a pass took {took:.2f}s with a budget of 0.1 s a job"
-    for _ in range(60):
+    assert "committing the host parts of aaa: out of time for this pass at step" in caplog.text
+    assert took < 5.0, f"a pass took {took:.2f}s with a budget of 0.02 s a job"
+    deadline = time.monotonic() + 60
+    while "99999.ab-99999" not in [request["commit"].rsplit("/", 1)[-1] for request in worker.asked]:
+        assert time.monotonic() < deadline, "aaa's ready step was never reached: its costly claims starve it"
         commits.run_once()
-        if "99999.ab-99999" in [request["commit"].rsplit("/", 1)[-1] for request in worker.asked]:
-            break
-    else:
-        pytest.fail("aaa's ready step was never reached: its costly claims starve it")
 
 
 def test_a_stop_ends_a_pass_at_its_next_record(tmp_path: Path) -> None:
     root = tmp_path / "root"
-    _costly_job(root, "aaa", 3000)
+    _costly_job(root, "aaa", 2000)
     commits = CommitPass(Storage(str(root)), jobs=lambda: ["aaa"], writes=lambda _job: True, interval_s=0.01,
                          ask=Recorder(), job_budget_s=600, stop_wait_s=0.5)
     commits.start()
-    time.sleep(0.5)  # in the middle of a pass over aaa's claims (~3 s), then the last pass gets 0.5 s
+    time.sleep(0.5)  # in the middle of a pass over aaa's claims (~2 s), then the last pass gets 0.5 s
     started = time.monotonic()
     stopper = threading.Thread(target=commits.stop)
     stopper.start()

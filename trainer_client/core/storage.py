@@ -208,6 +208,8 @@ class Storage:
         """Why ckptd may not create, replace, move or delete ``path``; None when it may: ``path`` is spelled
         plainly (no empty, ``.`` or ``..`` segment) below the root, stays below it once its links are resolved
         (local roots: its real path under the root's), and is not under a read-only job (``guard_writes``)."""
+        if self.is_remote:  # a URL (gs://bucket/...) or the file system's own path (bucket/...)
+            path = str(self.fs._strip_protocol(path))
         base = self.root.rstrip("/")
         if not path.startswith(base + "/") or posixpath.normpath(path) != path.rstrip("/"):
             return f"{path[:300]} is not a plain path inside the checkpoint root {self.root}: refused"

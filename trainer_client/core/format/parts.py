@@ -19,7 +19,6 @@ import json
 import logging
 import posixpath
 import re
-import threading
 import time
 from collections.abc import Callable
 from typing import Annotated
@@ -32,6 +31,7 @@ from trainer_client.core.format.manifest import file_entry
 from trainer_client.core.format.snapshot import process_in_range
 from trainer_client.core.format.tree_paths import TreeEntry
 from trainer_client.core.protocol import TrainingMetadata
+from trainer_client.core.said_once import SaidOnce
 from trainer_client.core.storage import Storage, join_path
 
 _log = logging.getLogger(__name__)
@@ -107,19 +107,13 @@ class Claim(BaseModel):
     created_at: Timestamp
 
 
-_reported_lock = threading.Lock()
-_reported: dict[str, str] = {}  # record path -> why it was refused, as last logged (bounded below)
-_REPORTED_KEPT = 4096
+_reported = SaidOnce()  # record path -> why it was refused, as last logged (bounded)
 
 
 def report_refused(path: str, why: str) -> None:
     """Log once per path and reason that a claim, a part record or a save was refused (forged or damaged)."""
-    with _reported_lock:
-        if _reported.get(path) == why:
-            return
-        if len(_reported) >= _REPORTED_KEPT:
-            _reported.clear()
-        _reported[path] = why
+    if not _reported.first(path, why):
+        return
     _log.warning("ignoring %s, forged or damaged: %s (docs/multihost.md, section 5)", path, why)
 
 
@@ -187,7 +181,12 @@ def parts_of(storage: Storage, step_path: str, count: int) -> list[PartInfo | No
 
 
 class OutOfTime(Exception):
-    """The work a caller allowed for reading a save's records is spent (``save_parts``' ``spent``)."""
+    """The work a caller allowed for reading a save's records is spent (``save_parts``' ``spent``): the records
+    below ``reached`` were found good, the others not read."""
+
+    def __init__(self, reached: int) -> None:
+        super().__init__(f"out of time at the part record of process {reached}")
+        self.reached = reached
 
 
 class SaveParts:
@@ -212,19 +211,22 @@ def listed_parts(storage: Storage, step_path: str) -> set[int]:
 
 
 def save_parts(storage: Storage, step_path: str, save_id: str, count: int, *, first_gap: bool = False,
-               spent: Callable[[], bool] | None = None) -> SaveParts:
-    """The part records of save ``save_id`` (``count`` processes) under ``step_path``. The records are listed
-    first, so a record that is not there costs no read (a claim of 65,536 processes with no part: one
-    listing). ``first_gap``: stop at the first record absent or bad (all a commit needs to know). ``spent()``
-    is asked before each read; once it says so, ``OutOfTime``."""
+               start: int = 0, spent: Callable[[], bool] | None = None) -> SaveParts:
+    """The part records of save ``save_id`` (``count`` processes) under ``step_path``, from process ``start``
+    on (those below it were found good before: neither read nor in ``found``). The records are listed first,
+    so a record that is not there costs no read (a claim of 65,536 processes with no part: one listing).
+    ``first_gap``: stop at the first record absent or bad (all a commit needs to know). ``spent()`` is asked
+    before each read but the first (each call gets somewhere); once it says so, ``OutOfTime``."""
     listed = listed_parts(storage, step_path)
     out = SaveParts([], [], [])
-    for k in range(min(count, MAX_PROCESSES)):
+    reads = 0
+    for k in range(start, min(count, MAX_PROCESSES)):
         if k not in listed:
             out.absent.append(k)
         else:
-            if spent is not None and spent():
-                raise OutOfTime(f"reading the part records of {step_path}")
+            if spent is not None and reads and spent():
+                raise OutOfTime(k)
+            reads += 1
             part = read_part(storage, step_path, k)
             if part is None or (part.save_id, part.process_index, part.process_count) != (save_id, k, count):
                 out.bad.append(k)
