@@ -53,6 +53,11 @@ JOB = "demo-mlp"
 DRAIN_TIMEOUT_S = 60  # how long ckptd may take at shutdown to persist what the run saved last
 
 
+def step_label(step: int | None) -> str:
+    """An event's step for a timeline line: ``step  150``, or blank for an event of no step (a wait, the start)."""
+    return "" if step is None else f"step {step:>4}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -120,10 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     previous = [0.0]
 
     def show(event: Event) -> None:
-        step = "" if event.step is None else f"step {event.step:>4}"
         took = event.t - previous[0]
         previous[0] = event.t
-        print(f"  [{event.t:7.2f}s +{took:5.2f}s] {event.kind:<18} {step:<10} {event.detail}", flush=True)
+        print(f"  [{event.t:7.2f}s +{took:5.2f}s] {event.kind:<18} {step_label(event.step):<10} {event.detail}",
+              flush=True)
 
     quiet = {"checkpoint_started"}
     config = ElasticConfig(

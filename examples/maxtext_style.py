@@ -41,7 +41,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from examples.demo import DRAIN_TIMEOUT_S, free_port, start_ckptd
+from examples.demo import DRAIN_TIMEOUT_S, free_port, start_ckptd, step_label
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.core.protocol import BatchPlan
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def show(event: Event) -> None:
         if event.kind != "checkpoint_started":
-            print(f"  [{event.t:7.2f}s] {event.kind:<18} step {event.step}  {event.detail}", flush=True)
+            print(f"  [{event.t:7.2f}s] {event.kind:<18} {step_label(event.step):<10} {event.detail}", flush=True)
 
     memory = {"shm_dir": str(shm_dir), "memory_period": args.memory_period} if args.memory_period else {}
     slices = SimulatedSlices(num_slices=cfg.dcn_data_parallelism, faults=[SliceFault(2, args.fail_at, None)])

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from examples.demo import DRAIN_TIMEOUT_S, free_port, last_step_on_storage, start_ckptd
+from examples.demo import DRAIN_TIMEOUT_S, free_port, last_step_on_storage, start_ckptd, step_label
 
 JOB = "demo-multihost"
 REPO = Path(__file__).resolve().parent.parent
@@ -50,8 +50,7 @@ class Timeline:
         with self.lock:
             t = (wall if wall is not None else time.time()) - self.t0
             self.events.append({"t": round(t, 3), "who": who, "what": what, "step": step, "detail": detail})
-            at = "" if step is None else f"step {step:>4}"
-            print(f"  [{t:7.2f}s] {who:<10} {what:<20} {at:<10} {detail}", flush=True)
+            print(f"  [{t:7.2f}s] {who:<10} {what:<20} {step_label(step):<10} {detail}", flush=True)
 
 
 @dataclass

@@ -43,6 +43,11 @@ def test_the_maxtext_style_example_resumes_grain_exactly_and_maxtext_restores_it
                            "--steps", "30", "--fail-at", "13", "--back-at", "22"],
                           env=clean_env(), capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the timeline: an event of a step names it, one of no step (a wait for slices, the start) names none
+    timeline = [line for line in proc.stdout.splitlines() if line.startswith("  [")]
+    assert "step None" not in proc.stdout, timeline
+    assert any(" restored " in line and " step   10 " in line for line in timeline), timeline
+    assert any(" waiting_for_slices " in line and " step " not in line for line in timeline), timeline
     report = json.loads((out / "report.json").read_text())
     assert report["grain_resumed_exactly"] and report["final_loss"] < report["first_loss"]
     assert [(r["kind"], r["failed_at_step"], r["restored_step"], r["mesh_after"]) for r in report["recoveries"]] == [
