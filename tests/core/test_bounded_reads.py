@@ -24,6 +24,7 @@ GIB = 1 << 30
 GROWTH_LIMIT_MIB = 24  # what the reads may add to the process's peak RSS (before: the file's whole size)
 
 _IMPORTS = """
+from trainer_client.core.format.item_keys import fetch, item_kvstore_spec
 from trainer_client.core.format.parts import read_claim
 from trainer_client.core.format.private_files import read_private
 from trainer_client.core.storage import Storage
@@ -38,6 +39,8 @@ for kind, arg in args["reads"]:  # each as ckptd reads it
     try:
         if kind == "claim":
             outcomes.append("none" if read_claim(storage, arg[0], arg[1]) is None else "claim")
+        elif kind == "item":
+            outcomes.append(len(fetch(item_kvstore_spec(arg, "default"), 10.0)[1]))
         elif kind == "private":
             outcomes.append(len(read_private(arg, max_bytes=64 << 20)))
         else:
@@ -61,13 +64,14 @@ def _sparse(path: Path, size: int) -> Path:
 def test_a_sparse_gibibyte_record_is_refused_before_a_byte_is_read(tmp_path: Path) -> None:
     claim = _sparse(tmp_path / "job" / ".ckptd" / "claims" / "7.json", GIB)
     manifest = _sparse(tmp_path / "job" / "7" / "ckptd_manifest.json", GIB)
+    _sparse(tmp_path / "job" / "7" / "default" / "_METADATA", GIB)  # Orbax's, read without tensorstore
     private = tmp_path / "shm"
     ensure_private_dir(private)
     write_private(private / "snapshot.json", b"{}")
     os.truncate(private / "snapshot.json", GIB)
     result = _measure(str(tmp_path), [("claim", ["job", 7]), ("bytes", str(manifest)),
-                                      ("private", str(private / "snapshot.json"))])
-    assert result["outcomes"] == ["none", "RecordTooLargeError", "RecordTooLargeError"]
+                                      ("private", str(private / "snapshot.json")), ("item", str(manifest.parent))])
+    assert result["outcomes"] == ["none", "RecordTooLargeError", "RecordTooLargeError", "ArrayIndexError"]
     assert result["grew_mib"] < GROWTH_LIMIT_MIB, result
     assert claim.stat().st_size == GIB  # reported and skipped, never deleted
 

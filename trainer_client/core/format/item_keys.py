@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer_client.core.errors import ArrayIndexError, OcdbtFormatError
+from trainer_client.core.errors import ArrayIndexError, OcdbtFormatError, StoredFormatError
 from trainer_client.core.format.files import ITEM_METADATA, OCDBT_MANIFEST, OCDBT_PROCESS_PREFIX
 from trainer_client.core.format.ocdbt_index import OcdbtIndex
-from trainer_client.core.storage import join_path
+from trainer_client.core.storage import join_path, read_fd
 
 ZARR2_SUFFIX = "/.zarray"
 ZARR3_SUFFIX = "/zarr.json"
@@ -30,18 +30,20 @@ MAX_DOCUMENT_BYTES = 64 << 20  # a zarr metadata document or an item's _METADATA
 
 def _read_document(path: Path) -> bytes | None:
     """A small metadata file, or None when there is none; never follows a link, never reads past
-    ``MAX_DOCUMENT_BYTES`` (a document that is a link to /dev/zero or a huge file is refused)."""
+    ``MAX_DOCUMENT_BYTES`` (a document that is a link to /dev/zero or a huge file is refused by its size, before
+    a byte is read: ``storage.read_fd``)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as exc:
         raise ArrayIndexError(f"cannot read {path}: {exc}") from exc
-    with os.fdopen(fd, "rb") as f:
-        data = f.read(MAX_DOCUMENT_BYTES + 1)
-    if len(data) > MAX_DOCUMENT_BYTES:
-        raise ArrayIndexError(f"{path} is larger than {MAX_DOCUMENT_BYTES} bytes: not a metadata document")
-    return data
+    try:
+        return read_fd(fd, MAX_DOCUMENT_BYTES, str(path))
+    except StoredFormatError as exc:  # past the bound, or not a regular file
+        raise ArrayIndexError(f"{exc}: not a metadata document") from exc
+    finally:
+        os.close(fd)
 
 
 def item_kvstore_spec(step_url: str | os.PathLike[str], item: str) -> dict[str, Any]:
