@@ -23,9 +23,11 @@ import fsspec
 
 from trainer_client.core.errors import RecordTooLargeError, StorageError, StoredFormatError, UnsafePathError
 from trainer_client.core.format.files import SIDE_DIR
+from trainer_client.core.said_once import SaidOnce
 from trainer_client.core.storage_causes import failure_cause
 
 _log = logging.getLogger(__name__)
+_links_said = SaidOnce()  # links out of a listed directory already warned about
 
 MAX_RECORD_BYTES = 64 << 20  # the most ``read_bytes`` reads of one file, unless its caller bounds it lower
 _READ_CHUNK = 1 << 16
@@ -250,14 +252,14 @@ class Storage:
         return dict(self._links_refused.get(path.rstrip("/") or "/", {}))
 
     def _leaves(self, directory: str, child: str, info: dict[str, Any]) -> bool:
-        """Whether the listed ``child`` of ``directory`` is a link leading out of it (logged once)."""
+        """Whether the listed ``child`` of ``directory`` is a link leading out of it (logged once per process:
+        ``trainer_client/core/said_once.py``)."""
         if self.is_remote or not info.get("islink") or self.inside(child, directory):
             return False
         target = os.path.realpath(child)
-        refused = self._links_refused.setdefault(directory.rstrip("/") or "/", {})
-        if refused.get(posixpath.basename(child)) != target:
+        if _links_said.first(child, target):  # once per link and target in a process, not at every listing
             _log.warning("ignoring %s: a link to %s, outside %s", child, target, directory)
-        refused[posixpath.basename(child)] = target
+        self._links_refused.setdefault(directory.rstrip("/") or "/", {})[posixpath.basename(child)] = target
         return True
 
     def list_dir(self, path: str) -> list[Entry]:
