@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer_client.core.errors import ArrayIndexError, OcdbtFormatError, StoredFormatError
+from trainer_client.core.errors import ArrayIndexError, OcdbtFormatError, RecordTooLargeError, StoredFormatError
 from trainer_client.core.format.files import ITEM_METADATA, OCDBT_MANIFEST, OCDBT_PROCESS_PREFIX
 from trainer_client.core.format.ocdbt_index import OcdbtIndex
 from trainer_client.core.storage import join_path, read_fd
@@ -40,8 +40,10 @@ def _read_document(path: Path) -> bytes | None:
         raise ArrayIndexError(f"cannot read {path}: {exc}") from exc
     try:
         return read_fd(fd, MAX_DOCUMENT_BYTES, str(path))
-    except StoredFormatError as exc:  # past the bound, or not a regular file
-        raise ArrayIndexError(f"{exc}: not a metadata document") from exc
+    except RecordTooLargeError as exc:
+        raise ArrayIndexError(f"{path} is larger than {MAX_DOCUMENT_BYTES} bytes: not a metadata document") from exc
+    except StoredFormatError as exc:  # a FIFO, a directory
+        raise ArrayIndexError(f"cannot read {path}: {exc}") from exc
     finally:
         os.close(fd)
 
