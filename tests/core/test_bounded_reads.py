@@ -76,6 +76,15 @@ def test_a_sparse_gibibyte_record_is_refused_before_a_byte_is_read(tmp_path: Pat
     assert claim.stat().st_size == GIB  # reported and skipped, never deleted
 
 
+def test_a_sparse_item_metadata_is_refused_by_the_trainers_direct_restore(tmp_path: Path) -> None:
+    _sparse(tmp_path / "default" / "_METADATA", GIB)
+    result = peak_growth("from trainer_client.runtime.direct_restore import restore_direct",
+                         "try:\n    restore_direct(args['item'], {}, str)\nexcept Exception as exc:\n"
+                         "    outcomes.append(f'{type(exc).__name__}: {exc}')", {"item": str(tmp_path / "default")})
+    assert result["outcomes"][0].startswith("DirectRestoreUnsupported") and "more than" in result["outcomes"][0]
+    assert result["grew_mib"] < GROWTH_LIMIT_MIB, result
+
+
 def test_a_record_at_the_bound_reads_and_one_byte_more_does_not(tmp_path: Path) -> None:
     storage = Storage(str(tmp_path))
     (tmp_path / "r.json").write_bytes(b"x" * 100)

@@ -35,6 +35,7 @@ import numpy as np
 from trainer_client.core.dtypes import np_dtype
 from trainer_client.core.format.ocdbt_index import OcdbtIndex, ValueRef
 from trainer_client.core.format.snapshot_shards import aligned_empty, index_bounds
+from trainer_client.core.storage import Storage
 from trainer_client.errors import DirectRestoreUnsupported, OcdbtFormatError
 from trainer_client.runtime.restore_budget import batches
 
@@ -210,7 +211,7 @@ def restore_direct(item_dir: str | os.PathLike[str], target: PyTree, names: Call
     holds at most about ``host_batch_bytes`` (default ``HOST_BATCH_BYTES``) of them at once."""
     item = Path(item_dir)
     try:
-        meta = json.loads((item / "_METADATA").read_text())
+        meta = json.loads(Storage(str(item)).read_bytes(str(item / "_METADATA")))  # size-checked first
     except (OSError, ValueError) as exc:
         raise DirectRestoreUnsupported(f"{item}/_METADATA: {exc}") from exc
     if not meta.get("use_ocdbt") or meta.get("use_zarr3"):
