@@ -15,6 +15,7 @@ import time
 from ckptd.api.conditional import Tagged, tag
 from ckptd.api.listing import Listing
 from ckptd.api.services import Services
+from ckptd.catalog.layouts import ANSWER_WAIT_S
 from ckptd.errors import NoGoodCheckpoint, NotReady, ServiceError, StepNotFound, StepNotGood
 from trainer_client.core import protocol as p
 from trainer_client.core.errors import PlanningError
@@ -122,7 +123,9 @@ class JobAnswers:
                                      or snapshot[1].step >= info.step):
             return memory_snapshot_plan(job=job, request=request, snapshot=snapshot).model_dump_json().encode()
         good = _good_step(self.svc, job, request, info)
-        layout = self.cat.layout(good)  # the step's read_step_layout, read once and kept (ckptd/catalog/catalog.py)
+        # the step's read_step_layout, read once and kept; a read already running is waited for briefly, then
+        # 503 BUSY (ckptd/catalog/layouts.py)
+        layout = self.cat.layout(good, wait_s=ANSWER_WAIT_S)
         return self.svc.plans.answer(  # planned once per (step, request): ckptd/api/plan_cache.py
             good.path, request.model_dump_json(), layout,
             # the one planner `ckptd plan` and the client's fallback call too (trainer_client/core/step_plan.py)

@@ -23,12 +23,14 @@ import posixpath
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
 from ckptd.catalog.integrity import each_step, quarantine, settle
 from ckptd.catalog.job_admission import JobAdmission
+from ckptd.catalog.layouts import Layouts
 from ckptd.catalog.lease import LeaseBoard
 from ckptd.catalog.step_table import FINAL_STATES, UNSETTLED_STATES, StepTable, summary_json
 from trainer_client.core.errors import StorageError
@@ -47,7 +49,7 @@ from trainer_client.core.validation import validate_step
 
 _log = logging.getLogger(__name__)
 
-_LAYOUTS_KEPT = 8  # saved layouts (all arrays of a step) kept in memory, most recently planned first
+_LAYOUTS_KEPT = 8  # saved layouts and manifests (all arrays of a step) kept in memory, most recently used first
 
 Layout = StepLayout  # what a plan is made from: trainer_client/core/step_plan.py
 _V = TypeVar("_V")
@@ -78,7 +80,7 @@ class Catalog(StepTable, JobAdmission):
         super().__init__(db_path)
         self._scanned_mtime: dict[str, int] = {}
         self._validated_at: dict[str, float] = {}  # step path -> when quick validation last passed (monotonic)
-        self._layouts: OrderedDict[str, Layout] = OrderedDict()
+        self._layouts = Layouts(_LAYOUTS_KEPT)  # one load per step at a time (ckptd/catalog/layouts.py)
         self._manifests: OrderedDict[str, tuple[tuple[int, float], Manifest]] = OrderedDict()  # (size, mtime)
         self.ready = threading.Event()
         self.last_refresh: float | None = None
@@ -106,10 +108,10 @@ class Catalog(StepTable, JobAdmission):
 
     # ---- building -------------------------------------------------------------------------------
 
-    def rebuild(self) -> None:
-        """Forget everything and scan storage again (what every start does)."""
+    def rebuild(self, scan: Callable[[], object] | None = None) -> None:
+        """Forget everything and scan storage again (what every start does): ``scan``, or else ``refresh``."""
         self._reset()
-        self.refresh()
+        (scan or self.refresh)()
         self.ready.set()
 
     def refresh(self, *, quick: bool = False) -> None:
@@ -117,6 +119,13 @@ class Catalog(StepTable, JobAdmission):
 
         ``quick`` skips listing the steps of a local job directory unchanged since its last listing (see
         ``refresh_job``): the refresher's usual pass, with a full one every ``Refresher.full_every``."""
+        for job in self.list_jobs():
+            self.refresh_job(job, quick=quick)
+        self.last_refresh = time.time()
+        self.last_error = None
+
+    def list_jobs(self) -> list[str]:
+        """The jobs a scan catalogues now, in order; jobs gone from storage or refused since leave the catalog."""
         self.storage.invalidate()
         job_entries = [e for e in self.storage.list_dir(self.storage.root) if e.is_dir]
         names = self._admit({e.name for e in job_entries if is_valid_job_name(e.name)})
@@ -127,11 +136,7 @@ class Catalog(StepTable, JobAdmission):
                 db.execute("DELETE FROM steps WHERE job = ?", (name,))
         if dropped:
             self.version += 1
-        for entry in job_entries:
-            if entry.name in names:
-                self.refresh_job(entry.name, quick=quick)
-        self.last_refresh = time.time()
-        self.last_error = None
+        return [entry.name for entry in job_entries if entry.name in names]
 
     def refresh_job(self, job: str, *, quick: bool = False) -> None:
         """Rescan one job directory; inspects (and settles) only steps not yet verified or quarantined.
@@ -263,7 +268,7 @@ class Catalog(StepTable, JobAdmission):
     def _forget(self, path: str) -> None:
         """Drop what is kept in memory about a step (it is being inspected again)."""
         self._validated_at.pop(path, None)
-        self._layouts.pop(path, None)
+        self._layouts.forget(path)
         self._manifests.pop(path, None)
 
     def _dir_mtime_ns(self, path: str) -> int | None:
@@ -336,35 +341,29 @@ class Catalog(StepTable, JobAdmission):
 
     def revalidate_latest(self) -> None:
         """Quick-validate each job's newest good step when its last check is 80% of the way to due, and load
-        its arrays: what the refresher does, so answers do not wait for either."""
-        for job in self.jobs():
-            if job.latest_good_step is None:
-                continue
-            info = self.latest_good(job.name)
-            if info is None:
-                continue
+        its arrays: what the refresher does (job by job, ``revalidate_job``), so answers do not wait for either."""
+        for job in (j for j in self.jobs() if j.latest_good_step is not None):
+            self.revalidate_job(job.name)
+
+    def revalidate_job(self, job: str) -> None:
+        """``revalidate_latest`` for one job."""
+        info = self.latest_good(job)
+        if info is not None:
             checked = self._validated_at.get(info.path)
             due = checked is None or time.monotonic() - checked > self.revalidate_after_s * 0.8
-            if due and not self.revalidate(info):
-                self._reinspect(job.name, info)
-                continue
-            self.layout(info)
+            if not due or self.revalidate(info):
+                self.layout(info)
+            else:
+                self._reinspect(job, info)
 
-    def layout(self, info: CheckpointInfo) -> Layout:
+    def layout(self, info: CheckpointInfo, wait_s: float | None = None) -> Layout:
         """The step's full training metadata (arrays included) and saved layout, read once and kept for the
-        ``_LAYOUTS_KEPT`` steps planned most recently (a step's files do not change once it is verified;
-        a step re-inspected is dropped)."""
-        with self._lock:
-            kept = self._layouts.get(info.path)
-            if kept is not None:
-                self._layouts.move_to_end(info.path)
-                return kept
-        loaded = read_step_layout(self.storage, info.path)  # the one reader every planner uses
-        self._keep(self._layouts, info.path, loaded)
-        return loaded
+        ``_LAYOUTS_KEPT`` steps planned most recently (a step re-inspected is dropped); a read by another caller is
+        waited for, at most ``wait_s`` seconds, then ``Busy`` (``ckptd/catalog/layouts.py``)."""
+        return self._layouts.get(info.path, lambda: read_step_layout(self.storage, info.path), wait_s)
 
     def _keep(self, cache: OrderedDict[str, _V], path: str, value: _V) -> None:
-        """Remember ``value`` for ``path`` among the ``_LAYOUTS_KEPT`` most recent (each can be megabytes)."""
+        """Remember ``value`` for ``path`` among the ``_LAYOUTS_KEPT`` most recent (a manifest can be megabytes)."""
         with self._lock:
             cache[path] = value
             cache.move_to_end(path)

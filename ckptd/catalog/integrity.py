@@ -34,10 +34,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ckptd.catalog.job_workers import DaemonPool
 from trainer_client.core.durability import sync_paths
 from trainer_client.core.errors import StorageError
 from trainer_client.core.format.files import CHECKPOINT_METADATA, CKPTD_MANIFEST, COMMIT_MARKER, QUARANTINE_FILE
@@ -80,27 +81,30 @@ def quarantine(storage: Storage, step_path: str, reason: str, problems: list[str
 
 
 _THREADS = 6
-_pool: ThreadPoolExecutor | None = None
+_pool: DaemonPool | None = None
 _pool_lock = threading.Lock()
 
 
-def _threads() -> ThreadPoolExecutor:
+def _threads() -> DaemonPool:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="ckptd-settle")
+            _pool = DaemonPool(_THREADS, "ckptd-settle")
         return _pool
 
 
 _STEPS_AT_ONCE = 4  # steps settled at a time (first sight of many steps: a start without records)
-_steps_pool: ThreadPoolExecutor | None = None
+_STEP_CALLERS = 4  # jobs settling at once (the refresher's job workers): each gets its own four threads
+_steps_pool: DaemonPool | None = None
 
 
 def each_step(look: Callable[[_T], _R], items: list[_T]) -> Iterator[tuple[_T, _R | StorageError]]:
     """``look(item)`` for each item, ``_STEPS_AT_ONCE`` at a time (one step's reads and fsyncs wait while another
     step's metadata is parsed), in order; a ``StorageError`` is handed back in place of that item's result, any
     other exception raised — and then no further item is started (at most the few already running finish),
-    as the loop over the steps stopped before."""
+    as the loop over the steps stopped before. The threads (daemons: a SIGTERM does not wait for them) are
+    shared by ``_STEP_CALLERS`` jobs' scans at once, each running at most ``_STEPS_AT_ONCE`` of its steps: one
+    job's slow steps do not hold another's (``ckptd/catalog/refresher.py``)."""
     global _steps_pool
 
     def guarded(item: _T) -> _R | StorageError:
@@ -114,17 +118,25 @@ def each_step(look: Callable[[_T], _R], items: list[_T]) -> Iterator[tuple[_T, _
         return
     with _pool_lock:
         if _steps_pool is None:
-            _steps_pool = ThreadPoolExecutor(_STEPS_AT_ONCE, thread_name_prefix="ckptd-first-sight")
+            _steps_pool = DaemonPool(_STEPS_AT_ONCE * _STEP_CALLERS, "ckptd-first-sight")
         pool = _steps_pool
-    pending: deque[tuple[_T, Future[_R | StorageError]]] = deque()
+    pending: deque[tuple[_T, Future[_R | StorageError]]] = deque()  # started, in order, not handed back yet
+    started = 0
     try:
-        for item in items:
-            pending.append((item, pool.submit(guarded, item)))
-            if len(pending) >= 2 * _STEPS_AT_ONCE:  # a few queued ahead, not the whole job
-                done, future = pending.popleft()
-                yield done, future.result()
-        while pending:
-            done, future = pending.popleft()
+        while True:
+            running = [future for _, future in pending if not future.done()]
+            # at most _STEPS_AT_ONCE running, and a few finished ahead of a slow one, not the whole job
+            while started < len(items) and len(running) < _STEPS_AT_ONCE and len(pending) < 2 * _STEPS_AT_ONCE:
+                pending.append((items[started], pool.submit(guarded, items[started])))
+                running.append(pending[-1][1])
+                started += 1
+            if not pending:
+                return
+            done, future = pending[0]
+            if not future.done():
+                wait(running, return_when=FIRST_COMPLETED)
+                continue
+            pending.popleft()
             yield done, future.result()
     finally:
         for _, future in pending:  # an exception, or the caller stopped: start nothing more

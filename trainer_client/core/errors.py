@@ -7,6 +7,8 @@ CkptdError                              root: ``except CkptdError`` catches ever
 │   ├── ArrayIndexError                 an item's zarr/OCDBT array metadata is missing or corrupt
 │   ├── RecordTooLargeError             a record (manifest, claim, lease, ...) past its size bound: not read
 │   └── OcdbtFormatError                an OCDBT index this reader does not understand (tensorstore reads it)
+│       └── OcdbtRefusedError           one past a bound no real index reaches (shared nodes, aliased
+│                                       files, node/key budget, deadline, decoded size): hostile, not read
 ├── UnsafePathError (PermissionError)   a memory-tier path others could write or that is a link, or a
 │                                       path that a link leads out of the checkpoint root: refused
 ├── PlanningError (ValueError)          no resume plan exists for these inputs; ``code`` says why
@@ -48,6 +50,13 @@ class OcdbtFormatError(StoredFormatError):
     """The database is not one this reader understands (or is damaged): read it with tensorstore instead."""
 
 
+class OcdbtRefusedError(OcdbtFormatError):
+    """The database passes a bound no real one reaches — a node reached twice or a data file named two ways,
+    more nodes or keys than the budget, a node or manifest decoding past its cap, a read past its deadline —
+    so it is hostile or broken: refused, and not handed to tensorstore either (docs/operations.md, "What each
+    limit defends")."""
+
+
 class UnsafePathError(CkptdError, PermissionError):
     """A shared-memory path is a link, or belongs to another user, or others may write it; or a path under the
     checkpoint root leads out of it through a link: it is refused."""
@@ -72,6 +81,7 @@ __all__ = [
     "CkptdError",
     "MissingExtra",
     "OcdbtFormatError",
+    "OcdbtRefusedError",
     "PlanningError",
     "RecordTooLargeError",
     "StorageError",

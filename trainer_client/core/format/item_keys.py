@@ -15,9 +15,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer_client.core.errors import ArrayIndexError, OcdbtFormatError, RecordTooLargeError, StoredFormatError
+from trainer_client.core.errors import (
+    ArrayIndexError,
+    OcdbtFormatError,
+    OcdbtRefusedError,
+    RecordTooLargeError,
+    StoredFormatError,
+)
 from trainer_client.core.format.files import ITEM_METADATA, OCDBT_MANIFEST, OCDBT_PROCESS_PREFIX
-from trainer_client.core.format.ocdbt_index import OcdbtIndex
+from trainer_client.core.format.ocdbt_index import DEADLINE_S, OcdbtIndex
 from trainer_client.core.storage import join_path, read_fd
 
 ZARR2_SUFFIX = "/.zarray"
@@ -152,16 +158,20 @@ def _unfinished(spec: dict[str, Any], key: str) -> ArrayIndexError:
                            f"{OCDBT_MANIFEST}: the save did not finish")
 
 
-def _fetch_local(spec: dict[str, Any]) -> Fetched | None:
-    """``fetch`` for a local item without tensorstore; None when its OCDBT database is one the index reader
-    does not understand (tensorstore reads it then)."""
+def _fetch_local(spec: dict[str, Any], timeout: float | None = None) -> Fetched | None:
+    """``fetch`` for a local item without tensorstore, its OCDBT index read within ``timeout`` seconds (and
+    the reader's own deadline); None when its database is one the index reader does not understand
+    (tensorstore reads it then). A database the reader refuses (``OcdbtRefusedError``: hostile, docs/operations.md,
+    "What each limit defends") is an ``ArrayIndexError``."""
     root = Path(spec["path"])
     item_metadata = _read_document(root / ITEM_METADATA)
     if (root / OCDBT_MANIFEST).is_file():
         try:
-            index = OcdbtIndex(root)
+            index = OcdbtIndex(root, deadline_s=DEADLINE_S if timeout is None else min(timeout, DEADLINE_S))
             keys = sorted(k for k in index.values if k.endswith((ZARR2_SUFFIX, ZARR3_SUFFIX)))
-            values = [(key, index.read(key)) for key in keys]
+            values = [(key, index.read(key, MAX_DOCUMENT_BYTES)) for key in keys]
+        except OcdbtRefusedError as exc:  # hostile or broken past any real database: tensorstore is not asked
+            raise ArrayIndexError(f"{describe(spec)}: OCDBT index refused: {exc}") from exc
         except OcdbtFormatError:
             return None
         if not values and item_metadata is None:
@@ -190,7 +200,7 @@ def fetch(spec: dict[str, Any], timeout: float | None) -> Fetched:
     """The item's zarr metadata documents and ``_METADATA`` (see ``Fetched``), within ``timeout`` seconds
     on ``gs://``. Raises ArrayIndexError for a missing or unfinished item; storage errors escape."""
     if spec["driver"] == "file":
-        local = _fetch_local(spec)
+        local = _fetch_local(spec, timeout)
         if local is not None:
             return local
     return _fetch_with_tensorstore(spec, timeout)
