@@ -273,7 +273,8 @@ def test_cli_exit_codes(golden_root: Path, tmp_path: Path, capsys: pytest.Captur
     text = capsys.readouterr().out
     assert "(replica=3, data=2)" in text and "params.w" in text
 
-    for argv in (["ls", str(tmp_path / "missing")], ["show", "no-slash"]):
-        with pytest.raises(SystemExit) as exc:
-            ckptd_main(argv)
-        assert exc.value.code not in (0, None)
+    assert ckptd_main(["ls", str(tmp_path / "missing")]) == 1  # one line: "... does not exist"
+    assert capsys.readouterr().err == f"ckptd: {tmp_path / 'missing'} does not exist\n"
+    with pytest.raises(SystemExit) as exc:
+        ckptd_main(["show", "no-slash"])  # no CKPTD_ROOT here: a usage error
+    assert exc.value.code == 2
