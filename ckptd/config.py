@@ -94,7 +94,8 @@ class Settings(BaseSettings):
     )
     max_body_bytes_in_flight: int = Field(
         default=64 << 20, ge=1024,
-        description="request bodies held in memory at once, all requests together (past it: 503 BUSY)",
+        description="memory for request bodies, all requests together: each is charged its size before it is read "
+        "and what parsing it takes once it is (past it: 503 BUSY; a body that alone takes more: 413)",
     )
     read_only: bool = Field(
         default=False,

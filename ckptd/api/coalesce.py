@@ -83,6 +83,9 @@ class Coalescer(Generic[T]):
             if following is not None:
                 self._running[key] = following
                 self._start(key, following)
+            # A failed round's exception keeps this frame in its traceback: the frame must not keep the round
+            # (its work, the request it answers) in turn, a cycle only the garbage collector would free.
+            del round_, following
 
 
 def _retrieved(future: asyncio.Future[Any]) -> None:

@@ -21,11 +21,12 @@ import re
 from dataclasses import dataclass
 
 from pydantic import ValidationError
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ckptd.api.answers import JobAnswers
 from ckptd.api.conditional import respond
 from ckptd.api.errors import DOMAIN_ERRORS, domain_error_response, is_json_media_type
+from ckptd.api.limits import replay
 from trainer_client.core import protocol as p
 
 _JOB = p.JOB_NAME_PATTERN.removeprefix("^").removesuffix("$")
@@ -91,11 +92,14 @@ class HotPath:
                 return  # the client went away
             chunks.append(message.get("body", b""))
             more = bool(message.get("more_body", False))
-        body = b"".join(chunks)
+        body = b"".join(chunks)  # one piece: the same bytes, not a copy
+        del chunks
         try:
-            request = p.ResumeRequest.model_validate_json(body)
+            request: p.ResumeRequest | None = p.ResumeRequest.model_validate_json(body)
         except (ValidationError, ValueError, RecursionError):
-            await self.app(scope, _replay(body, receive), send)  # FastAPI's refusal, with its details
+            request = None  # the error, and the values it holds, are let go before FastAPI parses the body again
+        if request is None:
+            await self.app(scope, replay(body, receive), send)  # FastAPI's refusal, with its details
             return
         scope["route"] = _RESUME_ROUTE
         try:
@@ -104,20 +108,6 @@ class HotPath:
             await domain_error_response(exc)(scope, receive, send)
             return
         await respond(answer, _header(scope, b"if-none-match"))(scope, receive, send)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A ``receive`` that gives ``body`` whole once, then what ``receive`` gives (the disconnect)."""
-    given = False
-
-    async def again() -> Message:
-        nonlocal given
-        if not given:
-            given = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return again
 
 
 __all__ = ["HotPath"]

@@ -21,7 +21,7 @@ import pytest
 
 from ckptd.api.connection_table import ConnectionTable
 from ckptd.api.connections import PROBE_CONNECTIONS
-from ckptd.api.limits import BodySizeLimit
+from ckptd.api.limits import BodySizeLimit, parse_cost
 from tests.support.helpers import wait_until
 from tests.support.server import ServerHandle, start_server
 from trainer_client.core import protocol as p
@@ -299,3 +299,41 @@ def test_bodies_held_at_once_stay_under_the_budget(serve: Callable[..., ServerHa
         for sock in held:
             sock.close()
     wait_until(lambda: _body_limit(handle).in_flight == 0, timeout=10, what="the held bodies to be let go")
+
+
+def test_a_declared_body_is_charged_before_it_is_read(serve: Callable[..., ServerHandle]) -> None:
+    """Heads that declare bodies and send none yet: their sizes are charged at once, so a third is refused before
+    any of them sends a byte (bodies sent with the token were read first and charged after, piece by piece)."""
+    handle = serve(max_body_bytes=64 << 10, max_body_bytes_in_flight=128 << 10, body_timeout_s=30.0)
+    head = (b"POST /v1/jobs/meta/events HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 64000\r\n\r\n")
+    held = [_send(handle, head) for _ in range(2)]
+    try:
+        limit = _body_limit(handle)
+        wait_until(lambda: limit.in_flight == 128_000, timeout=10, what="two declared bodies charged")
+        with _send(handle, head) as sock:
+            status, body, took = _answer(sock)
+            error = _error(status, body, p.ErrorCode.BUSY)
+            assert error.detail == {"max_body_bytes_in_flight": 128 << 10} and took < 5
+    finally:
+        for sock in held:
+            sock.close()
+    wait_until(lambda: _body_limit(handle).in_flight == 0, timeout=10, what="the declared bodies let go")
+
+
+def test_json_that_would_take_more_than_the_budget_to_parse_is_refused_unparsed(
+    serve: Callable[..., ServerHandle],
+) -> None:
+    """60 KB of ``[{}, {}, ...]`` is within the size limit, and Python's parse of it takes ~60 times that: 413
+    before it is parsed (it was parsed, then refused as not a request)."""
+    handle = serve(max_body_bytes=64 << 10, max_body_bytes_in_flight=1 << 20)
+    costly = b'{"events": [' + b",".join([b"{}"] * 20_000) + b"]}"
+    assert len(costly) < 64 << 10 and len(costly) + parse_cost(costly) > 1 << 20
+    with httpx.Client(base_url=handle.url, timeout=10) as http:
+        response = http.post("/v1/jobs/meta/events", content=costly, headers={"content-type": "application/json"})
+        error = _error(response.status_code, response.content, p.ErrorCode.PAYLOAD_TOO_LARGE)
+        assert error.detail == {"max_body_bytes_in_flight": 1 << 20}
+        # a batch of the ordinary size is parsed and judged on its content
+        ordinary = http.post("/v1/jobs/meta/events", json={"events": [{"kind": "start", "time": 1.0}] * 100})
+        assert ordinary.status_code != 413, ordinary.text
+    assert _body_limit(handle).in_flight == 0

@@ -113,7 +113,7 @@ def test_a_body_not_sent_as_json_is_a_415_and_one_that_is_not_json_says_so(clien
         assert response.status_code != 415, (content_type, response.text)  # read as JSON, judged on content
     error = _error(client.post("/v1/jobs/fresh/resume", content=b"{oops", headers={"content-type": "application/json"}),
                    p.ErrorCode.INVALID_REQUEST)
-    assert error.message.startswith("the body is not valid JSON: Expecting property name enclosed in double quotes")
+    assert error.message == "the body is not valid JSON: key must be a string (at byte 1)"
     schema = client.get("/openapi.json").json()
     assert "415" in schema["paths"][p.ROUTE_RESUME]["post"]["responses"]
     assert "415" in schema["paths"][p.ROUTE_EVENTS]["post"]["responses"]

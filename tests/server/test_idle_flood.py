@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from ckptd.api.connections import PROBE_CONNECTIONS
-from tests.support.chaos_support import CkptdProcess
+from tests.support.chaos_support import CkptdProcess, serving_empty_job
 from tests.support.helpers import wait_until
 from trainer_client.core import protocol as p
 
@@ -37,16 +37,10 @@ ROUNDS = 9
 
 @pytest.fixture
 def ckptd(tmp_path: Path) -> Iterator[CkptdProcess]:
-    (tmp_path / "root" / "job").mkdir(parents=True)
+    # a short head deadline: the old server closed and the flood reopened its sockets faster, as in the issue
     env = {"CKPTD_TOKEN": TOKEN, "CKPTD_MAX_CONNECTIONS": str(MAX_CONNECTIONS), "CKPTD_HEADER_TIMEOUT_S": "2"}
-    # (a short head deadline: the old server closed and the flood reopened its sockets faster, as in the issue)
-    proc = CkptdProcess(tmp_path / "root", tmp_path / "state", log_path=tmp_path / "ckptd.log", env=env)
-    proc.start()
-    try:
-        proc.wait_ready()
+    with serving_empty_job(tmp_path, env) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 class IdleFlood:

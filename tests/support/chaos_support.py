@@ -18,6 +18,8 @@ import subprocess
 import sys
 import time
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -167,12 +169,27 @@ class CkptdProcess:
             return ""
 
 
+@contextmanager
+def serving_empty_job(tmp_path: Path, env: dict[str, str]) -> Iterator[CkptdProcess]:
+    """``ckptd serve`` with ``env`` over a root in ``tmp_path`` holding one job without steps (``job``), ready;
+    stopped after."""
+    (tmp_path / "root" / "job").mkdir(parents=True)
+    proc = CkptdProcess(tmp_path / "root", tmp_path / "state", log_path=tmp_path / "ckptd.log", env=env)
+    proc.start()
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
 __all__ = [
     "BATCH",
     "LONG_FORM",
     "CkptdProcess",
     "chaos_rng",
     "percentile",
+    "serving_empty_job",
     "sized",
     "state_for_step",
 ]

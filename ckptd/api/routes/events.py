@@ -16,6 +16,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from pydantic import AfterValidator, Field
 
+from ckptd.api.json_body import JsonBodyRoute
 from ckptd.api.openapi import route_doc
 from ckptd.api.services import Services
 from ckptd.catalog.job_admission import JOB_LIMIT_REASON
@@ -43,7 +44,7 @@ _KnownKind = Annotated[str, AfterValidator(_known_kind), Field(json_schema_extra
 
 
 def router(svc: Services) -> APIRouter:
-    api = APIRouter(tags=["events"], responses=_ERRORS)
+    api = APIRouter(tags=["events"], responses=_ERRORS, route_class=JsonBodyRoute)
 
     @api.post(p.ROUTE_EVENTS, response_model=p.EventAck, **route_doc("POST", p.ROUTE_EVENTS))
     def post_events(job: str, batch: p.EventBatch) -> p.EventAck:

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Header, Query
 from ckptd.api.answers import JobAnswers
 from ckptd.api.conditional import respond
 from ckptd.api.errors import ERROR_RESPONSES
+from ckptd.api.json_body import JsonBodyRoute
 from ckptd.api.openapi import route_doc
 from ckptd.api.services import Services
 from trainer_client.core import protocol as p
@@ -28,7 +29,7 @@ _NOT_MODIFIED: dict[int | str, dict[str, Any]] = {
 
 
 def router(svc: Services, answers: JobAnswers) -> APIRouter:
-    api = APIRouter(tags=["jobs"], responses=ERROR_RESPONSES)
+    api = APIRouter(tags=["jobs"], responses=ERROR_RESPONSES, route_class=JsonBodyRoute)
     cat = svc.catalog
 
     @api.get(p.ROUTE_JOBS, response_model=p.JobList, **route_doc("GET", p.ROUTE_JOBS))
