@@ -12,6 +12,7 @@ route passes a ``WorkBudget`` (``ckptd.advisor.budget``) that bounds the simulat
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -130,8 +131,9 @@ def resolve_inputs(query: AdviceQuery, history: JobHistory | None = None, *,
     """Every input with its value and source: given > history > derived/default. Raises MissingInputs, for fewer
     inputs with ``assume`` (``assumed_inputs``)."""
     given = query.model_dump(exclude_none=True)
-    if all(k in given for k in FAILURE_RATE):
-        raise ValueError("give either mtbf_hours or failures_per_slice_day, not both")
+    # Rules between inputs that the query's schema cannot state are given a meaning, never refused (docs/planning.md,
+    # "Inputs and their ranges"): with both failure rates the job's MTBF, what the simulation runs on, sets the rate.
+    unused_rate = given.pop("failures_per_slice_day") if all(k in given for k in FAILURE_RATE) else None
     out = {k: AdviceInput(value=v, unit=_unit(k), source="given") for k, v in given.items()}
     for name, measured in (history.values() if history else {}).items():
         if name not in out:
@@ -151,16 +153,24 @@ def resolve_inputs(query: AdviceQuery, history: JobHistory | None = None, *,
 
     val = {k: float(v.value) for k, v in out.items()}
     slices = val["slices"]
-    if val["min_slices"] > slices:
-        raise ValueError(f"min_slices ({val['min_slices']:g}) exceeds slices ({slices:g})")
+    if val["min_slices"] > slices:  # a resized job never runs on fewer than all of its slices: it never shrinks
+        out["min_slices"] = AdviceInput(value=slices, unit=_unit("min_slices"), source="derived",
+                                        note=f"{val['min_slices']:g} ({out['min_slices'].source}) is more than the "
+                                        f"job's {slices:g} slices: all of them (a resized job never shrinks)")
     if "mtbf_hours" in out:
-        derive("failures_per_slice_day", 24.0 / (val["mtbf_hours"] * slices), "24 h / (MTBF x slices)")
+        derive("failures_per_slice_day", 24.0 / (val["mtbf_hours"] * slices), "24 h / (MTBF x slices)" + (
+            f"; the {unused_rate:g} given is not used: mtbf_hours, given too, sets the failure rate"
+            if unused_rate is not None else ""))
     else:
         derive("mtbf_hours", 24.0 / (val["failures_per_slice_day"] * slices), "24 h / (rate x slices)")
     mtbf_hours = float(out["mtbf_hours"].value)
-    if not MIN_MTBF_HOURS <= mtbf_hours <= MAX_MTBF_HOURS:
-        raise ValueError(f"the job's MTBF ({mtbf_hours:.3g} h from the failure rate and {slices:g} slices) is outside "
-                         f"{MIN_MTBF_HOURS * 60:g} min .. {MAX_MTBF_HOURS:g} h")
+    bounded = min(max(mtbf_hours, MIN_MTBF_HOURS), MAX_MTBF_HOURS)
+    if bounded != mtbf_hours:  # a rate and a slice count each in range can make a job's MTBF outside it
+        was = out["mtbf_hours"]
+        out["mtbf_hours"] = AdviceInput(
+            value=bounded, unit=_unit("mtbf_hours"), source="derived",
+            note=f"{mtbf_hours:.3g} h ({was.note or was.source}) is outside {MIN_MTBF_HOURS * 60:g} min .. "
+            f"{MAX_MTBF_HOURS:g} h: advised at the bound")
     derive("memory_restore_time_s", val["save_stall_s"], "assumption: = save stall (same bytes, same link)")
     derive("resize_recovery_time_s", val["recovery_time_s"], "assumption: = recovery time")
     derive("scale_up_time_s", float(out["memory_restore_time_s"].value) + float(out["resize_recovery_time_s"].value),
@@ -286,7 +296,9 @@ def optimize(plan: Plan, policy: Policy, *, points: int = 13) -> PolicyAdvice:
     schedule = plan.schedule(best)
     if plan.memory_tier:
         first = schedule.multiple
-        multiples = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, first} & set(range(1, 4 * first + 2)))
+        # (a filter, not a set of range(4 * first): a save stall of 0 makes ``first`` ~1e10, and that set took
+        # every byte of memory the host had)
+        multiples = sorted(m for m in {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, first} if m <= 4 * first + 1)
         tried = [(plan.run(policy, plan.schedule(best, j)).goodput, -j) for j in multiples]
         schedule = plan.schedule(best, -max(tried)[1])
     final = plan.run(policy, schedule)
@@ -327,7 +339,10 @@ def advise(query: AdviceQuery, history: JobHistory | None = None, *, job: str | 
     plan = make_plan(inputs, budget)
     # Runs: per policy the sweep, the persistent multiples (at most 13), the final one; then the current period.
     runs = len(POLICIES) * (len(_grid(plan, points)) + (13 if plan.memory_tier else 0) + 1) + 1
-    plan.budget.reserve(plan.horizon / plan.mtbf, runs)
+    share = plan.budget.share(runs)  # failures one run may simulate; the horizon is cut to fit it
+    asked = plan.horizon
+    if share is not None and plan.horizon / plan.mtbf > share:
+        plan = dataclasses.replace(plan, horizon=share * plan.mtbf)
     policies = [optimize(plan, policy, points=points) for policy in POLICIES]
     best = max(policies, key=lambda a: a.goodput_per_chip)
     current = None
@@ -335,6 +350,14 @@ def advise(query: AdviceQuery, history: JobHistory | None = None, *, job: str | 
         period = float(inputs["checkpoint_period_steps"].value) * plan.step
         current = plan.run(best.policy, Schedule(period)).goodput
     reasoning, disagreement = explain(plan, inputs, policies, best, current)
+    if plan.horizon < asked:
+        reasoning.append(f"Simulated {plan.horizon / DAY:.3g} days per point ({share:.0f} failures), not the "
+                         f"{asked / DAY:.3g} asked (min_failures, horizon_days): ckptd simulates at most "
+                         f"{plan.budget.max_failures} failures per answer (CKPTD_ADVICE_MAX_FAILURES).")
+    if plan.budget.cut_short:
+        reasoning.append(f"{plan.budget.cut_short} simulated runs ended early, at twice their share of failures: "
+                         "recoveries that failures keep interrupting (detection, restore or recompile close to the "
+                         "MTBF) leave such a job hardly training.")
     return Advice(
         job=job, inputs=dict(sorted(inputs.items())), mtbf_hours=plan.mtbf / 3600.0, young_daly=plan.yd,
         policies=policies, recommended=best.policy, reasoning=reasoning, disagreement=disagreement,

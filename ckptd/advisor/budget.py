@@ -3,10 +3,12 @@
 Why it exists: the simulator's cost is per failure (``ckptd.advisor.simulator``), and inputs inside their
 physical ranges can still ask for millions of failures (a minute's MTBF over ten years) or a recovery that
 failures keep restarting. On the server one request must not hold a thread for long (docs/planning.md,
-"Bounded work"), so every answer carries a ``WorkBudget``: the advisor refuses up front what it can
-estimate (``reserve``: ``422 INVALID_REQUEST`` naming the inputs to lower), and the simulator charges
-every failure it simulates (``charge``): past twice the estimate it stops the same way, past the deadline
-or when told to stop (the client left, the server is shutting down) with ``503 BUSY``.
+"Bounded work"), so every answer carries a ``WorkBudget``: the advisor splits its failures over the runs it
+will simulate (``share``) and shortens the simulated horizon to fit, and a run that passes twice its share
+(recoveries that failures keep interrupting) ends there (``cut_short`` counts them): the answer says so; a
+valid request is answered, not refused. The simulator charges every failure it simulates (``charge``): past
+the deadline or when told to stop (the client left, the server is shutting down) it stops with
+``503 BUSY``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 
-from ckptd.errors import Busy, InvalidRequest
+from ckptd.errors import Busy
 
 _CHECK_EVERY = 256  # failures between two looks at the clock (~5 ms of simulation)
 
@@ -29,24 +31,17 @@ class WorkBudget:
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.stop = stop if stop is not None else threading.Event()
         self.failures = 0
+        self.per_run: float | None = None  # failures one run may simulate (``share``); a run ends at twice that
+        self.cut_short = 0  # runs that ended there
 
-    def reserve(self, estimated: float, runs: int) -> None:
-        """Refuse before simulating when ``runs`` runs of ``estimated`` failures each exceed the cap."""
-        if self.max_failures is not None and estimated * runs > self.max_failures:
-            raise InvalidRequest(
-                f"these inputs need about {estimated * runs:.3g} simulated failures ({runs} runs of "
-                f"{estimated:.3g}: the horizon over the MTBF); ckptd simulates at most {self.max_failures} per "
-                "answer: lower min_failures or horizon_days, or give a longer MTBF",
-                {"estimated_failures": round(estimated * runs), "max_failures": self.max_failures})
+    def share(self, runs: int) -> float | None:
+        """Split the cap over ``runs`` runs: the failures each may simulate (``None``: no cap)."""
+        self.per_run = None if self.max_failures is None else self.max_failures / runs
+        return self.per_run
 
     def charge(self) -> None:
-        """One simulated failure; raises once the budget is spent."""
+        """One simulated failure; raises ``Busy`` when told to stop or past the deadline (looked at every few)."""
         self.failures += 1
-        if self.max_failures is not None and self.failures > 2 * self.max_failures:
-            raise InvalidRequest(
-                f"the simulation passed {2 * self.max_failures} failures (recoveries that failures keep "
-                "interrupting: detection, restore or recompile times close to the MTBF); lower them or give a "
-                "longer MTBF", {"max_failures": self.max_failures})
         if self.failures % _CHECK_EVERY == 0:
             self.check()
 

@@ -173,6 +173,8 @@ class _Run:
                  horizon: float, seed: int, budget: WorkBudget) -> None:
         self.job, self.policy, self.failures, self.horizon = job, policy, failures, horizon
         self.budget = budget
+        self.limit = None if budget.per_run is None else 2 * budget.per_run  # failures this run may simulate
+        self.charged = 0
         self.memory_tier = schedule.memory_period is not None
         self.tm, self.j = schedule.base, schedule.multiple
         self._rng = np.random.default_rng(seed + 1_000_003)
@@ -210,6 +212,10 @@ class _Run:
     def _fail(self, running: bool) -> None:
         """A failure at ``self.t``: a slice goes for repair and work falls back to the restore point."""
         self.budget.charge()
+        self.charged += 1
+        if self.limit is not None and self.charged >= self.limit and self.horizon > self.t:
+            self.horizon = self.t  # twice its share of the budget: the run ends here (recoveries never finishing)
+            self.budget.cut_short += 1
         self.failures.consume()
         if self.exposed <= 0:
             return  # a replayed failure with no slice left to hit

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 
 from ckptd.advisor.advisor import advise
 from ckptd.advisor.budget import WorkBudget
-from ckptd.errors import Busy, InvalidRequest
+from ckptd.errors import Busy
 from tests.support.chaos_support import CkptdProcess
 from tests.support.helpers import wait_until
 from tests.support.orbax_steps import training_metadata, write_orbax_jobs
@@ -64,8 +64,8 @@ def _advice(client: TestClient | httpx.Client, **query: Any) -> httpx.Response:
     {"mtbf_hours": "nan"},
     {"mtbf_hours": 1, "step_time_s": 1e-300},
     {"mtbf_hours": 1, "checkpoint_period_steps": 10**30},
-    # in range one by one, a job failing every 0.9 ms together
-    {"failures_per_slice_day": 10_000, "slices": 10_000},
+    # (in range one by one and a job failing every 0.9 ms together is advised at the MTBF's bound, and more
+    # simulation than the budget on a shorter horizon: tests/server/test_schema_rules.py)
 ])
 def test_out_of_range_inputs_are_refused_at_once(client: TestClient, query: dict[str, Any]) -> None:
     started = time.monotonic()
@@ -73,17 +73,6 @@ def test_out_of_range_inputs_are_refused_at_once(client: TestClient, query: dict
     assert time.monotonic() - started < 5.0  # refused before any simulation (2.6 s seen with the cores busy)
     assert resp.status_code == 422, resp.text
     assert p.ErrorBody.model_validate(resp.json()).code is p.ErrorCode.INVALID_REQUEST
-
-
-def test_inputs_that_need_too_much_simulation_are_refused_before_it_starts(client: TestClient) -> None:
-    # a one-minute MTBF over ten years: millions of failures per simulated point
-    started = time.monotonic()
-    resp = _advice(client, **COSTS, mtbf_hours=1 / 60, horizon_days=3650)
-    assert time.monotonic() - started < 2.0
-    assert resp.status_code == 422, resp.text
-    body = p.ErrorBody.model_validate(resp.json())
-    assert body.code is p.ErrorCode.INVALID_REQUEST and "horizon_days" in body.message
-    assert body.detail is not None and body.detail["estimated_failures"] > body.detail["max_failures"]  # type: ignore[operator]
 
 
 def test_a_simulation_past_its_deadline_answers_503_with_retry_after(client: TestClient) -> None:
@@ -105,8 +94,10 @@ def test_the_budget_bounds_a_recovery_that_failures_keep_interrupting() -> None:
     assert all(a.goodput < 0.01 for a in advice.policies)  # it never trains: the answer says so
     with pytest.raises(Busy):
         advise(p.AdviceQuery(**SLOW), budget=WorkBudget(timeout_s=0.2))
-    with pytest.raises(InvalidRequest, match="min_failures"):
-        advise(p.AdviceQuery(**SLOW), budget=WorkBudget(max_failures=100_000))
+    # more than the budget: simulated on a shorter horizon, within it, quickly
+    started = time.monotonic()
+    shorter = advise(p.AdviceQuery(**SLOW), budget=WorkBudget(max_failures=100_000))
+    assert time.monotonic() - started < 10.0 and any("CKPTD_ADVICE_MAX_FAILURES" in r for r in shorter.reasoning)
 
 
 # ---- advice never starves the resume path; a wedged pool fails liveness -------------------------------------

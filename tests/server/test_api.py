@@ -279,8 +279,9 @@ def test_resume_errors(client: TestClient) -> None:
     assert_error(resume(client, "plain", alive_devices=8, step=99), p.ErrorCode.STEP_NOT_FOUND)
     assert_error(resume(client, "empty", alive_devices=8), p.ErrorCode.NO_GOOD_CHECKPOINT)
     assert_error(resume(client, "nope", alive_devices=8), p.ErrorCode.JOB_NOT_FOUND)
+    # slices that do not hold alive_devices are not an error: planned for alive_devices (test_schema_rules.py)
     mismatch = resume(client, "plain", alive_devices=6, slices=[{"index": 0, "devices": 2}])
-    assert_error(mismatch, p.ErrorCode.INVALID_REQUEST)
+    assert mismatch.status_code == 200 and mismatch.json()["slices_used"] == []
 
 
 # ---- bad input: 4xx with the error body, never a 500 -----------------------------------------------

@@ -272,6 +272,29 @@ def plan_mesh(
     )
 
 
+def slices_alive(request: ResumeRequest) -> tuple[list[SliceAlive] | None, list[str]]:
+    """The slices a request lists, each once, and what the plan notes about them (docs/protocol.md, "Resume").
+
+    Entries of one index add up (a slice's devices may be listed in parts, one entry per host). The plan is
+    always for ``alive_devices``; slices that hold another number of devices cannot say where those are, so
+    none is named (``slices_used`` and ``idle_slices`` empty) and a note says why. A schema cannot state
+    either rule, and a request it calls valid is answered, not refused."""
+    if request.slices is None:
+        return None, []
+    devices: dict[int, int] = {}
+    for entry in request.slices:
+        devices[entry.index] = devices.get(entry.index, 0) + entry.devices
+    notes = []
+    if len(devices) < len(request.slices):
+        notes.append("a slice is listed more than once: its entries were added up")
+    held = sum(devices.values())
+    if held != request.alive_devices:
+        notes.append(f"alive_devices={request.alive_devices} but the slices listed hold {held} devices: planned for "
+                     "alive_devices, naming no slice")
+        return None, notes
+    return [SliceAlive(index=i, devices=n) for i, n in sorted(devices.items())], notes
+
+
 def assign_slices(slices: list[SliceAlive] | None, used: int) -> tuple[list[int], list[SliceAlive]]:
     """Which slices' devices form a mesh of ``used`` devices (whole slices first), and what stays idle."""
     if not slices:
@@ -311,13 +334,7 @@ def resume_plan(
     saved_mesh = saved_layout[0] or (training.mesh if training is not None else None)
     saved_arrays = saved_layout[1] or (dict(training.arrays) if training is not None else {})
     alive = request.alive_devices
-    if request.slices is not None and sum(s.devices for s in request.slices) != alive:
-        raise PlanningError(
-            ErrorCode.INVALID_REQUEST,
-            f"alive_devices={alive} but the slices listed hold {sum(s.devices for s in request.slices)} devices",
-        )
-    if request.slices is not None and len({s.index for s in request.slices}) != len(request.slices):
-        raise PlanningError(ErrorCode.INVALID_REQUEST, "a slice index is listed twice")
+    slices, slice_notes = slices_alive(request)
     if saved_mesh is None:
         raise PlanningError(
             ErrorCode.NO_VALID_MESH,
@@ -330,10 +347,10 @@ def resume_plan(
         device_memory_bytes=request.device_memory_bytes, headroom_bytes=request.memory_headroom_bytes,
     )
     batch = _batch_for(training, saved_mesh, planned.mesh, request.batch)
-    notes = [*identity, *planned.notes]
+    notes = [*identity, *slice_notes, *planned.notes]
     if batch is not None and batch.note:
         notes.append(batch.note)
-    slices_used, idle_slices = assign_slices(request.slices, planned.mesh.size)
+    slices_used, idle_slices = assign_slices(slices, planned.mesh.size)
     return ResumePlan(
         job=job,
         step=step,
@@ -394,4 +411,5 @@ __all__ = [
     "memory_snapshot_plan",
     "plan_mesh",
     "resume_plan",
+    "slices_alive",
 ]

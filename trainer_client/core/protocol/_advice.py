@@ -58,10 +58,11 @@ class AdviceQuery(_Model):
     mtbf_hours: Annotated[float, Field(ge=MIN_MTBF_HOURS, le=MAX_MTBF_HOURS)] | None = Field(
         default=None, description="mean time between job failures")
     failures_per_slice_day: Annotated[float, Field(ge=1e-6, le=1e4)] | None = Field(
-        default=None, description="failure rate of one slice (instead of mtbf_hours)")
+        default=None, description="failure rate of one slice, instead of mtbf_hours (given both, mtbf_hours sets the "
+        "rate); with slices it makes the job's MTBF, advised at its bound (1 min .. 10^6 h) when outside it")
     spares: Annotated[int, Field(ge=1, le=10_000)] | None = Field(default=None, description="hot spares (spare policy)")
     min_slices: Annotated[int, Field(ge=1, le=1_000_000)] | None = Field(
-        default=None, description="fewest slices a resized job runs on")
+        default=None, description="fewest slices a resized job runs on (more than slices: all of them)")
     degraded_efficiency: Annotated[float, Field(ge=0.01, le=1)] | None = Field(
         default=None, description="throughput on k of N slices is k/N times this")
     host_loss_fraction: Annotated[float, Field(ge=0, le=1)] | None = Field(

@@ -163,7 +163,11 @@ class ResumeRequest(_Request):
 
     policy: Literal["pause", "resize"] = "resize"
     alive_devices: Annotated[int, Field(ge=0, le=1_000_000)]
-    slices: list[SliceAlive] | None = Field(default=None, max_length=100_000)
+    slices: list[SliceAlive] | None = Field(
+        default=None, max_length=100_000,
+        description="the alive devices by slice (entries of one index add up); the plan is for alive_devices, and "
+        "names no slice (slices_used, idle_slices empty, with a note) when these hold another number of devices",
+    )
     step: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = None
     device_memory_bytes: Annotated[int, Field(ge=1)] | None = Field(
         default=None, description="memory of one device; when given the plan checks the state fits"
