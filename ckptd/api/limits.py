@@ -188,7 +188,7 @@ def give_back_freed_memory() -> None:
 
     glibc keeps freed memory for reuse: after sixteen 8 MiB bodies ckptd stayed 50-400 MB above where it began,
     though Python had freed everything. Called when no body is in memory any more, after at least
-    ``TRIM_AFTER_BYTES`` of them (a fraction of a millisecond)."""
+    ``TRIM_AFTER_BYTES`` of them (1-5 ms on the event loop, measured)."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
 
