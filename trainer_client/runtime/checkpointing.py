@@ -358,7 +358,7 @@ def restore(step_path: str, target: PyTree, item: str | None = None, *, direct: 
         if not isinstance(target, Mapping) or set(target) != set(items):
             raise ValueError(f"{step_path} holds the array items {items}: the target must be a dict of them")
         return {name: restore(step_path, target[name], name, direct=direct, host_bytes=budget) for name in items}
-    item_path = join_path(step_path, items[0])
+    item_path = join_path(step_path, items[0]) if items[0] else step_path  # '': the step is the item
     values = [is_value(leaf) for leaf in jax.tree_util.tree_leaves(target)]
     if direct and "://" not in step_path:
         try:
