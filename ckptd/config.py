@@ -13,12 +13,11 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from ckptd.catalog.retention import RetentionPolicy
-from ckptd.catalog.snapshots import DEFAULT_NICE
 from trainer_client.core import protocol as p
 
 # The value deploy/k8s/secret.example.yaml shows; a token starting like it was copied, not generated.
 PLACEHOLDER_TOKEN_PREFIX = "REPLACE-WITH"
+DEFAULT_PERSIST_NICE = 10  # how far below ckptd the persist worker runs, unless CKPTD_PERSIST_NICE says otherwise
 
 
 def token_problem(token: str) -> str | None:
@@ -148,7 +147,7 @@ class Settings(BaseSettings):
         description="fake CPU devices the persist worker writes a snapshot's shards from, in parallel",
     )
     persist_nice: int = Field(
-        default=DEFAULT_NICE, ge=0, le=19,
+        default=DEFAULT_PERSIST_NICE, ge=0, le=19,
         description="the persist worker runs this many nice steps below ckptd: the trainer wins the host's cores",
     )
     advice_workers: int = Field(
@@ -188,10 +187,6 @@ class Settings(BaseSettings):
     def read_only_job_names(self) -> frozenset[str]:
         """``read_only_jobs`` as a set of names."""
         return frozenset(name.strip() for name in self.read_only_jobs.split(",") if name.strip())
-
-    def retention(self) -> RetentionPolicy:
-        return RetentionPolicy(keep_last=self.keep_last, keep_every=self.keep_every,
-                               keep_newer_than_s=self.keep_newer_than_s, clean_abandoned=self.clean_abandoned)
 
     @model_validator(mode="after")
     def _read_token_file(self) -> Settings:
@@ -246,4 +241,4 @@ class CliSettings(BaseSettings):
     )
 
 
-__all__ = ["PLACEHOLDER_TOKEN_PREFIX", "CliSettings", "Settings", "token_problem"]
+__all__ = ["DEFAULT_PERSIST_NICE", "PLACEHOLDER_TOKEN_PREFIX", "CliSettings", "Settings", "token_problem"]

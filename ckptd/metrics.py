@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import threading
 from collections import Counter as Multiset
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
-from ckptd.catalog.catalog import Catalog
-from ckptd.catalog.event_summary import EventStats, Stat
+from ckptd.event_stats import EventStats, Stat
 from ckptd.process_metrics import ProcessTreeCollector
-from trainer_client.core.protocol import EVENT_KINDS, StepState, StoredEvent
+from trainer_client.core.protocol import EVENT_KINDS, JobInfo, StepState, StoredEvent
 
 # The training job's label. Not ``job``: Prometheus gives every scraped series its own ``job`` label (the
 # scrape job: the PodMonitoring or the Service) and renames a clashing one to ``exported_job``, so the alerts,
@@ -42,6 +42,32 @@ JOB_LABEL = "ckpt_job"
 _KNOWN_KINDS = frozenset(EVENT_KINDS)
 _SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 _STALL = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class LeaseRole(Protocol):
+    """What the lease gauges read of one job's lease (``ckptd.catalog.lease.LeaseView``)."""
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def epoch(self) -> int | None: ...
+
+
+class Leases(Protocol):
+    def views(self) -> Mapping[str, LeaseRole]: ...
+
+
+class CatalogView(Protocol):
+    """What a scrape reads of the catalog (``ckptd.catalog.catalog.Catalog``): passed in, so that the metrics
+    import nothing of the catalog."""
+
+    @property
+    def lease(self) -> Leases | None: ...
+
+    def jobs(self) -> list[JobInfo]: ...
+
+    def states(self, job: str) -> dict[str, StepState]: ...
 
 
 class Metrics:
@@ -121,7 +147,7 @@ class Metrics:
         _replay(self.recovery_seconds.labels(job), stored.recovery_seconds, live.recovery_seconds)
         _replay(self.save_stall.labels(job), stored.save_stall_seconds, live.save_stall_seconds)
 
-    def render(self, catalog: Catalog) -> bytes:
+    def render(self, catalog: CatalogView) -> bytes:
         """The text exposition, with the catalog gauges refreshed from SQLite first. Per-job series exist for
         the catalogued jobs only (at most ``max_jobs``): those of a job gone from the catalog are dropped."""
         self.latest_good.clear()  # jobs and steps that left storage must leave the metrics too
@@ -174,4 +200,4 @@ def _replay(histogram: Histogram, stored: Stat, live: Stat) -> None:
             histogram.observe(mean)
 
 
-__all__ = ["JOB_LABEL", "Metrics"]
+__all__ = ["JOB_LABEL", "CatalogView", "Metrics"]

@@ -1,4 +1,5 @@
-"""The sidecar's HTTP service: ``create_app(settings)`` builds the FastAPI app over a catalog.
+"""The sidecar's HTTP service: ``create_app(settings)`` builds the FastAPI app over a sidecar (``ckptd/sidecar.py``:
+the catalog and its workers, built by the composition root).
 
 Routes and wire models come from ``trainer_client.core.protocol``; each route group is one router
 (``ckptd/api/routes/``) made from the app's ``Services``; every failure leaves as the one ``ErrorBody``
@@ -25,16 +26,21 @@ from ckptd.api.routes import advice, dashboard, events, health, jobs
 from ckptd.api.services import build_services
 from ckptd.catalog.catalog import Catalog
 from ckptd.config import Settings
+from ckptd.sidecar import Sidecar, build_sidecar
 from trainer_client.core import protocol as p
 
 
-def create_app(settings: Settings, catalog: Catalog | None = None, *, background: bool = True) -> FastAPI:
-    """Build the ckptd app for ``settings``.
+def create_app(settings: Settings, catalog: Catalog | None = None, *, background: bool = True,
+               sidecar: Sidecar | None = None) -> FastAPI:
+    """Build the ckptd app for ``settings`` over ``sidecar`` (what ``ckptd serve`` built: ``ckptd/sidecar.py``).
 
-    ``catalog`` may be given (tests); otherwise one is opened over ``settings.root``. With
-    ``background`` the catalog is rebuilt and refreshed by a thread started in the app's lifespan.
+    Without one the composition root builds it here, over ``catalog`` when given (tests), else over a catalog
+    of ``settings.root``. With ``background`` the app's lifespan starts the sidecar's workers (the catalog is
+    rebuilt, then refreshed) and stops them at shutdown.
     """
-    svc = build_services(settings, catalog)
+    if sidecar is not None and (sidecar.settings is not settings or catalog not in (None, sidecar.catalog)):
+        raise ValueError("the sidecar given was built for other settings or another catalog")
+    svc = build_services(sidecar if sidecar is not None else build_sidecar(settings, catalog))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -40,9 +40,10 @@ from typing import Literal
 
 from pydantic import ValidationError
 
-from ckptd.catalog.event_summary import SUMMARY_FILE, EventStats, EventSummary, fold, history_goodput
+from ckptd.catalog.event_summary import SUMMARY_FILE, EventSummary, fold, history_goodput
 from ckptd.catalog.event_window import EventLimits, JobWindow
 from ckptd.catalog.retention import Decision
+from ckptd.event_stats import EventStats
 from trainer_client.core.errors import StorageError
 from trainer_client.core.format.files import EVENTS_DIR
 from trainer_client.core.format.manifest import write_json_file

@@ -126,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
 
         from ckptd.api.app import create_app
         from ckptd.api.connections import server_config
+        from ckptd.sidecar import build_sidecar
 
     overrides = {name: value for name in [*_FLAGS.values(), "create_root", "read_only"]
                  if (value := getattr(args, name, None)) is not None}
@@ -150,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         sock = _bind(settings.host, settings.port)
     except OSError as exc:
         return _fail(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}", EXIT_BAD)
-    app = create_app(settings)
+    app = create_app(settings, sidecar=build_sidecar(settings))  # the composition root (ckptd/sidecar.py)
     # Answers are short; background passes (refresh, metrics, persist bookkeeping) are long and CPU-bound.
     # A 1 ms GIL switch interval (Python's default is 5 ms) keeps a background pass from adding its whole
     # slice to every GIL hand-over of an answer.

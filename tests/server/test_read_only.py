@@ -23,6 +23,7 @@ from ckptd.api.app import create_app
 from ckptd.catalog.catalog import Catalog
 from ckptd.catalog.retention import prune
 from ckptd.cli.main import main as ckptd_main
+from ckptd.sidecar import retention_policy
 from tests.support.helpers import make_settings
 from tests.support.orbax_steps import training_metadata, write_orbax_jobs
 from trainer_client.client.ckptd_client import CkptdClient
@@ -214,7 +215,7 @@ def test_retention_deletes_nothing_in_a_read_only_job(
     _unlock(read_only / "mlp")  # mlp is not read-only here: ckptd may write and delete there
     catalog = Catalog(Storage(str(read_only)), tmp_path / "c.sqlite3", read_only_jobs=settings.read_only_job_names())
     catalog.rebuild()
-    deleted = prune(catalog, settings.retention())
+    deleted = prune(catalog, retention_policy(settings))
     assert [(d.path.rsplit("/", 2)[-2], d.step) for d in deleted] == [("mlp", 10)]
     assert tree_hash(read_only / "llama") == before["llama"]
     assert (read_only / "mlp" / "20" / VERIFIED_FILE).is_file() and not (read_only / SIDE_DIR / "mlp").exists()
