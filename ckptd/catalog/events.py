@@ -46,10 +46,10 @@ from ckptd.catalog.retention import Decision
 from ckptd.event_stats import EventStats
 from trainer_client.core.errors import StorageError
 from trainer_client.core.format.files import EVENTS_DIR
-from trainer_client.core.format.manifest import write_json_file
 from trainer_client.core.format.records import SIDE_EVENTS_DIR
 from trainer_client.core.protocol import CheckpointInfo, ElasticEvent, Goodput, StoredEvent
 from trainer_client.core.storage import Storage, join_path, storage_failures
+from trainer_client.core.whole_files import write_json_file
 
 _log = logging.getLogger(__name__)
 

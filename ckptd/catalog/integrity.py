@@ -47,7 +47,6 @@ from trainer_client.core.format.manifest import (
     newest_file_time,
     quarantine_record,
     seal_manifest,
-    write_json_file,
     write_manifest,
     write_verified_record,
 )
@@ -56,6 +55,7 @@ from trainer_client.core.format.steps import StepInspection
 from trainer_client.core.protocol import StepState
 from trainer_client.core.storage import Storage, join_path
 from trainer_client.core.validation import Level, ValidationResult, parse_quarantine, read_quarantine, validate_step
+from trainer_client.core.whole_files import write_json_file
 
 _log = logging.getLogger(__name__)
 

@@ -55,8 +55,8 @@ from ckptd.catalog.lease_records import (
     released_name,
 )
 from trainer_client.core.errors import StorageError, StoredFormatError
-from trainer_client.core.format.manifest import write_json_file
 from trainer_client.core.storage import Storage, join_path
+from trainer_client.core.whole_files import write_json_file
 
 _log = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ from ckptd.catalog.retention import clean_abandoned_parts
 from ckptd.catalog.snapshots import SnapshotKeeper
 from tests.support.forged_records import forge_claim, forge_part, tree_state, write_snapshot
 from trainer_client.core.errors import StorageError, UnsafePathError
-from trainer_client.core.format.manifest import write_json_file
 from trainer_client.core.format.parts import Claim, PartInfo, part_problems, read_claim, save_parts
 from trainer_client.core.storage import Storage, join_path
+from trainer_client.core.whole_files import write_json_file
 
 
 class Recorder:

@@ -26,8 +26,8 @@ from tests.support.orbax_steps import write_orbax_jobs
 from trainer_client.core import protocol as p
 from trainer_client.core.errors import UnsafePathError
 from trainer_client.core.format.files import EVENTS_DIR
-from trainer_client.core.format.manifest import write_json_file
 from trainer_client.core.storage import Storage
+from trainer_client.core.whole_files import write_json_file
 
 TOKEN = "s3cret"
 _EVENT = {"events": [{"kind": "start", "time": 1.0}]}

@@ -30,11 +30,9 @@ plain Orbax restores a step that has them. No jax here.
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import os
 import secrets
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Literal
@@ -56,6 +54,7 @@ from trainer_client.core.format.step_files import Listed, list_files, newest_fil
 from trainer_client.core.identity import step_identity
 from trainer_client.core.protocol import ArraySpec, StepIdentity, TrainingMetadata
 from trainer_client.core.storage import Entry, Storage, join_path, storage_errors
+from trainer_client.core.whole_files import write_json_file
 
 MANIFEST_FORMAT = "ckptd-manifest/1"
 # Files that are not (or not yet) final when the manifest is written, or are ckptd's own.
@@ -161,38 +160,6 @@ def build_manifest(storage: Storage, step_path: str, *, step: int, writer: Liter
         arrays = None  # the training metadata holds them
     return Manifest(step=step, writer=writer, created_at=time.time(), files=files, arrays=arrays or {},
                     training=training, identity=step_identity(storage, step_path, training))
-
-
-def write_json_file(storage: Storage, path: str, payload: str | bytes, *, durable: bool = True,
-                    sync: Callable[[str], None] | None = None) -> None:
-    """Write a small file whole: an object store replaces objects atomically; on a local disk the file
-    is written beside and renamed over, so a crash never leaves half a manifest. Never where
-    ``Storage.writable`` refuses (``UnsafePathError``): outside the root, through a link leading out of it,
-    under a read-only job. ``durable=False`` skips the fsync, for a record whose loss in a power cut costs only
-    work (it is checksummed, so a torn one is never believed). ``sync(tmp)``, on a
-    local disk, replaces the fsync of the file written beside: it must make ``tmp`` durable before it returns
-    (the seal fsyncs it together with the step's own files: one wait instead of two)."""
-    storage.writable(path)
-    data = payload.encode("utf-8") if isinstance(payload, str) else payload
-    if storage.is_remote:
-        with storage_errors(f"cannot write {storage.url_of(path)}"):
-            storage.fs.pipe_file(path, data)  # on GCS one request (a simple upload), not a resumable one's two
-        return
-    os.makedirs(os.path.dirname(path), exist_ok=True)  # a record on the side prefix: its directory may be new
-    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if durable and sync is None:
-            f.flush()
-            os.fsync(f.fileno())
-    if sync is not None:
-        try:
-            sync(tmp)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)  # not left beside the step's files
-            raise
-    os.replace(tmp, path)
 
 
 def write_manifest(storage: Storage, step_path: str, manifest: Manifest, *, read_only: bool = False,
@@ -389,7 +356,6 @@ __all__ = [
     "read_verified_record",
     "seal_manifest",
     "training_summary",
-    "write_json_file",
     "write_manifest",
     "write_verified_record",
 ]
