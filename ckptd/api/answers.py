@@ -19,24 +19,11 @@ from ckptd.catalog.layouts import ANSWER_WAIT_S
 from ckptd.errors import NoGoodCheckpoint, NotReady, ServiceError, StepNotFound, StepNotGood
 from trainer_client.core import protocol as p
 from trainer_client.core.errors import PlanningError
-from trainer_client.core.format.snapshot import newest_whole
-from trainer_client.core.planner import memory_snapshot_plan
+from trainer_client.core.resume_decision import STORAGE, Candidate, Refusal, decide, memory_candidate
 from trainer_client.core.step_plan import plan_for_step
 
 # Refusals that name no catalogued job: not counted per job (a label per unknown name would grow without bound).
 _NOT_A_JOB = frozenset({p.ErrorCode.INVALID_JOB_NAME, p.ErrorCode.JOB_NOT_FOUND, p.ErrorCode.NOT_READY})
-
-
-def _good_step(svc: Services, job: str, request: p.ResumeRequest, info: p.CheckpointInfo | None) -> p.CheckpointInfo:
-    if info is None:
-        if request.step is None:
-            raise _none_yet(svc, job)
-        raise StepNotFound(job, request.step)
-    if info.state is p.StepState.COMMITTED:
-        raise _pending(job, info.step)
-    if info.state is not p.StepState.VERIFIED:
-        raise StepNotGood(f"step {request.step} of job {job!r} is {info.state.value}: {info.reason}")
-    return info
 
 
 def _none_yet(svc: Services, job: str) -> ServiceError:
@@ -110,28 +97,66 @@ class JobAnswers:
         return tag(self._plan(job, request), "resume", job, asked)
 
     def _plan(self, job: str, request: p.ResumeRequest) -> bytes:
-        """The resume plan's bytes, from checks made now."""
+        """The resume plan's bytes, from checks made now: what each tier holds, handed to the one decision
+        (trainer_client/core/resume_decision.py) that the client's storage fallback makes too."""
         self.svc.check_job(job)
         self.cat.refresh_job(job, quick=True)  # the newest committed step, even if the last periodic scan missed it
-        shm_dir = self.svc.settings.shm_dir
-        snapshot = newest_whole(shm_dir, job, at_most=request.step) if request.use_memory_tier else None
-        if snapshot is not None and request.step is not None and snapshot[1].step != request.step:
-            snapshot = None
+        held: list[Candidate[bytes]] = []
+        memory = memory_candidate(self.svc.settings.shm_dir, job, request)
+        if memory is not None:
+            held.append(memory.then(lambda plan: plan.model_dump_json().encode()))
+        stored = self._stored(job, request)
+        if stored is not None:
+            held.append(stored)
+        decided = decide(held, request)
+        if isinstance(decided, Refusal):
+            raise _refused(job, decided)
+        return decided
+
+    def _stored(self, job: str, request: p.ResumeRequest) -> Candidate[bytes] | None:
+        """The storage tier's candidate: the newest verified step (or the step asked for, in whatever state
+        the catalog holds it), confirmed on storage; or, with none verified, the newest one committed and
+        still being verified."""
         cat = self.cat
         info = cat.confirmed_latest_good(job) if request.step is None else cat.confirmed_step(job, request.step)
-        if snapshot is not None and (info is None or info.state is not p.StepState.VERIFIED
-                                     or snapshot[1].step >= info.step):
-            return memory_snapshot_plan(job=job, request=request, snapshot=snapshot).model_dump_json().encode()
-        good = _good_step(self.svc, job, request, info)
-        # the step's read_step_layout, read once and kept; a read already running is waited for briefly, then
-        # 503 BUSY (ckptd/catalog/layouts.py)
-        layout = self.cat.layout(good, wait_s=ANSWER_WAIT_S)
-        return self.svc.plans.answer(  # planned once per (step, request): ckptd/api/plan_cache.py
-            good.path, request.model_dump_json(), layout,
-            # the one planner `ckptd plan` and the client's fallback call too (trainer_client/core/step_plan.py)
-            lambda: plan_for_step(self.cat.storage, good.path, request, job=job, step=good.step,
-                                  layout=layout).model_dump_json().encode(),
-        )
+        if info is None and request.step is None:
+            info = cat.newest(job, p.StepState.COMMITTED)
+        if info is None:
+            return None
+        if info.state is p.StepState.COMMITTED:
+            return Candidate(STORAGE, info.step, refused=Refusal(p.ErrorCode.NOT_READY, step=info.step))
+        if info.state is not p.StepState.VERIFIED:
+            return Candidate(STORAGE, info.step, refused=Refusal(
+                p.ErrorCode.STEP_NOT_GOOD, f"step {request.step} of job {job!r} is {info.state.value}: {info.reason}",
+                info.step))
+        good = info
+
+        def lay_out() -> bytes:
+            # the step's read_step_layout, read once and kept; a read already running is waited for briefly,
+            # then 503 BUSY (ckptd/catalog/layouts.py)
+            layout = cat.layout(good, wait_s=ANSWER_WAIT_S)
+            return self.svc.plans.answer(  # planned once per (step, request): ckptd/api/plan_cache.py
+                good.path, request.model_dump_json(), layout,
+                # the one planner `ckptd plan` and the client's fallback call too (trainer_client/core/step_plan.py)
+                lambda: plan_for_step(cat.storage, good.path, request, job=job, step=good.step,
+                                      layout=layout).model_dump_json().encode(),
+            )
+
+        return Candidate(STORAGE, good.step, lay_out)
+
+
+def _refused(job: str, why: Refusal) -> ServiceError | PlanningError:
+    """The error the API answers for the decision's refusal (its status: ckptd/api/errors.py)."""
+    code = why.code
+    if code is p.ErrorCode.NO_GOOD_CHECKPOINT:
+        return NoGoodCheckpoint(job)
+    if code is p.ErrorCode.STEP_NOT_FOUND and why.step is not None:
+        return StepNotFound(job, why.step)
+    if code is p.ErrorCode.NOT_READY and why.step is not None:
+        return _pending(job, why.step)
+    if code is p.ErrorCode.STEP_NOT_GOOD:
+        return StepNotGood(why.message)
+    return PlanningError(code, why.message)
 
 
 __all__ = ["JobAnswers"]

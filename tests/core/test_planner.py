@@ -11,14 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainer_client.core.dtypes import dtype_bytes
-from trainer_client.core.planner import (
-    DATA_PARALLEL_AXES,
-    array_bytes_per_device,
-    assign_slices,
-    fit_array,
-    plan_mesh,
-    resume_plan,
-)
+from trainer_client.core.planner import DATA_PARALLEL_AXES, array_bytes_per_device, fit_array, plan_mesh
 from trainer_client.core.protocol import (
     ArraySpec,
     BatchOptions,
@@ -28,6 +21,7 @@ from trainer_client.core.protocol import (
     SliceAlive,
     TrainingMetadata,
 )
+from trainer_client.core.resume_decision import assign_slices, resume_plan
 from trainer_client.errors import PlanningError
 
 SAVED = MeshSpec(axis_names=["replica", "data"], shape=[4, 2])

@@ -45,6 +45,23 @@ def test_an_outage_is_retried_then_answered_from_storage(tmp_path: Path) -> None
     assert len(seen) == 4  # RetryPolicy(max_attempts=4)
 
 
+def test_the_fallback_s_refusal_raises_what_ckptd_s_answer_raises(tmp_path: Path) -> None:
+    """One mapping from a refusal's code to the exception, whether ckptd answered it or the fallback found it:
+    a step asked for that is not there is ``CkptdRequestError`` 404 ``STEP_NOT_FOUND`` both ways."""
+    (tmp_path / "job").mkdir()
+    asked = p.ResumeRequest(alive_devices=8, step=5)
+    body = {"code": "STEP_NOT_FOUND", "message": "job 'job' has no step 5"}
+    answered, _ = _client(lambda r: httpx.Response(404, json=body), root=str(tmp_path))
+    with pytest.raises(CkptdRequestError) as by_ckptd:
+        answered.resume("job", asked)
+    down, _ = _client(lambda r: httpx.Response(503, json={"code": "NOT_READY", "message": "x"}), root=str(tmp_path))
+    with pytest.raises(CkptdRequestError) as by_fallback:
+        down.resume("job", asked)
+    for err in (by_ckptd.value, by_fallback.value):
+        assert (err.status, err.code) == (404, "STEP_NOT_FOUND")
+    assert "has no good step 5 in" in by_fallback.value.message
+
+
 def test_no_root_means_the_outage_is_raised() -> None:
     def refuse(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("refused", request=request)

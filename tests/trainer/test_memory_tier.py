@@ -30,6 +30,7 @@ from trainer_client.errors import MemoryTierFull
 from trainer_client.runtime.checkpointing import Checkpointer, leaf_name, training_metadata
 from trainer_client.runtime.direct_restore import restore_direct
 from trainer_client.runtime.elastic import ElasticConfig, ElasticRunner
+from trainer_client.runtime.elastic_config import ElasticOptions, HealthOptions, MemoryTierOptions
 from trainer_client.runtime.memory_tier import MemoryTier, restore_snapshot
 from trainer_client.runtime.slices import SimulatedSlices, SliceFault
 
@@ -360,13 +361,38 @@ def test_plans_prefer_a_whole_memory_snapshot(tmp_path: Path, ckptd_server: Any)
         assert client.resume("job", request).tier == "storage"
 
 
+def test_at_equal_steps_ckptd_and_the_fallback_both_restore_from_memory(tmp_path: Path, ckptd_server: Any) -> None:
+    """The one decision (docs/protocol.md, "Resume"): a step held both in memory and verified on storage is
+    restored from memory, by ckptd and by the client's storage fallback alike, asked for or not."""
+    shm, root = tmp_path / "shm", tmp_path / "root"
+    mesh = _mesh()
+    state = _state(mesh)
+    ck = Checkpointer(str(root / "job"))
+    ck.save(10, state, data_position=480, global_batch=48, mesh=mesh, slices=[0, 1, 2, 3])
+    ck.close()
+    MemoryTier(str(shm), "job").save(10, state, _meta(10, state, mesh), persist=False)
+    server = ckptd_server(root, shm_dir=str(shm))
+    with CkptdClient(ClientSettings(url=server.url, shm_dir=str(shm)), root=str(root)) as client:
+        deadline = time.monotonic() + 30
+        while (good := client.latest_good("job")) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert good is not None and good.step == 10  # verified on storage: a real tie
+        for request in (ResumeRequest(alive_devices=6), ResumeRequest(alive_devices=6, step=10)):
+            plan = client.resume("job", request)
+            assert (plan.source, plan.tier, plan.step) == ("ckptd", "memory", 10)
+            fallback = client.resume_from_storage("job", request)
+            assert fallback.source == "storage_scan"
+            assert fallback.model_dump(exclude={"source"}) == plan.model_dump(exclude={"source"})
+
+
 def test_the_runner_recovers_from_memory_and_persists_through_ckptd(tmp_path: Path, ckptd_server: Any) -> None:
     shm, root = tmp_path / "shm", tmp_path / "root"
     (root / "job").mkdir(parents=True)
     server = ckptd_server(root, shm_dir=str(shm), refresh_interval_s=0.2)
     config = ElasticConfig(job="job", mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=48,
-                           checkpoint_period=10, memory_period=5, shm_dir=str(shm), policy="resize",
-                           poll_interval_s=0.05, scale_up_check_interval_s=0.0, max_snapshots=3)
+                           checkpoint_period=10, elastic=ElasticOptions(policy="resize"),
+                           memory_tier=MemoryTierOptions(shm_dir=str(shm), memory_period=5, max_snapshots=3),
+                           health=HealthOptions(poll_interval_s=0.05, scale_up_check_interval_s=0.0))
     client = CkptdClient(ClientSettings(url=server.url, shm_dir=str(shm)), root=str(root))
     runner = ElasticRunner(config, slices=SimulatedSlices(num_slices=4, faults=[SliceFault(2, 17, None)]),
                            client=client, checkpoint_dir=str(root / "job"))

@@ -13,8 +13,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trainer_client.core.format.steps import latest_committed
-from trainer_client.core.planner import resume_plan
 from trainer_client.core.protocol import ResumeRequest
+from trainer_client.core.resume_decision import resume_plan
 from trainer_client.core.storage import Storage
 from trainer_client.runtime.checkpointing import Checkpointer, restore, spec_from_json
 

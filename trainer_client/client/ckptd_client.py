@@ -2,9 +2,9 @@
 
 Training never waits on the sidecar (docs/architecture.md, invariant 5): saves go through Orbax and never call ckptd.
 Only a resume needs an answer; when ckptd cannot give one before ``resume_deadline_s`` the client scans
-storage itself with the same commit rule and the same planner (``trainer_client.core.format.steps`` and
-``trainer_client.core.planner``), so the plan is the one ckptd would have given. A refusal from ckptd (its
-error body, e.g. ``NOT_ENOUGH_DEVICES``) is an answer, not an outage: it is raised, never bypassed.
+storage itself with the same commit rule and the same decision (``trainer_client.core.format.steps`` and
+``trainer_client.core.resume_decision``), so the plan is the one ckptd would have given. A refusal from ckptd
+(its error body, e.g. ``NOT_ENOUGH_DEVICES``) is an answer, not an outage: it is raised, never bypassed.
 """
 
 from __future__ import annotations
@@ -20,17 +20,18 @@ from pydantic import BaseModel, ValidationError
 from trainer_client.client.retry import RetryPolicy, retry
 from trainer_client.config import ClientSettings
 from trainer_client.core import protocol as p
-from trainer_client.core.format.snapshot import newest_whole
-from trainer_client.core.planner import memory_snapshot_plan
+from trainer_client.core.resume_decision import STORAGE, Candidate, Refusal, decide, memory_candidate
 from trainer_client.core.step_plan import plan_for_step
 from trainer_client.core.storage import Storage
 from trainer_client.core.validation import latest_good_on_storage
-from trainer_client.errors import CkptdRequestError, CkptdUnavailable, NoCheckpointError, PlanningError, StorageError
+from trainer_client.errors import CkptdError, CkptdRequestError, CkptdUnavailable, NoCheckpointError, StorageError
 
 _log = logging.getLogger(__name__)
 
 # Answers that mean "ckptd cannot answer right now", worth a retry and then the fallback.
 _UNAVAILABLE_STATUSES = {502, 503, 504}
+# Refusals that mean "no step to resume from": NoCheckpointError (once storage agrees), not CkptdRequestError.
+_NO_CHECKPOINT = frozenset({p.ErrorCode.NO_GOOD_CHECKPOINT.value, p.ErrorCode.JOB_NOT_FOUND.value})
 
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -161,7 +162,7 @@ class CkptdClient:
             return self._request("POST", p.ROUTE_RESUME.format(job=job), p.ResumePlan,
                                  json=request.model_dump(mode="json"))
         except CkptdRequestError as exc:
-            if exc.code not in (p.ErrorCode.NO_GOOD_CHECKPOINT.value, p.ErrorCode.JOB_NOT_FOUND.value):
+            if exc.code not in _NO_CHECKPOINT:
                 raise
             # Before a job starts over, make sure storage agrees: ckptd may have no good step because it
             # cannot verify them (read-only or full storage), while committed steps are there.
@@ -170,11 +171,15 @@ class CkptdClient:
                     plan = self.resume_from_storage(job, request)
                 except (NoCheckpointError, CkptdUnavailable):
                     plan = None
+                except CkptdRequestError as scanned:  # the step asked for is not on storage either
+                    if scanned.code != p.ErrorCode.STEP_NOT_FOUND.value:
+                        raise
+                    plan = None
                 if plan is not None:
                     _log.warning("ckptd has no good step of %r but storage has step %s: resuming from it (%s)",
                                  job, plan.step, exc.message)
                     return plan
-            raise NoCheckpointError(f"job {job!r}: {exc.message}") from exc
+            raise _refusal(exc.code, exc.status, f"job {job!r}: {exc.message}") from exc
         except CkptdUnavailable as exc:
             if self.root is None:
                 raise
@@ -185,7 +190,9 @@ class CkptdClient:
             return self.resume_from_storage(job, request)
 
     def resume_from_storage(self, job: str, request: p.ResumeRequest) -> p.ResumePlan:
-        """The same plan ckptd would give, computed here from storage (the fallback)."""
+        """The same plan ckptd would give, computed here (the fallback): what storage and this host's memory
+        tier hold, handed to the one decision ckptd makes too (trainer_client/core/resume_decision.py). A
+        refusal raises what ckptd's answer with that code raises (``_refusal``)."""
         if self.root is None:
             raise CkptdUnavailable("no storage root configured for the fallback scan")
         storage = Storage(self.root)
@@ -194,20 +201,28 @@ class CkptdClient:
             found = latest_good_on_storage(storage, job_path, at_most=request.step)
         except StorageError as exc:
             raise CkptdUnavailable(f"neither ckptd nor storage answered: {exc}") from exc
-        snapshot = newest_whole(self.settings.shm_dir, job, at_most=request.step) if request.use_memory_tier else None
-        if snapshot is not None and (request.step is None or snapshot[1].step == request.step) and (
-            found is None or snapshot[1].step >= found.step
-        ):
-            try:
-                return memory_snapshot_plan(job=job, request=request, snapshot=snapshot, source="storage_scan")
-            except PlanningError as exc:
-                raise CkptdRequestError(409, exc.code.value, exc.message) from exc
-        if found is None or (request.step is not None and found.step != request.step):
-            raise NoCheckpointError(f"job {job!r} has no good step in {storage.url_of(job_path)}")
-        try:  # the one planner ckptd's resume and `ckptd plan` call too (trainer_client/core/step_plan.py)
-            return plan_for_step(storage, found.path, request, job=job, step=found.step, source="storage_scan")
-        except PlanningError as exc:
-            raise CkptdRequestError(409, exc.code.value, exc.message) from exc
+        held: list[Candidate[p.ResumePlan]] = []
+        memory = memory_candidate(self.settings.shm_dir, job, request, source="storage_scan")
+        if memory is not None:
+            held.append(memory)
+        if found is not None:
+            step_path, step = found.path, found.step
+            held.append(Candidate(STORAGE, step, lambda: plan_for_step(  # the one planner of a step on storage
+                storage, step_path, request, job=job, step=step, source="storage_scan")))
+        decided = decide(held, request)
+        if not isinstance(decided, Refusal):
+            return decided
+        which = "" if decided.step is None else f" {decided.step}"
+        raise _refusal(decided.code.value, p.ERROR_STATUS[decided.code],
+                       decided.message or f"job {job!r} has no good step{which} in {storage.url_of(job_path)}")
+
+
+def _refusal(code: str, status: int, message: str) -> CkptdError:
+    """What ``resume`` raises for a refusal with ``code``, whether ckptd answered it or the fallback found it:
+    ``NoCheckpointError`` when there is no step to resume from, otherwise ``CkptdRequestError``."""
+    if code in _NO_CHECKPOINT:
+        return NoCheckpointError(message)
+    return CkptdRequestError(status, code, message)
 
 
 __all__ = ["CkptdClient"]

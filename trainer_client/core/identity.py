@@ -17,7 +17,7 @@ every manifest records them with the job (``StepIdentity``). A resume request ma
   with a note saying nothing was checked; so does a request that names no run.
 
 A refusal allowed by the request is kept in the plan's notes. One function, ``identity_notes``, called by
-the one planner (``planner.resume_plan``), so the server, ``ckptd plan`` and the client's fallback agree.
+the one plan assembly (``resume_decision.resume_plan``), so the server, ``ckptd plan`` and the client's fallback agree.
 No jax here.
 """
 

@@ -1,7 +1,9 @@
-"""The resume planner: a pure function of (saved layout, devices alive, policy, options) -> plan.
+"""The mesh planner: a pure function of (saved layout, devices alive, policy, memory) -> mesh and specs.
 
 Pure so that every host's sidecar, and the client's own fallback when the sidecar cannot answer, give
-the same answer for the same inputs. The planner
+the same answer for the same inputs. The whole plan of a step (this mesh, the batch, the slices, the
+identity notes) is assembled by ``trainer_client/core/resume_decision.py``, which also picks the step. The
+planner
 
 * keeps every model-parallel axis (any axis not named in ``DATA_PARALLEL_AXES``) at its saved size and
   resizes the data-parallel axes, ``replica`` first, then ``data``, ``dp``, ``batch`` and ``fsdp`` last
@@ -15,8 +17,7 @@ the same answer for the same inputs. The planner
   sharding that dimension on the offending axis — every such array is marked ``changed``, with the reason;
 * computes the state's bytes per device on the new mesh and, given the device memory, only returns a mesh
   the state fits on (``DOES_NOT_FIT`` otherwise); ``NO_VALID_MESH`` when the model-parallel axes alone
-  need more devices than are alive;
-* states the batch semantics (``trainer_client.core.batching``) and carries the data position.
+  need more devices than are alive.
 
 The search is exhaustive over data-parallel sizes while that is under ``_EXHAUSTIVE_LIMIT`` meshes;
 beyond it the less-preferred data-parallel axes take divisors and multiples of their saved sizes.
@@ -29,26 +30,10 @@ import itertools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Literal
 
-from trainer_client.core.batching import initial_batch, plan_batch
 from trainer_client.core.dtypes import dtype_bytes
 from trainer_client.core.errors import PlanningError
-from trainer_client.core.format.snapshot import SnapshotMeta
-from trainer_client.core.identity import identity_notes
-from trainer_client.core.protocol import (
-    ArraySpec,
-    BatchOptions,
-    BatchPlan,
-    ErrorCode,
-    MeshSpec,
-    PartitionSpecJSON,
-    ResumePlan,
-    ResumeRequest,
-    SliceAlive,
-    TrainingMetadata,
-)
+from trainer_client.core.protocol import ArraySpec, ErrorCode, MeshSpec, PartitionSpecJSON
 
 # Axes a plan may resize, in the order it prefers to resize them.
 DATA_PARALLEL_AXES: tuple[str, ...] = ("replica", "data", "dp", "batch", "fsdp")
@@ -272,144 +257,13 @@ def plan_mesh(
     )
 
 
-def slices_alive(request: ResumeRequest) -> tuple[list[SliceAlive] | None, list[str]]:
-    """The slices a request lists, each once, and what the plan notes about them (docs/protocol.md, "Resume").
-
-    Entries of one index add up (a slice's devices may be listed in parts, one entry per host). The plan is
-    always for ``alive_devices``; slices that hold another number of devices cannot say where those are, so
-    none is named (``slices_used`` and ``idle_slices`` empty) and a note says why. A schema cannot state
-    either rule, and a request it calls valid is answered, not refused."""
-    if request.slices is None:
-        return None, []
-    devices: dict[int, int] = {}
-    for entry in request.slices:
-        devices[entry.index] = devices.get(entry.index, 0) + entry.devices
-    notes = []
-    if len(devices) < len(request.slices):
-        notes.append("a slice is listed more than once: its entries were added up")
-    held = sum(devices.values())
-    if held != request.alive_devices:
-        notes.append(f"alive_devices={request.alive_devices} but the slices listed hold {held} devices: planned for "
-                     "alive_devices, naming no slice")
-        return None, notes
-    return [SliceAlive(index=i, devices=n) for i, n in sorted(devices.items())], notes
-
-
-def assign_slices(slices: list[SliceAlive] | None, used: int) -> tuple[list[int], list[SliceAlive]]:
-    """Which slices' devices form a mesh of ``used`` devices (whole slices first), and what stays idle."""
-    if not slices:
-        return [], []
-    order = sorted(slices, key=lambda s: (-s.devices, s.index))
-    chosen: list[int] = []
-    idle: list[SliceAlive] = []
-    left = used
-    for s in order:
-        take = min(s.devices, left)
-        if take > 0:
-            chosen.append(s.index)
-        if s.devices - take > 0:
-            idle.append(SliceAlive(index=s.index, devices=s.devices - take))
-        left -= take
-    return sorted(chosen), sorted(idle, key=lambda s: s.index)
-
-
-def resume_plan(
-    *,
-    job: str,
-    step: int,
-    path: str,
-    request: ResumeRequest,
-    training: TrainingMetadata | None,
-    saved_layout: tuple[MeshSpec | None, dict[str, ArraySpec]],
-    source: str = "ckptd",
-    tier: Literal["memory", "storage"] = "storage",
-    items: Mapping[str, list[str]] | None = None,
-) -> ResumePlan:
-    """The whole answer to a resume request for one chosen step (pure).
-
-    ``saved_layout`` is the step's (mesh, arrays) as ``trainer_client.core.format.saved_layout`` reads it from
-    storage; where it is empty, ckptd's training metadata fills in. ``items``: the step's array items and
-    their arrays, for a step whose arrays are not (all) in Orbax's ``default`` item.
-    """
-    saved_mesh = saved_layout[0] or (training.mesh if training is not None else None)
-    saved_arrays = saved_layout[1] or (dict(training.arrays) if training is not None else {})
-    alive = request.alive_devices
-    slices, slice_notes = slices_alive(request)
-    if saved_mesh is None:
-        raise PlanningError(
-            ErrorCode.NO_VALID_MESH,
-            f"step {step} records no mesh (no ckptd metadata and no NamedSharding in _sharding); "
-            "cannot lay it out on a new mesh",
-        )
-    identity = identity_notes(step, training, request)  # another run or process count: refused unless allowed
-    planned = plan_mesh(
-        saved_mesh, saved_arrays, alive, request.policy,
-        device_memory_bytes=request.device_memory_bytes, headroom_bytes=request.memory_headroom_bytes,
-    )
-    batch = _batch_for(training, saved_mesh, planned.mesh, request.batch)
-    notes = [*identity, *slice_notes, *planned.notes]
-    if batch is not None and batch.note:
-        notes.append(batch.note)
-    slices_used, idle_slices = assign_slices(slices, planned.mesh.size)
-    return ResumePlan(
-        job=job,
-        step=step,
-        path=path,
-        policy=request.policy,
-        mesh=planned.mesh,
-        saved_mesh=saved_mesh,
-        arrays=planned.arrays,
-        items={item: list(names) for item, names in items.items()} if items is not None else None,
-        data_position=training.data_position if training else None,
-        global_batch=batch.global_batch if batch else None,
-        batch=batch,
-        idle_devices=planned.idle_devices,
-        slices_used=slices_used,
-        idle_slices=idle_slices,
-        bytes_per_device=planned.bytes_per_device,
-        fits_memory=planned.fits_memory,
-        source="storage_scan" if source == "storage_scan" else "ckptd",
-        tier=tier,
-        notes=notes,
-    )
-
-
-def _batch_for(
-    training: TrainingMetadata | None, saved_mesh: MeshSpec, mesh: MeshSpec, options: BatchOptions
-) -> BatchPlan | None:
-    if training is None:
-        return None
-    saved = training.batch
-    if saved is None:
-        try:
-            saved = initial_batch(training.global_batch, saved_mesh)
-        except ValueError:
-            return None
-    return plan_batch(saved, mesh, options)
-
-
-def memory_snapshot_plan(
-    *, job: str, request: ResumeRequest, snapshot: tuple[Path, SnapshotMeta], source: str = "ckptd"
-) -> ResumePlan:
-    """A plan that restores from a whole host-memory snapshot (``tier: "memory"``)."""
-    path, meta = snapshot
-    return resume_plan(
-        job=job, step=meta.step, path=str(path), request=request, training=meta.training,
-        saved_layout=(meta.training.mesh, dict(meta.training.arrays)), source=source, tier="memory",
-    )
-
-
 __all__ = [
     "DATA_PARALLEL_AXES",
     "MeshPlan",
     "PlanningError",
     "array_bytes_per_device",
-    "assign_slices",
     "candidate_meshes",
     "fit_array",
     "format_bytes",
-    "memory_snapshot_plan",
     "plan_mesh",
-    "resume_plan",
-    "slices_alive",
 ]

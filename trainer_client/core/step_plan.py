@@ -16,8 +16,8 @@ from typing import Literal
 
 from trainer_client.core.format.files import DEFAULT_ITEM
 from trainer_client.core.format.saved_layout import StepLayout, read_step_layout
-from trainer_client.core.planner import resume_plan
 from trainer_client.core.protocol import ResumePlan, ResumeRequest
+from trainer_client.core.resume_decision import resume_plan
 from trainer_client.core.storage import Storage
 
 

@@ -37,8 +37,8 @@ from pydantic import ValidationError
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.core.errors import UnsafePathError
 from trainer_client.core.format.snapshot import SnapshotMeta, complete_snapshots, problems, read_meta
-from trainer_client.core.planner import memory_snapshot_plan
 from trainer_client.core.protocol import ResumePlan, ResumeRequest
+from trainer_client.core.resume_decision import memory_snapshot_plan
 from trainer_client.errors import CkptdRequestError, NoCheckpointError
 from trainer_client.runtime._saver import restore_from_plan
 from trainer_client.runtime.job_store import KeyValueStore, job_store
