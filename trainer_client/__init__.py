@@ -7,7 +7,7 @@ Packages (docs/architecture.md): ``trainer_client.core`` is the jax-free core th
 (wire contract, stored format, planner, validation, storage); ``trainer_client.client`` talks to ckptd
 over HTTP (jax-free); ``trainer_client.runtime`` is the part that imports jax. Names that need jax are
 loaded on first use, so ``from trainer_client import CkptdClient`` loads neither jax nor any server
-framework. Every error derives from ``CkptdError`` (``trainer_client.errors``).
+framework. Every error derives from ``CkptdError``; the whole tree (``trainer_client.errors``) is exported here.
 """
 
 from __future__ import annotations
@@ -19,15 +19,23 @@ if TYPE_CHECKING:  # the real types for type checkers; at run time each name is 
     from trainer_client.client.ckptd_client import CkptdClient
     from trainer_client.config import ClientSettings
     from trainer_client.errors import (
+        ArrayIndexError,
         CkptdError,
         CkptdRequestError,
         CkptdUnavailable,
+        DirectRestoreUnsupported,
         ElasticRetriesExhausted,
         ElasticTimeoutError,
         MemoryTierFull,
+        MissingExtra,
         NoCheckpointError,
+        OcdbtFormatError,
+        OcdbtRefusedError,
         PlanningError,
+        RecordTooLargeError,
         StorageError,
+        StoredFormatError,
+        UnsafePathError,
     )
     from trainer_client.runtime.checkpointing import Checkpointer
     from trainer_client.runtime.elastic import ElasticConfig, ElasticContext, ElasticResult, ElasticRunner
@@ -55,15 +63,25 @@ _LAZY = {
     "MemoryTierFull": "trainer_client.errors",
     "PlanningError": "trainer_client.errors",
     "StorageError": "trainer_client.errors",
+    "StoredFormatError": "trainer_client.errors",
+    "ArrayIndexError": "trainer_client.errors",
+    "RecordTooLargeError": "trainer_client.errors",
+    "OcdbtFormatError": "trainer_client.errors",
+    "OcdbtRefusedError": "trainer_client.errors",
+    "UnsafePathError": "trainer_client.errors",
+    "MissingExtra": "trainer_client.errors",
+    "DirectRestoreUnsupported": "trainer_client.errors",
 }
 
 __all__ = [
+    "ArrayIndexError",
     "Checkpointer",
     "CkptdClient",
     "CkptdError",
     "CkptdRequestError",
     "CkptdUnavailable",
     "ClientSettings",
+    "DirectRestoreUnsupported",
     "ElasticConfig",
     "ElasticContext",
     "ElasticResult",
@@ -71,12 +89,18 @@ __all__ = [
     "ElasticRunner",
     "ElasticTimeoutError",
     "MemoryTierFull",
+    "MissingExtra",
     "NoCheckpointError",
+    "OcdbtFormatError",
+    "OcdbtRefusedError",
     "PathwaysSlices",
     "PlanningError",
+    "RecordTooLargeError",
     "SimulatedSlices",
     "SliceFault",
     "StorageError",
+    "StoredFormatError",
+    "UnsafePathError",
     "__version__",
 ]
 

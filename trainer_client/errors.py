@@ -5,8 +5,13 @@ CkptdError                          root (trainer_client/core/errors.py): catche
 ├── StorageError (OSError)          storage could not be listed or read
 ├── StoredFormatError (ValueError)  stored bytes are not the format they claim to be
 │   ├── ArrayIndexError             an item's array metadata is missing or corrupt
+│   ├── RecordTooLargeError         a record or metadata file past its size bound: not read
 │   └── OcdbtFormatError            an OCDBT index the direct reader does not understand
+│       └── OcdbtRefusedError       one past a bound no real index reaches: hostile, not read
+├── UnsafePathError (PermissionError)  a memory-tier path others could write or that is a link, or a
+│                                   path a link leads out of the checkpoint root: refused
 ├── PlanningError (ValueError)      no resume plan exists for the devices alive (``code`` says why)
+├── MissingExtra (ModuleNotFoundError)  a name needs the ``trainer`` install (jax): the message says so
 ├── CkptdUnavailable (ConnectionError)  ckptd did not answer in time (connection refused, timeout, 5xx)
 ├── CkptdRequestError               ckptd answered with its error body (``code``, ``message``, ``status``)
 ├── NoCheckpointError (LookupError) neither ckptd nor storage has a good step to resume from
@@ -16,7 +21,8 @@ CkptdError                          root (trainer_client/core/errors.py): catche
 └── DirectRestoreUnsupported (NotImplementedError)  a step the direct reader does not handle (Orbax
                                     restores it instead; raised and caught inside the restore)
 ```
-Each also subclasses the closest built-in, so generic handlers keep working.
+Each also subclasses the closest built-in, so generic handlers keep working. Every class of the tree is
+importable from ``trainer_client`` too (docs/architecture.md, "Errors").
 """
 
 from __future__ import annotations
@@ -24,10 +30,14 @@ from __future__ import annotations
 from trainer_client.core.errors import (
     ArrayIndexError,
     CkptdError,
+    MissingExtra,
     OcdbtFormatError,
+    OcdbtRefusedError,
     PlanningError,
+    RecordTooLargeError,
     StorageError,
     StoredFormatError,
+    UnsafePathError,
 )
 
 
@@ -74,9 +84,13 @@ __all__ = [
     "ElasticRetriesExhausted",
     "ElasticTimeoutError",
     "MemoryTierFull",
+    "MissingExtra",
     "NoCheckpointError",
     "OcdbtFormatError",
+    "OcdbtRefusedError",
     "PlanningError",
+    "RecordTooLargeError",
     "StorageError",
     "StoredFormatError",
+    "UnsafePathError",
 ]

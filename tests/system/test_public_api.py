@@ -34,6 +34,9 @@ def test_trainer_client_top_level_names() -> None:
         "ElasticResult", "Checkpointer", "SimulatedSlices", "PathwaysSlices", "SliceFault", "CkptdError",
         "CkptdUnavailable", "CkptdRequestError", "NoCheckpointError", "ElasticTimeoutError",
         "ElasticRetriesExhausted", "MemoryTierFull", "PlanningError", "StorageError",
+        # the rest of the error tree (trainer_client/errors.py)
+        "StoredFormatError", "ArrayIndexError", "RecordTooLargeError", "OcdbtFormatError", "OcdbtRefusedError",
+        "UnsafePathError", "MissingExtra", "DirectRestoreUnsupported",
     }
     with pytest.raises(AttributeError):
         _ = trainer_client.NotAThing  # type: ignore[attr-defined]
@@ -47,6 +50,28 @@ def test_error_tree_subclasses_builtins() -> None:
     assert issubclass(errors.ElasticTimeoutError, TimeoutError)
     for name in errors.__all__:
         assert issubclass(getattr(errors, name), errors.CkptdError)
+
+
+def test_every_error_of_trainer_client_is_in_its_tree_its_exports_and_the_docs() -> None:
+    """A user can catch what trainer_client raises by a name it exports: every ``CkptdError`` class defined
+    in trainer_client is in ``trainer_client.errors.__all__`` (and so in its docstring's tree, checked below),
+    importable from ``trainer_client`` itself, and named in docs/architecture.md's "Errors"."""
+    import inspect
+
+    from trainer_client import errors
+
+    defined = {
+        attr for name in PUBLIC_MODULES if name.startswith("trainer_client")
+        for attr, value in vars(importlib.import_module(name)).items()
+        if inspect.isclass(value) and issubclass(value, errors.CkptdError) and value.__module__ == name
+    }
+    assert defined == set(errors.__all__)
+    assert set(errors.__all__) <= set(trainer_client.__all__)
+    for name in errors.__all__:
+        assert getattr(trainer_client, name) is getattr(errors, name)
+    docs = (REPO / "docs" / "architecture.md").read_text()
+    section = docs.split("### Errors", 1)[1].split("\n## ", 1)[0]
+    assert not [name for name in errors.__all__ if f"`{name}`" not in section]
 
 
 def test_every_exception_of_both_packages_has_one_root() -> None:
