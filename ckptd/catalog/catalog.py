@@ -6,7 +6,9 @@ loses nothing (the next start scans again). A refresh lists each job directory a
 it has not yet settled (verified or quarantined: ``ckptd.catalog.integrity``); a step gone from storage
 leaves the catalog. A step some ckptd already verified carries a verified record (``ckptd_verified.json``)
 and is catalogued from that small file alone (10,000 small reads at a start, not gigabytes of per-array
-metadata). Rows keep the training metadata without its per-array part, read when a plan needs it.
+metadata). Rows keep the training metadata without its per-array part, read when a plan needs it. The rows,
+and every SQL statement, are the catalog's ``StepTable`` (``ckptd/catalog/step_table.py``); which jobs it takes,
+its ``JobAdmission`` (``ckptd/catalog/job_admission.py``).
 
 Before a step is named in an answer its commit marker is checked and the absence of a quarantine record;
 quick validation against its manifest when the last one is older than ``revalidate_after_s`` (the refresher
@@ -28,22 +30,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
-from ckptd.catalog.integrity import each_step, quarantine, settle
+from ckptd.catalog.integrity import each_step, from_verified_record, quarantine, settle
 from ckptd.catalog.job_admission import JobAdmission
 from ckptd.catalog.layouts import Layouts
 from ckptd.catalog.lease import LeaseBoard
-from ckptd.catalog.step_table import FINAL_STATES, UNSETTLED_STATES, StepTable, summary_json
+from ckptd.catalog.step_table import FINAL_STATES, StepTable
 from trainer_client.core.errors import StorageError
-from trainer_client.core.format.files import CKPTD_MANIFEST, COMMIT_MARKER, QUARANTINE_FILE, VERIFIED_FILE
-from trainer_client.core.format.manifest import Manifest, fingerprints, read_verified_record, training_summary
+from trainer_client.core.format.files import CKPTD_MANIFEST, COMMIT_MARKER, QUARANTINE_FILE
+from trainer_client.core.format.manifest import Manifest, training_summary
 from trainer_client.core.format.records import record_location, side_dir, side_job_dir, side_records
 from trainer_client.core.format.saved_layout import StepLayout, read_step_layout
-from trainer_client.core.format.steps import StepInspection, inspect_step, parse_step_name, step_entries
-from trainer_client.core.protocol import (
-    CheckpointInfo,
-    StepState,
-    is_valid_job_name,
-)
+from trainer_client.core.format.steps import StepInspection, inspect_step, step_entries
+from trainer_client.core.protocol import CheckpointInfo, JobInfo, StepState, is_valid_job_name
 from trainer_client.core.storage import Entry, Storage, join_path, mtime_of
 from trainer_client.core.validation import validate_step
 
@@ -55,8 +53,9 @@ Layout = StepLayout  # what a plan is made from: trainer_client/core/step_plan.p
 _V = TypeVar("_V")
 
 
-class Catalog(StepTable, JobAdmission):
-    """What the checkpoint root holds, per job and step, with the commit rule applied."""
+class Catalog:
+    """What the checkpoint root holds, per job and step, with the commit rule applied: its rows in ``table`` (the
+    one holder of SQL: ``ckptd/catalog/step_table.py``), the jobs it takes decided by ``admission``."""
 
     def __init__(
         self,
@@ -73,21 +72,71 @@ class Catalog(StepTable, JobAdmission):
         self.storage = storage
         self.read_only, self.read_only_jobs = read_only, read_only_jobs  # write nothing under any job, or these
         storage.guard_writes(self.read_only_for)  # every writer of the root is refused there (Storage.writable)
-        self.max_jobs = max_jobs  # None: every job under the root
         self.save_timeout_s = save_timeout_s
         self.adopt_after_s = adopt_after_s
         self.revalidate_after_s = revalidate_after_s
-        super().__init__(db_path)
+        self.table = StepTable(db_path)
+        self.admission = JobAdmission(storage, self.table, max_jobs)  # max_jobs None: every job under the root
+        self.refused = self.admission.refused  # job -> why scans ignore it (a warning once each)
         self._scanned_mtime: dict[str, int] = {}
         self._validated_at: dict[str, float] = {}  # step path -> when quick validation last passed (monotonic)
         self._layouts = Layouts(_LAYOUTS_KEPT)  # one load per step at a time (ckptd/catalog/layouts.py)
         self._manifests: OrderedDict[str, tuple[tuple[int, float], Manifest]] = OrderedDict()  # (size, mtime)
+        self._kept_lock = threading.Lock()
         self.ready = threading.Event()
         self.last_refresh: float | None = None
         self.last_error: str | None = None
-        self.refused: dict[str, str] = {}  # job -> why scans ignore it (a warning once each)
         self._side_jobs: set[str] = set()  # jobs with records on the side prefix (a read-only ckptd's), as listed
         self.lease: LeaseBoard | None = None  # one writer per job among sidecars on one root (docs/multihost.md)
+
+    @property
+    def version(self) -> int:
+        """Bumped after every write that changes a step's state or reason, or drops a step or a job."""
+        return self.table.version
+
+    @property
+    def max_jobs(self) -> int | None:
+        return self.admission.max_jobs
+
+    @max_jobs.setter
+    def max_jobs(self, value: int | None) -> None:
+        self.admission.max_jobs = value
+
+    def full(self) -> bool:
+        """Whether a new job would pass ``max_jobs``."""
+        return self.admission.full()
+
+    def close(self) -> None:
+        self.table.close()
+
+    # ---- the table's answers, as last catalogued (ckptd/catalog/step_table.py) -------------------
+
+    def has_job(self, job: str) -> bool:
+        return self.table.has_job(job)
+
+    def jobs(self) -> list[JobInfo]:
+        return self.table.jobs()
+
+    def checkpoints(self, job: str) -> list[CheckpointInfo]:
+        return self.table.checkpoints(job)
+
+    def states(self, job: str) -> dict[str, StepState]:
+        return self.table.states(job)
+
+    def at_path(self, job: str, path: str) -> CheckpointInfo | None:
+        return self.table.at_path(job, path)
+
+    def latest_good(self, job: str, at_most: int | None = None) -> CheckpointInfo | None:
+        return self.table.latest_good(job, at_most)
+
+    def newest(self, job: str, state: StepState, at_most: int | None = None) -> CheckpointInfo | None:
+        return self.table.newest(job, state, at_most)
+
+    def step(self, job: str, step: int) -> CheckpointInfo | None:
+        return self.table.step(job, step)
+
+    def mark(self, job: str, step: int, state: StepState, reason: str | None) -> None:
+        self.table.mark(job, step, state, reason)
 
     def read_only_for(self, job: str) -> bool:
         """Whether ckptd writes nothing into the step directories of ``job`` (its records go on the side)."""
@@ -110,7 +159,7 @@ class Catalog(StepTable, JobAdmission):
 
     def rebuild(self, scan: Callable[[], object] | None = None) -> None:
         """Forget everything and scan storage again (what every start does): ``scan``, or else ``refresh``."""
-        self._reset()
+        self.table.reset()
         (scan or self.refresh)()
         self.ready.set()
 
@@ -128,14 +177,8 @@ class Catalog(StepTable, JobAdmission):
         """The jobs a scan catalogues now, in order; jobs gone from storage or refused since leave the catalog."""
         self.storage.invalidate()
         job_entries = [e for e in self.storage.list_dir(self.storage.root) if e.is_dir]
-        names = self._admit({e.name for e in job_entries if is_valid_job_name(e.name)})
-        with self._tx() as db:
-            dropped = [name for (name,) in db.execute("SELECT name FROM jobs").fetchall() if name not in names]
-            for name in dropped:
-                db.execute("DELETE FROM jobs WHERE name = ?", (name,))
-                db.execute("DELETE FROM steps WHERE job = ?", (name,))
-        if dropped:
-            self.version += 1
+        names = self.admission.admit({e.name for e in job_entries if is_valid_job_name(e.name)})
+        self.table.keep_jobs(names)
         return [entry.name for entry in job_entries if entry.name in names]
 
     def refresh_job(self, job: str, *, quick: bool = False) -> None:
@@ -147,23 +190,11 @@ class Catalog(StepTable, JobAdmission):
         dir_mtime = self._dir_mtime_ns(job_path)
         self.storage.invalidate(job_path)
         self.storage.invalidate(side_job_dir(self.storage, job))  # records another ckptd put on the side since
-        if not self.storage.is_dir(job_path) or self._refuse(job, self._refusal(job)):
-            with self._tx() as db:
-                dropped = db.execute("DELETE FROM jobs WHERE name = ?", (job,)).rowcount
-                db.execute("DELETE FROM steps WHERE job = ?", (job,))
-            if dropped:
-                self.version += 1
+        if not self.storage.is_dir(job_path) or self.admission.refuse(job, self.admission.refusal(job)):
+            self.table.drop_job(job)
             return
         unchanged = quick and dir_mtime is not None and self._scanned_mtime.get(job) == dir_mtime
-        with self._lock:
-            # An unchanged directory needs only its unsettled steps (a resume must not load 10,000 rows).
-            if unchanged:
-                marks = ", ".join("?" * len(UNSETTLED_STATES))
-                rows = self._db.execute(f"SELECT dirname, state, reason FROM steps WHERE job = ? AND state IN "
-                                        f"({marks})", (job, *UNSETTLED_STATES))
-            else:
-                rows = self._db.execute("SELECT dirname, state, reason FROM steps WHERE job = ?", (job,))
-            seen = {str(row[0]): (str(row[1]), row[2]) for row in rows}
+        seen = self.table.scanned(job, unsettled_only=unchanged)  # unchanged: only its unsettled steps
         known = {name: state for name, (state, _) in seen.items()}
         if unchanged:
             if not known:
@@ -189,7 +220,7 @@ class Catalog(StepTable, JobAdmission):
         for entry in todo:  # a record is one small read: here (handed to another thread it cost 3x)
             self._forget(self.storage.url_of(entry.path))
             try:
-                recorded = self._from_verified_record(entry, side.get(entry.name, set()))
+                recorded = from_verified_record(self.storage, entry, side.get(entry.name, set()))
             except StorageError as exc:
                 self._unreadable(entry, exc)
                 continue
@@ -203,32 +234,8 @@ class Catalog(StepTable, JobAdmission):
                 self._unreadable(entry, outcome)
             elif outcome is not None:
                 found.append((entry.name, outcome))
-        with self._tx() as db:
-            db.execute(
-                "INSERT INTO jobs (name, path, scanned_at) VALUES (?, ?, ?) "
-                "ON CONFLICT(name) DO UPDATE SET scanned_at = excluded.scanned_at",
-                (job, self.storage.url_of(job_path), now),
-            )
-            gone = set(known) - present
-            for dirname in gone:
-                db.execute("DELETE FROM steps WHERE job = ? AND dirname = ?", (job, dirname))
-            for dirname, ins in found:
-                db.execute(
-                    "INSERT OR REPLACE INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        job,
-                        dirname,
-                        ins.step,
-                        ins.state.value,
-                        self.storage.url_of(ins.path),
-                        ins.reason,
-                        ins.committed_at,
-                        summary_json(ins.training),
-                    ),
-                )
-        # after the commit: a reader that sees the new version reads the new rows (answers are cached per version)
-        if gone or any(seen.get(dirname) != (ins.state.value, ins.reason) for dirname, ins in found):
-            self.version += 1
+        self.table.record_scan(job, self.storage.url_of(job_path), now, seen=seen, gone=set(known) - present,
+                               found=found, url_of=self.storage.url_of)
 
     def _unreadable(self, entry: Entry, exc: StorageError) -> None:  # one unreadable step hides no other
         self.last_error = f"{entry.path}: {exc}"
@@ -244,26 +251,6 @@ class Catalog(StepTable, JobAdmission):
             if settled.state is StepState.VERIFIED:
                 self._validated_at[self.storage.url_of(inspection.path)] = time.monotonic()
         return inspection
-
-    def _from_verified_record(self, entry: Entry, side: set[str]) -> StepInspection | None:
-        """A step some ckptd verified before, from its verified record alone: committed (marker there),
-        manifest there, no quarantine record (in the step, or in ``side``: its records on the side prefix).
-        None sends the step down the full inspection."""
-        parsed = parse_step_name(entry.name)
-        if parsed is None or parsed.is_tmp or not entry.is_dir:
-            return None
-        children = self.storage.list_dir(entry.path)
-        names = {e.name for e in children}
-        if COMMIT_MARKER not in names or not {CKPTD_MANIFEST, VERIFIED_FILE} <= names | side:
-            return None
-        if QUARANTINE_FILE in names | side:
-            return None
-        record = read_verified_record(self.storage, entry.path)
-        if record is None or record.step != parsed.step or record.fingerprints != fingerprints(children):
-            return None  # no usable verdict, or a file changed since it: verify again
-        reason = "adopted: manifest written by ckptd" if record.writer == "adopted" else None
-        return StepInspection(parsed.step, entry.path, StepState.VERIFIED, reason, record.committed_at,
-                              record.training)
 
     def _forget(self, path: str) -> None:
         """Drop what is kept in memory about a step (it is being inspected again)."""
@@ -364,7 +351,7 @@ class Catalog(StepTable, JobAdmission):
 
     def _keep(self, cache: OrderedDict[str, _V], path: str, value: _V) -> None:
         """Remember ``value`` for ``path`` among the ``_LAYOUTS_KEPT`` most recent (a manifest can be megabytes)."""
-        with self._lock:
+        with self._kept_lock:
             cache[path] = value
             cache.move_to_end(path)
             while len(cache) > _LAYOUTS_KEPT:
@@ -382,18 +369,7 @@ class Catalog(StepTable, JobAdmission):
         name = info.path.rstrip("/").rsplit("/", 1)[-1]
         entry = next((e for _, e in step_entries(self.storage, self.storage.join(job)) if e.name == name), None)
         self._forget(info.path)
-        inspection = self._inspect(job, entry) if entry is not None else None
-        with self._tx() as db:
-            if inspection is None:
-                db.execute("DELETE FROM steps WHERE job = ? AND dirname = ?", (job, name))
-            else:
-                db.execute(
-                    "UPDATE steps SET state = ?, reason = ?, committed_at = ?, training = ? "
-                    "WHERE job = ? AND dirname = ?",
-                    (inspection.state.value, inspection.reason, inspection.committed_at,
-                     summary_json(inspection.training), job, name),
-                )
-        self.version += 1
+        self.table.record_step(job, name, self._inspect(job, entry) if entry is not None else None)
 
 
 __all__ = ["Catalog", "Layout"]

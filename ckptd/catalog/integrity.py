@@ -8,7 +8,8 @@ For every newly committed step ckptd
 * quick-validates the manifest (names, sizes, GCS checksums) and quarantines the step when it fails —
   files are never deleted, the record is on storage so every ckptd sees it after any restart;
 * seals the manifest with the two files Orbax finished after it (``_CHECKPOINT_METADATA``, the marker);
-* records the verdict (``ckptd_verified.json``), so a later start catalogues the step from that small file;
+* records the verdict (``ckptd_verified.json``), so a later start catalogues the step from that small file
+  (``from_verified_record``);
 * on a local disk, fsyncs the commit marker, the final metadata, ckptd's files and the directory entries
   (the step directory and the job directory that received the rename) before reporting the step good —
   all at once from a few threads (one journal commit for all of them, not one each), then the sealed
@@ -41,19 +42,27 @@ from typing import Any, TypeVar
 from ckptd.catalog.job_workers import DaemonPool
 from trainer_client.core.durability import sync_paths
 from trainer_client.core.errors import StorageError
-from trainer_client.core.format.files import CHECKPOINT_METADATA, CKPTD_MANIFEST, COMMIT_MARKER, QUARANTINE_FILE
+from trainer_client.core.format.files import (
+    CHECKPOINT_METADATA,
+    CKPTD_MANIFEST,
+    COMMIT_MARKER,
+    QUARANTINE_FILE,
+    VERIFIED_FILE,
+)
 from trainer_client.core.format.manifest import (
     build_manifest,
+    fingerprints,
     newest_file_time,
     quarantine_record,
+    read_verified_record,
     seal_manifest,
     write_manifest,
     write_verified_record,
 )
 from trainer_client.core.format.records import RecordPlace, record_paths
-from trainer_client.core.format.steps import StepInspection
+from trainer_client.core.format.steps import StepInspection, parse_step_name
 from trainer_client.core.protocol import StepState
-from trainer_client.core.storage import Storage, join_path
+from trainer_client.core.storage import Entry, Storage, join_path
 from trainer_client.core.validation import Level, ValidationResult, parse_quarantine, read_quarantine, validate_step
 from trainer_client.core.whole_files import write_json_file
 
@@ -279,4 +288,26 @@ def validate_and_quarantine(
     return result
 
 
-__all__ = ["FOLLOWER_REASON", "Settled", "each_step", "quarantine", "settle", "validate_and_quarantine"]
+def from_verified_record(storage: Storage, entry: Entry, side: set[str]) -> StepInspection | None:
+    """A step some ckptd verified before, from its verified record alone: committed (marker there),
+    manifest there, no quarantine record (in the step, or in ``side``: its records on the side prefix).
+    None sends the step down the full inspection."""
+    parsed = parse_step_name(entry.name)
+    if parsed is None or parsed.is_tmp or not entry.is_dir:
+        return None
+    children = storage.list_dir(entry.path)
+    names = {e.name for e in children}
+    if COMMIT_MARKER not in names or not {CKPTD_MANIFEST, VERIFIED_FILE} <= names | side:
+        return None
+    if QUARANTINE_FILE in names | side:
+        return None
+    record = read_verified_record(storage, entry.path)
+    if record is None or record.step != parsed.step or record.fingerprints != fingerprints(children):
+        return None  # no usable verdict, or a file changed since it: verify again
+    reason = "adopted: manifest written by ckptd" if record.writer == "adopted" else None
+    return StepInspection(parsed.step, entry.path, StepState.VERIFIED, reason, record.committed_at,
+                          record.training)
+
+
+__all__ = ["FOLLOWER_REASON", "Settled", "each_step", "from_verified_record", "quarantine", "settle",
+           "validate_and_quarantine"]

@@ -8,9 +8,8 @@ listed in ``Catalog.refused`` with why, warned about once, never read or written
 from __future__ import annotations
 
 import logging
-import sqlite3
-import threading
 
+from ckptd.catalog.step_table import StepTable
 from trainer_client.core.protocol import is_valid_job_name
 from trainer_client.core.storage import Storage
 
@@ -21,44 +20,41 @@ LINK_OUT_REASON = "its directory is a link leading out of the checkpoint root"
 
 
 class JobAdmission:
-    """The catalog's admission of jobs (a mixin of ``Catalog``, over its step table)."""
+    """Which jobs the catalog takes (``admit`` for a scan of the root, ``refusal`` for one job), and why it refuses
+    the others (``refused``); it reads which jobs are catalogued already from the catalog's table."""
 
-    storage: Storage
-    max_jobs: int | None
-    refused: dict[str, str]
-    _lock: threading.RLock
-    _db: sqlite3.Connection
+    def __init__(self, storage: Storage, table: StepTable, max_jobs: int | None = None) -> None:
+        self.storage = storage
+        self.table = table
+        self.max_jobs = max_jobs  # None: every job under the root
+        self.refused: dict[str, str] = {}  # job -> why scans ignore it (a warning once each)
 
-    def has_job(self, job: str) -> bool:
-        raise NotImplementedError
-
-    def _admit(self, found: set[str]) -> set[str]:
+    def admit(self, found: set[str]) -> set[str]:
         """The jobs among ``found`` that a scan catalogues: within ``max_jobs``, those catalogued already first,
         then by name; the others, and links out of the root, are refused (``refused``)."""
         # links out of the root: the root's listing left them out (trainer_client/core/storage.py)
         refused = {name: LINK_OUT_REASON for name in self.storage.links_refused(self.storage.root)
                    if is_valid_job_name(name)}
         if self.max_jobs is not None and len(found) > self.max_jobs:
-            with self._lock:
-                known = {str(name) for (name,) in self._db.execute("SELECT name FROM jobs")}
+            known = self.table.job_names()
             for name in sorted(found, key=lambda n: (n not in known, n))[self.max_jobs:]:
                 refused[name] = JOB_LIMIT_REASON
         for job in set(self.refused) - set(refused):
             del self.refused[job]
         for job, why in refused.items():
-            self._refuse(job, why)
+            self.refuse(job, why)
         return found - set(refused)
 
-    def _refusal(self, job: str) -> str | None:
+    def refusal(self, job: str) -> str | None:
         """Why a scan of ``job`` alone must not catalogue it, if it must not: its directory leads out of the root
         (nothing is read or written through it), or it is new and ``max_jobs`` are catalogued."""
         if not self.storage.inside(self.storage.join(job)):
             return LINK_OUT_REASON
-        if self.max_jobs is not None and not self.has_job(job) and self.full():
+        if self.max_jobs is not None and not self.table.has_job(job) and self.full():
             return JOB_LIMIT_REASON
         return None
 
-    def _refuse(self, job: str, why: str | None) -> bool:
+    def refuse(self, job: str, why: str | None) -> bool:
         """Record that ``job`` is refused (a warning the first time); False (nothing recorded) when ``why`` is None."""
         if why is None:
             self.refused.pop(job, None)
@@ -70,11 +66,7 @@ class JobAdmission:
 
     def full(self) -> bool:
         """Whether a new job would pass ``max_jobs``."""
-        if self.max_jobs is None:
-            return False
-        with self._lock:
-            (count,) = self._db.execute("SELECT COUNT(*) FROM jobs").fetchone()
-        return int(count) >= self.max_jobs
+        return self.max_jobs is not None and self.table.job_count() >= self.max_jobs
 
 
 __all__ = ["JOB_LIMIT_REASON", "LINK_OUT_REASON", "JobAdmission"]

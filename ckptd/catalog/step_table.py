@@ -1,20 +1,22 @@
-"""The catalog's table: one SQLite row per step directory of each job, and the queries answers make.
+"""The catalog's table: one SQLite row per step directory of each job, the queries answers make and the writes
+scans make. The one module of the catalog that holds SQL.
 
 A cache of storage (docs/architecture.md, invariant 1): dropped and rebuilt at every start, written only
-by the catalog's scans (``ckptd/catalog/catalog.py``). ``version`` is bumped after every write that changes
-a step's state or reason, or drops a step or a job, so answers cached per version are never older than
-the rows they came from.
+by the catalog's scans (``ckptd/catalog/catalog.py``) and ``ckptd validate`` (``mark``). ``version`` is bumped
+after every write that changes a step's state or reason, or drops a step or a job, so answers cached per
+version are never older than the rows they came from.
 """
 
 from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
 from trainer_client.core.format.manifest import training_summary
+from trainer_client.core.format.steps import StepInspection
 from trainer_client.core.protocol import MAX_STEP, CheckpointInfo, JobInfo, StepState, TrainingMetadata
 
 # Verified and quarantined steps are settled: looked at once (answers re-check the marker). Corrupt and
@@ -46,8 +48,11 @@ CREATE INDEX IF NOT EXISTS steps_by_state ON steps (job, state, step);
 """
 
 
+Row = tuple[str, str | None]  # a step's (state, reason) as catalogued
+
+
 class StepTable:
-    """The SQLite table of jobs and steps, safe to use from several threads (one lock)."""
+    """The SQLite tables of jobs and steps, safe to use from several threads (one lock)."""
 
     def __init__(self, db_path: Path | str) -> None:
         # bumped after every write that changes a step's state or reason, or drops a step or a job: pollers skip
@@ -59,7 +64,8 @@ class StepTable:
         self._db.execute("PRAGMA synchronous=OFF")  # a cache: storage is the truth
         self._db.executescript(_SCHEMA)
 
-    def _reset(self) -> None:
+    def reset(self) -> None:
+        """Forget every job and step (a start scans storage again)."""
         with self._lock:
             self._db.executescript("DROP TABLE IF EXISTS steps; DROP TABLE IF EXISTS jobs;" + _SCHEMA)
         self.version += 1
@@ -78,6 +84,8 @@ class StepTable:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
+
+    # ---- what answers read --------------------------------------------------------------------
 
     def has_job(self, job: str) -> bool:
         with self._lock:
@@ -153,9 +161,91 @@ class StepTable:
         return _info(row) if row else None
 
 
-def summary_json(training: TrainingMetadata | None) -> str | None:
-    summary = training_summary(training)
+
+    def job_names(self) -> set[str]:
+        with self._lock:
+            return {str(name) for (name,) in self._db.execute("SELECT name FROM jobs")}
+
+    def job_count(self) -> int:
+        with self._lock:
+            (count,) = self._db.execute("SELECT COUNT(*) FROM jobs").fetchone()
+        return int(count)
+
+    def scanned(self, job: str, *, unsettled_only: bool = False) -> dict[str, Row]:
+        """Directory name -> (state, reason) of the job's catalogued steps (only those not settled yet: a job
+        directory unchanged since its last listing needs no more, and a resume must not load 10,000 rows)."""
+        with self._lock:
+            if unsettled_only:
+                marks = ", ".join("?" * len(UNSETTLED_STATES))
+                rows = self._db.execute(f"SELECT dirname, state, reason FROM steps WHERE job = ? AND state IN "
+                                        f"({marks})", (job, *UNSETTLED_STATES))
+            else:
+                rows = self._db.execute("SELECT dirname, state, reason FROM steps WHERE job = ?", (job,))
+            return {str(row[0]): (str(row[1]), row[2]) for row in rows}
+
+    # ---- what scans write -----------------------------------------------------------------------
+
+    def keep_jobs(self, names: Iterable[str]) -> None:
+        """Drop every job (and its steps) not in ``names``."""
+        names = set(names)
+        with self._tx() as db:
+            dropped = [name for (name,) in db.execute("SELECT name FROM jobs").fetchall() if name not in names]
+            for name in dropped:
+                db.execute("DELETE FROM jobs WHERE name = ?", (name,))
+                db.execute("DELETE FROM steps WHERE job = ?", (name,))
+        if dropped:
+            self.version += 1
+
+    def drop_job(self, job: str) -> None:
+        with self._tx() as db:
+            dropped = db.execute("DELETE FROM jobs WHERE name = ?", (job,)).rowcount
+            db.execute("DELETE FROM steps WHERE job = ?", (job,))
+        if dropped:
+            self.version += 1
+
+    def record_scan(self, job: str, job_url: str, scanned_at: float, *, seen: Mapping[str, Row], gone: Iterable[str],
+                    found: Iterable[tuple[str, StepInspection]], url_of: Callable[[str], str]) -> None:
+        """One scan of ``job``: the steps ``gone`` from its directory leave, those ``found`` (directory name,
+        inspection) are written; ``seen`` is what the scan started from (``scanned``), to tell a change."""
+        gone, found = list(gone), list(found)
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO jobs (name, path, scanned_at) VALUES (?, ?, ?) "
+                "ON CONFLICT(name) DO UPDATE SET scanned_at = excluded.scanned_at",
+                (job, job_url, scanned_at),
+            )
+            for dirname in gone:
+                db.execute("DELETE FROM steps WHERE job = ? AND dirname = ?", (job, dirname))
+            for dirname, ins in found:
+                db.execute(
+                    "INSERT OR REPLACE INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (job, dirname, ins.step, ins.state.value, url_of(ins.path), ins.reason, ins.committed_at,
+                     _summary_json(ins)),
+                )
+        # after the commit: a reader that sees the new version reads the new rows (answers are cached per version)
+        if gone or any(seen.get(dirname) != (ins.state.value, ins.reason) for dirname, ins in found):
+            self.version += 1
+
+    def record_step(self, job: str, dirname: str, inspection: StepInspection | None) -> None:
+        """One step inspected again: its new state, or gone (``None``)."""
+        with self._tx() as db:
+            if inspection is None:
+                db.execute("DELETE FROM steps WHERE job = ? AND dirname = ?", (job, dirname))
+            else:
+                db.execute(
+                    "UPDATE steps SET state = ?, reason = ?, committed_at = ?, training = ? "
+                    "WHERE job = ? AND dirname = ?",
+                    (inspection.state.value, inspection.reason, inspection.committed_at, _summary_json(inspection),
+                     job, dirname),
+                )
+        self.version += 1
+
+
+def _summary_json(inspection: StepInspection) -> str | None:
+    """The training metadata a row keeps: without its per-array part (read from the step when a plan needs it)."""
+    summary = training_summary(inspection.training)
     return summary.model_dump_json() if summary is not None else None
+
 
 
 def _info(row: tuple[object, ...]) -> CheckpointInfo:
@@ -170,4 +260,4 @@ def _info(row: tuple[object, ...]) -> CheckpointInfo:
     )
 
 
-__all__ = ["FINAL_STATES", "GOOD", "UNSETTLED_STATES", "StepTable", "summary_json"]
+__all__ = ["FINAL_STATES", "GOOD", "UNSETTLED_STATES", "Row", "StepTable"]
