@@ -67,15 +67,22 @@ def _child(argv: list[str]) -> int:
     from trainer_client.client.ckptd_client import CkptdClient
     from trainer_client.config import ClientSettings
     from trainer_client.runtime.elastic import ElasticConfig, ElasticRunner, Event
+    from trainer_client.runtime.elastic_config import (
+        CompilationOptions,
+        ElasticOptions,
+        HealthOptions,
+        MemoryTierOptions,
+    )
     from trainer_client.runtime.slices import SimulatedSlices, SliceFault
 
     imported = time.time()
     precompile = bool(args.precompile)
     config = ElasticConfig(
         job=args.job, mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=48, checkpoint_period=0,
-        elastic_timeout_s=60, elastic_max_retries=2, policy="resize", scale_up_check_interval_s=3600,
-        shm_dir=args.shm, memory_period=MEMORY_PERIOD, max_snapshots=4, compilation_cache_dir=args.cache,
-        precompile=precompile,
+        elastic=ElasticOptions(policy="resize", elastic_timeout_s=60, elastic_max_retries=2),
+        health=HealthOptions(scale_up_check_interval_s=3600),
+        memory_tier=MemoryTierOptions(shm_dir=args.shm, memory_period=MEMORY_PERIOD, max_snapshots=4),
+        compilation=CompilationOptions(compilation_cache_dir=args.cache, precompile=precompile),
     )
     client = CkptdClient(ClientSettings(url=args.url, shm_dir=args.shm, report_events=False), root=args.root)
     events: list[Event] = []

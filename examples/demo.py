@@ -46,6 +46,12 @@ from trainer_client.core.format.steps import inspect_step, step_entries
 from trainer_client.core.protocol import StepState
 from trainer_client.core.storage import Storage
 from trainer_client.runtime.elastic import ElasticConfig, ElasticRunner, Event
+from trainer_client.runtime.elastic_config import (
+    CompilationOptions,
+    ElasticOptions,
+    HealthOptions,
+    MemoryTierOptions,
+)
 from trainer_client.runtime.jax_faults import InJaxFaults
 from trainer_client.runtime.slices import SimulatedSlices, SliceFault
 
@@ -132,12 +138,14 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet = {"checkpoint_started"}
     config = ElasticConfig(
-        job=JOB, mesh_axes=("replica", "data"), mesh_shape=(4 - args.spares, 2), spare_slices=args.spares,
-        global_batch=48,
-        checkpoint_period=50, elastic_timeout_s=60, elastic_max_retries=5, policy=args.policy,
-        scale_up_check_interval_s=0.5, compilation_cache_dir=str(out / "jax-cache"),
-        shm_dir=None if args.no_memory_tier else str(shm_dir), memory_period=None if args.no_memory_tier else 5,
-        max_snapshots=8,
+        job=JOB, mesh_axes=("replica", "data"), mesh_shape=(4 - args.spares, 2), global_batch=48,
+        checkpoint_period=50,
+        elastic=ElasticOptions(policy=args.policy, elastic_timeout_s=60, elastic_max_retries=5,
+                               spare_slices=args.spares),
+        health=HealthOptions(scale_up_check_interval_s=0.5),
+        compilation=CompilationOptions(compilation_cache_dir=str(out / "jax-cache")),
+        memory_tier=MemoryTierOptions(shm_dir=None if args.no_memory_tier else str(shm_dir),
+                                      memory_period=None if args.no_memory_tier else 5, max_snapshots=8),
     )
     in_jax = args.fault == "in-jax"
     slices = SimulatedSlices(num_slices=4, faults=[] if in_jax else [SliceFault(2, args.fail_at, args.down_for)])

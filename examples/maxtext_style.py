@@ -46,6 +46,13 @@ from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.core.protocol import BatchPlan
 from trainer_client.runtime.elastic import ElasticConfig, ElasticContext, ElasticRunner, Event
+from trainer_client.runtime.elastic_config import (
+    BatchScalingOptions,
+    ElasticOptions,
+    HealthOptions,
+    MemoryTierOptions,
+    SaveOptions,
+)
 from trainer_client.runtime.slices import SimulatedSlices, SliceFault
 
 PyTree = Any
@@ -86,21 +93,24 @@ class MaxTextConfig:
         return self.per_device_batch_size * self.dcn_data_parallelism * self.ici_fsdp_parallelism
 
 
-def elastic_config(cfg: MaxTextConfig, **overrides: Any) -> ElasticConfig:
+def elastic_config(cfg: MaxTextConfig, **groups: Any) -> ElasticConfig:
     """ckptd's runner configured from MaxText's settings: the job is ``checkpoints`` under ckptd's root
     ``<base_output_directory>/<run_name>``, the state's item ``items``; ``elastic_min_slice_count=-1`` waits
     for every slice (``pause``), a count trains on that many (``resize``); without ``elastic_enabled`` the
-    first slice loss ends the run (no retries)."""
+    first slice loss ends the run (no retries). ``groups``: the option groups MaxText has no flags for
+    (``health``, ``memory_tier``, ...)."""
     resize = cfg.elastic_min_slice_count != -1
     return ElasticConfig(
         job="checkpoints", mesh_axes=MESH_AXES, mesh_shape=(cfg.dcn_data_parallelism, cfg.ici_fsdp_parallelism),
-        global_batch=cfg.global_batch_size_to_train_on, batch_mode="keep_global_batch",
+        global_batch=cfg.global_batch_size_to_train_on,
         checkpoint_period=cfg.checkpoint_period if cfg.enable_checkpointing else 0,
-        async_save=cfg.async_checkpointing, checkpoint_item="items",
-        elastic_timeout_s=float(cfg.elastic_timeout_seconds),
-        elastic_max_retries=cfg.elastic_max_retries if cfg.elastic_enabled else 0,
-        policy="resize" if resize else "pause", min_slices=cfg.elastic_min_slice_count if resize else 1,
-        **overrides)
+        elastic=ElasticOptions(
+            policy="resize" if resize else "pause", min_slices=cfg.elastic_min_slice_count if resize else 1,
+            elastic_timeout_s=float(cfg.elastic_timeout_seconds),
+            elastic_max_retries=cfg.elastic_max_retries if cfg.elastic_enabled else 0),
+        batch=BatchScalingOptions(batch_mode="keep_global_batch"),
+        saving=SaveOptions(async_save=cfg.async_checkpointing, checkpoint_item="items"),
+        **groups)
 
 
 # ---- data: Grain -------------------------------------------------------------------------------------
@@ -253,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         if event.kind != "checkpoint_started":
             print(f"  [{event.t:7.2f}s] {event.kind:<18} {step_label(event.step):<10} {event.detail}", flush=True)
 
-    memory = {"shm_dir": str(shm_dir), "memory_period": args.memory_period} if args.memory_period else {}
+    tier = (MemoryTierOptions(shm_dir=str(shm_dir), memory_period=args.memory_period, max_snapshots=8)
+            if args.memory_period else MemoryTierOptions(max_snapshots=8))
     slices = SimulatedSlices(num_slices=cfg.dcn_data_parallelism, faults=[SliceFault(2, args.fail_at, None)])
 
     def bring_back(step: int) -> None:
@@ -269,8 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     losses: dict[int, float] = {}
     try:
         client = CkptdClient(ClientSettings(url=f"http://127.0.0.1:{port}", shm_dir=str(shm_dir)), root=str(root))
-        runner = ElasticRunner(elastic_config(cfg, scale_up_check_interval_s=0.0, monitor_interval_s=0.2,
-                                              poll_interval_s=0.05, max_snapshots=8, **memory),
+        health = HealthOptions(poll_interval_s=0.05, scale_up_check_interval_s=0.0, monitor_interval_s=0.2)
+        runner = ElasticRunner(elastic_config(cfg, health=health, memory_tier=tier),
                                slices=slices, client=client, checkpoint_dir=cfg.checkpoint_dir, on_event=show)
         result = runner.run(make_train_fn(cfg, seen, losses, bring_back))
         runner.checkpointer.close()
@@ -282,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     reference = iter(data_pipeline(cfg))
     exact = all(np.array_equal(seen[step], next(reference)) for step in range(cfg.steps))
     last = Path(cfg.checkpoint_dir) / str(cfg.steps)
-    report = {
+    report: dict[str, Any] = {
         "pid": result.pid, "final_step": result.final_step,
         "recoveries": [{"kind": r.kind, "failed_at_step": r.failed_at_step, "restored_step": r.restored_step,
                         "mesh_after": r.mesh_after} for r in result.recoveries],

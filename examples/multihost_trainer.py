@@ -31,6 +31,7 @@ from examples.elastic_mlp import TrainLog, make_train_fn
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.runtime.elastic import ElasticConfig, ElasticRunner, Event
+from trainer_client.runtime.elastic_config import CompilationOptions, ElasticOptions, MemoryTierOptions
 from trainer_client.runtime.job_store import initialize_multihost
 from trainer_client.runtime.slices import SimulatedSlices
 
@@ -70,13 +71,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="no host-memory tier: every persistent save goes through Orbax directly")
     args = parser.parse_args(argv)
 
-    initialize_multihost(args.coordinator, args.count, args.index, heartbeat_timeout_s=args.heartbeat_s,
-                         initialization_timeout_s=120)
     shm = None if args.no_memory_tier else args.shm
+    settings = ClientSettings(url=args.url, shm_dir=shm)  # the process's one reading of its environment
+    initialize_multihost(args.coordinator, args.count, args.index, heartbeat_timeout_s=args.heartbeat_s,
+                         initialization_timeout_s=120, settings=settings)
     config = ElasticConfig(
         job=args.job, mesh_axes=("replica", "data"), mesh_shape=(args.replicas, jax.device_count() // args.replicas),
-        global_batch=48, checkpoint_period=args.checkpoint_period, memory_period=args.memory_period, shm_dir=shm,
-        max_snapshots=4, policy="pause", precompile=False, compilation_cache_dir=args.cache,
+        global_batch=48, checkpoint_period=args.checkpoint_period,
+        elastic=ElasticOptions(policy="pause"),
+        memory_tier=MemoryTierOptions(shm_dir=shm, memory_period=args.memory_period, max_snapshots=4),
+        compilation=CompilationOptions(compilation_cache_dir=args.cache, precompile=False),
     )
 
     def show(event: Event) -> None:
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                                          "wall": event.wall_time, "detail": event.detail,
                                          "tier": event.fields.get("tier")}), flush=True)
 
-    client = CkptdClient(ClientSettings(url=args.url, shm_dir=shm), root=args.root)
+    client = CkptdClient(settings, root=args.root)
     runner = ElasticRunner(config, slices=SimulatedSlices(num_slices=1), client=client,
                            checkpoint_dir=f"{args.root}/{args.job}", on_event=show)
     log = TrainLog()

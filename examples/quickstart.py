@@ -26,6 +26,7 @@ from trainer_client import (
     ClientSettings,
     ElasticConfig,
     ElasticContext,
+    ElasticOptions,
     ElasticRunner,
     SimulatedSlices,
     SliceFault,
@@ -83,7 +84,7 @@ if __name__ == "__main__":
     ckptd = subprocess.Popen([sys.executable, "-m", "ckptd", "serve", "--root", ROOT, "--port", str(port),
                               "--state-dir", f"{OUT}/ckptd-state"], stderr=subprocess.DEVNULL)
     config = ElasticConfig(job=JOB, mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=32,
-                           checkpoint_period=10, policy="pause", elastic_timeout_s=60)
+                           checkpoint_period=10, elastic=ElasticOptions(policy="pause", elastic_timeout_s=60))
     slices = SimulatedSlices(num_slices=4, faults=[SliceFault(2, at_step=25, down_for_s=2)])
     client = CkptdClient(ClientSettings(url=f"http://127.0.0.1:{port}"), root=ROOT)
     runner = ElasticRunner(config, slices=slices, client=client, checkpoint_dir=f"{ROOT}/{JOB}")

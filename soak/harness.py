@@ -33,6 +33,7 @@ from examples.elastic_mlp import TrainLog, make_train_fn
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.runtime.elastic import ElasticConfig, ElasticResult, ElasticRunner
+from trainer_client.runtime.elastic_config import ElasticOptions, HealthOptions, MemoryTierOptions
 from trainer_client.runtime.jax_faults import InJaxFaults
 from trainer_client.runtime.recovery import give_back_host_memory
 from trainer_client.runtime.slices import SimulatedSlices
@@ -209,9 +210,10 @@ class Soak:
         (self.root / job).mkdir(parents=True, exist_ok=True)
         shm = str(self.shm) if memory_tier else None
         config = ElasticConfig(
-            job=job, mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=BATCH, policy=policy,
-            checkpoint_period=10, memory_period=5 if memory_tier else None, shm_dir=shm, max_snapshots=4,
-            elastic_timeout_s=60, poll_interval_s=0.05, scale_up_check_interval_s=0.0, monitor_interval_s=0.2,
+            job=job, mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=BATCH, checkpoint_period=10,
+            elastic=ElasticOptions(policy=policy, elastic_timeout_s=60),
+            health=HealthOptions(poll_interval_s=0.05, scale_up_check_interval_s=0.0, monitor_interval_s=0.2),
+            memory_tier=MemoryTierOptions(shm_dir=shm, memory_period=5 if memory_tier else None, max_snapshots=4),
         )
         client = CkptdClient(ClientSettings(url=self.ckptd.url, timeout_s=2.0, resume_deadline_s=3.0, shm_dir=shm,
                                             events_flush_timeout_s=5.0), root=str(self.root))

@@ -39,6 +39,15 @@ if TYPE_CHECKING:  # the real types for type checkers; at run time each name is 
     )
     from trainer_client.runtime.checkpointing import Checkpointer
     from trainer_client.runtime.elastic import ElasticConfig, ElasticContext, ElasticResult, ElasticRunner
+    from trainer_client.runtime.elastic_config import (
+        BatchScalingOptions,
+        CompilationOptions,
+        ElasticOptions,
+        HealthOptions,
+        MemoryFitOptions,
+        MemoryTierOptions,
+        SaveOptions,
+    )
     from trainer_client.runtime.slices import PathwaysSlices, SimulatedSlices, SliceFault
 
 __version__ = "0.1.0"
@@ -50,6 +59,13 @@ _LAZY = {
     "ElasticContext": "trainer_client.runtime.elastic",
     "ElasticRunner": "trainer_client.runtime.elastic",
     "ElasticResult": "trainer_client.runtime.elastic",
+    "BatchScalingOptions": "trainer_client.runtime.elastic_config",
+    "CompilationOptions": "trainer_client.runtime.elastic_config",
+    "ElasticOptions": "trainer_client.runtime.elastic_config",
+    "HealthOptions": "trainer_client.runtime.elastic_config",
+    "MemoryFitOptions": "trainer_client.runtime.elastic_config",
+    "MemoryTierOptions": "trainer_client.runtime.elastic_config",
+    "SaveOptions": "trainer_client.runtime.elastic_config",
     "Checkpointer": "trainer_client.runtime.checkpointing",
     "SimulatedSlices": "trainer_client.runtime.slices",
     "PathwaysSlices": "trainer_client.runtime.slices",
@@ -75,20 +91,26 @@ _LAZY = {
 
 __all__ = [
     "ArrayIndexError",
+    "BatchScalingOptions",
     "Checkpointer",
     "CkptdClient",
     "CkptdError",
     "CkptdRequestError",
     "CkptdUnavailable",
     "ClientSettings",
+    "CompilationOptions",
     "DirectRestoreUnsupported",
     "ElasticConfig",
     "ElasticContext",
+    "ElasticOptions",
     "ElasticResult",
     "ElasticRetriesExhausted",
     "ElasticRunner",
     "ElasticTimeoutError",
+    "HealthOptions",
+    "MemoryFitOptions",
     "MemoryTierFull",
+    "MemoryTierOptions",
     "MissingExtra",
     "NoCheckpointError",
     "OcdbtFormatError",
@@ -96,6 +118,7 @@ __all__ = [
     "PathwaysSlices",
     "PlanningError",
     "RecordTooLargeError",
+    "SaveOptions",
     "SimulatedSlices",
     "SliceFault",
     "StorageError",

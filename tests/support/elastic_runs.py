@@ -1,13 +1,14 @@
 """Elastic runs for the trainer tests: the demo MLP on 4 fake slices of 2 CPU devices, against a real ckptd.
 
 ``elastic_runner`` builds an ``ElasticRunner`` (mesh 4 x 2 unless ``mesh_shape`` says otherwise, batch 48, a
-save every 10 steps, short polls),
+save every 10 steps, short polls; other options by their names, ``with_options`` puts each in its group),
 ``run_to_end`` runs it and closes its checkpointer and client, ``leaves`` reads a state back to numpy. The
 ``in_jax_faults`` fixture body gives 4 simulated slices whose losses JAX operations raise (``InJaxFaults``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,14 +33,26 @@ def elastic_runner(root: Path, url: str, policy: str, faults: Sequence[SliceFaul
     (root / JOB).mkdir(parents=True, exist_ok=True)
     options: dict[str, Any] = dict(checkpoint_period=10, elastic_timeout_s=30, poll_interval_s=0.05,
                                    scale_up_check_interval_s=0.0, monitor_interval_s=0.2)
-    options.update(config)
-    options.setdefault("mesh_shape", (4, 2))
-    cfg = ElasticConfig(job=JOB, mesh_axes=("replica", "data"), global_batch=BATCH,
-                        policy=policy, shm_dir=shm_dir, **options)  # type: ignore[arg-type]
+    options.update(config, policy=policy, shm_dir=shm_dir)
+    cfg = with_options(ElasticConfig(job=JOB, mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=BATCH),
+                       **options)
     client = CkptdClient(ClientSettings(url=url, timeout_s=2.0, resume_deadline_s=3.0, shm_dir=shm_dir),
                          root=str(root))
     return ElasticRunner(cfg, slices=slices if slices is not None else SimulatedSlices(num_slices=4, faults=faults),
                          client=client, checkpoint_dir=str(root / JOB), on_event=on_event)
+
+
+def with_options(config: ElasticConfig, **options: Any) -> ElasticConfig:
+    """``config`` with ``options`` changed, each named as in the group that holds it (``shm_dir`` in
+    ``memory_tier``, ``policy`` in ``elastic``, ...) or as ``ElasticConfig``'s own field."""
+    groups: dict[str, Any] = {}
+    for top in dataclasses.fields(config):
+        group: Any = getattr(config, top.name)
+        if dataclasses.is_dataclass(group) and not isinstance(group, type):
+            names = [f.name for f in dataclasses.fields(group) if f.name in options]
+            if names:
+                groups[top.name] = dataclasses.replace(group, **{name: options.pop(name) for name in names})
+    return dataclasses.replace(config, **groups, **options)
 
 
 def run_to_end(runner: ElasticRunner, train: Callable[[ElasticContext], Any]) -> ElasticResult[Any]:

@@ -55,6 +55,7 @@ from trainer_client.core.storage import Storage
 from trainer_client.core.validation import validate_step
 from trainer_client.runtime.checkpointing import restore
 from trainer_client.runtime.elastic import ElasticConfig, ElasticRunner
+from trainer_client.runtime.elastic_config import ElasticOptions, HealthOptions
 from trainer_client.runtime.slices import SimulatedSlices
 
 pytestmark = pytest.mark.integration
@@ -384,11 +385,8 @@ def _elastic_runner(
         mesh_shape=(4, 2),
         global_batch=ELASTIC_BATCH,
         checkpoint_period=period,
-        elastic_timeout_s=120,
-        elastic_max_retries=1000,
-        policy=policy,  # type: ignore[arg-type]
-        poll_interval_s=0.05,
-        scale_up_check_interval_s=0.0,
+        elastic=ElasticOptions(policy=policy, elastic_timeout_s=120, elastic_max_retries=1000),  # type: ignore[arg-type]
+        health=HealthOptions(poll_interval_s=0.05, scale_up_check_interval_s=0.0),
     )
     client = CkptdClient(
         ClientSettings(url=url, timeout_s=timeout_s, resume_deadline_s=resume_deadline_s), root=str(root),

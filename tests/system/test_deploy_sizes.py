@@ -2,7 +2,7 @@
 
 Every manifest trains ``python -m train --job=llm-7b``: 7e9 parameters (the ``7b`` of its name) in float32 with
 Adam's two moments (``optax.adam`` keeps ``mu`` and ``nu`` in the parameters' dtype), 12 bytes a parameter, 84 GB
-of training state (docs/deploy.md, "Sizing the memory tier"). The tier keeps ``ElasticConfig.max_snapshots`` of
+of training state (docs/deploy.md, "Sizing the memory tier"). The tier keeps ``MemoryTierOptions.max_snapshots`` of
 them, and shared-memory pages count against the container that writes them (the trainer):
 
 - the Pathways head (single controller) holds the whole state, in both the JobSet and the PathwaysJob;
@@ -15,7 +15,6 @@ must have the volume and Google's figure for the trainer itself (100G on the Pat
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import Any
 
@@ -24,11 +23,11 @@ import pytest
 from tests.system.test_deploy import _one, _only, _pod_spec, _quantity, _trainer
 from tests.system.test_deploy_pathways import HEAD, TRAINER, container, jobset, pod
 from tests.system.test_deploy_pathwaysjob import template
-from trainer_client.runtime.elastic import ElasticConfig
+from trainer_client.runtime.elastic_config import MemoryTierOptions
 
 BYTES_PER_PARAMETER = 12  # float32 weights + Adam's mu and nu, each in the weights' dtype
 HEAD_TRAINER_OWN = 100e9  # Google's memory figure for the head's user container (xpk), besides the tier
-MAX_SNAPSHOTS = next(f.default for f in dataclasses.fields(ElasticConfig) if f.name == "max_snapshots")
+MAX_SNAPSHOTS = MemoryTierOptions().max_snapshots
 
 
 def state_bytes(trainer: dict[str, Any]) -> float:

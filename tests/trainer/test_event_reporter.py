@@ -26,6 +26,7 @@ from trainer_client.client.event_reporter import EventReporter
 from trainer_client.config import ClientSettings
 from trainer_client.core import protocol as p
 from trainer_client.runtime.elastic import ElasticConfig, ElasticRunner
+from trainer_client.runtime.elastic_config import CompilationOptions, ElasticOptions, HealthOptions
 from trainer_client.runtime.slices import SimulatedSlices, SliceFault
 
 
@@ -187,8 +188,9 @@ def test_the_elastic_runner_reports_a_recovery_that_ckptd_turns_into_goodput(
     server = ckptd_server(tmp_path)
     (tmp_path / "mlp").mkdir()
     config = ElasticConfig(job="mlp", mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=48,
-                           checkpoint_period=5, elastic_timeout_s=30, policy="resize", poll_interval_s=0.05,
-                           precompile=False)  # no background compiles competing for the CPU here
+                           checkpoint_period=5, elastic=ElasticOptions(policy="resize", elastic_timeout_s=30),
+                           health=HealthOptions(poll_interval_s=0.05),
+                           compilation=CompilationOptions(precompile=False))  # no background compiles competing
     client = CkptdClient(ClientSettings(url=server.url, timeout_s=2.0, resume_deadline_s=3.0), root=str(tmp_path))
     runner = ElasticRunner(config, slices=SimulatedSlices(num_slices=4, faults=[SliceFault(3, 12, None)]),
                            client=client, checkpoint_dir=str(tmp_path / "mlp"))

@@ -27,9 +27,10 @@ initialize_multihost(f"127.0.0.1:{port}", 2, index, heartbeat_timeout_s=10, init
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.runtime.elastic import ElasticConfig, ElasticRunner
+from trainer_client.runtime.elastic_config import CompilationOptions, ElasticOptions
 from trainer_client.runtime.slices import SimulatedSlices
 cfg = ElasticConfig(job="job", mesh_axes=("replica", "data"), mesh_shape=(1, 8), global_batch=8, checkpoint_period=0,
-                    policy="pause", precompile=False)
+                    elastic=ElasticOptions(policy="pause"), compilation=CompilationOptions(precompile=False))
 client = CkptdClient(ClientSettings(url=url, timeout_s=2, resume_deadline_s=5, report_events=False), root=root)
 runner = ElasticRunner(cfg, slices=SimulatedSlices(num_slices=1), client=client, checkpoint_dir=root + "/job")
 def train(ctx):

@@ -167,10 +167,12 @@ _RUNNER = PREAMBLE + """
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.runtime.elastic import ElasticConfig, ElasticRunner
+from trainer_client.runtime.elastic_config import CompilationOptions, ElasticOptions, MemoryTierOptions
 from trainer_client.runtime.slices import SimulatedSlices
 stop = int(sys.argv[7])
 cfg = ElasticConfig(job="job", mesh_axes=("replica", "data"), mesh_shape=(1, 8), global_batch=8, checkpoint_period=0,
-                    memory_period=5, shm_dir=shm, policy="pause", precompile=False, preallocate_snapshots=False)
+                    elastic=ElasticOptions(policy="pause"), compilation=CompilationOptions(precompile=False),
+                    memory_tier=MemoryTierOptions(shm_dir=shm, memory_period=5, preallocate_snapshots=False))
 client = CkptdClient(ClientSettings(url=sys.argv[6], timeout_s=2, resume_deadline_s=5, report_events=False),
                      root=root)
 runner = ElasticRunner(cfg, slices=SimulatedSlices(num_slices=1), client=client, checkpoint_dir=root + "/job")

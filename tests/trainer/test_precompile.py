@@ -20,6 +20,7 @@ from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.core.protocol import MeshSpec
 from trainer_client.runtime.elastic import ElasticConfig, ElasticRunner, Event
+from trainer_client.runtime.elastic_config import CompilationOptions, ElasticOptions, HealthOptions
 from trainer_client.runtime.precompile import likely_next
 from trainer_client.runtime.slices import SimulatedSlices, SliceFault
 
@@ -92,9 +93,10 @@ def test_the_step_after_a_recovery_does_not_compile_when_precompiled(
     server = ckptd_server(tmp_path)
     (tmp_path / "job").mkdir()
     config = ElasticConfig(job="job", mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=48,
-                           checkpoint_period=10, policy="resize", poll_interval_s=0.05,
-                           scale_up_check_interval_s=3600, precompile=precompile,
-                           compilation_cache_dir=str(tmp_path / "compilation-cache"))
+                           checkpoint_period=10, elastic=ElasticOptions(policy="resize"),
+                           health=HealthOptions(poll_interval_s=0.05, scale_up_check_interval_s=3600),
+                           compilation=CompilationOptions(precompile=precompile,
+                                                          compilation_cache_dir=str(tmp_path / "compilation-cache")))
     client = CkptdClient(ClientSettings(url=server.url), root=str(tmp_path))
     marks: list[tuple[str, int]] = []
 

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import jax
 
 from trainer_client.client.ckptd_client import CkptdClient
+from trainer_client.config import ClientSettings
 from trainer_client.core.errors import CkptdError, StoredFormatError
 from trainer_client.core.format.snapshot import DataIteratorRecord
 from trainer_client.core.protocol import ResumePlan, TrainingMetadata
@@ -59,14 +60,14 @@ class Saver:
     """Routes saves to the memory tier or to Orbax, and remembers which steps were saved how."""
 
     def __init__(self, checkpointer: Checkpointer, memory: MemoryTier | None, health: HealthWatch | None,
-                 route: SaveRoute | None = None) -> None:
+                 route: SaveRoute | None = None, *, settings: ClientSettings | None = None) -> None:
         self.checkpointer = checkpointer
         self.memory = memory
         self.health = health
         if route is None and memory is not None and memory.process_count > 1 and memory.incarnation is not None:
-            route = SaveRoute(memory.incarnation, memory.process_index, memory.process_count)
+            route = SaveRoute(memory.incarnation, memory.process_index, memory.process_count, settings=settings)
         elif route is None and memory is None and jax.process_count() > 1:  # the skip is agreed all the same
-            route = SaveRoute(job_incarnation(), jax.process_index(), jax.process_count())
+            route = SaveRoute(job_incarnation(), jax.process_index(), jax.process_count(), settings=settings)
         self.route = route  # a multi-process job's agreement on each persistent save's route
         self.saved_steps: set[int] = set()
         self.last_tier: str | None = None
@@ -154,21 +155,23 @@ class Saver:
             self.memory.close()
 
 
-def restore_from_plan(plan: ResumePlan, target: PyTree) -> PyTree:
-    """The plan's step onto ``target``'s shardings, from host memory or from storage."""
+def restore_from_plan(plan: ResumePlan, target: PyTree, host_bytes: int | None = None) -> PyTree:
+    """The plan's step onto ``target``'s shardings, from host memory or from storage (holding at most
+    ``host_bytes`` of host memory at once: ``ClientSettings.restore_host_bytes``)."""
     if plan.tier == "memory":
         return restore_snapshot(plan.path, target)
-    return restore(plan.path, target)
+    return restore(plan.path, target, host_bytes=host_bytes)
 
 
 def restore_plan(plan: ResumePlan, target_for: Callable[[ResumePlan], PyTree],
-                 storage_plan: Callable[[], ResumePlan | None]) -> tuple[PyTree, ResumePlan]:
+                 storage_plan: Callable[[], ResumePlan | None],
+                 host_bytes: int | None = None) -> tuple[PyTree, ResumePlan]:
     """``(state, plan restored)``: the plan's step onto ``target_for(plan)``. A memory snapshot whose bytes
     no longer match their checksums, or that is gone by the time it is read (evicted after the plan named it),
     is never resumed from: the step ``storage_plan()`` names instead (when it keeps the mesh; otherwise the
     error stands)."""
     try:
-        return restore_from_plan(plan, target_for(plan)), plan
+        return restore_from_plan(plan, target_for(plan), host_bytes), plan
     except (StoredFormatError, FileNotFoundError) as exc:
         if plan.tier != "memory":
             raise
@@ -176,7 +179,7 @@ def restore_plan(plan: ResumePlan, target_for: Callable[[ResumePlan], PyTree],
         fallback = storage_plan()
         if fallback is None or fallback.mesh != plan.mesh:
             raise
-        return restore_from_plan(fallback, target_for(fallback)), fallback
+        return restore_from_plan(fallback, target_for(fallback), host_bytes), fallback
 
 
 __all__ = ["HealthWatch", "Saver", "restore_from_plan", "restore_plan"]

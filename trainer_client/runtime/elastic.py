@@ -1,26 +1,28 @@
 """The elastic runner: survive slice failures inside the running process (same PID, no relaunch).
 
-``ElasticRunner.run(train_fn)`` calls the user's training function with an ``ElasticContext``, through pathwaysutils'
-``Manager.elastic_retry`` (runtime/slice_manager.py): Manager waits for the slices the policy needs (``pause``: all of
-them, ``resize``: at least ``min_slices``), runs the attempt under ``jax.default_device`` on a live slice, retries it
-after a slice loss or a ``ScaleUpSignalError``, and its monitor thread health-checks the slices not in use. ckptd's
-part rides in the attempt and the callbacks: when a slice dies the JAX operation that touches it raises
-(``JaxRuntimeError`` with ``DATA_LOSS``); only what pathwaysutils classifies as a slice loss *and* a health check
-confirms reaches Manager (``fault_classification``; anything else is re-raised at once, unchanged). After the event
-the failed attempt is freed (JAX's caches cleared, its arrays deleted: ``recovery``; compile-ahead's executable for
-exactly the new mesh is kept: ``ctx.precompiled``); the next attempt asks ckptd for the resume plan (or scans storage
-when ckptd cannot answer), rebuilds the mesh from it and restores onto it through ``ctx.restore_or_init``. Under
-``resize`` a slice that Manager's monitor finds healthy again is noticed at a step boundary: the current state is
-saved first, so growing back loses no steps. With hot spares (``spare_slices``) the mesh uses fewer slices than the
-allocation holds; a healthy idle slice takes a lost one's place (same mesh shape, no resize, no wait for a
-replacement: ``SliceManager.take_slices``), and a lost slice that returns becomes a spare; with no healthy spare left
-the policy (``pause`` or ``resize``) decides. On Pathways the runner calls ``pathwaysutils.initialize()``. In a
-multi-controller job (one process per host, ``jax.process_count() > 1``) a lost process ends them all and the job
-restarts them: each runs one attempt and all restore the step they agree on (``multihost.ResumeAgreement``,
-docs/multihost.md); a SIGTERM (a preemption notice there, not an end) makes every process save the step they agree on
-and return (``ElasticResult.preempted``).
+``ElasticRunner.run(train_fn)`` calls the user's training function with an ``ElasticContext``, through
+pathwaysutils' ``Manager.elastic_retry`` (runtime/slice_manager.py): Manager waits for the slices the policy
+needs (``pause``: all of them, ``resize``: at least ``min_slices``), runs the attempt under
+``jax.default_device`` on a live slice, retries it after a slice loss or a ``ScaleUpSignalError``, and its
+monitor thread health-checks the slices not in use. ckptd's part rides in the attempt and the callbacks: when
+a slice dies the JAX operation that touches it raises (``JaxRuntimeError`` with ``DATA_LOSS``); only what
+pathwaysutils classifies as a slice loss *and* a health check confirms reaches Manager
+(``fault_classification``; anything else is re-raised at once, unchanged). After the event the failed attempt
+is freed (JAX's caches cleared, its arrays deleted: ``recovery``; compile-ahead's executable for exactly the
+new mesh is kept: ``ctx.precompiled``); the next attempt asks ckptd for the resume plan (or scans storage when
+ckptd cannot answer), rebuilds the mesh from it and restores onto it through ``ctx.restore_or_init``. Under
+``resize`` a slice that Manager's monitor finds healthy again is noticed at a step boundary: the current state
+is saved first, so growing back loses no steps. With hot spares (``spare_slices``) the mesh uses fewer slices
+than the allocation holds; a healthy idle slice takes a lost one's place (same mesh shape, no resize, no wait
+for a replacement: ``SliceManager.take_slices``), and a lost slice that returns becomes a spare; with no
+healthy spare left the policy (``pause`` or ``resize``) decides. On Pathways the runner calls
+``pathwaysutils.initialize()``. In a multi-controller job (one process per host, ``jax.process_count() > 1``)
+a lost process ends them all and the job restarts them: each runs one attempt and all restore the step they
+agree on (``multihost.ResumeAgreement``, docs/multihost.md); a SIGTERM (a preemption notice there, not an end)
+makes every process save the step they agree on and return (``ElasticResult.preempted``).
 
-Options mirror MaxText's elastic flags (``checkpoint_period``, ``elastic_timeout_s``, ``elastic_max_retries``, policy).
+Options mirror MaxText's elastic flags (``checkpoint_period``, ``ElasticOptions``: ``policy``,
+``elastic_timeout_s``, ``elastic_max_retries``; docs/maxtext.md).
 """
 from __future__ import annotations
 
@@ -38,18 +40,23 @@ from pathwaysutils.elastic.manager import ElasticRuntimeError, ScaleUpSignalErro
 
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.client.event_reporter import EventReporter
-from trainer_client.core.errors import CkptdError
 from trainer_client.core.planner import plan_mesh
-from trainer_client.core.protocol import BatchOptions, MeshSpec, ResumePlan, ResumeRequest, SliceAlive
+from trainer_client.core.protocol import MeshSpec, ResumePlan, ResumeRequest, SliceAlive
 from trainer_client.errors import ElasticRetriesExhausted, ElasticTimeoutError, NoCheckpointError
 from trainer_client.runtime._saver import HealthWatch, Saver
 from trainer_client.runtime.checkpointing import Checkpointer
-from trainer_client.runtime.elastic_context import ElasticContext, Preempted
+from trainer_client.runtime.elastic_config import ElasticConfig
+from trainer_client.runtime.elastic_context import ElasticContext, Preempted, RunnerSignal
 from trainer_client.runtime.fault_classification import classify_failure
 from trainer_client.runtime.jax_faults import InJaxFaults
 from trainer_client.runtime.memory_tier import MemoryTier
 from trainer_client.runtime.multihost import ResumeAgreement
-from trainer_client.runtime.precompile import Precompiler, build_mesh, enable_persistent_cache, ensure_compilation_cache
+from trainer_client.runtime.precompile import (
+    Precompiler,
+    build_mesh,
+    enable_persistent_cache,
+    ensure_compilation_cache,
+)
 from trainer_client.runtime.recovery import ArraysBefore, release_failed_attempt
 from trainer_client.runtime.slice_manager import SliceManager
 from trainer_client.runtime.slices import SimulatedSlices, SliceProvider, initialize_pathways
@@ -58,48 +65,6 @@ _log = logging.getLogger(__name__)
 
 PyTree = Any
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class ElasticConfig:
-    """What the runner needs to know about the job (MaxText-style elastic options)."""
-
-    job: str
-    mesh_axes: tuple[str, ...]
-    mesh_shape: tuple[int, ...]
-    global_batch: int
-    checkpoint_period: int = 10
-    elastic_timeout_s: float = 300.0
-    elastic_max_retries: int = 10
-    policy: Literal["pause", "resize"] = "resize"  # with spare_slices: what happens when no spare is healthy
-    # hot spares: slices of the allocation the mesh leaves idle; a healthy one takes a lost slice's place (the mesh
-    # keeps its shape). The mesh (mesh_shape) uses the other slices.
-    spare_slices: int = 0
-    batch_mode: Literal["keep_global_batch", "scale_batch"] = "keep_global_batch"
-    lr_scaling: Literal["none", "linear", "sqrt"] = "linear"
-    device_memory_bytes: int | None = None
-    memory_headroom_bytes: int = 0
-    poll_interval_s: float = 0.25  # the wait for slices after an event (pathwaysutils' health check)
-    scale_up_check_interval_s: float = 1.0  # how often a step boundary looks for slices back (no health check)
-    monitor_interval_s: float = 1.0  # background health checks of the slices not in use (pathwaysutils' monitor)
-    min_slices: int = 1
-    shm_dir: str | None = None  # host-memory tier: a shared-memory directory ckptd also sees
-    memory_period: int | None = None  # memory-only snapshots every N steps (between persistent saves)
-    max_snapshots: int = 2
-    preallocate_snapshots: bool = True  # allocate the next snapshot's shm file in the background after a save
-    # JAX's persistent compilation cache (shared with relaunches); unset: a private one under the temp dir, unless
-    # one is configured already (it carries compiled steps across the cache clear after an event)
-    compilation_cache_dir: str | None = None
-    precompile: bool = True  # compile the likely next meshes in the background (needs ctx.set_precompile)
-    # a periodic save while the previous save to storage is still being written: waits for it (Orbax's way), or
-    # is skipped so the loop never waits (fewer checkpoints when saves take longer than checkpoint_period)
-    when_save_busy: Literal["wait", "skip"] = "wait"
-    checkpoint_item: str = "default"  # the Orbax item of the state in each step (MaxText's steps: "items")
-    async_save: bool = True  # Orbax writes in the background (MaxText's async_checkpointing); False: blocking
-
-    @property
-    def full_mesh(self) -> MeshSpec:
-        return MeshSpec(axis_names=list(self.mesh_axes), shape=list(self.mesh_shape))
 
 
 @dataclass(frozen=True)
@@ -136,12 +101,12 @@ class ElasticResult(Generic[T]):
     events: list[Event]
     recoveries: list[Recovery]
     final_step: int | None
-    # a multi-controller job stopped at the step its processes agreed on after a preemption notice (SIGTERM), that
-    # step saved to storage; ``value`` is None then (the training function did not return)
+    # a multi-controller job stopped at the step its processes agreed on after a preemption notice (SIGTERM),
+    # that step saved to storage; ``value`` is None then (the training function did not return)
     preempted: bool = False
 
 
-class _Raise(CkptdError):
+class _Raise(RunnerSignal):
     """Carries an attempt's error that is not Manager's to retry through its loop, to be raised as it was
     (never leaves the runner)."""
 
@@ -150,8 +115,16 @@ class _Raise(CkptdError):
         self.error = error
 
 
+def _first_line(error: BaseException) -> str:
+    return f"{(str(error).splitlines() or [''])[0][:300]}"
+
+
 class ElasticRunner:
-    """Runs a training function through slice failures, in this process."""
+    """Runs a training function through slice failures, in this process.
+
+    The environment is read once: ``client.settings`` (a ``ClientSettings``, from the environment unless the
+    client was given one) is what every part of the run uses (the run id recorded with each step, the save
+    route's timeout, the restore's host-memory cap)."""
 
     def __init__(
         self,
@@ -166,27 +139,37 @@ class ElasticRunner:
         self.config = config
         self.slices = slices
         self.client = client
-        # Events go to ckptd in the background (trainer_client/client/event_reporter.py); training never waits.
-        self.reporter = reporter if reporter is not None else (
-            EventReporter(client.settings, config.job) if client.settings.report_events else None)
+        self.settings = settings = client.settings
+        # Events go to ckptd in the background (client/event_reporter.py); training never waits.
+        if reporter is None and settings.report_events:
+            reporter = EventReporter(settings, config.job)
+        self.reporter = reporter
         initialize_pathways()  # on Pathways only (pathwaysutils' proxy backend); PathwaysSlices did it first
-        if config.compilation_cache_dir:
-            enable_persistent_cache(config.compilation_cache_dir)
+        if config.compilation.compilation_cache_dir:
+            enable_persistent_cache(config.compilation.compilation_cache_dir)
         else:  # compiled executables must outlive the cache clear after an event (compile-ahead's above all)
             ensure_compilation_cache()
         total = len(slices.slice_to_devices)
-        if not 0 <= config.spare_slices < total:
-            raise ValueError(f"spare_slices={config.spare_slices}: the allocation has {total} slices")
-        self.manager = SliceManager(slices.slice_to_devices, config.monitor_interval_s,
-                                    mesh_slices=total - config.spare_slices)
-        self.precompiler = Precompiler(mesh_slices=total - config.spare_slices)
-        self.checkpointer = Checkpointer(checkpoint_dir, async_save=config.async_save, item=config.checkpoint_item)
-        memory = (MemoryTier(config.shm_dir, config.job, max_snapshots=config.max_snapshots,
-                             preallocate=config.preallocate_snapshots) if config.shm_dir else None)
-        self.saver = Saver(self.checkpointer, memory, HealthWatch(client) if memory is not None else None)
+        spares = config.elastic.spare_slices
+        if not 0 <= spares < total:
+            raise ValueError(f"spare_slices={spares}: the allocation has {total} slices")
+        self.manager = SliceManager(slices.slice_to_devices, config.health.monitor_interval_s,
+                                    mesh_slices=total - spares)
+        self.precompiler = Precompiler(mesh_slices=total - spares)
+        saving, tier = config.saving, config.memory_tier
+        self.checkpointer = Checkpointer(checkpoint_dir, async_save=saving.async_save,
+                                         item=saving.checkpoint_item, run_id=settings.run_id)
+        memory = None
+        if tier.shm_dir:
+            memory = MemoryTier(tier.shm_dir, config.job, max_snapshots=tier.max_snapshots,
+                                preallocate=tier.preallocate_snapshots)
+        health = HealthWatch(client) if memory is not None else None
+        self.saver = Saver(self.checkpointer, memory, health, settings=settings)
         # a multi-controller job's processes restore one step, agreed through JAX's coordination service
-        self.agreement = (ResumeAgreement(config.job, config.shm_dir, client, process_index=jax.process_index(),
-                                          process_count=jax.process_count()) if jax.process_count() > 1 else None)
+        self.agreement: ResumeAgreement | None = None
+        if (count := jax.process_count()) > 1:
+            self.agreement = ResumeAgreement(config.job, tier.shm_dir, client, process_index=jax.process_index(),
+                                             process_count=count)
         self.on_event = on_event
         self.events: list[Event] = []
         self.recoveries: list[Recovery] = []
@@ -202,16 +185,19 @@ class ElasticRunner:
         if self.on_event is not None:
             self.on_event(event)
 
-    def _first_step_done(self, step: int) -> None:
+    def first_step_done(self, step: int) -> None:
+        """The attempt's first step is done (``ElasticContext.step_boundary``): ends the open recovery."""
         self.emit("first_step_done", step)
-        if self.recoveries and self.recoveries[-1].seconds is None:
-            rec = self.recoveries[-1]
-            rec.seconds = self.events[-1].t - rec.detected_t
-            spare = f", spare slice(s) {rec.spares_used} in" if rec.spares_used else ""
-            self.emit("recovered", step, f"{rec.kind} at step {rec.failed_at_step}: {rec.seconds:.2f}s to the "
-                      f"first step, {rec.lost_steps} step(s) lost{spare}", recovery_seconds=rec.seconds,
-                      lost_steps=rec.lost_steps, restored_step=rec.restored_step, mesh_before=rec.mesh_before,
-                      mesh_after=rec.mesh_after, spares_used=rec.spares_used or None)
+        if not self.recoveries or self.recoveries[-1].seconds is not None:
+            return
+        rec = self.recoveries[-1]
+        rec.seconds = self.events[-1].t - rec.detected_t
+        spare = f", spare slice(s) {rec.spares_used} in" if rec.spares_used else ""
+        detail = (f"{rec.kind} at step {rec.failed_at_step}: {rec.seconds:.2f}s to the first step, "
+                  f"{rec.lost_steps} step(s) lost{spare}")
+        self.emit("recovered", step, detail, recovery_seconds=rec.seconds, lost_steps=rec.lost_steps,
+                  restored_step=rec.restored_step, mesh_before=rec.mesh_before, mesh_after=rec.mesh_after,
+                  spares_used=rec.spares_used or None)
 
     # ---- the loop around the user's function ---------------------------------------------------
 
@@ -222,36 +208,41 @@ class ElasticRunner:
             with self._slices_in_jax():
                 return self._run(train_fn)
         except BaseException as exc:
-            self.emit("aborted", None, f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}")
+            self.emit("aborted", None, f"{type(exc).__name__}: {_first_line(exc)}")
             raise
         finally:
-            # No background compile may outlive the run (XLA aborts the process if the interpreter exits in one)
+            # No background compile may outlive the run (XLA aborts the process when the interpreter exits
+            # in one)
             self.precompiler.stop(wait=True)
             self.precompiler.release()
             self.saver.close()
             if self.reporter is not None:
-                self.reporter.close(self.client.settings.events_flush_timeout_s)
+                self.reporter.close(self.settings.events_flush_timeout_s)
 
     def _run(self, train_fn: Callable[[ElasticContext], T]) -> ElasticResult[T]:
         """The attempts, through pathwaysutils' ``Manager.elastic_retry`` (runtime/slice_manager.py): it waits
         for the slices, runs ``_attempt`` under ``jax.default_device`` on one of them, retries it after a
         slice loss or a scale-up signal and stops its monitor at the end; ckptd's part is in the callbacks."""
         self._t0 = time.monotonic()
-        cfg = self.config
-        self.emit("start", None, f"pid {os.getpid()}, policy {cfg.policy}")
+        options = self.config.elastic
+        self.emit("start", None, f"pid {os.getpid()}, policy {options.policy}")
         callers_arrays = ArraysBefore()  # kept across events; whatever an attempt creates is not
         total = len(self.slices.slice_to_devices)
-        needed = self.manager.mesh_slices if cfg.policy == "pause" else min(cfg.min_slices, self.manager.mesh_slices)
+        needed = self.manager.mesh_slices
+        if options.policy == "resize":
+            needed = min(options.min_slices, needed)
         failures = 0
-        if self.agreement is not None:  # multi-controller: a lost process ends every process; the job restarts them
-            return self._only_attempt(train_fn)  # (docs/multihost.md, sections 2 and 6): no same-PID retry loop
+        if self.agreement is not None:
+            # multi-controller: a lost process ends every process and the job restarts them
+            # (docs/multihost.md, sections 2 and 6): no same-PID retries
+            return self._only_attempt(train_fn)
 
         def retry(attempt: int, error: Exception) -> bool:
             nonlocal failures
             if isinstance(error, ScaleUpSignalError):
                 return True
             failures += 1
-            return failures <= cfg.elastic_max_retries
+            return failures <= options.elastic_max_retries
 
         def after_event() -> None:  # before the wait for slices; the failed attempt's frames still exist
             self.precompiler.stop()
@@ -259,28 +250,28 @@ class ElasticRunner:
             self.checkpointer.reset()  # a save in flight has its host copy: the device arrays may go
             with self.manager.device_work:  # not while the monitor's health check runs on arrays of its own
                 release_failed_attempt(callers_arrays)
-            self.emit("waiting_for_slices", None, f"policy {cfg.policy} needs {needed} of {total} slices")
+            self.emit("waiting_for_slices", None, f"policy {options.policy} needs {needed} of {total} slices")
 
         def ready() -> None:  # after Manager's wait, before the attempt: which healthy slices the mesh uses
             used, spares = self.manager.take_slices()
-            self.emit("slices_ready", None, f"slices {sorted(used)}"
-                      + (f", spare(s) {sorted(spares)}" if cfg.spare_slices else ""))
+            spare = f", spare(s) {sorted(spares)}" if options.spare_slices else ""
+            self.emit("slices_ready", None, f"slices {sorted(used)}{spare}")
 
         attempts = self.manager.elastic_retry(
-            minimum_slice_count=needed, poll_interval=cfg.poll_interval_s, timeout=cfg.elastic_timeout_s,
-            pre_callback=ready, on_elastic_event_callback=after_event, retry_policy=retry,
+            minimum_slice_count=needed, poll_interval=self.config.health.poll_interval_s,
+            timeout=options.elastic_timeout_s, pre_callback=ready, on_elastic_event_callback=after_event,
+            retry_policy=retry,
         )(lambda: self._attempt(train_fn))
         try:
             return attempts()
         except _Raise as passed:
             error = passed.error
         except ElasticRuntimeError as exc:  # the retry policy said no
-            raise ElasticRetriesExhausted(
-                f"{failures} slice failures exceed elastic_max_retries={cfg.elastic_max_retries}") from exc.__cause__
+            limit = f"elastic_max_retries={options.elastic_max_retries}"
+            raise ElasticRetriesExhausted(f"{failures} slice failures exceed {limit}") from exc.__cause__
         except TimeoutError as exc:  # Manager's wait (the attempt's own errors come as _Raise)
-            raise ElasticTimeoutError(
-                f"{exc} (policy {cfg.policy!r} needs {needed} of {total}; elastic_timeout_s={cfg.elastic_timeout_s})"
-            ) from exc
+            raise ElasticTimeoutError(f"{exc} (policy {options.policy!r} needs {needed} of {total}; "
+                                      f"elastic_timeout_s={options.elastic_timeout_s})") from exc
         raise error  # outside the except block: unchanged, with its own traceback and context
 
     def _only_attempt(self, train_fn: Callable[[ElasticContext], T]) -> ElasticResult[T]:
@@ -300,20 +291,12 @@ class ElasticRunner:
         and a scale-up signal reach Manager, which retries them; anything else passes through it as
         ``_Raise`` and leaves ``run`` unchanged, at once."""
         active = frozenset(self.manager.active_slice_indices)  # the slices in use (SliceManager.take_slices)
-        cfg = self.config
         ctx: ElasticContext | None = None
         try:
-            plan = self._plan(active)
+            plan = self.resume_plan(active)
             order = plan.slices_used if plan and plan.slices_used else sorted(active)
             mesh = self._build_mesh(plan.mesh if plan else self._fresh_mesh(active), order)
-            if self.recoveries and not self.recoveries[-1].mesh_after:
-                rec = self.recoveries[-1]
-                rec.mesh_after = [int(s) for s in mesh.devices.shape]
-                rec.slices_after = sorted(active)
-                if rec.kind == "slice_down" and cfg.spare_slices and rec.mesh_after == rec.mesh_before:
-                    rec.spares_used = sorted(active - set(rec.slices_before))
-                rec.restored_step = plan.step if plan else 0
-                rec.lost_steps = rec.failed_at_step - rec.restored_step
+            self._note_new_mesh(mesh, plan, active)
             # compile-ahead's executable for exactly this mesh, if any (every other one is dropped)
             ctx = ElasticContext(self, mesh, plan, active, precompiled=self.precompiler.claim(mesh))
             try:
@@ -331,13 +314,26 @@ class ElasticRunner:
             loss = classify_failure(exc, self.slices, active) if ctx is not None else None
             if ctx is None or loss is None:
                 raise _Raise(exc) from None
-            self._record("slice_down", ctx, f"slice(s) {sorted(loss.lost)} down: "
-                         f"{(str(exc).splitlines() or [''])[0][:300]}", loss.lost)
+            down = f"slice(s) {sorted(loss.lost)} down: {_first_line(exc)}"
+            self._record("slice_down", ctx, down, loss.lost)
             raise
         except Exception as exc:
             raise _Raise(exc) from None
         self.emit("finished", ctx.last_step)
         return ElasticResult(value, os.getpid(), list(self.events), list(self.recoveries), ctx.last_step)
+
+    def _note_new_mesh(self, mesh: Mesh, plan: ResumePlan | None, active: frozenset[int]) -> None:
+        """The open recovery's side after the event: the mesh, the slices, the spares used, the steps lost."""
+        if not self.recoveries or self.recoveries[-1].mesh_after:
+            return
+        rec = self.recoveries[-1]
+        rec.mesh_after = [int(s) for s in mesh.devices.shape]
+        rec.slices_after = sorted(active)
+        same_mesh = rec.mesh_after == rec.mesh_before
+        if rec.kind == "slice_down" and self.config.elastic.spare_slices and same_mesh:
+            rec.spares_used = sorted(active - set(rec.slices_before))
+        rec.restored_step = plan.step if plan else 0
+        rec.lost_steps = rec.failed_at_step - rec.restored_step
 
     def _record(self, kind: Literal["slice_down", "scale_up"], ctx: ElasticContext, detail: str,
                 lost: frozenset[int] = frozenset()) -> None:
@@ -360,28 +356,32 @@ class ElasticRunner:
             return InJaxFaults(self.slices)
         return contextlib.nullcontext()
 
-    def _plan(self, active: frozenset[int], *, use_memory_tier: bool = True) -> ResumePlan | None:
+    def resume_plan(self, active: frozenset[int], *, use_memory_tier: bool = True) -> ResumePlan | None:
+        """Where to resume on the slices ``active`` (ckptd's answer, or the client's storage scan; agreed by
+        every process of a multi-controller job); None when the job has no checkpoint yet."""
         slices = [SliceAlive(index=k, devices=len(self.slices.slice_to_devices[k])) for k in sorted(active)]
         cfg = self.config
         request = ResumeRequest(
-            policy=cfg.policy, alive_devices=sum(s.devices for s in slices), slices=slices,
-            device_memory_bytes=cfg.device_memory_bytes, memory_headroom_bytes=cfg.memory_headroom_bytes,
-            batch=BatchOptions(mode=cfg.batch_mode, lr_scaling=cfg.lr_scaling), use_memory_tier=use_memory_tier,
-            process_count=jax.process_count(),  # who asks (docs/protocol.md, Identity); the client adds CKPTD_RUN_ID
+            policy=cfg.elastic.policy, alive_devices=sum(s.devices for s in slices), slices=slices,
+            device_memory_bytes=cfg.memory_fit.device_memory_bytes,
+            memory_headroom_bytes=cfg.memory_fit.memory_headroom_bytes,
+            batch=cfg.batch.wire(), use_memory_tier=use_memory_tier,
+            # who asks (docs/protocol.md, Identity); the client adds the run id of its settings
+            process_count=jax.process_count(),
         )
         try:
             plan = (self.agreement.plan(request) if self.agreement is not None
-                    else self.client.resume(self.config.job, request))
+                    else self.client.resume(cfg.job, request))
         except NoCheckpointError:
             return None
         if plan is None:
             return None
         batch = plan.batch
-        self.emit("plan_received", plan.step,
-                  f"mesh {plan.mesh.shape} on slices {plan.slices_used} from {plan.source}, data position "
-                  f"{plan.data_position}"
-                  + (f", batch {batch.global_batch} = {batch.accumulation_steps} x {batch.micro_batch}"
-                     if batch else ""))
+        detail = (f"mesh {plan.mesh.shape} on slices {plan.slices_used} from {plan.source}, "
+                  f"data position {plan.data_position}")
+        if batch:
+            detail += f", batch {batch.global_batch} = {batch.accumulation_steps} x {batch.micro_batch}"
+        self.emit("plan_received", plan.step, detail)
         return plan
 
     def _fresh_mesh(self, active: frozenset[int]) -> MeshSpec:
@@ -393,4 +393,6 @@ class ElasticRunner:
         return build_mesh(spec, slice_order, self.slices.slice_to_devices)
 
 
-__all__ = ["ElasticConfig", "ElasticContext", "ElasticResult", "ElasticRunner", "Event", "Preempted", "Recovery"]
+__all__ = [
+    "ElasticConfig", "ElasticContext", "ElasticResult", "ElasticRunner", "Event", "Preempted", "Recovery",
+]

@@ -3,8 +3,13 @@
 The mesh and resume plan of the attempt, compile-ahead's executable for exactly that mesh (``precompiled``),
 ``restore_or_init`` (the plan's step onto this mesh, and the
 data iterator's state saved with it), ``save`` and the ``step_boundary`` hook (periodic saves, injected
-faults, the start of compile-ahead, growing back under ``resize``). Split from
-``trainer_client.runtime.elastic`` (the loop around attempts), which re-exports it.
+faults, the start of compile-ahead, growing back under ``resize``). The loop around attempts
+(``trainer_client.runtime.elastic``) imports this module, never the other way: an attempt reaches its runner
+through ``AttemptRunner``, the part of ``ElasticRunner`` it uses.
+
+``Preempted`` is control flow, not an error: like every ``RunnerSignal`` it derives from ``BaseException``
+(as ``KeyboardInterrupt`` does), so a training function's ``except CkptdError`` or ``except Exception``
+around its step never swallows it.
 """
 
 from __future__ import annotations
@@ -12,44 +17,81 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pathwaysutils.elastic.manager import ScaleUpSignalError
 
+from trainer_client.config import ClientSettings
 from trainer_client.core.batching import initial_batch
-from trainer_client.core.errors import CkptdError
-from trainer_client.core.protocol import BatchOptions, BatchPlan, ResumePlan
-from trainer_client.runtime._saver import restore_plan
+from trainer_client.core.protocol import BatchPlan, ResumePlan
+from trainer_client.runtime._saver import Saver, restore_plan
 from trainer_client.runtime.checkpointing import mesh_spec, target_shardings, training_metadata
 from trainer_client.runtime.data_iterator import DataIterator, planned_state, restore_iterator, state_record
+from trainer_client.runtime.elastic_config import ElasticConfig
 from trainer_client.runtime.job_store import preemption_reached
-from trainer_client.runtime.precompile import Precompiled, PrecompileHook
-
-if TYPE_CHECKING:
-    from trainer_client.runtime.elastic import ElasticRunner
+from trainer_client.runtime.multihost import ResumeAgreement
+from trainer_client.runtime.precompile import Precompiled, PrecompileHook, Precompiler
+from trainer_client.runtime.slices import SliceProvider
 
 PyTree = Any
 
 
-class Preempted(CkptdError):
-    """Raised by ``step_boundary`` at the step where every process of a multi-controller job agreed to stop after
-    a preemption notice (SIGTERM), once that step is saved to storage; ``ElasticRunner`` ends the run cleanly
-    (``ElasticResult.preempted``)."""
+class RunnerSignal(BaseException):
+    """Control flow between an attempt and its runner, not an error: a ``BaseException`` outside the
+    ``CkptdError`` tree, so ``except CkptdError`` and ``except Exception`` in a training function let it
+    through to ``ElasticRunner``, which handles every one (none leaves ``run``)."""
+
+
+class Preempted(RunnerSignal):
+    """Raised by ``step_boundary`` at the step where every process of a multi-controller job agreed to stop
+    after a preemption notice (SIGTERM), once that step is saved to storage; ``ElasticRunner`` ends the run
+    cleanly (``ElasticResult.preempted``)."""
 
     def __init__(self, step: int) -> None:
         super().__init__(f"preempted: step {step} saved to storage, stopping")
         self.step = step
 
 
+class AttemptRunner(Protocol):
+    """What an attempt uses of the runner that runs it (``ElasticRunner``)."""
+
+    @property
+    def config(self) -> ElasticConfig: ...
+
+    @property
+    def settings(self) -> ClientSettings: ...
+
+    @property
+    def slices(self) -> SliceProvider: ...
+
+    @property
+    def saver(self) -> Saver: ...
+
+    @property
+    def precompiler(self) -> Precompiler: ...
+
+    @property
+    def agreement(self) -> ResumeAgreement | None: ...
+
+    def emit(self, kind: str, step: int | None = None, detail: str = "", **fields: Any) -> None: ...
+
+    def resume_plan(self, active: frozenset[int], *, use_memory_tier: bool = True) -> ResumePlan | None: ...
+
+    def first_step_done(self, step: int) -> None: ...
+
+    def slices_to_grow(self, active: frozenset[int]) -> frozenset[int]: ...
+
+
 class ElasticContext:
     """What one attempt of the training function gets: the mesh, the plan, and the step hooks."""
 
-    def __init__(self, runner: ElasticRunner, mesh: Mesh, plan: ResumePlan | None, active: frozenset[int],
+    def __init__(self, runner: AttemptRunner, mesh: Mesh, plan: ResumePlan | None, active: frozenset[int],
                  precompiled: Precompiled | None = None):
-        if precompiled is not None and not precompiled.fits(mesh):  # never run on devices it was not built for
-            raise ValueError(f"an executable precompiled for devices {precompiled.key[2]} given to a different mesh")
+        if precompiled is not None and not precompiled.fits(mesh):  # never run on other devices than its own
+            devices = precompiled.key[2]
+            raise ValueError(f"an executable precompiled for devices {devices} given to a different mesh")
         self._precompiled = precompiled
         self.runner = runner
         self.mesh = mesh
@@ -57,9 +99,9 @@ class ElasticContext:
         self.active_slices = active
         cfg = runner.config
         self.batch: BatchPlan = plan.batch if plan is not None and plan.batch is not None else initial_batch(
-            cfg.global_batch, mesh_spec(mesh), cfg.batch_mode
+            cfg.global_batch, mesh_spec(mesh), cfg.batch.batch_mode
         )
-        self.start_step = plan.step if plan is not None else 0  # a failure before the restore is done: its step
+        self.start_step = plan.step if plan is not None else 0  # a failure before the restore: this step
         self.last_step: int | None = None
         self._first_step_done = False
         self._last_scale_check = time.monotonic()
@@ -67,22 +109,24 @@ class ElasticContext:
         self._precompiling = False
         self._data_iterator: DataIterator | None = None
         self._persisted: set[int] = set()  # steps this attempt saved to storage (or had ckptd persist)
-        self._preemptible = runner.agreement is not None  # a multi-controller job: SIGTERM is a preemption notice
+        # a multi-controller job: SIGTERM is a preemption notice
+        self._preemptible = runner.agreement is not None
 
     def set_precompile(self, hook: PrecompileHook) -> None:
         """Register ``hook(mesh, batch_plan)``: lower and compile the training step for ``mesh``. The runner
         calls it in the background for the meshes an elastic event would lead to next; what it returns (e.g.
-        ``jit(step).lower(...).compile()``) is kept, and the attempt after an event onto exactly that mesh gets
-        it as ``precompiled``."""
+        ``jit(step).lower(...).compile()``) is kept, and the attempt after an event onto exactly that mesh
+        gets it as ``precompiled``."""
         self._precompile = hook
 
     @property
     def precompiled(self) -> Precompiled | None:
-        """What the precompile hook returned for exactly this attempt's mesh (the same devices in the same order)
-        before the elastic event that led here, or None (the first attempt, a hook that returns nothing, a mesh
-        that was not compiled ahead). ``.executable`` is the hook's object, e.g. a ``jax.stages.Compiled``, to
-        call instead of the jitted step: no trace, no compile. ``.batch`` is the batch plan it was compiled for;
-        use it only when that matches ``batch`` (the step's shapes and lr scale), the jitted step otherwise."""
+        """What the precompile hook returned for exactly this attempt's mesh (the same devices in the same
+        order) before the elastic event that led here, or None (the first attempt, a hook that returns
+        nothing, a mesh that was not compiled ahead). ``.executable`` is the hook's object, e.g. a
+        ``jax.stages.Compiled``, to call instead of the jitted step: no trace, no compile. ``.batch`` is the
+        batch plan it was compiled for; use it only when that matches ``batch`` (the step's shapes and lr
+        scale), the jitted step otherwise."""
         return self._precompiled
 
     @property
@@ -118,14 +162,21 @@ class ElasticContext:
             self.runner.emit("initialized", 0, f"fresh state on mesh {list(self.mesh.devices.shape)}")
         else:
             planned = self.plan
-            held = None  # a memory snapshot's iterator state is read before its arrays: ckptd may evict the
-            if data_iterator is not None and planned.tier == "memory":  # snapshot once the restore has mapped it
-                with contextlib.suppress(OSError, ValueError):  # gone or unusable: the restore falls back, or says
+            # a memory snapshot's iterator state is read before its arrays: ckptd may evict the snapshot once
+            # the restore has mapped it
+            held = None
+            if data_iterator is not None and planned.tier == "memory":
+                with contextlib.suppress(OSError, ValueError):  # gone or unusable: the restore falls back
                     held = planned_state(planned)
             target_for = lambda plan: target_shardings(abstract, self.mesh, specs, plan.arrays)  # noqa: E731
             agreement = self.runner.agreement
-            state, self.plan = agreement.restore(self.plan, target_for) if agreement is not None else restore_plan(
-                self.plan, target_for, lambda: self.runner._plan(self.active_slices, use_memory_tier=False))
+            if agreement is not None:
+                state, self.plan = agreement.restore(self.plan, target_for)
+            else:
+                runner, active = self.runner, self.active_slices
+                state, self.plan = restore_plan(self.plan, target_for,
+                                                lambda: runner.resume_plan(active, use_memory_tier=False),
+                                                runner.settings.restore_host_bytes)
             jax.block_until_ready(state)
             self.start_step = self.plan.step
             position = self.plan.data_position or 0
@@ -147,7 +198,8 @@ class ElasticContext:
         data iterator given to ``restore_or_init`` is saved with it, as it is now. Returns the tier used
         (``memory``, ``memory+persist``, ``storage``) or ``skipped``."""
         meta = training_metadata(step, state, data_position=data_position, global_batch=self.global_batch,
-                                 mesh=self.mesh, slices=sorted(self.active_slices), batch=self.batch)
+                                 mesh=self.mesh, slices=sorted(self.active_slices), batch=self.batch,
+                                 run_id=self.runner.settings.run_id)
         saver = self.runner.saver
         with self.runner.precompiler.paused():  # a save's Python must not queue for the GIL behind tracing
             tier = saver.save(step, state, meta, persist=persist, if_busy=if_busy, data_iterator=(
@@ -161,11 +213,13 @@ class ElasticContext:
 
     def _start_precompile(self) -> None:
         cfg = self.runner.config
-        if self._first_step_done and self._precompile is not None and cfg.precompile and not self._precompiling:
+        if not self._first_step_done or self._precompile is None or self._precompiling:
+            return
+        if cfg.compilation.precompile:
             self._precompiling = True  # one pass per attempt
-            self.runner.precompiler.start(
-                self._precompile, mesh_spec(self.mesh), self.active_slices, self.runner.slices.slice_to_devices,
-                self.batch, BatchOptions(mode=cfg.batch_mode, lr_scaling=cfg.lr_scaling))
+            devices = self.runner.slices.slice_to_devices
+            self.runner.precompiler.start(self._precompile, mesh_spec(self.mesh), self.active_slices, devices,
+                                          self.batch, cfg.batch.wire())
 
     # ---- the hook called at the top of every step -----------------------------------------------
 
@@ -183,21 +237,24 @@ class ElasticContext:
         if not self._first_step_done and step > self.start_step:
             jax.block_until_ready(state)
             self._first_step_done = True
-            self.runner._first_step_done(step)
+            self.runner.first_step_done(step)
         cfg = self.runner.config
+        period, tier = cfg.checkpoint_period, cfg.memory_tier
         self.last_step = step
         self.runner.slices.at_step_boundary(step, self.active_slices)
-        if step > self.start_step and cfg.checkpoint_period > 0 and step % cfg.checkpoint_period == 0:
-            self.save(step, state, data_position, if_busy=cfg.when_save_busy)
-        elif step > self.start_step and cfg.memory_period and step % cfg.memory_period == 0 and cfg.shm_dir:
+        later = step > self.start_step
+        if later and period > 0 and step % period == 0:
+            self.save(step, state, data_position, if_busy=cfg.saving.when_save_busy)
+        elif later and tier.memory_period and step % tier.memory_period == 0 and tier.shm_dir:
             self.save(step, state, data_position, persist=False)
-        if not self._precompiling and (cfg.checkpoint_period <= 0 or step >= self.start_step + cfg.checkpoint_period):
+        if not self._precompiling and (period <= 0 or step >= self.start_step + period):
             self._start_precompile()  # no save came first (one in this boundary started it already)
-        if self.runner.config.policy == "resize":
+        if cfg.elastic.policy == "resize":
             self._maybe_scale_up(step, state, data_position)
 
     def _stop_for_preemption(self, step: int, state: PyTree, data_position: int) -> None:
-        restored_from_storage = (step == self.start_step and self.plan is not None and self.plan.tier != "memory")
+        plan = self.plan
+        restored_from_storage = step == self.start_step and plan is not None and plan.tier != "memory"
         if step not in self._persisted and not restored_from_storage:
             self.save(step, state, data_position, persist=True)
         self.runner.saver.wait()
@@ -206,7 +263,7 @@ class ElasticContext:
 
     def _maybe_scale_up(self, step: int, state: PyTree, data_position: int) -> None:
         now = time.monotonic()
-        if now - self._last_scale_check < self.runner.config.scale_up_check_interval_s:
+        if now - self._last_scale_check < self.runner.config.health.scale_up_check_interval_s:
             return
         self._last_scale_check = now
         # what pathwaysutils' monitor thread found healthy among the slices not in use (none while the mesh is
@@ -216,10 +273,11 @@ class ElasticContext:
             return
         if step not in self.runner.saver.saved_steps:
             tier = self.save(step, state, data_position, persist=self.runner.saver.memory is None)
-            if tier == "skipped":  # the memory tier is full: the step we grow from goes to storage instead, or
-                self.save(step, state, data_position, persist=True)  # the next attempt would lose the steps since
+            if tier == "skipped":  # the memory tier is full: the step we grow from goes to storage instead,
+                # or the next attempt would lose the steps since
+                self.save(step, state, data_position, persist=True)
         self.runner.saver.wait()  # the step we grow from must be whole (in memory) or committed
         raise ScaleUpSignalError(f"slice(s) {sorted(back)} healthy again at step {step}")
 
 
-__all__ = ["ElasticContext", "Preempted"]
+__all__ = ["AttemptRunner", "ElasticContext", "Preempted", "RunnerSignal"]

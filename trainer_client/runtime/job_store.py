@@ -35,18 +35,20 @@ class KeyValueStore(Protocol):
 
 def initialize_multihost(coordinator_address: str, num_processes: int, process_id: int, *,
                          heartbeat_timeout_s: int | None = None, initialization_timeout_s: int = 300,
-                         cpu_collectives: str | None = "gloo") -> None:
+                         cpu_collectives: str | None = "gloo", settings: ClientSettings | None = None) -> None:
     """``jax.distributed.initialize`` for one process of a multi-controller job, with the heartbeat timeout of
-    ``heartbeat_timeout_s`` (default: ``CKPTD_HEARTBEAT_TIMEOUT_S``, 10 s) and the preemption service on (a
+    ``heartbeat_timeout_s`` (default: the ``heartbeat_timeout_s`` of ``settings``, the process's
+    ``ClientSettings``; none given: ``CKPTD_HEARTBEAT_TIMEOUT_S``, 10 s) and the preemption service on (a
     SIGTERM is a preemption notice: ``ElasticRunner`` saves at the agreed step and stops; docs/multihost.md,
     section 2). ``cpu_collectives``: the CPU backend's collectives (gloo; None leaves jax's choice)."""
-    heartbeat = heartbeat_timeout_s if heartbeat_timeout_s is not None else ClientSettings().heartbeat_timeout_s
+    if heartbeat_timeout_s is None:
+        heartbeat_timeout_s = (settings or ClientSettings()).heartbeat_timeout_s
     if cpu_collectives is not None:
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     jax.config.update("jax_enable_preemption_service", True)
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                process_id=process_id, initialization_timeout=initialization_timeout_s,
-                               heartbeat_timeout_seconds=int(heartbeat))
+                               heartbeat_timeout_seconds=int(heartbeat_timeout_s))
 
 
 def preemption_reached(step: int) -> bool:

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 import xxhash
 
+from trainer_client.checkpoint_io.state_tree import describe_paths, is_value, leaf_name, restored_leaf, with_values
 from trainer_client.core.errors import StoredFormatError
 from trainer_client.core.format.files import DEFAULT_ITEM, SNAPSHOT_DATA_FILE, SNAPSHOT_META_FILE, SNAPSHOT_SPARE_PREFIX
 from trainer_client.core.format.private_files import (
@@ -55,7 +56,6 @@ from trainer_client.core.format.tree_paths import TreeEntry, decode_value
 from trainer_client.core.protocol import TrainingMetadata
 from trainer_client.errors import MemoryTierFull
 from trainer_client.runtime.job_store import job_incarnation
-from trainer_client.runtime.state_tree import describe_paths, is_value, leaf_name, restored_leaf, with_values
 
 _log = logging.getLogger(__name__)
 PyTree = Any

@@ -224,7 +224,7 @@ class ResumeAgreement:
         state: PyTree = None
         error: Exception | None = None
         try:
-            state = restore_from_plan(plan, target_for(plan))
+            state = restore_from_plan(plan, target_for(plan), self.client.settings.restore_host_bytes)
         except Exception as exc:  # told to the others first: they must not wait for this process in vain
             error = exc
         self.store.key_value_set(self._key(f"restored/{self.index}"),
@@ -242,7 +242,8 @@ class ResumeAgreement:
         if fallback is None or fallback.mesh != plan.mesh:
             raise error if error is not None else RuntimeError(
                 f"step {plan.step} failed to restore from memory in {failed} and storage has no step on its mesh")
-        return restore_from_plan(fallback, target_for(fallback)), fallback
+        budget = self.client.settings.restore_host_bytes
+        return restore_from_plan(fallback, target_for(fallback), budget), fallback
 
 
 __all__ = ["Part", "ResumeAgreement", "decide", "own_parts"]

@@ -26,9 +26,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from trainer_client.checkpoint_io.state_tree import is_value, orbax_restore
 from trainer_client.config import ClientSettings
 from trainer_client.core.format.snapshot_shards import index_bounds
-from trainer_client.runtime.state_tree import is_value, orbax_restore
 
 PyTree = Any
 T = TypeVar("T")

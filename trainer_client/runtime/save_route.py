@@ -40,17 +40,20 @@ Answer = Literal["memory", "full", "memory+busy", "full+busy"]
 class SaveRoute:
     """The agreement on each persistent save's route among the ``process_count`` processes of one job
     incarnation (``incarnation``: the same in every process, e.g. ``MemoryTier.incarnation``; ``timeout_ms``:
-    the wait for each other process's answer, ``CKPTD_ROUTE_TIMEOUT_S`` unless given)."""
+    the wait for each other process's answer, unless given the ``route_timeout_s`` of ``settings``: the
+    runner's, or ``CKPTD_ROUTE_TIMEOUT_S`` when none are given)."""
 
     def __init__(self, incarnation: str, process_index: int, process_count: int, *,
-                 store: KeyValueStore | None = None, timeout_ms: int | None = None) -> None:
+                 store: KeyValueStore | None = None, timeout_ms: int | None = None,
+                 settings: ClientSettings | None = None) -> None:
         if not 0 <= process_index < process_count:
             raise ValueError(f"process {process_index} of {process_count}")
         self.incarnation = incarnation
         self.index = process_index
         self.count = process_count
-        self.timeout_ms = (timeout_ms if timeout_ms is not None
-                           else max(1, round(ClientSettings().route_timeout_s * 1000)))
+        if timeout_ms is None:
+            timeout_ms = max(1, round((settings or ClientSettings()).route_timeout_s * 1000))
+        self.timeout_ms = timeout_ms
         self._store = store
         self._agreed: Counter[int] = Counter()  # agreements per step so far, in this process
 
