@@ -5,7 +5,7 @@ blocked only for the device-to-host copy and ckptd writes it to storage in the b
 process dies right after). Snapshots between persistent saves (``memory_period``) stay in memory only and
 bound the work a failure can lose. The loop pays the device-to-host copy whether or not ckptd answers
 (snapshots marked ``persist`` wait in shared memory for it); when memory is full a persistent save goes
-through Orbax directly instead (``ElasticConfig.when_save_busy="skip"``: one that would wait for an
+through Orbax directly instead (``SaveOptions.when_save_busy="skip"``: one that would wait for an
 earlier direct save still being written is skipped) — training never waits on the sidecar, and never
 stops saving because of it. In a multi-process job that route is agreed (``save_route.SaveRoute``): if any
 host's tier is full, every process saves through Orbax (a multi-process Orbax save is collective).
