@@ -22,8 +22,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from ckptd.advisor.advice_text import dur, pct, period_of
-from ckptd.advisor.advisor import advise, make_plan, resolve_inputs
-from ckptd.advisor.simulator import POLICIES
+from ckptd.advisor.advisor import advise, resolve_inputs
+from ckptd.advisor.plan import make_plan
+from ckptd.advisor.sim_model import POLICIES
 from trainer_client.core.protocol import Advice, AdviceQuery
 
 # Measured by ckptd here (2 GiB state, 8 fake CPU devices; docs/planning.md, `make demo`).

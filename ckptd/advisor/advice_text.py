@@ -1,18 +1,16 @@
 """The advisor's words: the reasoning behind an ``Advice`` and its plain-text rendering for ``ckptd advise``.
 
 Kept apart from ``ckptd.advisor.advisor`` so the numbers (sweeps, fits) and the prose that explains them can each
-be read on their own. Every sentence quotes the numbers it rests on.
+be read on their own; both read the sweeps' set-up (``ckptd.advisor.plan``). Every sentence quotes the numbers
+it rests on.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
+from ckptd.advisor.plan import Plan
 from trainer_client.core.protocol import Advice, AdviceInput, AdvicePolicy, PolicyAdvice
-
-if TYPE_CHECKING:
-    from ckptd.advisor.advisor import Plan
 
 _CAUSE_WORDS = {
     "checkpoint": "save stalls", "detection": "detection", "waiting": "waiting for slices", "restore": "restores",

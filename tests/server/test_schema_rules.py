@@ -25,7 +25,9 @@ from fastapi.testclient import TestClient
 
 from ckptd.advisor.advisor import advise
 from ckptd.advisor.budget import WorkBudget
-from ckptd.advisor.simulator import DAY, JobModel, PoissonFailures, Schedule, simulate
+from ckptd.advisor.failures import PoissonFailures
+from ckptd.advisor.sim_model import DAY, JobModel, Schedule
+from ckptd.advisor.simulator import simulate
 from tests.support.orbax_steps import training_metadata, write_orbax_jobs
 from tests.support.server import ServerHandle, app_over, start_server
 from trainer_client.core import protocol as p

@@ -10,18 +10,9 @@ import pytest
 
 from ckptd.advisor.advisor import fit_optimum
 from ckptd.advisor.closed_forms import daly, young_daly
-from ckptd.advisor.simulator import (
-    CAUSES,
-    DAY,
-    POLICIES,
-    JobModel,
-    PoissonFailures,
-    Policy,
-    Schedule,
-    SimResult,
-    TraceFailures,
-    simulate,
-)
+from ckptd.advisor.failures import PoissonFailures, TraceFailures
+from ckptd.advisor.sim_model import CAUSES, DAY, POLICIES, JobModel, Policy, Schedule, SimResult
+from ckptd.advisor.simulator import simulate
 
 
 def free_job(**overrides: float) -> JobModel:
