@@ -339,17 +339,23 @@ def test_a_restore_from_memory_aliases_the_snapshot_but_never_writes_it(tmp_path
         assert np.array_equal(a, b)
 
 
-def test_plans_prefer_a_whole_memory_snapshot(tmp_path: Path, ckptd_server: Any) -> None:
+def _tiers(tmp_path: Path, ckptd_server: Any, *, stored: int, in_memory: int) -> tuple[CkptdClient, Path]:
+    """Step ``stored`` on storage, step ``in_memory`` in the memory tier, a ckptd over both, and its client."""
     shm, root = tmp_path / "shm", tmp_path / "root"
     mesh = _mesh()
     state = _state(mesh)
     ck = Checkpointer(str(root / "job"))
-    ck.save(10, state, data_position=480, global_batch=48, mesh=mesh, slices=[0, 1, 2, 3])
+    ck.save(stored, state, data_position=48 * stored, global_batch=48, mesh=mesh, slices=[0, 1, 2, 3])
     ck.close()
-    MemoryTier(str(shm), "job").save(15, state, _meta(15, state, mesh), persist=False)
+    MemoryTier(str(shm), "job").save(in_memory, state, _meta(in_memory, state, mesh), persist=False)
     server = ckptd_server(root, shm_dir=str(shm))
+    return CkptdClient(ClientSettings(url=server.url, shm_dir=str(shm)), root=str(root)), shm
+
+
+def test_plans_prefer_a_whole_memory_snapshot(tmp_path: Path, ckptd_server: Any) -> None:
+    client, shm = _tiers(tmp_path, ckptd_server, stored=10, in_memory=15)
     request = ResumeRequest(policy="resize", alive_devices=6)
-    with CkptdClient(ClientSettings(url=server.url, shm_dir=str(shm)), root=str(root)) as client:
+    with client:
         plan = client.resume("job", request)
         assert (plan.tier, plan.step, plan.data_position, plan.mesh.shape) == ("memory", 15, 720, [3, 2])
         storage_only = client.resume("job", request.model_copy(update={"use_memory_tier": False}))
@@ -364,15 +370,8 @@ def test_plans_prefer_a_whole_memory_snapshot(tmp_path: Path, ckptd_server: Any)
 def test_at_equal_steps_ckptd_and_the_fallback_both_restore_from_memory(tmp_path: Path, ckptd_server: Any) -> None:
     """The one decision (docs/protocol.md, "Resume"): a step held both in memory and verified on storage is
     restored from memory, by ckptd and by the client's storage fallback alike, asked for or not."""
-    shm, root = tmp_path / "shm", tmp_path / "root"
-    mesh = _mesh()
-    state = _state(mesh)
-    ck = Checkpointer(str(root / "job"))
-    ck.save(10, state, data_position=480, global_batch=48, mesh=mesh, slices=[0, 1, 2, 3])
-    ck.close()
-    MemoryTier(str(shm), "job").save(10, state, _meta(10, state, mesh), persist=False)
-    server = ckptd_server(root, shm_dir=str(shm))
-    with CkptdClient(ClientSettings(url=server.url, shm_dir=str(shm)), root=str(root)) as client:
+    client, _ = _tiers(tmp_path, ckptd_server, stored=10, in_memory=10)
+    with client:
         deadline = time.monotonic() + 30
         while (good := client.latest_good("job")) is None and time.monotonic() < deadline:
             time.sleep(0.1)
