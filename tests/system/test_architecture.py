@@ -1,11 +1,11 @@
-"""The architecture of docs/architecture.md holds: imports go only the allowed ways, the sidecar process
-maps no jax, tensorstore or orbax, the client API loads no server framework, every module says what it
-holds and stays small.
+"""The architecture of docs/architecture.md holds: imports go only the ways its package map draws, no two
+modules import each other (directly or around a circle), the sidecar process maps no jax, tensorstore or
+orbax, the client API loads no server framework, every module says what it holds and stays small.
 
 The import graph is read from the source (every ``import`` outside ``if TYPE_CHECKING:``), so a rule is
 broken the moment a line is written, whether or not a test happens to execute it. An import inside a
 function is *lazy*: allowed where the rule says so (the core's zarr reader loads tensorstore only when it
-reads an index).
+reads an index; the CLI loads the HTTP service only inside ``serve``).
 """
 
 from __future__ import annotations
@@ -34,8 +34,49 @@ CORE_LAZY_ONLY = {"tensorstore"}  # only inside the functions that read zarr met
 JAX_SIDE = ("jax", "jaxlib", "orbax", "tensorstore", "pathwaysutils", "optax", "flax")
 SERVER_FRAMEWORK = ("fastapi", "starlette", "uvicorn", "prometheus_client")
 PERSIST_WORKER = "ckptd.catalog.persist_worker"  # a child process of the sidecar: the one server module with jax
-PART_WRITER = "ckptd.catalog.part_writer"  # the worker's writer of one host's part (docs/multihost.md): worker only
+CHECKPOINT_IO = "trainer_client.checkpoint_io"  # the Orbax writer (jax-bound): the trainer runtime and the worker
 
+# The package map (docs/architecture.md, "Package map"). Every module of both packages is in exactly one part:
+# the part of its longest prefix below, or, for the modules named, that part (``exact``).
+PARTS: dict[str, tuple[str, ...]] = {
+    "trainer_client.core": ("trainer_client.core",),
+    "trainer_client.client": ("trainer_client.client",),
+    "trainer_client.checkpoint_io": (CHECKPOINT_IO,),
+    "trainer_client.runtime": ("trainer_client.runtime",),
+    "ckptd.cli": ("ckptd.cli",),
+    "ckptd.api": ("ckptd.api",),
+    "ckptd.catalog": ("ckptd.catalog",),
+    "ckptd.advisor": ("ckptd.advisor",),
+}
+EXACT: dict[str, tuple[str, ...]] = {
+    "trainer_client": ("trainer_client", "trainer_client.config", "trainer_client.errors"),  # the public surface
+    "ckptd": ("ckptd", "ckptd.config", "ckptd.errors", "ckptd.metrics", "ckptd.process_metrics",
+              "ckptd.event_stats"),  # shared by every part of the sidecar, below all of them
+    "ckptd.sidecar": ("ckptd.sidecar",),  # the composition root
+    "ckptd.cli": ("ckptd.__main__",),  # python -m ckptd
+    "ckptd.persist_worker": (PERSIST_WORKER,),  # the child process (jax on the CPU)
+}
+# part -> the parts it may import (besides itself). An arrow not here fails, naming the importer and line.
+ALLOWED: dict[str, frozenset[str]] = {
+    "trainer_client.core": frozenset(),
+    "trainer_client": frozenset({"trainer_client.core"}),
+    "trainer_client.client": frozenset({"trainer_client.core", "trainer_client"}),
+    "trainer_client.checkpoint_io": frozenset({"trainer_client.core", "trainer_client"}),
+    "trainer_client.runtime": frozenset({"trainer_client.core", "trainer_client", "trainer_client.client",
+                                         "trainer_client.checkpoint_io"}),
+    "ckptd": frozenset({"trainer_client.core"}),
+    "ckptd.advisor": frozenset({"ckptd", "trainer_client.core"}),
+    "ckptd.catalog": frozenset({"ckptd.advisor", "ckptd", "trainer_client.core"}),
+    "ckptd.sidecar": frozenset({"ckptd.catalog", "ckptd", "trainer_client.core"}),
+    "ckptd.api": frozenset({"ckptd.sidecar", "ckptd.catalog", "ckptd.advisor", "ckptd", "trainer_client.core"}),
+    "ckptd.cli": frozenset({"ckptd.api", "ckptd.sidecar", "ckptd.catalog", "ckptd.advisor", "ckptd",
+                            "trainer_client.core"}),
+    "ckptd.persist_worker": frozenset({"trainer_client.checkpoint_io", "ckptd.catalog", "ckptd",
+                                       "trainer_client.core"}),
+}
+# Arrows allowed only inside a function: the CLI loads the HTTP service and the composition root only in ``serve``
+# (``pip install ckptd`` has the CLI without FastAPI).
+LAZY_ONLY = frozenset({("ckptd.cli", "ckptd.api"), ("ckptd.cli", "ckptd.sidecar")})
 
 @dataclass(frozen=True)
 class Import:
@@ -119,11 +160,117 @@ def test_the_graph_is_read(graph: list[Import]) -> None:
     """The reader sees the edges the rules are about (a reader that saw nothing would pass every rule)."""
     edges = {(i.importer, i.target) for i in graph}
     assert ("ckptd.api.app", "ckptd.api.routes.jobs") in edges
+    assert ("ckptd.api.app", "ckptd.sidecar") in edges and ("ckptd.sidecar", "ckptd.catalog.catalog") in edges
     assert ("trainer_client.runtime.elastic", "jax") in edges
     assert any(i.importer == "trainer_client.core.format.item_keys" and i.target == "tensorstore" and i.lazy
                for i in graph)
     assert not any(i.importer == "trainer_client" and _under(i.target, "trainer_client.runtime") for i in graph), \
         "TYPE_CHECKING imports must not count"
+
+
+def part_of(module: str) -> str | None:
+    """The part of the package map ``module`` belongs to (``None``: a module of neither package, or one the map
+    does not place)."""
+    for part, names in EXACT.items():
+        if module in names:
+            return part
+    prefixes = [(prefix, part) for part, found in PARTS.items() for prefix in found if _under(module, prefix)]
+    return max(prefixes, key=lambda pp: len(pp[0]))[1] if prefixes else None
+
+
+def test_every_module_is_in_the_package_map() -> None:
+    unplaced = [name for name in _modules() if part_of(name) is None]
+    assert not unplaced, f"modules the package map does not place (PARTS, EXACT): {unplaced}"
+    assert set(ALLOWED) == set(PARTS) | set(EXACT), "every part says what it may import"
+
+
+def test_imports_between_parts_follow_the_package_map(graph: list[Import]) -> None:
+    """Every import from one part into another is an arrow of ``ALLOWED`` (lazily only where ``LAZY_ONLY`` says);
+    any other, in either package, fails with the importer and its line."""
+    bad = []
+    for i in graph:
+        source, target = part_of(i.importer), part_of(i.target)
+        if target is None or source == target:
+            continue  # a library, or inside one part
+        assert source is not None
+        if target not in ALLOWED[source] or ((source, target) in LAZY_ONLY and not i.lazy):
+            bad.append(f"{i.importer}:{i.line} imports {i.target}{' (lazily)' if i.lazy else ''}: "
+                       f"{source} -> {target}{' eagerly' if target in ALLOWED[source] else ''} is not in the map")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_map_keeps_the_layers_apart() -> None:
+    """What docs/architecture.md promises of the map itself: ckptd never imports the trainer runtime or client;
+    only the persist worker (a child process, which nothing imports) reaches the Orbax writer; the Orbax writer
+    and everything of trainer_client know nothing of ckptd; the core imports no other part."""
+    ckptd_parts = [part for part in ALLOWED if part.split(".")[0] == "ckptd"]
+    for part in ckptd_parts:
+        assert not {"trainer_client.runtime", "trainer_client.client"} & ALLOWED[part], part
+        assert ("trainer_client.checkpoint_io" in ALLOWED[part]) == (part == "ckptd.persist_worker"), part
+    for part, allowed in ALLOWED.items():
+        assert "ckptd.persist_worker" not in allowed, f"{part}: the persist worker runs as a child process only"
+        if part.startswith("trainer_client"):
+            assert not {p for p in allowed if p.split(".")[0] == "ckptd"}, part
+    assert ALLOWED["trainer_client.core"] == frozenset()
+    assert part_of("ckptd.catalog.persist_worker") == "ckptd.persist_worker"
+    assert part_of("trainer_client.runtime.elastic") == "trainer_client.runtime"
+    assert part_of("ckptd.config") == "ckptd" and part_of("ckptd.sidecar") == "ckptd.sidecar"
+
+
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (or a module importing itself): Tarjan's."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(edges.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1 or node in edges.get(node, ()):
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_two_modules_import_each_other(graph: list[Import]) -> None:
+    """No circle of eager (module-level) imports between modules of both packages, however long: each module
+    can be read, and loaded, after the ones it imports. Imports inside functions and under TYPE_CHECKING are
+    not edges."""
+    known = set(_modules())
+    edges: dict[str, set[str]] = {}
+    for i in graph:
+        if not i.lazy and i.target in known and i.target != i.importer:
+            edges.setdefault(i.importer, set()).add(i.target)
+    circles = _circles(edges)
+    lines = {(i.importer, i.target): i.line for i in graph if not i.lazy}
+    described = ["; ".join(f"{a}:{lines[a, b]} imports {b}" for a in circle for b in sorted(edges.get(a, ()))
+                           if b in circle) for circle in circles]
+    assert not circles, "import circles:\n" + "\n".join(described)
+
+
+def test_the_circle_finder_finds_circles() -> None:
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
 
 
 def test_the_core_imports_only_the_standard_library_its_own_modules_and_a_few_pure_libraries(
@@ -142,35 +289,31 @@ def test_the_core_imports_only_the_standard_library_its_own_modules_and_a_few_pu
     assert not bad, "the core reaches outside itself:\n" + "\n".join(bad)
 
 
-def test_the_client_side_never_imports_jax_the_runtime_or_the_server(graph: list[Import]) -> None:
+def test_the_client_side_never_imports_jax_or_a_server_framework(graph: list[Import]) -> None:
     jax_free = ("trainer_client.client", "trainer_client.config", "trainer_client.errors")
-    bad = _broken(graph, jax_free, (*JAX_SIDE, "trainer_client.runtime", "ckptd", *SERVER_FRAMEWORK))
+    bad = _broken(graph, jax_free, (*JAX_SIDE, *SERVER_FRAMEWORK))
     bad += [f"trainer_client:{i.line} imports {i.target}" for i in graph
             if i.importer == "trainer_client" and not _under(i.target, "importlib", "typing", "__future__")
             and not (i.lazy and i.target == "trainer_client.core.extras")]  # says which extra a name needs
     assert not bad, "\n".join(bad)
 
 
-def test_the_trainer_library_never_imports_the_server(graph: list[Import]) -> None:
-    bad = _broken(graph, ("trainer_client",), ("ckptd", *SERVER_FRAMEWORK))
+def test_the_trainer_library_never_imports_a_server_framework(graph: list[Import]) -> None:
+    bad = _broken(graph, ("trainer_client",), SERVER_FRAMEWORK)
     assert not bad, "\n".join(bad)
 
 
-def test_the_server_never_imports_jax_or_the_trainer_runtime(graph: list[Import]) -> None:
-    bad = _broken(graph, ("ckptd",), (*JAX_SIDE, "trainer_client.runtime", "trainer_client.client"),
-                  except_importers=(PERSIST_WORKER, PART_WRITER))
+def test_the_server_never_imports_jax(graph: list[Import]) -> None:
+    """Only the persist worker (a child process) imports jax; the rest of ckptd neither it nor Orbax."""
+    bad = _broken(graph, ("ckptd",), JAX_SIDE, except_importers=(PERSIST_WORKER,))
     assert not bad, "\n".join(bad)
-    assert not [i for i in graph if i.target == PERSIST_WORKER], "the persist worker runs as a child process only"
-    assert not [i for i in graph if i.target == PART_WRITER and i.importer != PERSIST_WORKER], \
-        "the part writer runs inside the persist worker only"
+    assert any(i.importer == PERSIST_WORKER and _under(i.target, CHECKPOINT_IO) for i in graph)
 
 
-def test_the_server_layers(graph: list[Import]) -> None:
-    """catalog and advisor know nothing of HTTP or the CLI; the advisor is pure computation (no catalog,
-    no storage); the API knows nothing of the CLI."""
-    bad = _broken(graph, ("ckptd.catalog", "ckptd.advisor"), ("ckptd.api", "ckptd.cli", *SERVER_FRAMEWORK))
-    bad += _broken(graph, ("ckptd.advisor",), ("ckptd.catalog", "trainer_client.core.storage"))
-    bad += _broken(graph, ("ckptd.api",), ("ckptd.cli",))
+def test_the_catalog_and_advisor_know_no_server_framework_and_the_advisor_no_storage(graph: list[Import]) -> None:
+    """catalog and advisor know nothing of HTTP; the advisor is pure computation (no storage)."""
+    bad = _broken(graph, ("ckptd.catalog", "ckptd.advisor", CHECKPOINT_IO), SERVER_FRAMEWORK)
+    bad += _broken(graph, ("ckptd.advisor",), ("trainer_client.core.storage",))
     assert not bad, "\n".join(bad)
 
 
@@ -293,7 +436,7 @@ def test_each_role_installs_what_its_modules_import(graph: list[Import]) -> None
     roles = {
         "base": (("trainer_client.core", "trainer_client.client", "trainer_client.config", "trainer_client.errors"),
                  closure(base)),
-        "server": (("ckptd", "trainer_client.core"), closure([*base, *extras["server"]])),
+        "server": (("ckptd", "trainer_client.core", CHECKPOINT_IO), closure([*base, *extras["server"]])),
         "trainer": (("trainer_client",), closure([*base, *extras["trainer"]])),
     }
     missing = []
