@@ -47,7 +47,7 @@ from bench.common import Figure, Profile, Results, alternate, filesystem_of, fre
 from bench.gcs_requests import run_gcs_requests
 from bench.io_restore import SPEC, run_restores
 from bench.persist_phases import ServeWorker
-from ckptd.catalog.snapshots import DEFAULT_NICE
+from ckptd.config import DEFAULT_PERSIST_NICE
 from trainer_client.runtime.checkpointing import Checkpointer, standard_handler, training_metadata
 from trainer_client.runtime.memory_tier import MemoryTier
 
@@ -282,8 +282,8 @@ def run_io(profile: Profile, results: Results, workdir: Path, shm_dir: Path) -> 
     keep_step_dir: Path | None = None
     keep_snapshot: Path | None = None
 
-    worker = ServeWorker(os.environ.get("BENCH_PERSIST_PHASES", "1") != "0",
-                         int(os.environ.get("BENCH_PERSIST_NICE", DEFAULT_NICE))) if profile.persist_child else None
+    nice = int(os.environ.get("BENCH_PERSIST_NICE", DEFAULT_PERSIST_NICE))
+    worker = ServeWorker(os.environ.get("BENCH_PERSIST_PHASES", "1") != "0", nice) if profile.persist_child else None
     phase_series: dict[str, list[float]] = {}
     try:
         if worker is not None:

@@ -28,11 +28,10 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from bench.common import Figure, Profile, Results, alternate, rmtree
 from ckptd.catalog.part_commit import PartSaves
-from ckptd.catalog.snapshots import ask_persist_worker, start_persist_worker, stop_persist_worker
+from ckptd.catalog.worker_client import InProcessWorker, PersistSnapshot, PersistWorker, PersistWorkerClient
 from trainer_client.core.format.files import SNAPSHOT_DATA_FILE, SNAPSHOT_META_FILE
 from trainer_client.core.format.private_files import ensure_private_dir, make_private_dir, write_private
 from trainer_client.core.format.snapshot import ArrayRecord, read_meta
@@ -112,19 +111,16 @@ class _Workers:
     """Warm persist workers (children, as ckptd runs them), or this process's own handling (toy profile)."""
 
     def __init__(self, count: int, child: bool) -> None:
-        self.procs = [start_persist_worker(nice=0, devices=8) for _ in range(count)] if child else []
-        if not child:
+        if child:
+            self.workers: list[PersistWorker] = [PersistWorkerClient(nice=0, devices=8, timeout_s=_TIMEOUT_S)
+                                                 for _ in range(count)]
+        else:
             from ckptd.catalog.persist_worker import handle
-            self._handle = handle
-
-    def ask(self, k: int, request: dict[str, Any]) -> dict[str, Any]:
-        if not self.procs:
-            return self._handle(request)
-        return ask_persist_worker(self.procs[k], request, _TIMEOUT_S)
+            self.workers = [InProcessWorker(handle)] * count
 
     def close(self) -> None:
-        for proc in self.procs:
-            stop_persist_worker(proc, 10.0)
+        for worker in self.workers:
+            worker.close(10.0)
 
 
 def run_multihost_persist(profile: Profile, results: Results, base: Path, shm: Path) -> None:
@@ -142,18 +138,16 @@ def run_multihost_persist(profile: Profile, results: Results, base: Path, shm: P
     parts_s: list[float] = []
     try:
         for k in range(3):  # warm: each child imports jax and makes its devices before the first timing
-            workers.ask(k, {"snapshot": "/nonexistent", "job_url": str(base / "warm")})
+            workers.workers[k].exchange(PersistSnapshot(snapshot="/nonexistent", job_url=str(base / "warm")))
 
         def single(i: int) -> None:
             started = time.perf_counter()
-            answer = workers.ask(0, {"snapshot": str(whole), "job_url": storage.url_of(storage.join(f"single{i}"))})
-            if not answer.get("ok"):
-                raise RuntimeError(f"single persist failed: {answer.get('error')}")
+            workers.workers[0].persist(str(whole), storage.url_of(storage.join(f"single{i}")))
             single_s.append(time.perf_counter() - started)
 
         def from_parts(i: int) -> None:
             job = f"parts{i}"
-            sidecars = [PartSaves(storage, functools.partial(workers.ask, 1 + k)) for k in range(2)]
+            sidecars = [PartSaves(storage, workers.workers[1 + k]) for k in range(2)]
             errors: list[str] = []
 
             def write(k: int) -> None:

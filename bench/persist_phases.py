@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import gc
 import resource
-import subprocess
 import sys
 import threading
 import time
@@ -24,7 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ckptd.catalog.snapshots import DEFAULT_NICE, ask_persist_worker, start_persist_worker, stop_persist_worker
+from ckptd.catalog.worker_client import WORKER_MODULE, PersistSnapshot, PersistWorkerClient
+from ckptd.config import DEFAULT_PERSIST_NICE
 
 _events: list[tuple[str, float, float]] = []
 _t0 = [0.0]
@@ -52,7 +52,7 @@ def _timed(owner: Any, name: str, label: str) -> None:
 def install() -> None:
     """Time the persist path's phases in this process (idempotent)."""
     import ckptd.catalog.persist_worker as worker
-    import trainer_client.runtime.checkpointing as checkpointing
+    import trainer_client.checkpoint_io.checkpointer as checkpointing
 
     _timed(worker, "damaged_shards", "check")
     for name in ("problems", "read_meta", "map_data", "snapshot_arrays"):  # the parts of "start"
@@ -149,23 +149,20 @@ class ServeWorker:
     each phase of a persist and sends the times with its answer (``last_phases``). ``nice``: ckptd's default
     (``CKPTD_PERSIST_NICE``) unless ``BENCH_PERSIST_NICE`` says otherwise (to measure what it costs)."""
 
-    def __init__(self, phases: bool = True, nice: int = DEFAULT_NICE) -> None:
-        if phases:  # the same arguments as SnapshotKeeper's start_persist_worker: niced, compression off
-            self.proc = subprocess.Popen([sys.executable, "-m", "bench.persist_phases", "--serve", f"--nice={nice}"],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-        else:
-            self.proc = start_persist_worker(nice=nice)  # what SnapshotKeeper starts: niced, compression off
+    def __init__(self, phases: bool = True, nice: int = DEFAULT_PERSIST_NICE) -> None:
+        # the same arguments as SnapshotKeeper's worker: niced, compression off
+        self.worker = PersistWorkerClient(nice=nice, module="bench.persist_phases" if phases else WORKER_MODULE)
         self.last_phases: dict[str, float] = {}
 
     def persist(self, snapshot: Path, job_dir: Path) -> str:
-        answer = ask_persist_worker(self.proc, {"snapshot": str(snapshot), "job_url": str(job_dir)}, 3600.0)
-        if not answer.get("ok"):
-            raise RuntimeError(f"persist worker failed: {answer.get('error')}")
-        self.last_phases = dict(answer.get("phases") or {})
-        return str(answer["path"])
+        answer = self.worker.exchange(PersistSnapshot(snapshot=str(snapshot), job_url=str(job_dir)))
+        if not answer.ok or answer.path is None:
+            raise RuntimeError(f"persist worker failed: {answer.error}")
+        self.last_phases = dict((answer.model_extra or {}).get("phases") or {})
+        return answer.path
 
     def close(self) -> None:
-        stop_persist_worker(self.proc, 60.0)
+        self.worker.close(60.0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,13 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckptd.catalog.catalog import Catalog
-from ckptd.catalog.commit_pass import LazyWorker
 from ckptd.catalog.commit_tracker import CommitTracker
 from ckptd.catalog.events import EventLimits, EventStore, record_retention
 from ckptd.catalog.lease import LeaseBoard
 from ckptd.catalog.refresher import Refresher
 from ckptd.catalog.retention import RetentionPolicy, prune
 from ckptd.catalog.snapshots import SnapshotKeeper
+from ckptd.catalog.worker_client import PersistWorkerClient
 from ckptd.config import Settings
 from ckptd.metrics import Metrics
 from trainer_client.core.storage import Storage
@@ -99,7 +99,8 @@ def build_sidecar(settings: Settings, catalog: Catalog | None = None) -> Sidecar
         if policy.prunes_good_steps or policy.clean_abandoned else None,
         maintenance_interval_s=settings.gc_interval_s,
         on_refresh=keeper.scan if keeper is not None else None,
-        commit_worker=LazyWorker(nice=settings.persist_nice, devices=settings.persist_devices),  # the leader's commits
+        # the leader's commits
+        commit_worker=PersistWorkerClient(nice=settings.persist_nice, devices=settings.persist_devices),
     )
     return Sidecar(settings=settings, catalog=cat, metrics=metrics, events=events, tracker=tracker,
                    refresher=refresher, keeper=keeper, lease=cat.lease)

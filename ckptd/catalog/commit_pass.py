@@ -8,10 +8,11 @@ steps although every part was durable on storage. The pass starts from the catal
 depend on any host's memory; it is the only caller of ``PartSaves.commit_ready`` in a server, on one thread,
 so no two commits of one step run at once in one sidecar (and the lease keeps the other sidecars out).
 
-The merge (``_METADATA``, ``_sharding``, ...) needs jax and Orbax, so it runs in a persist worker child
-(``python -m ckptd.catalog.persist_worker --serve``) this pass starts lazily, on the first step that is
-ready to commit here: a follower, or a leader of jobs without claims, never starts one. Cost: a leader (every
-sidecar when no lease is on) lists each job's claims directory once a pass, beside the refresher's listing.
+The merge (``_METADATA``, ``_sharding``, ...) needs jax and Orbax, so it runs in a persist worker child (``python
+-m ckptd.catalog.persist_worker --serve``, through ``ckptd.catalog.worker_client``) started lazily, on the first
+step that is ready to commit here: a follower, or a leader of jobs without claims, never starts one. Cost: a
+leader (every sidecar when no lease is on) lists each job's claims directory once a pass, beside the refresher's
+listing.
 
 Claims and part records are whatever storage holds, forged ones included: each job gets at most
 ``JOB_BUDGET_S`` of a pass (a commit started is finished), so one job's claims never hold up another's
@@ -22,14 +23,12 @@ ckptd watches read-only is skipped: nothing is committed under it (docs/protocol
 from __future__ import annotations
 
 import logging
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from ckptd.catalog.part_commit import JOB_BUDGET_S, PartSaves
-from ckptd.catalog.snapshots import DEFAULT_NICE, ask_persist_worker, start_persist_worker, stop_persist_worker
+from ckptd.catalog.worker_client import PersistWorker, PersistWorkerClient
 from trainer_client.core.errors import StorageError
 from trainer_client.core.format.parts import CLAIMS_DIR
 from trainer_client.core.storage import Storage
@@ -43,53 +42,18 @@ def _spent(stopping: Callable[[], bool], deadline: float) -> Callable[[], bool]:
     return lambda: stopping() or time.monotonic() > deadline
 
 
-class LazyWorker:
-    """A persist worker child started on the first request (restarted after a crash), one request at a time."""
-
-    def __init__(self, *, nice: int = DEFAULT_NICE, devices: int | None = None, timeout_s: float = 3600.0) -> None:
-        self.nice = nice
-        self.devices = devices
-        self.timeout_s = timeout_s
-        self._worker: subprocess.Popen[str] | None = None
-        self._lock = threading.Lock()
-        self._closed = False
-
-    @property
-    def started(self) -> bool:
-        return self._worker is not None
-
-    def ask(self, request: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            if self._closed:
-                return {"ok": False, "error": "ckptd is shutting down"}
-            if self._worker is None or self._worker.poll() is not None:
-                try:
-                    self._worker = start_persist_worker(nice=self.nice, devices=self.devices)
-                except OSError as exc:
-                    return {"ok": False, "error": f"cannot start the persist worker: {exc}"}
-            return ask_persist_worker(self._worker, request, self.timeout_s)
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the worker: it finishes the request in hand for up to ``timeout_s``, then is killed. Not under the
-        lock, which a request in progress holds (its answer comes, or its worker is gone, when this returns)."""
-        self._closed = True
-        worker = self._worker
-        if worker is not None:
-            stop_persist_worker(worker, timeout_s)
-
-
 class CommitPass:
     """Every ``interval_s``: for each job of ``jobs()`` that ``writes(job)`` (leads) and has claims, commit what
     is ready (``PartSaves.commit_ready``), for at most ``job_budget_s`` a job; ``on_committed(job, step)`` after
-    each commit. The merge goes to ``ask`` (tests: in process), else to ``worker`` (default: a ``LazyWorker``
-    with the worker's defaults)."""
+    each commit. The merge goes to ``worker`` (default: a ``PersistWorkerClient`` with the worker's defaults,
+    whose child starts on the first request; tests: ``InProcessWorker``), closed by ``stop``."""
 
     def __init__(self, storage: Storage, *, jobs: Callable[[], Iterable[str]], writes: Callable[[str], bool],
-                 interval_s: float, ask: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
-                 worker: LazyWorker | None = None, on_committed: Callable[[str, int], object] | None = None,
+                 interval_s: float, worker: PersistWorker | None = None,
+                 on_committed: Callable[[str, int], object] | None = None,
                  job_budget_s: float = JOB_BUDGET_S, stop_wait_s: float = STOP_WAIT_S) -> None:
-        self.worker = (worker or LazyWorker()) if ask is None else None  # closed by stop
-        self.parts = PartSaves(storage, ask or self.worker.ask, writes=writes)  # type: ignore[union-attr]
+        self.worker = worker or PersistWorkerClient()
+        self.parts = PartSaves(storage, self.worker, writes=writes)
         self._jobs = jobs
         self.interval_s = interval_s
         self.job_budget_s = job_budget_s
@@ -147,8 +111,7 @@ class CommitPass:
                 self.run_once(stopping=lambda: time.monotonic() > deadline)
             except Exception:  # shutting down: reported, the next leader commits
                 _log.exception("last commit pass failed")
-        if self.worker is not None:
-            self.worker.close(self.stop_wait_s)
+        self.worker.close(self.stop_wait_s)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -158,4 +121,4 @@ class CommitPass:
                 _log.exception("commit pass failed")
 
 
-__all__ = ["CommitPass", "LazyWorker"]
+__all__ = ["CommitPass"]

@@ -1,5 +1,6 @@
 """Multi-host persist and commit on ckptd's side (docs/multihost.md, section 5), jax-free: the persist worker
-child does the Orbax writes (``ckptd.catalog.part_writer``); this module decides what to write and when.
+child does the Orbax writes (``trainer_client.checkpoint_io.part_writer``, asked through
+``ckptd.catalog.worker_client``); this module decides what to write and when.
 
 Host k's sidecar persists its own part of step S: it claims S for the part's save (``<job>/.ckptd/claims/
 <S>.json``, create-only: one save per step number), has the worker write the part into the step (staged under
@@ -23,15 +24,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
+from ckptd.catalog.worker_client import PersistWorker, PersistWorkerError
 from trainer_client.core.durability import sync_paths
 from trainer_client.core.errors import StorageError
 from trainer_client.core.format.files import COMMIT_MARKER
 from trainer_client.core.format.manifest import UNMANIFESTED, FileEntry, Manifest, file_entry, write_manifest
 from trainer_client.core.format.parts import (
     CLAIMS_DIR,
-    OutOfTime,
     PartInfo,
     SaveParts,
     claimed_steps,
@@ -52,12 +53,12 @@ from trainer_client.core.storage import Storage
 
 _log = logging.getLogger(__name__)
 
-Ask = Callable[[dict[str, Any]], dict[str, Any]]
 # The time one pass over a job's claims may take, commits aside (a commit started is finished): past it the
 # pass moves on to the next job (docs/operations.md, "What each limit defends").
 JOB_BUDGET_S = 5.0
 Spent = Callable[[], bool]  # whether the time a caller allowed is spent (asked between records and steps)
 PartState = Literal["committed", "written", "todo", "claimed by another save"]
+CommitOutcome = Literal["committed", "not committed", "out of time"]
 
 
 @dataclass(frozen=True)
@@ -71,12 +72,13 @@ class Abandoned:
 
 class PartSaves:
     """Persists this host's parts and, where this sidecar leads the job, commits the steps whose parts are all
-    durable. ``ask`` hands one request to the persist worker; ``writes(job)``: whether this sidecar leads."""
+    durable. ``worker`` does the Orbax writes (``ckptd.catalog.worker_client``); ``writes(job)``: whether this
+    sidecar leads."""
 
-    def __init__(self, storage: Storage, ask: Ask, *, writes: Callable[[str], bool] = lambda _job: True,
-                 sidecar: str = "") -> None:
+    def __init__(self, storage: Storage, worker: PersistWorker, *,
+                 writes: Callable[[str], bool] = lambda _job: True, sidecar: str = "") -> None:
         self.storage = storage
-        self.ask = ask
+        self.worker = worker
         self.writes = writes
         self.sidecar = sidecar or f"{os.uname().nodename}/{os.getpid()}"
         self.commits = 0
@@ -120,10 +122,8 @@ class PartSaves:
         where = step_path_for(self.storage, job, meta.step, meta.save_id)
         if read_part(self.storage, where, meta.process_index) is not None:
             return "written"  # an earlier try of this sidecar finished
-        answer = self.ask({"part": snapshot, "step_url": self.storage.url_of(self.storage.writable(where))})
-        if not answer.get("ok"):
-            raise RuntimeError(str(answer.get("error", "no answer")))
-        info = PartInfo.model_validate({**answer["record"], "sidecar": self.sidecar})
+        record = self.worker.write_part(snapshot, self.storage.url_of(self.storage.writable(where)))
+        info = PartInfo.model_validate({**record, "sidecar": self.sidecar})
         self.storage.create_new(record_path(where, meta.process_index), record_bytes(info))
         return "written"
 
@@ -145,41 +145,38 @@ class PartSaves:
         for n, step in enumerate(steps):
             if not self.writes(job):
                 break  # asked again before each commit: the lease may have moved
-            try:
-                if n and spent():
-                    raise OutOfTime(0)
-                if self._commit_if_ready(job, step, spent):
-                    done.append(step)
-            except OutOfTime:
+            outcome = "out of time" if n and spent() else self._commit_if_ready(job, step, spent)
+            if outcome == "out of time":
                 self._resume_at[job] = step
                 _log.info("committing the host parts of %s: out of time for this pass at step %s; the next pass "
                           "goes on from there", job, step)
                 break
+            if outcome == "committed":
+                done.append(step)
         return done
 
-    def _commit_if_ready(self, job: str, step: int, spent: Spent) -> bool:
+    def _commit_if_ready(self, job: str, step: int, spent: Spent) -> CommitOutcome:
         """Commit ``step`` when every part record of its claim's save is there and good. What a pass out of
         time found good is not read again by the next (``_checked``: records are create-only)."""
         claim = read_claim(self.storage, job, step)
         if claim is None or self.committed(job, step, claim.save_id):
-            return False
+            return "not committed"
         where = step_path_for(self.storage, job, step, claim.save_id)
         key = (job, step, claim.save_id)
-        try:
-            held = save_parts(self.storage, where, claim.save_id, claim.process_count, first_gap=True,
-                              start=self._checked.get(key, 0), spent=spent)
-        except OutOfTime as exc:
-            self._checked[key] = exc.reached
-            raise
+        held = save_parts(self.storage, where, claim.save_id, claim.process_count, first_gap=True,
+                          start=self._checked.get(key, 0), spent=spent)
+        if held.stopped is not None:
+            self._checked[key] = held.stopped  # the records below it are good
+            return "out of time"
         if not held.whole:
             self._checked[key] = min(held.absent + held.bad)  # the records below it are good
-            return False  # a missing part: never committed, never served
+            return "not committed"  # a missing part: never committed, never served
         self._checked.pop(key, None)
         if self.storage.exists(self.final_path(job, step)) and not self.storage.is_remote:
             _log.error("not committing step %s of %s from parts: %s exists already", step, job,
                        self.final_path(job, step))
-            return False
-        return self.commit(job, step, where)
+            return "not committed"
+        return "committed" if self.commit(job, step, where) else "not committed"
 
     def manifest(self, where: str, step: int, parts: list[PartInfo]) -> Manifest:
         """ckptd's manifest of the step: every file, the parts' ones with the checksums their writers
@@ -221,10 +218,11 @@ class PartSaves:
         first = parts[0]
         marker = posixpath.join(where, COMMIT_MARKER)
         if not self.storage.exists(marker):  # else: the marker is there, the rename was not done
-            answer = self.ask({"commit": self.storage.url_of(self.storage.writable(where)),
-                               "record": first.model_dump(mode="json")})
-            if not answer.get("ok"):
-                raise RuntimeError(f"commit of step {step} failed: {answer.get('error', 'no answer')}")
+            try:
+                self.worker.commit_parts(self.storage.url_of(self.storage.writable(where)),
+                                         first.model_dump(mode="json"))
+            except PersistWorkerError as exc:
+                raise type(exc)(f"commit of step {step} failed: {exc}") from exc
             write_manifest(self.storage, where, self.manifest(where, step, parts))
             if not self.writes(job):  # the lease moved while finalizing: the new leader commits
                 return
@@ -252,24 +250,23 @@ class PartSaves:
         kept for inspection, never deleted. Stops (with what it found) once ``spent()``."""
         now = time.time() if now is None else now
         out = []
-        try:
-            for step in self.claims(job):
-                if spent():
-                    break
-                claim = read_claim(self.storage, job, step)
-                if claim is None or now - claim.created_at < older_than_s or self.committed(job, step, claim.save_id):
-                    continue
-                held = self._held(job, step, claim.save_id, claim.process_count, spent)
-                if held.whole:
-                    continue  # every part is durable: the commit pass's to commit, never abandoned
-                if held.bad:
-                    report_refused(step_path_for(self.storage, job, step, claim.save_id),
-                                   f"an abandoned save whose part records of processes {spans(held.bad)} are "
-                                   "unreadable or of another save: kept for inspection, never deleted")
-                    continue
-                out.append(Abandoned(job, step, claim.save_id, now - claim.created_at, held.absent))
-        except OutOfTime:
-            pass
+        for step in self.claims(job):
+            if spent():
+                break
+            claim = read_claim(self.storage, job, step)
+            if claim is None or now - claim.created_at < older_than_s or self.committed(job, step, claim.save_id):
+                continue
+            held = self._held(job, step, claim.save_id, claim.process_count, spent)
+            if held.stopped is not None:
+                break  # out of time: this save is looked at again next time
+            if held.whole:
+                continue  # every part is durable: the commit pass's to commit, never abandoned
+            if held.bad:
+                report_refused(step_path_for(self.storage, job, step, claim.save_id),
+                               f"an abandoned save whose part records of processes {spans(held.bad)} are "
+                               "unreadable or of another save: kept for inspection, never deleted")
+                continue
+            out.append(Abandoned(job, step, claim.save_id, now - claim.created_at, held.absent))
         return out
 
     def _held(self, job: str, step: int, save_id: str, count: int, spent: Spent | None = None) -> SaveParts:

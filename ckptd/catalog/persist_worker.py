@@ -1,9 +1,11 @@
 """``python -m ckptd.catalog.persist_worker [--serve | SNAPSHOT_DIR JOB_URL]``: write host-memory snapshots to storage.
 
 Runs as a child process of ckptd, because writing Orbax's layout takes Orbax, and Orbax takes jax —
-which ckptd's own process never imports. The child uses jax on the CPU only (it must never claim the
-host's accelerators) and saves the state through trainer_client's Checkpointer: Orbax's layout, the
-manifest written before the commit marker, fsynced. Plain Orbax can restore the result. It prints the
+which ckptd's own process never imports. It answers the typed requests of ``ckptd.catalog.worker_client``
+(JSON lines). The child uses jax on the CPU only (it must never claim the host's accelerators) and saves
+the state through the Orbax writer the trainer uses (``trainer_client.checkpoint_io``: the Checkpointer,
+and the part writer of a multi-process step): Orbax's layout, the manifest written before the commit marker,
+fsynced. Plain Orbax can restore the result. It prints the
 committed step's URL; a non-zero exit means the step was not committed.
 
 Each array is handed to Orbax sharded as the trainer saved it: on the trainer's own mesh (its axis names
@@ -15,7 +17,7 @@ it is; the replicas of a shard share that view): no byte is copied before Orbax 
 shards in parallel, and the chunks on storage are the trainer's own. The leaves that are not arrays come
 from the snapshot's record as values (Orbax saves them as it would the trainer's: numbers as 0-d arrays,
 strings in ``_strings.json``), and a data iterator's state recorded with the snapshot becomes the step's
-item ``iter`` in Grain's format (``trainer_client.runtime.data_iterator``). Where the trainer's mesh has more
+item ``iter`` in Grain's format (``trainer_client.checkpoint_io.iterator_state``). Where the trainer's mesh has more
 devices than the worker (or an array's shards are not its recorded spec on that mesh), that array goes
 through a grid of one device per saved shard (coarser beyond ``--devices``) instead: the same bytes and
 chunks, but its ``_sharding`` then names that grid (``shard0``, ...); ckptd's own plans read the trainer's
@@ -43,8 +45,11 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from pydantic import ValidationError
 
-from ckptd.catalog.part_writer import commit_parts, write_part
+from ckptd.catalog.worker_client import CommitParts, WorkerAnswer, WorkerRequest, WritePart, parse_request
+from trainer_client.checkpoint_io.checkpointer import Checkpointer, spec_from_json
+from trainer_client.checkpoint_io.part_writer import commit_parts, write_part
 from trainer_client.core.errors import StoredFormatError
 from trainer_client.core.format.snapshot import (
     ArrayRecord,
@@ -58,7 +63,6 @@ from trainer_client.core.format.snapshot_shards import ShardReader, index_bounds
 from trainer_client.core.format.tree_paths import rebuild
 from trainer_client.core.protocol import ArraySpec, TrainingMetadata
 from trainer_client.core.storage import join_path
-from trainer_client.runtime.checkpointing import Checkpointer, spec_from_json
 
 _log = logging.getLogger(__name__)
 
@@ -220,24 +224,34 @@ def _persist_arrays(snapshot: Path, job_url: str, meta: SnapshotMeta, data: np.n
     return join_path(job_url, str(meta.step))
 
 
-def handle(request: dict[str, Any], compression: bool = False) -> dict[str, Any]:
-    """One request: persist a whole snapshot (``{"snapshot": DIR, "job_url": URL}``; answer ``{"ok": true,
-    "path": URL}``), write a multi-process job's part (``{"part": DIR, "step_url": URL}``; answer: the part
-    record's fields under ``record``, ``ckptd/catalog/part_writer.py``) or commit a step from its parts
-    (``{"commit": STEP_URL, "record": process 0's record}``); ``{"ok": false, "error": ...}`` on failure."""
+def answer(request: WorkerRequest, compression: bool = False) -> WorkerAnswer:
+    """One request (``ckptd.catalog.worker_client``): persist a whole snapshot (answer: the step's URL), write a
+    multi-process job's part (answer: the part record's fields, ``trainer_client.checkpoint_io.part_writer``) or
+    commit a step from its parts; a failure is answered with its error, ``damaged`` when the snapshot's bytes
+    are (``StoredFormatError``: retrying cannot help)."""
     release_arrays()  # a caller that did not (``serve`` does, after each answer): at most one persist's held
     try:
-        answer: dict[str, Any] = {"ok": True}
-        if "part" in request:
-            answer["record"] = write_part(Path(request["part"]), request["step_url"], compression=compression)
-        elif "commit" in request:
-            commit_parts(request["commit"], request["record"])
-        else:
-            answer["path"] = persist(Path(request["snapshot"]), request["job_url"], compression=compression,
-                                     defer_release=True)
+        if isinstance(request, WritePart):
+            return WorkerAnswer(ok=True, record=write_part(Path(request.part), request.step_url,
+                                                           compression=compression))
+        if isinstance(request, CommitParts):
+            commit_parts(request.commit, request.record)
+            return WorkerAnswer(ok=True)
+        return WorkerAnswer(ok=True, path=persist(Path(request.snapshot), request.job_url, compression=compression,
+                                                  defer_release=True))
+    except StoredFormatError as exc:
+        return WorkerAnswer.failed(exc, damaged=True)
     except Exception as exc:  # reported to the parent, which logs it and retries later
-        answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    return answer
+        return WorkerAnswer.failed(exc)
+
+
+def handle(request: object, compression: bool = False) -> dict[str, Any]:
+    """``answer`` for a request's JSON form, the answer's JSON form; what is no request is answered failed."""
+    try:
+        parsed = parse_request(request)
+    except ValidationError as exc:
+        return WorkerAnswer.failed(ValueError(f"not a request: {exc.error_count()} error(s)")).wire()
+    return answer(parsed, compression).wire()
 
 
 def serve(compression: bool) -> int:
@@ -250,10 +264,9 @@ def serve(compression: bool) -> int:
         try:
             request = json.loads(line)
         except ValueError as exc:
-            print(json.dumps({"ok": False, "error": f"not JSON: {exc}"}), flush=True)
+            print(json.dumps(WorkerAnswer.failed(ValueError(f"not JSON: {exc}")).wire()), flush=True)
             continue
-        print(json.dumps(handle(request, compression) if isinstance(request, dict) else
-                         {"ok": False, "error": "not an object"}), flush=True)
+        print(json.dumps(handle(request, compression)), flush=True)
         release_arrays()  # after the answer: the unmap is not on any request's path
     return 0
 

@@ -20,8 +20,9 @@ from concurrent.futures import Future, wait
 from functools import partial
 
 from ckptd.catalog.catalog import Catalog
-from ckptd.catalog.commit_pass import CommitPass, LazyWorker
+from ckptd.catalog.commit_pass import CommitPass
 from ckptd.catalog.job_workers import JobWorkers
+from ckptd.catalog.worker_client import PersistWorker
 
 _log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class Refresher:
         maintenance_interval_s: float = 300.0,
         on_refresh: Callable[[], object] | None = None,
         full_every: int = 30,
-        commit_worker: LazyWorker | None = None,
+        commit_worker: PersistWorker | None = None,
         job_workers: int = JOB_WORKERS,
     ) -> None:
         self.catalog = catalog

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from ckptd.catalog.part_commit import JOB_BUDGET_S, PartSaves
+from ckptd.catalog.worker_client import InProcessWorker
 from trainer_client.core.format.parts import spans, step_path_for
 from trainer_client.core.protocol import CheckpointInfo, StepState
 from trainer_client.core.storage import Storage, storage_errors
@@ -142,7 +143,7 @@ def clean_abandoned_parts(storage: Storage, job: str, older_than_s: float, *,
     """Delete the multi-host saves of ``job`` claimed longer than ``older_than_s`` ago and never committed
     (a host's part never came): their staged or in-place files, then the claim. Looking for them stops after
     ``budget_s`` (the rest waits for the next run): a job's forged claims hold up no other job's retention."""
-    saves = PartSaves(storage, lambda _request: {"ok": False, "error": "retention writes no parts"})
+    saves = PartSaves(storage, InProcessWorker(lambda _request: {"ok": False, "error": "retention writes no parts"}))
     out = []
     deadline = time.monotonic() + budget_s
     for found in saves.abandoned(job, older_than_s, spent=lambda: time.monotonic() > deadline):

@@ -2,37 +2,34 @@
 memory bounded.
 
 Every few seconds the keeper looks at ``<shm_dir>/<job>/<step>/``. A whole snapshot marked ``persist`` that is not
-on storage yet is written there by a child process (``ckptd.catalog.persist_worker``: Orbax's layout, the manifest
-before the commit marker; one long-lived child, so jax and Orbax load once) — whether or not the trainer that made
-it is still alive. Once the step is committed the snapshot is marked persisted and may be evicted; beyond
-``max_snapshots`` per job the oldest evictable snapshots are dropped, never the newest (a resume may be reading it).
-A snapshot that is not whole is reported and dropped (it is a copy in memory; the storage tier never loses a step
-this way). One host's part of a multi-process job's step (``process_count`` > 1: only that process's shards) marked
-``persist`` is written as that process's part of the step and the step is committed by the job's leader once every
-host's part is durable (``ckptd.catalog.part_commit``, docs/multihost.md section 5) — by the leader's commit pass
-(``ckptd.catalog.commit_pass``, beside the refresher), never by this keeper: the leader's host may hold no snapshot
-of the job at all; the part is marked persisted once the step is committed. A part is never dropped as broken for
-lacking the other hosts' shards; one not marked ``persist`` goes beyond ``max_snapshots`` like any snapshot kept in
-memory only.
+on storage yet is written there by a child process (``ckptd.catalog.persist_worker``, asked through
+``ckptd.catalog.worker_client``: Orbax's layout, the manifest before the commit marker; one long-lived child, so jax
+and Orbax load once) — whether or not the trainer that made it is still alive. Once the step is committed the
+snapshot is marked persisted and may be evicted; beyond ``max_snapshots`` per job the oldest evictable snapshots are
+dropped, never the newest (a resume may be reading it). A snapshot that is not whole is reported and dropped (it is
+a copy in memory; the storage tier never loses a step this way). One host's part of a multi-process job's step
+(``process_count`` > 1: only that process's shards) marked ``persist`` is written as that process's part of the step
+and the step is committed by the job's leader once every host's part is durable (``ckptd.catalog.part_commit``,
+docs/multihost.md section 5) — by the leader's commit pass (``ckptd.catalog.commit_pass``, beside the refresher),
+never by this keeper: the leader's host may hold no snapshot of the job at all; the part is marked persisted once
+the step is committed. A part is never dropped as broken for lacking the other hosts' shards; one not marked
+``persist`` goes beyond ``max_snapshots`` like any snapshot kept in memory only.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
-import select
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ckptd.catalog.part_commit import PartSaves
-from trainer_client.core.errors import StorageError, StoredFormatError, UnsafePathError
+from ckptd.catalog.worker_client import PersistWorker, PersistWorkerClient, PersistWorkerError, SnapshotDamaged
+from ckptd.config import DEFAULT_PERSIST_NICE
+from trainer_client.core.errors import StorageError, UnsafePathError
 from trainer_client.core.format.files import COMMIT_MARKER
 from trainer_client.core.format.private_files import check_private_dir, ensure_private_dir, is_real_dir
 from trainer_client.core.format.snapshot import (
@@ -70,52 +67,6 @@ class KeeperStats:
 
 
 PART_RETRY_S = 30.0  # a host part whose write failed is tried again after this long
-DEFAULT_NICE = 10  # how far below ckptd the persist worker runs, unless CKPTD_PERSIST_NICE says otherwise
-
-
-def start_persist_worker(
-    *, compression: bool = False, nice: int = DEFAULT_NICE, devices: int | None = None
-) -> subprocess.Popen[str]:
-    """``python -m ckptd.catalog.persist_worker --serve`` with pipes, ``nice`` steps below ckptd's CPU priority (a
-    persist competes with the trainer for the host's cores; the trainer should win)."""
-    cmd = [sys.executable, "-m", "ckptd.catalog.persist_worker", "--serve", f"--nice={nice}",
-           *([f"--devices={devices}"] if devices else []), *(["--compression"] if compression else [])]
-    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-
-
-def stop_persist_worker(worker: subprocess.Popen[str], timeout_s: float) -> None:
-    """Close the worker's input (it finishes the request in hand and exits); kill it after ``timeout_s``."""
-    if worker.poll() is not None:
-        return
-    if worker.stdin is not None:
-        worker.stdin.close()
-    try:
-        worker.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        worker.kill()
-
-
-def ask_persist_worker(worker: subprocess.Popen[str], request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """One request line to a ``--serve`` worker and its answer line (``{"ok": ..., "path"|"error": ...}``); a
-    worker that dies, says nonsense or does not answer within ``timeout_s`` gives an ``ok: false`` answer
-    (and is killed when it may be stuck)."""
-    assert worker.stdin is not None and worker.stdout is not None
-    try:
-        worker.stdin.write(json.dumps(request) + "\n")
-        worker.stdin.flush()
-    except OSError as exc:
-        worker.kill()
-        return {"ok": False, "error": f"persist worker gone: {exc}"}
-    ready, _, _ = select.select([worker.stdout], [], [], timeout_s)
-    line = worker.stdout.readline() if ready else ""
-    if not line:
-        worker.kill()
-        return {"ok": False, "error": "persist worker died or timed out"}
-    try:
-        answer = json.loads(line)
-    except ValueError:
-        return {"ok": False, "error": f"persist worker said {line.strip()[:200]!r}"}
-    return answer if isinstance(answer, dict) else {"ok": False, "error": "bad answer"}
 
 
 class SnapshotKeeper:
@@ -130,13 +81,15 @@ class SnapshotKeeper:
         compression: bool = False,
         on_persisted: Callable[[str, int], None] | None = None,
         timeout_s: float = 3600.0,
-        nice: int = DEFAULT_NICE,
+        nice: int = DEFAULT_PERSIST_NICE,
         devices: int | None = None,
         writes: Callable[[str], bool] | None = None,
     ) -> None:
         self.storage = storage
+        self.worker: PersistWorker = PersistWorkerClient(compression=compression, nice=nice, devices=devices,
+                                                         timeout_s=timeout_s)
         # multi-host parts (written here; committed by ckptd.catalog.commit_pass); ``writes``: Catalog.writes
-        self.parts = PartSaves(storage, self._ask_worker, writes=writes or (lambda _job: True))
+        self.parts = PartSaves(storage, self.worker, writes=writes or (lambda _job: True))
         self.nice = nice
         self.devices = devices
         self.shm_dir = Path(shm_dir)
@@ -149,7 +102,6 @@ class SnapshotKeeper:
         self._queued: set[Path] = set()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._persist_loop, name="ckptd-persister", daemon=True)
-        self._worker: subprocess.Popen[str] | None = None
         self._closed = threading.Event()
         self._part_retry_at: dict[Path, float] = {}  # a part whose write failed: not retried before then
 
@@ -190,8 +142,7 @@ class SnapshotKeeper:
                        "shared memory, and the next ckptd on this host persists them", len(left), drain_timeout_s,
                        ", ".join(left))
         self._closed.set()  # the persist thread, if still busy, takes nothing more
-        if self._worker is not None:
-            stop_persist_worker(self._worker, 0.0 if left else 10.0)
+        self.worker.close(0.0 if left else 10.0)
         return left
 
     def jobs(self) -> list[str]:
@@ -327,11 +278,11 @@ class SnapshotKeeper:
             mark_persisted(path, step_url)  # already on storage (e.g. saved there directly)
             return step_url
         started = time.monotonic()
-        answer = self._ask_worker({"snapshot": str(path), "job_url": job_url})
-        if not answer.get("ok"):
-            why = str(answer.get("error", "no answer"))
-            self._failed(path, why)
-            if why.startswith(f"{StoredFormatError.__name__}:"):  # damaged in memory: retrying cannot help
+        try:
+            self.worker.persist(str(path), job_url)
+        except PersistWorkerError as exc:
+            self._failed(path, str(exc))
+            if isinstance(exc, SnapshotDamaged):  # damaged in memory: retrying cannot help
                 self.stats.broken += 1
                 evict(path)
             return None
@@ -361,19 +312,6 @@ class SnapshotKeeper:
         elif outcome != "committed":
             self._note_part(str(path), outcome)
 
-    def _ask_worker(self, request: dict[str, Any]) -> dict[str, Any]:
-        """One request to the long-lived persist worker (started, or restarted after a crash, on demand)."""
-        worker = self._worker
-        if self._closed.is_set():
-            return {"ok": False, "error": "ckptd is shutting down"}
-        if worker is None or worker.poll() is not None:
-            try:
-                worker = start_persist_worker(compression=self.compression, nice=self.nice, devices=self.devices)
-            except OSError as exc:
-                return {"ok": False, "error": f"cannot start the persist worker: {exc}"}
-            self._worker = worker
-        return ask_persist_worker(worker, request, self.timeout_s)
-
     def _failed(self, path: Path, why: str) -> None:
         self.stats.failed += 1
         self.stats.last_error = f"{path}: {why}"
@@ -381,10 +319,6 @@ class SnapshotKeeper:
 
 
 __all__ = [
-    "DEFAULT_NICE",
     "KeeperStats",
     "SnapshotKeeper",
-    "ask_persist_worker",
-    "start_persist_worker",
-    "stop_persist_worker",
 ]

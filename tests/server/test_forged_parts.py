@@ -23,6 +23,7 @@ from ckptd.catalog.commit_pass import CommitPass
 from ckptd.catalog.part_commit import PartSaves
 from ckptd.catalog.retention import clean_abandoned_parts
 from ckptd.catalog.snapshots import SnapshotKeeper
+from ckptd.catalog.worker_client import InProcessWorker
 from tests.support.forged_records import forge_claim, forge_part, tree_state, write_snapshot
 from trainer_client.core.errors import StorageError, UnsafePathError
 from trainer_client.core.format.parts import Claim, PartInfo, part_problems, read_claim, save_parts
@@ -30,13 +31,14 @@ from trainer_client.core.storage import Storage, join_path
 from trainer_client.core.whole_files import write_json_file
 
 
-class Recorder:
+class Recorder(InProcessWorker):
     """Stands in for the persist worker: records each request, answers that nothing was done."""
 
     def __init__(self) -> None:
+        super().__init__(self._record)
         self.asked: list[dict[str, Any]] = []
 
-    def __call__(self, request: dict[str, Any]) -> dict[str, Any]:
+    def _record(self, request: dict[str, Any]) -> dict[str, Any]:
         self.asked.append(request)
         return {"ok": False, "error": "not done here"}
 
@@ -160,7 +162,7 @@ def test_forged_parts_are_never_committed_and_nothing_is_written_outside(tmp_pat
     planted = tree_state(root / "job")
     worker = Recorder()
     commits = CommitPass(Storage(str(root)), jobs=lambda: ["job"], writes=lambda _job: True, interval_s=3600,
-                         ask=worker)
+                         worker=worker)
     assert commits.run_once() == [] and worker.asked == []  # refused before the worker is ever asked
     assert clean_abandoned_parts(Storage(str(root)), "job", older_than_s=0.0) == []  # kept for inspection
     assert part_problems(Storage(str(root)), str(where)) == [
@@ -194,7 +196,7 @@ def test_one_jobs_costly_claims_hold_up_no_other_job_and_are_all_visited(
     _ready(root, "zzz", 5)
     worker = Recorder()
     commits = CommitPass(Storage(str(root)), jobs=lambda: ["aaa", "zzz"], writes=lambda _job: True, interval_s=3600,
-                         ask=worker, job_budget_s=0.02)
+                         worker=worker, job_budget_s=0.02)
     started = time.monotonic()
     commits.run_once()
     took = time.monotonic() - started
@@ -212,7 +214,7 @@ def test_a_stop_ends_a_pass_at_its_next_record(tmp_path: Path) -> None:
     root = tmp_path / "root"
     _costly_job(root, "aaa", 2000)
     commits = CommitPass(Storage(str(root)), jobs=lambda: ["aaa"], writes=lambda _job: True, interval_s=0.01,
-                         ask=Recorder(), job_budget_s=600, stop_wait_s=0.5)
+                         worker=Recorder(), job_budget_s=600, stop_wait_s=0.5)
     commits.start()
     time.sleep(0.5)  # in the middle of a pass over aaa's claims (~2 s), then the last pass gets 0.5 s
     started = time.monotonic()
@@ -233,9 +235,9 @@ def test_a_read_only_job_is_neither_persisted_nor_committed_nor_cleaned(tmp_path
     before = tree_state(root / "job")
     worker = Recorder()
     assert CommitPass(storage, jobs=lambda: ["job"], writes=lambda _job: True, interval_s=3600,
-                      ask=worker).run_once() == []
+                      worker=worker).run_once() == []
     keeper = SnapshotKeeper(storage, str(shm))
-    keeper.parts.ask = worker
+    keeper.parts.worker = worker
     keeper.scan()
     assert keeper._queue.empty() and "watched read-only" in keeper.stats.held[str(snapshot)]
     assert keeper.persist("job", snapshot) is None and "read-only" in (keeper.stats.last_error or "")

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from ckptd.catalog.catalog import Catalog
 from ckptd.cli.main import main as ckptd_main
+from trainer_client.checkpoint_io import checkpointer as checkpointing
 from trainer_client.client.ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.core.durability import Syncer, using_syncer
@@ -34,7 +35,6 @@ from trainer_client.core.format.manifest import read_manifest, write_manifest
 from trainer_client.core.protocol import ResumeRequest, StepState
 from trainer_client.core.storage import Storage
 from trainer_client.core.validation import latest_good_on_storage, validate_step
-from trainer_client.runtime import checkpointing
 from trainer_client.runtime.checkpointing import Checkpointer
 
 N_STEPS = 60

@@ -25,12 +25,12 @@ from jax.sharding import PartitionSpec as P
 
 from ckptd.cli.main import main as ckptd_main
 from tests.support.orbax_steps import write_flax_steps
+from trainer_client.checkpoint_io.state_tree import is_value, leaf_name
 from trainer_client.core import protocol as p
 from trainer_client.core.step_plan import plan_for_step
 from trainer_client.core.storage import Storage
 from trainer_client.runtime.checkpointing import Checkpointer, restore, spec_from_json, training_metadata
 from trainer_client.runtime.memory_tier import MemoryTier, restore_snapshot
-from trainer_client.runtime.state_tree import is_value, leaf_name
 
 HIDDEN = 16
 KINDS = ["linen", "nnx"]

@@ -24,19 +24,14 @@ from tests.support import grain_data
 from tests.support.elastic_runs import BATCH, JOB, elastic_runner, run_to_end
 from tests.support.helpers import wait_until
 from tests.support.orbax_steps import write_maxtext_jobs
+from trainer_client.checkpoint_io.iterator_state import ITER_ITEM, MAX_STATE_BYTES
 from trainer_client.core import protocol as p
 from trainer_client.core.format.snapshot import SNAPSHOT_META_FILE, problems
 from trainer_client.core.step_plan import plan_for_step
 from trainer_client.core.storage import Storage
 from trainer_client.runtime import _saver
 from trainer_client.runtime.checkpointing import Checkpointer, training_metadata
-from trainer_client.runtime.data_iterator import (
-    ITER_ITEM,
-    MAX_STATE_BYTES,
-    planned_state,
-    restore_iterator,
-    state_record,
-)
+from trainer_client.runtime.data_iterator import planned_state, restore_iterator, state_record
 from trainer_client.runtime.elastic import ElasticContext
 from trainer_client.runtime.memory_tier import MemoryTier
 from trainer_client.runtime.slices import SimulatedSlices, SliceFault

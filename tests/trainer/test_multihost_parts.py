@@ -27,6 +27,7 @@ from ckptd.catalog.part_commit import PartSaves
 from ckptd.catalog.persist_worker import handle, persist
 from ckptd.catalog.retention import clean_abandoned_parts
 from ckptd.catalog.snapshots import SnapshotKeeper
+from ckptd.catalog.worker_client import InProcessWorker
 from tests.support.chaos_support import CkptdProcess
 from tests.support.helpers import clean_env, wait_until
 from tests.support.jax_job import PREAMBLE, run_job
@@ -122,7 +123,7 @@ def test_one_hosts_part_alone_is_written_but_never_committed(parts: list[Path], 
     part = parts[0]
     root = tmp_path / "root"
     keeper = SnapshotKeeper(Storage(str(root)), str(part.parent.parent), max_snapshots=1)
-    keeper.parts.ask = _in_process  # the worker's own handling, without a child's start (the system test has one)
+    keeper.parts.worker = _in_process  # the worker's own handling, without a child's start (the system test has one)
     keeper.start()
     keeper.scan()
     left = keeper.stop(drain_timeout_s=60)
@@ -141,10 +142,9 @@ def test_the_persist_worker_refuses_a_part(parts: list[Path], tmp_path: Path) ->
     assert not (tmp_path / "root" / "job" / "5").exists()
 
 
-def _in_process(request: dict[str, Any]) -> dict[str, Any]:
-    """The persist worker's own request handling, run in this process (which has jax already): the same code
-    ``ckptd.catalog.persist_worker --serve`` runs, without a child's start-up."""
-    return handle(request)
+# The persist worker's own request handling, run in this process (which has jax already): the same code
+# ``ckptd.catalog.persist_worker --serve`` runs, without a child's start-up.
+_in_process = InProcessWorker(handle)
 
 
 def _deep_problems(storage: Storage, step: Path) -> list[str]:
@@ -259,7 +259,7 @@ def test_the_commit_is_redone_after_a_crash_between_merge_and_marker(parts: list
     staged = tmp_path / "root" / "job" / ".ckptd" / "staging" / f"5.{save_id}"
     record = read_part(storage, str(staged), 0)
     assert record is not None
-    assert _in_process({"commit": str(staged), "record": record.model_dump(mode="json")})["ok"]  # then it died
+    _in_process.commit_parts(str(staged), record.model_dump(mode="json"))  # then it died
     assert (staged / "default" / "manifest.ocdbt").is_file() and not (staged / "commit_success.txt").exists()
     assert latest_good_on_storage(storage, str(tmp_path / "root" / "job")) is None
     assert sidecars[1].commit_ready("job") == [5]  # the next leader redoes the commit from the start
@@ -408,10 +408,11 @@ def test_the_commit_pass_commits_only_where_it_leads_and_once(parts: list[Path],
     leads = {"job": False}
     committed: list[tuple[str, int]] = []
     commits = CommitPass(storage, jobs=lambda: ["job", "other"], writes=lambda job: leads.get(job, False),
-                         interval_s=3600, ask=_in_process, on_committed=lambda job, step: committed.append((job, step)))
+                         interval_s=3600, worker=_in_process,
+                         on_committed=lambda job, step: committed.append((job, step)))
     assert commits.run_once() == [] and not (tmp_path / "root" / "job" / "5").exists()
     keeper = SnapshotKeeper(storage, str(parts[0].parent.parent), max_snapshots=2)
-    keeper.parts.ask = _in_process
+    keeper.parts.worker = _in_process
     keeper.scan()  # a leader's keeper with the job in its memory: queues parts (step 6's), nothing to commit
     assert {item[0] for item in list(keeper._queue.queue) if item is not None} <= {"part"}
     leads["job"] = True
@@ -431,13 +432,13 @@ def test_retention_never_cleans_a_save_the_leader_is_committing(parts: list[Path
         assert sidecar.persist_part("job", str(part), read_meta(part)) == "written"
 
     def racing(request: dict[str, Any]) -> dict[str, Any]:
-        answer = _in_process(request)
+        answer = handle(request)
         if "commit" in request:  # merged; before the manifest and the marker, the gc thread and host 1's keeper run
             clean_abandoned_parts(storage, "job", older_than_s=0.0)
             sidecars[1].persist_part("job", str(parts[1]), read_meta(parts[1]))
         return answer
 
-    leader = PartSaves(storage, racing)
+    leader = PartSaves(storage, InProcessWorker(racing))
     leader.commit_ready("job")
     step = tmp_path / "root" / "job" / "5"
     if (step / "commit_success.txt").exists():  # committed: then whole

@@ -143,7 +143,7 @@ def test_the_checkpointers_manifest_takes_the_early_sums_and_stays_exact(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Checkpointer save on a local disk hands the data files summed as they were closed to the manifest
     (not read again), and every CRC32C in the committed manifest is that of the bytes on disk."""
-    import trainer_client.runtime.checkpointing as checkpointing
+    import trainer_client.checkpoint_io.checkpointer as checkpointing
     from trainer_client.core.format.manifest import build_manifest, read_manifest
     from trainer_client.core.storage import Storage
 

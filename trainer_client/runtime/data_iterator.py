@@ -8,7 +8,8 @@ a ``DataLoaderIterator``) or a dict of JSON data. Grain's Orbax handler (``grain
 the step's item ``iter`` as ``process_<index>-of-<count>.json`` (one file per JAX process, each the state of
 that process's iterator, ``json.dumps(state, indent=4)``), so MaxText's ``<step>/items`` + ``<step>/iter``.
 
-ckptd does the same, through ``IteratorStateHandler``: the state is taken at the step boundary
+ckptd does the same, through its own handler of the item (``trainer_client.checkpoint_io.iterator_state``,
+the file format and the reader, shared with ckptd's persist worker): the state is taken at the step boundary
 (``state_record``, as data: nothing is ever pickled), travels with the step — into Orbax directly, or into
 a memory snapshot's ``snapshot.json`` from which ckptd's persist worker writes the same ``iter`` item — and
 on resume ``restore_iterator`` gives it back to the iterator with ``set_state`` (read from the snapshot or
@@ -28,26 +29,19 @@ docs/protocol.md), as Grain's handler refuses it; MaxText's one shared ``process
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
 from typing import Any, Protocol
 
 import jax
-import orbax.checkpoint as ocp
-from etils import epath
 
+from trainer_client.checkpoint_io.iterator_state import ITER_ITEM, read_step_state, state_text
 from trainer_client.core.format.snapshot import DataIteratorRecord, read_meta
 from trainer_client.core.protocol import ResumePlan
 from trainer_client.core.storage import Storage, join_path
 
 _log = logging.getLogger(__name__)
-
-ITER_ITEM = "iter"  # the item name Grain's users (MaxText) give the iterator's state
-SHARED_FILE = "process_0.json"  # MaxText's ElasticIterator layout: one state for every process
-MAX_STATE_BYTES = 16 << 20  # one process's iterator state: a bigger file is refused, not read
-
 
 class DataIterator(Protocol):
     """What ckptd needs of a data iterator (Grain's ``DataLoaderIterator`` and ``DatasetIterator`` have it)."""
@@ -55,16 +49,6 @@ class DataIterator(Protocol):
     def get_state(self) -> Any: ...
 
     def set_state(self, state: Any) -> None: ...
-
-
-def process_file(process_index: int, process_count: int) -> str:
-    """The file Grain's handler writes for one process: ``process_<index>-of-<count>.json``."""
-    return f"process_{process_index}-of-{process_count}.json"
-
-
-def state_text(state: Any) -> str:
-    """The file's text, as Grain's handler writes it (``json.dumps(state, indent=4)``)."""
-    return json.dumps(state, indent=4)
 
 
 def state_record(iterator: DataIterator) -> DataIteratorRecord:
@@ -82,66 +66,6 @@ def set_iterator_state(iterator: DataIterator, state: Any) -> None:
         iterator.set_state(state_text(state).encode())
     else:
         iterator.set_state(state)
-
-
-@dataclasses.dataclass
-class IteratorStateSave(ocp.args.CheckpointArgs):
-    """Save ``record`` (one process's iterator state) as Grain's handler would."""
-
-    record: DataIteratorRecord
-
-
-@dataclasses.dataclass
-class IteratorStateRestore(ocp.args.CheckpointArgs):
-    """Read this process's iterator state back (a ``DataIteratorRecord``)."""
-
-
-class IteratorStateHandler(ocp.CheckpointHandler):
-    """Orbax's handler of the item ``iter``: Grain's file format, from a state recorded as data.
-
-    Grain's own handler takes the live iterator and calls ``get_state()`` while Orbax saves; ckptd takes
-    the state at the step boundary instead, because a memory snapshot is persisted later by another process
-    (ckptd's persist worker) that has no iterator, and both paths must write the same item. The file is the
-    one Grain writes, for the process the state belongs to; Grain's handler restores it."""
-
-    def save(self, directory: epath.Path, args: IteratorStateSave) -> None:
-        record = args.record
-        (directory / process_file(record.process_index, record.process_count)).write_text(state_text(record.state))
-
-    def restore(self, directory: epath.Path, args: IteratorStateRestore | None = None) -> DataIteratorRecord:
-        del args
-        record = read_step_state(str(directory), jax.process_index(), jax.process_count())
-        if record is None:
-            raise FileNotFoundError(f"{directory}: no iterator state for process {jax.process_index()}")
-        return record
-
-    def metadata(self, directory: epath.Path) -> None:
-        del directory
-        return None
-
-
-ocp.args.register_with_handler(IteratorStateHandler, for_save=True)(IteratorStateSave)
-ocp.args.register_with_handler(IteratorStateHandler, for_restore=True)(IteratorStateRestore)
-
-
-def read_step_state(item_path: str, process_index: int, process_count: int) -> DataIteratorRecord | None:
-    """This process's state in an ``iter`` item (``process_<index>-of-<count>.json``, else MaxText's shared
-    ``process_0.json``); None when the item has neither. Read as untrusted: at most ``MAX_STATE_BYTES``,
-    JSON only (``ValueError`` otherwise)."""
-    storage = Storage(item_path)
-    for name in (process_file(process_index, process_count), SHARED_FILE):
-        path = join_path(storage.root, name)
-        if not storage.exists(path):
-            continue
-        raw = storage.read_bytes(path)
-        if len(raw) > MAX_STATE_BYTES:
-            raise ValueError(f"{storage.url_of(path)}: {len(raw)} bytes of iterator state (at most {MAX_STATE_BYTES})")
-        try:
-            state = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise ValueError(f"{storage.url_of(path)} is not JSON: {exc}") from exc
-        return DataIteratorRecord(process_index=process_index, process_count=process_count, state=state)
-    return None
 
 
 def planned_state(plan: ResumePlan) -> DataIteratorRecord | None:
@@ -176,16 +100,9 @@ def restore_iterator(plan: ResumePlan, iterator: DataIterator, record: DataItera
 
 
 __all__ = [
-    "ITER_ITEM",
     "DataIterator",
-    "IteratorStateHandler",
-    "IteratorStateRestore",
-    "IteratorStateSave",
     "planned_state",
-    "process_file",
-    "read_step_state",
     "restore_iterator",
     "set_iterator_state",
     "state_record",
-    "state_text",
 ]

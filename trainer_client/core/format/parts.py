@@ -180,25 +180,19 @@ def parts_of(storage: Storage, step_path: str, count: int) -> list[PartInfo | No
     return [read_part(storage, step_path, k) for k in range(count)]
 
 
-class OutOfTime(Exception):
-    """The work a caller allowed for reading a save's records is spent (``save_parts``' ``spent``): the records
-    below ``reached`` were found good, the others not read."""
-
-    def __init__(self, reached: int) -> None:
-        super().__init__(f"out of time at the part record of process {reached}")
-        self.reached = reached
-
-
 class SaveParts:
     """What storage holds of the parts of one save: the records that are there, in process order; the processes
-    whose record is absent; those whose record is there but unreadable, forged or of another save."""
+    whose record is absent; those whose record is there but unreadable, forged or of another save. ``stopped``:
+    the process whose record was not read because the time a caller allowed was spent (``save_parts``'
+    ``spent``; the records read before it are in the lists), None when every record asked for was read."""
 
-    def __init__(self, found: list[PartInfo], absent: list[int], bad: list[int]) -> None:
-        self.found, self.absent, self.bad = found, absent, bad
+    def __init__(self, found: list[PartInfo], absent: list[int], bad: list[int], stopped: int | None = None) -> None:
+        self.found, self.absent, self.bad, self.stopped = found, absent, bad, stopped
 
     @property
     def whole(self) -> bool:
-        return not self.absent and not self.bad
+        """Every record asked for was read, and each is there and good."""
+        return not self.absent and not self.bad and self.stopped is None
 
 
 def listed_parts(storage: Storage, step_path: str) -> set[int]:
@@ -216,7 +210,8 @@ def save_parts(storage: Storage, step_path: str, save_id: str, count: int, *, fi
     on (those below it were found good before: neither read nor in ``found``). The records are listed first,
     so a record that is not there costs no read (a claim of 65,536 processes with no part: one listing).
     ``first_gap``: stop at the first record absent or bad (all a commit needs to know). ``spent()`` is asked
-    before each read but the first (each call gets somewhere); once it says so, ``OutOfTime``."""
+    before each read but the first (each call gets somewhere); once it says so, the reading stops there
+    (``stopped``: the records below it were read)."""
     listed = listed_parts(storage, step_path)
     out = SaveParts([], [], [])
     reads = 0
@@ -225,7 +220,8 @@ def save_parts(storage: Storage, step_path: str, save_id: str, count: int, *, fi
             out.absent.append(k)
         else:
             if spent is not None and reads and spent():
-                raise OutOfTime(k)
+                out.stopped = k
+                break
             reads += 1
             part = read_part(storage, step_path, k)
             if part is None or (part.save_id, part.process_index, part.process_count) != (save_id, k, count):
@@ -300,7 +296,6 @@ __all__ = [
     "PARTS_DIR",
     "STAGING_DIR",
     "Claim",
-    "OutOfTime",
     "PartFile",
     "PartInfo",
     "SaveParts",

@@ -1,6 +1,6 @@
-"""Writing one host's part of a multi-process step, and committing the step from its parts (the persist
-worker's side: this module imports Orbax and tensorstore, so it runs only in ``ckptd.catalog.persist_worker``,
-never in ckptd's own process).
+"""Writing one host's part of a multi-process step, and committing the step from its parts: Orbax's writes,
+done in ckptd's persist worker child (``ckptd.catalog.persist_worker``), never in ckptd's own process, which
+decides what to write and when (``ckptd.catalog.part_commit``).
 
 A part is exactly what process k of a plain multi-process Orbax save writes into the item (docs/multihost.md,
 section 5): its shards in ``<item>/ocdbt.process_<k>/`` through Orbax's own ``tensorstore_utils.ArrayWriteSpec``
@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import tensorstore as ts
 from etils import epath
 from jax.sharding import Mesh, NamedSharding
@@ -43,6 +44,9 @@ from orbax.checkpoint._src.metadata.value_metadata_entry import ValueMetadataEnt
 from orbax.checkpoint._src.serialization import ocdbt_utils, type_handlers
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
+from trainer_client.checkpoint_io.checkpointer import spec_from_json
+from trainer_client.checkpoint_io.handlers import DATA_FILES, MIN_DATA_FILE_BYTES
+from trainer_client.checkpoint_io.iterator_state import ITER_ITEM, IteratorStateHandler, process_file, state_text
 from trainer_client.core.dtypes import np_dtype
 from trainer_client.core.durability import sync_paths, sync_tree
 from trainer_client.core.errors import StoredFormatError
@@ -54,14 +58,8 @@ from trainer_client.core.format.steps import CUSTOM_METADATA_KEY
 from trainer_client.core.format.tree_paths import TreeEntry, decode_value
 from trainer_client.core.protocol import TrainingMetadata
 from trainer_client.core.storage import Storage, join_path
-from trainer_client.runtime.checkpointing import spec_from_json
-from trainer_client.runtime.data_iterator import process_file, state_text
-from trainer_client.runtime.orbax_handlers import DATA_FILES, MIN_DATA_FILE_BYTES
 
-ITER_ITEM = "iter"
 _STRINGS = "_strings.json"
-_STANDARD = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
-_ITER_HANDLER = "trainer_client.runtime.data_iterator.IteratorStateHandler"
 _EMPTY_TYPES = {"none": empty_values.RESTORE_TYPE_NONE, "empty_dict": empty_values.RESTORE_TYPE_DICT,
                 "empty_list": empty_values.RESTORE_TYPE_LIST, "empty_tuple": empty_values.RESTORE_TYPE_TUPLE}
 
@@ -257,7 +255,8 @@ def commit_parts(step_url: str, record: dict[str, Any]) -> None:
     (epath.Path(item_dir) / ITEM_METADATA).write_text(json.dumps(_tree_metadata(info)))
     (epath.Path(item_dir) / COMMIT_MARKER).write_text(f"Checkpoint commit was successful to {item_dir}")
     now = time.time_ns()
-    handlers = {info.item: _STANDARD, **({ITER_ITEM: _ITER_HANDLER} if info.has_iter else {})}
+    standard = ocp.StandardCheckpointHandler.typestr()  # the type strings a plain save records
+    handlers = {info.item: standard, **({ITER_ITEM: IteratorStateHandler.typestr()} if info.has_iter else {})}
     (epath.Path(step_url) / CHECKPOINT_METADATA).write_text(json.dumps({
         "item_handlers": handlers, "metrics": {}, "performance_metrics": {},
         "init_timestamp_nsecs": int(info.written_at * 1e9), "commit_timestamp_nsecs": now,

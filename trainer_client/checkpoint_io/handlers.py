@@ -1,7 +1,7 @@
 """How ckptd sets up Orbax's handlers for a save: zstd on or off, string leaves, the jax.Array handler's
 replica-parallel threshold, and the OCDBT data file size of a local save.
 
-Split from ``trainer_client.runtime.checkpointing`` (the Checkpointer that uses them); every setting is
+Used by ``trainer_client.checkpoint_io.checkpointer`` (the Checkpointer) and the part writer; every setting is
 Orbax's own option or field, reached where 0.12.8 has no public switch for it, and the layout written stays
 Orbax's: plain Orbax restores it.
 """
