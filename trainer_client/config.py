@@ -10,6 +10,10 @@ wait for the sidecar before the client scans storage itself), ``CKPTD_REPORT_EVE
 a multi-process job waits for another's answer on a persistent save's route: ``trainer_client.runtime.save_route``),
 ``CKPTD_RESTORE_HOST_BYTES`` (the host memory a
 restore may hold at once: ``trainer_client.runtime.restore_budget``).
+
+Built once per process: ``ElasticRunner`` takes its client's settings (``CkptdClient.settings``, from the
+environment unless given in code) and passes them down to the checkpointer, the save route and the restore;
+a module builds its own only as the default when none are passed.
 """
 
 from __future__ import annotations

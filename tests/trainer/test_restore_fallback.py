@@ -22,15 +22,19 @@ def _plan(tier: str, mesh: tuple[int, ...] = (4, 2)) -> Any:
                                    FileNotFoundError("snapshot.json is gone")])
 def test_a_memory_snapshot_that_cannot_be_read_sends_the_restore_to_storage(
         monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
-    def restore(plan: Any, target: Any) -> str:
+    budgets: list[int | None] = []
+
+    def restore(plan: Any, target: Any, host_bytes: int | None = None) -> str:
+        budgets.append(host_bytes)
         if plan.tier == "memory":
             raise error
         return "state from storage"
 
     monkeypatch.setattr(_saver, "restore_from_plan", restore)
     storage = _plan("storage")
-    state, used = _saver.restore_plan(_plan("memory"), lambda plan: None, lambda: storage)
+    state, used = _saver.restore_plan(_plan("memory"), lambda plan: None, lambda: storage, host_bytes=1 << 20)
     assert (state, used) == ("state from storage", storage)
+    assert budgets == [1 << 20, 1 << 20]  # the runner's budget (ClientSettings.restore_host_bytes) to both
     with pytest.raises(type(error)):  # the storage step would need another mesh: the error stands
         _saver.restore_plan(_plan("memory"), lambda plan: None, lambda: _plan("storage", (3, 2)))
     with pytest.raises(type(error)):  # nothing on storage
@@ -38,7 +42,7 @@ def test_a_memory_snapshot_that_cannot_be_read_sends_the_restore_to_storage(
 
 
 def test_a_storage_plans_missing_file_is_not_retried(monkeypatch: pytest.MonkeyPatch) -> None:
-    def restore(plan: Any, target: Any) -> str:
+    def restore(plan: Any, target: Any, host_bytes: int | None = None) -> str:
         raise FileNotFoundError("step gone")
 
     monkeypatch.setattr(_saver, "restore_from_plan", restore)
