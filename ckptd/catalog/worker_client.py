@@ -20,6 +20,7 @@ worker's own ``handle``).
 
 from __future__ import annotations
 
+import contextlib
 import select
 import subprocess
 import sys
@@ -208,12 +209,12 @@ class PersistWorkerClient(PersistWorker):
             process.stdin.write(request.model_dump_json(exclude_none=True) + "\n")
             process.stdin.flush()
         except OSError as exc:
-            process.kill()
+            _kill(process)
             raise WorkerUnavailable(f"persist worker gone: {exc}") from exc
         ready, _, _ = select.select([process.stdout], [], [], self.timeout_s)
         line = process.stdout.readline() if ready else ""
         if not line:
-            process.kill()
+            _kill(process)
             raise WorkerUnavailable("persist worker died or timed out")
         try:
             return WorkerAnswer.model_validate_json(line)
@@ -232,7 +233,14 @@ class PersistWorkerClient(PersistWorker):
         try:
             process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            process.kill()
+            _kill(process)
+
+
+def _kill(process: subprocess.Popen[str]) -> None:
+    """Kill the child and reap it, so the next request sees it gone and starts another."""
+    process.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=10.0)
 
 
 __all__ = [
