@@ -168,8 +168,8 @@ class ElasticRunner:
         # a multi-controller job's processes restore one step, agreed through JAX's coordination service
         self.agreement: ResumeAgreement | None = None
         if (count := jax.process_count()) > 1:
-            self.agreement = ResumeAgreement(config.job, tier.shm_dir, client, process_index=jax.process_index(),
-                                             process_count=count)
+            self.agreement = ResumeAgreement(config.job, tier.shm_dir, client,
+                                             process_index=jax.process_index(), process_count=count)
         self.on_event = on_event
         self.events: list[Event] = []
         self.recoveries: list[Recovery] = []

@@ -1,13 +1,14 @@
 """What the elastic runner needs to know about a job: ``ElasticConfig``, composed of small option groups.
 
 The job and its mesh (``job``, ``mesh_axes``, ``mesh_shape``, ``global_batch``) and the save period are
-``ElasticConfig``'s own fields; everything else comes in one frozen group per concern, each with defaults,
-the way Orbax's ``CheckpointManagerOptions`` composes ``AsyncOptions``, ``MultiprocessingOptions`` and
-``FileOptions``: ``ElasticOptions`` (the policy after a slice loss, retries, hot spares), ``BatchScalingOptions``
-(the batch on a resized mesh), ``MemoryFitOptions`` (the device memory a plan must fit), ``HealthOptions`` (the
-waits and health checks), ``MemoryTierOptions`` (ckptd's host-memory tier), ``CompilationOptions`` and
-``SaveOptions``. docs/maxtext.md maps MaxText's flags onto them. A keyword of the flat form that came before
-(``ElasticConfig(shm_dir=...)``) is refused with its new spelling, never ignored.
+``ElasticConfig``'s own fields; everything else comes in one frozen group per concern, each with defaults, the
+way Orbax's ``CheckpointManagerOptions`` composes ``AsyncOptions``, ``MultiprocessingOptions`` and
+``FileOptions``: ``ElasticOptions`` (the policy after a slice loss, retries, hot spares),
+``BatchScalingOptions`` (the batch on a resized mesh), ``MemoryFitOptions`` (the device memory a plan must
+fit), ``HealthOptions`` (the waits and health checks), ``MemoryTierOptions`` (ckptd's host-memory tier),
+``CompilationOptions`` and ``SaveOptions``. docs/maxtext.md maps MaxText's flags onto them. A keyword that
+names a group's field on ``ElasticConfig`` itself (``ElasticConfig(shm_dir=...)``) is refused with its
+spelling in the group, never ignored.
 
 jax-free: the runner (``trainer_client.runtime.elastic``) and the attempt's context
 (``trainer_client.runtime.elastic_context``) both read it.
@@ -29,8 +30,8 @@ class ElasticOptions:
     elastic_timeout_s: float = 300.0
     elastic_max_retries: int = 10
     min_slices: int = 1
-    # hot spares: slices of the allocation the mesh leaves idle; a healthy one takes a lost slice's place (the mesh
-    # keeps its shape). The mesh (mesh_shape) uses the other slices.
+    # hot spares: slices of the allocation the mesh leaves idle; a healthy one takes a lost slice's place
+    # (the mesh keeps its shape). The mesh (mesh_shape) uses the other slices.
     spare_slices: int = 0
 
 
@@ -59,8 +60,10 @@ class HealthOptions:
     """How often slices are waited for and health-checked."""
 
     poll_interval_s: float = 0.25  # the wait for slices after an event (pathwaysutils' health check)
-    scale_up_check_interval_s: float = 1.0  # how often a step boundary looks for slices back (no health check)
-    monitor_interval_s: float = 1.0  # background health checks of the slices not in use (pathwaysutils' monitor)
+    # how often a step boundary looks for slices back (no health check)
+    scale_up_check_interval_s: float = 1.0
+    # background health checks of the slices not in use (pathwaysutils' monitor)
+    monitor_interval_s: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -77,8 +80,8 @@ class MemoryTierOptions:
 class CompilationOptions:
     """Compiled steps kept across an elastic event, and compiled ahead for the next meshes."""
 
-    # JAX's persistent compilation cache (shared with relaunches); unset: a private one under the temp dir, unless
-    # one is configured already (it carries compiled steps across the cache clear after an event)
+    # JAX's persistent compilation cache (shared with relaunches); unset: a private one under the temp dir,
+    # unless one is configured already (it carries compiled steps across the cache clear after an event)
     compilation_cache_dir: str | None = None
     precompile: bool = True  # compile the likely next meshes in the background (needs ctx.set_precompile)
 
@@ -87,8 +90,8 @@ class CompilationOptions:
 class SaveOptions:
     """How each save to storage is written."""
 
-    # a periodic save while the previous save to storage is still being written: waits for it (Orbax's way), or
-    # is skipped so the loop never waits (fewer checkpoints when saves take longer than checkpoint_period)
+    # a periodic save while the previous save to storage is still being written: waits for it (Orbax's way),
+    # or is skipped so the loop never waits (fewer checkpoints when saves take longer than checkpoint_period)
     when_save_busy: Literal["wait", "skip"] = "wait"
     checkpoint_item: str = "default"  # the Orbax item of the state in each step (MaxText's steps: "items")
     async_save: bool = True  # Orbax writes in the background (MaxText's async_checkpointing); False: blocking
@@ -125,7 +128,8 @@ class ElasticConfig:
 _GROUPS: dict[str, type] = {f.name: f.default_factory for f in fields(ElasticConfig)  # type: ignore[misc]
                             if isinstance(f.default_factory, type)}
 # each field of a group: (ElasticConfig's field that holds the group, the group's class)
-_MOVED: dict[str, tuple[str, type]] = {f.name: (group, cls) for group, cls in _GROUPS.items() for f in fields(cls)}
+_MOVED: dict[str, tuple[str, type]] = {
+    f.name: (group, cls) for group, cls in _GROUPS.items() for f in fields(cls)}
 
 
 def _new_spelling(name: str) -> str:
