@@ -142,13 +142,6 @@ class StepTable:
             ).fetchone()
         return _info(row) if row else None
 
-    def mark(self, job: str, step: int, state: StepState, reason: str | None) -> None:
-        """Record what a validation outside the refresh found (``ckptd validate``)."""
-        with self._tx() as db:
-            db.execute("UPDATE steps SET state = ?, reason = ? WHERE job = ? AND step = ? AND state = ?",
-                       (state.value, reason, job, step, GOOD))
-        self.version += 1
-
     def step(self, job: str, step: int) -> CheckpointInfo | None:
         """The catalogued directory of ``step`` (the committed one when several exist; of two named alike by
         Orbax's rules, ``100`` and ``checkpoint_100``, the first by name, as ``steps.step_entries`` orders them)."""
@@ -183,7 +176,7 @@ class StepTable:
                 rows = self._db.execute("SELECT dirname, state, reason FROM steps WHERE job = ?", (job,))
             return {str(row[0]): (str(row[1]), row[2]) for row in rows}
 
-    # ---- what scans write -----------------------------------------------------------------------
+    # ---- what scans (and ckptd validate) write ------------------------------------------------------
 
     def keep_jobs(self, names: Iterable[str]) -> None:
         """Drop every job (and its steps) not in ``names``."""
@@ -225,6 +218,13 @@ class StepTable:
         # after the commit: a reader that sees the new version reads the new rows (answers are cached per version)
         if gone or any(seen.get(dirname) != (ins.state.value, ins.reason) for dirname, ins in found):
             self.version += 1
+
+    def mark(self, job: str, step: int, state: StepState, reason: str | None) -> None:
+        """Record what a validation outside the refresh found (``ckptd validate``)."""
+        with self._tx() as db:
+            db.execute("UPDATE steps SET state = ?, reason = ? WHERE job = ? AND step = ? AND state = ?",
+                       (state.value, reason, job, step, GOOD))
+        self.version += 1
 
     def record_step(self, job: str, dirname: str, inspection: StepInspection | None) -> None:
         """One step inspected again: its new state, or gone (``None``)."""
