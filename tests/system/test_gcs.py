@@ -29,7 +29,7 @@ from trainer_client.core.format.files import COMMIT_MARKER, TMP_DIR_SUFFIX
 from trainer_client.core.format.steps import inspect_step, latest_committed, step_entries
 from trainer_client.core.protocol import ResumePlan, ResumeRequest, StepState
 from trainer_client.core.storage import Storage
-from trainer_client.errors import NoCheckpointError
+from trainer_client.errors import CkptdRequestError
 
 pytestmark = pytest.mark.integration
 
@@ -255,7 +255,7 @@ def _run(gcs: GcsEmulator, trainer: Trainer, root: str, job_url: str, ckptd_serv
         assert fallback.model_dump(exclude={"source"}) == plan.model_dump(exclude={"source"})
         older = dead.resume_from_storage(JOB, ResumeRequest(policy="resize", alive_devices=4, step=30))
         assert (older.step, older.path) == (30, f"{job_url}/30")
-        with pytest.raises(NoCheckpointError):
+        with pytest.raises(CkptdRequestError, match="STEP_NOT_FOUND"):  # as ckptd answers a step it has no good copy of
             dead.resume_from_storage(JOB, ResumeRequest(policy="resize", alive_devices=4, step=50))
     finally:
         dead.close()
