@@ -32,8 +32,8 @@ _REPEATS = {"full": 5, "quick": 3, "toy": 1}
 def _first_sight_ms(root: Path, state: Path, steps: int) -> float:
     """``Catalog.rebuild()`` of ``root`` (a fresh catalog: no records anywhere), per step; every step must
     come out verified."""
-    from ckptd.catalog.catalog import Catalog
-    from trainer_client.core.storage import Storage
+    from ckptd.catalog._catalog import Catalog
+    from trainer_client.core._storage import Storage
 
     rmtree(state)
     state.mkdir(parents=True)

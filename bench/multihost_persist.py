@@ -7,7 +7,7 @@ into two host parts as a 2-process job's processes would hold them (process k: t
 replica 0, one save id), without running a JAX job: the parts are the snapshot format's own records over the
 same bytes. In every repeat, side by side (alternating which goes first), onto a fresh job directory:
 
-* single: one persist worker (a warm ``ckptd.catalog.persist_worker --serve`` child, as ckptd runs it)
+* single: one persist worker (a warm ``ckptd.catalog._persist_worker --serve`` child, as ckptd runs it)
   persists the whole snapshot: Orbax's save, ckptd's manifest, the commit;
 * parts: two persist workers (one per host's sidecar) write their parts at the same time through
   ``PartSaves.persist_part`` (claim, part, part record), then the leader's ``commit_ready`` (merge,
@@ -30,12 +30,12 @@ import time
 from pathlib import Path
 
 from bench.common import Figure, Profile, Results, alternate, rmtree
-from ckptd.catalog.part_commit import PartSaves
-from ckptd.catalog.worker_client import InProcessWorker, PersistSnapshot, PersistWorker, PersistWorkerClient
-from trainer_client.core.format.files import SNAPSHOT_DATA_FILE, SNAPSHOT_META_FILE
-from trainer_client.core.format.private_files import ensure_private_dir, make_private_dir, write_private
-from trainer_client.core.format.snapshot import ArrayRecord, read_meta
-from trainer_client.core.storage import Storage
+from ckptd.catalog._part_commit import PartSaves
+from ckptd.catalog._worker_client import InProcessWorker, PersistSnapshot, PersistWorker, PersistWorkerClient
+from trainer_client.core._storage import Storage
+from trainer_client.core.format._files import SNAPSHOT_DATA_FILE, SNAPSHOT_META_FILE
+from trainer_client.core.format._private_files import ensure_private_dir, make_private_dir, write_private
+from trainer_client.core.format._snapshot import ArrayRecord, read_meta
 
 KEY = "multihost_persist_throughput_ratio_vs_single"
 TARGET = 0.8
@@ -46,8 +46,8 @@ _SNAPSHOT = r"""
 import sys
 import jax, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from trainer_client.runtime.checkpointing import training_metadata
-from trainer_client.runtime.memory_tier import MemoryTier
+from trainer_client.runtime._checkpointing import training_metadata
+from trainer_client.runtime._memory_tier import MemoryTier
 shm, rows, cols, arrays = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
 def leaf(i):
@@ -115,7 +115,7 @@ class _Workers:
             self.workers: list[PersistWorker] = [PersistWorkerClient(nice=0, devices=8, timeout_s=_TIMEOUT_S)
                                                  for _ in range(count)]
         else:
-            from ckptd.catalog.persist_worker import handle
+            from ckptd.catalog._persist_worker import handle
             self.workers = [InProcessWorker(handle)] * count
 
     def close(self) -> None:

@@ -1,6 +1,6 @@
 """The persist worker as the benchmarks run it (``ServeWorker``), and where a persist's time goes:
 ``python -m bench.persist_phases --serve ...`` is ckptd's persist worker
-(``ckptd.catalog.persist_worker``, unchanged, same arguments) with a timer around each phase, its answers
+(``ckptd.catalog._persist_worker``, unchanged, same arguments) with a timer around each phase, its answers
 carrying them under ``phases``; ``install()`` puts the same timers into this process for the in-process
 persist. ``bench.io`` uses it with ``BENCH_PERSIST_PHASES=1`` (docs/benchmarks.md, "persist phases").
 
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ckptd.catalog.worker_client import WORKER_MODULE, PersistSnapshot, PersistWorkerClient
+from ckptd.catalog._worker_client import WORKER_MODULE, PersistSnapshot, PersistWorkerClient
 from ckptd.config import DEFAULT_PERSIST_NICE
 
 _events: list[tuple[str, float, float]] = []
@@ -51,8 +51,8 @@ def _timed(owner: Any, name: str, label: str) -> None:
 
 def install() -> None:
     """Time the persist path's phases in this process (idempotent)."""
-    import ckptd.catalog.persist_worker as worker
-    import trainer_client.checkpoint_io.checkpointer as checkpointing
+    import ckptd.catalog._persist_worker as worker
+    import trainer_client.checkpoint_io._checkpointer as checkpointing
 
     _timed(worker, "damaged_shards", "check")
     for name in ("problems", "read_meta", "map_data", "snapshot_arrays"):  # the parts of "start"
@@ -143,7 +143,7 @@ def end(started: Started) -> dict[str, float]:
 
 
 class ServeWorker:
-    """``python -m ckptd.catalog.persist_worker --serve``, as ckptd's SnapshotKeeper runs it: one long-lived child
+    """``python -m ckptd.catalog._persist_worker --serve``, as ckptd's SnapshotKeeper runs it: one long-lived child
     for all snapshots, a JSON request line and a JSON answer line per snapshot. With ``phases`` (the default;
     ``BENCH_PERSIST_PHASES=0`` turns it off) the same worker through ``bench.persist_phases``, which times
     each phase of a persist and sends the times with its answer (``last_phases``). ``nice``: ckptd's default
@@ -166,12 +166,12 @@ class ServeWorker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import ckptd.catalog.persist_worker as worker
+    import ckptd.catalog._persist_worker as worker
 
     install()
     handle: Callable[..., dict[str, Any]] = worker.handle
 
-    def timed_handle(request: dict[str, Any], compression: bool = False) -> dict[str, Any]:
+    def timed_handle(request: object, compression: bool = False) -> dict[str, Any]:
         started = begin()
         answer = handle(request, compression)
         answer["phases"] = end(started)

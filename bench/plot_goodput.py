@@ -1,6 +1,6 @@
 """The plots and numbers of docs/planning.md: goodput against checkpoint period, per recovery policy.
 
-Runs the advisor (ckptd.advisor.advisor) for a 16,384-chip job at two published failure rates -- Llama 3's
+Runs the advisor (ckptd.advisor._advisor) for a 16,384-chip job at two published failure rates -- Llama 3's
 pre-training (419 unexpected interruptions in 54 days on 16,384 GPUs) and Meta's cluster study (mean time
 to failure 1.8 h at 16,384 GPUs) -- writes the PNGs under docs/img/ and prints the tables the document
 quotes. Costs measured by ckptd on this machine are in MEASURED; the large-job costs in LARGE_JOB are
@@ -21,10 +21,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from ckptd.advisor.advice_text import dur, pct, period_of
-from ckptd.advisor.advisor import advise, resolve_inputs
-from ckptd.advisor.plan import make_plan
-from ckptd.advisor.sim_model import POLICIES
+from ckptd.advisor._advice_text import dur, pct, period_of
+from ckptd.advisor._advisor import advise, resolve_inputs
+from ckptd.advisor._plan import make_plan
+from ckptd.advisor._sim_model import POLICIES
 from trainer_client.core.protocol import Advice, AdviceQuery
 
 # Measured by ckptd here (2 GiB state, 8 fake CPU devices; docs/planning.md, `make demo`).
@@ -151,7 +151,7 @@ def policy_map(mtbf_hours: float, replaces: list[float], recompiles: list[float]
 def table(advice: Advice) -> str:
     rows = ["| policy | goodput | per provisioned chip | save every | lost steps / failure | down / failure | "
             "biggest losses |", "|---|---|---|---|---|---|---|"]
-    from ckptd.advisor.advice_text import top_losses
+    from ckptd.advisor._advice_text import top_losses
 
     for a in advice.policies:
         rows.append(f"| {a.policy} | {pct(a.goodput)} | {pct(a.goodput_per_chip)} | "

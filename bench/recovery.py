@@ -64,16 +64,16 @@ def _child(argv: list[str]) -> int:
     import jax
 
     from examples.elastic_mlp import TrainLog, make_train_fn
-    from trainer_client.client.ckptd_client import CkptdClient
+    from trainer_client.client._ckptd_client import CkptdClient
     from trainer_client.config import ClientSettings
-    from trainer_client.runtime.elastic import ElasticConfig, ElasticRunner, Event
-    from trainer_client.runtime.elastic_config import (
+    from trainer_client.runtime._elastic import ElasticConfig, ElasticRunner, Event
+    from trainer_client.runtime._elastic_config import (
         CompilationOptions,
         ElasticOptions,
         HealthOptions,
         MemoryTierOptions,
     )
-    from trainer_client.runtime.slices import SimulatedSlices, SliceFault
+    from trainer_client.runtime._slices import SimulatedSlices, SliceFault
 
     imported = time.time()
     precompile = bool(args.precompile)

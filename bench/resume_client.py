@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from trainer_client.client.ckptd_client import CkptdClient
+from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.core import protocol as p
 

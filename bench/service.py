@@ -35,10 +35,10 @@ from bench.common import Figure, Profile, Results, percentile, rmtree, stop_proc
 from bench.load64 import run_load64
 from bench.resume_client import BUDGET_S as SEQUENTIAL_BUDGET_S
 from bench.resume_client import REQUEST_TIMEOUT_S
-from trainer_client.core.format.files import CHECKPOINT_METADATA, CKPTD_MANIFEST
-from trainer_client.core.format.manifest import read_manifest, write_manifest
+from trainer_client.core._storage import Storage
+from trainer_client.core.format._files import CHECKPOINT_METADATA, CKPTD_MANIFEST
+from trainer_client.core.format._manifest import read_manifest, write_manifest
 from trainer_client.core.protocol import ResumeRequest, SliceAlive
-from trainer_client.core.storage import Storage
 
 JOB = "bench-job"
 GLOBAL_BATCH = 64
@@ -54,7 +54,7 @@ def _template_step(profile: Profile, directory: Path) -> Path:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from trainer_client.runtime.checkpointing import Checkpointer
+    from trainer_client.runtime._checkpointing import Checkpointer
 
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("replica", "data"))
     sharding = NamedSharding(mesh, PartitionSpec(None, "data"))
@@ -101,7 +101,7 @@ def fabricate(template: Path, job_dir: Path, steps: int) -> None:
 
 
 def _rebuild_once(root: Path, db: Path) -> tuple[float, dict[str, int]]:
-    from ckptd.catalog.catalog import Catalog
+    from ckptd.catalog._catalog import Catalog
 
     rmtree(db.parent)
     db.parent.mkdir(parents=True)

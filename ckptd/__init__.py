@@ -9,6 +9,36 @@ planner come from ``trainer_client.core``, shared with the trainer. Its persist 
 is the one part that runs jax.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the real types for type checkers; at run time each name is imported on first use
+    from ckptd.api._app import create_app
+    from ckptd.cli._main import main
+    from ckptd.config import Settings
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+# The public surface: everything else is a private module (its name starts with ``_``). ``create_app`` needs
+# ckptd[server]; ``Settings`` and ``main`` (the ``ckptd`` command) work in every install.
+_LAZY = {"create_app": "ckptd.api._app", "Settings": "ckptd.config", "main": "ckptd.cli._main"}
+
+__all__ = ["Settings", "create_app", "main", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckptd' has no attribute {name!r}")
+    if name != "create_app":
+        return getattr(importlib.import_module(module), name)
+    from trainer_client.core._extras import needs_extra
+
+    with needs_extra("server", "ckptd.create_app"):
+        return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

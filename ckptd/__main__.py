@@ -1,7 +1,7 @@
-"""``python -m ckptd``: the ``ckptd`` command (ckptd/cli/main.py)."""
+"""``python -m ckptd``: the ``ckptd`` command (ckptd/cli/_main.py)."""
 
 import sys
 
-from ckptd.cli.main import main
+from ckptd.cli._main import main
 
 sys.exit(main())

@@ -1,7 +1,7 @@
 """The sidecar's exceptions, one documented tree under ckptd's root ``CkptdError``.
 
 ```
-CkptdError                                root (trainer_client/core/errors.py): also the core's errors
+CkptdError                                root (trainer_client/core/_errors.py): also the core's errors
 ├── StorageError, StoredFormatError, PlanningError   raised by the core, mapped by the API as well
 └── ServiceError                          a refusal of the sidecar's, with a stable ``ErrorCode``
     ├── InvalidRequest (ValueError)       the request's values do not make sense together
@@ -15,13 +15,13 @@ CkptdError                                root (trainer_client/core/errors.py): 
     ├── Busy                              too much work now (the advisor's slots are taken, an answer timed out)
     └── JobLimitReached                   a new job past the ``max_jobs`` setting
 ```
-Domain code raises these; only the API (``ckptd/api/errors.py``) turns them into HTTP: the status of
+Domain code raises these; only the API (``ckptd/api/_errors.py``) turns them into HTTP: the status of
 each code comes from the wire contract's ``ERROR_STATUS`` table, shared with the client.
 """
 
 from __future__ import annotations
 
-from trainer_client.core.errors import CkptdError, PlanningError, StorageError, StoredFormatError
+from trainer_client.core._errors import CkptdError, PlanningError, StorageError, StoredFormatError
 from trainer_client.core.protocol import ErrorCode
 
 

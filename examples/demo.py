@@ -39,21 +39,24 @@ import httpx
 import jax
 
 from examples.elastic_mlp import TrainLog, make_train_fn
-from trainer_client.client.ckptd_client import CkptdClient
-from trainer_client.config import ClientSettings
-from trainer_client.core.format.manifest import read_verified_record
-from trainer_client.core.format.steps import inspect_step, step_entries
-from trainer_client.core.protocol import StepState
-from trainer_client.core.storage import Storage
-from trainer_client.runtime.elastic import ElasticConfig, ElasticRunner, Event
-from trainer_client.runtime.elastic_config import (
+from trainer_client import (
+    CkptdClient,
+    ClientSettings,
     CompilationOptions,
+    ElasticConfig,
     ElasticOptions,
+    ElasticRunner,
+    Event,
     HealthOptions,
+    InJaxFaults,
     MemoryTierOptions,
+    SimulatedSlices,
+    SliceFault,
 )
-from trainer_client.runtime.jax_faults import InJaxFaults
-from trainer_client.runtime.slices import SimulatedSlices, SliceFault
+from trainer_client.core._storage import Storage
+from trainer_client.core.format._manifest import read_verified_record
+from trainer_client.core.format._steps import inspect_step, step_entries
+from trainer_client.core.protocol import StepState
 
 JOB = "demo-mlp"
 DRAIN_TIMEOUT_S = 60  # how long ckptd may take at shutdown to persist what the run saved last

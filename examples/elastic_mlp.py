@@ -20,8 +20,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from trainer_client import ElasticContext
 from trainer_client.core.protocol import BatchPlan
-from trainer_client.runtime.elastic import ElasticContext
 
 D_IN, HIDDEN, D_OUT = 32, 128, 8
 PyTree = Any

@@ -42,18 +42,22 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from examples.demo import DRAIN_TIMEOUT_S, free_port, start_ckptd, step_label
-from trainer_client.client.ckptd_client import CkptdClient
-from trainer_client.config import ClientSettings
-from trainer_client.core.protocol import BatchPlan
-from trainer_client.runtime.elastic import ElasticConfig, ElasticContext, ElasticRunner, Event
-from trainer_client.runtime.elastic_config import (
+from trainer_client import (
     BatchScalingOptions,
+    CkptdClient,
+    ClientSettings,
+    ElasticConfig,
+    ElasticContext,
     ElasticOptions,
+    ElasticRunner,
+    Event,
     HealthOptions,
     MemoryTierOptions,
     SaveOptions,
+    SimulatedSlices,
+    SliceFault,
 )
-from trainer_client.runtime.slices import SimulatedSlices, SliceFault
+from trainer_client.core.protocol import BatchPlan
 
 PyTree = Any
 MESH_AXES = ("data", "fsdp")  # MaxText's names: dcn_data_parallelism across slices, ici_fsdp_parallelism within

@@ -28,12 +28,18 @@ import jax
 import numpy as np
 
 from examples.elastic_mlp import TrainLog, make_train_fn
-from trainer_client.client.ckptd_client import CkptdClient
-from trainer_client.config import ClientSettings
-from trainer_client.runtime.elastic import ElasticConfig, ElasticRunner, Event
-from trainer_client.runtime.elastic_config import CompilationOptions, ElasticOptions, MemoryTierOptions
-from trainer_client.runtime.job_store import initialize_multihost
-from trainer_client.runtime.slices import SimulatedSlices
+from trainer_client import (
+    CkptdClient,
+    ClientSettings,
+    CompilationOptions,
+    ElasticConfig,
+    ElasticOptions,
+    ElasticRunner,
+    Event,
+    MemoryTierOptions,
+    SimulatedSlices,
+    initialize_multihost,
+)
 
 
 def state_digest(state: Any) -> str:

@@ -33,7 +33,7 @@ import numpy as np
 
 from examples.elastic_mlp import TrainLog
 from soak.harness import BATCH, SLICES, STEPS, Policy, Soak
-from trainer_client.runtime.elastic import ElasticResult, ElasticRunner, Event
+from trainer_client.runtime._elastic import ElasticResult, ElasticRunner, Event
 
 PHASES = ("mid_step", "snapshot", "persist", "restore", "precompile", "second_failure", "slice_returns",
           "ckptd_restart")

@@ -16,7 +16,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the real types for type checkers; at run time each name is imported on first use
-    from trainer_client.client.ckptd_client import CkptdClient
+    from trainer_client.client._ckptd_client import CkptdClient
     from trainer_client.config import ClientSettings
     from trainer_client.errors import (
         ArrayIndexError,
@@ -37,9 +37,9 @@ if TYPE_CHECKING:  # the real types for type checkers; at run time each name is 
         StoredFormatError,
         UnsafePathError,
     )
-    from trainer_client.runtime.checkpointing import Checkpointer
-    from trainer_client.runtime.elastic import ElasticConfig, ElasticContext, ElasticResult, ElasticRunner
-    from trainer_client.runtime.elastic_config import (
+    from trainer_client.runtime._checkpointing import Checkpointer, restore
+    from trainer_client.runtime._elastic import ElasticConfig, ElasticContext, ElasticResult, ElasticRunner, Event
+    from trainer_client.runtime._elastic_config import (
         BatchScalingOptions,
         CompilationOptions,
         ElasticOptions,
@@ -48,28 +48,34 @@ if TYPE_CHECKING:  # the real types for type checkers; at run time each name is 
         MemoryTierOptions,
         SaveOptions,
     )
-    from trainer_client.runtime.slices import PathwaysSlices, SimulatedSlices, SliceFault
+    from trainer_client.runtime._jax_faults import InJaxFaults
+    from trainer_client.runtime._job_store import initialize_multihost
+    from trainer_client.runtime._slices import PathwaysSlices, SimulatedSlices, SliceFault
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "CkptdClient": "trainer_client.client.ckptd_client",
+    "restore": "trainer_client.runtime._checkpointing",
+    "Event": "trainer_client.runtime._elastic",
+    "InJaxFaults": "trainer_client.runtime._jax_faults",
+    "initialize_multihost": "trainer_client.runtime._job_store",
+    "CkptdClient": "trainer_client.client._ckptd_client",
     "ClientSettings": "trainer_client.config",
-    "ElasticConfig": "trainer_client.runtime.elastic",
-    "ElasticContext": "trainer_client.runtime.elastic",
-    "ElasticRunner": "trainer_client.runtime.elastic",
-    "ElasticResult": "trainer_client.runtime.elastic",
-    "BatchScalingOptions": "trainer_client.runtime.elastic_config",
-    "CompilationOptions": "trainer_client.runtime.elastic_config",
-    "ElasticOptions": "trainer_client.runtime.elastic_config",
-    "HealthOptions": "trainer_client.runtime.elastic_config",
-    "MemoryFitOptions": "trainer_client.runtime.elastic_config",
-    "MemoryTierOptions": "trainer_client.runtime.elastic_config",
-    "SaveOptions": "trainer_client.runtime.elastic_config",
-    "Checkpointer": "trainer_client.runtime.checkpointing",
-    "SimulatedSlices": "trainer_client.runtime.slices",
-    "PathwaysSlices": "trainer_client.runtime.slices",
-    "SliceFault": "trainer_client.runtime.slices",
+    "ElasticConfig": "trainer_client.runtime._elastic",
+    "ElasticContext": "trainer_client.runtime._elastic",
+    "ElasticRunner": "trainer_client.runtime._elastic",
+    "ElasticResult": "trainer_client.runtime._elastic",
+    "BatchScalingOptions": "trainer_client.runtime._elastic_config",
+    "CompilationOptions": "trainer_client.runtime._elastic_config",
+    "ElasticOptions": "trainer_client.runtime._elastic_config",
+    "HealthOptions": "trainer_client.runtime._elastic_config",
+    "MemoryFitOptions": "trainer_client.runtime._elastic_config",
+    "MemoryTierOptions": "trainer_client.runtime._elastic_config",
+    "SaveOptions": "trainer_client.runtime._elastic_config",
+    "Checkpointer": "trainer_client.runtime._checkpointing",
+    "SimulatedSlices": "trainer_client.runtime._slices",
+    "PathwaysSlices": "trainer_client.runtime._slices",
+    "SliceFault": "trainer_client.runtime._slices",
     "CkptdError": "trainer_client.errors",
     "CkptdUnavailable": "trainer_client.errors",
     "CkptdRequestError": "trainer_client.errors",
@@ -107,7 +113,9 @@ __all__ = [
     "ElasticRetriesExhausted",
     "ElasticRunner",
     "ElasticTimeoutError",
+    "Event",
     "HealthOptions",
+    "InJaxFaults",
     "MemoryFitOptions",
     "MemoryTierFull",
     "MemoryTierOptions",
@@ -124,6 +132,8 @@ __all__ = [
     "StorageError",
     "StoredFormatError",
     "UnsafePathError",
+    "initialize_multihost",
+    "restore",
     "__version__",
 ]
 
@@ -134,7 +144,7 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'trainer_client' has no attribute {name!r}")
     if not module.startswith("trainer_client.runtime."):
         return getattr(importlib.import_module(module), name)
-    from trainer_client.core.extras import needs_extra
+    from trainer_client.core._extras import needs_extra
 
     with needs_extra("trainer", f"trainer_client.{name}"):  # the base install has no jax: say which extra has
         return getattr(importlib.import_module(module), name)

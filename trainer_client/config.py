@@ -3,13 +3,13 @@
 ``CKPTD_URL`` (where the sidecar listens), ``CKPTD_TOKEN`` (bearer token), ``CKPTD_SHM_DIR`` (the
 host-memory tier), ``CKPTD_TIMEOUT_S`` (per request), ``CKPTD_RESUME_DEADLINE_S`` (how long a resume may
 wait for the sidecar before the client scans storage itself), ``CKPTD_REPORT_EVENTS`` and
-``CKPTD_EVENTS_FLUSH_TIMEOUT_S`` (the background event reporter, ``trainer_client.client.event_reporter``),
+``CKPTD_EVENTS_FLUSH_TIMEOUT_S`` (the background event reporter, ``trainer_client.client._event_reporter``),
 ``CKPTD_RUN_ID`` (the run's identity, recorded with every step and sent with every resume),
 ``CKPTD_HEARTBEAT_TIMEOUT_S`` (a multi-controller job's ``jax.distributed`` heartbeat timeout:
-``trainer_client.runtime.job_store.initialize_multihost``), ``CKPTD_ROUTE_TIMEOUT_S`` (how long a process of
-a multi-process job waits for another's answer on a persistent save's route: ``trainer_client.runtime.save_route``),
+``trainer_client.runtime._job_store.initialize_multihost``), ``CKPTD_ROUTE_TIMEOUT_S`` (how long a process of
+a multi-process job waits for another's answer on a persistent save's route: ``trainer_client.runtime._save_route``),
 ``CKPTD_RESTORE_HOST_BYTES`` (the host memory a
-restore may hold at once: ``trainer_client.runtime.restore_budget``).
+restore may hold at once: ``trainer_client.runtime._restore_budget``).
 
 Built once per process: ``ElasticRunner`` takes its client's settings (``CkptdClient.settings``, from the
 environment unless given in code) and passes them down to the checkpointer, the save route and the restore;
@@ -55,13 +55,13 @@ class ClientSettings(BaseSettings):
     route_timeout_s: float = Field(
         default=600.0, gt=0,
         description="multi-process jobs: how long a process waits for each other process's answer on a persistent "
-        "save's route (memory or Orbax, trainer_client.runtime.save_route) before it fails; a process whose "
+        "save's route (memory or Orbax, trainer_client.runtime._save_route) before it fails; a process whose "
         "snapshot fails still answers, so only a dead process is waited for (and a dead process ends the job)",
     )
     restore_host_bytes: int | None = Field(
         default=None, gt=0,
         description="host memory a restore may hold at once, in bytes: a larger state is restored in batches "
-        "(trainer_client.runtime.restore_budget); unset: no cap (on accelerators the direct reader still batches "
+        "(trainer_client.runtime._restore_budget); unset: no cap (on accelerators the direct reader still batches "
         "at 4 GiB)",
     )
 

@@ -1,7 +1,7 @@
 """The exceptions trainer_client raises, one documented tree.
 
 ```
-CkptdError                          root (trainer_client/core/errors.py): catches everything below
+CkptdError                          root (trainer_client/core/_errors.py): catches everything below
 ├── StorageError (OSError)          storage could not be listed or read
 ├── StoredFormatError (ValueError)  stored bytes are not the format they claim to be
 │   ├── ArrayIndexError             an item's array metadata is missing or corrupt
@@ -27,7 +27,7 @@ importable from ``trainer_client`` too (docs/architecture.md, "Errors").
 
 from __future__ import annotations
 
-from trainer_client.core.errors import (
+from trainer_client.core._errors import (
     ArrayIndexError,
     CkptdError,
     MissingExtra,

@@ -1,4 +1,4 @@
-"""trainer_client.core.format.array_index against real Orbax checkpoints: every layout Orbax 0.12.8 writes.
+"""trainer_client.core.format._array_index against real Orbax checkpoints: every layout Orbax 0.12.8 writes.
 
 Checkpoints are written in this process (conftest gives it 8 fake CPU devices) by a plain Orbax
 CheckpointManager on a ("replica", "data") = (4, 2) mesh: OCDBT on/off x zarr v2/v3, and OCDBT + zarr v2
@@ -31,9 +31,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tests.support.gcs_emulator import GcsEmulator
-from trainer_client.core.dtypes import dtype_itemsize, normalize_dtype
-from trainer_client.core.format import array_index, item_keys
-from trainer_client.core.format.array_index import ArrayInfo, decode_all_arrays, read_array_index
+from trainer_client.core._dtypes import dtype_itemsize, normalize_dtype
+from trainer_client.core.format import _array_index as array_index
+from trainer_client.core.format import _item_keys as item_keys
+from trainer_client.core.format._array_index import ArrayInfo, decode_all_arrays, read_array_index
 from trainer_client.errors import ArrayIndexError
 
 STEP = 7
@@ -450,7 +451,7 @@ def test_a_local_index_loads_no_tensorstore(steps: dict[str, Path]) -> None:
     """What the sidecar does for a step of plain Orbax on a local root: no tensorstore in the process."""
     code = (
         "import sys\n"
-        "from trainer_client.core.format.array_index import read_array_index\n"
+        "from trainer_client.core.format._array_index import read_array_index\n"
         "for step in sys.argv[1:]:\n"
         "    assert read_array_index(step), step\n"
         "assert 'tensorstore' not in sys.modules, 'tensorstore imported'\n"
@@ -464,7 +465,7 @@ def test_a_local_index_loads_no_tensorstore(steps: dict[str, Path]) -> None:
 def test_module_does_not_import_jax() -> None:
     code = (
         "import sys\n"
-        "import trainer_client.core.format.array_index\n"
+        "import trainer_client.core.format._array_index\n"
         "assert not any(m == 'jax' or m.startswith('jax.') for m in sys.modules), 'jax imported'\n"
         "print('ok')\n"
     )

@@ -16,18 +16,18 @@ import pytest
 
 from tests.support.gcs_emulator import GcsEmulator  # the gcs_emulator fixture: tests/conftest.py, one per session
 from tests.support.peak_rss import peak_growth
-from trainer_client.core.errors import RecordTooLargeError, StoredFormatError
-from trainer_client.core.format.private_files import ensure_private_dir, read_private, write_private
-from trainer_client.core.storage import MAX_RECORD_BYTES, Storage
+from trainer_client.core._errors import RecordTooLargeError, StoredFormatError
+from trainer_client.core._storage import MAX_RECORD_BYTES, Storage
+from trainer_client.core.format._private_files import ensure_private_dir, read_private, write_private
 
 GIB = 1 << 30
 GROWTH_LIMIT_MIB = 24  # what the reads may add to the process's peak RSS (before: the file's whole size)
 
 _IMPORTS = """
-from trainer_client.core.format.item_keys import fetch, item_kvstore_spec
-from trainer_client.core.format.parts import read_claim
-from trainer_client.core.format.private_files import read_private
-from trainer_client.core.storage import Storage
+from trainer_client.core.format._item_keys import fetch, item_kvstore_spec
+from trainer_client.core.format._parts import read_claim
+from trainer_client.core.format._private_files import read_private
+from trainer_client.core._storage import Storage
 """
 _SETUP = """
 storage = Storage(args["root"])
@@ -78,7 +78,7 @@ def test_a_sparse_gibibyte_record_is_refused_before_a_byte_is_read(tmp_path: Pat
 
 def test_a_sparse_item_metadata_is_refused_by_the_trainers_direct_restore(tmp_path: Path) -> None:
     _sparse(tmp_path / "default" / "_METADATA", GIB)
-    result = peak_growth("from trainer_client.runtime.direct_restore import restore_direct",
+    result = peak_growth("from trainer_client.runtime._direct_restore import restore_direct",
                          "try:\n    restore_direct(args['item'], {}, str)\nexcept Exception as exc:\n"
                          "    outcomes.append(f'{type(exc).__name__}: {exc}')", {"item": str(tmp_path / "default")})
     assert result["outcomes"][0].startswith("DirectRestoreUnsupported") and "more than" in result["outcomes"][0]

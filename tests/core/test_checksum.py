@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from trainer_client.core.durability import Syncer, sync_tree, using_syncer
-from trainer_client.core.format.checksum import READ_SIZE, file_crc32c, files_crc32c
-from trainer_client.core.format.manifest import build_manifest, crc32c_of, file_entries, file_entry
-from trainer_client.core.storage import Storage
+from trainer_client.core._durability import Syncer, sync_tree, using_syncer
+from trainer_client.core._storage import Storage
+from trainer_client.core.format._checksum import READ_SIZE, file_crc32c, files_crc32c
+from trainer_client.core.format._manifest import build_manifest, crc32c_of, file_entries, file_entry
 
 SIZES = [0, 1, READ_SIZE - 1, READ_SIZE, READ_SIZE + 1, 3 * READ_SIZE + 17, 4096]
 

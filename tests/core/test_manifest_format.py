@@ -10,11 +10,13 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from ckptd.catalog.catalog import Catalog
+from ckptd.catalog._catalog import Catalog
 from tests.support.orbax_steps import training_metadata
-from trainer_client.core.format import json_docs
-from trainer_client.core.format.files import CHECKPOINT_METADATA, CKPTD_MANIFEST, COMMIT_MARKER, ITEM_METADATA
-from trainer_client.core.format.manifest import (
+from trainer_client.core._storage import Entry, Storage
+from trainer_client.core._validation import validate_step
+from trainer_client.core.format import _json_docs as json_docs
+from trainer_client.core.format._files import CHECKPOINT_METADATA, CKPTD_MANIFEST, COMMIT_MARKER, ITEM_METADATA
+from trainer_client.core.format._manifest import (
     Manifest,
     build_manifest,
     list_files,
@@ -23,10 +25,8 @@ from trainer_client.core.format.manifest import (
     seal_manifest,
     write_manifest,
 )
-from trainer_client.core.format.steps import inspect_step
+from trainer_client.core.format._steps import inspect_step
 from trainer_client.core.protocol import ArraySpec, StepState, TrainingMetadata
-from trainer_client.core.storage import Entry, Storage
-from trainer_client.core.validation import validate_step
 
 ARRAYS = 300
 
@@ -122,7 +122,7 @@ def test_a_malformed_array_entry_is_refused_after_steps_that_shared_their_arrays
     one: still refused (quarantined, corrupt), their files kept."""
     import google_crc32c
 
-    from trainer_client.core.format.checksum import crc32c_b64
+    from trainer_client.core.format._checksum import crc32c_b64
 
     job = tmp_path / "job"
     for step in range(1, 6):

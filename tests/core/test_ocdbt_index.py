@@ -5,7 +5,7 @@ shared nodes, the node, key and time budget, decoded sizes) is an ``OcdbtRefused
 does not hand to tensorstore either.
 
 The databases here are written byte by byte in tensorstore's published format
-(``tests/support/forged_ocdbt.py``), which is how a forged one would be made; tests/trainer/test_direct_restore.py
+(``tests/support/forged_ocdbt.py``), which is how a forged one would be made; tests/trainer/runtime/test_direct_restore.py
 checks the reader against tensorstore's own.
 """
 
@@ -32,9 +32,9 @@ from tests.support.forged_ocdbt import (
     table,
     varint,
 )
-from trainer_client.core.errors import ArrayIndexError, OcdbtFormatError, OcdbtRefusedError
-from trainer_client.core.format.array_index import read_array_index
-from trainer_client.core.format.ocdbt_index import OcdbtIndex
+from trainer_client.core._errors import ArrayIndexError, OcdbtFormatError, OcdbtRefusedError
+from trainer_client.core.format._array_index import read_array_index
+from trainer_client.core.format._ocdbt_index import OcdbtIndex
 
 
 def test_a_forged_database_in_the_published_format_is_read(tmp_path: Path) -> None:

@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer_client.core.dtypes import dtype_bytes
-from trainer_client.core.planner import DATA_PARALLEL_AXES, array_bytes_per_device, fit_array, plan_mesh
+from trainer_client.core._dtypes import dtype_bytes
+from trainer_client.core._planner import DATA_PARALLEL_AXES, array_bytes_per_device, fit_array, plan_mesh
+from trainer_client.core._resume_decision import assign_slices, resume_plan
 from trainer_client.core.protocol import (
     ArraySpec,
     BatchOptions,
@@ -21,7 +22,6 @@ from trainer_client.core.protocol import (
     SliceAlive,
     TrainingMetadata,
 )
-from trainer_client.core.resume_decision import assign_slices, resume_plan
 from trainer_client.errors import PlanningError
 
 SAVED = MeshSpec(axis_names=["replica", "data"], shape=[4, 2])
@@ -219,7 +219,7 @@ def test_every_plan_is_valid_and_no_plan_only_when_none_exists(
 def test_a_huge_device_count_tries_a_bounded_set_of_meshes_and_still_finds_the_best() -> None:
     # 300,000 devices over (replica=4, data=2) once meant 150,000 candidate meshes (33 s per resume answer,
     # a worker thread held that long); the sizes that divide real arrays (5-smooth multiples) are still tried
-    from trainer_client.core.planner import candidate_meshes
+    from trainer_client.core._planner import candidate_meshes
 
     saved = MeshSpec(axis_names=["replica", "data"], shape=[4, 2])
     arrays = {f"a{i}": ArraySpec(shape=[4096, 4096], dtype="float32", partition_spec=["data", None]) for i in range(8)}

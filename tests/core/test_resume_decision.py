@@ -1,4 +1,4 @@
-"""The one resume decision (trainer_client/core/resume_decision.py): the newest good step wins, at equal steps
+"""The one resume decision (trainer_client/core/_resume_decision.py): the newest good step wins, at equal steps
 the faster tier; otherwise the refusal of the newest step held, or none at all — as the rule in
 docs/protocol.md ("Resume") states it, for the server and the client's fallback alike."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from trainer_client.core.errors import PlanningError
+from trainer_client.core._errors import PlanningError
+from trainer_client.core._resume_decision import MEMORY, STORAGE, Candidate, Refusal, decide
 from trainer_client.core.protocol import ErrorCode, ResumeRequest
-from trainer_client.core.resume_decision import MEMORY, STORAGE, Candidate, Refusal, decide
 
 ASK = ResumeRequest(alive_devices=8)
 

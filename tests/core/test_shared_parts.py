@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from trainer_client.core.format import json_docs
+from trainer_client.core.format import _json_docs as json_docs
 
 
 def _arrays(n: int = 200, spec: str = "data") -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The commit rule and the structural checks (trainer_client.core.format.steps) on real Orbax output."""
+"""The commit rule and the structural checks (trainer_client.core.format._steps) on real Orbax output."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 
 from tests.support.orbax_steps import training_metadata
-from trainer_client.core.errors import ArrayIndexError
-from trainer_client.core.format.files import CHECKPOINT_METADATA, COMMIT_MARKER, TMP_DIR_SUFFIX
-from trainer_client.core.format.item_keys import item_kvstore_spec
-from trainer_client.core.format.records import RecordPlace, record_paths, side_dir
-from trainer_client.core.format.steps import (
+from trainer_client.core._errors import ArrayIndexError
+from trainer_client.core._storage import Entry, Storage
+from trainer_client.core.format._files import CHECKPOINT_METADATA, COMMIT_MARKER, TMP_DIR_SUFFIX
+from trainer_client.core.format._item_keys import item_kvstore_spec
+from trainer_client.core.format._records import RecordPlace, record_paths, side_dir
+from trainer_client.core.format._steps import (
     StepInspection,
     StepName,
     inspect_step,
@@ -27,7 +28,6 @@ from trainer_client.core.format.steps import (
     step_entries,
 )
 from trainer_client.core.protocol import MAX_STEP, StepState
-from trainer_client.core.storage import Entry, Storage
 
 # ---- parse_step_name -----------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Headless Chromium for the dashboard test (tests/server/test_dashboard.py): what a browser really shows.
+"""Headless Chromium for the dashboard test (tests/server/api/test_dashboard.py): what a browser really shows.
 
 Two ways in. ``run_chromium`` is the plain command line (``--dump-dom``, ``--screenshot``). ``Browser`` speaks
 the DevTools protocol over ``--remote-debugging-pipe`` (NUL-separated JSON on file descriptors 3 and 4, so

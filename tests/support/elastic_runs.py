@@ -17,11 +17,11 @@ import jax
 import numpy as np
 
 from examples.elastic_mlp import TrainLog, make_train_fn
-from trainer_client.client.ckptd_client import CkptdClient
+from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
-from trainer_client.runtime.elastic import ElasticConfig, ElasticContext, ElasticResult, ElasticRunner, Event
-from trainer_client.runtime.jax_faults import InJaxFaults
-from trainer_client.runtime.slices import SimulatedSlices, SliceFault
+from trainer_client.runtime._elastic import ElasticConfig, ElasticContext, ElasticResult, ElasticRunner, Event
+from trainer_client.runtime._jax_faults import InJaxFaults
+from trainer_client.runtime._slices import SimulatedSlices, SliceFault
 
 JOB = "mlp"
 BATCH = 48

@@ -1,6 +1,6 @@
 """OCDBT databases written byte by byte in tensorstore's published format (``kvstore/ocdbt/index.rst``, version 0),
 as a forger would write them: the well-formed ones the index reader must read, and the hostile ones it must
-refuse in bounded time and memory (``trainer_client/core/format/ocdbt_index.py``). Also a whole forged step:
+refuse in bounded time and memory (``trainer_client/core/format/_ocdbt_index.py``). Also a whole forged step:
 the files plain Orbax leaves (``_CHECKPOINT_METADATA``, the marker, ``default/_METADATA``) around such a
 database, so a sidecar adopts it and reads its index."""
 

@@ -17,8 +17,8 @@ import numpy as np
 import xxhash
 
 from tests.support.orbax_steps import training_metadata
-from trainer_client.core.format.files import SNAPSHOT_DATA_FILE, SNAPSHOT_META_FILE
-from trainer_client.core.format.private_files import ensure_private_dir, write_private
+from trainer_client.core.format._files import SNAPSHOT_DATA_FILE, SNAPSHOT_META_FILE
+from trainer_client.core.format._private_files import ensure_private_dir, write_private
 
 
 def forge_claim(root: Path, job: str, step: int, **fields: Any) -> Path:

@@ -16,8 +16,8 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from ckptd.api.app import create_app
-from ckptd.api.connections import server_config
+from ckptd.api._app import create_app
+from ckptd.api._connections import server_config
 from ckptd.config import Settings
 from tests.support.helpers import REPO, clean_env, free_port, make_settings, wait_until
 
@@ -50,8 +50,8 @@ class StartServer(Protocol):
 
 def app_over(root: str | Path, state_dir: Path, **overrides: Any) -> FastAPI:
     """An app for FastAPI's TestClient over ``root``: its catalog built now, no background threads."""
-    from ckptd.catalog.catalog import Catalog
-    from trainer_client.core.storage import Storage
+    from ckptd.catalog._catalog import Catalog
+    from trainer_client.core._storage import Storage
 
     catalog = Catalog(Storage(str(root)), state_dir / "catalog.sqlite3")
     catalog.rebuild()

@@ -33,7 +33,7 @@ CORE_THIRD_PARTY = {"numpy", "pydantic", "pydantic_settings", "fsspec", "google_
 CORE_LAZY_ONLY = {"tensorstore"}  # only inside the functions that read zarr metadata or decode chunks
 JAX_SIDE = ("jax", "jaxlib", "orbax", "tensorstore", "pathwaysutils", "optax", "flax")
 SERVER_FRAMEWORK = ("fastapi", "starlette", "uvicorn", "prometheus_client")
-PERSIST_WORKER = "ckptd.catalog.persist_worker"  # a child process of the sidecar: the one server module with jax
+PERSIST_WORKER = "ckptd.catalog._persist_worker"  # a child process of the sidecar: the one server module with jax
 CHECKPOINT_IO = "trainer_client.checkpoint_io"  # the Orbax writer (jax-bound): the trainer runtime and the worker
 
 # The package map (docs/architecture.md, "Package map"). Every module of both packages is in exactly one part:
@@ -50,9 +50,9 @@ PARTS: dict[str, tuple[str, ...]] = {
 }
 EXACT: dict[str, tuple[str, ...]] = {
     "trainer_client": ("trainer_client", "trainer_client.config", "trainer_client.errors"),  # the public surface
-    "ckptd": ("ckptd", "ckptd.config", "ckptd.errors", "ckptd.metrics", "ckptd.process_metrics",
-              "ckptd.event_stats"),  # shared by every part of the sidecar, below all of them
-    "ckptd.sidecar": ("ckptd.sidecar",),  # the composition root
+    "ckptd": ("ckptd", "ckptd.config", "ckptd.errors", "ckptd._metrics", "ckptd._process_metrics",
+              "ckptd._event_stats"),  # shared by every part of the sidecar, below all of them
+    "ckptd._sidecar": ("ckptd._sidecar",),  # the composition root
     "ckptd.cli": ("ckptd.__main__",),  # python -m ckptd
     "ckptd.persist_worker": (PERSIST_WORKER,),  # the child process (jax on the CPU)
 }
@@ -67,16 +67,16 @@ ALLOWED: dict[str, frozenset[str]] = {
     "ckptd": frozenset({"trainer_client.core"}),
     "ckptd.advisor": frozenset({"ckptd", "trainer_client.core"}),
     "ckptd.catalog": frozenset({"ckptd.advisor", "ckptd", "trainer_client.core"}),
-    "ckptd.sidecar": frozenset({"ckptd.catalog", "ckptd", "trainer_client.core"}),
-    "ckptd.api": frozenset({"ckptd.sidecar", "ckptd.catalog", "ckptd.advisor", "ckptd", "trainer_client.core"}),
-    "ckptd.cli": frozenset({"ckptd.api", "ckptd.sidecar", "ckptd.catalog", "ckptd.advisor", "ckptd",
+    "ckptd._sidecar": frozenset({"ckptd.catalog", "ckptd", "trainer_client.core"}),
+    "ckptd.api": frozenset({"ckptd._sidecar", "ckptd.catalog", "ckptd.advisor", "ckptd", "trainer_client.core"}),
+    "ckptd.cli": frozenset({"ckptd.api", "ckptd._sidecar", "ckptd.catalog", "ckptd.advisor", "ckptd",
                             "trainer_client.core"}),
     "ckptd.persist_worker": frozenset({"trainer_client.checkpoint_io", "ckptd.catalog", "ckptd",
                                        "trainer_client.core"}),
 }
 # Arrows allowed only inside a function: the CLI loads the HTTP service and the composition root only in ``serve``
 # (``pip install ckptd`` has the CLI without FastAPI).
-LAZY_ONLY = frozenset({("ckptd.cli", "ckptd.api"), ("ckptd.cli", "ckptd.sidecar")})
+LAZY_ONLY = frozenset({("ckptd.cli", "ckptd.api"), ("ckptd.cli", "ckptd._sidecar")})
 
 @dataclass(frozen=True)
 class Import:
@@ -159,10 +159,10 @@ def _broken(graph: list[Import], importers: tuple[str, ...], forbidden: tuple[st
 def test_the_graph_is_read(graph: list[Import]) -> None:
     """The reader sees the edges the rules are about (a reader that saw nothing would pass every rule)."""
     edges = {(i.importer, i.target) for i in graph}
-    assert ("ckptd.api.app", "ckptd.api.routes.jobs") in edges
-    assert ("ckptd.api.app", "ckptd.sidecar") in edges and ("ckptd.sidecar", "ckptd.catalog.catalog") in edges
-    assert ("trainer_client.runtime.elastic", "jax") in edges
-    assert any(i.importer == "trainer_client.core.format.item_keys" and i.target == "tensorstore" and i.lazy
+    assert ("ckptd.api._app", "ckptd.api.routes._jobs") in edges
+    assert ("ckptd.api._app", "ckptd._sidecar") in edges and ("ckptd._sidecar", "ckptd.catalog._catalog") in edges
+    assert ("trainer_client.runtime._elastic", "jax") in edges
+    assert any(i.importer == "trainer_client.core.format._item_keys" and i.target == "tensorstore" and i.lazy
                for i in graph)
     assert not any(i.importer == "trainer_client" and _under(i.target, "trainer_client.runtime") for i in graph), \
         "TYPE_CHECKING imports must not count"
@@ -212,9 +212,9 @@ def test_the_map_keeps_the_layers_apart() -> None:
         if part.startswith("trainer_client"):
             assert not {p for p in allowed if p.split(".")[0] == "ckptd"}, part
     assert ALLOWED["trainer_client.core"] == frozenset()
-    assert part_of("ckptd.catalog.persist_worker") == "ckptd.persist_worker"
-    assert part_of("trainer_client.runtime.elastic") == "trainer_client.runtime"
-    assert part_of("ckptd.config") == "ckptd" and part_of("ckptd.sidecar") == "ckptd.sidecar"
+    assert part_of("ckptd.catalog._persist_worker") == "ckptd.persist_worker"
+    assert part_of("trainer_client.runtime._elastic") == "trainer_client.runtime"
+    assert part_of("ckptd.config") == "ckptd" and part_of("ckptd._sidecar") == "ckptd._sidecar"
 
 
 def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -294,7 +294,7 @@ def test_the_client_side_never_imports_jax_or_a_server_framework(graph: list[Imp
     bad = _broken(graph, jax_free, (*JAX_SIDE, *SERVER_FRAMEWORK))
     bad += [f"trainer_client:{i.line} imports {i.target}" for i in graph
             if i.importer == "trainer_client" and not _under(i.target, "importlib", "typing", "__future__")
-            and not (i.lazy and i.target == "trainer_client.core.extras")]  # says which extra a name needs
+            and not (i.lazy and i.target == "trainer_client.core._extras")]  # says which extra a name needs
     assert not bad, "\n".join(bad)
 
 
@@ -313,7 +313,7 @@ def test_the_server_never_imports_jax(graph: list[Import]) -> None:
 def test_the_catalog_and_advisor_know_no_server_framework_and_the_advisor_no_storage(graph: list[Import]) -> None:
     """catalog and advisor know nothing of HTTP; the advisor is pure computation (no storage)."""
     bad = _broken(graph, ("ckptd.catalog", "ckptd.advisor", CHECKPOINT_IO), SERVER_FRAMEWORK)
-    bad += _broken(graph, ("ckptd.advisor",), ("trainer_client.core.storage",))
+    bad += _broken(graph, ("ckptd.advisor",), ("trainer_client.core._storage",))
     assert not bad, "\n".join(bad)
 
 

@@ -17,22 +17,22 @@ import pytest
 from fastapi.testclient import TestClient
 from jax.sharding import Mesh, NamedSharding
 
-from ckptd.api.app import create_app
-from ckptd.catalog.catalog import Catalog
-from ckptd.cli.main import main as ckptd_main
+from ckptd.api._app import create_app
+from ckptd.catalog._catalog import Catalog
+from ckptd.cli._main import main as ckptd_main
 from tests.support.bare_orbax_steps import write_bare_steps
 from tests.support.helpers import make_settings, tree_from_leaf_names
 from tests.support.server import app_over
-from trainer_client.client.ckptd_client import CkptdClient
+from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.core import protocol as p
-from trainer_client.core.errors import ArrayIndexError
-from trainer_client.core.format.array_index import decode_all_arrays
-from trainer_client.core.format.files import COMMIT_MARKER, ROOT_ITEM
-from trainer_client.core.step_plan import plan_for_step
-from trainer_client.core.storage import Storage
-from trainer_client.core.validation import latest_good_on_storage
-from trainer_client.runtime.checkpointing import restore, spec_from_json
+from trainer_client.core._errors import ArrayIndexError
+from trainer_client.core._step_plan import plan_for_step
+from trainer_client.core._storage import Storage
+from trainer_client.core._validation import latest_good_on_storage
+from trainer_client.core.format._array_index import decode_all_arrays
+from trainer_client.core.format._files import COMMIT_MARKER, ROOT_ITEM
+from trainer_client.runtime._checkpointing import restore, spec_from_json
 
 ARRAYS = ["opt.mu", "params.b", "params.w"]
 # job -> [(step directory name, checkpointer kind, step)]

@@ -45,18 +45,18 @@ from tests.support.chaos_support import (
 from tests.support.fault_proxy import FaultPlan, FaultProxy
 from tests.support.gcs_emulator import GcsEmulator, emulator_env
 from tests.support.helpers import clean_env, free_port, wait_until
-from trainer_client.client.ckptd_client import CkptdClient
+from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
-from trainer_client.core.format.array_index import decode_all_arrays
-from trainer_client.core.format.files import COMMIT_MARKER, TMP_DIR_SUFFIX
-from trainer_client.core.format.steps import parse_step_name
+from trainer_client.core._storage import Storage
+from trainer_client.core._validation import validate_step
+from trainer_client.core.format._array_index import decode_all_arrays
+from trainer_client.core.format._files import COMMIT_MARKER, TMP_DIR_SUFFIX
+from trainer_client.core.format._steps import parse_step_name
 from trainer_client.core.protocol import ROUTE_RESUME, ResumeRequest, StepState
-from trainer_client.core.storage import Storage
-from trainer_client.core.validation import validate_step
-from trainer_client.runtime.checkpointing import restore
-from trainer_client.runtime.elastic import ElasticConfig, ElasticRunner
-from trainer_client.runtime.elastic_config import ElasticOptions, HealthOptions
-from trainer_client.runtime.slices import SimulatedSlices
+from trainer_client.runtime._checkpointing import restore
+from trainer_client.runtime._elastic import ElasticConfig, ElasticRunner
+from trainer_client.runtime._elastic_config import ElasticOptions, HealthOptions
+from trainer_client.runtime._slices import SimulatedSlices
 
 pytestmark = pytest.mark.integration
 
@@ -155,8 +155,8 @@ import sys
 import jax, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tests.support.chaos_support import BATCH, state_for_step
-from trainer_client.runtime.checkpointing import Checkpointer, restore
-from trainer_client.client.ckptd_client import CkptdClient
+from trainer_client.runtime._checkpointing import Checkpointer, restore
+from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.errors import NoCheckpointError
 from trainer_client.core.protocol import ResumeRequest
@@ -656,7 +656,7 @@ import sys, time
 import jax, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tests.support.chaos_support import BATCH, state_for_step
-from trainer_client.runtime.checkpointing import Checkpointer, restore
+from trainer_client.runtime._checkpointing import Checkpointer, restore
 
 job_url, steps = sys.argv[1], int(sys.argv[2])
 mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("replica", "data"))

@@ -17,18 +17,18 @@ from typing import Any
 
 import pytest
 
-from trainer_client.client.ckptd_client import CkptdClient
+from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
-from trainer_client.core.format.files import COMMIT_MARKER
-from trainer_client.core.format.steps import latest_committed
+from trainer_client.core._storage import Storage
+from trainer_client.core.format._files import COMMIT_MARKER
+from trainer_client.core.format._steps import latest_committed
 from trainer_client.core.protocol import ResumeRequest, StepState
-from trainer_client.core.storage import Storage
 
 _TRAINER = r"""
 import sys, time
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from trainer_client.runtime.checkpointing import Checkpointer
+from trainer_client.runtime._checkpointing import Checkpointer
 
 job_dir, mode = sys.argv[1], sys.argv[2]
 ck = Checkpointer(job_dir, atomicity=None if mode == "default" else mode)

@@ -40,7 +40,7 @@ import yaml
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from ckptd.api.app import create_app
+from ckptd.api._app import create_app
 from ckptd.config import Settings
 from tests.support.helpers import REPO, clean_env, make_settings, stop_process, wait_until
 from trainer_client.config import ClientSettings

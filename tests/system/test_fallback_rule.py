@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.catalog.catalog import Catalog
+from ckptd.catalog._catalog import Catalog
 from tests.support.helpers import free_port
 from tests.support.orbax_steps import write_orbax_steps
-from trainer_client.client.ckptd_client import CkptdClient
+from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.core import protocol as p
-from trainer_client.core.format.files import CKPTD_MANIFEST, COMMIT_MARKER, QUARANTINE_FILE, VERIFIED_FILE
-from trainer_client.core.storage import Storage
-from trainer_client.core.validation import latest_good_on_storage
+from trainer_client.core._storage import Storage
+from trainer_client.core._validation import latest_good_on_storage
+from trainer_client.core.format._files import CKPTD_MANIFEST, COMMIT_MARKER, QUARANTINE_FILE, VERIFIED_FILE
 
 
 @pytest.fixture(scope="module")

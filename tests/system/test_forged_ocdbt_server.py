@@ -5,7 +5,7 @@ them keeps being served and followed, the probes answer, and SIGTERM stops ckptd
 Before: the refresher read the forged index on its own thread and never returned (8^16 node visits), so
 a healthy job's new steps were never seen again, RSS grew by ~150 MiB a minute, and a SIGTERM waited out the
 refresher's join. Now the reader refuses the forged index at once and each job's pass runs apart from the
-others (``ckptd/catalog/refresher.py``).
+others (``ckptd/catalog/_refresher.py``).
 """
 
 from __future__ import annotations

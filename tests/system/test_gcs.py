@@ -20,15 +20,15 @@ from typing import Any
 import httpx
 import pytest
 
-from ckptd.catalog.catalog import Catalog
+from ckptd.catalog._catalog import Catalog
 from tests.support.gcs_emulator import GcsEmulator
 from tests.support.helpers import REPO, clean_env
-from trainer_client.client.ckptd_client import CkptdClient
+from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
-from trainer_client.core.format.files import COMMIT_MARKER, TMP_DIR_SUFFIX
-from trainer_client.core.format.steps import inspect_step, latest_committed, step_entries
+from trainer_client.core._storage import Storage
+from trainer_client.core.format._files import COMMIT_MARKER, TMP_DIR_SUFFIX
+from trainer_client.core.format._steps import inspect_step, latest_committed, step_entries
 from trainer_client.core.protocol import ResumePlan, ResumeRequest, StepState
-from trainer_client.core.storage import Storage
 from trainer_client.errors import CkptdRequestError
 
 pytestmark = pytest.mark.integration
@@ -51,7 +51,7 @@ import json, sys, time
 import fsspec
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from trainer_client.runtime.checkpointing import Checkpointer, restore, target_shardings
+from trainer_client.runtime._checkpointing import Checkpointer, restore, target_shardings
 from trainer_client.core.protocol import ResumePlan
 
 job = sys.argv[1]

@@ -36,25 +36,25 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ckptd.catalog.catalog import Catalog
-from ckptd.cli.main import main as ckptd_main
+from ckptd.catalog._catalog import Catalog
+from ckptd.cli._main import main as ckptd_main
 from tests.support.gcs_emulator import GcsEmulator
 from tests.support.helpers import REPO, clean_env
-from trainer_client.core import validation
-from trainer_client.core.durability import Syncer, using_syncer
-from trainer_client.core.format.array_index import decode_all_arrays
-from trainer_client.core.format.files import (
+from trainer_client.core import _validation as validation
+from trainer_client.core._durability import Syncer, using_syncer
+from trainer_client.core._storage import Storage
+from trainer_client.core._validation import latest_good_on_storage, validate_step
+from trainer_client.core.format._array_index import decode_all_arrays
+from trainer_client.core.format._files import (
     CHECKPOINT_METADATA,
     CKPTD_MANIFEST,
     COMMIT_MARKER,
     QUARANTINE_FILE,
     VERIFIED_FILE,
 )
-from trainer_client.core.format.manifest import Listed, list_files, read_manifest, read_verified_record
+from trainer_client.core.format._manifest import Listed, list_files, read_manifest, read_verified_record
 from trainer_client.core.protocol import StepState
-from trainer_client.core.storage import Storage
-from trainer_client.core.validation import latest_good_on_storage, validate_step
-from trainer_client.runtime.checkpointing import Checkpointer
+from trainer_client.runtime._checkpointing import Checkpointer
 
 pytestmark = pytest.mark.integration
 

@@ -16,8 +16,8 @@ import pytest
 
 from bench.gcs_requests import logging_proxy, saves_of, settled
 from tests.support.gcs_emulator import GcsEmulator, emulator_env
-from trainer_client.core.format.files import CKPTD_MANIFEST
-from trainer_client.core.storage import Storage
+from trainer_client.core._storage import Storage
+from trainer_client.core.format._files import CKPTD_MANIFEST
 
 MARGIN = 4  # settled(orbax) - settled(ckptd) with the checks skipped (6 skipped, 2 for the manifest)
 

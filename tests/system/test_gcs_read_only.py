@@ -12,15 +12,15 @@ from typing import Any
 
 import pytest
 
-from ckptd.catalog.catalog import Catalog
+from ckptd.catalog._catalog import Catalog
 from tests.support.gcs_emulator import GcsEmulator
 from tests.support.orbax_steps import write_orbax_steps
 from trainer_client.core import protocol as p
-from trainer_client.core.format.files import CKPTD_MANIFEST, QUARANTINE_FILE, TMP_DIR_SUFFIX, VERIFIED_FILE
-from trainer_client.core.format.records import SIDE_DIR
-from trainer_client.core.step_plan import plan_for_step
-from trainer_client.core.storage import Storage
-from trainer_client.core.validation import latest_good_on_storage
+from trainer_client.core._step_plan import plan_for_step
+from trainer_client.core._storage import Storage
+from trainer_client.core._validation import latest_good_on_storage
+from trainer_client.core.format._files import CKPTD_MANIFEST, QUARANTINE_FILE, TMP_DIR_SUFFIX, VERIFIED_FILE
+from trainer_client.core.format._records import SIDE_DIR
 
 pytestmark = pytest.mark.integration
 

@@ -11,12 +11,12 @@ from jax.sharding import PartitionSpec as P
 
 from tests.support import grain_data
 from tests.support.gcs_emulator import GcsEmulator
-from trainer_client.checkpoint_io.iterator_state import ITER_ITEM
+from trainer_client.checkpoint_io._iterator_state import ITER_ITEM
 from trainer_client.core import protocol as p
-from trainer_client.core.step_plan import plan_for_step
-from trainer_client.core.storage import Storage, join_path
-from trainer_client.runtime.checkpointing import Checkpointer, restore
-from trainer_client.runtime.data_iterator import restore_iterator, state_record
+from trainer_client.core._step_plan import plan_for_step
+from trainer_client.core._storage import Storage, join_path
+from trainer_client.runtime._checkpointing import Checkpointer, restore
+from trainer_client.runtime._data_iterator import restore_iterator, state_record
 
 
 def test_grain_state_and_values_round_trip_on_gcs(gcs_emulator: GcsEmulator) -> None:

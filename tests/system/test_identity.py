@@ -16,20 +16,20 @@ import pytest
 from fastapi.testclient import TestClient
 from jax.sharding import Mesh
 
-from ckptd.api.app import create_app
-from ckptd.catalog.catalog import Catalog
-from ckptd.cli.main import main as ckptd_main
+from ckptd.api._app import create_app
+from ckptd.catalog._catalog import Catalog
+from ckptd.cli._main import main as ckptd_main
 from tests.support.helpers import make_settings
 from tests.support.orbax_steps import training_metadata, write_orbax_jobs
-from trainer_client.client.ckptd_client import CkptdClient
+from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.core import protocol as p
-from trainer_client.core.errors import PlanningError
-from trainer_client.core.format.manifest import Manifest, read_manifest, write_manifest
-from trainer_client.core.identity import identity_notes
-from trainer_client.core.storage import Storage
+from trainer_client.core._errors import PlanningError
+from trainer_client.core._identity import identity_notes
+from trainer_client.core._storage import Storage
+from trainer_client.core.format._manifest import Manifest, read_manifest, write_manifest
 from trainer_client.errors import CkptdRequestError
-from trainer_client.runtime import checkpointing
+from trainer_client.runtime import _checkpointing as checkpointing
 
 RUN = "jobset-7f3a"
 

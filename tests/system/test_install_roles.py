@@ -19,13 +19,13 @@ import httpx
 import pytest
 
 from ckptd import __version__
-from ckptd.catalog.events import EventStore
+from ckptd.catalog._events import EventStore
 from tests.support.helpers import free_port
 from tests.support.orbax_steps import training_metadata, write_orbax_jobs
 from tests.support.roles import blocked_modules, role_env
 from tests.support.serve_cli import served
 from trainer_client.core import protocol as p
-from trainer_client.core.storage import Storage
+from trainer_client.core._storage import Storage
 
 pytestmark = pytest.mark.integration
 
@@ -87,13 +87,13 @@ def test_the_base_install_says_which_extra_the_rest_needs(tmp_path: Path) -> Non
     assert done.returncode == 0, done.stderr
     for role, statement, what, module in (
         ("base", "from trainer_client import ElasticRunner", "trainer_client.runtime", "jax"),
-        ("base", "import trainer_client.runtime.elastic", "trainer_client.runtime", "jax"),
+        ("base", "import trainer_client.runtime._elastic", "trainer_client.runtime", "jax"),
         ("server", "from trainer_client import ElasticRunner", "trainer_client.ElasticRunner", "pathwaysutils"),
     ):
         done = _run(role, tmp_path, "-c", statement)
         assert done.returncode == 1
         assert done.stderr.strip().splitlines()[-1] == (
-            f"trainer_client.core.errors.MissingExtra: {what} needs the trainer install (no module {module!r} here): "
+            f"trainer_client.core._errors.MissingExtra: {what} needs the trainer install (no module {module!r} here): "
             "pip install 'ckptd[trainer]'"), (role, statement, done.stderr)
 
 

@@ -17,15 +17,15 @@ from typing import Any
 import httpx
 import pytest
 
-from ckptd.catalog.integrity import FOLLOWER_REASON
-from ckptd.catalog.lease import released_name
+from ckptd.catalog._integrity import FOLLOWER_REASON
+from ckptd.catalog._lease import released_name
 from tests.support.chaos_support import CkptdProcess
 from tests.support.gcs_emulator import GcsEmulator  # the gcs_emulator fixture: tests/conftest.py, one per session
 from tests.support.helpers import wait_until
 from tests.support.lease_views import lease_view
 from tests.support.orbax_steps import write_orbax_steps
-from trainer_client.core.format.files import CKPTD_MANIFEST
-from trainer_client.core.storage import Storage
+from trainer_client.core._storage import Storage
+from trainer_client.core.format._files import CKPTD_MANIFEST
 
 TTL_S = 2.0
 JOB = "job"

@@ -34,9 +34,9 @@ from bench.load_client import load_many
 from tests.support.chaos_support import CkptdProcess, percentile, sized
 from tests.support.helpers import clean_env
 from tests.support.orbax_steps import training_metadata, write_orbax_steps
-from trainer_client.core.format.manifest import Manifest, build_manifest, file_entry, write_manifest
+from trainer_client.core._storage import Storage
+from trainer_client.core.format._manifest import Manifest, build_manifest, file_entry, write_manifest
 from trainer_client.core.protocol import TrainingMetadata
-from trainer_client.core.storage import Storage
 
 pytestmark = pytest.mark.integration
 

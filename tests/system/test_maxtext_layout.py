@@ -16,17 +16,17 @@ import pytest
 from fastapi.testclient import TestClient
 from jax.sharding import Mesh, NamedSharding
 
-from ckptd.api.app import create_app
-from ckptd.catalog.catalog import Catalog
-from ckptd.cli.main import main as ckptd_main
+from ckptd.api._app import create_app
+from ckptd.catalog._catalog import Catalog
+from ckptd.cli._main import main as ckptd_main
 from tests.support.helpers import make_settings, tree_from_leaf_names
 from tests.support.orbax_steps import MAXTEXT_MESH_AXES, write_maxtext_jobs, write_multi_item_steps
 from trainer_client.core import protocol as p
-from trainer_client.core.format.array_index import decode_all_arrays
-from trainer_client.core.step_plan import plan_for_step
-from trainer_client.core.storage import Storage
-from trainer_client.core.validation import latest_good_on_storage, validate_step
-from trainer_client.runtime.checkpointing import restore, spec_from_json
+from trainer_client.core._step_plan import plan_for_step
+from trainer_client.core._storage import Storage
+from trainer_client.core._validation import latest_good_on_storage, validate_step
+from trainer_client.core.format._array_index import decode_all_arrays
+from trainer_client.runtime._checkpointing import restore, spec_from_json
 
 STEPS = (100, 200)
 

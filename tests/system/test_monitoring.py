@@ -36,13 +36,13 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from ckptd.catalog.events import EventStore
-from ckptd.metrics import JOB_LABEL
-from ckptd.process_metrics import ProcessTreeCollector
+from ckptd._metrics import JOB_LABEL
+from ckptd._process_metrics import ProcessTreeCollector
+from ckptd.catalog._events import EventStore
 from tests.support.helpers import REPO, clean_env, free_port, stop_process, wait_until
 from tests.support.orbax_steps import training_metadata, write_orbax_steps
 from trainer_client.core import protocol as p
-from trainer_client.core.storage import Storage
+from trainer_client.core._storage import Storage
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,7 @@ Every form takes one to three minutes on this 2-core machine (two incarnations o
 JAX processes): the long forms (each kill phase, 3 hosts, and the bitwise comparison with a run without a
 kill) are ``chaos`` and ``slow`` (``make chaos``). The normal suite runs the short form: 2 hosts, a kill while
 the sidecars persist and commit, every check but the bitwise one (~25-60 s); beside it the demo's trainer kill
-(tests/system/test_multihost_demo.py) and the sidecar kills (tests/trainer/test_multihost_parts.py)."""
+(tests/system/test_multihost_demo.py) and the sidecar kills (tests/trainer/runtime/test_multihost_parts.py)."""
 
 from __future__ import annotations
 
@@ -39,9 +39,9 @@ from examples.multihost_demo import JOB, validate_deep
 from tests.support.chaos_support import chaos_rng
 from tests.support.gcs_emulator import GcsEmulator
 from tests.support.jax_job import Trainer, TrainerJob, wait_exit
-from trainer_client.core.errors import StorageError
-from trainer_client.core.format.parts import part_problems, parts_of
-from trainer_client.core.storage import Storage
+from trainer_client.core._errors import StorageError
+from trainer_client.core._storage import Storage
+from trainer_client.core.format._parts import part_problems, parts_of
 
 PAUSE_S = 0.3  # each side of a snapshot's copy into shared memory: the window a memory-write kill lands in
 STEPS, PERIOD = 40, 15  # persistent saves at 15, 30 (and 40, the end); memory-only ones every 5

@@ -20,18 +20,18 @@ from fastapi.testclient import TestClient
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ckptd.api.app import create_app
-from ckptd.catalog.catalog import Catalog
-from ckptd.cli.main import main as ckptd_main
+from ckptd.api._app import create_app
+from ckptd.catalog._catalog import Catalog
+from ckptd.cli._main import main as ckptd_main
 from examples.elastic_mlp import init_state, partition_specs
 from tests.support.helpers import make_settings
 from tests.support.orbax_steps import MAXTEXT_MESH_AXES, write_maxtext_jobs, write_orbax_steps
-from trainer_client.client.ckptd_client import CkptdClient
+from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.core import protocol as p
-from trainer_client.core.storage import Storage
-from trainer_client.runtime.checkpointing import Checkpointer, training_metadata
-from trainer_client.runtime.memory_tier import MemoryTier
+from trainer_client.core._storage import Storage
+from trainer_client.runtime._checkpointing import Checkpointer, training_metadata
+from trainer_client.runtime._memory_tier import MemoryTier
 
 DEVICES = (8, 6, 3)
 
@@ -51,7 +51,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """trainer/30: saved by trainer_client's Checkpointer (trainer_items/35: as the item ``items``);
     persisted/40: a memory snapshot persisted by
     ckptd's persist worker; plain/50: plain Orbax in another process; maxtext/100: MaxText's layout."""
-    from ckptd.catalog.persist_worker import persist
+    from ckptd.catalog._persist_worker import persist
 
     root = tmp_path_factory.mktemp("one-planner")
     mesh = _mesh()

@@ -40,9 +40,36 @@ def test_trainer_client_top_level_names() -> None:
         # ElasticConfig's option groups
         "ElasticOptions", "BatchScalingOptions", "MemoryFitOptions", "HealthOptions", "MemoryTierOptions",
         "CompilationOptions", "SaveOptions",
+        # the runtime's functions and the fault injector a test or demo uses
+        "restore", "Event", "InJaxFaults", "initialize_multihost",
     }
     with pytest.raises(AttributeError):
         _ = trainer_client.NotAThing  # type: ignore[attr-defined]
+
+
+# Modules a user may import by name; every other module of both packages is private (``_name``).
+PUBLIC_MODULE_FILES = {"trainer_client.errors", "trainer_client.config", "ckptd.config", "ckptd.errors"}
+
+
+def test_ckptd_top_level_names() -> None:
+    import ckptd
+    from ckptd.api._app import create_app
+    from ckptd.cli._main import main
+    from ckptd.config import Settings
+
+    assert set(ckptd.__all__) == {"__version__", "create_app", "Settings", "main"}
+    assert (ckptd.create_app, ckptd.Settings, ckptd.main) == (create_app, Settings, main)
+    with pytest.raises(AttributeError):
+        _ = ckptd.NotAThing  # type: ignore[attr-defined]
+
+
+def test_internals_are_private_modules() -> None:
+    """A module is private (``_name``) unless it is a package or named in PUBLIC_MODULE_FILES: what a user imports
+    is a package's ``__all__``."""
+    public = [name for name in PUBLIC_MODULES
+              if not name.rpartition(".")[2].startswith("_") and name not in PUBLIC_MODULE_FILES
+              and not (REPO / name.replace(".", "/") / "__init__.py").exists()]
+    assert not public, f"modules neither private nor public by intent: {public}"
 
 
 def test_error_tree_subclasses_builtins() -> None:
@@ -83,8 +110,8 @@ def test_every_exception_of_both_packages_has_one_root() -> None:
     documents its whole tree."""
     import inspect
 
-    from trainer_client.core.errors import CkptdError
-    from trainer_client.runtime.elastic_context import RunnerSignal
+    from trainer_client.core._errors import CkptdError
+    from trainer_client.runtime._elastic_context import RunnerSignal
 
     stray = []
     for name in PUBLIC_MODULES:
@@ -95,7 +122,7 @@ def test_every_exception_of_both_packages_has_one_root() -> None:
             if is_exception and value.__module__ == name and not issubclass(value, CkptdError) and not signal:
                 stray.append(f"{name}.{attr}")
     assert not stray, f"exceptions outside the tree: {stray}"
-    for errors_module in ("trainer_client.errors", "ckptd.errors", "trainer_client.core.errors"):
+    for errors_module in ("trainer_client.errors", "ckptd.errors", "trainer_client.core._errors"):
         module = importlib.import_module(errors_module)
         doc = module.__doc__ or ""
         for name in module.__all__:

@@ -16,12 +16,12 @@ from typing import Any
 import httpx
 import pytest
 
-from ckptd.cli.main import main as ckptd_main
+from ckptd.cli._main import main as ckptd_main
 from tests.support.helpers import clean_env, stop_process, wait_until
 from tests.support.orbax_steps import model_parallel_metadata, write_orbax_jobs
 from trainer_client.core import protocol as p
-from trainer_client.core.format.files import COMMIT_MARKER
-from trainer_client.core.format.steps import parse_step_name
+from trainer_client.core.format._files import COMMIT_MARKER
+from trainer_client.core.format._steps import parse_step_name
 
 pytestmark = pytest.mark.integration
 

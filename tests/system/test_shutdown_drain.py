@@ -14,11 +14,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tests.support.server import serve_process
-from trainer_client.core.format.files import COMMIT_MARKER
-from trainer_client.core.format.manifest import read_verified_record
-from trainer_client.core.storage import Storage
-from trainer_client.runtime.checkpointing import training_metadata
-from trainer_client.runtime.memory_tier import MemoryTier
+from trainer_client.core._storage import Storage
+from trainer_client.core.format._files import COMMIT_MARKER
+from trainer_client.core.format._manifest import read_verified_record
+from trainer_client.runtime._checkpointing import training_metadata
+from trainer_client.runtime._memory_tier import MemoryTier
 
 
 def _serve(root: Path, shm: Path, tmp: Path, drain_s: float) -> tuple[subprocess.Popen[bytes], Path]:

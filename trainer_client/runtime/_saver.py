@@ -22,16 +22,16 @@ from typing import Any, Literal
 
 import jax
 
-from trainer_client.client.ckptd_client import CkptdClient
+from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
-from trainer_client.core.errors import CkptdError, StoredFormatError
-from trainer_client.core.format.snapshot import DataIteratorRecord
+from trainer_client.core._errors import CkptdError, StoredFormatError
+from trainer_client.core.format._snapshot import DataIteratorRecord
 from trainer_client.core.protocol import ResumePlan, TrainingMetadata
 from trainer_client.errors import MemoryTierFull
-from trainer_client.runtime.checkpointing import Checkpointer, restore
-from trainer_client.runtime.job_store import job_incarnation
-from trainer_client.runtime.memory_tier import MemoryTier, restore_snapshot
-from trainer_client.runtime.save_route import SaveRoute
+from trainer_client.runtime._checkpointing import Checkpointer, restore
+from trainer_client.runtime._job_store import job_incarnation
+from trainer_client.runtime._memory_tier import MemoryTier, restore_snapshot
+from trainer_client.runtime._save_route import SaveRoute
 
 _log = logging.getLogger(__name__)
 PyTree = Any

@@ -97,7 +97,7 @@ class GoodputSegment(_Model):
 
 
 class Goodput(_Model):
-    """Productive training time over wall time, with where the rest went (ckptd/advisor/goodput.py)."""
+    """Productive training time over wall time, with where the rest went (ckptd/advisor/_goodput.py)."""
 
     job: str
     goodput: float | None = Field(description="productive seconds / wall seconds; null without events")

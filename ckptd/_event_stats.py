@@ -1,0 +1,97 @@
+"""Counts and running aggregates of a job's events (``EventStats``): what the event summary keeps of folded events
+(``ckptd/catalog/_event_summary.py``) and what the metrics count on arrival (``ckptd/_metrics.py``).
+
+Below both, so that the metrics read the catalog's figures without importing the catalog. Stored inside the
+summary (``<root>/<job>/.ckptd/events/summary.json``): a field renamed here is a change of that format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from trainer_client.core.protocol import EVENT_KINDS, StoredEvent
+
+RECENT_VALUES = 256  # most recent values kept per statistic (medians, histograms to rebuild)
+_KNOWN_KINDS = frozenset(EVENT_KINDS)
+
+
+class Stat(BaseModel):
+    """Running aggregate of one measured quantity."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    count: int = 0
+    total: float = 0.0
+    min: float | None = None
+    max: float | None = None
+    recent: list[float] = Field(default_factory=list, description="the newest values, oldest first")
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        self.total += value
+        self.min = value if self.min is None else min(self.min, value)
+        self.max = value if self.max is None else max(self.max, value)
+        self.recent.append(value)
+        del self.recent[:-RECENT_VALUES]
+
+    def merged(self, later: Stat) -> Stat:
+        """This (older) aggregate followed by ``later``."""
+        lows = [v for v in (self.min, later.min) if v is not None]
+        highs = [v for v in (self.max, later.max) if v is not None]
+        return Stat(count=self.count + later.count, total=self.total + later.total,
+                    min=min(lows) if lows else None, max=max(highs) if highs else None,
+                    recent=(self.recent + later.recent)[-RECENT_VALUES:])
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count else None
+
+
+class EventStats(BaseModel):
+    """Counts and measured quantities over a set of events (kinds outside ``EVENT_KINDS`` count as ``other``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    events: int = 0
+    first_time: float | None = None
+    last_time: float | None = None
+    kinds: dict[str, int] = Field(default_factory=dict)
+    recovery_seconds: Stat = Field(default_factory=Stat, description="recovered: failure until the first step after")
+    lost_steps: Stat = Field(default_factory=Stat, description="recovered: steps done again")
+    save_stall_seconds: Stat = Field(default_factory=Stat, description="checkpoint_started: loop blocked by the save")
+
+    def add(self, events: Iterable[StoredEvent]) -> EventStats:
+        for e in events:
+            self.events += 1
+            self.first_time = e.time if self.first_time is None else min(self.first_time, e.time)
+            self.last_time = e.time if self.last_time is None else max(self.last_time, e.time)
+            kind = e.kind if e.kind in _KNOWN_KINDS else "other"
+            self.kinds[kind] = self.kinds.get(kind, 0) + 1
+            if e.kind == "recovered":
+                if e.recovery_seconds is not None:
+                    self.recovery_seconds.add(e.recovery_seconds)
+                if e.lost_steps is not None:
+                    self.lost_steps.add(float(e.lost_steps))
+            elif e.kind == "checkpoint_started" and e.blocked_seconds is not None:
+                self.save_stall_seconds.add(e.blocked_seconds)
+        return self
+
+    def merged(self, later: EventStats) -> EventStats:
+        """This (older) aggregate followed by ``later``."""
+        firsts = [t for t in (self.first_time, later.first_time) if t is not None]
+        lasts = [t for t in (self.last_time, later.last_time) if t is not None]
+        kinds = dict(self.kinds)
+        for kind, n in later.kinds.items():
+            kinds[kind] = kinds.get(kind, 0) + n
+        return EventStats(
+            events=self.events + later.events, first_time=min(firsts) if firsts else None,
+            last_time=max(lasts) if lasts else None, kinds=kinds,
+            recovery_seconds=self.recovery_seconds.merged(later.recovery_seconds),
+            lost_steps=self.lost_steps.merged(later.lost_steps),
+            save_stall_seconds=self.save_stall_seconds.merged(later.save_stall_seconds),
+        )
+
+
+__all__ = ["RECENT_VALUES", "EventStats", "Stat"]

@@ -1,0 +1,203 @@
+"""ckptd's Prometheus metrics: one registry per app, and the one place that names and documents them.
+
+Four kinds of sources, so that a scrape of ``GET /metrics`` stays fast (it reads only SQLite, memory and /proc):
+
+* the catalog, read at scrape time: steps by state, quarantined steps, the latest good step per job, and
+  with a lease (CKPTD_LEASE_TTL_S) whether this sidecar leads each job and the newest epoch it saw;
+* the request path: HTTP requests, resume requests and plan latency, and the elastic events trainers
+  report (``POST /v1/jobs/{job}/events``): events by kind, recovery seconds, lost steps, save stalls;
+* the background tracker (``ckptd.catalog._commit_tracker``): commits and bytes committed (from the manifests),
+  save durations, validation failures, goodput per job — everything that needs storage reads;
+* /proc, read at scrape time (``ckptd._process_metrics``): the memory, CPU, file descriptors and threads of
+  ckptd and of its persist worker, to size the sidecar's limits from.
+
+Every per-job series carries the job's name in the label ``ckpt_job`` (``JOB_LABEL``), never ``job``.
+
+The event metrics (events by kind, recovery seconds, lost steps, save stalls) count a job's whole stored
+history: the tracker loads it once per job after a start (``load_history``, from ``EventStore.stats``:
+the job's event summary and the events kept), so a restarted ckptd does not show empty recovery metrics
+beside a goodput read from storage; events stored after that are counted as they arrive. The newest 256
+values of each measure are replayed exactly, older ones (folded into the summary) at their mean, so
+``_count`` and ``_sum`` are exact. The other counters count what this process saw since it started
+(Prometheus handles the reset at a restart); steps already on storage when it started are not commits.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter as Multiset
+from collections.abc import Iterable, Mapping
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+
+from ckptd._event_stats import EventStats, Stat
+from ckptd._process_metrics import ProcessTreeCollector
+from trainer_client.core.protocol import EVENT_KINDS, JobInfo, StepState, StoredEvent
+
+# The training job's label. Not ``job``: Prometheus gives every scraped series its own ``job`` label (the
+# scrape job: the PodMonitoring or the Service) and renames a clashing one to ``exported_job``, so the alerts,
+# the rules (deploy/k8s/rules.yaml, prometheusrule.yaml) and the dashboard (deploy/monitoring/) use this one.
+JOB_LABEL = "ckpt_job"
+_KNOWN_KINDS = frozenset(EVENT_KINDS)
+_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+_STALL = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class LeaseRole(Protocol):
+    """What the lease gauges read of one job's lease (``ckptd.catalog._lease.LeaseView``)."""
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def epoch(self) -> int | None: ...
+
+
+class Leases(Protocol):
+    def views(self) -> Mapping[str, LeaseRole]: ...
+
+
+class CatalogView(Protocol):
+    """What a scrape reads of the catalog (``ckptd.catalog._catalog.Catalog``): passed in, so that the metrics
+    import nothing of the catalog."""
+
+    @property
+    def lease(self) -> Leases | None: ...
+
+    def jobs(self) -> list[JobInfo]: ...
+
+    def states(self, job: str) -> dict[str, StepState]: ...
+
+
+class Metrics:
+    """Every metric ckptd exports, in its own registry (several apps in one process do not collide)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_*: memory, CPU, file descriptors (docs/operations.md, "Sizing")
+        r.register(ProcessTreeCollector())  # threads, and the persist worker's memory and CPU
+        self.requests = Counter("ckptd_http_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=r)
+        self.resume_requests = Counter("ckptd_resume_requests", "resume requests by job", [JOB_LABEL], registry=r)
+        self.plan_seconds = Histogram(
+            "ckptd_resume_plan_seconds", "time to answer a resume request", registry=r,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+        )
+        self.latest_good = Gauge("ckptd_latest_good_step", "newest verified step per job", [JOB_LABEL], registry=r)
+        self.steps = Gauge("ckptd_steps", "catalogued steps by job and state", [JOB_LABEL, "state"], registry=r)
+        self.quarantined = Gauge("ckptd_quarantined_steps", "quarantined steps per job", [JOB_LABEL], registry=r)
+        self.commits = Counter("ckptd_commits", "steps seen committed by Orbax (finalized)", [JOB_LABEL], registry=r)
+        self.committed_bytes = Counter("ckptd_committed_bytes", "bytes of the committed steps, from their manifests",
+                                       [JOB_LABEL], registry=r)
+        self.save_seconds = Histogram("ckptd_save_duration_seconds", "save start until Orbax committed the step",
+                                      [JOB_LABEL], registry=r, buckets=_SECONDS)
+        self.save_stall = Histogram("ckptd_save_stall_seconds", "training blocked by a save (reported events)",
+                                    [JOB_LABEL], registry=r, buckets=_STALL)
+        self.validation_failures = Counter("ckptd_validation_failures",
+                                           "steps found bad (quarantined or corrupt)", [JOB_LABEL], registry=r)
+        self.elastic_events = Counter("ckptd_elastic_events", "elastic events reported by trainers, by kind",
+                                      [JOB_LABEL, "kind"], registry=r)
+        self.recovery_seconds = Histogram("ckptd_recovery_seconds", "failure detected until the first step after it",
+                                          [JOB_LABEL], registry=r, buckets=_SECONDS)
+        self.lost_steps = Counter("ckptd_lost_steps", "steps done again after recoveries", [JOB_LABEL], registry=r)
+        self.goodput = Gauge("ckptd_goodput_ratio", "productive training time over wall time (reported events)",
+                             [JOB_LABEL], registry=r)
+        self.lease_leader = Gauge("ckptd_lease_leader", "1 when this sidecar leads the job (writes its records; "
+                                  "CKPTD_LEASE_TTL_S), else 0", [JOB_LABEL], registry=r)
+        self.lease_epoch = Gauge("ckptd_lease_epoch", "the newest lease epoch of the job this sidecar saw", [JOB_LABEL],
+                                 registry=r)
+        self._history_lock = threading.Lock()
+        self._loaded: set[str] = set()  # jobs whose stored history is counted
+        self._live: dict[str, EventStats] = {}  # counted on arrival before the job's history was loaded
+
+    def observe_events(self, job: str, events: Iterable[StoredEvent]) -> None:
+        """Count newly stored events (called once per event, after deduplication)."""
+        events = list(events)
+        with self._history_lock:
+            if job not in self._loaded:
+                self._live.setdefault(job, EventStats()).add(events)
+        for e in events:
+            self.elastic_events.labels(job, e.kind if e.kind in _KNOWN_KINDS else "other").inc()
+            if e.kind == "recovered":
+                if e.recovery_seconds is not None:
+                    self.recovery_seconds.labels(job).observe(e.recovery_seconds)
+                if e.lost_steps:
+                    self.lost_steps.labels(job).inc(e.lost_steps)
+            elif e.kind == "checkpoint_started" and e.blocked_seconds is not None:
+                self.save_stall.labels(job).observe(e.blocked_seconds)
+
+    def history_loaded(self, job: str) -> bool:
+        with self._history_lock:
+            return job in self._loaded
+
+    def load_history(self, job: str, stored: EventStats) -> None:
+        """Count the job's stored history (``EventStore.stats``) once: what storage holds minus what this
+        process has counted on arrival already."""
+        with self._history_lock:
+            if job in self._loaded:
+                return
+            self._loaded.add(job)
+            live = self._live.pop(job, EventStats())
+        for kind, n in stored.kinds.items():
+            if n > live.kinds.get(kind, 0):
+                self.elastic_events.labels(job, kind).inc(n - live.kinds.get(kind, 0))
+        if stored.lost_steps.total > live.lost_steps.total:
+            self.lost_steps.labels(job).inc(stored.lost_steps.total - live.lost_steps.total)
+        _replay(self.recovery_seconds.labels(job), stored.recovery_seconds, live.recovery_seconds)
+        _replay(self.save_stall.labels(job), stored.save_stall_seconds, live.save_stall_seconds)
+
+    def render(self, catalog: CatalogView) -> bytes:
+        """The text exposition, with the catalog gauges refreshed from SQLite first. Per-job series exist for
+        the catalogued jobs only (at most ``max_jobs``): those of a job gone from the catalog are dropped."""
+        self.latest_good.clear()  # jobs and steps that left storage must leave the metrics too
+        self.steps.clear()
+        self.quarantined.clear()
+        jobs = catalog.jobs()
+        self._forget_jobs_but({job.name for job in jobs})
+        for job in jobs:
+            if job.latest_good_step is not None:
+                self.latest_good.labels(job.name).set(job.latest_good_step)
+            counts: dict[str, int] = {}
+            for state in catalog.states(job.name).values():  # no metadata parsed: scrapes stay cheap
+                counts[state.value] = counts.get(state.value, 0) + 1
+            for state in StepState:
+                self.steps.labels(job.name, state.value).set(counts.get(state.value, 0))
+            self.quarantined.labels(job.name).set(counts.get(StepState.QUARANTINED.value, 0))
+        self.lease_leader.clear()
+        self.lease_epoch.clear()
+        for name, view in (catalog.lease.views() if catalog.lease is not None else {}).items():
+            self.lease_leader.labels(name).set(1 if view.role == "leader" else 0)
+            if view.epoch is not None:
+                self.lease_epoch.labels(name).set(view.epoch)
+        return generate_latest(self.registry)
+
+
+    def _forget_jobs_but(self, jobs: set[str]) -> None:
+        """Drop the counters' and histograms' series of jobs not in ``jobs``: the exposition stays bounded
+        however many jobs come and go."""
+        for metric in (self.resume_requests, self.commits, self.committed_bytes, self.save_seconds, self.save_stall,
+                       self.validation_failures, self.elastic_events, self.recovery_seconds, self.lost_steps):
+            names = (JOB_LABEL, "kind") if metric is self.elastic_events else (JOB_LABEL,)
+            stale = {tuple(sample.labels[n] for n in names) for family in metric.collect() for sample in family.samples
+                     if JOB_LABEL in sample.labels and sample.labels[JOB_LABEL] not in jobs}
+            for labels in stale:
+                metric.remove(*labels)
+        with self._history_lock:  # a job that comes back has its history loaded again
+            self._loaded &= jobs
+            self._live = {job: stats for job, stats in self._live.items() if job in jobs}
+
+
+def _replay(histogram: Histogram, stored: Stat, live: Stat) -> None:
+    """Observe the stored values not observed yet: the recent ones exactly, older ones at their mean."""
+    recent = list((Multiset(stored.recent) - Multiset(live.recent)).elements())
+    older = stored.count - live.count - len(recent)
+    for value in recent:
+        histogram.observe(value)
+    if older > 0:
+        mean = max(0.0, (stored.total - live.total - sum(recent)) / older)
+        for _ in range(older):
+            histogram.observe(mean)
+
+
+__all__ = ["JOB_LABEL", "CatalogView", "Metrics"]

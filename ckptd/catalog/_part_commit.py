@@ -1,0 +1,309 @@
+"""Multi-host persist and commit on ckptd's side (docs/multihost.md, section 5), jax-free: the persist worker
+child does the Orbax writes (``trainer_client.checkpoint_io._part_writer``, asked through
+``ckptd.catalog._worker_client``); this module decides what to write and when.
+
+Host k's sidecar persists its own part of step S: it claims S for the part's save (``<job>/.ckptd/claims/
+<S>.json``, create-only: one save per step number), has the worker write the part into the step (staged under
+``<job>/.ckptd/staging/<S>.<save_id>/`` on a local root, in place on ``gs://``), then creates the part record
+``<S>/ckptd_parts/process_<k>.json`` (create-only) once the part is durable. Exactly one party commits: the
+job's leader (``Catalog.writes``; the one sidecar when no lease is on), for each claimed uncommitted step whose N
+part records are all there with the claim's save id: the worker's finalize (merge, ``_METADATA``,
+``_sharding``, ``_CHECKPOINT_METADATA``), ckptd's manifest, then the create-only commit marker, and on a local
+root the rename of the staging directory to ``<job>/<S>``. Every action before the marker is a rewrite of
+the same content, so a leader that dies mid-commit is replaced and the next one redoes it. A step missing a
+part is never committed, so never served; a claim older than ``save_timeout_s`` without a commit is reported
+abandoned and deleted, staged files included, by ``clean_abandoned``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from ckptd.catalog._worker_client import PersistWorker, PersistWorkerError
+from trainer_client.core._durability import sync_paths
+from trainer_client.core._errors import StorageError
+from trainer_client.core._identity import step_identity
+from trainer_client.core._storage import Storage
+from trainer_client.core.format._files import COMMIT_MARKER
+from trainer_client.core.format._manifest import UNMANIFESTED, FileEntry, Manifest, file_entry, write_manifest
+from trainer_client.core.format._parts import (
+    CLAIMS_DIR,
+    PartInfo,
+    SaveParts,
+    claimed_steps,
+    make_claim,
+    read_claim,
+    read_part,
+    record_bytes,
+    record_path,
+    report_refused,
+    save_parts,
+    spans,
+    step_path_for,
+)
+from trainer_client.core.format._snapshot import SnapshotMeta
+from trainer_client.core.format._step_files import list_files
+
+_log = logging.getLogger(__name__)
+
+# The time one pass over a job's claims may take, commits aside (a commit started is finished): past it the
+# pass moves on to the next job (docs/operations.md, "What each limit defends").
+JOB_BUDGET_S = 5.0
+Spent = Callable[[], bool]  # whether the time a caller allowed is spent (asked between records and steps)
+PartState = Literal["committed", "written", "todo", "claimed by another save"]
+CommitOutcome = Literal["committed", "not committed", "out of time"]
+
+
+@dataclass(frozen=True)
+class Abandoned:
+    job: str
+    step: int
+    save_id: str
+    age_s: float
+    missing: list[int]
+
+
+class PartSaves:
+    """Persists this host's parts and, where this sidecar leads the job, commits the steps whose parts are all
+    durable. ``worker`` does the Orbax writes (``ckptd.catalog._worker_client``); ``writes(job)``: whether this
+    sidecar leads."""
+
+    def __init__(self, storage: Storage, worker: PersistWorker, *,
+                 writes: Callable[[str], bool] = lambda _job: True, sidecar: str = "") -> None:
+        self.storage = storage
+        self.worker = worker
+        self.writes = writes
+        self.sidecar = sidecar or f"{os.uname().nodename}/{os.getpid()}"
+        self.commits = 0
+        self._resume_at: dict[str, int] = {}  # job -> the claim a pass out of time stopped at
+        self._checked: dict[tuple[str, int, str], int] = {}  # (job, step, save) -> its records below this are good
+
+    def final_path(self, job: str, step: int) -> str:
+        return self.storage.join(job, str(step))
+
+    def committed(self, job: str, step: int, save_id: str) -> bool:
+        """Whether ``step`` is committed from the parts of ``save_id``."""
+        final = self.final_path(job, step)
+        if not self.storage.exists(posixpath.join(final, COMMIT_MARKER)):
+            return False
+        first = read_part(self.storage, final, 0)
+        return first is not None and first.save_id == save_id
+
+    def state(self, job: str, meta: SnapshotMeta) -> PartState:
+        """Where this host's part of a save stands on storage. A step already committed is ``committed``
+        whichever save committed it (this save's parts, another save's before a restart, or a direct Orbax
+        save when a tier was full): a consistent state of the run, never overwritten; the part is done."""
+        assert meta.save_id is not None
+        if self.storage.exists(posixpath.join(self.final_path(job, meta.step), COMMIT_MARKER)):
+            return "committed"
+        claim = read_claim(self.storage, job, meta.step)
+        if claim is not None and claim.save_id != meta.save_id:
+            return "claimed by another save"
+        where = step_path_for(self.storage, job, meta.step, meta.save_id)
+        part = read_part(self.storage, where, meta.process_index)
+        return "written" if part is not None and part.save_id == meta.save_id else "todo"
+
+    def persist_part(self, job: str, snapshot: str, meta: SnapshotMeta) -> str:
+        """Claim the step for this save and write this host's part (a redo rewrites it whole); the part
+        record is created once it is durable. Returns what happened (``written``, ``committed``, or why not)."""
+        assert meta.save_id is not None
+        claim = make_claim(self.storage, job, meta.step, meta.save_id, meta.process_count)
+        if claim is None:
+            return "claim unreadable"
+        if claim.save_id != meta.save_id:
+            return self.state(job, meta)
+        where = step_path_for(self.storage, job, meta.step, meta.save_id)
+        if read_part(self.storage, where, meta.process_index) is not None:
+            return "written"  # an earlier try of this sidecar finished
+        record = self.worker.write_part(snapshot, self.storage.url_of(self.storage.writable(where)))
+        info = PartInfo.model_validate({**record, "sidecar": self.sidecar})
+        self.storage.create_new(record_path(where, meta.process_index), record_bytes(info))
+        return "written"
+
+    def claims(self, job: str) -> list[int]:
+        return claimed_steps(self.storage, job)
+
+    def commit_ready(self, job: str, *, spent: Spent = lambda: False) -> list[int]:
+        """The leader's pass: commit every claimed step of ``job`` whose parts are all durable. Returns the
+        steps committed now. Once ``spent()`` (asked between claims and between records) says the time allowed
+        is up, the pass stops; the next one goes on from that claim and record, and every pass gets through one
+        record at least, so claims that cost much (forged ones) delay the others by some passes, never for
+        good, and hold up no other job."""
+        done: list[int] = []
+        steps = self.claims(job)
+        first = self._resume_at.pop(job, None)
+        if first is not None:  # where the last pass ran out of time; round the end
+            steps = [s for s in steps if s >= first] + [s for s in steps if s < first]
+        self._checked = {key: k for key, k in self._checked.items() if key[0] != job or key[1] in steps}
+        for n, step in enumerate(steps):
+            if not self.writes(job):
+                break  # asked again before each commit: the lease may have moved
+            outcome = "out of time" if n and spent() else self._commit_if_ready(job, step, spent)
+            if outcome == "out of time":
+                self._resume_at[job] = step
+                _log.info("committing the host parts of %s: out of time for this pass at step %s; the next pass "
+                          "goes on from there", job, step)
+                break
+            if outcome == "committed":
+                done.append(step)
+        return done
+
+    def _commit_if_ready(self, job: str, step: int, spent: Spent) -> CommitOutcome:
+        """Commit ``step`` when every part record of its claim's save is there and good. What a pass out of
+        time found good is not read again by the next (``_checked``: records are create-only)."""
+        claim = read_claim(self.storage, job, step)
+        if claim is None or self.committed(job, step, claim.save_id):
+            return "not committed"
+        where = step_path_for(self.storage, job, step, claim.save_id)
+        key = (job, step, claim.save_id)
+        held = save_parts(self.storage, where, claim.save_id, claim.process_count, first_gap=True,
+                          start=self._checked.get(key, 0), spent=spent)
+        if held.stopped is not None:
+            self._checked[key] = held.stopped  # the records below it are good
+            return "out of time"
+        if not held.whole:
+            self._checked[key] = min(held.absent + held.bad)  # the records below it are good
+            return "not committed"  # a missing part: never committed, never served
+        self._checked.pop(key, None)
+        if self.storage.exists(self.final_path(job, step)) and not self.storage.is_remote:
+            _log.error("not committing step %s of %s from parts: %s exists already", step, job,
+                       self.final_path(job, step))
+            return "not committed"
+        return "committed" if self.commit(job, step, where) else "not committed"
+
+    def manifest(self, where: str, step: int, parts: list[PartInfo]) -> Manifest:
+        """ckptd's manifest of the step: every file, the parts' ones with the checksums their writers
+        recorded (so the leader does not read every byte again), the leader's own read and checksummed."""
+        recorded = {f.path: FileEntry(size=f.size, crc32c=f.crc32c) for part in parts for f in part.files}
+        on_storage = list_files(self.storage, where)
+        absent = sorted(set(recorded) - set(on_storage))
+        if absent:  # a part record names what is not there: never committed (never served)
+            raise StorageError(f"step {step} at {where}: files of its parts are missing: {', '.join(absent[:4])}")
+        files = {}
+        for rel, listed in sorted(on_storage.items()):
+            if rel in UNMANIFESTED:
+                continue
+            known = recorded.get(rel)
+            if known is not None and known.size == listed.size:
+                files[rel] = known
+            elif listed.crc32c is not None:
+                files[rel] = FileEntry(size=listed.size, crc32c=listed.crc32c)
+            else:
+                files[rel] = file_entry(self.storage, posixpath.join(where, rel))
+        training = parts[0].training  # its arrays are the manifest's (recorded once, as build_manifest does)
+        return Manifest(step=step, writer="adopted", created_at=time.time(), files=files, training=training,
+                        identity=step_identity(self.storage, where, training))
+
+    def commit(self, job: str, step: int, where: str) -> bool:
+        """Finalize, manifest, marker (create-only), and on a local root the rename into place, from the part
+        records read whole under the job's lock (``clean`` never deletes a save being committed). Whether it
+        went ahead."""
+        with _job_lock(self.storage, job):
+            claim = read_claim(self.storage, job, step)  # again under the lock: retention may have run meanwhile
+            held = None if claim is None else self._held(job, step, claim.save_id, claim.process_count)
+            if held is None or not held.whole or where != step_path_for(self.storage, job, step, held.found[0].save_id):
+                _log.info("step %s of %s: its save changed before the commit; not committed now", step, job)
+                return False
+            self._commit(job, step, where, held.found)
+            return True
+
+    def _commit(self, job: str, step: int, where: str, parts: list[PartInfo]) -> None:
+        first = parts[0]
+        marker = posixpath.join(where, COMMIT_MARKER)
+        if not self.storage.exists(marker):  # else: the marker is there, the rename was not done
+            try:
+                self.worker.commit_parts(self.storage.url_of(self.storage.writable(where)),
+                                         first.model_dump(mode="json"))
+            except PersistWorkerError as exc:
+                raise type(exc)(f"commit of step {step} failed: {exc}") from exc
+            write_manifest(self.storage, where, self.manifest(where, step, parts))
+            if not self.writes(job):  # the lease moved while finalizing: the new leader commits
+                return
+            if not self.storage.create_new(marker, f"Checkpoint commit was successful to {where}".encode()):
+                _log.info("step %s of %s: another leader committed it", step, job)
+        if not self.storage.is_remote:
+            final = self.final_path(job, step)
+            try:
+                self.storage.rename(where, final)
+            except FileExistsError:
+                return
+            except OSError as exc:
+                if os.path.exists(final):
+                    return
+                raise StorageError(f"cannot move {where} to {final}: {exc}") from exc
+            sync_paths(posixpath.dirname(final))
+        self.storage.invalidate(self.storage.join(job))
+        self.commits += 1
+        _log.info("committed step %s of %s from %d host parts", step, job, first.process_count)
+
+    def abandoned(self, job: str, older_than_s: float, now: float | None = None, *,
+                  spent: Spent = lambda: False) -> list[Abandoned]:
+        """Claims older than ``older_than_s`` whose step is not committed and whose parts are absent, not
+        unreadable: a save with a record that is there but forged, damaged or of another save is reported and
+        kept for inspection, never deleted. Stops (with what it found) once ``spent()``."""
+        now = time.time() if now is None else now
+        out = []
+        for step in self.claims(job):
+            if spent():
+                break
+            claim = read_claim(self.storage, job, step)
+            if claim is None or now - claim.created_at < older_than_s or self.committed(job, step, claim.save_id):
+                continue
+            held = self._held(job, step, claim.save_id, claim.process_count, spent)
+            if held.stopped is not None:
+                break  # out of time: this save is looked at again next time
+            if held.whole:
+                continue  # every part is durable: the commit pass's to commit, never abandoned
+            if held.bad:
+                report_refused(step_path_for(self.storage, job, step, claim.save_id),
+                               f"an abandoned save whose part records of processes {spans(held.bad)} are "
+                               "unreadable or of another save: kept for inspection, never deleted")
+                continue
+            out.append(Abandoned(job, step, claim.save_id, now - claim.created_at, held.absent))
+        return out
+
+    def _held(self, job: str, step: int, save_id: str, count: int, spent: Spent | None = None) -> SaveParts:
+        return save_parts(self.storage, step_path_for(self.storage, job, step, save_id), save_id, count, spent=spent)
+
+    def clean(self, found: Abandoned) -> None:
+        """Delete an abandoned save: its staged (or in place, uncommitted) files, then its claim. Under the
+        job's lock, which a commit holds too, and only if it is still abandoned then: a part that landed
+        since ``abandoned`` looked makes the save the commit pass's (docs/multihost.md, section 5)."""
+        with _job_lock(self.storage, found.job):
+            claim = read_claim(self.storage, found.job, found.step)
+            if claim is None or claim.save_id != found.save_id or self.committed(found.job, found.step, found.save_id):
+                return
+            held = self._held(found.job, found.step, found.save_id, claim.process_count)
+            if held.whole or held.bad:
+                return
+            where = step_path_for(self.storage, found.job, found.step, found.save_id)
+            if self.storage.exists(posixpath.join(where, COMMIT_MARKER)):
+                return
+            if self.storage.exists(where):
+                self.storage.remove(where, recursive=True)
+            self.storage.remove(self.storage.join(found.job, CLAIMS_DIR, f"{found.step}.json"))
+            self.storage.invalidate(self.storage.join(found.job))
+        _log.warning("deleted abandoned save %s of step %s of %s (parts missing: %s)", found.save_id, found.step,
+                     found.job, spans(found.missing))
+
+
+_locks_guard = threading.Lock()
+_locks: dict[str, threading.RLock] = {}
+
+
+def _job_lock(storage: Storage, job: str) -> threading.RLock:
+    """One lock per job directory in this process: the leader's commit pass and its retention (two threads)
+    never work on one job's parts at once."""
+    key = storage.join(job)
+    with _locks_guard:
+        return _locks.setdefault(key, threading.RLock())
+
+
+__all__ = ["JOB_BUDGET_S", "Abandoned", "PartSaves"]

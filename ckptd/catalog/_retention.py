@@ -1,0 +1,175 @@
+"""Retention: which steps of a job may be deleted, and why — never the newest good step, never a step
+being written, never a bad step (quarantined or corrupt steps are kept for inspection).
+
+A good (verified) step is kept when any rule keeps it: one of the newest ``keep_last``; a multiple of
+``keep_every``; committed less than ``keep_newer_than_s`` ago. With no rule set, every good step is kept.
+An abandoned save (a tmp directory older than the save timeout) is cleaned; a younger one is a save in
+progress and is kept. The decision is a pure function; ``collect`` carries it out on storage.
+
+A job watched read-only (docs/protocol.md, "Read-only adoption") loses nothing: every step is kept, abandoned
+saves included — ckptd deletes nothing in step directories it may not write into.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from ckptd.catalog._part_commit import JOB_BUDGET_S, PartSaves
+from ckptd.catalog._worker_client import InProcessWorker
+from trainer_client.core._storage import Storage, storage_errors
+from trainer_client.core.format._parts import spans, step_path_for
+from trainer_client.core.protocol import CheckpointInfo, StepState
+
+if TYPE_CHECKING:
+    from ckptd.catalog._catalog import Catalog
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    keep_last: int | None = None
+    keep_every: int | None = None
+    keep_newer_than_s: float | None = None
+    clean_abandoned: bool = True
+
+    @property
+    def prunes_good_steps(self) -> bool:
+        return any(v is not None for v in (self.keep_last, self.keep_every, self.keep_newer_than_s))
+
+    def describe(self) -> str:
+        parts = []
+        if self.keep_last is not None:
+            parts.append(f"keep the last {self.keep_last}")
+        if self.keep_every is not None:
+            parts.append(f"keep every {self.keep_every}th step")
+        if self.keep_newer_than_s is not None:
+            parts.append(f"keep steps newer than {self.keep_newer_than_s:g}s")
+        return ", ".join(parts) or "keep every good step"
+
+
+@dataclass(frozen=True)
+class Decision:
+    step: int
+    path: str
+    state: StepState
+    action: Literal["keep", "delete"]
+    reasons: list[str] = field(default_factory=list)
+
+
+READ_ONLY_REASON = "read-only job: ckptd deletes nothing here"
+
+
+def decide(checkpoints: Iterable[CheckpointInfo], policy: RetentionPolicy, now: float | None = None,
+           *, read_only: bool = False) -> list[Decision]:
+    """What to keep and what to delete, with the reasons, oldest step first (all kept when ``read_only``)."""
+    now = time.time() if now is None else now
+    steps = sorted(checkpoints, key=lambda c: (c.step, c.path))
+    if read_only:
+        return [Decision(c.step, c.path, c.state, "keep", [READ_ONLY_REASON]) for c in steps]
+    good = [c for c in steps if c.state is StepState.VERIFIED]
+    newest_good = good[-1].step if good else None
+    last_n = {c.step for c in good[-policy.keep_last:]} if policy.keep_last else set()
+    out = []
+    for c in steps:
+        if c.state is StepState.VERIFIED:
+            reasons = []
+            if c.step == newest_good:
+                reasons.append("newest good step")
+            if c.step in last_n:
+                reasons.append(f"one of the last {policy.keep_last}")
+            if policy.keep_every and c.step % policy.keep_every == 0:
+                reasons.append(f"multiple of {policy.keep_every}")
+            if policy.keep_newer_than_s is not None and c.committed_at is not None and (
+                now - c.committed_at < policy.keep_newer_than_s
+            ):
+                reasons.append(f"newer than {policy.keep_newer_than_s:g}s")
+            if not policy.prunes_good_steps:
+                reasons.append("no retention rule set")
+            action: Literal["keep", "delete"] = "keep" if reasons else "delete"
+            out.append(Decision(c.step, c.path, c.state, action, reasons or [f"not kept by: {policy.describe()}"]))
+        elif c.state is StepState.ABANDONED and policy.clean_abandoned:
+            out.append(Decision(c.step, c.path, c.state, "delete", ["abandoned save older than the save timeout"]))
+        elif c.state is StepState.WRITING:
+            out.append(Decision(c.step, c.path, c.state, "keep", ["being written"]))
+        else:
+            out.append(Decision(c.step, c.path, c.state, "keep", [f"{c.state.value}: kept for inspection"]))
+    return out
+
+
+def collect(storage: Storage, decisions: Iterable[Decision], *, dry_run: bool = False) -> list[Decision]:
+    """Delete what ``decide`` said to delete (unless ``dry_run``); returns the deleted decisions."""
+    deleted = []
+    for d in decisions:
+        if d.action != "delete":
+            continue
+        if not dry_run:
+            with storage_errors(f"cannot delete {d.path}"):
+                storage.remove(d.path, recursive=True)
+            _log.info("retention deleted step %s (%s): %s", d.step, d.path, "; ".join(d.reasons))
+        deleted.append(d)
+    if deleted and not dry_run:
+        storage.invalidate()
+    return deleted
+
+
+def checked_decisions(catalog: Catalog, job: str, policy: RetentionPolicy) -> list[Decision]:
+    """``decide`` for a catalogued job, after checking on storage every good step it would delete or keep
+    as one of the newest (``Catalog.confirmed_step``): a step verified long ago may have lost a file
+    since. One that fails is quarantined, so it is kept for inspection and never deleted, and the next
+    good step takes its place among the newest; then the decision is made again."""
+    while True:
+        infos = catalog.checkpoints(job)
+        decisions = decide(infos, policy, read_only=catalog.read_only_for(job))
+        if catalog.read_only_for(job):
+            return decisions
+        good = sorted((c for c in infos if c.state is StepState.VERIFIED), key=lambda c: c.step)
+        suspects = {c.step for c in good[-(policy.keep_last or 1):]}
+        suspects |= {d.step for d in decisions if d.action == "delete" and d.state is StepState.VERIFIED}
+        failed = False
+        for step in sorted(suspects, reverse=True):
+            confirmed = catalog.confirmed_step(job, step)
+            failed = failed or confirmed is None or confirmed.state is not StepState.VERIFIED
+        if not failed:
+            return decisions
+
+
+def clean_abandoned_parts(storage: Storage, job: str, older_than_s: float, *,
+                          budget_s: float = JOB_BUDGET_S) -> list[Decision]:
+    """Delete the multi-host saves of ``job`` claimed longer than ``older_than_s`` ago and never committed
+    (a host's part never came): their staged or in-place files, then the claim. Looking for them stops after
+    ``budget_s`` (the rest waits for the next run): a job's forged claims hold up no other job's retention."""
+    saves = PartSaves(storage, InProcessWorker(lambda _request: {"ok": False, "error": "retention writes no parts"}))
+    out = []
+    deadline = time.monotonic() + budget_s
+    for found in saves.abandoned(job, older_than_s, spent=lambda: time.monotonic() > deadline):
+        with storage_errors(f"cannot delete the abandoned save {found.save_id} of step {found.step}"):
+            saves.clean(found)
+        out.append(Decision(found.step, step_path_for(storage, job, found.step, found.save_id), StepState.ABANDONED,
+                            "delete", [f"multi-host save {found.save_id} abandoned: parts {spans(found.missing)} "
+                                       "missing after the save timeout"]))
+    return out
+
+
+def prune(catalog: Catalog, policy: RetentionPolicy) -> list[Decision]:
+    """Apply ``policy`` to every job of a catalog (what the server runs every ``gc_interval_s``)."""
+    deleted: list[Decision] = []
+    for job in catalog.jobs():
+        if catalog.read_only_for(job.name) or not catalog.writes(job.name):
+            continue  # nothing is ever deleted there; another sidecar leads the job (ckptd/catalog/_lease.py)
+        catalog.refresh_job(job.name)
+        decisions = checked_decisions(catalog, job.name, policy)
+        if catalog.writes(job.name):  # asked again: the checks take time, the lease may have passed on meanwhile
+            deleted += collect(catalog.storage, decisions)
+            if policy.clean_abandoned:  # saves from host parts never completed (docs/multihost.md, section 5)
+                deleted += clean_abandoned_parts(catalog.storage, job.name, catalog.save_timeout_s)
+        catalog.refresh_job(job.name)
+    return deleted
+
+
+__all__ = ["READ_ONLY_REASON", "Decision", "RetentionPolicy", "checked_decisions", "clean_abandoned_parts", "collect",
+           "decide", "prune"]

@@ -1,0 +1,172 @@
+"""``ckptd serve``: the HTTP API under uvicorn, started only once it can serve.
+
+Before anything runs, what would make the server useless is refused with one line on stderr and a
+non-zero exit, never a traceback and never after "startup complete": invalid settings (exit 2), a local
+root that does not exist (exit 2; ``--create-root`` creates it, with a warning) or is no readable
+directory, a port that cannot be bound (exit 1: the socket is bound here, before uvicorn starts the
+application). Listening beyond loopback without a token is allowed (the container image does it) but
+warned about loudly. The flags' help shows each setting's default and environment variable. Once it answers, it
+logs where (``serving_line``: the root, the URL with the port bound, the dashboard, ``/docs``, ``/metrics``). In the
+base install, without the server's libraries, it says which install has them (``pip install 'ckptd[server]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from ckptd.config import Settings
+from trainer_client.core._extras import needs_extra
+
+EXIT_OK = 0
+EXIT_BAD = 1
+EXIT_USAGE = 2
+SWITCH_INTERVAL_S = 0.001
+
+_log = logging.getLogger("ckptd.serve")
+
+# flag -> setting; every flag overrides the CKPTD_ variable of the same name
+_FLAGS = {"--root": "root", "--host": "host", "--port": "port", "--state-dir": "state_dir", "--shm-dir": "shm_dir",
+          "--lease-ttl-s": "lease_ttl_s"}
+
+
+def _help(name: str) -> str:
+    """The setting's description, its variable and its default, for ``serve --help``."""
+    field = Settings.model_fields[name]
+    text = f"{field.description} (env CKPTD_{name.upper()}"
+    if "default" not in (field.description or ""):
+        text += f"; default: {'unset' if field.default is None else field.default}"
+    return text.replace("%", "%%") + ")"
+
+
+def add_parser(sub: Any) -> None:
+    """``ckptd serve`` on the CLI's subcommand parsers."""
+    serve = sub.add_parser(
+        "serve", help="serve the HTTP API (settings: flags, else CKPTD_* variables)",
+        description="Serve the HTTP API until SIGTERM or SIGINT. Each flag overrides its CKPTD_* variable; every "
+        "other setting (limits, token, retention, ...: docs/protocol.md) comes from the environment. A local root "
+        "must exist, the port must be free: otherwise one line on stderr and exit 2 or 1.")
+    for flag, name in _FLAGS.items():
+        serve.add_argument(flag, type=int if name == "port" else str, help=_help(name))
+    serve.add_argument("--create-root", action="store_true", default=None, help=_help("create_root"))
+    serve.add_argument("--read-only", action="store_true", default=None, help=_help("read_only"))
+    serve.set_defaults(func=run)
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"ckptd: {message}", file=sys.stderr)
+    return code
+
+
+def _check_root(settings: Settings) -> str | None:
+    """Why a local root cannot be served (``None``: it can; a ``gs://`` root is the catalog's to check)."""
+    if "://" in settings.root:
+        return None
+    root = Path(settings.root)
+    if not root.exists() and not root.is_symlink():
+        if not settings.create_root:
+            return (f"the checkpoint root {settings.root!r} does not exist: create it, or pass --create-root "
+                    "(CKPTD_CREATE_ROOT=true)")
+        try:
+            root.mkdir(parents=True)
+        except OSError as exc:
+            return f"cannot create the checkpoint root {settings.root!r}: {exc.strerror or exc}"
+        _log.warning("created the checkpoint root %s (it did not exist)", root.resolve())
+    if not root.is_dir():
+        return f"the checkpoint root {settings.root!r} is not a directory"
+    if not os.access(root, os.R_OK | os.X_OK):
+        return f"the checkpoint root {settings.root!r} cannot be listed by this user"
+    return None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: whatever it resolves to, assume the network
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now: a port in use is an error before the application starts."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def serving_line(settings: Settings, sock: socket.socket) -> str:
+    """Where the server answers, for its log: the root, the URL (the port bound, when 0 was asked for) and the pages
+    a person opens there."""
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    mode = ", read-only" if settings.read_only else ""
+    return (f"serving the checkpoint root {settings.root}{mode} at {url}: dashboard {url}/, API docs {url}/docs, "
+            f"metrics {url}/metrics")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``ckptd serve``: check, bind, then serve until SIGTERM/SIGINT."""
+    with needs_extra("server", "ckptd serve"):  # the base install has the CLI, not the server's libraries
+        import uvicorn
+
+        from ckptd._sidecar import build_sidecar
+        from ckptd.api._app import create_app
+        from ckptd.api._connections import server_config
+
+    overrides = {name: value for name in [*_FLAGS.values(), "create_root", "read_only"]
+                 if (value := getattr(args, name, None)) is not None}
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:  # e.g. an unreadable CKPTD_TOKEN_FILE: one clear line, no traceback
+        for err in exc.errors():
+            where = ".".join(str(x) for x in err["loc"])
+            print(f"ckptd: invalid settings: {where + ': ' if where else ''}{err['msg']}", file=sys.stderr)
+        return EXIT_USAGE
+    # ckptd's own loggers (persists, quarantines, refresh failures) at the same level as uvicorn's
+    level = 5 if settings.log_level.lower() == "trace" else settings.log_level.upper()  # uvicorn's own level
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    problem = _check_root(settings)
+    if problem is not None:
+        return _fail(problem, EXIT_USAGE)
+    if settings.token is None and not _is_loopback(settings.host):
+        _log.warning("NO TOKEN: listening on %s without a bearer token, so anyone who can reach port %d can list "
+                     "jobs, read plans and post events; set CKPTD_TOKEN_FILE or CKPTD_TOKEN (docs/operations.md, "
+                     "Security)", settings.host, settings.port)
+    try:
+        sock = _bind(settings.host, settings.port)
+    except OSError as exc:
+        return _fail(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}", EXIT_BAD)
+    app = create_app(settings, sidecar=build_sidecar(settings))  # the composition root (ckptd/_sidecar.py)
+    # Answers are short; background passes (refresh, metrics, persist bookkeeping) are long and CPU-bound.
+    # A 1 ms GIL switch interval (Python's default is 5 ms) keeps a background pass from adding its whole
+    # slice to every GIL hand-over of an answer.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    served = serving_line(settings, sock)
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:  # said once it answers, not before (a failed startup says why instead)
+                _log.info("%s", served)
+
+    server = Server(server_config(app, settings))
+    with sock:
+        server.run(sockets=[sock])
+    return EXIT_OK if server.started else EXIT_BAD  # not started: the application's startup failed (logged)
+
+__all__ = ["add_parser", "run", "serving_line"]

@@ -1,0 +1,228 @@
+"""The trainer's HTTP client of ckptd, with timeouts, retries and a storage fallback for resumes.
+
+Training never waits on the sidecar (docs/architecture.md, invariant 5): saves go through Orbax and never call ckptd.
+Only a resume needs an answer; when ckptd cannot give one before ``resume_deadline_s`` the client scans
+storage itself with the same commit rule and the same decision (``trainer_client.core.format._steps`` and
+``trainer_client.core._resume_decision``), so the plan is the one ckptd would have given. A refusal from ckptd
+(its error body, e.g. ``NOT_ENOUGH_DEVICES``) is an answer, not an outage: it is raised, never bypassed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from trainer_client.client._retry import RetryPolicy, retry
+from trainer_client.config import ClientSettings
+from trainer_client.core import protocol as p
+from trainer_client.core._resume_decision import STORAGE, Candidate, Refusal, decide, memory_candidate
+from trainer_client.core._step_plan import plan_for_step
+from trainer_client.core._storage import Storage
+from trainer_client.core._validation import latest_good_on_storage
+from trainer_client.errors import CkptdError, CkptdRequestError, CkptdUnavailable, NoCheckpointError, StorageError
+
+_log = logging.getLogger(__name__)
+
+# Answers that mean "ckptd cannot answer right now", worth a retry and then the fallback.
+_UNAVAILABLE_STATUSES = {502, 503, 504}
+# Refusals that mean "no step to resume from": NoCheckpointError (once storage agrees), not CkptdRequestError.
+_NO_CHECKPOINT = frozenset({p.ErrorCode.NO_GOOD_CHECKPOINT.value, p.ErrorCode.JOB_NOT_FOUND.value})
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+class CkptdClient:
+    """Talks to one ckptd; knows the checkpoint root so it can answer resumes without it."""
+
+    def __init__(
+        self,
+        settings: ClientSettings | None = None,
+        *,
+        root: str | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.settings = settings or ClientSettings()
+        self.root = root
+        headers = {"Authorization": f"Bearer {self.settings.token}"} if self.settings.token else {}
+        self._http = httpx.Client(
+            base_url=self.settings.url,
+            timeout=httpx.Timeout(self.settings.timeout_s),
+            headers=headers,
+            transport=transport,
+        )
+        self._tagged: dict[str, tuple[str, BaseModel]] = {}  # url -> (ETag, the answer it tags): If-None-Match
+        self._policy = RetryPolicy(
+            max_attempts=4, initial_backoff_s=0.1, max_backoff_s=1.0, deadline_s=self.settings.resume_deadline_s
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> CkptdClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- raw calls ------------------------------------------------------------------------------
+
+    def _request(self, method: str, url: str, answer: type[_M], json: Any = None,
+                 params: dict[str, Any] | None = None, *, conditional: bool = False) -> _M:
+        """``answer`` parsed from ckptd's reply (straight from the bytes: a plan of 1,000 arrays is ~100 KB).
+        ``conditional``: send the ``ETag`` of the last answer to this URL; a ``304`` gives that answer again
+        (a copy), unparsed (docs/protocol.md, "Conditional requests")."""
+
+        @retry(self._policy, retry_on=(CkptdUnavailable,))
+        def once() -> _M:
+            kept = self._tagged.get(url) if conditional and params is None else None
+            headers = {"If-None-Match": kept[0]} if kept is not None else None
+            try:
+                response = self._http.request(method, url, json=json, params=params, headers=headers)
+            except httpx.HTTPError as exc:
+                raise CkptdUnavailable(f"ckptd at {self.settings.url} did not answer: {exc}") from exc
+            if response.status_code == 304 and kept is not None and isinstance(kept[1], answer):
+                return kept[1].model_copy(deep=True)
+            if response.status_code in _UNAVAILABLE_STATUSES:
+                raise CkptdUnavailable(f"ckptd answered {response.status_code}: {response.text[:200]}")
+            if response.status_code >= 400:
+                try:
+                    body = p.ErrorBody.model_validate_json(response.content)
+                    raise CkptdRequestError(response.status_code, body.code.value, body.message)
+                except ValidationError:
+                    raise CkptdRequestError(
+                        response.status_code, "UNKNOWN", response.text[:200]
+                    ) from None
+            try:
+                parsed = answer.model_validate_json(response.content)
+            except ValidationError as exc:  # not ckptd's answer (a proxy's page?): as if it had not answered
+                raise CkptdUnavailable(
+                    f"ckptd at {self.settings.url} answered {response.status_code} with no {answer.__name__}: "
+                    f"{response.text[:200]!r}"
+                ) from exc
+            etag = response.headers.get("etag")
+            if conditional and params is None and etag:
+                self._tagged[url] = (etag, parsed.model_copy(deep=True))
+            return parsed
+
+        return once()
+
+    def healthy(self) -> bool:
+        try:
+            return bool(self._http.get(p.ROUTE_HEALTHZ).status_code == 200)
+        except httpx.HTTPError:
+            return False
+
+    def jobs(self) -> p.JobList:
+        return self._request("GET", p.ROUTE_JOBS, p.JobList)
+
+    def checkpoints(self, job: str, *, limit: int | None = None, cursor: str | None = None) -> p.CheckpointList:
+        """Every step of ``job``, oldest first; with ``limit`` (or ``cursor``) one page, newest first, whose
+        ``next`` asks for the following one (docs/protocol.md, "Pagination")."""
+        params = {k: v for k, v in (("limit", limit), ("cursor", cursor)) if v is not None}
+        return self._request("GET", p.ROUTE_CHECKPOINTS.format(job=job), p.CheckpointList, params=params or None)
+
+    def iter_checkpoints(self, job: str, *, page_size: int = p.DEFAULT_PAGE_LIMIT) -> Iterator[p.CheckpointInfo]:
+        """Every step of ``job``, newest first, a page at a time (each step once, even while steps arrive)."""
+        cursor: str | None = None
+        while True:
+            page = self.checkpoints(job, limit=page_size, cursor=cursor)
+            yield from page.checkpoints
+            if page.next is None:
+                return
+            cursor = page.next
+
+    def latest_good(self, job: str) -> p.CheckpointInfo | None:
+        """The newest good step, or None; asked with the last answer's ``ETag`` (a poller's unchanged answer
+        comes back as ``304``: no body, no parse)."""
+        try:
+            return self._request("GET", p.ROUTE_LATEST_GOOD.format(job=job), p.CheckpointInfo, conditional=True)
+        except CkptdRequestError as exc:
+            if exc.code in (p.ErrorCode.NO_GOOD_CHECKPOINT.value, p.ErrorCode.JOB_NOT_FOUND.value):
+                return None
+            raise
+
+    # ---- the one call that matters after a failure ------------------------------------------------
+
+    def resume(self, job: str, request: p.ResumeRequest) -> p.ResumePlan:
+        """The resume plan from ckptd, or from a storage scan when ckptd cannot answer in time.
+
+        Raises ``NoCheckpointError`` when there is no committed step, ``CkptdRequestError`` when ckptd
+        refuses (e.g. not enough devices for the policy, or ``FOREIGN_CHECKPOINT``: the step is another run's).
+        The request names this run (``CKPTD_RUN_ID``) unless it names one itself.
+        """
+        started = time.monotonic()
+        if request.run_id is None and self.settings.run_id is not None:  # who asks (docs/protocol.md, Identity)
+            request = request.model_copy(update={"run_id": self.settings.run_id})
+        try:
+            return self._request("POST", p.ROUTE_RESUME.format(job=job), p.ResumePlan,
+                                 json=request.model_dump(mode="json"))
+        except CkptdRequestError as exc:
+            if exc.code not in _NO_CHECKPOINT:
+                raise
+            # Before a job starts over, make sure storage agrees: ckptd may have no good step because it
+            # cannot verify them (read-only or full storage), while committed steps are there.
+            if self.root is not None:
+                try:
+                    plan = self.resume_from_storage(job, request)
+                except (NoCheckpointError, CkptdUnavailable):
+                    plan = None
+                except CkptdRequestError as scanned:  # the step asked for is not on storage either
+                    if scanned.code != p.ErrorCode.STEP_NOT_FOUND.value:
+                        raise
+                    plan = None
+                if plan is not None:
+                    _log.warning("ckptd has no good step of %r but storage has step %s: resuming from it (%s)",
+                                 job, plan.step, exc.message)
+                    return plan
+            raise _refusal(exc.code, exc.status, f"job {job!r}: {exc.message}") from exc
+        except CkptdUnavailable as exc:
+            if self.root is None:
+                raise
+            _log.warning(
+                "ckptd unavailable after %.2fs (%s); scanning storage for the resume plan",
+                time.monotonic() - started, exc,
+            )
+            return self.resume_from_storage(job, request)
+
+    def resume_from_storage(self, job: str, request: p.ResumeRequest) -> p.ResumePlan:
+        """The same plan ckptd would give, computed here (the fallback): what storage and this host's memory
+        tier hold, handed to the one decision ckptd makes too (trainer_client/core/_resume_decision.py). A
+        refusal raises what ckptd's answer with that code raises (``_refusal``)."""
+        if self.root is None:
+            raise CkptdUnavailable("no storage root configured for the fallback scan")
+        storage = Storage(self.root)
+        job_path = storage.join(job)
+        try:
+            found = latest_good_on_storage(storage, job_path, at_most=request.step)
+        except StorageError as exc:
+            raise CkptdUnavailable(f"neither ckptd nor storage answered: {exc}") from exc
+        held: list[Candidate[p.ResumePlan]] = []
+        memory = memory_candidate(self.settings.shm_dir, job, request, source="storage_scan")
+        if memory is not None:
+            held.append(memory)
+        if found is not None:
+            step_path, step = found.path, found.step
+            held.append(Candidate(STORAGE, step, lambda: plan_for_step(  # the one planner of a step on storage
+                storage, step_path, request, job=job, step=step, source="storage_scan")))
+        decided = decide(held, request)
+        if not isinstance(decided, Refusal):
+            return decided
+        which = "" if decided.step is None else f" {decided.step}"
+        raise _refusal(decided.code.value, p.ERROR_STATUS[decided.code],
+                       decided.message or f"job {job!r} has no good step{which} in {storage.url_of(job_path)}")
+
+
+def _refusal(code: str, status: int, message: str) -> CkptdError:
+    """What ``resume`` raises for a refusal with ``code``, whether ckptd answered it or the fallback found it:
+    ``NoCheckpointError`` when there is no step to resume from, otherwise ``CkptdRequestError``."""
+    if code in _NO_CHECKPOINT:
+        return NoCheckpointError(message)
+    return CkptdRequestError(status, code, message)
+
+
+__all__ = ["CkptdClient"]

@@ -1,0 +1,398 @@
+"""The elastic runner: survive slice failures inside the running process (same PID, no relaunch).
+
+``ElasticRunner.run(train_fn)`` calls the user's training function with an ``ElasticContext``, through
+pathwaysutils' ``Manager.elastic_retry`` (runtime/_slice_manager.py): Manager waits for the slices the policy
+needs (``pause``: all of them, ``resize``: at least ``min_slices``), runs the attempt under
+``jax.default_device`` on a live slice, retries it after a slice loss or a ``ScaleUpSignalError``, and its
+monitor thread health-checks the slices not in use. ckptd's part rides in the attempt and the callbacks: when
+a slice dies the JAX operation that touches it raises (``JaxRuntimeError`` with ``DATA_LOSS``); only what
+pathwaysutils classifies as a slice loss *and* a health check confirms reaches Manager
+(``fault_classification``; anything else is re-raised at once, unchanged). After the event the failed attempt
+is freed (JAX's caches cleared, its arrays deleted: ``recovery``; compile-ahead's executable for exactly the
+new mesh is kept: ``ctx.precompiled``); the next attempt asks ckptd for the resume plan (or scans storage when
+ckptd cannot answer), rebuilds the mesh from it and restores onto it through ``ctx.restore_or_init``. Under
+``resize`` a slice that Manager's monitor finds healthy again is noticed at a step boundary: the current state
+is saved first, so growing back loses no steps. With hot spares (``spare_slices``) the mesh uses fewer slices
+than the allocation holds; a healthy idle slice takes a lost one's place (same mesh shape, no resize, no wait
+for a replacement: ``SliceManager.take_slices``), and a lost slice that returns becomes a spare; with no
+healthy spare left the policy (``pause`` or ``resize``) decides. On Pathways the runner calls
+``pathwaysutils.initialize()``. In a multi-controller job (one process per host, ``jax.process_count() > 1``)
+a lost process ends them all and the job restarts them: each runs one attempt and all restore the step they
+agree on (``multihost.ResumeAgreement``, docs/multihost.md); a SIGTERM (a preemption notice there, not an end)
+makes every process save the step they agree on and return (``ElasticResult.preempted``).
+
+Options mirror MaxText's elastic flags (``checkpoint_period``, ``ElasticOptions``: ``policy``,
+``elastic_timeout_s``, ``elastic_max_retries``; docs/maxtext.md).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, TypeVar, cast
+
+import jax
+from jax.sharding import Mesh
+from pathwaysutils.elastic.manager import ElasticRuntimeError, ScaleUpSignalError
+
+from trainer_client.client._ckptd_client import CkptdClient
+from trainer_client.client._event_reporter import EventReporter
+from trainer_client.core._planner import plan_mesh
+from trainer_client.core.protocol import MeshSpec, ResumePlan, ResumeRequest, SliceAlive
+from trainer_client.errors import ElasticRetriesExhausted, ElasticTimeoutError, NoCheckpointError
+from trainer_client.runtime._checkpointing import Checkpointer
+from trainer_client.runtime._elastic_config import ElasticConfig
+from trainer_client.runtime._elastic_context import ElasticContext, Preempted, RunnerSignal
+from trainer_client.runtime._fault_classification import classify_failure
+from trainer_client.runtime._jax_faults import InJaxFaults
+from trainer_client.runtime._memory_tier import MemoryTier
+from trainer_client.runtime._multihost import ResumeAgreement
+from trainer_client.runtime._precompile import (
+    Precompiler,
+    build_mesh,
+    enable_persistent_cache,
+    ensure_compilation_cache,
+)
+from trainer_client.runtime._recovery import ArraysBefore, release_failed_attempt
+from trainer_client.runtime._saver import HealthWatch, Saver
+from trainer_client.runtime._slice_manager import SliceManager
+from trainer_client.runtime._slices import SimulatedSlices, SliceProvider, initialize_pathways
+
+_log = logging.getLogger(__name__)
+
+PyTree = Any
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str
+    step: int | None
+    t: float  # seconds since the run started
+    detail: str = ""
+    wall_time: float = 0.0  # time.time() when emitted
+    fields: dict[str, Any] = field(default_factory=dict)  # structured extras (protocol.ElasticEvent fields)
+
+
+@dataclass
+class Recovery:
+    """One elastic event, from detection to the first completed step on the new mesh."""
+
+    kind: Literal["slice_down", "scale_up"]
+    failed_at_step: int
+    detected_t: float
+    restored_step: int | None = None
+    lost_steps: int | None = None
+    mesh_before: list[int] = field(default_factory=list)
+    mesh_after: list[int] = field(default_factory=list)
+    slices_before: list[int] = field(default_factory=list)  # the slices the mesh used
+    slices_after: list[int] = field(default_factory=list)
+    spares_used: list[int] = field(default_factory=list)  # hot spares that took lost slices' places
+    seconds: float | None = None
+
+
+@dataclass
+class ElasticResult(Generic[T]):
+    value: T
+    pid: int
+    events: list[Event]
+    recoveries: list[Recovery]
+    final_step: int | None
+    # a multi-controller job stopped at the step its processes agreed on after a preemption notice (SIGTERM),
+    # that step saved to storage; ``value`` is None then (the training function did not return)
+    preempted: bool = False
+
+
+class _Raise(RunnerSignal):
+    """Carries an attempt's error that is not Manager's to retry through its loop, to be raised as it was
+    (never leaves the runner)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+def _first_line(error: BaseException) -> str:
+    return f"{(str(error).splitlines() or [''])[0][:300]}"
+
+
+class ElasticRunner:
+    """Runs a training function through slice failures, in this process.
+
+    The environment is read once: ``client.settings`` (a ``ClientSettings``, from the environment unless the
+    client was given one) is what every part of the run uses (the run id recorded with each step, the save
+    route's timeout, the restore's host-memory cap)."""
+
+    def __init__(
+        self,
+        config: ElasticConfig,
+        *,
+        slices: SliceProvider,
+        client: CkptdClient,
+        checkpoint_dir: str,
+        on_event: Callable[[Event], None] | None = None,
+        reporter: EventReporter | None = None,
+    ) -> None:
+        self.config = config
+        self.slices = slices
+        self.client = client
+        self.settings = settings = client.settings
+        # Events go to ckptd in the background (client/_event_reporter.py); training never waits.
+        if reporter is None and settings.report_events:
+            reporter = EventReporter(settings, config.job)
+        self.reporter = reporter
+        initialize_pathways()  # on Pathways only (pathwaysutils' proxy backend); PathwaysSlices did it first
+        if config.compilation.compilation_cache_dir:
+            enable_persistent_cache(config.compilation.compilation_cache_dir)
+        else:  # compiled executables must outlive the cache clear after an event (compile-ahead's above all)
+            ensure_compilation_cache()
+        total = len(slices.slice_to_devices)
+        spares = config.elastic.spare_slices
+        if not 0 <= spares < total:
+            raise ValueError(f"spare_slices={spares}: the allocation has {total} slices")
+        self.manager = SliceManager(slices.slice_to_devices, config.health.monitor_interval_s,
+                                    mesh_slices=total - spares)
+        self.precompiler = Precompiler(mesh_slices=total - spares)
+        saving, tier = config.saving, config.memory_tier
+        self.checkpointer = Checkpointer(checkpoint_dir, async_save=saving.async_save,
+                                         item=saving.checkpoint_item, run_id=settings.run_id)
+        memory = None
+        if tier.shm_dir:
+            memory = MemoryTier(tier.shm_dir, config.job, max_snapshots=tier.max_snapshots,
+                                preallocate=tier.preallocate_snapshots)
+        health = HealthWatch(client) if memory is not None else None
+        self.saver = Saver(self.checkpointer, memory, health, settings=settings)
+        # a multi-controller job's processes restore one step, agreed through JAX's coordination service
+        self.agreement: ResumeAgreement | None = None
+        if (count := jax.process_count()) > 1:
+            self.agreement = ResumeAgreement(config.job, tier.shm_dir, client,
+                                             process_index=jax.process_index(), process_count=count)
+        self.on_event = on_event
+        self.events: list[Event] = []
+        self.recoveries: list[Recovery] = []
+        self._lost: frozenset[int] = frozenset()  # the slices the last event took
+        self._t0 = time.monotonic()
+
+    def emit(self, kind: str, step: int | None = None, detail: str = "", **fields: Any) -> None:
+        event = Event(kind, step, time.monotonic() - self._t0, detail, time.time(), fields)
+        self.events.append(event)
+        _log.info("elastic event %s step=%s %s", kind, step, detail)
+        if self.reporter is not None:
+            self.reporter.report(kind, time=event.wall_time, step=step, t=event.t, detail=detail, **fields)
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def first_step_done(self, step: int) -> None:
+        """The attempt's first step is done (``ElasticContext.step_boundary``): ends the open recovery."""
+        self.emit("first_step_done", step)
+        if not self.recoveries or self.recoveries[-1].seconds is not None:
+            return
+        rec = self.recoveries[-1]
+        rec.seconds = self.events[-1].t - rec.detected_t
+        spare = f", spare slice(s) {rec.spares_used} in" if rec.spares_used else ""
+        detail = (f"{rec.kind} at step {rec.failed_at_step}: {rec.seconds:.2f}s to the first step, "
+                  f"{rec.lost_steps} step(s) lost{spare}")
+        self.emit("recovered", step, detail, recovery_seconds=rec.seconds, lost_steps=rec.lost_steps,
+                  restored_step=rec.restored_step, mesh_before=rec.mesh_before, mesh_after=rec.mesh_after,
+                  spares_used=rec.spares_used or None)
+
+    # ---- the loop around the user's function ---------------------------------------------------
+
+    def run(self, train_fn: Callable[[ElasticContext], T]) -> ElasticResult[T]:
+        """Run ``train_fn`` through slice failures; the events reach ckptd before this returns (or the
+        reporter gives up after ``events_flush_timeout_s``, at once when ckptd does not answer)."""
+        try:
+            with self._slices_in_jax():
+                return self._run(train_fn)
+        except BaseException as exc:
+            self.emit("aborted", None, f"{type(exc).__name__}: {_first_line(exc)}")
+            raise
+        finally:
+            # No background compile may outlive the run (XLA aborts the process when the interpreter exits
+            # in one)
+            self.precompiler.stop(wait=True)
+            self.precompiler.release()
+            self.saver.close()
+            if self.reporter is not None:
+                self.reporter.close(self.settings.events_flush_timeout_s)
+
+    def _run(self, train_fn: Callable[[ElasticContext], T]) -> ElasticResult[T]:
+        """The attempts, through pathwaysutils' ``Manager.elastic_retry`` (runtime/_slice_manager.py): it waits
+        for the slices, runs ``_attempt`` under ``jax.default_device`` on one of them, retries it after a
+        slice loss or a scale-up signal and stops its monitor at the end; ckptd's part is in the callbacks."""
+        self._t0 = time.monotonic()
+        options = self.config.elastic
+        self.emit("start", None, f"pid {os.getpid()}, policy {options.policy}")
+        callers_arrays = ArraysBefore()  # kept across events; whatever an attempt creates is not
+        total = len(self.slices.slice_to_devices)
+        needed = self.manager.mesh_slices
+        if options.policy == "resize":
+            needed = min(options.min_slices, needed)
+        failures = 0
+        if self.agreement is not None:
+            # multi-controller: a lost process ends every process and the job restarts them
+            # (docs/multihost.md, sections 2 and 6): no same-PID retries
+            return self._only_attempt(train_fn)
+
+        def retry(attempt: int, error: Exception) -> bool:
+            nonlocal failures
+            if isinstance(error, ScaleUpSignalError):
+                return True
+            failures += 1
+            return failures <= options.elastic_max_retries
+
+        def after_event() -> None:  # before the wait for slices; the failed attempt's frames still exist
+            self.precompiler.stop()
+            self.precompiler.forget(self._lost)  # executables on lost slices go with the clear below
+            self.checkpointer.reset()  # a save in flight has its host copy: the device arrays may go
+            with self.manager.device_work:  # not while the monitor's health check runs on arrays of its own
+                release_failed_attempt(callers_arrays)
+            self.emit("waiting_for_slices", None, f"policy {options.policy} needs {needed} of {total} slices")
+
+        def ready() -> None:  # after Manager's wait, before the attempt: which healthy slices the mesh uses
+            used, spares = self.manager.take_slices()
+            spare = f", spare(s) {sorted(spares)}" if options.spare_slices else ""
+            self.emit("slices_ready", None, f"slices {sorted(used)}{spare}")
+
+        attempts = self.manager.elastic_retry(
+            minimum_slice_count=needed, poll_interval=self.config.health.poll_interval_s,
+            timeout=options.elastic_timeout_s, pre_callback=ready, on_elastic_event_callback=after_event,
+            retry_policy=retry,
+        )(lambda: self._attempt(train_fn))
+        try:
+            return attempts()
+        except _Raise as passed:
+            error = passed.error
+        except ElasticRuntimeError as exc:  # the retry policy said no
+            limit = f"elastic_max_retries={options.elastic_max_retries}"
+            raise ElasticRetriesExhausted(f"{failures} slice failures exceed {limit}") from exc.__cause__
+        except TimeoutError as exc:  # Manager's wait (the attempt's own errors come as _Raise)
+            raise ElasticTimeoutError(f"{exc} (policy {options.policy!r} needs {needed} of {total}; "
+                                      f"elastic_timeout_s={options.elastic_timeout_s})") from exc
+        raise error  # outside the except block: unchanged, with its own traceback and context
+
+    def _only_attempt(self, train_fn: Callable[[ElasticContext], T]) -> ElasticResult[T]:
+        """The one attempt of a process of a multi-controller job, on every slice, without pathwaysutils'
+        Manager: its slice health check is a pmap over one slice's devices, which fails when a slice spans
+        processes, and there is nothing to retry in this PID after a loss."""
+        self.manager.active_slice_indices = self.manager.all_slice_indices
+        self.manager.take_slices()
+        try:
+            return self._attempt(train_fn)
+        except _Raise as passed:
+            error = passed.error
+        raise error
+
+    def _attempt(self, train_fn: Callable[[ElasticContext], T]) -> ElasticResult[T]:
+        """One attempt on the slices Manager found. Only a confirmed slice loss (fault_classification.py)
+        and a scale-up signal reach Manager, which retries them; anything else passes through it as
+        ``_Raise`` and leaves ``run`` unchanged, at once."""
+        active = frozenset(self.manager.active_slice_indices)  # the slices in use (SliceManager.take_slices)
+        ctx: ElasticContext | None = None
+        try:
+            plan = self.resume_plan(active)
+            order = plan.slices_used if plan and plan.slices_used else sorted(active)
+            mesh = self._build_mesh(plan.mesh if plan else self._fresh_mesh(active), order)
+            self._note_new_mesh(mesh, plan, active)
+            # compile-ahead's executable for exactly this mesh, if any (every other one is dropped)
+            ctx = ElasticContext(self, mesh, plan, active, precompiled=self.precompiler.claim(mesh))
+            try:
+                value = train_fn(ctx)
+            except Preempted as stop:
+                self.checkpointer.wait()
+                return ElasticResult(cast(T, None), os.getpid(), list(self.events), list(self.recoveries),
+                                     stop.step, preempted=True)
+            self.checkpointer.wait()
+        except ScaleUpSignalError as exc:
+            if ctx is not None:
+                self._record("scale_up", ctx, str(exc))
+            raise
+        except jax.errors.JaxRuntimeError as exc:
+            loss = classify_failure(exc, self.slices, active) if ctx is not None else None
+            if ctx is None or loss is None:
+                raise _Raise(exc) from None
+            down = f"slice(s) {sorted(loss.lost)} down: {_first_line(exc)}"
+            self._record("slice_down", ctx, down, loss.lost)
+            raise
+        except Exception as exc:
+            raise _Raise(exc) from None
+        self.emit("finished", ctx.last_step)
+        return ElasticResult(value, os.getpid(), list(self.events), list(self.recoveries), ctx.last_step)
+
+    def _note_new_mesh(self, mesh: Mesh, plan: ResumePlan | None, active: frozenset[int]) -> None:
+        """The open recovery's side after the event: the mesh, the slices, the spares used, the steps lost."""
+        if not self.recoveries or self.recoveries[-1].mesh_after:
+            return
+        rec = self.recoveries[-1]
+        rec.mesh_after = [int(s) for s in mesh.devices.shape]
+        rec.slices_after = sorted(active)
+        same_mesh = rec.mesh_after == rec.mesh_before
+        if rec.kind == "slice_down" and self.config.elastic.spare_slices and same_mesh:
+            rec.spares_used = sorted(active - set(rec.slices_before))
+        rec.restored_step = plan.step if plan else 0
+        rec.lost_steps = rec.failed_at_step - rec.restored_step
+
+    def _record(self, kind: Literal["slice_down", "scale_up"], ctx: ElasticContext, detail: str,
+                lost: frozenset[int] = frozenset()) -> None:
+        self._lost = lost  # the event's compile-ahead executables on these slices are dropped (after_event)
+        step = ctx.last_step if ctx.last_step is not None else ctx.start_step
+        self.emit("failure_detected" if kind == "slice_down" else "scale_up_detected", step, detail)
+        self.recoveries.append(Recovery(kind, step, self.events[-1].t,
+                                        mesh_before=[int(s) for s in ctx.mesh.devices.shape],
+                                        slices_before=sorted(ctx.active_slices)))
+
+    def slices_to_grow(self, active: frozenset[int]) -> frozenset[int]:
+        """Slices back that a degraded mesh grows onto at a step boundary (``resize``; none when the mesh is
+        whole: slices back are spares then)."""
+        return self.manager.slices_to_grow(active)
+
+    def _slices_in_jax(self) -> contextlib.AbstractContextManager[object]:
+        """Simulated slices' losses made visible to JAX for the run (``InJaxFaults``): Manager's health
+        checks are pathwaysutils' pmaps, which must see a fake slice down as they see a real one."""
+        if isinstance(self.slices, SimulatedSlices) and not self.slices.visible_in_jax:
+            return InJaxFaults(self.slices)
+        return contextlib.nullcontext()
+
+    def resume_plan(self, active: frozenset[int], *, use_memory_tier: bool = True) -> ResumePlan | None:
+        """Where to resume on the slices ``active`` (ckptd's answer, or the client's storage scan; agreed by
+        every process of a multi-controller job); None when the job has no checkpoint yet."""
+        slices = [SliceAlive(index=k, devices=len(self.slices.slice_to_devices[k])) for k in sorted(active)]
+        cfg = self.config
+        request = ResumeRequest(
+            policy=cfg.elastic.policy, alive_devices=sum(s.devices for s in slices), slices=slices,
+            device_memory_bytes=cfg.memory_fit.device_memory_bytes,
+            memory_headroom_bytes=cfg.memory_fit.memory_headroom_bytes,
+            batch=cfg.batch.wire(), use_memory_tier=use_memory_tier,
+            # who asks (docs/protocol.md, Identity); the client adds the run id of its settings
+            process_count=jax.process_count(),
+        )
+        try:
+            plan = (self.agreement.plan(request) if self.agreement is not None
+                    else self.client.resume(cfg.job, request))
+        except NoCheckpointError:
+            return None
+        if plan is None:
+            return None
+        batch = plan.batch
+        detail = (f"mesh {plan.mesh.shape} on slices {plan.slices_used} from {plan.source}, "
+                  f"data position {plan.data_position}")
+        if batch:
+            detail += f", batch {batch.global_batch} = {batch.accumulation_steps} x {batch.micro_batch}"
+        self.emit("plan_received", plan.step, detail)
+        return plan
+
+    def _fresh_mesh(self, active: frozenset[int]) -> MeshSpec:
+        alive = sum(len(self.slices.slice_to_devices[k]) for k in active)
+        return plan_mesh(self.config.full_mesh, {}, alive, "resize").mesh
+
+    def _build_mesh(self, spec: MeshSpec, slice_order: list[int]) -> Mesh:
+        """Devices of the planned slices, slice by slice, reshaped to the planned mesh."""
+        return build_mesh(spec, slice_order, self.slices.slice_to_devices)
+
+
+__all__ = [
+    "ElasticConfig", "ElasticContext", "ElasticResult", "ElasticRunner", "Event", "Preempted", "Recovery",
+]

@@ -1,0 +1,150 @@
+"""What the elastic runner needs to know about a job: ``ElasticConfig``, composed of small option groups.
+
+The job and its mesh (``job``, ``mesh_axes``, ``mesh_shape``, ``global_batch``) and the save period are
+``ElasticConfig``'s own fields; everything else comes in one frozen group per concern, each with defaults, the
+way Orbax's ``CheckpointManagerOptions`` composes ``AsyncOptions``, ``MultiprocessingOptions`` and
+``FileOptions``: ``ElasticOptions`` (the policy after a slice loss, retries, hot spares),
+``BatchScalingOptions`` (the batch on a resized mesh), ``MemoryFitOptions`` (the device memory a plan must
+fit), ``HealthOptions`` (the waits and health checks), ``MemoryTierOptions`` (ckptd's host-memory tier),
+``CompilationOptions`` and ``SaveOptions``. docs/maxtext.md maps MaxText's flags onto them. A keyword that
+names a group's field on ``ElasticConfig`` itself (``ElasticConfig(shm_dir=...)``) is refused with its
+spelling in the group, never ignored.
+
+jax-free: the runner (``trainer_client.runtime._elastic``) and the attempt's context
+(``trainer_client.runtime._elastic_context``) both read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+from trainer_client.core.protocol import BatchOptions, MeshSpec
+
+
+@dataclass(frozen=True)
+class ElasticOptions:
+    """What happens after a slice loss (MaxText's elastic flags)."""
+
+    policy: Literal["pause", "resize"] = "resize"  # with spare_slices: what happens when no spare is healthy
+    elastic_timeout_s: float = 300.0
+    elastic_max_retries: int = 10
+    min_slices: int = 1
+    # hot spares: slices of the allocation the mesh leaves idle; a healthy one takes a lost slice's place
+    # (the mesh keeps its shape). The mesh (mesh_shape) uses the other slices.
+    spare_slices: int = 0
+
+
+@dataclass(frozen=True)
+class BatchScalingOptions:
+    """The global batch and the learning rate on a resized mesh (docs/concepts.md)."""
+
+    batch_mode: Literal["keep_global_batch", "scale_batch"] = "keep_global_batch"
+    lr_scaling: Literal["none", "linear", "sqrt"] = "linear"
+
+    def wire(self) -> BatchOptions:
+        """As a resume request and the planner take them."""
+        return BatchOptions(mode=self.batch_mode, lr_scaling=self.lr_scaling)
+
+
+@dataclass(frozen=True)
+class MemoryFitOptions:
+    """The device memory a planned mesh must fit the state into (unset: not checked)."""
+
+    device_memory_bytes: int | None = None
+    memory_headroom_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class HealthOptions:
+    """How often slices are waited for and health-checked."""
+
+    poll_interval_s: float = 0.25  # the wait for slices after an event (pathwaysutils' health check)
+    # how often a step boundary looks for slices back (no health check)
+    scale_up_check_interval_s: float = 1.0
+    # background health checks of the slices not in use (pathwaysutils' monitor)
+    monitor_interval_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class MemoryTierOptions:
+    """ckptd's host-memory tier (off unless ``shm_dir`` is set)."""
+
+    shm_dir: str | None = None  # host-memory tier: a shared-memory directory ckptd also sees
+    memory_period: int | None = None  # memory-only snapshots every N steps (between persistent saves)
+    max_snapshots: int = 2
+    preallocate_snapshots: bool = True  # allocate the next snapshot's shm file in the background after a save
+
+
+@dataclass(frozen=True)
+class CompilationOptions:
+    """Compiled steps kept across an elastic event, and compiled ahead for the next meshes."""
+
+    # JAX's persistent compilation cache (shared with relaunches); unset: a private one under the temp dir,
+    # unless one is configured already (it carries compiled steps across the cache clear after an event)
+    compilation_cache_dir: str | None = None
+    precompile: bool = True  # compile the likely next meshes in the background (needs ctx.set_precompile)
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """How each save to storage is written."""
+
+    # a periodic save while the previous save to storage is still being written: waits for it (Orbax's way),
+    # or is skipped so the loop never waits (fewer checkpoints when saves take longer than checkpoint_period)
+    when_save_busy: Literal["wait", "skip"] = "wait"
+    checkpoint_item: str = "default"  # the Orbax item of the state in each step (MaxText's steps: "items")
+    async_save: bool = True  # Orbax writes in the background (MaxText's async_checkpointing); False: blocking
+
+
+@dataclass(frozen=True)
+class ElasticConfig:
+    """What the runner needs to know about the job (MaxText-style elastic options, grouped by concern)."""
+
+    job: str
+    mesh_axes: tuple[str, ...]
+    mesh_shape: tuple[int, ...]
+    global_batch: int
+    checkpoint_period: int = 10
+    elastic: ElasticOptions = field(default_factory=ElasticOptions)
+    batch: BatchScalingOptions = field(default_factory=BatchScalingOptions)
+    memory_fit: MemoryFitOptions = field(default_factory=MemoryFitOptions)
+    health: HealthOptions = field(default_factory=HealthOptions)
+    memory_tier: MemoryTierOptions = field(default_factory=MemoryTierOptions)
+    compilation: CompilationOptions = field(default_factory=CompilationOptions)
+    saving: SaveOptions = field(default_factory=SaveOptions)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> ElasticConfig:
+        moved = sorted(set(kwargs) & set(_MOVED))
+        if moved:
+            raise TypeError("; ".join(_new_spelling(name) for name in moved))
+        return super().__new__(cls)
+
+    @property
+    def full_mesh(self) -> MeshSpec:
+        return MeshSpec(axis_names=list(self.mesh_axes), shape=list(self.mesh_shape))
+
+
+_GROUPS: dict[str, type] = {f.name: f.default_factory for f in fields(ElasticConfig)  # type: ignore[misc]
+                            if isinstance(f.default_factory, type)}
+# each field of a group: (ElasticConfig's field that holds the group, the group's class)
+_MOVED: dict[str, tuple[str, type]] = {
+    f.name: (group, cls) for group, cls in _GROUPS.items() for f in fields(cls)}
+
+
+def _new_spelling(name: str) -> str:
+    group, cls = _MOVED[name]
+    return (f"{name} is now {cls.__name__}.{name}: "
+            f"ElasticConfig({group}={cls.__name__}({name}=...))")
+
+
+__all__ = [
+    "BatchScalingOptions",
+    "CompilationOptions",
+    "ElasticConfig",
+    "ElasticOptions",
+    "HealthOptions",
+    "MemoryFitOptions",
+    "MemoryTierOptions",
+    "SaveOptions",
+]

@@ -1,0 +1,249 @@
+"""One resume step for every process of a multi-controller job (docs/multihost.md, "One resume step").
+
+In a multi-process JAX job each host's shared memory holds only that host's part of a memory snapshot, and
+each host may ask its own sidecar (or scan storage) for the resume step: left alone, hosts could restore
+different steps. ``ResumeAgreement`` makes them agree through JAX's coordination service key-value store
+(``jax._src.distributed.global_state.client``: no device work, explicit timeouts, usable before any mesh
+exists; the store lives in process 0 and starts empty with every incarnation of the job):
+
+1. every process offers the steps whose part it holds intact in its own shared memory (``offer/<k>``);
+2. process 0 asks for the storage answer (its sidecar's resume plan with the memory tier off, or the
+   client's storage scan when the sidecar cannot answer) on a thread of its own as soon as it enters the
+   round, so that call overlaps the listing of its own parts and the wait for the others' offers; it waits
+   for all offers and for that answer and decides: the newest step
+   every process offered (the same save in every part), unless the storage step is newer; a host that
+   offers nothing (its memory wiped) makes the job take storage. It publishes the decision with the storage
+   plan (``decision``);
+3. every process plans from the decision (a memory plan of its own part, or the one storage plan) and
+   restores; then all exchange how it went (``restored/<k>``): if any memory restore failed (a checksum
+   found wrong), every process restores the storage step instead, so the job never runs on mixed steps.
+
+A single-process job never gets here (``ElasticRunner`` asks ckptd as it always did).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from trainer_client.client._ckptd_client import CkptdClient
+from trainer_client.core._errors import UnsafePathError
+from trainer_client.core._resume_decision import memory_snapshot_plan
+from trainer_client.core.format._snapshot import SnapshotMeta, complete_snapshots, problems, read_meta
+from trainer_client.core.protocol import ResumePlan, ResumeRequest
+from trainer_client.errors import CkptdRequestError, NoCheckpointError
+from trainer_client.runtime._job_store import KeyValueStore, job_store
+from trainer_client.runtime._saver import restore_from_plan
+
+_log = logging.getLogger(__name__)
+PyTree = Any
+
+OFFER_TIMEOUT_MS = 120_000  # the slowest process's start (imports, jax.distributed) plus its shm scan
+RESTORE_TIMEOUT_MS = 600_000  # the slowest process's restore (storage: every process reads its shards)
+
+
+@dataclass(frozen=True)
+class Part:
+    """A step this process holds intact in its own shared memory, and what must match across the hosts."""
+
+    step: int
+    path: Path
+    meta: SnapshotMeta
+
+    @property
+    def save(self) -> str:
+        """What every host's part of one save has alike (its save id: ``<job incarnation>-<step>``, the data
+        position, the mesh, the arrays' global shapes and dtypes): parts of the same step from different saves
+        (a step run again after a restart) never make a whole."""
+        t = self.meta.training
+        arrays = sorted((name, a.shape, a.dtype) for name, a in self.meta.arrays.items())
+        return json.dumps([self.meta.save_id, self.step, t.data_position, t.mesh.model_dump(mode="json"), arrays])
+
+
+def own_parts(shm_dir: str | None, job: str, process_index: int, process_count: int,
+              at_most: int | None = None) -> list[Part]:
+    """This process's intact parts of ``job`` (``problems() == []``, written by this process index of a job of
+    this many processes), newest first. Shard checksums are checked by the restore itself."""
+    if shm_dir is None:
+        return []
+    try:
+        held = complete_snapshots(shm_dir, job)
+    except UnsafePathError as exc:  # never resume from what someone else could have written
+        _log.warning("not offering the memory tier of %s: %s", job, exc)
+        return []
+    out = []
+    for path in reversed(held):
+        if (at_most is not None and int(path.name) > at_most) or problems(path):
+            continue
+        try:
+            meta = read_meta(path)
+        except (OSError, ValueError, ValidationError):  # dropped by ckptd meanwhile
+            continue
+        if (meta.process_index, meta.process_count) == (process_index, process_count):
+            out.append(Part(meta.step, path, meta))
+    return out
+
+
+def decide(offers: list[list[list[Any]]], storage_step: int | None) -> tuple[str, int | None, str | None]:
+    """``(tier, step, save)``: the newest ``[step, save]`` every process offered (``memory``), unless the
+    storage step is newer (``storage``; memory wins a tie: it is the faster restore); ``("none", None, None)``
+    when neither has a step."""
+    common = set.intersection(*({(int(s), str(k)) for s, k in offer} for offer in offers)) if offers else set()
+    memory = max(common, default=None)
+    if memory is not None and (storage_step is None or memory[0] >= storage_step):
+        return "memory", memory[0], memory[1]
+    if storage_step is not None:
+        return "storage", storage_step, None
+    return "none", None, None
+
+
+class ResumeAgreement:
+    """The resume step of one JAX job, agreed by all its processes (one instance per process)."""
+
+    def __init__(self, job: str, shm_dir: str | None, client: CkptdClient, *, process_index: int,
+                 process_count: int, store: KeyValueStore | None = None) -> None:
+        self.job = job
+        self.shm_dir = shm_dir
+        self.client = client
+        self.index = process_index
+        self.count = process_count
+        self._store = store
+        self._round = 0  # every process agrees as often as the others, in the same order: the same keys
+        self.decision: dict[str, Any] | None = None
+        self.storage_plan: ResumePlan | None = None
+        self.timings: dict[str, float] = {}  # seconds per phase of the last round (the bench reports them)
+        self._planned: ResumePlan | None = None  # process 0's memory plan of the decided step, made once
+
+    @property
+    def store(self) -> KeyValueStore:
+        if self._store is None:
+            self._store = job_store()
+        return self._store
+
+    def _key(self, name: str) -> str:
+        return f"ckptd/resume/{self.job}/{self._round}/{name}"
+
+    def plan(self, request: ResumeRequest) -> ResumePlan | None:
+        """The plan of the step every process restores (this process's part of it, or the storage step), or
+        None when the job has no step anywhere. ``CkptdRequestError`` in every process when ckptd refused."""
+        self._round += 1
+        self.timings = {}
+        self._planned = None
+        start = time.perf_counter()
+        storage = self._ask_storage(request) if self.index == 0 else None  # overlaps the listing and the waits
+        parts = own_parts(self.shm_dir, self.job, self.index, self.count, request.step) \
+            if request.use_memory_tier else []
+        self.timings["list_parts_s"] = time.perf_counter() - start
+        self.store.key_value_set(self._key(f"offer/{self.index}"),
+                                 json.dumps({"parts": [[p.step, p.save] for p in parts]}))
+        if storage is not None:
+            self._decide(request, parts, storage)
+        waited = time.perf_counter()
+        decision = json.loads(self.store.blocking_key_value_get(self._key("decision"), OFFER_TIMEOUT_MS))
+        self.timings["decision_wait_s"] = time.perf_counter() - waited
+        self.decision = decision
+        if decision.get("refused"):
+            raise CkptdRequestError(*decision["refused"])
+        self.storage_plan = (ResumePlan.model_validate(decision["storage"])
+                             if decision.get("storage") is not None else None)
+        self.timings["agreement_s"] = time.perf_counter() - start
+        if decision["tier"] == "memory":
+            part = next((p for p in parts if p.step == decision["step"] and p.save == decision["save"]), None)
+            if part is None:  # cannot be: this process offered it
+                raise RuntimeError(f"the agreed memory step {decision['step']} is not in this host's memory")
+            plan = self._planned or memory_snapshot_plan(job=self.job, request=request,
+                                                         snapshot=(part.path, part.meta))
+            return plan.model_copy(update={"source": "memory_agreement", "notes": [
+                *plan.notes, f"agreed by {self.count} processes: each restores its own part of step {part.step} "
+                "from memory"]})
+        return self.storage_plan
+
+    def _ask_storage(self, request: ResumeRequest) -> Future[ResumePlan | None]:
+        """Process 0's storage answer, asked on a thread now and awaited by ``_decide``."""
+        def ask() -> ResumePlan | None:
+            asked = time.perf_counter()
+            try:
+                return self.client.resume(self.job, request.model_copy(update={"use_memory_tier": False}))
+            except NoCheckpointError:
+                return None
+            finally:
+                self.timings["storage_answer_s"] = time.perf_counter() - asked
+        pool = ThreadPoolExecutor(1, thread_name_prefix="ckptd-storage-answer")
+        try:
+            return pool.submit(ask)
+        finally:
+            pool.shutdown(wait=False)  # the call runs on; the thread ends with it
+
+    def _decide(self, request: ResumeRequest, parts: list[Part], asked: Future[ResumePlan | None]) -> None:
+        """Process 0: the storage answer asked before, every offer, the decision (published, read back like
+        the others)."""
+        storage: ResumePlan | None = None
+        refused: list[Any] | None = None
+        waited = time.perf_counter()
+        try:  # first: an error getting it reaches every process at once, not after the offers
+            storage = asked.result()
+        except CkptdRequestError as exc:
+            refused = [exc.status, exc.code, exc.message]
+        except Exception as exc:  # every process must hear of it, or they wait out the timeout
+            self.store.key_value_set(self._key("decision"), json.dumps(
+                {"tier": "none", "refused": [503, "UNAVAILABLE", f"no storage answer: {exc}"]}))
+            raise
+        finally:
+            self.timings["storage_wait_s"] = time.perf_counter() - waited
+        offers = [json.loads(self.store.blocking_key_value_get(self._key(f"offer/{k}"), OFFER_TIMEOUT_MS))["parts"]
+                  for k in range(self.count)]
+        self.timings["offers_wait_s"] = time.perf_counter() - waited - self.timings["storage_wait_s"]
+        tier, step, save = decide(offers, storage.step if storage is not None else None)
+        if tier == "memory":  # restored onto the same global mesh only: each process holds just its own regions
+            mine = next(p for p in parts if (p.step, p.save) == (step, save))
+            planned = memory_snapshot_plan(job=self.job, request=request, snapshot=(mine.path, mine.meta))
+            if planned.mesh.shape != mine.meta.training.mesh.shape:
+                _log.warning("step %s is in every host's memory, but the devices alive ask for mesh %s, not the "
+                             "saved %s: restoring from storage", step, planned.mesh.shape,
+                             mine.meta.training.mesh.shape)
+                tier, step, save = ("storage", storage.step, None) if storage is not None else ("none", None, None)
+            else:
+                self._planned = planned
+        _log.info("resume agreed by %d processes: %s step %s (offers: %s; storage: %s)", self.count, tier, step,
+                  [[s for s, _ in offer] for offer in offers], storage.step if storage is not None else None)
+        self.store.key_value_set(self._key("decision"), json.dumps({
+            "tier": tier, "step": step, "save": save, "refused": refused,
+            "storage": storage.model_dump(mode="json") if storage is not None else None}))
+
+    def restore(self, plan: ResumePlan, target_for: Callable[[ResumePlan], PyTree]) -> tuple[PyTree, ResumePlan]:
+        """``(state, plan restored)``: the agreed plan's step onto ``target_for(plan)`` in every process, or
+        the storage step in every process when any process's memory restore failed."""
+        state: PyTree = None
+        error: Exception | None = None
+        try:
+            state = restore_from_plan(plan, target_for(plan), self.client.settings.restore_host_bytes)
+        except Exception as exc:  # told to the others first: they must not wait for this process in vain
+            error = exc
+        self.store.key_value_set(self._key(f"restored/{self.index}"),
+                                 "ok" if error is None else f"failed: {type(error).__name__}: {error}"[:2000])
+        outcomes = [self.store.blocking_key_value_get(self._key(f"restored/{k}"), RESTORE_TIMEOUT_MS)
+                    for k in range(self.count)]
+        failed = [f"process {k}: {o}" for k, o in enumerate(outcomes) if o != "ok"]
+        if not failed:
+            return state, plan
+        if plan.tier != "memory":
+            raise error if error is not None else RuntimeError(f"restore of step {plan.step} failed in {failed}")
+        _log.error("restoring step %s from memory failed (%s); every process restores from storage instead",
+                   plan.step, "; ".join(failed))
+        fallback = self.storage_plan
+        if fallback is None or fallback.mesh != plan.mesh:
+            raise error if error is not None else RuntimeError(
+                f"step {plan.step} failed to restore from memory in {failed} and storage has no step on its mesh")
+        budget = self.client.settings.restore_host_bytes
+        return restore_from_plan(fallback, target_for(fallback), budget), fallback
+
+
+__all__ = ["Part", "ResumeAgreement", "decide", "own_parts"]
