@@ -25,7 +25,7 @@ __version__ = "0.1.0"
 # ckptd[server]; ``Settings`` and ``main`` (the ``ckptd`` command) work in every install.
 _LAZY = {"create_app": "ckptd.api._app", "Settings": "ckptd.config", "main": "ckptd.cli._main"}
 
-__all__ = ["Settings", "create_app", "main", "__version__"]
+__all__ = ["Settings", "__version__", "create_app", "main"]
 
 
 def __getattr__(name: str) -> Any:

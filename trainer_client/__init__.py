@@ -132,9 +132,9 @@ __all__ = [
     "StorageError",
     "StoredFormatError",
     "UnsafePathError",
+    "__version__",
     "initialize_multihost",
     "restore",
-    "__version__",
 ]
 
 

@@ -1,6 +1,6 @@
 """Limits on HTTP connections, below the application: how many, how large a request head, how long it takes.
 
-uvicorn bounds none of these (measured, issue #18): its httptools protocol accumulates a header however
+uvicorn bounds none of these (measured): its httptools protocol accumulates a header however
 long it is (a 200 MB header was accepted), runs no timer before a connection's first request is parsed (a
 connection that sent half a request stayed open for good) and accepts connections until the process runs
 out of file descriptors (then ``/healthz`` and the catalog's storage reads fail too). ``guarded_protocol``

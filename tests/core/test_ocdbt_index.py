@@ -5,8 +5,8 @@ shared nodes, the node, key and time budget, decoded sizes) is an ``OcdbtRefused
 does not hand to tensorstore either.
 
 The databases here are written byte by byte in tensorstore's published format
-(``tests/support/forged_ocdbt.py``), which is how a forged one would be made; tests/trainer/runtime/test_direct_restore.py
-checks the reader against tensorstore's own.
+(``tests/support/forged_ocdbt.py``), which is how a forged one would be made;
+tests/trainer/runtime/test_direct_restore.py checks the reader against tensorstore's own.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ reads an index; the CLI loads the HTTP service only inside ``serve``).
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -315,6 +316,19 @@ def test_the_catalog_and_advisor_know_no_server_framework_and_the_advisor_no_sto
     bad = _broken(graph, ("ckptd.catalog", "ckptd.advisor", CHECKPOINT_IO), SERVER_FRAMEWORK)
     bad += _broken(graph, ("ckptd.advisor",), ("trainer_client.core._storage",))
     assert not bad, "\n".join(bad)
+
+
+ISSUE_CITATION = re.compile(r"\bissues?\s*#?\d+|\(#\d+\)", re.IGNORECASE)
+
+
+def test_no_module_cites_an_issue() -> None:
+    """Why code is as it is belongs in docs/ (the invariants, the contract), not in a tracker's numbers."""
+    dirs = ("ckptd", "trainer_client", "tests", "bench", "soak", "examples")
+    sources = [p for d in dirs for p in (REPO / d).rglob("*.py") if "fixtures" not in p.parts]
+    assert len(sources) > 100
+    cited = [f"{p.relative_to(REPO)}:{n}" for p in sources
+             for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if ISSUE_CITATION.search(line)]
+    assert not cited, f"modules citing an issue: {cited}"
 
 
 def test_every_module_says_why_it_exists_and_stays_small() -> None:

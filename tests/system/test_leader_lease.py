@@ -1,4 +1,4 @@
-"""Three real ``ckptd serve`` processes on one root with ``CKPTD_LEASE_TTL_S`` (issue #14, item 4), on a local
+"""Three real ``ckptd serve`` processes on one root with ``CKPTD_LEASE_TTL_S``, on a local
 root and on the GCS emulator: exactly one leads; steps written by plain Orbax get their manifests from the
 leader only (with the leader stopped, the followers leave a new step unadopted until one of them holds the
 lease); the leader SIGKILLed, a follower leads within the lease time and goes on adopting; every sidecar

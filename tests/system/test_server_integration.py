@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import httpx
 import pytest
 
 from ckptd.cli._main import main as ckptd_main
+from tests.support.golden import copy_root
 from tests.support.helpers import clean_env, stop_process, wait_until
 from tests.support.orbax_steps import model_parallel_metadata, write_orbax_jobs
 from trainer_client.core import protocol as p
@@ -40,8 +40,7 @@ def golden_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def root(golden_root: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "root"
-    shutil.copytree(golden_root, dst)
+    dst = copy_root(golden_root, tmp_path)
     return dst
 
 

@@ -1,5 +1,5 @@
 """``GET /v1/jobs/{job}/advice`` under hostile inputs: every input bounded, the simulation's work bounded, advice
-never starving the resume path, and liveness that sees a wedged handler pool (issue #18, item 6)."""
+never starving the resume path, and liveness that sees a wedged handler pool."""
 
 from __future__ import annotations
 

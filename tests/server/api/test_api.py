@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ckptd.api._app import create_app
 from ckptd.catalog._catalog import Catalog
 from ckptd.config import Settings
+from tests.support.golden import add_odd_steps, tmp_step
 from tests.support.helpers import REPO, make_settings
 from tests.support.orbax_steps import model_parallel_metadata, training_metadata, write_orbax_jobs
 from trainer_client.core import protocol as p
@@ -53,9 +54,7 @@ def _populate(golden: Path, dst: Path) -> Path:
     tmp step, and a ".hidden" directory holding a committed step (not a valid job name)."""
     shutil.copytree(golden, dst)
     plain = dst / "plain"
-    shutil.copytree(plain / "3", plain / f"4{TMP_DIR_SUFFIX}-1")
-    shutil.copytree(plain / "3", plain / "5")
-    (plain / "5" / CHECKPOINT_METADATA).write_text("{garbled")
+    add_odd_steps(plain, 3, writing=tmp_step(4, "-1"), corrupt=5)
     shutil.copytree(plain / "3", dst / "empty" / f"7{TMP_DIR_SUFFIX}")
     shutil.copytree(plain / "1", dst / ".hidden" / "1")
     return dst

@@ -1,4 +1,4 @@
-"""Memory and connections before auth (issue #18, item 7), against a real uvicorn server with the limits
+"""Memory and connections before auth, against a real uvicorn server with the limits
 ``ckptd serve`` runs with (ckptd/api/_connections.py, ckptd/api/_limits.py): a request without the token is
 refused from its headers, its body never read; a request head is bounded in size, count and time; a body
 in time and in memory; connections in number, the probes still answered past the limit.

@@ -1,4 +1,4 @@
-"""``/docs`` is served whole by ckptd (issue #18, item 11): Swagger UI's files come from the package (the
+"""``/docs`` is served whole by ckptd: Swagger UI's files come from the package (the
 vendored swagger-ui-dist, checked against the digests its README records), the page names no other origin
 and forbids loading from one, and a headless Chromium that can reach nothing but ckptd renders every
 operation of the API from it.

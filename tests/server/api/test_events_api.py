@@ -26,6 +26,7 @@ from ckptd.api._app import create_app
 from ckptd.catalog._catalog import Catalog
 from ckptd.catalog._events import EventStore
 from ckptd.config import Settings
+from tests.support.golden import copy_root
 from tests.support.helpers import clean_env, make_settings, wait_until
 from tests.support.orbax_steps import training_metadata
 from trainer_client.core import protocol as p
@@ -86,8 +87,7 @@ def _app(root: Path, state: Path, make_settings: Callable[..., Settings], **over
 
 @pytest.fixture
 def env(golden: tuple[Path, dict[str, Any]], tmp_path: Path) -> Iterator[tuple[TestClient, Path]]:
-    root = tmp_path / "root"
-    shutil.copytree(golden[0], root)
+    root = copy_root(golden[0], tmp_path)
     with TestClient(_app(root, tmp_path / "state", make_settings)) as client:
         yield client, root
 

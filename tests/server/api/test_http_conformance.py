@@ -1,4 +1,4 @@
-"""HTTP conformance (issue #18, item 12), one rule at a time; tests/server/api/test_hostile.py runs schemathesis
+"""HTTP conformance, one rule at a time; tests/server/api/test_hostile.py runs schemathesis
 with every check and phase over the whole API.
 
 A 405 lists every method of its path in ``Allow``; a schema-valid advice request the job's history cannot

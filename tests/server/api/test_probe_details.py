@@ -1,5 +1,5 @@
 """``/readyz`` tells anyone whether ckptd is ready, and only a caller with the token where the checkpoints live
-and what failed reading them (issue #18, item 11)."""
+and what failed reading them."""
 
 from __future__ import annotations
 

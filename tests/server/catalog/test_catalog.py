@@ -15,6 +15,7 @@ import pytest
 from ckptd.catalog._catalog import Catalog
 from ckptd.catalog._integrity import settle
 from ckptd.catalog._refresher import Refresher
+from tests.support.golden import add_odd_steps, copy_root, golden_fixture
 from tests.support.helpers import wait_until
 from tests.support.orbax_steps import write_orbax_jobs
 from trainer_client.core._storage import Storage
@@ -28,12 +29,9 @@ TMP4 = f"4{TMP_DIR_SUFFIX}-1712345678"
 _CKPTD_FILES = shutil.ignore_patterns("ckptd_*")
 
 
-@pytest.fixture(scope="module")
-def golden_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Written once by plain Orbax in another process: alpha steps 1, 2, 3 and beta step 5."""
-    root = tmp_path_factory.mktemp("catalog-golden")
-    write_orbax_jobs({root / "alpha": [1, 2, 3], root / "beta": [5]})
-    return root
+# Written once by plain Orbax in another process: alpha steps 1, 2, 3 and beta step 5.
+golden_root = golden_fixture(lambda root: write_orbax_jobs({root / "alpha": [1, 2, 3], root / "beta": [5]}),
+                             name="golden_root")
 
 
 @pytest.fixture
@@ -43,14 +41,9 @@ def root(golden_root: Path, tmp_path: Path) -> Path:
     alpha: 1, 2, 3 committed; 4 a tmp directory (writing); 5 corrupt (garbled metadata);
     6 finalized name without commit_success.txt (writing). beta: 5 committed.
     """
-    dst = tmp_path / "root"
-    shutil.copytree(golden_root, dst)
+    dst = copy_root(golden_root, tmp_path)
     alpha = dst / "alpha"
-    shutil.copytree(alpha / "3", alpha / TMP4)
-    shutil.copytree(alpha / "3", alpha / "5")
-    (alpha / "5" / CHECKPOINT_METADATA).write_text("{garbled")
-    shutil.copytree(alpha / "3", alpha / "6")
-    (alpha / "6" / COMMIT_MARKER).unlink()
+    add_odd_steps(alpha, 3, writing=TMP4, corrupt=5, uncommitted=6)
     (alpha / "notes.txt").write_text("not a step")
     (alpha / "tmp").mkdir()
     (alpha / "8").write_text("a file named like a step")

@@ -1,4 +1,4 @@
-"""Events stay bounded (issue #18 item 8): per job on storage and in memory, over all jobs in memory, across a
+"""Events stay bounded: per job on storage and in memory, over all jobs in memory, across a
 restart, and in /metrics; goodput over the whole history survives the rotation that bounds them
 (ckptd.catalog._events, ckptd.catalog._event_summary, ckptd.catalog._goodput_fold).
 

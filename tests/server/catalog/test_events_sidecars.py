@@ -1,4 +1,4 @@
-"""A job's elastic events with several sidecars on one root (issue #14, docs/multihost.md section 7): every
+"""A job's elastic events with several sidecars on one root (docs/multihost.md section 7): every
 sidecar appends the batches it receives as files of its own and reads every sidecar's files, so listings,
 counts and goodput agree. A fold used to take the oldest files of the folding sidecar's window without
 reading the others' files first: their files older than its ``through`` passed for folded and were lost

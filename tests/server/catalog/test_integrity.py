@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from ckptd.catalog._catalog import Catalog
 from ckptd.cli._main import main as ckptd_main
+from tests.support.golden import copy_root
 from trainer_client.checkpoint_io import _checkpointer as checkpointing
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
@@ -73,9 +74,7 @@ def golden(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def root(golden: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "root"
-    shutil.copytree(golden, dst)
-    return dst
+    return copy_root(golden, tmp_path)
 
 
 def test_trainer_written_steps_carry_a_manifest_plain_orbax_can_ignore(root: Path) -> None:

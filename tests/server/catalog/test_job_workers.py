@@ -66,7 +66,7 @@ def test_work_still_running_does_not_hold_the_process_at_exit() -> None:
     ``ckptd serve`` alive after SIGTERM. The workers are daemons."""
     code = ("import threading\n"
             "from ckptd.catalog._job_workers import JobWorkers\n"
-            "from ckptd.catalog import integrity\n"
+            "from ckptd.catalog import _integrity as integrity\n"
             "JobWorkers(1).submit('stuck', threading.Event().wait)\n"
             "integrity._threads().submit(threading.Event().wait)\n"
             "print('leaving', flush=True)\n")

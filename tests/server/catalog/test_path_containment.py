@@ -1,4 +1,4 @@
-"""Nothing is read or written through a link that leads out of a local checkpoint root (issue #18 item 9).
+"""Nothing is read or written through a link that leads out of a local checkpoint root.
 
 ``root/evil -> outside/jobcopy`` once made ckptd adopt the copied steps (manifests and verified records
 written outside) and store events there. Links are made for real here (``os.symlink``); the tree outside
@@ -21,6 +21,7 @@ from ckptd.api._app import create_app
 from ckptd.catalog._catalog import Catalog
 from ckptd.catalog._job_admission import LINK_OUT_REASON
 from ckptd.catalog._snapshots import SnapshotKeeper
+from tests.support.golden import copy_root, golden_fixture
 from tests.support.helpers import make_settings
 from tests.support.orbax_steps import write_orbax_jobs
 from trainer_client.core import protocol as p
@@ -33,19 +34,14 @@ TOKEN = "s3cret"
 _EVENT = {"events": [{"kind": "start", "time": 1.0}]}
 
 
-@pytest.fixture(scope="module")
-def golden(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Plain Orbax steps (no ckptd file yet: ckptd adopts them, writing manifests): alpha 1, 2, 3; beta 5."""
-    root = tmp_path_factory.mktemp("containment-golden")
-    write_orbax_jobs({root / "alpha": [1, 2, 3], root / "beta": [5]})
-    return root
+# Plain Orbax steps (no ckptd file yet: ckptd adopts them, writing manifests): alpha 1, 2, 3; beta 5.
+golden = golden_fixture(lambda root: write_orbax_jobs({root / "alpha": [1, 2, 3], root / "beta": [5]}), name="golden")
 
 
 @pytest.fixture
 def layout(golden: Path, tmp_path: Path) -> tuple[Path, Path]:
     """``root`` (a copy of the golden root) and ``outside`` (next to it), holding the links' targets."""
-    root, outside = tmp_path / "root", tmp_path / "outside"
-    shutil.copytree(golden, root)
+    root, outside = copy_root(golden, tmp_path), tmp_path / "outside"
     outside.mkdir()
     shutil.copytree(golden / "alpha", outside / "jobcopy")
     shutil.copytree(golden / "alpha" / "3", outside / "stepcopy")

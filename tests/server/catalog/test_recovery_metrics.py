@@ -1,4 +1,4 @@
-"""After a restart the recovery metrics are rebuilt from the events on storage, as goodput is (issue #18, item 15):
+"""After a restart the recovery metrics are rebuilt from the events on storage, as goodput is:
 a restarted ckptd does not show empty recovery histograms beside a goodput read from storage, and counts
 nothing twice."""
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ import pytest
 import ckptd.catalog._catalog as catalog_module
 from ckptd.api._plan_cache import PlanCache
 from ckptd.catalog._catalog import Catalog
+from tests.support.golden import copy_root
 from tests.support.orbax_steps import training_metadata, write_orbax_jobs
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._files import CHECKPOINT_METADATA, VERIFIED_FILE
@@ -43,9 +43,7 @@ def golden_root(
 
 @pytest.fixture
 def root(golden_root: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "root"
-    shutil.copytree(golden_root, dst)  # copy2: modification times kept, so the records' fingerprints hold
-    return dst
+    return copy_root(golden_root, tmp_path)  # modification times kept, so the records' fingerprints hold
 
 
 @pytest.fixture

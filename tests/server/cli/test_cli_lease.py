@@ -1,5 +1,5 @@
-"""``ckptd validate`` and ``ckptd gc`` on a root where sidecars hold the job's leadership lease (issue #14,
-docs/multihost.md section 7): they refuse, naming the holder, and write nothing (no adoption manifest, no
+"""``ckptd validate`` and ``ckptd gc`` on a root where sidecars hold the job's leadership lease
+(docs/multihost.md section 7): they refuse, naming the holder, and write nothing (no adoption manifest, no
 deletion); ``--force`` overrides; a released or expired lease lets them run. The lease is a real one
 (``ckptd.catalog._lease.Lease``) on the job's directory."""
 

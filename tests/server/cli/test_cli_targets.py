@@ -1,4 +1,4 @@
-"""What an operator trips on at the command line (issue #18, item 13): a root taken for a job and back, a
+"""What an operator trips on at the command line: a root taken for a job and back, a
 malformed ``--slices``, ``None`` in a listing, a timeline drowned in ``checkpoint_started``. Each is one
 clear line and exit 2 (a usage error), or a readable table."""
 

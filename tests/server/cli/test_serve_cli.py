@@ -1,6 +1,6 @@
-"""``ckptd serve`` refuses to start a server that cannot work, in one line and before "startup complete"
-(issue #18, items 11 and 13): a local root that does not exist, a port already taken; it warns when it
-listens beyond loopback without a token; its ``--help`` shows the defaults. Each is a real subprocess.
+"""``ckptd serve`` refuses to start a server that cannot work, in one line and before "startup complete":
+a local root that does not exist, a port already taken; it warns when it listens beyond loopback without a
+token; its ``--help`` shows the defaults. Each is a real subprocess.
 """
 
 from __future__ import annotations
