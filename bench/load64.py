@@ -1,5 +1,5 @@
 """The ``load64`` figures: 64 closed-loop clients on latest-good and resume while ``ckptd validate --deep``
-runs beside the server (issue #17), run by the service benchmark (``bench/service.py``) on its server and job.
+runs beside the server, run by the service benchmark (``bench/service.py``) on its server and job.
 
 The clients are processes of their own (``bench/load_client.py``: raw sockets, so the client's CPU is not
 what is measured). One run is cut into windows by completion time; each window's answers per second and
