@@ -28,9 +28,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trainer_client.core._errors import StorageError, StoredFormatError
 from trainer_client.core._storage import Entry, Storage, join_path
+from trainer_client.core.format._files import LEASE_DIR, SIDE_DIR
 from trainer_client.core.format._records import side_job_dir
 
-LEASE_DIR = "leader"
 MAX_EPOCH = 10**12  # the highest epoch ckptd writes or believes (the names keep 20 digits)
 MAX_LEASE_RECORD_BYTES = 4096  # an epoch, beat or release record is ~100 bytes
 MAX_LEASE_TTL_S = 86400.0  # the longest lease time a record may state (CKPTD_LEASE_TTL_S has the same bound)
@@ -61,7 +61,7 @@ def lease_directory(storage: Storage, job: str, *, read_only: bool = False) -> s
     """Where ``job``'s lease lives: in the job (``<job>/.ckptd/leader``), on the side when it is read-only."""
     if read_only:
         return join_path(side_job_dir(storage, job), LEASE_DIR)
-    return storage.join(job, ".ckptd", LEASE_DIR)
+    return storage.join(job, SIDE_DIR, LEASE_DIR)
 
 
 class EpochRecord(BaseModel):

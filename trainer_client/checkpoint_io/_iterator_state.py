@@ -25,10 +25,10 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from trainer_client.core._storage import Storage, join_path
+from trainer_client.core.format._files import ITER_ITEM
+from trainer_client.core.format._files import ITER_SHARED_FILE as SHARED_FILE
 from trainer_client.core.format._snapshot import DataIteratorRecord
 
-ITER_ITEM = "iter"  # the item name Grain's users (MaxText) give the iterator's state
-SHARED_FILE = "process_0.json"  # MaxText's ElasticIterator layout: one state for every process
 MAX_STATE_BYTES = 16 << 20  # one process's iterator state: a bigger file is refused, not read
 ITER_HANDLER_TYPESTR = "ckptd.IteratorStateHandler"  # what a step records as the handler of ``iter``
 LEGACY_ITER_HANDLER_TYPESTRS = ("trainer_client.runtime.data_iterator.IteratorStateHandler",)  # release 0.1.0

@@ -52,6 +52,7 @@ from trainer_client.core._durability import sync_paths, sync_tree
 from trainer_client.core._errors import StoredFormatError
 from trainer_client.core._storage import Storage, join_path
 from trainer_client.core.format._files import CHECKPOINT_METADATA, COMMIT_MARKER, ITEM_METADATA
+from trainer_client.core.format._files import STRINGS_FILE as _STRINGS
 from trainer_client.core.format._parts import PartInfo, part_files
 from trainer_client.core.format._snapshot import SnapshotMeta, damaged_shards, map_data, problems, read_meta
 from trainer_client.core.format._snapshot_shards import ShardReader
@@ -59,7 +60,6 @@ from trainer_client.core.format._steps import CUSTOM_METADATA_KEY
 from trainer_client.core.format._tree_paths import TreeEntry, decode_value
 from trainer_client.core.protocol import TrainingMetadata
 
-_STRINGS = "_strings.json"
 _EMPTY_TYPES = {"none": empty_values.RESTORE_TYPE_NONE, "empty_dict": empty_values.RESTORE_TYPE_DICT,
                 "empty_list": empty_values.RESTORE_TYPE_LIST, "empty_tuple": empty_values.RESTORE_TYPE_TUPLE}
 

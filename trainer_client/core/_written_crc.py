@@ -26,6 +26,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from trainer_client.core.format._checksum import file_crc32c
+from trainer_client.core.format._files import OCDBT_DATA_DIR as DATA_DIR
 
 IN_CLOSE_WRITE = 0x00000008
 IN_CREATE = 0x00000100
@@ -35,7 +36,6 @@ IN_NONBLOCK = 0o4000
 IN_CLOEXEC = 0o2000000
 _MASK = IN_CLOSE_WRITE | IN_CREATE
 _EVENT = struct.Struct("iIII")
-DATA_DIR = "d"  # OCDBT's data file directory
 WORKERS = 2  # files summed at once while the write goes on (the write needs the other core)
 
 Signature = tuple[int, int, int]  # size, mtime_ns, ctime_ns

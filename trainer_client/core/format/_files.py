@@ -17,6 +17,11 @@ DEFAULT_ITEM = "default"  # the item a CheckpointManager without item names writ
 ROOT_ITEM = ""  # the item a bare Checkpointer (StandardCheckpointer, PyTreeCheckpointer) writes: the step itself
 OCDBT_MANIFEST = "manifest.ocdbt"  # <item>/manifest.ocdbt: the root of an OCDBT key-value store
 OCDBT_PROCESS_PREFIX = "ocdbt.process_"  # per-process OCDBT stores of a save not merged yet
+OCDBT_DATA_DIR = "d"  # <item>/d/ (or <store>/d/): an OCDBT store's data files
+ARRAY_METADATAS = "array_metadatas"  # <item>/array_metadatas/process_<k>: each process's arrays' metadata
+STRINGS_FILE = "_strings.json"  # <item>/_strings.json: the PyTree handler's string leaves
+ITER_ITEM = "iter"  # the item name Grain's users (MaxText) give the data iterator's state
+ITER_SHARED_FILE = "process_0.json"  # iter/process_0.json: MaxText's ElasticIterator layout (one state for all)
 
 # ---- ckptd's files beside Orbax's in a step directory -----------------------------------------------
 CKPTD_MANIFEST = "ckptd_manifest.json"  # every file's size and CRC32C, written before the commit
@@ -26,6 +31,12 @@ VERIFIED_FILE = "ckptd_verified.json"  # a verdict some ckptd reached, so a rest
 # ---- ckptd's own directory: in a job (<job>/.ckptd/) and at the root (the side prefix, records.py) ---
 SIDE_DIR = ".ckptd"  # never a job's or a step's name
 EVENTS_DIR = ".ckptd/events"  # <job>/.ckptd/events/: elastic events, one object per batch
+EVENTS_SUMMARY_FILE = "summary.json"  # <events dir>/summary.json: what rotated-out events added up to
+SIDE_EVENTS_DIR = ".ckptd/.events"  # <root>/.ckptd/.events/<job>/: a read-only job's elastic events
+CLAIMS_DIR = ".ckptd/claims"  # <job>/.ckptd/claims/: a multi-process save's claim (docs/multihost.md)
+STAGING_DIR = ".ckptd/staging"  # <job>/.ckptd/staging/: its host parts until the commit
+PARTS_DIR = "ckptd_parts"  # <step>/ckptd_parts/: the part records of a step committed from host parts
+LEASE_DIR = "leader"  # <job>/.ckptd/leader/: the leadership lease's epochs (docs/multihost.md)
 # an Orbax item's name, as a snapshot or a part record may give it (one plain path segment)
 ITEM_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 
@@ -37,24 +48,35 @@ SNAPSHOT_PERSISTED_FILE = "persisted.json"  # ckptd wrote the snapshot to storag
 SNAPSHOT_SPARE_PREFIX = ".spare-"  # + the writer's pid: a preallocated file the writer's next snapshot fills
 
 __all__ = [
+    "ARRAY_METADATAS",
     "CHECKPOINT_METADATA",
     "CKPTD_MANIFEST",
+    "CLAIMS_DIR",
     "COMMIT_MARKER",
     "DEFAULT_ITEM",
     "EVENTS_DIR",
+    "EVENTS_SUMMARY_FILE",
     "ITEM_METADATA",
     "ITEM_NAME_PATTERN",
+    "ITER_ITEM",
+    "ITER_SHARED_FILE",
+    "LEASE_DIR",
+    "OCDBT_DATA_DIR",
     "OCDBT_MANIFEST",
     "OCDBT_PROCESS_PREFIX",
+    "PARTS_DIR",
     "QUARANTINE_FILE",
     "ROOT_ITEM",
     "SHARDING_FILE",
     "SIDE_DIR",
+    "SIDE_EVENTS_DIR",
     "SNAPSHOT_DATA_FILE",
     "SNAPSHOT_META_FILE",
     "SNAPSHOT_PERSISTED_FILE",
     "SNAPSHOT_SPARE_PREFIX",
     "SNAPSHOT_TREEDEF_FILE",
+    "STAGING_DIR",
+    "STRINGS_FILE",
     "TMP_DIR_SUFFIX",
     "VERIFIED_FILE",
 ]

@@ -28,7 +28,15 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from trainer_client.core._errors import StorageError, UnsafePathError
 from trainer_client.core._said_once import SaidOnce
 from trainer_client.core._storage import Storage, join_path
-from trainer_client.core.format._files import ITEM_NAME_PATTERN, OCDBT_PROCESS_PREFIX
+from trainer_client.core.format._files import (
+    ARRAY_METADATAS,
+    CLAIMS_DIR,
+    ITEM_NAME_PATTERN,
+    ITER_ITEM,
+    OCDBT_PROCESS_PREFIX,
+    PARTS_DIR,
+    STAGING_DIR,
+)
 from trainer_client.core.format._manifest import file_entry
 from trainer_client.core.format._snapshot import process_in_range
 from trainer_client.core.format._tree_paths import TreeEntry
@@ -36,11 +44,6 @@ from trainer_client.core.protocol import TrainingMetadata
 
 _log = logging.getLogger(__name__)
 
-PARTS_DIR = "ckptd_parts"
-CLAIMS_DIR = ".ckptd/claims"
-STAGING_DIR = ".ckptd/staging"
-ARRAY_METADATAS = "array_metadatas"
-ITER_ITEM = "iter"
 MAX_RECORD_BYTES = 64 << 20
 # Bounds of what a claim or a part record may say (docs/operations.md, "What each limit defends"); a record
 # past one is forged or damaged: reported once, skipped, never acted on and never deleted.

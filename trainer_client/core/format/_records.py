@@ -22,9 +22,10 @@ import posixpath
 from dataclasses import dataclass
 
 from trainer_client.core._storage import Storage, join_path
-from trainer_client.core.format._files import SIDE_DIR  # <root>/.ckptd/<job>/<step directory>/: the side prefix
-
-SIDE_EVENTS_DIR = ".ckptd/.events"  # <root>/.ckptd/.events/<job>/: a read-only job's elastic events
+from trainer_client.core.format._files import (
+    SIDE_DIR,  # <root>/.ckptd/<job>/<step directory>/: the side prefix
+    SIDE_EVENTS_DIR,
+)
 
 
 def side_dir(step_path: str) -> str:
