@@ -70,8 +70,8 @@ class JobAnswers:
         return answer
 
     def _listing(self, job: str) -> Listing:
-        """The job's steps serialised once per catalog version (10,000 steps: ~3 MB, ~1 s of GIL to build;
-        64 clients listing at once used to build it 64 times)."""
+        """The job's steps serialised once per catalog version, however many clients list at once (a job of
+        10,000 steps lists in megabytes and about a second of GIL)."""
         self.svc.check_job(job)
         version = self.cat.version  # read before the rows: a change after it gives a newer version, never a stale hit
         kept = self.svc.listings.get(job)

@@ -1,11 +1,10 @@
 """The one owner of committing multi-host steps (docs/multihost.md, section 5): a daemon thread that, for every
 job the catalog knows and this sidecar leads, commits the claimed steps whose host parts are all durable.
 
-It used to be the memory-tier keeper's job, queued only for the jobs found in the leader's own shared-memory
-directory: a leader whose host held no snapshot of the job (a sidecar started without ``CKPTD_SHM_DIR``, a
-replaced node whose trainer has not started yet, a sidecar serving only reads) never committed the job's
-steps although every part was durable on storage. The pass starts from the catalog instead, so it does not
-depend on any host's memory; it is the only caller of ``PartSaves.commit_ready`` in a server, on one thread,
+The pass starts from the catalog, not from the leader's own shared-memory directory: a leader whose host holds
+no snapshot of the job (a sidecar started without ``CKPTD_SHM_DIR``, a replaced node whose trainer has not
+started yet, a sidecar serving only reads) still commits the job's steps once every part is durable on
+storage, so the commit does not depend on any host's memory; it is the only caller of ``PartSaves.commit_ready`` in a server, on one thread,
 so no two commits of one step run at once in one sidecar (and the lease keeps the other sidecars out).
 
 The merge (``_METADATA``, ``_sharding``, ...) needs jax and Orbax, so it runs in a persist worker child (``python

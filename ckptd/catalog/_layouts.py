@@ -2,8 +2,8 @@
 
 Why it exists: reading a step's layout can take long — the zarr index of a step plain Orbax wrote is parsed
 from its OCDBT database, up to the reader's deadline for a forged one (docs/operations.md, "What each limit
-defends") — and it used to be read by whoever asked: the refresher and every resume of the step, each
-parsing it again. Here one load per step runs at a time; others asking meanwhile wait for it, an answer
+defends") — and several ask for it at once: the refresher and every resume of the step. Here one load per
+step runs at a time; others asking meanwhile wait for it, an answer
 at most ``wait_s`` (then ``Busy``: ``503`` with ``Retry-After``, the load goes on), so a slow step holds up
 neither other steps nor the handler threads. The ``kept`` most recently used stay in memory (a layout holds
 every array of a step: megabytes for a large model); a step re-inspected is forgotten.
