@@ -1,22 +1,21 @@
-"""The one owner of committing multi-host steps (docs/multihost.md, section 5): a daemon thread that, for every
-job the catalog knows and this sidecar leads, commits the claimed steps whose host parts are all durable.
+"""The one owner of committing multi-host steps (docs/multihost.md, section 5): a daemon thread that, for every job
+the catalog knows and this sidecar leads, commits the claimed steps whose host parts are all durable.
 
-The pass starts from the catalog, not from the leader's own shared-memory directory: a leader whose host holds
-no snapshot of the job (a sidecar started without ``CKPTD_SHM_DIR``, a replaced node whose trainer has not
-started yet, a sidecar serving only reads) still commits the job's steps once every part is durable on
-storage, so the commit does not depend on any host's memory; it is the only caller of ``PartSaves.commit_ready`` in a server, on one thread,
-so no two commits of one step run at once in one sidecar (and the lease keeps the other sidecars out).
+The pass starts from the catalog, not from the leader's own shared-memory directory: a leader whose host holds no
+snapshot of the job (a sidecar started without ``CKPTD_SHM_DIR``, a replaced node whose trainer has not started
+yet, a sidecar serving only reads) still commits the job's steps once every part is durable on storage, so the
+commit does not depend on any host's memory; it is the only caller of ``PartSaves.commit_ready`` in a server, on
+one thread, so no two commits of one step run at once in one sidecar (and the lease keeps the other sidecars out).
 
 The merge (``_METADATA``, ``_sharding``, ...) needs jax and Orbax, so it runs in a persist worker child (``python
 -m ckptd.catalog._persist_worker --serve``, through ``ckptd.catalog._worker_client``) started lazily, on the first
-step that is ready to commit here: a follower, or a leader of jobs without claims, never starts one. Cost: a
-leader (every sidecar when no lease is on) lists each job's claims directory once a pass, beside the refresher's
-listing.
+step that is ready to commit here: a follower, or a leader of jobs without claims, never starts one. Cost: a leader
+(every sidecar when no lease is on) lists each job's claims directory once a pass, beside the refresher's listing.
 
-Claims and part records are whatever storage holds, forged ones included: each job gets at most
-``JOB_BUDGET_S`` of a pass (a commit started is finished), so one job's claims never hold up another's
-commits, and the pass stops between records when ckptd is stopped, so a SIGTERM is not kept waiting. A job
-ckptd watches read-only is skipped: nothing is committed under it (docs/protocol.md, "Read-only adoption").
+Claims and part records are whatever storage holds, forged ones included: each job gets at most ``JOB_BUDGET_S`` of
+a pass (a commit started is finished), so one job's claims never hold up another's commits, and the pass stops
+between records when ckptd is stopped, so a SIGTERM is not kept waiting. A job ckptd watches read-only is skipped:
+nothing is committed under it (docs/protocol.md, "Read-only adoption").
 """
 
 from __future__ import annotations
