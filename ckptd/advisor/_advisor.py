@@ -49,7 +49,7 @@ FAILURE_RATE = ("mtbf_hours", "failures_per_slice_day")
 DEFAULTS: dict[str, tuple[float | bool, str]] = {
     "detect_time_s": (60.0, "assumption: a collective or heartbeat timeout at scale"),
     "spare_switch_time_s": (60.0, "assumption: a warm standby slice joins the job (measured from the events of a "
-                                  "run with ElasticConfig.spare_slices)"),
+                                  "run with ElasticOptions.spare_slices)"),
     "spares": (1, "assumption: one hot spare slice in the spare policy"),
     "min_slices": (1, "assumption: a resized job runs on any number of slices"),
     "degraded_efficiency": (1.0, "assumption: throughput on k of N slices is exactly k/N"),

@@ -1,6 +1,6 @@
 """The advisor's ``spare`` policy with measured costs: the switch to a hot spare comes from the job's events.
 
-A run with ``ElasticConfig.spare_slices`` reports ``recovered`` with ``spares_used``; the time from
+A run with ``ElasticOptions.spare_slices`` reports ``recovered`` with ``spares_used``; the time from
 ``failure_detected`` to ``slices_ready`` in those recoveries is what the spare policy waits instead of a
 replacement (its restore and recompile are measured as for any recovery). The advisor takes it from the
 history instead of its 60 s assumption, and the spare policy's goodput follows.

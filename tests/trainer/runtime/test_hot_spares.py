@@ -1,7 +1,7 @@
 """Hot spares: the allocation holds more slices than the mesh uses; a healthy idle slice takes a lost one's place.
 
 Fake slices (4 of 2 CPU devices, ``SimulatedSlices``) with the loss raised from inside JAX (``InJaxFaults``),
-a real ckptd. The mesh is (3, 2) on three slices, one slice is a spare (``ElasticConfig.spare_slices=1``):
+a real ckptd. The mesh is (3, 2) on three slices, one slice is a spare (``ElasticOptions(spare_slices=1)``):
 
 - a slice lost mid-step and never back: the spare takes its place at once (same mesh, no resize, no wait —
   pause without a spare would time out), and the run ends bitwise equal to a run without failures;

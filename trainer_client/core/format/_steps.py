@@ -240,7 +240,7 @@ def array_items(storage: Storage, step_path: str) -> list[str]:
 def read_training(storage: Storage, step_path: str) -> tuple[TrainingMetadata | None, str]:
     """ckptd's training metadata of a committed step, arrays included (None when the step has none or it
     does not parse: the step was then never verified with it), and the item trainer_client saved its arrays
-    as: the one item with a tree handler (``default``, or ``items`` under ``ElasticConfig.checkpoint_item``;
+    as: the one item with a tree handler (``default``, or ``items`` under ``SaveOptions.checkpoint_item``;
     an ``iter`` item beside it holds the data iterator's state), ``default`` when that is not one item."""
     meta = _read_json_object(storage, step_path, CHECKPOINT_METADATA)
     if not isinstance(meta, dict):
