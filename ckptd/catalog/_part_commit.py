@@ -35,9 +35,12 @@ from trainer_client.core.format._files import COMMIT_MARKER
 from trainer_client.core.format._manifest import UNMANIFESTED, FileEntry, Manifest, file_entry, write_manifest
 from trainer_client.core.format._parts import (
     CLAIMS_DIR,
+    Claim,
     PartInfo,
     SaveParts,
     claimed_steps,
+    incarnation_of,
+    listed_parts,
     make_claim,
     read_claim,
     read_part,
@@ -46,7 +49,9 @@ from trainer_client.core.format._parts import (
     report_refused,
     save_parts,
     spans,
+    staged_saves,
     step_path_for,
+    take_over_claim,
 )
 from trainer_client.core.format._snapshot import SnapshotMeta
 from trainer_client.core.format._step_files import list_files
@@ -104,11 +109,28 @@ class PartSaves:
         if self.storage.exists(posixpath.join(self.final_path(job, meta.step), COMMIT_MARKER)):
             return "committed"
         claim = read_claim(self.storage, job, meta.step)
-        if claim is not None and claim.save_id != meta.save_id:
+        if claim is not None and claim.save_id != meta.save_id and not self.stale(job, claim, meta):
             return "claimed by another save"
         where = step_path_for(self.storage, job, meta.step, meta.save_id)
         part = read_part(self.storage, where, meta.process_index)
         return "written" if part is not None and part.save_id == meta.save_id else "todo"
+
+    def stale(self, job: str, claim: Claim, meta: SnapshotMeta) -> bool:
+        """Whether ``claim`` (of ``meta``'s step, another save's) belongs to a dead incarnation of the job, so
+        this part's save takes it over at once instead of waiting for ``save_timeout_s``: it is another
+        incarnation's (the save id's prefix), made before this part's snapshot was taken (an incarnation
+        runs only once every process of the one before is gone: the coordination service dies with the
+        job), the step is not committed, and some part record of its save is absent (a save whose every
+        part is durable is the commit pass's). Local roots only (``take_over_claim``)."""
+        assert meta.save_id is not None
+        if self.storage.is_remote or incarnation_of(claim.save_id) == incarnation_of(meta.save_id):
+            return False
+        if claim.created_at >= meta.created_at:
+            return False
+        if self.storage.exists(posixpath.join(self.final_path(job, meta.step), COMMIT_MARKER)):
+            return False
+        listed = listed_parts(self.storage, step_path_for(self.storage, job, meta.step, claim.save_id))
+        return not set(range(claim.process_count)) <= listed
 
     def persist_part(self, job: str, snapshot: str, meta: SnapshotMeta) -> str:
         """Claim the step for this save and write this host's part (a redo rewrites it whole); the part
@@ -117,6 +139,12 @@ class PartSaves:
         claim = make_claim(self.storage, job, meta.step, meta.save_id, meta.process_count)
         if claim is None:
             return "claim unreadable"
+        if claim.save_id != meta.save_id and self.stale(job, claim, meta):
+            if take_over_claim(self.storage, job, meta.step, claim, meta.save_id, meta.process_count):
+                _log.warning("step %s of %s: took the claim of save %s over for save %s (another incarnation's, "
+                             "made before this save's snapshot, some parts missing)", meta.step, job,
+                             claim.save_id, meta.save_id)
+            claim = read_claim(self.storage, job, meta.step) or claim
         if claim.save_id != meta.save_id:
             return self.state(job, meta)
         where = step_path_for(self.storage, job, meta.step, meta.save_id)
@@ -292,6 +320,36 @@ class PartSaves:
             self.storage.invalidate(self.storage.join(found.job))
         _log.warning("deleted abandoned save %s of step %s of %s (parts missing: %s)", found.save_id, found.step,
                      found.job, spans(found.missing))
+
+
+    def superseded(self, job: str, *, spent: Spent = lambda: False) -> list[tuple[int, str]]:
+        """The staged saves of ``job`` (local root) that can never be committed: their step's claim names
+        another save (taken over from a dead incarnation: ``take_over_claim``) and no commit marker is in
+        them. A staged save without a claim is left to ``abandoned``'s rules. Stops once ``spent()``."""
+        out = []
+        for step, save_id in staged_saves(self.storage, job):
+            if spent():
+                break
+            if self._superseded(job, step, save_id):
+                out.append((step, save_id))
+        return out
+
+    def _superseded(self, job: str, step: int, save_id: str) -> bool:
+        claim = read_claim(self.storage, job, step)
+        where = step_path_for(self.storage, job, step, save_id)
+        return (claim is not None and claim.save_id != save_id and not os.path.islink(where)
+                and not self.storage.exists(posixpath.join(where, COMMIT_MARKER)))
+
+    def clean_superseded(self, job: str, step: int, save_id: str) -> bool:
+        """Delete a superseded staged save, checked again under the job's lock; whether it was deleted."""
+        with _job_lock(self.storage, job):
+            if self.storage.is_remote or not self._superseded(job, step, save_id):
+                return False
+            self.storage.remove(step_path_for(self.storage, job, step, save_id), recursive=True)
+            self.storage.invalidate(self.storage.join(job))
+        _log.warning("deleted the staged save %s of step %s of %s: its step's claim is another save's", save_id,
+                     step, job)
+        return True
 
 
 _locks_guard = threading.Lock()

@@ -141,7 +141,8 @@ def checked_decisions(catalog: Catalog, job: str, policy: RetentionPolicy) -> li
 def clean_abandoned_parts(storage: Storage, job: str, older_than_s: float, *,
                           budget_s: float = JOB_BUDGET_S) -> list[Decision]:
     """Delete the multi-host saves of ``job`` claimed longer than ``older_than_s`` ago and never committed
-    (a host's part never came): their staged or in-place files, then the claim. Looking for them stops after
+    (a host's part never came): their staged or in-place files, then the claim; and the staged saves whose
+    claim a restarted incarnation took over (``PartSaves.superseded``). Looking for them stops after
     ``budget_s`` (the rest waits for the next run): a job's forged claims hold up no other job's retention."""
     saves = PartSaves(storage, InProcessWorker(lambda _request: {"ok": False, "error": "retention writes no parts"}))
     out = []
@@ -152,6 +153,11 @@ def clean_abandoned_parts(storage: Storage, job: str, older_than_s: float, *,
         out.append(Decision(found.step, step_path_for(storage, job, found.step, found.save_id), StepState.ABANDONED,
                             "delete", [f"multi-host save {found.save_id} abandoned: parts {spans(found.missing)} "
                                        "missing after the save timeout"]))
+    for step, save_id in saves.superseded(job, spent=lambda: time.monotonic() > deadline):
+        with storage_errors(f"cannot delete the superseded save {save_id} of step {step}"):
+            if saves.clean_superseded(job, step, save_id):
+                out.append(Decision(step, step_path_for(storage, job, step, save_id), StepState.ABANDONED, "delete",
+                                    [f"multi-host save {save_id} superseded: its step's claim is another save's"]))
     return out
 
 

@@ -4,6 +4,7 @@ never take a step committed from parts unless every part's record is there.
 
 ```
 <job>/.ckptd/claims/<step>.json              {"save_id", "process_count", "created_at"}: create-only
+<job>/.ckptd/claims/<step>.takeover-<save>   who took over the claim of that (dead) save: create-only
 <job>/.ckptd/staging/<step>.<save_id>/       a local root's step until the leader commits it (renamed)
 <step>/ckptd_parts/process_<k>.json          host k's part record (PartInfo), create-only, once durable
 ```
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import posixpath
 import re
 import time
@@ -25,6 +27,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from trainer_client.core._durability import sync_paths
 from trainer_client.core._errors import StorageError, UnsafePathError
 from trainer_client.core._said_once import SaidOnce
 from trainer_client.core._storage import Storage, join_path
@@ -54,6 +57,7 @@ MAX_PART_FILES = 1 << 20  # files of one part
 SAVE_ID_PATTERN = r"^[0-9a-f]{1,32}-[0-9]{1,19}$"
 _CLAIM_NAME = re.compile(r"^([0-9]{1,19})\.json$")
 _RECORD_NAME = re.compile(r"^process_(0|[1-9][0-9]{0,4})\.json$")
+_STAGED_NAME = re.compile(r"^([0-9]{1,19})\.([0-9a-f]{1,32}-[0-9]{1,19})$")
 
 
 def _not_ahead(when: float) -> float:
@@ -171,6 +175,49 @@ def make_claim(storage: Storage, job: str, step: int, save_id: str, process_coun
     if storage.create_new(claim_path(storage, job, step), payload.model_dump_json().encode()):
         return payload
     return read_claim(storage, job, step)
+
+
+def incarnation_of(save_id: str) -> str:
+    """The job incarnation that made a save: its id's prefix (``<incarnation>-<step>``, docs/multihost.md, 4)."""
+    return save_id.rsplit("-", 1)[0]
+
+
+def take_over_claim(storage: Storage, job: str, step: int, stale: Claim, save_id: str, process_count: int) -> bool:
+    """Replace the claim ``stale`` of ``step`` (a dead incarnation's, as the caller judged) by one for
+    ``save_id``, on a local root; True when this call replaced it. One taker per stale save among any number of
+    processes: the create-only ``<step>.takeover-<stale save>`` decides who; the winner replaces the claim only
+    if it still reads ``stale``, by a rename over it (atomic: a reader sees the old claim or the new one).
+    A taker that dies between the two leaves the stale claim to the save timeout (docs/multihost.md, section 5).
+    On ``gs://`` a save's parts are written in place, so the dead save's files would mix with the new one's:
+    nothing is taken over there."""
+    if storage.is_remote:
+        return False
+    claims = storage.join(job, CLAIMS_DIR)
+    claim = Claim(save_id=save_id, process_count=process_count, created_at=time.time())
+    if not storage.create_new(join_path(claims, f"{step}.takeover-{stale.save_id}"), claim.model_dump_json().encode()):
+        return False  # another process took it over (or tried and died)
+    if read_claim(storage, job, step) != stale:
+        return False  # cleaned as abandoned, or replaced, since the caller read it
+    path = claim_path(storage, job, step)
+    tmp = storage.writable(f"{path}.{save_id}.tmp")
+    with open(tmp, "wb") as out:
+        out.write(claim.model_dump_json().encode())
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, storage.writable(path))
+    sync_paths(claims)
+    storage.invalidate(claims)
+    return True
+
+
+def staged_saves(storage: Storage, job: str) -> list[tuple[int, str]]:
+    """The staged saves of ``job`` on a local root, ``(step, save id)`` by their names (``<step>.<save id>``),
+    by one listing; anything else there is no staged save."""
+    try:
+        entries = storage.list_dir(storage.join(job, STAGING_DIR))
+    except (FileNotFoundError, StorageError):
+        return []
+    return sorted((int(m.group(1)), m.group(2)) for e in entries if e.is_dir and (m := _STAGED_NAME.match(e.name)))
 
 
 def read_part(storage: Storage, step_path: str, process_index: int) -> PartInfo | None:
@@ -304,6 +351,7 @@ __all__ = [
     "SaveParts",
     "claim_path",
     "claimed_steps",
+    "incarnation_of",
     "listed_parts",
     "make_claim",
     "part_problems",
@@ -315,5 +363,7 @@ __all__ = [
     "report_refused",
     "save_parts",
     "spans",
+    "staged_saves",
     "step_path_for",
+    "take_over_claim",
 ]
