@@ -12,6 +12,7 @@ CkptdError                          root (trainer_client/core/_errors.py): catch
 │                                   path a link leads out of the checkpoint root: refused
 ├── PlanningError (ValueError)      no resume plan exists for the devices alive (``code`` says why)
 ├── MissingExtra (ModuleNotFoundError)  a name needs the ``trainer`` install (jax): the message says so
+├── NoWholeReplica (LookupError)    no whole replica of some arrays survives a slice loss: another tier
 ├── CkptdUnavailable (ConnectionError)  ckptd did not answer in time (connection refused, timeout, 5xx)
 ├── CkptdRequestError               ckptd answered with its error body (``code``, ``message``, ``status``)
 ├── NoCheckpointError (LookupError) neither ckptd nor storage has a good step to resume from
@@ -31,6 +32,7 @@ from trainer_client.core._errors import (
     ArrayIndexError,
     CkptdError,
     MissingExtra,
+    NoWholeReplica,
     OcdbtFormatError,
     OcdbtRefusedError,
     PlanningError,
@@ -86,6 +88,7 @@ __all__ = [
     "MemoryTierFull",
     "MissingExtra",
     "NoCheckpointError",
+    "NoWholeReplica",
     "OcdbtFormatError",
     "OcdbtRefusedError",
     "PlanningError",

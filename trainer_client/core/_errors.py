@@ -12,6 +12,8 @@ CkptdError                              root: ``except CkptdError`` catches ever
 ├── UnsafePathError (PermissionError)   a memory-tier path others could write or that is a link, or a
 │                                       path that a link leads out of the checkpoint root: refused
 ├── PlanningError (ValueError)          no resume plan exists for these inputs; ``code`` says why
+├── NoWholeReplica (LookupError)        no whole replica of some arrays survives a slice loss in the
+│                                       replica snapshot tier: resume from another tier
 └── MissingExtra (ModuleNotFoundError)  a name or command needs a library of another install role:
                                         the message says which (``pip install 'ckptd[trainer]'``)
 ```
@@ -71,6 +73,16 @@ class PlanningError(CkptdError, ValueError):
         self.message = message
 
 
+class NoWholeReplica(CkptdError, LookupError):
+    """The replica snapshot tier holds no whole copy of some arrays on the slices that are left (the state was
+    sharded across the lost slice, more slices were lost than there are replicas, or nothing is held yet):
+    the caller resumes from the shared-memory tier or storage. ``arrays`` names the arrays that lack one."""
+
+    def __init__(self, message: str, arrays: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.arrays = arrays
+
+
 class MissingExtra(CkptdError, ModuleNotFoundError):
     """What was asked for needs a library that this install role does not bring (docs/architecture.md, the roles);
     the message names the extra that does (``trainer_client.core._extras.needs_extra``)."""
@@ -80,6 +92,7 @@ __all__ = [
     "ArrayIndexError",
     "CkptdError",
     "MissingExtra",
+    "NoWholeReplica",
     "OcdbtFormatError",
     "OcdbtRefusedError",
     "PlanningError",

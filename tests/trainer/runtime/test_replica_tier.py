@@ -1,0 +1,232 @@
+"""The replica snapshot tier: copies of the state in host memory, restored from the replicas a slice loss spares.
+
+8 fake CPU devices; a mesh of 2 replicas (one per simulated slice) x 4; ``InJaxFaults`` makes a lost slice's
+arrays — the pinned copies on it too — raise ``DATA_LOSS`` as on Pathways.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from trainer_client.errors import CkptdError, MemoryTierFull, NoWholeReplica
+from trainer_client.runtime import _replica_tier
+from trainer_client.runtime._jax_faults import InJaxFaults
+from trainer_client.runtime._replica_tier import ReplicaTier, required_bytes
+from trainer_client.runtime._slices import SimulatedSlices
+
+AXES = ("replica", "model")
+
+
+def _mesh(devices: list[jax.Device], replicas: int) -> Mesh:
+    return Mesh(np.array(devices).reshape(replicas, -1), AXES)
+
+
+def _state(mesh: Mesh, *, w_spec: P | None = None, seed: int = 3) -> dict[str, Any]:
+    w_spec = P(None, "model") if w_spec is None else w_spec
+
+    def put(x: Any, spec: P) -> jax.Array:
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    return {"w": put(jnp.arange(32, dtype=jnp.float32).reshape(4, 8) * seed, w_spec),
+            "b": put(jnp.arange(8, dtype=jnp.int32) + seed, P("model")),
+            "rng": put(jax.random.key(seed), P()),
+            "epoch": seed, "name": "run"}
+
+
+def _spec(x: jax.Array) -> P:
+    assert isinstance(x.sharding, NamedSharding)
+    return x.sharding.spec
+
+
+def _host(state: dict[str, Any]) -> dict[str, Any]:
+    """Plain values to compare with: arrays as numpy, keys as their key data."""
+    return {k: np.asarray(jax.random.key_data(v)) if k == "rng" else np.asarray(v) if isinstance(v, jax.Array)
+            else v for k, v in state.items()}
+
+
+def _assert_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert jax.dtypes.issubdtype(got["rng"].dtype, jax.dtypes.prng_key)  # a typed key again
+    host = _host(got)
+    assert host.keys() == want.keys()
+    for k, v in want.items():
+        np.testing.assert_array_equal(host[k], v, err_msg=k)
+
+
+@pytest.fixture
+def slices() -> SimulatedSlices:
+    return SimulatedSlices(num_slices=2)
+
+
+@pytest.fixture
+def tier(slices: SimulatedSlices) -> Iterator[ReplicaTier]:
+    t = ReplicaTier(replica_axis="replica", slice_to_devices=slices.slice_to_devices)
+    yield t
+    t.close()
+
+
+def test_restore_after_losing_one_of_two_slices_is_exact(slices: SimulatedSlices, tier: ReplicaTier) -> None:
+    devices = jax.devices()
+    state = _state(_mesh(devices, 2))
+    want = _host(state)
+    assert tier.snapshot(5, state, data_position=50) and tier.wait(10)
+    assert tier.held() == (5, frozenset({0, 1}))
+    with InJaxFaults(slices) as faults:
+        slices.take_down(1, None)  # everything on slice 1 is gone, its pinned copies too
+        with pytest.raises(jax.errors.JaxRuntimeError):
+            jax.block_until_ready(state["w"])
+        shrunk = _mesh(devices[:4], 1)
+        out = tier.restore(shrunk, lost_slices={1})
+        assert faults.raised  # the lost replica was tried and refused, not read
+    assert (out.step, out.data_position) == (5, 50)
+    _assert_equal(out.state, want)
+    assert out.state["w"].sharding == NamedSharding(shrunk, P(None, "model"))
+    assert tier.held() == (5, frozenset({0}))  # the tier now holds the restored step on the new mesh
+
+
+def test_restore_onto_a_hot_spare_keeps_the_shape() -> None:
+    slices = SimulatedSlices(num_slices=4)  # slices of 2 devices: the job on 0 and 1, 2 and 3 spares
+    by_slice = slices.slice_to_devices
+    tier = ReplicaTier(replica_axis=0, slice_to_devices=by_slice)
+    try:
+        state = _state(_mesh([*by_slice[0], *by_slice[1]], 2))
+        want = _host(state)
+        assert tier.snapshot(9, state, data_position=90) and tier.wait(10)
+        assert tier.held() == (9, frozenset({0, 1}))
+        spare_mesh = _mesh([*by_slice[0], *by_slice[2]], 2)
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
+            spare_mesh, _spec(x))) if isinstance(x, jax.Array) else x, state)
+        out = tier.restore(target, alive_devices=[*by_slice[0], *by_slice[2], *by_slice[3]])
+        _assert_equal(out.state, want)
+        assert out.state["b"].sharding.mesh == spare_mesh
+        assert tier.held() == (9, frozenset({0, 2}))
+    finally:
+        tier.close()
+
+
+def test_keys_iterator_state_and_values_come_back_with_their_step(tier: ReplicaTier) -> None:
+    mesh = _mesh(jax.devices(), 2)
+    first = _state(mesh, seed=1)
+    iterator = {"position": 10, "shard": [0, 1]}
+    assert tier.snapshot(1, first, data_position=10, iterator_state=iterator) and tier.wait(10)
+    iterator["position"] = 99  # the caller's object moves on: the held copy does not
+    second = _state(mesh, seed=2)
+    assert tier.snapshot(2, second, data_position=20, iterator_state={"position": 20}) and tier.wait(10)
+    out = tier.restore(mesh, lost_slices={0})
+    assert (out.step, out.data_position, out.iterator_state) == (2, 20, {"position": 20})
+    _assert_equal(out.state, _host(second))
+    assert not np.array_equal(np.asarray(jax.random.key_data(out.state["rng"])),
+                              np.asarray(jax.random.key_data(first["rng"])))
+
+
+def test_a_busy_tier_skips_and_counts(tier: ReplicaTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    mesh = _mesh(jax.devices(), 2)
+    gate = threading.Event()
+    real = jax.block_until_ready
+
+    def held_back(x: Any) -> Any:
+        if threading.current_thread().name == "ckptd-replica-tier":
+            assert gate.wait(10)
+        return real(x)
+
+    monkeypatch.setattr(_replica_tier.jax, "block_until_ready", held_back)
+    assert tier.snapshot(1, _state(mesh, seed=1), data_position=1)
+    assert not tier.snapshot(2, _state(mesh, seed=2), data_position=2)  # the copy of 1 is in flight
+    assert not tier.snapshot(3, _state(mesh, seed=3), data_position=3)
+    assert tier.held() is None  # nothing is held before its whole copy is done
+    assert tier.stats().skips == 2
+    gate.set()
+    assert tier.wait(10)
+    stats = tier.stats()
+    assert (stats.held_step, stats.snapshots, stats.skips, stats.failures) == (1, 1, 2, 0)
+    assert stats.bytes_held == required_bytes(_state(mesh), in_flight=False) > 0
+    assert stats.age_s is not None and stats.age_s >= 0
+    assert tier.snapshot(4, _state(mesh, seed=4), data_position=4)  # free again
+
+
+@pytest.mark.parametrize("op, inside", [("block", "ReplicaTier._complete_copies"),
+                                        ("to_device", "ReplicaTier.snapshot")])
+def test_a_failure_during_the_copy_leaves_the_previous_snapshot_whole(
+        slices: SimulatedSlices, tier: ReplicaTier, op: Any, inside: str) -> None:
+    mesh = _mesh(jax.devices(), 2)
+    first = _state(mesh, seed=1)
+    want = _host(first)
+    assert tier.snapshot(1, first, data_position=10, iterator_state={"position": 10}) and tier.wait(10)
+    with InJaxFaults(slices) as faults:
+        faults.fail_during(op, 1, down_for_s=None, inside=inside)
+        try:
+            tier.snapshot(2, _state(mesh, seed=2), data_position=20, iterator_state={"position": 20})
+        except jax.errors.JaxRuntimeError:
+            assert op == "to_device"  # the dispatch itself failed: raised on to the caller
+        assert tier.wait(10)
+        assert [f.op for f in faults.fired] == [op]
+        assert tier.stats().failures == 1 and tier.held() == (1, frozenset({0, 1}))
+        out = tier.restore(_mesh(jax.devices()[:4], 1), lost_slices={1})
+    assert (out.step, out.data_position, out.iterator_state) == (1, 10, {"position": 10})
+    _assert_equal(out.state, want)
+
+
+def test_state_sharded_across_the_slices_has_no_whole_replica(tier: ReplicaTier) -> None:
+    mesh = _mesh(jax.devices(), 2)
+    state = _state(mesh, w_spec=P("replica", "model"))  # half of w on each slice
+    want = _host(state)
+    assert tier.snapshot(3, state, data_position=30) and tier.wait(10)
+    with pytest.raises(NoWholeReplica) as lost_one:
+        tier.restore(_mesh(jax.devices()[:4], 1), lost_slices={1})
+    assert lost_one.value.arrays == ("w",) and "w" in str(lost_one.value)
+    assert isinstance(lost_one.value, CkptdError)
+    with pytest.raises(NoWholeReplica) as lost_both:  # more slices lost than replicas
+        tier.restore(_mesh(jax.devices()[:4], 1), lost_slices={0, 1})
+    assert set(lost_both.value.arrays) == {"w", "b", "rng"}
+    out = tier.restore(mesh)  # nothing lost: the parts make it whole again, and stay held
+    _assert_equal(out.state, want)
+    _assert_equal(tier.restore(mesh).state, want)
+
+
+def test_donated_buffers_do_not_corrupt_the_snapshot(tier: ReplicaTier) -> None:
+    mesh = _mesh(jax.devices(), 2)
+
+    @jax.jit
+    def train_step(s: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        return {"w": s["w"] * 2 + 1, "b": s["b"] + 1}
+
+    step_fn = jax.jit(train_step, donate_argnums=0)
+    full = _state(mesh)
+    state = {"w": full["w"], "b": full["b"]}
+    for step in range(4):
+        want = {k: np.asarray(v) for k, v in state.items()}
+        assert tier.snapshot(step, state, data_position=step)
+        old = state
+        state = step_fn(state)  # donates the buffers the copy was taken from, maybe while it is in flight
+        assert old["w"].is_deleted()
+        assert tier.wait(10)
+        out = tier.restore(mesh)
+        for k, v in want.items():
+            np.testing.assert_array_equal(np.asarray(out.state[k]), v)
+        state = step_fn(out.state)  # the restored arrays donated too: the held copy stays
+        again = tier.restore(mesh)
+        for k, v in want.items():
+            np.testing.assert_array_equal(np.asarray(again.state[k]), v)
+
+
+def test_host_memory_is_accounted_and_checked_against_the_budget() -> None:
+    mesh = _mesh(jax.devices(), 2)
+    state = _state(mesh)
+    # every device holds its shard: w 4x2 float32, b 2 int32 per device; the key (8 bytes) on every device
+    one = 8 * (4 * 2 * 4) + 8 * (2 * 4) + 8 * 8
+    assert required_bytes(state, in_flight=False) == one
+    assert required_bytes(state) == 2 * one
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                            if isinstance(x, jax.Array) else x, state)
+    assert required_bytes(abstract) == 2 * one
+    with pytest.raises(MemoryTierFull, match=r"needs .* MiB"):
+        ReplicaTier(replica_axis="replica", state=abstract, budget_bytes=2 * one - 1)
+    ReplicaTier(replica_axis="replica", state=abstract, budget_bytes=2 * one).close()

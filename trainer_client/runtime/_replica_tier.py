@@ -1,0 +1,338 @@
+"""The replica snapshot tier: the train state copied into the accelerator hosts' memory, restored from the
+replicas that survive a slice loss (docs/concepts.md, "Replica snapshots (in progress)").
+
+``ReplicaTier.snapshot`` dispatches an asynchronous copy of the state into ``pinned_host`` memory on the same
+shardings, split into the replicas along the replica axis (``trainer_client.runtime._replica_leaves``); the
+caller is blocked only for the dispatch. At most one copy is in flight: a snapshot asked for while one is
+is skipped and counted. A background thread waits for the copy; only when all of it is done does the
+snapshot become the *held* one, with its step, data position, iterator state and the state's leaves that are
+not arrays — all of the same step. A copy that fails (a slice lost mid-copy: ``DATA_LOSS``) is dropped and the
+previous held snapshot stays, whole. ``restore`` rebuilds each array from the replicas on the slices left and
+lays it out on the new mesh (shrunk, or the same shape on a hot spare); when some array has no whole copy
+left it raises ``NoWholeReplica`` naming those arrays, and the caller resumes from the shared-memory tier or
+storage.
+
+Orbax 0.12.8 has this design as ``Snapshotter`` (its Pathways training module, under ``_src``, not public
+API), and this tier follows it: the same pinned-host copy, pathwaysutils' split and concatenation by mesh
+axis, one request at a time, typed keys as ``key_data``, pinned-to-pinned then to the devices on restore. It
+is not used as is because what ckptd needs is what it lacks: it skips a busy request with a log line only
+(no count), drops a failed copy with a log line only, keeps no data position or iterator state, cannot be
+told which slices were lost (it only probes, and on CPU without ``InJaxFaults`` a lost slice's copies still
+read), concatenates whatever replicas survive — so an array sharded along the replica axis comes back with
+the wrong shape instead of an error — and neither accounts for host memory nor reports age or bytes.
+
+Host memory: each host holds one copy of its share of the state (every replica its devices hold), two while
+a copy is in flight (``required_bytes``); the constructor refuses a budget that cannot hold that
+(``MemoryTierFull``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+
+from trainer_client.checkpoint_io._state_tree import leaf_name
+from trainer_client.errors import MemoryTierFull, NoWholeReplica
+from trainer_client.runtime._replica_leaves import (
+    HeldArray,
+    ReplicaAxis,
+    copy_to_host,
+    host_bytes,
+    is_key,
+    rebuild,
+    target_sharding,
+    to_device,
+)
+
+_log = logging.getLogger(__name__)
+PyTree = Any
+
+
+class Held(NamedTuple):
+    """The step the tier holds whole, and the slices its replicas live on."""
+
+    step: int
+    slices: frozenset[int]
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """The tier's counters: snapshots held, skipped (busy), failed (dropped mid-copy); the held one's bytes
+    (this host's) and age (seconds since its dispatch); the last dispatch's blocking time."""
+
+    held_step: int | None
+    snapshots: int
+    skips: int
+    failures: int
+    bytes_held: int
+    age_s: float | None
+    last_dispatch_s: float | None
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A restore's result: the state on the new layout with what was kept with it, all of ``step``."""
+
+    step: int
+    state: PyTree
+    data_position: int
+    iterator_state: Any
+
+
+@dataclass
+class _Snapshot:
+    step: int
+    treedef: Any
+    leaves: list[HeldArray | _Value]
+    data_position: int
+    iterator_state: Any
+    taken_at: float
+    nbytes: int
+
+    @property
+    def arrays(self) -> list[HeldArray]:
+        return [leaf for leaf in self.leaves if isinstance(leaf, HeldArray)]
+
+
+@dataclass(frozen=True)
+class _Value:
+    value: Any  # a leaf that is not a jax.Array: kept as a copy
+
+
+def required_bytes(state: PyTree, *, in_flight: bool = True) -> int:
+    """Host memory the tier needs for ``state`` (arrays or ``ShapeDtypeStruct``s with shardings): one copy of
+    this host's share, every replica its devices hold; two copies with ``in_flight`` (the held one while the
+    next is copied), the peak."""
+    one = sum(host_bytes(leaf) for leaf in jax.tree_util.tree_leaves(state) if _is_array_like(leaf))
+    return 2 * one if in_flight else one
+
+
+def _is_array_like(leaf: Any) -> bool:
+    return isinstance(leaf, jax.Array | jax.ShapeDtypeStruct)
+
+
+def host_memory_free() -> int:
+    """The host's free physical memory, the default budget."""
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class ReplicaTier:
+    """Asynchronous snapshots of one process's train state in its hosts' pinned memory, one held at a time.
+
+    ``replica_axis``: the mesh axis (name, or index in each mesh's axes) the replicas lie along — the
+    data-parallel axis across slices. ``slice_to_devices``: which devices each slice has (a ``SliceProvider``'s
+    map); without it a device's ``slice_index`` (Pathways), else slice 0. ``state`` (arrays or
+    ``ShapeDtypeStruct``s): checked against ``budget_bytes`` (default: the host's free memory) at once.
+    """
+
+    def __init__(self, *, replica_axis: ReplicaAxis = 0,
+                 slice_to_devices: Mapping[int, Sequence[jax.Device]] | None = None,
+                 state: PyTree | None = None, budget_bytes: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.replica_axis = replica_axis
+        self._slice_of = ({d.id: k for k, devices in slice_to_devices.items() for d in devices}
+                          if slice_to_devices is not None else None)
+        self._clock = clock
+        if state is not None:
+            need = required_bytes(state)
+            budget = host_memory_free() if budget_bytes is None else budget_bytes
+            if need > budget:
+                raise MemoryTierFull(
+                    f"the replica snapshot tier needs {need / 2**20:.1f} MiB of host memory on this host (two "
+                    f"copies of its {need / 2 / 2**20:.1f} MiB share of the state: the held one and the next, in "
+                    f"flight) and the budget is {budget / 2**20:.1f} MiB. Give the host more memory, shard the "
+                    "state over more devices, or turn the tier off.")
+        self._lock = threading.Condition()
+        self._held: _Snapshot | None = None
+        self._in_flight = False
+        self._names: tuple[Any, list[str]] | None = None
+        self.snapshots = self.skips = self.failures = 0
+        self.last_error: BaseException | None = None
+        self.last_dispatch_s: float | None = None
+        self._queue: queue.Queue[_Snapshot | None] = queue.Queue(maxsize=1)
+        self._worker = threading.Thread(target=self._complete_copies, name="ckptd-replica-tier", daemon=True)
+        self._worker.start()
+
+    # ---- snapshots ------------------------------------------------------------------------------
+
+    def snapshot(self, step: int, state: PyTree, *, data_position: int, iterator_state: Any = None) -> bool:
+        """Dispatch a copy of ``state`` (of ``step``; ``data_position`` and ``iterator_state`` at it) and
+        return; False when a copy is still in flight (skipped, counted). A ``DATA_LOSS`` raised by the dispatch
+        itself is raised on (the held snapshot stays)."""
+        started = time.perf_counter()
+        with self._lock:
+            if self._in_flight:
+                self.skips += 1
+                return False
+            self._in_flight = True
+        try:
+            snap = self._dispatch(step, state, data_position, iterator_state)
+        except BaseException as exc:
+            self._finished(None, exc)
+            raise
+        self.last_dispatch_s = time.perf_counter() - started
+        self._queue.put(snap)
+        return True
+
+    def _dispatch(self, step: int, state: PyTree, data_position: int, iterator_state: Any) -> _Snapshot:
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        if self._names is None or self._names[0] != treedef:  # the leaves' names once per structure
+            self._names = (treedef, [leaf_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]])
+        held: list[HeldArray | _Value] = []
+        for name, leaf in zip(self._names[1], leaves, strict=True):
+            if isinstance(leaf, jax.Array):
+                held.append(copy_to_host(name, leaf, self.replica_axis))
+            else:
+                held.append(_Value(copy.deepcopy(leaf)))
+        nbytes = sum(leaf.nbytes for leaf in held if isinstance(leaf, HeldArray))
+        return _Snapshot(step, treedef, held, data_position, copy.deepcopy(iterator_state), self._clock(), nbytes)
+
+    def _complete_copies(self) -> None:
+        """The worker: wait for each dispatched copy; hold it once all of it is done, or drop it."""
+        while True:
+            snap = self._queue.get()
+            if snap is None:
+                return
+            try:
+                jax.block_until_ready([r for leaf in snap.arrays for r in leaf.replicas])
+            except Exception as exc:  # e.g. DATA_LOSS: a slice lost mid-copy; the held snapshot stays
+                _log.warning("replica snapshot of step %d dropped, step %s still held: %s", snap.step,
+                             self._held.step if self._held is not None else None, exc)
+                self._finished(None, exc)
+            else:
+                self._finished(snap, None)
+            del snap
+
+    def _finished(self, snap: _Snapshot | None, error: BaseException | None) -> None:
+        with self._lock:
+            if snap is not None:
+                self._held = snap
+                self.snapshots += 1
+            if error is not None:
+                self.failures += 1
+                self.last_error = error
+            self._in_flight = False
+            self._lock.notify_all()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait until no copy is in flight; False on timeout."""
+        with self._lock:
+            return self._lock.wait_for(lambda: not self._in_flight, timeout_s)
+
+    def close(self) -> None:
+        """Wait for the copy in flight, stop the worker and drop the held snapshot (its memory goes back)."""
+        self.wait()
+        self._queue.put(None)
+        self._worker.join()
+        with self._lock:
+            self._held = None
+
+    # ---- what is held ---------------------------------------------------------------------------
+
+    def _slices(self, device_ids: Collection[int]) -> frozenset[int]:
+        if self._slice_of is not None:
+            return frozenset(self._slice_of[d] for d in device_ids if d in self._slice_of)
+        by_id = {d.id: d for d in jax.devices()}
+        return frozenset(int(getattr(by_id[d], "slice_index", 0)) for d in device_ids if d in by_id)
+
+    def held(self) -> Held | None:
+        """The step held whole and the slices its replicas live on; None before the first copy completes."""
+        with self._lock:
+            snap = self._held
+        if snap is None:
+            return None
+        return Held(snap.step, self._slices({d for leaf in snap.arrays for ids in leaf.device_ids for d in ids}))
+
+    def stats(self) -> ReplicaStats:
+        with self._lock:
+            snap = self._held
+            return ReplicaStats(held_step=snap.step if snap else None, snapshots=self.snapshots, skips=self.skips,
+                                failures=self.failures, bytes_held=snap.nbytes if snap else 0,
+                                age_s=self._clock() - snap.taken_at if snap else None,
+                                last_dispatch_s=self.last_dispatch_s)
+
+    # ---- restore --------------------------------------------------------------------------------
+
+    def restore(self, target: Any, *, lost_slices: Collection[int] = (),
+                alive_devices: Collection[jax.Device] | None = None) -> Restored:
+        """The held step rebuilt from the replicas on live slices, laid out on ``target``: a ``Mesh`` (each
+        array keeps its partition spec; the mesh has the same axis names) or a tree like the state whose
+        array leaves are ``Sharding``s, arrays or ``ShapeDtypeStruct``s. A replica is live when none of its
+        devices is on ``lost_slices``, all are in ``alive_devices`` (when given), and it reads back.
+        ``NoWholeReplica`` when some array has no whole copy left. Afterwards the tier holds the restored
+        state on its new layout."""
+        self.wait()  # a copy in flight completes (held) or fails (dropped) first
+        with self._lock:
+            snap = self._held
+        if snap is None:
+            raise NoWholeReplica("the replica snapshot tier holds no snapshot yet: nothing to restore from")
+        lost = self._device_ids_of(lost_slices)
+        alive = None if alive_devices is None else frozenset(d.id for d in alive_devices)
+
+        def usable(ids: frozenset[int]) -> bool:
+            return not (ids & lost) and (alive is None or ids <= alive)
+
+        wants = [target] * len(snap.leaves) if isinstance(target, jax.sharding.Mesh) else \
+            snap.treedef.flatten_up_to(target)
+        hosts: list[tuple[HeldArray, Any, jax.Array] | None] = []
+        missing: list[str] = []
+        for leaf, want in zip(snap.leaves, wants, strict=True):
+            if not isinstance(leaf, HeldArray):
+                hosts.append(None)
+                continue
+            sharding = target_sharding(leaf, want)
+            host = rebuild(leaf, sharding, usable)
+            if host is None:
+                missing.append(leaf.name)
+            hosts.append(None if host is None else (leaf, sharding, host))
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise NoWholeReplica(
+                f"no whole replica of {len(missing)} array(s) of step {snap.step} survives (lost slices "
+                f"{sorted(lost_slices)}): {shown}. Each array must be replicated along the replica axis and at "
+                "least one replica's slice must be alive; resume from the shared-memory tier or storage.",
+                tuple(missing))
+        out = [_copy_value(leaf) if entry is None else to_device(entry[2], entry[0], entry[1])
+               for leaf, entry in zip(snap.leaves, hosts, strict=True)]
+        jax.block_until_ready([jax.random.key_data(x) if is_key(x) else x for x in out if isinstance(x, jax.Array)])
+        self._hold_restored(snap, hosts)
+        return Restored(snap.step, jax.tree_util.tree_unflatten(snap.treedef, out), snap.data_position,
+                        copy.deepcopy(snap.iterator_state))
+
+    def _device_ids_of(self, slices: Collection[int]) -> frozenset[int]:
+        if not slices:
+            return frozenset()
+        return frozenset(d.id for d in jax.devices() if self._slices({d.id}) & set(slices))
+
+    def _hold_restored(self, snap: _Snapshot, hosts: list[tuple[HeldArray, Any, jax.Array] | None]) -> None:
+        """Hold the restored step on its new layout: a copy of the rebuilt host arrays, split again."""
+        leaves: list[HeldArray | _Value] = []
+        for leaf, entry in zip(snap.leaves, hosts, strict=True):
+            if entry is None:
+                leaves.append(leaf)
+                continue
+            before, _, host = entry
+            held = copy_to_host(before.name, host, self.replica_axis)
+            held.key_dtype = before.key_dtype
+            leaves.append(held)
+        nbytes = sum(leaf.nbytes for leaf in leaves if isinstance(leaf, HeldArray))
+        with self._lock:
+            self._held = _Snapshot(snap.step, snap.treedef, leaves, snap.data_position, snap.iterator_state,
+                                   snap.taken_at, nbytes)
+
+
+def _copy_value(leaf: HeldArray | _Value) -> Any:
+    assert isinstance(leaf, _Value)
+    return copy.deepcopy(leaf.value)
+
+
+__all__ = ["Held", "ReplicaStats", "ReplicaTier", "Restored", "required_bytes"]
