@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # the real types for type checkers; at run time each name is 
         StoredFormatError,
         UnsafePathError,
     )
+    from trainer_client.runtime._checkpoint_manager import CheckpointManager
     from trainer_client.runtime._checkpointing import Checkpointer, restore
     from trainer_client.runtime._elastic import ElasticConfig, ElasticContext, ElasticResult, ElasticRunner, Event
     from trainer_client.runtime._elastic_config import (
@@ -74,6 +75,7 @@ _LAZY = {
     "MemoryTierOptions": "trainer_client.runtime._elastic_config",
     "SaveOptions": "trainer_client.runtime._elastic_config",
     "Checkpointer": "trainer_client.runtime._checkpointing",
+    "CheckpointManager": "trainer_client.runtime._checkpoint_manager",
     "SimulatedSlices": "trainer_client.runtime._slices",
     "PathwaysSlices": "trainer_client.runtime._slices",
     "SliceFault": "trainer_client.runtime._slices",
@@ -100,6 +102,7 @@ _LAZY = {
 __all__ = [
     "ArrayIndexError",
     "BatchScalingOptions",
+    "CheckpointManager",
     "Checkpointer",
     "CkptdClient",
     "CkptdError",

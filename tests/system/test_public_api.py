@@ -32,6 +32,8 @@ def test_trainer_client_top_level_names() -> None:
     assert set(trainer_client.__all__) == {
         "__version__", "CkptdClient", "ClientSettings", "ElasticConfig", "ElasticContext", "ElasticRunner",
         "ElasticResult", "Checkpointer", "SimulatedSlices", "PathwaysSlices", "SliceFault", "CkptdError",
+        # Orbax's CheckpointManager backed by ckptd (docs/adopt.md)
+        "CheckpointManager",
         "CkptdUnavailable", "CkptdRequestError", "NoCheckpointError", "ElasticTimeoutError",
         "ElasticRetriesExhausted", "MemoryTierFull", "PlanningError", "StorageError",
         # the rest of the error tree (trainer_client/errors.py)

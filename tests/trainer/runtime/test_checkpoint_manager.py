@@ -1,0 +1,212 @@
+"""trainer_client.CheckpointManager: an Orbax loop runs unchanged with the import swapped; only good steps are
+named and restored (a step without its commit marker, a step with a truncated data file), by a new process with
+no ckptd and by a fresh manager asking a real ckptd; plain Orbax restores what it wrote; what it cannot honour is
+refused (docs/adopt.md, "Plain Orbax")."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from tests.support.helpers import REPO, clean_env
+from tests.support.server import StartServer
+from trainer_client import CheckpointManager, CkptdClient, ClientSettings
+from trainer_client.core._storage import Storage
+from trainer_client.core._validation import validate_step
+from trainer_client.core.format._files import CKPTD_MANIFEST, COMMIT_MARKER
+
+# A loop written against Orbax's CheckpointManager (two items, metrics, an interval, restore of the latest step).
+ORBAX_LOOP = """
+import json, sys
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from orbax.checkpoint import CheckpointManager
+
+directory, steps = sys.argv[1], int(sys.argv[2])
+options = ocp.CheckpointManagerOptions(save_interval_steps=2)
+with CheckpointManager(directory, options=options, item_names=("state", "extra")) as mgr:
+    for step in range(steps):
+        state = {"w": jnp.arange(8.0) * step, "b": jnp.full((2, 3), step, jnp.int32), "step": step}
+        mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                               extra=ocp.args.JsonSave({"lr": 0.5 * step})),
+                 metrics={"loss": 1.0 / (step + 1)})
+    mgr.wait_until_finished()
+    latest = mgr.latest_step()
+    got = mgr.restore(latest, args=ocp.args.Composite(state=ocp.args.StandardRestore(), extra=ocp.args.JsonRestore()))
+    print(json.dumps({"all": list(mgr.all_steps()), "latest": latest, "w": got.state["w"].tolist(),
+                      "b": got.state["b"].tolist(), "step": int(got.state["step"]), "lr": got.extra["lr"],
+                      "should_save_next": mgr.should_save(steps), "names": sorted(mgr.item_metadata(latest).keys())}))
+"""
+ORBAX_IMPORT = "from orbax.checkpoint import CheckpointManager"
+SWAPPED_IMPORT = "from trainer_client import CheckpointManager"
+
+# A new process resuming: restore(None) is the newest good step.
+RESUME = """
+import json, sys
+import orbax.checkpoint as ocp
+from trainer_client import CheckpointManager
+
+with CheckpointManager(sys.argv[1], item_names=("state", "extra")) as mgr:
+    got = mgr.restore(None, args=ocp.args.Composite(state=ocp.args.StandardRestore(), extra=ocp.args.JsonRestore()))
+    print(json.dumps({"latest": mgr.latest_step(), "all": list(mgr.all_steps()), "w": got.state["w"].tolist(),
+                      "step": int(got.state["step"]), "should_save": [mgr.should_save(s) for s in (3, 4, 6)]}))
+"""
+
+
+def _run(code: str, *args: str) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, "-c", code, *args], env=clean_env(), cwd=REPO, capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def _restore_args() -> ocp.args.Composite:
+    return ocp.args.Composite(state=ocp.args.StandardRestore(), extra=ocp.args.JsonRestore())
+
+
+def _damage(job: Path) -> None:
+    """Step 6 loses its commit marker (a save cut before its commit); a data file of step 4 is truncated."""
+    (job / "6" / COMMIT_MARKER).unlink()
+    data = max((p for p in (job / "4" / "state").rglob("*") if p.is_file() and "/d/" in str(p)),
+               key=lambda p: p.stat().st_size)
+    with data.open("r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The loop run by plain Orbax and, with the import swapped, by trainer_client (steps 0, 2, 4, 6)."""
+    base = tmp_path_factory.mktemp("cm")
+    orbax_dir, ours_dir = base / "orbax" / "checkpoints", base / "ours" / "checkpoints"
+    return {"orbax": _run(ORBAX_LOOP, str(orbax_dir), "8"),
+            "ours": _run(ORBAX_LOOP.replace(ORBAX_IMPORT, SWAPPED_IMPORT), str(ours_dir), "8"), "dir": ours_dir}
+
+
+def test_an_orbax_loop_runs_unchanged_with_the_import_swapped(written: dict[str, Any]) -> None:
+    assert SWAPPED_IMPORT not in ORBAX_LOOP
+    assert written["ours"] == written["orbax"]
+    assert written["ours"]["all"] == [0, 2, 4, 6] and written["ours"]["w"] == [6.0 * i for i in range(8)]
+    storage = Storage(str(written["dir"]))
+    for step in (0, 2, 4, 6):  # every step carries ckptd's manifest, and its files match it
+        assert (written["dir"] / str(step) / CKPTD_MANIFEST).is_file()
+        assert validate_step(storage, storage.join(str(step))).ok
+
+
+def test_plain_orbax_restores_every_step_it_wrote(written: dict[str, Any], tmp_path: Path) -> None:
+    with ocp.CheckpointManager(written["dir"], item_names=("state", "extra")) as plain:
+        assert list(plain.all_steps()) == [0, 2, 4, 6]
+        for step in (0, 2, 4, 6):
+            got = plain.restore(step, args=_restore_args())
+            np.testing.assert_array_equal(np.asarray(got.state["w"]), np.arange(8.0) * step)
+            assert got.extra == {"lr": 0.5 * step}
+
+
+@pytest.fixture
+def damaged(written: dict[str, Any], tmp_path: Path) -> Path:
+    """A copy of the written job with step 6 marker-less and step 4 truncated: the newest good step is 2."""
+    job = tmp_path / "run" / "checkpoints"
+    shutil.copytree(written["dir"], job)
+    _damage(job)
+    return job
+
+
+def test_a_new_process_without_ckptd_names_and_restores_the_newest_good_step(damaged: Path) -> None:
+    got = _run(RESUME, str(damaged))
+    assert got["latest"] == 2 and got["all"] == [0, 2]
+    assert got["w"] == [2.0 * i for i in range(8)] and got["step"] == 2
+    assert got["should_save"] == [True, True, True]  # Orbax's own view counts no bad step either
+    with ocp.CheckpointManager(damaged, item_names=("state", "extra")) as plain:
+        assert plain.latest_step() == 6  # what plain Orbax would have resumed from
+
+
+class _Counting(httpx.HTTPTransport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.paths: list[str] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.paths.append(request.url.path)
+        return super().handle_request(request)
+
+
+def test_a_fresh_manager_asking_ckptd_names_and_restores_the_newest_good_step(
+    damaged: Path, ckptd_server: StartServer
+) -> None:
+    server = ckptd_server(damaged.parent)
+    transport = _Counting()
+    client = CkptdClient(ClientSettings(url=server.url), root=str(damaged.parent), transport=transport)
+    with CheckpointManager(str(damaged), item_names=("state", "extra"), ckptd=client) as mgr:
+        assert mgr.latest_step() == 2
+        assert list(mgr.all_steps()) == [0, 2]
+        got = mgr.restore(None, args=_restore_args())
+    np.testing.assert_array_equal(np.asarray(got.state["w"]), np.arange(8.0) * 2)
+    assert any(path.endswith("/latest-good") for path in transport.paths)
+    assert any(path.endswith("/checkpoints") for path in transport.paths)
+    states = {c["step"]: c["state"] for c in httpx.get(f"{server.url}/v1/jobs/checkpoints/checkpoints").json()[
+        "checkpoints"]}
+    assert states[4] == "quarantined" and states[6] in ("writing", "abandoned") and states[2] == "verified"
+
+
+def test_ckptd_down_falls_back_to_storage(damaged: Path, tcp_port: int) -> None:
+    client = CkptdClient(ClientSettings(url=f"http://127.0.0.1:{tcp_port}", resume_deadline_s=0.2, timeout_s=0.2),
+                         root=str(damaged.parent))
+    with CheckpointManager(str(damaged), item_names=("state", "extra"), ckptd=client) as mgr:
+        assert mgr.latest_step() == 2 and list(mgr.all_steps()) == [0, 2]
+
+
+def test_a_step_saved_after_ckptd_looked_is_judged_from_storage(written: dict[str, Any], tmp_path: Path) -> None:
+    """ckptd answers latest-good 2 (it has not seen 8 yet): the step this manager just committed is named."""
+    job = tmp_path / "run" / "checkpoints"
+    shutil.copytree(written["dir"], job)
+
+    def ckptd(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/latest-good"):
+            return httpx.Response(200, json={"step": 2, "state": "verified", "path": str(job / "2")})
+        return httpx.Response(200, json={"job": "checkpoints", "checkpoints": [
+            {"step": s, "state": st, "path": str(job / str(s))} for s, st in ((0, "verified"), (2, "verified"),
+                                                                             (4, "quarantined"))]})
+
+    client = CkptdClient(ClientSettings(url="http://ckptd"), transport=httpx.MockTransport(ckptd))
+    with CheckpointManager(str(job), item_names=("state", "extra"), ckptd=client) as mgr:
+        mgr.save(8, args=ocp.args.Composite(state=ocp.args.StandardSave({"w": np.ones(2)}),
+                                            extra=ocp.args.JsonSave({"lr": 1.0})))
+        mgr.wait_until_finished()
+        assert mgr.latest_step() == 8
+        assert list(mgr.all_steps()) == [0, 2, 6, 8]  # 4: ckptd quarantined it; 6 and 8: the rule on storage
+
+
+@pytest.mark.parametrize("options, named", [
+    (ocp.CheckpointManagerOptions(max_to_keep=3), "max_to_keep"),
+    (ocp.CheckpointManagerOptions(cleanup_tmp_directories=True), "cleanup_tmp_directories"),
+    (ocp.CheckpointManagerOptions(step_prefix="ckpt"), "step_prefix"),
+    (ocp.CheckpointManagerOptions(keep_period=10), "keep_period"),
+])
+def test_an_option_ckptd_cannot_honour_is_refused(tmp_path: Path, options: Any, named: str) -> None:
+    with pytest.raises(ValueError, match=rf"CheckpointManagerOptions\({named}=.*is not supported: "):
+        CheckpointManager(tmp_path / "checkpoints", options=options)
+    assert not os.path.exists(tmp_path / "checkpoints")  # refused before Orbax touched the directory
+
+
+def test_synchronous_saves_are_manifested_and_a_callback_of_yours_runs_after_the_manifest(tmp_path: Path) -> None:
+    job = tmp_path / "checkpoints"
+    with CheckpointManager(job, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)) as mgr:
+        assert mgr.save(1, args=ocp.args.StandardSave({"a": np.arange(3.0)}))
+        assert validate_step(Storage(str(job)), str(job / "1")).manifest is not None
+    seen: list[bool] = []
+    callback = ocp.options.AsyncOptions(
+        post_finalization_callback=lambda: seen.append((job / "2.orbax-checkpoint-tmp" / CKPTD_MANIFEST).is_file()))
+    with CheckpointManager(job, options=ocp.CheckpointManagerOptions(async_options=callback)) as mgr:
+        mgr.save(2, args=ocp.args.StandardSave({"a": np.arange(3.0)}))
+        mgr.wait_until_finished()
+        assert list(mgr.all_steps()) == [1, 2]
+    assert seen == [True]

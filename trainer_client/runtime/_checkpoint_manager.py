@@ -1,0 +1,231 @@
+"""``trainer_client.CheckpointManager``: Orbax's ``CheckpointManager``, backed by ckptd (docs/adopt.md, "Plain Orbax").
+
+A training loop written against ``orbax.checkpoint.CheckpointManager`` runs unchanged with the import swapped.
+The writing is Orbax's own: every call is handed to a real ``orbax.checkpoint.CheckpointManager`` over the same
+directory, so the steps are Orbax's layout and plain Orbax restores them. What ckptd adds:
+
+- ``latest_step()`` and ``all_steps()`` name only good steps (``trainer_client.runtime._good_steps``): never a
+  step without its commit marker, never one whose files no longer match its manifest; ckptd's answer when a
+  client is given and ckptd answers, the same rule from storage when not. ``restore(None)`` restores the
+  newest good step, and Orbax's manager is handed the same listing, so its save decisions never count a bad
+  step;
+- every save writes ckptd's manifest (every file's size and CRC32C) in Orbax's post-finalization callback,
+  before the commit marker, as ``trainer_client.checkpoint_io._checkpointer`` does for the elastic runner
+  (docs/architecture.md, "Data flow of a save"), through the same writer (``core.format._manifest``);
+- options that would let Orbax delete steps by its own judgement, or name steps outside ckptd's commit rule,
+  are refused with the reason (``unsupported_options``): retention is ckptd's (``ckptd gc``, ``ckptd serve
+  --keep-last``), which never deletes the newest good step or a step being written.
+
+The job is the directory's last name under the root ckptd serves: ``<root>/<job>`` (MaxText's
+``<base>/<run>/checkpoints``: ``ckptd serve --root <base>/<run>``, job ``checkpoints``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+from orbax.checkpoint import args as args_lib
+from orbax.checkpoint._src.path import step as step_lib
+from orbax.checkpoint.abstract_checkpoint_manager import AbstractCheckpointManager
+
+from trainer_client.client._ckptd_client import CkptdClient
+from trainer_client.core._durability import sync_tree
+from trainer_client.core._storage import join_path
+from trainer_client.core.format._files import CKPTD_MANIFEST, TMP_DIR_SUFFIX
+from trainer_client.core.format._manifest import build_manifest, write_manifest
+from trainer_client.runtime._good_steps import GoodSteps, GoodStepsOnly
+
+_log = logging.getLogger(__name__)
+
+_RETENTION = "retention is ckptd's: `ckptd gc --keep-last N` or `ckptd serve` with CKPTD_KEEP_LAST, which never " \
+    "delete the newest good step or a step being written (docs/operations.md)"
+_NAMING = "ckptd's commit rule reads Orbax's default step names (a plain integer directory per step)"
+
+
+def unsupported_options(options: ocp.CheckpointManagerOptions) -> list[str]:
+    """Why each option set in ``options`` cannot be honoured (empty: all can)."""
+    refused: dict[str, tuple[Any, str]] = {
+        "max_to_keep": (None, _RETENTION),
+        "keep_time_interval": (None, _RETENTION),
+        "keep_period": (None, _RETENTION),
+        "should_keep_fn": (None, _RETENTION),
+        "best_fn": (None, _RETENTION + "; Orbax ranks steps by metrics only to delete the others"),
+        "preservation_policy": (None, _RETENTION),
+        "cleanup_tmp_directories": (False, "it deletes every unfinished step, also one another process is still "
+                                           "writing; ckptd cleans abandoned saves after its save timeout"),
+        "step_prefix": (None, _NAMING),
+        "step_format_fixed_length": (None, _NAMING),
+        "step_name_format": (None, _NAMING),
+    }
+    out = []
+    for name, (default, why) in refused.items():
+        value = getattr(options, name, default)
+        if value != default:
+            out.append(f"CheckpointManagerOptions({name}={value!r}) is not supported: {why}")
+    return out
+
+
+class CheckpointManager(AbstractCheckpointManager):
+    """Orbax's ``CheckpointManager`` whose steps ckptd keeps honest: same constructor, same calls."""
+
+    def __init__(
+        self,
+        directory: epath.PathLike,
+        checkpointers: Any = None,
+        options: ocp.CheckpointManagerOptions | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        item_names: Sequence[str] | None = None,
+        item_handlers: Any = None,
+        logger: Any = None,
+        handler_registry: Any = None,
+        *,
+        ckptd: CkptdClient | None = None,
+    ) -> None:
+        """As ``orbax.checkpoint.CheckpointManager`` (``item_names``, ``item_handlers``, ``options``,
+        ``metadata``, ``logger``, ``handler_registry``). ``ckptd``: the client of the ckptd serving the root
+        (the directory's parent); without one, good steps are judged from storage. Raises ``ValueError`` for
+        an option ckptd cannot honour (``unsupported_options``) and for Orbax's legacy ``checkpointers``."""
+        if checkpointers is not None:
+            raise ValueError("CheckpointManager(checkpointers=...) is Orbax's legacy API and is not supported: "
+                             "pass item_names=/item_handlers= and save with args=")
+        options = options or ocp.CheckpointManagerOptions()
+        problems = unsupported_options(options)
+        if problems:
+            raise ValueError("; ".join(problems))
+        self._good = GoodSteps(str(directory), ckptd)
+        self._storage = self._good.storage
+        self._async = options.enable_async_checkpointing
+        self._pending_step: int | None = None  # the save in flight: its manifest is written before its commit
+        async_options = options.async_options
+        self._user_callback = async_options.post_finalization_callback if async_options else None
+        if self._async:  # Orbax refuses the callback without its asynchronous checkpointer
+            async_options = dataclasses.replace(async_options or ocp.options.AsyncOptions(),
+                                                post_finalization_callback=self._before_commit)
+        names = step_lib.standard_name_format(
+            single_host_load_and_broadcast=options.single_host_load_and_broadcast,
+            temporary_path_cls=options.temporary_path_class, atomicity_options=options.atomicity_options,
+        )
+        delegated = dataclasses.replace(
+            options,
+            async_options=async_options,
+            step_name_format=GoodStepsOnly(names, self._good.all),
+        )
+        self._manager = ocp.CheckpointManager(
+            directory, options=delegated, metadata=metadata, item_names=item_names, item_handlers=item_handlers,
+            logger=logger, handler_registry=handler_registry,
+        )
+
+    # ---- what ckptd changes ----------------------------------------------------------------------
+
+    def latest_step(self) -> int | None:
+        """The newest good step on storage (a save still in flight is named once it is committed)."""
+        return self._good.latest()
+
+    def all_steps(self, read: bool = False) -> Sequence[int]:
+        """Every good step, oldest first (always read: ckptd or storage is asked each time)."""
+        return self._good.all()
+
+    def save(self, step: int, items: Any = None, save_kwargs: Any = None, metrics: Any = None,
+             force: bool | None = False, args: args_lib.CheckpointArgs | None = None,
+             custom_metadata: dict[str, Any] | None = None) -> bool:
+        """Orbax's ``save`` (same arguments, same decision); the step gets ckptd's manifest before its commit."""
+        if not force and not self._manager.should_save(step):
+            return False
+        self._manager.wait_until_finished()  # one save in flight: the callback below knows its step
+        self._pending_step = step
+        saved = bool(self._manager.save(step, items, save_kwargs=save_kwargs, metrics=metrics, force=force,
+                                        args=args, custom_metadata=custom_metadata))
+        if saved and not self._async:  # no callback before a synchronous save's commit: manifest it now
+            self._manifest(step, committed=True)
+        return saved
+
+    def restore(self, step: int | None, items: Any = None, restore_kwargs: Any = None,
+                directory: epath.PathLike | None = None, args: args_lib.CheckpointArgs | None = None) -> Any:
+        """Orbax's ``restore``; ``step=None`` restores the newest good step."""
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no good step in {self.directory}")
+        return self._manager.restore(step, items, restore_kwargs=restore_kwargs, directory=directory, args=args)
+
+    def reload(self) -> None:
+        self._manager.reload()
+
+    # ---- the manifest ------------------------------------------------------------------------------
+
+    def _before_commit(self) -> None:
+        """Orbax's post-finalization callback: every file of the step is written, its commit marker is not."""
+        step, self._pending_step = self._pending_step, None
+        if step is not None:
+            self._manifest(step, committed=False)
+        if self._user_callback is not None:
+            self._user_callback()
+
+    def _manifest(self, step: int, *, committed: bool) -> None:
+        """ckptd's manifest of ``step`` (process 0 only, as Orbax's commit), fsynced with the step on a local disk."""
+        if jax.process_index() != 0:
+            return
+        step_path = self._storage.join(self._good.job, str(step))
+        tmp = step_path + TMP_DIR_SUFFIX
+        if not committed and self._storage.exists(tmp):
+            step_path = tmp
+        if committed and self._storage.exists(join_path(step_path, CKPTD_MANIFEST)):
+            return
+        manifest = build_manifest(self._storage, step_path, step=step, writer="trainer_client")
+        write_manifest(self._storage, step_path, manifest)
+        if not self._storage.is_remote:
+            sync_tree(step_path)
+
+    # ---- Orbax's, unchanged ------------------------------------------------------------------------
+
+    @property
+    def directory(self) -> epath.Path:
+        return self._manager.directory
+
+    def best_step(self) -> int | None:
+        return self._manager.best_step()
+
+    def reached_preemption(self, step: int) -> bool:
+        return bool(self._manager.reached_preemption(step))
+
+    def should_save(self, step: int) -> bool:
+        return bool(self._manager.should_save(step))
+
+    def delete(self, step: int) -> None:
+        self._manager.delete(step)
+
+    def item_metadata(self, step: int) -> Any:
+        return self._manager.item_metadata(step)
+
+    def metadata(self, step: int | None = None) -> Any:
+        return self._manager.metadata(step)
+
+    def metrics(self, step: int) -> Any:
+        return self._manager.metrics(step)
+
+    def is_saving_in_progress(self) -> bool:
+        return bool(self._manager.is_saving_in_progress())
+
+    def wait_until_finished(self) -> None:
+        self._manager.wait_until_finished()
+
+    def check_for_errors(self) -> None:
+        self._manager.check_for_errors()
+
+    def close(self) -> None:
+        self._manager.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["CheckpointManager", "unsupported_options"]
