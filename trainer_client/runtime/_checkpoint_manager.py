@@ -31,6 +31,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import args as args_lib
+from orbax.checkpoint._src.checkpoint_managers import preservation_policy as preservation_policy_lib
 from orbax.checkpoint._src.path import step as step_lib
 from orbax.checkpoint.abstract_checkpoint_manager import AbstractCheckpointManager
 
@@ -66,9 +67,15 @@ def unsupported_options(options: ocp.CheckpointManagerOptions) -> list[str]:
     out = []
     for name, (default, why) in refused.items():
         value = getattr(options, name, default)
-        if value != default:
+        if value != default and not (name == "preservation_policy" and _preserves_all(value)):
             out.append(f"CheckpointManagerOptions({name}={value!r}) is not supported: {why}")
     return out
+
+
+def _preserves_all(policy: Any) -> bool:
+    """Orbax's policies that delete nothing: ``PreserveAll()``, ``LatestN(None)`` (what MaxText passes by default)."""
+    return isinstance(policy, preservation_policy_lib.PreserveAll) or (
+        isinstance(policy, preservation_policy_lib.LatestN) and policy.n is None)
 
 
 class CheckpointManager(AbstractCheckpointManager):

@@ -17,8 +17,10 @@ import httpx
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from orbax.checkpoint._src.checkpoint_managers import preservation_policy as preservation_policy_lib
 
 from tests.support.helpers import REPO, clean_env
+from tests.support.orbax_steps import _MAXTEXT_WRITER, MAXTEXT_MESH_AXES, MAXTEXT_MESH_SHAPE
 from tests.support.server import StartServer
 from trainer_client import CheckpointManager, CkptdClient, ClientSettings
 from trainer_client.core._storage import Storage
@@ -190,6 +192,7 @@ def test_a_step_saved_after_ckptd_looked_is_judged_from_storage(written: dict[st
     (ocp.CheckpointManagerOptions(cleanup_tmp_directories=True), "cleanup_tmp_directories"),
     (ocp.CheckpointManagerOptions(step_prefix="ckpt"), "step_prefix"),
     (ocp.CheckpointManagerOptions(keep_period=10), "keep_period"),
+    (ocp.CheckpointManagerOptions(preservation_policy=preservation_policy_lib.LatestN(2)), "preservation_policy"),
 ])
 def test_an_option_ckptd_cannot_honour_is_refused(tmp_path: Path, options: Any, named: str) -> None:
     with pytest.raises(ValueError, match=rf"CheckpointManagerOptions\({named}=.*is not supported: "):
@@ -210,3 +213,33 @@ def test_synchronous_saves_are_manifested_and_a_callback_of_yours_runs_after_the
         mgr.wait_until_finished()
         assert list(mgr.all_steps()) == [1, 2]
     assert seen == [True]
+
+
+def test_maxtexts_own_save_calls_run_with_the_manager_swapped_in(tmp_path: Path) -> None:
+    """MaxText's manager and saves (tests/support/orbax_steps.py: PyTreeSave with its save args, Grain's iterator
+    handler, a FixedIntervalPolicy, LatestN(None), custom metadata) through trainer_client's manager."""
+    plain = "    mgr = ocp.CheckpointManager("
+    assert plain in _MAXTEXT_WRITER
+    ours = "    from trainer_client import CheckpointManager\n    mgr = CheckpointManager("
+    swapped = _MAXTEXT_WRITER.replace(plain, ours)
+    job = tmp_path / "llama" / "checkpoints"
+    spec = {"jobs": {str(job): [0, 100]}, "grain": True, "period": 100, "keep": None, "batch": 4,
+            "mesh_axes": list(MAXTEXT_MESH_AXES), "mesh_shape": list(MAXTEXT_MESH_SHAPE)}
+    done = subprocess.run([sys.executable, "-c", swapped, json.dumps(spec)], env=clean_env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    storage = Storage(str(job))
+    for step in (0, 100):
+        assert (job / str(step) / "iter").is_dir()
+        assert validate_step(storage, storage.join(str(step))).manifest is not None
+    with CheckpointManager(job, item_names=("items", "iter")) as mgr:
+        assert list(mgr.all_steps()) == [0, 100] and mgr.latest_step() == 100
+
+
+def test_the_manager_loads_no_server_framework() -> None:
+    code = ("import json, sys\nfrom trainer_client import CheckpointManager\n"
+            "print(json.dumps(sorted(m for m in ('fastapi', 'starlette', 'uvicorn', 'ckptd') if m in sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], env=clean_env(), cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
