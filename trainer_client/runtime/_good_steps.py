@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from etils import epath
 
@@ -31,6 +31,7 @@ from trainer_client.errors import CkptdRequestError, CkptdUnavailable
 
 _log = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
 _REFUSED = frozenset({p.StepState.QUARANTINED, p.StepState.CORRUPT})
 
 
@@ -103,29 +104,32 @@ class GoodSteps:
 
     def _ckptd_latest(self) -> tuple[int | None] | None:
         """``(step,)`` as ckptd answers latest-good (``(None,)``: it has none), or None when it cannot answer."""
-        if self.client is None:
-            return None
-        try:
-            info = self.client.latest_good(self.job)
-        except CkptdUnavailable as exc:
-            _log.info("ckptd did not answer (%s): judging %s from storage", exc, self.job_path)
-            return None
-        return (None if info is None else info.step,)
+        answer = self._ask(lambda client: client.latest_good(self.job))
+        return None if answer is None else (None if answer[0] is None else answer[0].step,)
 
     def _ckptd_listing(self) -> dict[int, p.StepState] | None:
         """Every step ckptd knows of the job and its state, or None when it cannot answer."""
-        if self.client is None:
-            return None
+        answer = self._ask(self._listing)
+        return None if answer is None else answer[0]
+
+    def _listing(self, client: CkptdClient) -> dict[int, p.StepState]:
         try:
-            listing = self.client.checkpoints(self.job)
-        except CkptdUnavailable as exc:
-            _log.info("ckptd did not answer (%s): judging %s from storage", exc, self.job_path)
-            return None
+            listing = client.checkpoints(self.job)
         except CkptdRequestError as exc:
             if exc.code != p.ErrorCode.JOB_NOT_FOUND.value:
                 raise
             return {}
         return {info.step: info.state for info in listing.checkpoints}
+
+    def _ask(self, question: Callable[[CkptdClient], _T]) -> tuple[_T] | None:
+        """``(ckptd's answer,)``, or None without a client or when ckptd does not answer."""
+        if self.client is None:
+            return None
+        try:
+            return (question(self.client),)
+        except CkptdUnavailable as exc:
+            _log.info("ckptd did not answer (%s): judging %s from storage", exc, self.job_path)
+            return None
 
 
 class GoodStepsOnly:
