@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,6 +37,8 @@ from orbax.checkpoint._src.path import step as step_lib
 from orbax.checkpoint.abstract_checkpoint_manager import AbstractCheckpointManager
 
 from trainer_client.client._ckptd_client import CkptdClient
+from trainer_client.client._event_reporter import EventReporter
+from trainer_client.config import ClientSettings
 from trainer_client.core._durability import sync_tree
 from trainer_client.core._storage import join_path
 from trainer_client.core.format._files import CKPTD_MANIFEST, TMP_DIR_SUFFIX
@@ -96,8 +99,11 @@ class CheckpointManager(AbstractCheckpointManager):
     ) -> None:
         """As ``orbax.checkpoint.CheckpointManager`` (``item_names``, ``item_handlers``, ``options``,
         ``metadata``, ``logger``, ``handler_registry``). ``ckptd``: the client of the ckptd serving the root
-        (the directory's parent); without one, good steps are judged from storage. Raises ``ValueError`` for
-        an option ckptd cannot honour (``unsupported_options``) and for Orbax's legacy ``checkpointers``."""
+        (the directory's parent); without one, a client of ``CKPTD_URL`` when that is set, and none otherwise:
+        good steps are then judged from storage. With a client every save is reported to ckptd as a
+        ``checkpoint_started`` event (in the background; ``CKPTD_REPORT_EVENTS=false``: not). Raises
+        ``ValueError`` for an option ckptd cannot honour (``unsupported_options``) and for Orbax's legacy
+        ``checkpointers``."""
         if checkpointers is not None:
             raise ValueError("CheckpointManager(checkpointers=...) is Orbax's legacy API and is not supported: "
                              "pass item_names=/item_handlers= and save with args=")
@@ -105,7 +111,14 @@ class CheckpointManager(AbstractCheckpointManager):
         problems = unsupported_options(options)
         if problems:
             raise ValueError("; ".join(problems))
+        self._own_client: CkptdClient | None = None
+        if ckptd is None:
+            settings = ClientSettings()
+            if "url" in settings.model_fields_set:  # CKPTD_URL: the sidecar beside this trainer
+                ckptd = self._own_client = CkptdClient(settings)
         self._good = GoodSteps(str(directory), ckptd)
+        self._reporter = (EventReporter(ckptd.settings, self._good.job)
+                          if ckptd is not None and ckptd.settings.report_events else None)
         self._storage = self._good.storage
         self._async = options.enable_async_checkpointing
         self._pending_step: int | None = None  # the save in flight: its manifest is written before its commit
@@ -146,10 +159,15 @@ class CheckpointManager(AbstractCheckpointManager):
             return False
         self._manager.wait_until_finished()  # one save in flight: the callback below knows its step
         self._pending_step = step
+        started = time.perf_counter()
         saved = bool(self._manager.save(step, items, save_kwargs=save_kwargs, metrics=metrics, force=force,
                                         args=args, custom_metadata=custom_metadata))
         if saved and not self._async:  # no callback before a synchronous save's commit: manifest it now
             self._manifest(step, committed=True)
+        if saved and self._reporter is not None:
+            blocked = time.perf_counter() - started
+            self._reporter.report("checkpoint_started", time=time.time(), step=step, tier="storage",
+                                  blocked_seconds=blocked, detail=f"storage, {blocked:.3f}s blocked")
         return saved
 
     def restore(self, step: int | None, items: Any = None, restore_kwargs: Any = None,
@@ -226,7 +244,15 @@ class CheckpointManager(AbstractCheckpointManager):
         self._manager.check_for_errors()
 
     def close(self) -> None:
-        self._manager.close()
+        """Orbax's ``close`` (waits for a save in flight), then the events go to ckptd (at most
+        ``events_flush_timeout_s``)."""
+        try:
+            self._manager.close()
+        finally:
+            if self._reporter is not None:
+                self._reporter.close(self._reporter.settings.events_flush_timeout_s)
+            if self._own_client is not None:
+                self._own_client.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -65,6 +65,11 @@ with CheckpointManager(sys.argv[1], item_names=("state", "extra")) as mgr:
 """
 
 
+@pytest.fixture(autouse=True)
+def _no_ckptd_from_the_shell(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CKPTD_URL", raising=False)  # a manager asks ckptd only where a test says so
+
+
 def _run(code: str, *args: str) -> dict[str, Any]:
     done = subprocess.run([sys.executable, "-c", code, *args], env=clean_env(), cwd=REPO, capture_output=True,
                           text=True, timeout=180)
@@ -243,3 +248,20 @@ def test_the_manager_loads_no_server_framework() -> None:
                           timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+def test_ckptd_named_by_the_environment_is_asked_and_told_of_every_save(
+    damaged: Path, ckptd_server: StartServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An Orbax loop that only swapped the import: CKPTD_URL (the sidecar beside the trainer) is enough."""
+    server = ckptd_server(damaged.parent)
+    monkeypatch.setenv("CKPTD_URL", server.url)
+    with CheckpointManager(str(damaged), item_names=("state", "extra")) as mgr:
+        assert mgr.latest_step() == 2
+        assert mgr.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave({"w": np.ones(2)}),
+                                                   extra=ocp.args.JsonSave({"lr": 1.0})))
+        mgr.wait_until_finished()
+        assert mgr.latest_step() == 3
+    events = httpx.get(f"{server.url}/v1/jobs/checkpoints/events").json()["events"]
+    saves = [e for e in events if e["kind"] == "checkpoint_started"]
+    assert [e["step"] for e in saves] == [3] and saves[0]["tier"] == "storage"
