@@ -70,8 +70,8 @@ def _no_ckptd_from_the_shell(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CKPTD_URL", raising=False)  # a manager asks ckptd only where a test says so
 
 
-def _run(code: str, *args: str) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, "-c", code, *args], env=clean_env(), cwd=REPO, capture_output=True,
+def _run(code: str, *args: str, **env: str) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, "-c", code, *args], env=clean_env(**env), cwd=REPO, capture_output=True,
                           text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -162,6 +162,9 @@ def test_a_fresh_manager_asking_ckptd_names_and_restores_the_newest_good_step(
     states = {c["step"]: c["state"] for c in httpx.get(f"{server.url}/v1/jobs/checkpoints/checkpoints").json()[
         "checkpoints"]}
     assert states[4] == "quarantined" and states[6] in ("writing", "abandoned") and states[2] == "verified"
+    # a new process with only the import swapped, told where ckptd is by CKPTD_URL, resumes the same
+    again = _run(RESUME, str(damaged), CKPTD_URL=server.url)
+    assert (again["latest"], again["all"], again["step"]) == (2, [0, 2], 2)
 
 
 def test_ckptd_down_falls_back_to_storage(damaged: Path, tcp_port: int) -> None:
