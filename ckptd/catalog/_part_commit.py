@@ -20,12 +20,12 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from ckptd.catalog._job_lock import job_lock
 from ckptd.catalog._worker_client import PersistWorker, PersistWorkerError
 from trainer_client.core._durability import sync_paths
 from trainer_client.core._errors import StorageError
@@ -233,7 +233,11 @@ class PartSaves:
         """Finalize, manifest, marker (create-only), and on a local root the rename into place, from the part
         records read whole under the job's lock (``clean`` never deletes a save being committed). Whether it
         went ahead."""
-        with _job_lock(self.storage, job):
+        with job_lock(self.storage, job) as held_lock:
+            if not held_lock or not self.writes(job):
+                _log.info("step %s of %s: the job's lock is held elsewhere, or the lease moved; not committed now",
+                          step, job)
+                return False
             claim = read_claim(self.storage, job, step)  # again under the lock: retention may have run meanwhile
             held = None if claim is None else self._held(job, step, claim.save_id, claim.process_count)
             if held is None or not held.whole or where != step_path_for(self.storage, job, step, held.found[0].save_id):
@@ -300,29 +304,32 @@ class PartSaves:
     def _held(self, job: str, step: int, save_id: str, count: int, spent: Spent | None = None) -> SaveParts:
         return save_parts(self.storage, step_path_for(self.storage, job, step, save_id), save_id, count, spent=spent)
 
-    def clean(self, found: Abandoned) -> None:
+    def clean(self, found: Abandoned) -> bool:
         """Delete an abandoned save: its staged (or in place, uncommitted) files, then its claim. Under the
         job's lock, which a commit holds too, and only if it is still abandoned then: a part that landed
-        since ``abandoned`` looked makes the save the commit pass's (docs/multihost.md, section 5)."""
-        with _job_lock(self.storage, found.job):
+        since ``abandoned`` looked makes the save the commit pass's (docs/multihost.md, section 5). Whether it
+        was deleted (not: the lock held by another process, the lease moved, or the save no longer abandoned)."""
+        with job_lock(self.storage, found.job) as held_lock:
+            if not held_lock or not self.writes(found.job):
+                return False  # another process holds the job (a commit, a newer leader), or this one no longer leads
             claim = read_claim(self.storage, found.job, found.step)
             if claim is None or claim.save_id != found.save_id or self.committed(found.job, found.step, found.save_id):
-                return
+                return False
             held = self._held(found.job, found.step, found.save_id, claim.process_count)
             if held.whole or held.bad:
-                return
+                return False
             where = step_path_for(self.storage, found.job, found.step, found.save_id)
             if self.storage.exists(posixpath.join(where, COMMIT_MARKER)):
-                return
+                return False
             if self.storage.exists(where):
                 self.storage.remove(where, recursive=True)
             self.storage.remove(self.storage.join(found.job, CLAIMS_DIR, f"{found.step}.json"))
             self.storage.invalidate(self.storage.join(found.job))
         _log.warning("deleted abandoned save %s of step %s of %s (parts missing: %s)", found.save_id, found.step,
                      found.job, spans(found.missing))
+        return True
 
-
-    def superseded(self, job: str, *, spent: Spent = lambda: False) -> list[tuple[int, str]]:
+    def superseded(self, job: str, *, spent: Spent = lambda: False) -> list[tuple[int, str]]:  # local roots only
         """The staged saves of ``job`` (local root) that can never be committed: their step's claim names
         another save (taken over from a dead incarnation: ``take_over_claim``) and no commit marker is in
         them. A staged save without a claim is left to ``abandoned``'s rules. Stops once ``spent()``."""
@@ -342,26 +349,14 @@ class PartSaves:
 
     def clean_superseded(self, job: str, step: int, save_id: str) -> bool:
         """Delete a superseded staged save, checked again under the job's lock; whether it was deleted."""
-        with _job_lock(self.storage, job):
-            if self.storage.is_remote or not self._superseded(job, step, save_id):
+        with job_lock(self.storage, job) as held_lock:
+            if not held_lock or not self.writes(job) or not self._superseded(job, step, save_id):
                 return False
             self.storage.remove(step_path_for(self.storage, job, step, save_id), recursive=True)
             self.storage.invalidate(self.storage.join(job))
         _log.warning("deleted the staged save %s of step %s of %s: its step's claim is another save's", save_id,
                      step, job)
         return True
-
-
-_locks_guard = threading.Lock()
-_locks: dict[str, threading.RLock] = {}
-
-
-def _job_lock(storage: Storage, job: str) -> threading.RLock:
-    """One lock per job directory in this process: the leader's commit pass and its retention (two threads)
-    never work on one job's parts at once."""
-    key = storage.join(job)
-    with _locks_guard:
-        return _locks.setdefault(key, threading.RLock())
 
 
 __all__ = ["JOB_BUDGET_S", "Abandoned", "PartSaves"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -138,18 +138,21 @@ def checked_decisions(catalog: Catalog, job: str, policy: RetentionPolicy) -> li
             return decisions
 
 
-def clean_abandoned_parts(storage: Storage, job: str, older_than_s: float, *,
-                          budget_s: float = JOB_BUDGET_S) -> list[Decision]:
+def clean_abandoned_parts(storage: Storage, job: str, older_than_s: float, *, budget_s: float = JOB_BUDGET_S,
+                          writes: Callable[[str], bool] = lambda _job: True) -> list[Decision]:
     """Delete the multi-host saves of ``job`` claimed longer than ``older_than_s`` ago and never committed
     (a host's part never came): their staged or in-place files, then the claim; and the staged saves whose
     claim a restarted incarnation took over (``PartSaves.superseded``). Looking for them stops after
-    ``budget_s`` (the rest waits for the next run): a job's forged claims hold up no other job's retention."""
-    saves = PartSaves(storage, InProcessWorker(lambda _request: {"ok": False, "error": "retention writes no parts"}))
+    ``budget_s`` (the rest waits for the next run): a job's forged claims hold up no other job's retention.
+    ``writes(job)``: whether this sidecar still leads, asked again under the job's lock before each deletion."""
+    saves = PartSaves(storage, InProcessWorker(lambda _request: {"ok": False, "error": "retention writes no parts"}),
+                      writes=writes)
     out = []
     deadline = time.monotonic() + budget_s
     for found in saves.abandoned(job, older_than_s, spent=lambda: time.monotonic() > deadline):
         with storage_errors(f"cannot delete the abandoned save {found.save_id} of step {found.step}"):
-            saves.clean(found)
+            if not saves.clean(found):
+                continue
         out.append(Decision(found.step, step_path_for(storage, job, found.step, found.save_id), StepState.ABANDONED,
                             "delete", [f"multi-host save {found.save_id} abandoned: parts {spans(found.missing)} "
                                        "missing after the save timeout"]))
@@ -172,7 +175,8 @@ def prune(catalog: Catalog, policy: RetentionPolicy) -> list[Decision]:
         if catalog.writes(job.name):  # asked again: the checks take time, the lease may have passed on meanwhile
             deleted += collect(catalog.storage, decisions)
             if policy.clean_abandoned:  # saves from host parts never completed (docs/multihost.md, section 5)
-                deleted += clean_abandoned_parts(catalog.storage, job.name, catalog.save_timeout_s)
+                deleted += clean_abandoned_parts(catalog.storage, job.name, catalog.save_timeout_s,
+                                                 writes=catalog.writes)
         catalog.refresh_job(job.name)
     return deleted
 

@@ -212,7 +212,9 @@ def take_over_claim(storage: Storage, job: str, step: int, stale: Claim, save_id
 
 def staged_saves(storage: Storage, job: str) -> list[tuple[int, str]]:
     """The staged saves of ``job`` on a local root, ``(step, save id)`` by their names (``<step>.<save id>``),
-    by one listing; anything else there is no staged save."""
+    by one listing; anything else there is no staged save (and on ``gs://`` nothing is staged)."""
+    if storage.is_remote:
+        return []
     try:
         entries = storage.list_dir(storage.join(job, STAGING_DIR))
     except (FileNotFoundError, StorageError):
