@@ -13,8 +13,8 @@ directory, so the steps are Orbax's layout and plain Orbax restores them. What c
   before the commit marker, as ``trainer_client.checkpoint_io._checkpointer`` does for the elastic runner
   (docs/architecture.md, "Data flow of a save"), through the same writer (``core.format._manifest``);
 - options that would let Orbax delete steps by its own judgement, or name steps outside ckptd's commit rule,
-  are refused with the reason (``unsupported_options``): retention is ckptd's (``ckptd gc``, ``ckptd serve
-  --keep-last``), which never deletes the newest good step or a step being written.
+  are refused with the reason (``unsupported_options``): retention is ckptd's (``ckptd gc --keep-last``,
+  ``CKPTD_KEEP_LAST`` for ``ckptd serve``), which never deletes the newest good step or a step being written.
 
 The job is the directory's last name under the root ckptd serves: ``<root>/<job>`` (MaxText's
 ``<base>/<run>/checkpoints``: ``ckptd serve --root <base>/<run>``, job ``checkpoints``).
