@@ -17,7 +17,8 @@ import pytest
 
 from ckptd.catalog._part_commit import PartSaves
 from ckptd.catalog._retention import clean_abandoned_parts
-from ckptd.catalog._worker_client import InProcessWorker, PersistWorkerError
+from ckptd.catalog._worker_client import PersistWorkerError
+from tests.server.catalog.test_forged_parts import Recorder
 from tests.support.forged_records import forge_claim, forge_part
 from tests.support.orbax_steps import training_metadata
 from trainer_client.core._storage import Storage
@@ -27,18 +28,6 @@ from trainer_client.core.protocol import TrainingMetadata
 
 STEP = 7
 DEAD, LIVE = f"aa-{STEP}", f"bb-{STEP}"
-
-
-class Recorder(InProcessWorker):
-    """Stands in for the persist worker: records where each part would be written, answers that it was not."""
-
-    def __init__(self) -> None:
-        super().__init__(self._record)
-        self.asked: list[dict[str, Any]] = []
-
-    def _record(self, request: dict[str, Any]) -> dict[str, Any]:
-        self.asked.append(request)
-        return {"ok": False, "error": "not done here"}
 
 
 def part_meta(save_id: str, created_at: float, process_index: int = 1) -> SnapshotMeta:
