@@ -19,7 +19,14 @@ from ckptd.catalog._layouts import ANSWER_WAIT_S
 from ckptd.errors import NoGoodCheckpoint, NotReady, ServiceError, StepNotFound, StepNotGood
 from trainer_client.core import protocol as p
 from trainer_client.core._errors import PlanningError
-from trainer_client.core._resume_decision import STORAGE, Candidate, Refusal, decide, memory_candidate
+from trainer_client.core._resume_decision import (
+    STORAGE,
+    Candidate,
+    Refusal,
+    decide,
+    memory_candidate,
+    with_replicas,
+)
 from trainer_client.core._step_plan import plan_for_step
 
 # Refusals that name no catalogued job: not counted per job (a label per unknown name would grow without bound).
@@ -104,11 +111,12 @@ class JobAnswers:
         held: list[Candidate[bytes]] = []
         memory = memory_candidate(self.svc.settings.shm_dir, job, request)
         if memory is not None:
-            held.append(memory.then(lambda plan: plan.model_dump_json().encode()))
+            held.append(memory.then(_plan_bytes))
         stored = self._stored(job, request)
         if stored is not None:
             held.append(stored)
-        decided = decide(held, request)
+        decided = decide(with_replicas(held, request, load=p.ResumePlan.model_validate_json, dump=_plan_bytes),
+                         request)
         if isinstance(decided, Refusal):
             raise _refused(job, decided)
         return decided
@@ -143,6 +151,10 @@ class JobAnswers:
             )
 
         return Candidate(STORAGE, good.step, lay_out)
+
+
+def _plan_bytes(plan: p.ResumePlan) -> bytes:
+    return plan.model_dump_json().encode()
 
 
 def _refused(job: str, why: Refusal) -> ServiceError | PlanningError:

@@ -20,7 +20,15 @@ from pydantic import BaseModel, ValidationError
 from trainer_client.client._retry import RetryPolicy, retry
 from trainer_client.config import ClientSettings
 from trainer_client.core import protocol as p
-from trainer_client.core._resume_decision import STORAGE, Candidate, Refusal, decide, memory_candidate
+from trainer_client.core._resume_decision import (
+    STORAGE,
+    Candidate,
+    Refusal,
+    as_is,
+    decide,
+    memory_candidate,
+    with_replicas,
+)
 from trainer_client.core._step_plan import plan_for_step
 from trainer_client.core._storage import Storage
 from trainer_client.core._validation import latest_good_on_storage
@@ -190,9 +198,10 @@ class CkptdClient:
             return self.resume_from_storage(job, request)
 
     def resume_from_storage(self, job: str, request: p.ResumeRequest) -> p.ResumePlan:
-        """The same plan ckptd would give, computed here (the fallback): what storage and this host's memory
-        tier hold, handed to the one decision ckptd makes too (trainer_client/core/_resume_decision.py). A
-        refusal raises what ckptd's answer with that code raises (``_refusal``)."""
+        """The same plan ckptd would give, computed here (the fallback): what storage, this host's memory
+        tier and the request's replicas hold, handed to the one decision ckptd makes too
+        (trainer_client/core/_resume_decision.py). A refusal raises what ckptd's answer with that code raises
+        (``_refusal``)."""
         if self.root is None:
             raise CkptdUnavailable("no storage root configured for the fallback scan")
         storage = Storage(self.root)
@@ -209,7 +218,7 @@ class CkptdClient:
             step_path, step = found.path, found.step
             held.append(Candidate(STORAGE, step, lambda: plan_for_step(  # the one planner of a step on storage
                 storage, step_path, request, job=job, step=step, source="storage_scan")))
-        decided = decide(held, request)
+        decided = decide(with_replicas(held, request, load=as_is, dump=as_is), request)
         if not isinstance(decided, Refusal):
             return decided
         which = "" if decided.step is None else f" {decided.step}"

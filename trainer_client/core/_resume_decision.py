@@ -1,10 +1,11 @@
 """The one resume decision: which step, from which tier, laid out how — or why none.
 
-A resume may restore a step from several tiers: a whole snapshot in host memory, a committed step on
-storage (and, as they come, accelerator-host replicas and peer copies). The server's ``POST /resume``
-(``ckptd/api/_answers.py``) and the client's storage-scan fallback (``trainer_client/client/_ckptd_client.py``)
-gather what each tier holds in their own way (the catalog and its checks; a scan of storage) and hand it
-here as ``Candidate``s; ``decide`` applies the one rule (docs/protocol.md, "Resume": the newest good step,
+A resume may restore a step from several tiers: the trainer's replica snapshots in the accelerator hosts'
+memory, a whole snapshot in host memory, a committed step on storage (and, as they come, peer copies). The
+server's ``POST /resume`` (``ckptd/api/_answers.py``) and the client's storage-scan fallback
+(``trainer_client/client/_ckptd_client.py``) gather what each tier holds in their own way (the catalog and
+its checks; a scan of storage; the request's replicas, ``with_replicas``) and hand it here as
+``Candidate``s; ``decide`` applies the one rule (docs/protocol.md, "Resume": the newest good step,
 and at equal steps the tier restored from fastest) and lays out the chosen step. What comes back is the
 plan or a ``Refusal``: a wire-contract code, never an HTTP status nor an exception; the API turns it into
 its error (``ckptd/api/_errors.py`` gives the status), the client into the exception a user gets for the
@@ -39,10 +40,11 @@ from trainer_client.core.protocol import (
     TrainingMetadata,
 )
 
+REPLICAS = "replicas"  # the trainer's replica snapshot tier, told by the request (docs/concepts.md)
 MEMORY = "memory"  # a whole snapshot in this host's shared memory (docs/concepts.md)
 STORAGE = "storage"  # a committed step on the checkpoint root
 # At equal steps the first of these wins: the tier a step is restored from fastest.
-TIERS_FASTEST_FIRST: tuple[str, ...] = (MEMORY, STORAGE)
+TIERS_FASTEST_FIRST: tuple[str, ...] = (REPLICAS, MEMORY, STORAGE)
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -124,6 +126,61 @@ def memory_candidate(
                      lambda: memory_snapshot_plan(job=job, request=request, snapshot=held, source=source))
 
 
+def whole_replica(request: ResumeRequest) -> list[int] | None:
+    """The slices of a replica the request's alive slices hold whole, or None (docs/protocol.md, "Resume").
+
+    What the core can check from the request alone: ``request.replicas`` names each replica's slices, and a
+    replica is whole when every one of them is among the slices ``slices_alive`` names (listed with devices).
+    Without a slice list it names (no ``slices``, or ones that do not hold ``alive_devices``), which slices
+    survived is unknown and no replica is whole. Whether each device of a listed slice still holds its copy is
+    the trainer's to check when it restores (a replica that does not read back: it asks again without
+    ``replicas``)."""
+    held = request.replicas
+    slices = slices_alive(request)[0]
+    if held is None or slices is None:
+        return None
+    alive = {s.index for s in slices if s.devices > 0}
+    return next((sorted(set(replica)) for replica in held.slices if set(replica) <= alive), None)
+
+
+def with_replicas(
+    candidates: Iterable[Candidate[T]], request: ResumeRequest,
+    *, load: Callable[[T], ResumePlan], dump: Callable[[ResumePlan], T],
+) -> list[Candidate[T]]:
+    """``candidates`` and the replica tier's, when the request says the trainer holds a step whose replica
+    survives whole (``whole_replica``): what ckptd's ``POST /resume`` and the client's fallback both decide on.
+
+    The replicas carry the state, not its layout: their plan is the plan of the newest step another tier
+    holds good (the arrays and mesh the run's steps share), laid out for the alive devices as that tier
+    would, then named for the replicas' step (``tier: "replicas"``, no ``path``, no ``data_position``: the
+    tier keeps the data position with its arrays). With no other good step to take it from there is no
+    replica candidate. ``load``/``dump``: a candidate's plan to a ``ResumePlan`` and back (the server's
+    candidates give bytes)."""
+    held = list(candidates)
+    replica = whole_replica(request)
+    donors = [c for c in held if c.lay_out is not None]
+    if replica is None or request.replicas is None or not donors:
+        return held
+    donor = max(donors, key=_rank)
+    assert donor.lay_out is not None
+    lay_donor = donor.lay_out
+    step = request.replicas.step
+
+    def lay_out() -> T:
+        plan = load(lay_donor())
+        note = (f"restored from the replicas of step {step} in the hosts' memory (slices {replica} hold one "
+                f"whole); laid out as step {plan.step} on {donor.source}")
+        return dump(plan.model_copy(update={
+            "step": step, "path": "", "tier": REPLICAS, "data_position": None, "notes": [*plan.notes, note]}))
+
+    return [*held, Candidate(REPLICAS, step, lay_out)]
+
+
+def as_is(plan: ResumePlan) -> ResumePlan:
+    """``with_replicas``' ``load`` and ``dump`` where candidates give plans."""
+    return plan
+
+
 def slices_alive(request: ResumeRequest) -> tuple[list[SliceAlive] | None, list[str]]:
     """The slices a request lists, each once, and what the plan notes about them (docs/protocol.md, "Resume").
 
@@ -174,7 +231,7 @@ def resume_plan(
     training: TrainingMetadata | None,
     saved_layout: tuple[MeshSpec | None, dict[str, ArraySpec]],
     source: str = "ckptd",
-    tier: Literal["memory", "storage"] = "storage",
+    tier: Literal["replicas", "memory", "storage"] = "storage",
     items: Mapping[str, list[str]] | None = None,
 ) -> ResumePlan:
     """The whole answer to a resume request for one chosen step (pure).
@@ -253,14 +310,18 @@ def memory_snapshot_plan(
 
 __all__ = [
     "MEMORY",
+    "REPLICAS",
     "STORAGE",
     "TIERS_FASTEST_FIRST",
     "Candidate",
     "Refusal",
+    "as_is",
     "assign_slices",
     "decide",
     "memory_candidate",
     "memory_snapshot_plan",
     "resume_plan",
     "slices_alive",
+    "whole_replica",
+    "with_replicas",
 ]

@@ -158,6 +158,17 @@ class BatchOptions(_Request):
     max_accumulation_steps: Annotated[int, Field(ge=1, le=4096)] = 64
 
 
+class ReplicasHeld(_Request):
+    """What the trainer's replica snapshot tier holds (docs/protocol.md, "Resume"): sent with a resume only."""
+
+    step: Annotated[int, Field(ge=0, le=MAX_STEP)] = Field(description="the step held whole in the hosts' memory")
+    slices: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=100_000)]] = Field(
+        min_length=1, max_length=100_000,
+        description="one entry per replica of the state: the slices it lives on (one slice each when the replica "
+        "axis is across slices); a replica is whole when all its slices are among the request's `slices`",
+    )
+
+
 class ResumeRequest(_Request):
     """Body of ``POST /v1/jobs/{job}/resume``."""
 
@@ -178,6 +189,12 @@ class ResumeRequest(_Request):
     batch: BatchOptions = Field(default_factory=BatchOptions)
     use_memory_tier: bool = Field(
         default=True, description="prefer a whole host-memory snapshot at least as new as the newest good step"
+    )
+    replicas: ReplicasHeld | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="the step the replica snapshot tier holds and the slices of each replica (absent: no such "
+        "tier); the plan restores from it (`tier: \"replicas\"`) when a replica's slices are all alive and no "
+        "tier holds a newer step",
     )
     # Who asks (docs/protocol.md, "Identity"); each left out of the body when unset, so older ckptd reads it.
     run_id: Annotated[str, Field(min_length=1, max_length=256)] | None = Field(
@@ -227,8 +244,9 @@ class ResumePlan(_Model):
         default="ckptd", description="who made the plan: ckptd; the client from storage (`storage_scan`: ckptd did "
         "not answer); or the processes of a multi-controller job from their hosts' memory (`memory_agreement`)",
     )
-    tier: Literal["memory", "storage"] = Field(
-        default="storage", description="memory: `path` is a host-memory snapshot; storage: an Orbax step"
+    tier: Literal["replicas", "memory", "storage"] = Field(
+        default="storage", description="replicas: the trainer's replica snapshot tier (`path` empty); memory: "
+        "`path` is a host-memory snapshot; storage: an Orbax step",
     )
     notes: list[str] = Field(default_factory=list)
 
@@ -260,6 +278,7 @@ __all__ = [
     "Health",
     "JobInfo",
     "JobList",
+    "ReplicasHeld",
     "ResumePlan",
     "ResumeRequest",
     "SliceAlive",
