@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # the real types for type checkers; at run time each name is 
     )
     from trainer_client.runtime._jax_faults import InJaxFaults
     from trainer_client.runtime._job_store import initialize_multihost
+    from trainer_client.runtime._maxtext import MaxTextHooks
     from trainer_client.runtime._slices import PathwaysSlices, SimulatedSlices, SliceFault
 
 __version__ = "0.1.0"
@@ -76,6 +77,7 @@ _LAZY = {
     "SaveOptions": "trainer_client.runtime._elastic_config",
     "Checkpointer": "trainer_client.runtime._checkpointing",
     "CheckpointManager": "trainer_client.runtime._checkpoint_manager",
+    "MaxTextHooks": "trainer_client.runtime._maxtext",
     "SimulatedSlices": "trainer_client.runtime._slices",
     "PathwaysSlices": "trainer_client.runtime._slices",
     "SliceFault": "trainer_client.runtime._slices",
@@ -121,6 +123,7 @@ __all__ = [
     "Event",
     "HealthOptions",
     "InJaxFaults",
+    "MaxTextHooks",
     "MemoryFitOptions",
     "MemoryTierFull",
     "MemoryTierOptions",

@@ -34,6 +34,8 @@ def test_trainer_client_top_level_names() -> None:
         "ElasticResult", "Checkpointer", "SimulatedSlices", "PathwaysSlices", "SliceFault", "CkptdError",
         # Orbax's CheckpointManager backed by ckptd (docs/adopt.md)
         "CheckpointManager",
+        # MaxText's own elastic loop kept, through integrations/maxtext/ckptd.patch (docs/maxtext.md)
+        "MaxTextHooks",
         "CkptdUnavailable", "CkptdRequestError", "NoCheckpointError", "ElasticTimeoutError",
         "ElasticRetriesExhausted", "MemoryTierFull", "PlanningError", "StorageError",
         # the rest of the error tree (trainer_client/errors.py)
