@@ -23,6 +23,7 @@ from ckptd.config import Settings
 from tests.support.golden import add_odd_steps, tmp_step
 from tests.support.helpers import REPO, make_settings
 from tests.support.orbax_steps import model_parallel_metadata, training_metadata, write_orbax_jobs
+from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.core import protocol as p
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._files import CHECKPOINT_METADATA, TMP_DIR_SUFFIX
@@ -255,6 +256,42 @@ def test_resume_with_training_metadata(client: TestClient, root: Path) -> None:
     mu = plan.arrays["opt.mu"]
     assert mu.changed and mu.partition_spec == [None, "data"] and mu.shape == [4, 8]
     assert any(note.startswith("opt.mu") for note in plan.notes)
+
+
+THREE_OF_FOUR = [{"index": 0, "devices": 2}, {"index": 1, "devices": 2}, {"index": 3, "devices": 2}]
+
+
+@pytest.mark.parametrize(("held", "tier", "step"), [
+    ({"step": 25, "slices": [[0], [1], [2], [3]]}, "replicas", 25),  # newer than storage, a replica survives
+    ({"step": 20, "slices": [[2], [3]]}, "replicas", 20),  # equal to storage: the faster tier
+    ({"step": 15, "slices": [[0], [1]]}, "storage", 20),  # older than storage
+    ({"step": 25, "slices": [[2], [0, 2]]}, "storage", 20),  # no replica whole on the slices alive
+])
+def test_resume_decides_across_tiers_with_the_trainer_s_replicas(
+    client: TestClient, root: Path, held: dict[str, Any], tier: str, step: int
+) -> None:
+    """The request's ``replicas`` is a candidate of the one decision, and the client's storage fallback, from
+    the same request, gives the same plan (only who made it differs)."""
+    resp = resume(client, "meta", alive_devices=6, slices=THREE_OF_FOUR, replicas=held)
+    assert resp.status_code == 200, resp.text
+    plan = p.ResumePlan.model_validate(resp.json())
+    assert (plan.tier, plan.step, plan.source) == (tier, step, "ckptd")
+    assert plan.mesh.shape == [3, 2] and plan.slices_used == [0, 1, 3]
+    if tier == "replicas":  # laid out as storage's step 20 is, no path: the trainer holds it
+        assert plan.path == "" and plan.data_position is None and plan.arrays["opt.mu"].changed
+    else:
+        assert plan.path == str(root / "meta" / "20") and plan.data_position == 1280
+    request = p.ResumeRequest.model_validate({"alive_devices": 6, "slices": THREE_OF_FOUR, "replicas": held})
+    with CkptdClient(root=str(root)) as ckptd:
+        scanned = ckptd.resume_from_storage("meta", request)
+    assert scanned.source == "storage_scan"
+    assert scanned.model_dump(exclude={"source"}) == plan.model_dump(exclude={"source"})
+
+
+def test_resume_without_replicas_in_the_request_is_answered_as_before(client: TestClient) -> None:
+    resp = resume(client, "meta", alive_devices=6, slices=THREE_OF_FOUR)
+    assert resp.status_code == 200 and "replicas" not in resp.text
+    assert "replicas" not in p.ResumeRequest(alive_devices=6).model_dump_json()  # old ckptd reads new clients'
 
 
 def test_resume_explicit_step(client: TestClient, root: Path) -> None:

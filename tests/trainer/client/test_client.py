@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.support.orbax_steps import training_metadata, write_orbax_jobs
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.client._retry import RetryPolicy, retry
 from trainer_client.config import ClientSettings
@@ -60,6 +62,25 @@ def test_the_fallback_s_refusal_raises_what_ckptd_s_answer_raises(tmp_path: Path
     for err in (by_ckptd.value, by_fallback.value):
         assert (err.status, err.code) == (404, "STEP_NOT_FOUND")
     assert "has no good step 5 in" in by_fallback.value.message
+
+
+def test_with_ckptd_down_the_fallback_restores_from_the_replicas_the_request_names(tmp_path: Path) -> None:
+    """The request's ``replicas`` reach ckptd as sent, and the fallback decides on them as ckptd does
+    (docs/protocol.md, "Resume"): step 12 held in the hosts' memory, whole on slice 1, beats storage's step 10;
+    with slice 1 lost it is storage's step 10."""
+    write_orbax_jobs({tmp_path / "job": [10]}, custom_metadata={10: training_metadata(10)})
+    client, seen = _client(lambda r: httpx.Response(503, json={"code": "NOT_READY", "message": "x"}),
+                           root=str(tmp_path))
+    held = p.ReplicasHeld(step=12, slices=[[0], [1]])
+    alive = [p.SliceAlive(index=1, devices=2), p.SliceAlive(index=2, devices=2)]
+    plan = client.resume("job", p.ResumeRequest(alive_devices=4, slices=alive, replicas=held))
+    assert (plan.tier, plan.step, plan.source, plan.path) == ("replicas", 12, "storage_scan", "")
+    assert plan.mesh.shape == [2, 2] and plan.slices_used == [1, 2]
+    assert json.loads(seen[0].content)["replicas"] == {"step": 12, "slices": [[0], [1]]}
+    lost = [p.SliceAlive(index=0, devices=2), p.SliceAlive(index=2, devices=2)]
+    held = p.ReplicasHeld(step=12, slices=[[1]])
+    plan = client.resume("job", p.ResumeRequest(alive_devices=4, slices=lost, replicas=held))
+    assert (plan.tier, plan.step, plan.data_position) == ("storage", 10, 640)
 
 
 def test_no_root_means_the_outage_is_raised() -> None:
