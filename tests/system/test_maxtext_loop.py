@@ -97,3 +97,26 @@ def test_an_elastic_event_deletes_no_step_being_written(tmp_path: Path, slice_ma
     assert hooks.resume_step == 3  # the marker-less step is never named
     maxtext_loop.clean_up_checkpoints(config.checkpoint_dir)  # the callback the patch replaces
     assert not writing.parent.exists()
+
+
+def test_the_event_callback_waits_for_saves_and_survives_one_that_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    checkpoint_dir = str(tmp_path / "run" / "checkpoints")
+    hooks = MaxTextHooks.for_directory(checkpoint_dir)
+    options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=True)
+    writing = hooks.checkpoint_manager(checkpoint_dir, item_names=("items",), options=options)
+    writing.save(3, args=ocp.args.Composite(items=ocp.args.PyTreeSave({"w": np.ones(4)})))
+    failing = hooks.checkpoint_manager(checkpoint_dir, item_names=("items",), options=options)
+    closed: list[bool] = []
+
+    def lost_with_its_slice() -> None:
+        raise RuntimeError("DATA_LOSS: the save's slice is gone")
+
+    monkeypatch.setattr(failing, "wait_until_finished", lost_with_its_slice)
+    monkeypatch.setattr(failing, "close", lambda: closed.append(True))
+
+    hooks.on_elastic_event()  # never raises: the next attempt must start
+    assert (Path(checkpoint_dir) / "3" / "commit_success.txt").is_file()  # the save in flight finished first
+    assert closed == [True]  # the failed save's manager is closed all the same
+    hooks.before_attempt()
+    assert hooks.resume_step == 3
