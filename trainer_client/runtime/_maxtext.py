@@ -59,11 +59,14 @@ class MaxTextHooks:
     @classmethod
     def for_directory(cls, checkpoint_dir: str, ckptd: CkptdClient | None = None) -> MaxTextHooks:
         """The hooks of ``checkpoint_dir``, made on first use: ``elastic_retry`` and each attempt's
-        ``create_orbax_checkpoint_manager`` name the directory, not an object they could share."""
+        ``create_orbax_checkpoint_manager`` name the directory, not an object they could share. Give
+        ``ckptd`` before ``elastic_retry`` runs (or set ``CKPTD_URL``); the patched lines pass none."""
         with cls._registry_lock:
             hooks = cls._by_directory.get(_key(checkpoint_dir))
             if hooks is None:
                 hooks = cls._by_directory[_key(checkpoint_dir)] = cls(checkpoint_dir, ckptd)
+            elif ckptd is not None:  # the client given last is asked (a later manager is made with it too)
+                hooks.ckptd = ckptd
             return hooks
 
     def checkpoint_manager(self, directory: Any, *args: Any, **kwargs: Any) -> CheckpointManager:
