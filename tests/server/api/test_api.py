@@ -294,6 +294,14 @@ def test_resume_without_replicas_in_the_request_is_answered_as_before(client: Te
     assert "replicas" not in p.ResumeRequest(alive_devices=6).model_dump_json()  # old ckptd reads new clients'
 
 
+def test_a_restored_event_carries_the_tier_the_plan_named(private_client: tuple[TestClient, Path]) -> None:
+    client, _ = private_client
+    event = {"kind": "restored", "time": 1.0, "step": 25, "tier": "replicas", "detail": "from replicas"}
+    assert client.post("/v1/jobs/meta/events", json={"events": [event]}).status_code == 200
+    stored = client.get("/v1/jobs/meta/events").json()["events"]
+    assert [(e["kind"], e["tier"]) for e in stored] == [("restored", "replicas")]
+
+
 def test_resume_explicit_step(client: TestClient, root: Path) -> None:
     plan = p.ResumePlan.model_validate(resume(client, "plain", alive_devices=8, step=2).json())
     assert (plan.step, plan.path) == (2, str(root / "plain" / "2"))

@@ -44,8 +44,9 @@ class ElasticEvent(_Request):
         description="recovered: the hot spare slices that took lost slices' places (the mesh kept its shape)")
     blocked_seconds: Annotated[float, Field(ge=0)] | None = Field(
         default=None, description="checkpoint_started: how long the training loop was blocked by the save")
-    tier: Literal["memory", "memory+persist", "storage", "skipped"] | None = Field(
-        default=None, description="checkpoint_started: where the save went; restored: where the state came from")
+    tier: Literal["replicas", "memory", "memory+persist", "storage", "skipped"] | None = Field(
+        default=None, description="checkpoint_started: where the save went; restored: where the state came from "
+        "(the plan's tier: `replicas`, `memory`, `storage`)")
 
 
 class EventBatch(_Request):
