@@ -223,7 +223,7 @@ class Lease:
         for old in (e for e in epochs if e < n - KEEP_EPOCHS):
             for name in (beat_name(old), epoch_name(old), released_name(old)):
                 try:
-                    self.storage.fs.rm(join_path(self.directory, name))
+                    self.storage.remove(join_path(self.directory, name))  # within the root, writable
                 except FileNotFoundError:
                     pass
                 except (OSError, StorageError) as exc:  # left for the next tick
