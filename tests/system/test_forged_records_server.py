@@ -24,9 +24,12 @@ import pytest
 from tests.support.forged_records import forge_claim, forge_part, tree_state, write_snapshot
 from tests.support.orbax_steps import write_orbax_jobs
 from tests.support.server import serve_process
+from trainer_client.core.format._files import JOB_LOCK
 
 GRACE_S = 30.0  # Kubernetes' default terminationGracePeriodSeconds
 STOPPED_WITHIN_S = 10.0  # what the sidecar is held to: a third of it
+
+EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # an empty file's
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +112,9 @@ def test_forged_claims_and_parts_write_nothing_outside_the_root_and_stall_nothin
     after = {job: tree_state(root / job) for job in FORGED_JOBS}
     assert after["forged"] == planted["forged"]  # an abandoned save whose parts are forged: kept for inspection
     records = {k: v for k, v in planted["greedy"].items() if v[3] and k != ".ckptd/claims/12.json"}  # files
-    assert {k: v for k, v in after["greedy"].items() if v[3]} == records
+    # the job's lock (an empty file the commit and cleanup flock: docs/multihost.md, section 5) is all that is added
+    assert after["greedy"].get(JOB_LOCK, (0, 0, 0, EMPTY_SHA256))[3] == EMPTY_SHA256
+    assert {k: v for k, v in after["greedy"].items() if v[3] and k != JOB_LOCK} == records
     for record in ("forged/.ckptd/staging/9.ab-9/ckptd_parts/process_0.json", "greedy/.ckptd/claims/10.json",
                    "greedy/.ckptd/claims/11.json"):
         assert f"ignoring {root}/{record}, forged or damaged" in text, record
