@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from trainer_client.core._errors import StorageError
 from trainer_client.core._storage import Storage, join_path
-from trainer_client.core.format._files import CHECKPOINT_METADATA, QUARANTINE_FILE
+from trainer_client.core.format._files import CHECKPOINT_METADATA, QUARANTINE_FILE, VERIFIED_FILE
 from trainer_client.core.format._json_docs import loads, loads_sharing, parse_training
 from trainer_client.core.format._manifest import (
     Listed,
@@ -133,7 +133,11 @@ def validate_step(
         problems.append(f"manifest unreadable: {str(exc).splitlines()[0][:200]}")
         return result
     if manifest is None:
-        problems.append("no manifest")
+        # A step some ckptd verified against a manifest (its verified record is there) has lost it: damaged,
+        # never adopted again as if plain Orbax had written it (adoption would seal whatever is there now).
+        lost = read_record(storage, step_path, VERIFIED_FILE) is not None
+        problems.append(f"manifest missing: {VERIFIED_FILE} says a ckptd verified this step against one"
+                        if lost else "no manifest")
         return result
     result.manifest = manifest
     parsed = parse_step_name(step_path.rsplit("/", 1)[-1])

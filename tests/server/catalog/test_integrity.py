@@ -144,6 +144,24 @@ def test_every_corruption_is_detected_and_latest_good_falls_back(root: Path) -> 
     assert ckptd_main(["validate", "--deep", f"{root}/job", str(newest_good)]) == 0
 
 
+def test_a_step_that_lost_its_manifest_is_quarantined_never_adopted_again(root: Path) -> None:
+    """A verified step whose manifest is deleted (its verified record still there) is damaged: adopting it as
+    a plain Orbax step would seal whatever its files hold now, a corrupted chunk included."""
+    step = root / "job" / str(N_STEPS)
+    (step / CKPTD_MANIFEST).unlink()
+    chunk = next((step / "default").rglob("d/*"))
+    chunk.write_bytes(bytes(b ^ 0xFF for b in chunk.read_bytes()))  # and a chunk changed, same size
+    storage = Storage(str(root))
+    fallback = latest_good_on_storage(storage, storage.join("job"))
+    assert fallback is not None and fallback.step == N_STEPS - 1
+    cat = Catalog(storage, ":memory:")
+    cat.rebuild()
+    assert cat.step("job", N_STEPS).state is StepState.QUARANTINED  # type: ignore[union-attr]
+    assert "manifest missing" in (cat.step("job", N_STEPS).reason or "")  # type: ignore[union-attr]
+    assert cat.confirmed_latest_good("job").step == N_STEPS - 1  # type: ignore[union-attr]
+    assert not (step / CKPTD_MANIFEST).exists() and chunk.exists()  # nothing sealed, nothing deleted
+
+
 def test_a_step_truncated_after_verification_is_never_named(root: Path) -> None:
     storage = Storage(str(root))
     cat = Catalog(storage, ":memory:")
