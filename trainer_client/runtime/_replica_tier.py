@@ -58,10 +58,12 @@ PyTree = Any
 
 
 class Held(NamedTuple):
-    """The step the tier holds whole, and the slices its replicas live on."""
+    """The step the tier holds whole, the slices its replicas live on, and each replica's slices (a replica
+    of the whole state is whole when all of its slices are alive: ``ReplicasHeld.slices`` on the wire)."""
 
     step: int
     slices: frozenset[int]
+    replicas: tuple[frozenset[int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -250,7 +252,23 @@ class ReplicaTier:
             snap = self._held
         if snap is None:
             return None
-        return Held(snap.step, self._slices({d for leaf in snap.arrays for ids in leaf.device_ids for d in ids}))
+        arrays = snap.arrays
+        every = self._slices({d for leaf in arrays for ids in leaf.device_ids for d in ids})
+        return Held(snap.step, every, self._replica_groups(arrays))
+
+    def _replica_groups(self, arrays: list[HeldArray]) -> tuple[frozenset[int], ...]:
+        """Each replica of the whole state and the slices it needs: replica ``r`` is every array's ``r``-th
+        copy along the replica axis; an array held whole or split along the axis needs all of its devices in
+        every replica."""
+        count = max((len(leaf.replicas) for leaf in arrays if leaf.axis is not None and not leaf.split),
+                    default=1)
+        groups: list[set[int]] = [set() for _ in range(count)]
+        for leaf in arrays:
+            per_replica = leaf.axis is not None and not leaf.split and len(leaf.replicas) == count
+            for r, group in enumerate(groups):
+                ids = leaf.device_ids[r] if per_replica else frozenset().union(*leaf.device_ids)
+                group.update(ids)
+        return tuple(self._slices(group) for group in groups)
 
     def stats(self) -> ReplicaStats:
         with self._lock:

@@ -78,7 +78,7 @@ def test_restore_after_losing_one_of_two_slices_is_exact(slices: SimulatedSlices
     state = _state(_mesh(devices, 2))
     want = _host(state)
     assert tier.snapshot(5, state, data_position=50) and tier.wait(10)
-    assert tier.held() == (5, frozenset({0, 1}))
+    assert tier.held() == (5, frozenset({0, 1}), (frozenset({0}), frozenset({1})))
     with InJaxFaults(slices) as faults:
         slices.take_down(1, None)  # everything on slice 1 is gone, its pinned copies too
         with pytest.raises(jax.errors.JaxRuntimeError):
@@ -89,7 +89,7 @@ def test_restore_after_losing_one_of_two_slices_is_exact(slices: SimulatedSlices
     assert (out.step, out.data_position) == (5, 50)
     _assert_equal(out.state, want)
     assert out.state["w"].sharding == NamedSharding(shrunk, P(None, "model"))
-    assert tier.held() == (5, frozenset({0}))  # the tier now holds the restored step on the new mesh
+    assert tier.held() == (5, frozenset({0}), (frozenset({0}),))  # the tier now holds the restored step on the new mesh
 
 
 def test_restore_onto_a_hot_spare_keeps_the_shape() -> None:
@@ -100,14 +100,14 @@ def test_restore_onto_a_hot_spare_keeps_the_shape() -> None:
         state = _state(_mesh([*by_slice[0], *by_slice[1]], 2))
         want = _host(state)
         assert tier.snapshot(9, state, data_position=90) and tier.wait(10)
-        assert tier.held() == (9, frozenset({0, 1}))
+        assert tier.held() == (9, frozenset({0, 1}), (frozenset({0}), frozenset({1})))
         spare_mesh = _mesh([*by_slice[0], *by_slice[2]], 2)
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
             spare_mesh, _spec(x))) if isinstance(x, jax.Array) else x, state)
         out = tier.restore(target, alive_devices=[*by_slice[0], *by_slice[2], *by_slice[3]])
         _assert_equal(out.state, want)
         assert out.state["b"].sharding.mesh == spare_mesh
-        assert tier.held() == (9, frozenset({0, 2}))
+        assert tier.held() == (9, frozenset({0, 2}), (frozenset({0}), frozenset({2})))
     finally:
         tier.close()
 
@@ -168,7 +168,7 @@ def test_a_failure_during_the_copy_leaves_the_previous_snapshot_whole(
             assert op == "to_device"  # the dispatch itself failed: raised on to the caller
         assert tier.wait(10)
         assert [f.op for f in faults.fired] == [op]
-        assert tier.stats().failures == 1 and tier.held() == (1, frozenset({0, 1}))
+        assert tier.stats().failures == 1 and tier.held()[:2] == (1, frozenset({0, 1}))
         out = tier.restore(_mesh(jax.devices()[:4], 1), lost_slices={1})
     assert (out.step, out.data_position, out.iterator_state) == (1, 10, {"position": 10})
     _assert_equal(out.state, want)
@@ -179,6 +179,8 @@ def test_state_sharded_across_the_slices_has_no_whole_replica(tier: ReplicaTier)
     state = _state(mesh, w_spec=P("replica", "model"))  # half of w on each slice
     want = _host(state)
     assert tier.snapshot(3, state, data_position=30) and tier.wait(10)
+    held = tier.held()
+    assert held is not None and held.replicas == (frozenset({0, 1}),)  # one replica of the state, on both
     with pytest.raises(NoWholeReplica) as lost_one:
         tier.restore(_mesh(jax.devices()[:4], 1), lost_slices={1})
     assert lost_one.value.arrays == ("w",) and "w" in str(lost_one.value)
