@@ -180,7 +180,8 @@ def test_state_sharded_across_the_slices_has_no_whole_replica(tier: ReplicaTier)
     want = _host(state)
     assert tier.snapshot(3, state, data_position=30) and tier.wait(10)
     held = tier.held()
-    assert held is not None and held.replicas == (frozenset({0, 1}),)  # one replica of the state, on both
+    # b and rng have a copy per slice, but w's halves are on both: every replica needs both slices
+    assert held is not None and held.replicas == (frozenset({0, 1}), frozenset({0, 1}))
     with pytest.raises(NoWholeReplica) as lost_one:
         tier.restore(_mesh(jax.devices()[:4], 1), lost_slices={1})
     assert lost_one.value.arrays == ("w",) and "w" in str(lost_one.value)
