@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # the real types for type checkers; at run time each name is 
         HealthOptions,
         MemoryFitOptions,
         MemoryTierOptions,
+        ReplicaOptions,
         SaveOptions,
     )
     from trainer_client.runtime._jax_faults import InJaxFaults
@@ -74,6 +75,7 @@ _LAZY = {
     "HealthOptions": "trainer_client.runtime._elastic_config",
     "MemoryFitOptions": "trainer_client.runtime._elastic_config",
     "MemoryTierOptions": "trainer_client.runtime._elastic_config",
+    "ReplicaOptions": "trainer_client.runtime._elastic_config",
     "SaveOptions": "trainer_client.runtime._elastic_config",
     "Checkpointer": "trainer_client.runtime._checkpointing",
     "CheckpointManager": "trainer_client.runtime._checkpoint_manager",
@@ -135,6 +137,7 @@ __all__ = [
     "PathwaysSlices",
     "PlanningError",
     "RecordTooLargeError",
+    "ReplicaOptions",
     "SaveOptions",
     "SimulatedSlices",
     "SliceFault",

@@ -6,6 +6,7 @@ way Orbax's ``CheckpointManagerOptions`` composes ``AsyncOptions``, ``Multiproce
 ``FileOptions``: ``ElasticOptions`` (the policy after a slice loss, retries, hot spares),
 ``BatchScalingOptions`` (the batch on a resized mesh), ``MemoryFitOptions`` (the device memory a plan must
 fit), ``HealthOptions`` (the waits and health checks), ``MemoryTierOptions`` (ckptd's host-memory tier),
+``ReplicaOptions`` (the replica snapshot tier in the accelerator hosts' memory),
 ``CompilationOptions`` and ``SaveOptions``. docs/maxtext.md maps MaxText's flags onto them. A keyword that
 names a group's field on ``ElasticConfig`` itself (``ElasticConfig(shm_dir=...)``) is refused with its
 spelling in the group, never ignored.
@@ -77,6 +78,23 @@ class MemoryTierOptions:
 
 
 @dataclass(frozen=True)
+class ReplicaOptions:
+    """The replica snapshot tier: the train state copied into the accelerator hosts' pinned memory every
+    ``period`` steps and restored from the replicas that survive a slice loss (docs/concepts.md, "Three
+    tiers"). A single-controller run only (Pathways, one process): in a multi-controller job a lost process
+    ends every process, and the shared-memory tier is the fast path there."""
+
+    enabled: bool = True
+    period: int = 1  # a snapshot every N steps (a busy tier skips one and counts it)
+    # the mesh axis the replicas lie along (name, or index in the mesh's axes): the data-parallel axis across
+    # slices. An array sharded along it has no whole replica once one of its slices is lost.
+    replica_axis: str | int = 0
+    # host memory the tier may take on this host (two copies of its share of the state at the peak); unset:
+    # the host's free memory when the first snapshot is taken
+    host_budget_bytes: int | None = None
+
+
+@dataclass(frozen=True)
 class CompilationOptions:
     """Compiled steps kept across an elastic event, and compiled ahead for the next meshes."""
 
@@ -111,6 +129,7 @@ class ElasticConfig:
     memory_fit: MemoryFitOptions = field(default_factory=MemoryFitOptions)
     health: HealthOptions = field(default_factory=HealthOptions)
     memory_tier: MemoryTierOptions = field(default_factory=MemoryTierOptions)
+    replicas: ReplicaOptions = field(default_factory=ReplicaOptions)
     compilation: CompilationOptions = field(default_factory=CompilationOptions)
     saving: SaveOptions = field(default_factory=SaveOptions)
 
@@ -146,5 +165,6 @@ __all__ = [
     "HealthOptions",
     "MemoryFitOptions",
     "MemoryTierOptions",
+    "ReplicaOptions",
     "SaveOptions",
 ]
