@@ -270,6 +270,12 @@ class ReplicaTier:
                 group.update(ids)
         return tuple(self._slices(group) for group in groups)
 
+    def held_arrays(self) -> list[jax.Array]:
+        """The host arrays of the held snapshot (what a failed attempt's clean-up must leave alone)."""
+        with self._lock:
+            snap = self._held
+        return [r for leaf in snap.arrays for r in leaf.replicas] if snap is not None else []
+
     def stats(self) -> ReplicaStats:
         with self._lock:
             snap = self._held
