@@ -33,6 +33,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import args as args_lib
 from orbax.checkpoint._src.checkpoint_managers import preservation_policy as preservation_policy_lib
+from orbax.checkpoint._src.path import atomicity
 from orbax.checkpoint._src.path import step as step_lib
 from orbax.checkpoint.abstract_checkpoint_manager import AbstractCheckpointManager
 
@@ -52,26 +53,66 @@ _RETENTION = "retention is ckptd's: `ckptd gc --keep-last N` or `ckptd serve` wi
 _NAMING = "ckptd's commit rule reads Orbax's default step names (a plain integer directory per step)"
 
 
+_TMP_LAYOUT = "ckptd's manifest and commit rule know Orbax's two standard layouts of a step being written " \
+    "(AtomicRenameTemporaryPath, CommitFileTemporaryPath: choose with atomicity_options)"
+_PRIMARY = "ckptd's manifest is written by process 0, before the commit Orbax's primary host makes: the primary " \
+    "host must be process 0"
+_COMMIT_RULE = "which steps count is ckptd's commit rule (a step without commit_success.txt is never named)"
+
+# Every field of Orbax's CheckpointManagerOptions (0.12.8) is in one of these two tables; a test fails on a field
+# Orbax adds, so a new option is judged here before it can be ignored.
+HONOURED: frozenset[str] = frozenset({
+    # Orbax's own, unchanged: when to save, how to write, what to read
+    "save_interval_steps", "save_on_steps", "should_save_fn", "save_decision_policy",
+    "enable_should_save_is_saving_in_progress_check", "enable_async_checkpointing", "async_options",
+    "file_options", "create", "read_only", "save_root_metadata", "prevent_write_metrics",
+    "lightweight_initialize", "single_host_load_and_broadcast",
+    # Orbax's explicit delete(step) (its own retention is refused below)
+    "todelete_subdir", "todelete_full_path", "enable_background_delete", "num_deletion_threads",
+    # best_fn's companions: no effect without best_fn, in Orbax as here (best_step() is then the latest good step)
+    "best_mode", "keep_checkpoints_without_metrics",
+    # honoured but for the values ``unsupported_options`` names: a custom temporary path class, a primary host
+    # other than process 0, Orbax's reading of legacy steps without their commit marker
+    "temporary_path_class", "multiprocessing_options", "atomicity_options",
+})
+REFUSED: dict[str, tuple[Any, str]] = {  # option: (the only value taken, why another is refused)
+    "max_to_keep": (None, _RETENTION),
+    "keep_time_interval": (None, _RETENTION),
+    "keep_period": (None, _RETENTION),
+    "should_keep_fn": (None, _RETENTION),  # not in 0.12.8; refused where an Orbax has it
+    "best_fn": (None, _RETENTION + "; Orbax ranks steps by metrics only to delete the others"),
+    "preservation_policy": (None, _RETENTION),
+    "cleanup_tmp_directories": (False, "it deletes every unfinished step, also one another process is still "
+                                       "writing; ckptd cleans abandoned saves after its save timeout"),
+    "step_prefix": (None, _NAMING),
+    "step_format_fixed_length": (None, _NAMING),
+    "step_name_format": (None, _NAMING),
+    "enable_per_process_directory_creation": (False, _PRIMARY + " (Orbax needs primary_host=None for it)"),
+}
+
+
 def unsupported_options(options: ocp.CheckpointManagerOptions) -> list[str]:
     """Why each option set in ``options`` cannot be honoured (empty: all can)."""
-    refused: dict[str, tuple[Any, str]] = {
-        "max_to_keep": (None, _RETENTION),
-        "keep_time_interval": (None, _RETENTION),
-        "keep_period": (None, _RETENTION),
-        "should_keep_fn": (None, _RETENTION),
-        "best_fn": (None, _RETENTION + "; Orbax ranks steps by metrics only to delete the others"),
-        "preservation_policy": (None, _RETENTION),
-        "cleanup_tmp_directories": (False, "it deletes every unfinished step, also one another process is still "
-                                           "writing; ckptd cleans abandoned saves after its save timeout"),
-        "step_prefix": (None, _NAMING),
-        "step_format_fixed_length": (None, _NAMING),
-        "step_name_format": (None, _NAMING),
-    }
     out = []
-    for name, (default, why) in refused.items():
+    for name, (default, why) in REFUSED.items():
         value = getattr(options, name, default)
         if value != default and not (name == "preservation_policy" and _preserves_all(value)):
             out.append(f"CheckpointManagerOptions({name}={value!r}) is not supported: {why}")
+    standard_tmp = (None, atomicity.AtomicRenameTemporaryPath, atomicity.CommitFileTemporaryPath)
+    if options.temporary_path_class not in standard_tmp:
+        out.append(f"CheckpointManagerOptions(temporary_path_class={options.temporary_path_class!r}) is not "
+                   f"supported: {_TMP_LAYOUT}")
+    multiprocessing = options.multiprocessing_options
+    if multiprocessing.primary_host != 0:
+        out.append(f"CheckpointManagerOptions(multiprocessing_options=MultiprocessingOptions(primary_host="
+                   f"{multiprocessing.primary_host!r})) is not supported: {_PRIMARY}")
+    if multiprocessing.active_processes is not None and 0 not in multiprocessing.active_processes:
+        out.append(f"CheckpointManagerOptions(multiprocessing_options=MultiprocessingOptions(active_processes="
+                   f"{multiprocessing.active_processes!r})) is not supported: {_PRIMARY}")
+    atomicity_options = options.atomicity_options
+    if atomicity_options is not None and atomicity_options.allow_legacy_atomic_rename:
+        out.append("CheckpointManagerOptions(atomicity_options=AtomicityOptions(allow_legacy_atomic_rename=True)) "
+                   f"is not supported: {_COMMIT_RULE}")
     return out
 
 
@@ -261,4 +302,4 @@ class CheckpointManager(AbstractCheckpointManager):
         self.close()
 
 
-__all__ = ["CheckpointManager", "unsupported_options"]
+__all__ = ["HONOURED", "REFUSED", "CheckpointManager", "unsupported_options"]
