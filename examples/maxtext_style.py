@@ -2,7 +2,8 @@
 
 MaxText users know these settings (``src/maxtext/configs/base.yml``): ``checkpoint_period``,
 ``enable_checkpointing``, ``async_checkpointing``, ``elastic_enabled``, ``elastic_timeout_seconds``,
-``elastic_max_retries``, ``elastic_min_slice_count``, ``base_output_directory``/``run_name``,
+``elastic_max_retries``, ``elastic_min_slice_count``, ``elastic_backup_kind`` (``snapshot``: ckptd's replica
+tier), ``base_output_directory``/``run_name``,
 ``dataset_type: grain``, ``per_device_batch_size``. Here they drive ckptd's ``ElasticRunner`` instead of
 MaxText's ``elastic_utils.elastic_retry``: checkpoints land where MaxText puts them,
 ``<base_output_directory>/<run_name>/checkpoints/<step>/items`` with the Grain iterator in ``<step>/iter``
@@ -53,6 +54,7 @@ from trainer_client import (
     Event,
     HealthOptions,
     MemoryTierOptions,
+    ReplicaOptions,
     SaveOptions,
     SimulatedSlices,
     SliceFault,
@@ -77,6 +79,9 @@ class MaxTextConfig:
     elastic_timeout_seconds: int = 300
     elastic_max_retries: int = 10
     elastic_min_slice_count: int = 3  # -1 (MaxText's default): wait for every slice, ckptd's "pause"
+    # "snapshot" (MaxText's default): recover from in-memory snapshots of the state, ckptd's replica tier;
+    # "checkpoint": from checkpoints only (ckptd's host-memory tier, then storage)
+    elastic_backup_kind: str = "snapshot"
     dataset_type: str = "grain"
     per_device_batch_size: int = 6  # 48 a step on 8 devices; on 6 (a slice lost) 2 microbatches of 24
     max_target_length: int = 16
@@ -102,8 +107,9 @@ def elastic_config(cfg: MaxTextConfig, **groups: Any) -> ElasticConfig:
     ``<base_output_directory>/<run_name>``, the state's item ``items``; ``elastic_min_slice_count=-1`` waits
     for every slice (``pause``), a count trains on that many (``resize``); without ``elastic_enabled`` the
     first slice loss ends the run (no retries). ``groups``: the option groups MaxText has no flags for
-    (``health``, ``memory_tier``, ...)."""
+    (``health``, ``memory_tier``, ...); ``replicas`` defaults to ``replica_options(cfg)``."""
     resize = cfg.elastic_min_slice_count != -1
+    groups.setdefault("replicas", replica_options(cfg))
     return ElasticConfig(
         job="checkpoints", mesh_axes=MESH_AXES, mesh_shape=(cfg.dcn_data_parallelism, cfg.ici_fsdp_parallelism),
         global_batch=cfg.global_batch_size_to_train_on,
@@ -115,6 +121,18 @@ def elastic_config(cfg: MaxTextConfig, **groups: Any) -> ElasticConfig:
         batch=BatchScalingOptions(batch_mode="keep_global_batch"),
         saving=SaveOptions(async_save=cfg.async_checkpointing, checkpoint_item="items"),
         **groups)
+
+
+def replica_options(cfg: MaxTextConfig) -> ReplicaOptions:
+    """MaxText's ``elastic_backup_kind``: ``snapshot`` is ckptd's replica tier (a snapshot of the state every
+    step in the hosts' memory, restored from the replicas a slice loss spares, along ``data``: one replica per
+    slice); ``checkpoint`` turns it off (a resume reads the host-memory tier or storage). Any other kind is
+    refused, as MaxText's config refuses it."""
+    if cfg.elastic_backup_kind not in ("snapshot", "checkpoint"):
+        raise ValueError(f"elastic_backup_kind must be one of 'snapshot' or 'checkpoint', got "
+                         f"{cfg.elastic_backup_kind!r}")
+    return ReplicaOptions(enabled=cfg.elastic_enabled and cfg.elastic_backup_kind == "snapshot", period=1,
+                          replica_axis=MESH_AXES[0])
 
 
 # ---- data: Grain -------------------------------------------------------------------------------------
@@ -250,9 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--back-at", type=int, default=37, help="step at which slice 2 is healthy again")
     parser.add_argument("--memory-period", type=int, default=5,
                         help="host-memory snapshots every N steps between checkpoints (0: storage only)")
+    parser.add_argument("--elastic-backup-kind", default="snapshot", choices=("snapshot", "checkpoint"),
+                        help="MaxText's elastic_backup_kind: snapshot (ckptd's replica tier) or checkpoint")
     args = parser.parse_args(argv)
     cfg = MaxTextConfig(base_output_directory=str(Path(args.base_output_directory).resolve()), steps=args.steps,
-                        checkpoint_period=args.checkpoint_period)
+                        checkpoint_period=args.checkpoint_period, elastic_backup_kind=args.elastic_backup_kind)
     out = Path(cfg.base_output_directory)
     shutil.rmtree(out, ignore_errors=True)
     root = Path(cfg.checkpoint_dir).parent  # ckptd's root: <base_output_directory>/<run_name>; the job: checkpoints

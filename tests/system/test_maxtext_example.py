@@ -11,7 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from examples.maxtext_style import MaxTextConfig, elastic_config, replica_options
 from tests.support.helpers import clean_env
+from trainer_client import ReplicaOptions
 
 _MAXTEXT_RESTORE = r"""
 import json, sys
@@ -60,3 +64,14 @@ def test_the_maxtext_style_example_resumes_grain_exactly_and_maxtext_restores_it
     assert restore.returncode == 0, restore.stderr[-3000:]
     restored = json.loads(restore.stdout.strip().splitlines()[-1])
     assert restored == {"step": 30, "embedding": [128, 32], "next_batch_exact": True}
+
+
+def test_maxtexts_elastic_backup_kind_maps_onto_the_replica_tier() -> None:
+    """``snapshot`` (MaxText's default): the replica tier every step along ``data`` (a replica per slice);
+    ``checkpoint``, or elastic training off: no replica tier; any other kind refused as MaxText refuses it."""
+    assert elastic_config(MaxTextConfig()).replicas == ReplicaOptions(enabled=True, period=1, replica_axis="data")
+    assert not replica_options(MaxTextConfig(elastic_backup_kind="checkpoint")).enabled
+    assert not elastic_config(MaxTextConfig(elastic_enabled=False)).replicas.enabled
+    assert elastic_config(MaxTextConfig(), replicas=ReplicaOptions(period=5)).replicas.period == 5  # given: kept
+    with pytest.raises(ValueError, match="elastic_backup_kind must be one of"):
+        replica_options(MaxTextConfig(elastic_backup_kind="emergency"))

@@ -17,6 +17,10 @@ newest step directory without ``commit_success``, also one a save of the failed 
 - ``before_attempt`` (the pre-attempt callback) asks ckptd, or the same rule on storage when ckptd does not
   answer, for the newest good step: the step MaxText's ``load_state_if_possible`` will restore (it asks the
   manager's ``latest_step()``, which gives the same answer).
+
+No replica snapshot tier is handed to MaxText: at the patch's commit MaxText has no ``RetryCache`` and no
+``snapshotter`` slot for one (``elastic_backup_kind: snapshot`` is a setting nothing reads yet), so a patched
+run recovers from its checkpoints (docs/maxtext.md, "MaxText's snapshot slot is not there yet").
 """
 
 from __future__ import annotations
