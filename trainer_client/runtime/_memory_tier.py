@@ -61,6 +61,7 @@ from trainer_client.core.format._tree_paths import TreeEntry, decode_value
 from trainer_client.core.protocol import TrainingMetadata
 from trainer_client.errors import MemoryTierFull
 from trainer_client.runtime._job_store import job_incarnation
+from trainer_client.runtime._memory_spare import leaf_bytes, make_spare, snapshot_bytes
 
 _log = logging.getLogger(__name__)
 PyTree = Any
@@ -74,7 +75,10 @@ class MemoryTier:
     directory), evicting the oldest evictable snapshot first if that is what the next save would have done:
     the memory held never exceeds ``max_snapshots`` snapshots, and the next save writes into pages that
     exist instead of making the kernel allocate and zero 4 KiB pages of shared memory while the training
-    loop waits (measured: ~0.45 s instead of ~1.1 s for 2 GiB; docs/benchmarks.md).
+    loop waits (measured: ~0.45 s instead of ~1.1 s for 2 GiB; docs/benchmarks.md). ``prepare(state)``, called
+    before the first save, makes the first save's spare at once, in the background; the spares of the first two
+    saves are also touched (their pages faulted in: ``trainer_client.runtime._memory_spare``), so that on a host
+    that has just started the first snapshots cost what later ones do.
 
     In a multi-process job each process snapshots its own shards into its host's shared memory and the
     snapshot records ``process_index`` of ``process_count`` (``jax.process_index()``/``jax.process_count()``
@@ -105,6 +109,7 @@ class MemoryTier:
         self.last_spare_s: float | None = None  # how long the background allocation of the last spare took
         self._spare = self.dir / f"{SNAPSHOT_SPARE_PREFIX}{os.getpid()}"
         self._spare_thread: threading.Thread | None = None
+        self._touch_left = 2  # the spares of the first two saves are touched, not only allocated
         self._tree: tuple[Any, list[TreeEntry]] | None = None  # the last state's structure and its key paths
         ensure_private_dir(shm_dir)  # UnsafePathError: someone else could write (or owns) the directory
         ensure_private_dir(self.dir)
@@ -145,9 +150,8 @@ class MemoryTier:
         for path, leaf in leaves:
             if is_value(leaf):  # recorded in the tree as data
                 continue
-            shards = self._own_shards(leaf)
-            plan.append((leaf_name(path), leaf, shards))
-            nbytes += sum(int(np.prod(s.data.shape)) * leaf.dtype.itemsize + SHARD_ALIGN for s in shards)
+            plan.append((leaf_name(path), leaf, self._own_shards(leaf)))
+            nbytes += leaf_bytes(leaf)
         spare = self._spare_bytes()
         reuse = spare >= nbytes
         if spare and not reuse:
@@ -179,12 +183,27 @@ class MemoryTier:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         self.last_blocked_s = time.perf_counter() - started
-        if self.preallocate:
-            # sized as this save's bound (shards plus alignment), which the same state's next save asks for
-            self._spare_thread = threading.Thread(target=self._prepare_spare, args=(nbytes, final),
-                                                  name="ckptd-memory-tier-spare", daemon=True)
-            self._spare_thread.start()
+        if self.preallocate:  # sized as this save's bound, which the same state's next save asks for
+            self._start_spare(nbytes, final)
         return final
+
+    def prepare(self, state: PyTree) -> None:
+        """Make the first save's spare file for ``state`` (arrays or ``ShapeDtypeStruct``s with shardings)
+        now, in the background: allocated and touched, so that the first save writes into pages that exist.
+        Nothing without ``preallocate``; a spare that is already big enough is kept."""
+        if not self.preallocate:
+            return
+        self.wait_spare()
+        nbytes = snapshot_bytes(state)
+        if nbytes and self._spare_bytes() < nbytes:
+            self._start_spare(nbytes, None)
+
+    def _start_spare(self, nbytes: int, newest: Path | None) -> None:
+        touched = self._touch_left > 0
+        self._touch_left -= touched
+        self._spare_thread = threading.Thread(target=self._prepare_spare, args=(nbytes, newest, touched),
+                                              name="ckptd-memory-tier-spare", daemon=True)
+        self._spare_thread.start()
 
     def _own_shards(self, leaf: jax.Array) -> list[Any]:
         """The shards this snapshot holds: one replica of each; in a multi-process job, every region this
@@ -210,27 +229,21 @@ class MemoryTier:
             self._spare_thread.join()
             self._spare_thread = None
 
-    def _prepare_spare(self, nbytes: int, newest: Path) -> None:
+    def _prepare_spare(self, nbytes: int, newest: Path | None, touched: bool) -> None:
         started = time.perf_counter()
-        part = self._spare.with_name(self._spare.name + ".part")
         try:
             held = complete_snapshots(self.dir.parent, self.dir.name)
-            evict_oldest(held, self.max_snapshots - 1, never=newest)  # what the next save would evict, now
+            if newest is not None:  # after a save: what the next save would evict, now (prepare evicts nothing:
+                evict_oldest(held, self.max_snapshots - 1, never=newest)  # a resume may be reading them)
             if len(held) >= self.max_snapshots:
                 return  # every older snapshot still waits for ckptd: no room for a spare
+            self._spare.unlink(missing_ok=True)  # one too small for this state (prepare)
             if nbytes + self.reserve_bytes > shutil.disk_usage(self.dir).free:
                 return
-            part.unlink(missing_ok=True)  # a leftover, or a link planted there: never written through
-            fd = open_private(part, os.O_CREAT | os.O_WRONLY)
-            try:
-                os.posix_fallocate(fd, 0, nbytes)
-            finally:
-                os.close(fd)
-            os.replace(part, self._spare)
+            make_spare(self._spare, nbytes, touched=touched)
             self.last_spare_s = time.perf_counter() - started
         except OSError as exc:
             _log.info("no spare snapshot file prepared in %s: %s", self.dir, exc)
-            part.unlink(missing_ok=True)
 
     def close(self) -> None:
         """Give the spare file's memory back (snapshots stay: they belong to ckptd)."""

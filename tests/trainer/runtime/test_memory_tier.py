@@ -3,16 +3,21 @@ memory, plans that prefer a whole snapshot, and same-PID recovery from memory.""
 
 from __future__ import annotations
 
+import mmap
 import os
+import resource
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -31,6 +36,7 @@ from trainer_client.runtime._checkpointing import Checkpointer, leaf_name, train
 from trainer_client.runtime._direct_restore import restore_direct
 from trainer_client.runtime._elastic import ElasticConfig, ElasticRunner
 from trainer_client.runtime._elastic_config import ElasticOptions, HealthOptions, MemoryTierOptions
+from trainer_client.runtime._memory_spare import make_spare, snapshot_bytes
 from trainer_client.runtime._memory_tier import MemoryTier, restore_snapshot
 from trainer_client.runtime._slices import SimulatedSlices, SliceFault
 
@@ -131,6 +137,71 @@ def test_the_next_snapshot_is_written_into_pages_allocated_ahead(tmp_path: Path)
     single.save(1, state, _meta(1, state, mesh), persist=False)
     single.wait_spare()
     assert not list((tmp_path / "single").glob(".spare-*"))
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+@pytest.fixture
+def shm_path() -> Iterator[Path]:
+    """A directory in shared memory (tmpfs: one page fault per page touched; a disk's large folios map more)."""
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm")
+    path = Path(tempfile.mkdtemp(prefix="ckptd-test-", dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_touched_spare_has_its_pages_faulted_in_and_an_allocated_one_not(shm_path: Path) -> None:
+    tmp_path = shm_path
+    nbytes = 16 << 20
+    pages = nbytes // mmap.PAGESIZE
+    before = _minor_faults()
+    make_spare(tmp_path / "allocated", nbytes, touched=False)
+    allocated = _minor_faults() - before
+    before = _minor_faults()
+    make_spare(tmp_path / "touched", nbytes, touched=True)
+    touched = _minor_faults() - before
+    assert touched >= pages and allocated < pages // 4, (touched, allocated)
+    assert (tmp_path / "touched").stat().st_size == nbytes and not list(tmp_path.glob("*.part"))
+    assert (tmp_path / "touched").read_bytes() == bytes(nbytes)
+
+
+def test_prepare_touches_the_first_saves_file_before_it_and_evicts_nothing(shm_path: Path) -> None:
+    tmp_path = shm_path
+    mesh = _mesh()
+    state = {"w": jax.jit(lambda: jnp.ones((1024, 4096), jnp.float32),  # 16 MiB, by rows over the data axis
+                          out_shardings=NamedSharding(mesh, P("data")))(), "step": 3}
+    abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+                                      if isinstance(a, jax.Array) else a, state)
+    nbytes = snapshot_bytes(abstract)
+    assert nbytes == snapshot_bytes(state) >= 16 << 20  # one replica of each of the two halves, aligned
+    earlier = MemoryTier(str(tmp_path), "job", max_snapshots=3)
+    earlier.save(1, state, _meta(1, state, mesh), persist=False)
+    earlier.close()
+
+    tier = MemoryTier(str(tmp_path), "job", max_snapshots=3)
+    before = _minor_faults()
+    tier.prepare(abstract)  # in the background
+    tier.wait_spare()
+    assert _minor_faults() - before >= nbytes // mmap.PAGESIZE  # every page of the spare faulted in
+    spare = tmp_path / "job" / f".spare-{os.getpid()}"
+    assert spare.stat().st_size >= nbytes and _snapshots(tmp_path / "job") == ["1"]  # a resume may read step 1
+    held = os.open(spare, os.O_RDONLY)
+    first = tier.save(2, state, _meta(2, state, mesh), persist=False)
+    assert os.fstat(held).st_ino == (first / SNAPSHOT_DATA_FILE).stat().st_ino  # the first save wrote into it
+    os.close(held)
+    assert problems(first) == []
+    tier.prepare(abstract)  # the spare after the first save is there (or being made): nothing more
+    tier.wait_spare()
+    assert len(list((tmp_path / "job").glob(".spare-*"))) == 1
+    tier.close()
+
+    full = MemoryTier(str(tmp_path), "full", max_snapshots=1)  # no room for a spare: prepare makes none
+    full.prepare(abstract)
+    full.wait_spare()
+    assert not list((tmp_path / "full").glob(".spare-*"))
 
 
 def test_what_dead_trainers_left_in_shared_memory_is_dropped(tmp_path: Path) -> None:
