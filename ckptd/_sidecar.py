@@ -22,6 +22,7 @@ from ckptd.catalog._retention import RetentionPolicy, prune
 from ckptd.catalog._snapshots import SnapshotKeeper
 from ckptd.catalog._worker_client import PersistWorkerClient
 from ckptd.config import Settings
+from ckptd.peers import PeerService, build_peers
 from trainer_client.core._storage import Storage
 
 
@@ -38,6 +39,7 @@ class Sidecar:
     refresher: Refresher
     keeper: SnapshotKeeper | None = None  # with CKPTD_SHM_DIR (ckptd/catalog/_snapshots.py)
     lease: LeaseBoard | None = None  # with CKPTD_LEASE_TTL_S: which jobs this sidecar writes (ckptd/catalog/_lease.py)
+    peers: PeerService | None = None  # with CKPTD_PEER_PORT: copies of the parts among hosts (ckptd/peers)
 
     def start(self) -> None:
         if self.keeper is not None:
@@ -46,8 +48,12 @@ class Sidecar:
             self.lease.start()
         self.refresher.start()
         self.tracker.start()
+        if self.peers is not None:
+            self.peers.start()
 
     def stop(self) -> None:
+        if self.peers is not None:
+            self.peers.stop()
         if self.keeper is not None:  # accepted saves reach storage while the catalog still confirms them
             self.keeper.stop(self.settings.drain_timeout_s)
         self.tracker.stop()
@@ -103,7 +109,7 @@ def build_sidecar(settings: Settings, catalog: Catalog | None = None) -> Sidecar
         commit_worker=PersistWorkerClient(nice=settings.persist_nice, devices=settings.persist_devices),
     )
     return Sidecar(settings=settings, catalog=cat, metrics=metrics, events=events, tracker=tracker,
-                   refresher=refresher, keeper=keeper, lease=cat.lease)
+                   refresher=refresher, keeper=keeper, lease=cat.lease, peers=build_peers(settings))
 
 
 __all__ = ["Sidecar", "build_sidecar", "open_catalog", "retention_policy"]

@@ -141,6 +141,42 @@ class Settings(BaseSettings):
         default=None, description="host-memory tier: the shared-memory directory trainers snapshot into (off: None)"
     )
     max_snapshots: int = Field(default=2, ge=1, description="host-memory tier: snapshots kept per job")
+    peer_port: int | None = Field(
+        default=None, ge=0, le=65535,
+        description="peer copies: the port of the data channel other hosts' sidecars send their snapshot parts to "
+        "(0: any free one; off: None; needs CKPTD_SHM_DIR and CKPTD_PEER_SECRET; docs/multihost.md, \"Peer copies\")",
+    )
+    peer_host: str = Field(default="127.0.0.1", description="peer copies: the data channel's listen address")
+    peer_advertise: str | None = Field(
+        default=None, description="peer copies: host:port the other hosts reach this one at (default: the listen "
+        "address and port, the host's name when listening on all addresses)",
+    )
+    peer_secret: str | None = Field(
+        default=None, repr=False,
+        description="peer copies: the secret every sidecar of the job shares (at least 16 characters); the channel "
+        "never starts without one, not even on loopback",
+    )
+    peer_secret_file: str | None = Field(default=None, description="file holding the peer secret (a mounted Secret)")
+    peers: str = Field(
+        default="", description="peer copies: the hosts' addresses as INDEX=HOST:PORT,... (JobSet's stable pod "
+        "names); empty: each sidecar registers its own under <root>/<job>/.ckptd/peers/",
+    )
+    peer_copies: int = Field(default=1, ge=1, le=16, description="peer copies: hosts holding a copy of each part (K)")
+    peer_stride: int = Field(
+        default=1, ge=1, description="peer copies: hosts per failure domain; host k's copies go to k+stride, "
+        "k+2*stride, ... (modulo the hosts)",
+    )
+    peer_map: str = Field(
+        default="", description="peer copies: who holds whose part, ORIGIN:HOLDER[+HOLDER],... (overrides the stride)",
+    )
+    peer_bandwidth_bytes_s: float | None = Field(
+        default=float(1 << 30), gt=0,
+        description="peer copies: bytes per second sent to peers at most (None: unbounded)",
+    )
+    peer_capacity_bytes: int | None = Field(
+        default=None, ge=0, description="peer copies: bytes of other hosts' parts held at most (None: what shared "
+        "memory has free, less 256 MiB for the trainer)",
+    )
     persist_compression: bool = Field(default=False, description="zstd when persisting snapshots to storage")
     persist_devices: int = Field(
         default=16, ge=1, le=1024,
@@ -208,6 +244,16 @@ class Settings(BaseSettings):
             self.token = text.strip()
         if self.token is not None and (problem := token_problem(self.token)) is not None:
             raise ValueError(f"{source} {problem}")  # never the token itself
+        if self.peer_secret_file is not None:
+            if self.peer_secret is not None:
+                raise ValueError("set CKPTD_PEER_SECRET or CKPTD_PEER_SECRET_FILE, not both")
+            try:
+                self.peer_secret = Path(self.peer_secret_file).read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"cannot read the peer secret file {self.peer_secret_file!r}: {exc}") from None
+        if self.peer_port is not None and (self.peer_secret is None or len(self.peer_secret) < 16):
+            raise ValueError("CKPTD_PEER_PORT needs CKPTD_PEER_SECRET (or _FILE) of at least 16 characters, the same "
+                             "on every host of the job (e.g. `openssl rand -hex 32`)")
         bad = sorted(name for name in self.read_only_job_names() if not p.is_valid_job_name(name))
         if bad:
             raise ValueError(f"CKPTD_READ_ONLY_JOBS names invalid job names: {bad}")

@@ -48,6 +48,7 @@ PARTS: dict[str, tuple[str, ...]] = {
     "ckptd.api": ("ckptd.api",),
     "ckptd.catalog": ("ckptd.catalog",),
     "ckptd.advisor": ("ckptd.advisor",),
+    "ckptd.peers": ("ckptd.peers",),
 }
 EXACT: dict[str, tuple[str, ...]] = {
     "trainer_client": ("trainer_client", "trainer_client.config", "trainer_client.errors"),  # the public surface
@@ -68,7 +69,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "ckptd": frozenset({"trainer_client.core"}),
     "ckptd.advisor": frozenset({"ckptd", "trainer_client.core"}),
     "ckptd.catalog": frozenset({"ckptd.advisor", "ckptd", "trainer_client.core"}),
-    "ckptd._sidecar": frozenset({"ckptd.catalog", "ckptd", "trainer_client.core"}),
+    "ckptd.peers": frozenset({"ckptd", "trainer_client.core"}),
+    "ckptd._sidecar": frozenset({"ckptd.catalog", "ckptd.peers", "ckptd", "trainer_client.core"}),
     "ckptd.api": frozenset({"ckptd._sidecar", "ckptd.catalog", "ckptd.advisor", "ckptd", "trainer_client.core"}),
     "ckptd.cli": frozenset({"ckptd.api", "ckptd._sidecar", "ckptd.catalog", "ckptd.advisor", "ckptd",
                             "trainer_client.core"}),

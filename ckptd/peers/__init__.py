@@ -1,0 +1,85 @@
+"""The peer data channel: each host's sidecar keeps copies of other hosts' snapshot parts in its shared memory,
+so a host whose memory was wiped gets its part back from a peer instead of from storage (docs/multihost.md,
+"Peer copies").
+
+``PeerService`` is what the composition root (``ckptd/_sidecar.py``) builds from ``Settings`` when
+``CKPTD_PEER_PORT`` is set: the listener (``_server``), the copier and the fetcher (``_copier``), over one
+``PartStore`` of the host's shared-memory directory and one ``PeerDirectory`` of addresses. The bytes travel on
+this channel, never on the JSON control API.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ckptd.config import Settings
+from ckptd.peers._copier import PeerCopier, PeerOptions
+from ckptd.peers._directory import PeerDirectory, parse_map, parse_peers
+from ckptd.peers._protocol import RateLimit
+from ckptd.peers._server import PeerListener
+from ckptd.peers._store import PartStore
+from trainer_client.core._storage import Storage
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass
+class PeerService:
+    """The listener and the workers of one sidecar's peer channel, started and stopped together."""
+
+    listener: PeerListener
+    copier: PeerCopier
+
+    @property
+    def address(self) -> str:
+        return self.copier.directory.address
+
+    def start(self) -> None:
+        dropped = self.listener.store.drop_staging()
+        if dropped:
+            _log.info("dropped %d part(s) a previous run was still receiving", dropped)
+        self.listener.start()
+        self.copier.start()
+        _log.info("peer channel listening on %s", self.address)
+
+    def stop(self) -> None:
+        self.copier.stop()
+        self.listener.stop()
+
+    def snapshot(self) -> dict[str, Any]:
+        """The channel's numbers (docs/operations.md, "Peer copies")."""
+        c, s = self.copier.stats, self.listener.stats
+        now = time.time()
+        return {"address": self.address, "copies_sent": c.copies_sent, "bytes_sent": c.bytes_sent,
+                "copy_failures": c.copy_failures, "fetched": c.fetched, "fetch_failures": c.fetch_failures,
+                "copy_age_s": {job: round(now - at, 3) for job, at in c.last_copy_at.items()},
+                "last_copy_step": dict(c.last_copy_step), "copies_received": s.received,
+                "bytes_received": s.received_bytes, "requests_refused": s.refused, "copies_served": s.served,
+                "bytes_served": s.served_bytes, "copies_held_bytes": self.listener.store.copy_bytes(),
+                "last_failure": c.last_failure, "listener_failures": list(s.failures)}
+
+
+def build_peers(settings: Settings) -> PeerService | None:
+    """The peer channel ``settings`` ask for (``CKPTD_PEER_PORT`` and a shared-memory directory), not started;
+    None when off."""
+    if settings.peer_port is None or not settings.shm_dir:
+        return None
+    secret = settings.peer_secret
+    assert secret is not None  # Settings refuses a channel without one
+    store = PartStore(settings.shm_dir, capacity_bytes=settings.peer_capacity_bytes)
+    rate = RateLimit(settings.peer_bandwidth_bytes_s)
+    listener = PeerListener(store, secret.encode(), host=settings.peer_host, port=settings.peer_port)
+    advertised = settings.peer_advertise or (
+        f"{socket.getfqdn() if settings.peer_host in ('0.0.0.0', '::') else settings.peer_host}:{listener.port}")
+    static = parse_peers(settings.peers)
+    directory = PeerDirectory(None if static else Storage(settings.root), static, advertised)
+    options = PeerOptions(k=settings.peer_copies, stride=settings.peer_stride,
+                          explicit=parse_map(settings.peer_map) or None, nice=settings.persist_nice)
+    return PeerService(listener, PeerCopier(store, directory, secret.encode(), rate, options))
+
+
+__all__ = ["PeerService", "build_peers"]

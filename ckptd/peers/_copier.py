@@ -1,0 +1,235 @@
+"""The peer channel's two workers on this host: the copier sends this host's newest whole part of each job to the
+hosts that keep copies of it, and the fetcher brings this host's own part back from one of them when the
+trainer asks (docs/multihost.md, "Peer copies").
+
+The copier runs on a thread of its own, lowered ``nice`` steps below the sidecar (the trainer wins the host's
+cores) and at most at the channel's byte rate (``RateLimit``): a slow or dead peer delays only further copies,
+never a save or a training step (the trainer only writes its snapshot into shared memory). After a copy, and
+whenever this host's own parts change, each holder is told which steps this host still holds, and drops the
+copies of the others (a copy is evicted with its original). The fetcher answers the trainer's requests
+(``trainer_client/core/format/_peer_copies.py``) at once, on a thread of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from ckptd.peers._directory import PeerDirectory, holders_of
+from ckptd.peers._protocol import PeerError, RateLimit, connect, expect_ok, header_int, send_file, send_header
+from ckptd.peers._server import MAX_PART_BYTES
+from ckptd.peers._store import PartStore
+from trainer_client.core._errors import UnsafePathError
+from trainer_client.core.format._peer_copies import answer_fetch, pending_fetches
+from trainer_client.core.format._snapshot import MAX_META_BYTES, SnapshotMeta, complete_snapshots, problems, read_meta
+from trainer_client.core.protocol import is_valid_job_name
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass
+class CopierStats:
+    """What the copier and the fetcher did since the sidecar started (docs/operations.md, "Peer copies")."""
+
+    copies_sent: int = 0
+    bytes_sent: int = 0
+    copy_failures: int = 0
+    fetched: int = 0
+    fetch_failures: int = 0
+    last_copy_at: dict[str, float] = field(default_factory=dict)  # job -> when its newest part was last copied
+    last_copy_step: dict[str, int] = field(default_factory=dict)
+    last_failure: str | None = None
+
+    def failed(self, what: str) -> None:
+        self.last_failure = f"{time.strftime('%H:%M:%S')} {what}"[:300]
+
+
+@dataclass(frozen=True)
+class PeerOptions:
+    k: int = 1
+    stride: int = 1
+    explicit: dict[int, list[int]] | None = None
+    interval_s: float = 0.2
+    timeout_s: float = 30.0
+    nice: int = 10
+
+
+class PeerCopier:
+    """Copies this host's parts out and brings them back (one per sidecar)."""
+
+    def __init__(self, store: PartStore, directory: PeerDirectory, secret: bytes, rate: RateLimit,
+                 options: PeerOptions) -> None:
+        self.store = store
+        self.directory = directory
+        self.secret = secret
+        self.rate = rate
+        self.options = options
+        self.stats = CopierStats()
+        self._sent: dict[tuple[str, int], tuple[int, str | None, tuple[int, ...]]] = {}
+        self._metas: dict[Path, tuple[int, SnapshotMeta]] = {}
+        self._retry: dict[tuple[str, int], tuple[float, int]] = {}  # (job, holder) -> (not before, failures in a row)
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, args=(self.copy_pass, True), name="ckptd-peer-copier",
+                                          daemon=True),
+                         threading.Thread(target=self._loop, args=(self.fetch_pass, False), name="ckptd-peer-fetcher",
+                                          daemon=True)]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=self.options.timeout_s)
+
+    def _loop(self, work: object, lowered: bool) -> None:
+        if lowered:
+            with contextlib.suppress(OSError):  # Linux: a thread's own priority
+                tid = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self.options.nice)
+        while not self._stop.is_set():
+            try:
+                work()  # type: ignore[operator]
+            except Exception:  # a worker never dies of one bad pass
+                _log.exception("peer channel pass failed")
+            self._stop.wait(self.options.interval_s if lowered else 0.05)
+
+    def jobs(self) -> list[str]:
+        try:
+            return sorted(p.name for p in self.store.shm_dir.iterdir() if is_valid_job_name(p.name) and p.is_dir())
+        except OSError:
+            return []
+
+    def own_parts(self, job: str) -> list[tuple[Path, SnapshotMeta]]:
+        """This host's intact parts of ``job``, newest first (metadata cached per directory)."""
+        try:
+            held = complete_snapshots(self.store.shm_dir, job)
+        except (OSError, UnsafePathError):
+            return []
+        out = []
+        for path in reversed(held):
+            try:
+                stamp = os.lstat(path / "snapshot.json").st_mtime_ns
+                cached = self._metas.get(path)
+                if cached is None or cached[0] != stamp:
+                    if problems(path):
+                        continue
+                    cached = (stamp, read_meta(path))
+                    self._metas[path] = cached
+            except (OSError, ValueError, ValidationError):
+                continue
+            if cached[1].is_part:
+                out.append((path, cached[1]))
+        self._metas = {p: m for p, m in self._metas.items() if p.exists()}
+        return out
+
+    def copy_pass(self) -> None:
+        for job in self.jobs():
+            parts = self.own_parts(job)
+            if not parts:
+                continue
+            path, meta = parts[0]
+            held = tuple(sorted(m.step for _, m in parts))
+            self.directory.register(job, meta.process_index)
+            for holder in holders_of(meta.process_index, meta.process_count, self.options.k, self.options.stride,
+                                     self.options.explicit):
+                sent = self._sent.get((job, holder))
+                if sent is not None and sent[:2] == (meta.step, meta.save_id) and sent[2] == held:
+                    continue
+                not_before, streak = self._retry.get((job, holder), (0.0, 0))
+                if time.monotonic() < not_before:
+                    continue
+                try:
+                    if sent is not None and sent[:2] == (meta.step, meta.save_id):
+                        self._tell_held(job, holder, meta, held)
+                    else:
+                        self._send(job, holder, path, held)
+                    self._sent[(job, holder)] = (meta.step, meta.save_id, held)
+                    self._retry.pop((job, holder), None)
+                except (PeerError, OSError, ValueError) as exc:  # tried again later, less often each time
+                    self.stats.copy_failures += 1
+                    self.stats.failed(f"copy of {job} step {meta.step} to host {holder}: {exc}")
+                    self.directory.forget(job, holder)
+                    self._retry[(job, holder)] = (time.monotonic() + min(10.0, 0.25 * 2 ** streak), streak + 1)
+                    (_log.warning if streak == 0 else _log.debug)(
+                        "peer copy of %s step %s to host %d failed: %s", job, meta.step, holder, exc)
+
+    def _address(self, job: str, holder: int) -> str:
+        address = self.directory.address_of(job, holder)
+        if address is None:
+            raise PeerError(f"no address known for host {holder} of {job}")
+        return address
+
+    def _tell_held(self, job: str, holder: int, meta: SnapshotMeta, held: tuple[int, ...]) -> None:
+        with connect(self._address(job, holder), self.secret, self.options.timeout_s) as sock:
+            send_header(sock, {"op": "held", "job": job, "origin": meta.process_index, "count": meta.process_count,
+                               "held": list(held)})
+            expect_ok(sock)
+
+    def _send(self, job: str, holder: int, path: Path, held: tuple[int, ...]) -> None:
+        raw, meta, data = self.store.open_part(path)
+        with data, connect(self._address(job, holder), self.secret, self.options.timeout_s) as sock:
+            send_header(sock, {"op": "put", "job": job, "origin": meta.process_index, "count": meta.process_count,
+                               "step": meta.step, "held": list(held), "meta": len(raw), "data": meta.nbytes})
+            if expect_ok(sock).get("have"):
+                return
+            started = time.monotonic()
+            sock.sendall(raw)
+            send_file(sock, data, meta.nbytes, self.rate)
+            expect_ok(sock)
+        self.stats.copies_sent += 1
+        self.stats.bytes_sent += meta.nbytes
+        self.stats.last_copy_at[job] = time.time()
+        self.stats.last_copy_step[job] = meta.step
+        _log.info("peer copy of %s step %s (%d bytes) held by host %d (%.2f s)", job, meta.step, meta.nbytes,
+                  holder, time.monotonic() - started)
+
+    def fetch_pass(self) -> None:
+        for job in self.jobs():
+            for request in pending_fetches(self.store.shm_dir, job):
+                error = ""
+                try:
+                    self.fetch(job, request["step"], source=request["source"], origin=request["origin"],
+                               count=request["count"], save_id=request["save_id"])
+                    self.stats.fetched += 1
+                except (PeerError, OSError, ValueError) as exc:
+                    error = f"from host {request['source']}: {exc}"
+                    self.stats.fetch_failures += 1
+                    self.stats.failed(f"fetch of {job} step {request['step']} {error}")
+                    _log.warning("fetch of %s step %s %s", job, request["step"], error)
+                answer_fetch(self.store.shm_dir, job, request["step"], ok=not error, error=error)
+
+    def fetch(self, job: str, step: int, *, source: int, origin: int, count: int, save_id: str | None) -> Path:
+        """This host's part of ``step`` (host ``origin`` of ``count``), brought back from host ``source``'s copy
+        into ``<shm>/<job>/<step>/``, every shard checked; ``PeerError`` when it cannot be."""
+        own = self.store.own_path(job, step)
+        if own.exists() and not problems(own) and read_meta(own).save_id == save_id:
+            return own
+        started = time.monotonic()
+        with connect(self._address(job, source), self.secret, self.options.timeout_s) as sock:
+            send_header(sock, {"op": "get", "job": job, "origin": origin, "count": count, "step": step,
+                               "save_id": save_id})
+            answer = expect_ok(sock)
+            meta_bytes = header_int(answer, "meta", 1, MAX_META_BYTES)
+            data_bytes = header_int(answer, "data", 0, MAX_PART_BYTES)
+            reason = self.store.room_for(meta_bytes + data_bytes, copy=False)
+            if reason is not None:
+                raise PeerError(reason)
+            path = self.store.receive(sock, job, origin=origin, count=count, step=step, meta_bytes=meta_bytes,
+                                      data_bytes=data_bytes, own=True)
+        if save_id is not None and read_meta(path).save_id != save_id:
+            raise PeerError(f"host {source} sent another save of step {step}")
+        _log.info("%s step %s: this host's part brought back from host %d (%d bytes, %.2f s)", job, step, source,
+                  data_bytes, time.monotonic() - started)
+        return path
+
+
+__all__ = ["CopierStats", "PeerCopier", "PeerOptions"]

@@ -1,0 +1,168 @@
+"""The peer channel's listener: takes copies of other hosts' parts into this host's shared memory (``put``),
+drops them when their originals go (``held``), and hands a copy back to the host it came from (``get``)
+(docs/multihost.md, "Peer copies").
+
+A thread per connection, at most ``max_connections`` at once (more are closed at once), each with a socket
+timeout; a caller that fails the handshake is closed without an answer. Every field of a request is checked
+before anything is written: the job name, the host indexes, the step, and sizes bounded by the snapshot
+format's limits and by the room this host has (``PartStore.room_for``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptd.peers._protocol import (
+    PeerError,
+    RateLimit,
+    header_int,
+    listener_handshake,
+    recv_header,
+    send_file,
+    send_header,
+)
+from ckptd.peers._store import PartStore, check_job
+from trainer_client.core.format._snapshot import MAX_META_BYTES
+
+_log = logging.getLogger(__name__)
+MAX_HOSTS = 100_000
+MAX_STEP = 2**63 - 1
+MAX_PART_BYTES = 1 << 44  # a part's data.bin at most (16 TiB); the room on this host bounds it first
+MAX_HELD = 4096
+
+
+@dataclass
+class ListenerStats:
+    """What the listener did since it started (docs/operations.md, "Peer copies")."""
+
+    received: int = 0
+    received_bytes: int = 0
+    refused: int = 0
+    served: int = 0
+    served_bytes: int = 0
+    failures: list[str] = field(default_factory=list)  # the last few, newest last
+
+    def failed(self, what: str) -> None:
+        self.failures = [*self.failures[-9:], f"{time.strftime('%H:%M:%S')} {what}"[:300]]
+
+
+class PeerListener:
+    """Accepts peer connections on ``host:port`` (port 0: any free one; ``address`` says which)."""
+
+    def __init__(self, store: PartStore, secret: bytes, *, host: str, port: int, max_connections: int = 8,
+                 timeout_s: float = 30.0) -> None:
+        self.store = store
+        self.secret = secret
+        self.timeout_s = timeout_s
+        self.stats = ListenerStats()
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._sock = socket.create_server((host, port), reuse_port=False)
+        self._sock.settimeout(0.5)
+        self.port = int(self._sock.getsockname()[1])
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name="ckptd-peer-listener", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, peer = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not self._slots.acquire(blocking=False):
+                conn.close()
+                self.stats.refused += 1
+                continue
+            threading.Thread(target=self._serve, args=(conn, peer), name="ckptd-peer-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, peer: Any) -> None:
+        try:
+            conn.settimeout(self.timeout_s)
+            listener_handshake(conn, self.secret)
+            request = recv_header(conn)
+            op = request.get("op")
+            if op == "put":
+                self._put(conn, request)
+            elif op == "held":
+                self._held(conn, request)
+            elif op == "get":
+                self._get(conn, request)
+            else:
+                raise PeerError(f"no such operation: {str(op)[:40]!r}")
+        except (PeerError, OSError, ValueError) as exc:
+            self.stats.refused += 1
+            self.stats.failed(f"from {peer[0]}: {exc}")
+            _log.warning("peer request from %s refused: %s", peer[0], exc)
+            with contextlib.suppress(OSError):
+                send_header(conn, {"ok": False, "error": str(exc)[:500]})
+        finally:
+            conn.close()
+            self._slots.release()
+
+    def _origin(self, request: dict[str, Any]) -> tuple[str, int, int]:
+        job = check_job(request.get("job"))
+        count = header_int(request, "count", 2, MAX_HOSTS)
+        return job, header_int(request, "origin", 0, count - 1), count
+
+    def _put(self, conn: socket.socket, request: dict[str, Any]) -> None:
+        job, origin, count = self._origin(request)
+        step = header_int(request, "step", 0, MAX_STEP)
+        meta_bytes = header_int(request, "meta", 1, MAX_META_BYTES)
+        data_bytes = header_int(request, "data", 0, MAX_PART_BYTES)
+        keep = self._keep(request) | {step}
+        self.store.prune(job, origin, keep)  # first: the originals gone make room for the new one
+        if self.store.copy_path(job, origin, step).exists():
+            send_header(conn, {"ok": True, "have": True})
+            return
+        reason = self.store.room_for(meta_bytes + data_bytes, copy=True)
+        if reason is not None:
+            raise PeerError(reason)
+        send_header(conn, {"ok": True, "have": False})
+        self.store.receive(conn, job, origin=origin, count=count, step=step, meta_bytes=meta_bytes,
+                           data_bytes=data_bytes, own=False)
+        self.stats.received += 1
+        self.stats.received_bytes += data_bytes
+        send_header(conn, {"ok": True})
+
+    def _keep(self, request: dict[str, Any]) -> set[int]:
+        held = request.get("held")
+        if not isinstance(held, list) or len(held) > MAX_HELD:
+            raise PeerError("held: not a list of at most 4096 steps")
+        return {header_int({"step": s}, "step", 0, MAX_STEP) for s in held}
+
+    def _held(self, conn: socket.socket, request: dict[str, Any]) -> None:
+        job, origin, _ = self._origin(request)
+        dropped = self.store.prune(job, origin, self._keep(request))
+        send_header(conn, {"ok": True, "dropped": dropped})
+
+    def _get(self, conn: socket.socket, request: dict[str, Any]) -> None:
+        job, origin, _ = self._origin(request)
+        step = header_int(request, "step", 0, MAX_STEP)
+        raw, meta, data = self.store.open_part(self.store.copy_path(job, origin, step))
+        with data:
+            save_id = request.get("save_id")
+            if save_id is not None and meta.save_id != save_id:
+                raise PeerError(f"the copy of step {step} is of save {meta.save_id}, not {str(save_id)[:40]}")
+            send_header(conn, {"ok": True, "meta": len(raw), "data": meta.nbytes})
+            conn.sendall(raw)
+            send_file(conn, data, meta.nbytes, RateLimit(None))  # a restore waits for it: not rate-bounded
+        self.stats.served += 1
+        self.stats.served_bytes += meta.nbytes
+
+
+__all__ = ["ListenerStats", "PeerListener"]

@@ -1,0 +1,162 @@
+"""A host's shared memory as the peer channel sees it: where a received part goes, how it is checked before it
+counts, and which copies go when their original does (docs/multihost.md, "Peer copies").
+
+A part arrives into a staging directory of its own (``.in-<random>``, 0700, its files created exclusively,
+0600: the memory tier's rules, ``trainer_client/core/format/_private_files.py``), is checked as a snapshot
+(``problems``) and shard by shard against the checksums its ``snapshot.json`` records (``damaged_shards``),
+and only then renamed into place: a copy of host k's part under ``<job>/.peer-<k>/<step>/``, or, when a host
+brings its own part back, ``<job>/<step>/`` itself. A part that fails a check is deleted, never used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import shutil
+import socket
+from pathlib import Path
+from typing import BinaryIO
+
+from pydantic import ValidationError
+
+from ckptd.peers._protocol import PeerError, recv_exact, recv_into_file
+from trainer_client.core.format._files import SNAPSHOT_DATA_FILE, SNAPSHOT_META_FILE
+from trainer_client.core.format._peer_copies import copies_dir
+from trainer_client.core.format._private_files import (
+    check_private_dir,
+    ensure_private_dir,
+    is_real_dir,
+    make_private_dir,
+    open_private,
+    read_private,
+    write_private,
+)
+from trainer_client.core.format._snapshot import MAX_META_BYTES, SnapshotMeta, damaged_shards, map_data, problems
+from trainer_client.core.protocol import is_valid_job_name
+
+RESERVE_BYTES = 256 << 20  # what a received copy must leave free in shared memory (the trainer's next save)
+_STEP = re.compile(r"^[0-9]{1,19}$")
+_STAGING = ".in-"
+
+
+def check_job(job: object) -> str:
+    if not isinstance(job, str) or not is_valid_job_name(job):
+        raise PeerError(f"not a job name: {str(job)[:80]!r}")
+    return job
+
+
+class PartStore:
+    """Parts received into, and read out of, one host's shared-memory directory."""
+
+    def __init__(self, shm_dir: str | Path, *, capacity_bytes: int | None = None) -> None:
+        self.shm_dir = Path(shm_dir)
+        self.capacity_bytes = capacity_bytes  # the copies of other hosts' parts, all jobs together (None: free space)
+
+    def copy_path(self, job: str, origin: int, step: int) -> Path:
+        return copies_dir(self.shm_dir, job, origin) / str(step)
+
+    def own_path(self, job: str, step: int) -> Path:
+        return self.shm_dir / job / str(step)
+
+    def copies(self, job: str, origin: int) -> list[Path]:
+        base = copies_dir(self.shm_dir, job, origin)
+        try:
+            return sorted((p for p in base.iterdir() if _STEP.match(p.name) and is_real_dir(p)),
+                          key=lambda p: int(p.name))
+        except OSError:
+            return []
+
+    def copy_bytes(self) -> int:
+        """Bytes of every copy this host holds for other hosts."""
+        total = 0
+        for data in self.shm_dir.glob(f"*/.peer-*/*/{SNAPSHOT_DATA_FILE}"):
+            with contextlib.suppress(OSError):
+                total += os.lstat(data).st_size
+        return total
+
+    def room_for(self, nbytes: int, *, copy: bool) -> str | None:
+        """Why ``nbytes`` more cannot be held (None: they can)."""
+        stats = os.statvfs(self.shm_dir)
+        free = stats.f_bavail * stats.f_frsize
+        if nbytes + RESERVE_BYTES > free:
+            return f"{nbytes} bytes do not fit in shared memory ({free} free, {RESERVE_BYTES} kept for the trainer)"
+        if copy and self.capacity_bytes is not None and self.copy_bytes() + nbytes > self.capacity_bytes:
+            return f"{nbytes} bytes more would pass the peer copies' capacity of {self.capacity_bytes} bytes"
+        return None
+
+    def receive(self, sock: socket.socket, job: str, *, origin: int, count: int, step: int, meta_bytes: int,
+                data_bytes: int, own: bool) -> Path:
+        """Read one part (``meta_bytes`` of ``snapshot.json``, then ``data_bytes`` of ``data.bin``) from ``sock``,
+        check it, put it in place; returns where. ``PeerError`` when anything about it is wrong (deleted)."""
+        check_private_dir(self.shm_dir)
+        job_dir = ensure_private_dir(self.shm_dir / check_job(job))
+        parent = job_dir if own else ensure_private_dir(copies_dir(self.shm_dir, job, origin))
+        final = self.own_path(job, step) if own else self.copy_path(job, origin, step)
+        staging = make_private_dir(parent / f"{_STAGING}{secrets.token_hex(8)}")
+        try:
+            raw = recv_exact(sock, meta_bytes)
+            try:
+                meta = SnapshotMeta.model_validate_json(raw)
+            except ValidationError as exc:
+                raise PeerError(f"not a snapshot's metadata: {str(exc).splitlines()[0][:200]}") from None
+            if (meta.step, meta.process_index, meta.process_count, meta.nbytes) != (step, origin, count, data_bytes):
+                raise PeerError(f"the metadata is of step {meta.step}, process {meta.process_index} of "
+                                f"{meta.process_count}, {meta.nbytes} bytes: not what the header announced")
+            fd = open_private(staging / SNAPSHOT_DATA_FILE, os.O_WRONLY | os.O_CREAT)
+            try:
+                recv_into_file(sock, fd, data_bytes)
+            finally:
+                os.close(fd)
+            write_private(staging / SNAPSHOT_META_FILE, raw)
+            self.check(staging, meta)
+            if final.exists():  # held already (the same save sent twice): keep the one in place
+                shutil.rmtree(staging, ignore_errors=True)
+                return final
+            os.rename(staging, final)
+            return final
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+    @staticmethod
+    def check(path: Path, meta: SnapshotMeta) -> None:
+        """``PeerError`` unless the part at ``path`` is intact: sizes and shards, and every shard's checksum."""
+        found = problems(path)
+        if found:
+            raise PeerError(f"the part received is not intact: {found[:3]}")
+        damaged = damaged_shards(map_data(path, meta), meta)
+        if damaged:
+            raise PeerError(f"{len(damaged)} shard(s) arrived damaged: {damaged[:2]}")
+
+    def open_part(self, path: Path) -> tuple[bytes, SnapshotMeta, BinaryIO]:
+        """``(snapshot.json bytes, its metadata, data.bin opened)`` of the part at ``path``, read by this
+        memory tier's rules; ``PeerError`` when it is not there or not intact."""
+        if not is_real_dir(path) or problems(path):
+            raise PeerError(f"no intact part at {path.name}")
+        raw = read_private(path / SNAPSHOT_META_FILE, max_bytes=MAX_META_BYTES)
+        meta = SnapshotMeta.model_validate_json(raw)
+        return raw, meta, os.fdopen(open_private(path / SNAPSHOT_DATA_FILE), "rb")
+
+    def prune(self, job: str, origin: int, keep: set[int]) -> int:
+        """Drop the copies of ``origin``'s parts whose step is not in ``keep`` (what the origin still holds):
+        a copy goes when its original does. Returns how many went."""
+        dropped = 0
+        for path in self.copies(job, origin):
+            if int(path.name) not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+                dropped += 1
+        return dropped
+
+    def drop_staging(self) -> int:
+        """Delete what receives interrupted by a crash of this process left (at its start: none is running)."""
+        dropped = 0
+        for leftover in [*self.shm_dir.glob(f"*/{_STAGING}*"), *self.shm_dir.glob(f"*/.peer-*/{_STAGING}*")]:
+            if is_real_dir(leftover):
+                shutil.rmtree(leftover, ignore_errors=True)
+                dropped += 1
+        return dropped
+
+
+__all__ = ["PartStore", "check_job"]

@@ -1,0 +1,157 @@
+"""The peer data channel between two sidecars' ``PeerService``s on 127.0.0.1 (real sockets, real shared-memory
+directories under the test's tmp): a whole part is copied to the host that holds copies of it, evicted with
+its original, brought back into a wiped host's memory checked shard by shard; a damaged copy, a caller
+without the secret and hostile headers are refused and leave nothing behind (docs/multihost.md, "Peer
+copies")."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from ckptd.config import Settings
+from ckptd.peers import PeerService, build_peers
+from ckptd.peers._directory import holders_of, parse_map
+from ckptd.peers._protocol import PeerError, caller_handshake, connect, recv_header, send_header
+from tests.support.helpers import wait_until
+from tests.support.peer_parts import SECRET, write_part
+from trainer_client.core.format._peer_copies import copies_dir, held_copies, request_fetch, wait_fetch
+from trainer_client.core.format._snapshot import problems
+
+JOB = "peerjob"
+
+
+def settings(tmp: Path, k: int, root: Path, **extra: object) -> Settings:
+    return Settings(root=str(root), shm_dir=str(tmp / f"shm{k}"), state_dir=str(tmp / f"state{k}"), peer_port=0,
+                    peer_secret=SECRET, **extra)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[list[PeerService], list[Path]]]:
+    root = tmp_path / "root"
+    (root / JOB).mkdir(parents=True)
+    shms = [tmp_path / "shm0", tmp_path / "shm1"]
+    for shm in shms:
+        shm.mkdir(mode=0o700)
+    services = [build_peers(settings(tmp_path, k, root)) for k in range(2)]
+    assert all(s is not None for s in services)
+    started = [s for s in services if s is not None]
+    for s in started:
+        s.start()
+    yield started, shms
+    for s in started:
+        s.stop()
+
+
+def test_a_whole_part_is_copied_evicted_with_its_original_and_brought_back(
+        pair: tuple[list[PeerService], list[Path]]) -> None:
+    (s0, s1), (shm0, shm1) = pair
+    write_part(shm1, JOB, 10, index=1)  # host 1's sidecar registers its address once it sees its first part
+    part = write_part(shm0, JOB, 10, index=0)
+    copy = copies_dir(shm1, JOB, 0) / "10"
+    wait_until(lambda: copy.is_dir(), timeout=20)
+    assert (copy / "data.bin").read_bytes() == (part / "data.bin").read_bytes()
+    assert [(o, m.step) for o, _, m in held_copies(str(shm1), JOB)] == [(0, 10)]
+    assert json.loads((Path(s0.listener.store.shm_dir).parent / "root" / JOB / ".ckptd" / "peers" /
+                       "process_0.json").read_text())["address"] == s0.address
+
+    write_part(shm0, JOB, 20, index=0)  # a newer save, then the older one evicted: its copy goes too
+    wait_until(lambda: (copies_dir(shm1, JOB, 0) / "20").is_dir(), timeout=20)
+    shutil.rmtree(part)
+    wait_until(lambda: not copy.exists(), timeout=20)
+    assert s0.snapshot()["copies_sent"] == 2 and s1.snapshot()["copies_received"] == 2
+    assert s1.snapshot()["copies_sent"] == 1 and (copies_dir(shm0, JOB, 1) / "10").is_dir()  # and the other way
+
+    original = (shm0 / JOB / "20" / "data.bin").read_bytes()
+    shutil.rmtree(shm0 / JOB)  # host 0's memory wiped: its trainer asks for its part of 20 back from host 1
+    request_fetch(shm0, JOB, 20, source=1, origin=0, count=2, save_id="ab-20")
+    assert wait_fetch(shm0, JOB, 20, timeout_s=30) is None
+    assert (shm0 / JOB / "20" / "data.bin").read_bytes() == original and problems(shm0 / JOB / "20") == []
+    assert sorted(p.name for p in (shm0 / JOB).iterdir()) == ["20"]  # no request, answer or staging left
+    assert s0.snapshot()["fetched"] == 1 and s1.snapshot()["copies_served"] == 1
+
+
+def test_a_damaged_copy_is_refused_and_leaves_nothing(pair: tuple[list[PeerService], list[Path]]) -> None:
+    _, (shm0, shm1) = pair
+    write_part(shm1, JOB, 10, index=1)
+    write_part(shm0, JOB, 10, index=0)
+    copy = copies_dir(shm1, JOB, 0) / "10"
+    wait_until(lambda: copy.is_dir(), timeout=20)
+    with (copy / "data.bin").open("r+b") as f:  # one flipped bit in a shard: sizes still right
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    shutil.rmtree(shm0 / JOB)
+    request_fetch(shm0, JOB, 10, source=1, origin=0, count=2, save_id="ab-10")
+    error = wait_fetch(shm0, JOB, 10, timeout_s=30)
+    assert error is not None and "damaged" in error
+    assert not (shm0 / JOB / "10").exists()
+    assert [p.name for p in (shm0 / JOB).iterdir() if not p.name.startswith(".peer-fetch")] == []
+
+
+def test_a_fetch_of_a_copy_nobody_holds_fails_fast(pair: tuple[list[PeerService], list[Path]]) -> None:
+    (_, s1), (shm0, shm1) = pair
+    write_part(shm1, JOB, 10, index=1)
+    wait_until(lambda: s1.copier.directory._registered, timeout=10)
+    request_fetch(shm0, JOB, 30, source=1, origin=0, count=2, save_id="ab-30")
+    started = time.monotonic()
+    error = wait_fetch(shm0, JOB, 30, timeout_s=30)
+    assert error is not None and "no intact part" in error and time.monotonic() - started < 10
+
+
+def test_callers_without_the_secret_and_hostile_headers_are_refused(
+        pair: tuple[list[PeerService], list[Path]]) -> None:
+    (_, s1), (_, shm1) = pair
+    with pytest.raises(PeerError):  # the listener does not prove itself to a caller with another secret
+        connect(s1.address, b"another-secret-of-the-same-size!", 5)
+    wait_until(lambda: any("secret" in f for f in s1.listener.stats.failures), timeout=5)
+
+    def ask(header: bytes) -> dict[str, object]:
+        host, _, port = s1.address.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            caller_handshake(sock, SECRET.encode())
+            sock.sendall(header)
+            return recv_header(sock)
+
+    assert ask(struct.pack(">I", 1 << 30))["ok"] is False  # refused without reading a gigabyte
+    for bad in ({"op": "put", "job": "../x", "origin": 0, "count": 2, "step": 1, "held": [], "meta": 10, "data": 10},
+                {"op": "put", "job": JOB, "origin": 5, "count": 2, "step": 1, "held": [], "meta": 10, "data": 10},
+                {"op": "put", "job": JOB, "origin": 0, "count": 2, "step": -1, "held": [], "meta": 10, "data": 10},
+                {"op": "put", "job": JOB, "origin": 0, "count": 2, "step": 1, "held": [], "meta": 10, "data": 1 << 50},
+                {"op": "get", "job": JOB, "origin": 0, "count": 2, "step": 1},
+                {"op": "rm", "job": JOB}):
+        body = json.dumps(bad).encode()
+        answer = ask(struct.pack(">I", len(body)) + body)
+        assert answer["ok"] is False, bad
+    assert not (shm1 / "x").exists() and not list(shm1.glob("*/.peer-*/*"))
+
+
+def test_a_sender_killed_mid_copy_leaves_no_copy(pair: tuple[list[PeerService], list[Path]]) -> None:
+    (_, s1), (_, shm1) = pair
+    with connect(s1.address, SECRET.encode(), 5) as sock:
+        send_header(sock, {"op": "put", "job": JOB, "origin": 0, "count": 2, "step": 7, "held": [7],
+                           "meta": 100, "data": 4096})
+        assert recv_header(sock)["ok"] is True
+        sock.sendall(b"{" * 50)  # half the metadata, then the connection drops
+    wait_until(lambda: s1.listener.stats.refused >= 1, timeout=10)
+    assert list(copies_dir(shm1, JOB, 0).iterdir()) == []  # neither the copy nor its staging directory
+
+
+def test_the_mapping_and_the_secret_rule() -> None:
+    assert holders_of(0, 2, 1, 1) == [1] and holders_of(1, 2, 1, 1) == [0]
+    assert holders_of(1, 8, 2, 4) == [5] and holders_of(0, 8, 1, 4) == [4]  # another slice of 4 hosts
+    assert holders_of(0, 4, 2, 1) == [1, 2]
+    assert holders_of(0, 4, 1, 1, parse_map("0:3,1:2")) == [3]
+    with pytest.raises(ValidationError, match="PEER_SECRET"):
+        Settings(peer_port=0, shm_dir="/tmp")
+    with pytest.raises(ValidationError, match="PEER_SECRET"):
+        Settings(peer_port=0, shm_dir="/tmp", peer_secret="short")
