@@ -9,21 +9,29 @@ the replicas on it. Typed PRNG keys are copied as their ``key_data`` and wrapped
 ``rebuild`` makes one array whole again from the replicas that survive: any one whole replica when the array
 is replicated along the axis; every part when it is sharded along it (then losing any part leaves nothing
 whole, and ``rebuild`` says so by returning ``None``).
+
+The host memory a snapshot takes is counted here too (``required_bytes``: one copy of this host's share of
+the state, two at the peak; ``check_budget``), and ``touch_copies`` makes throwaway copies of a state's
+layout in pinned host memory before the first snapshot, so that the host's pages are faulted in (and the
+runtime's pinned allocator holds them) ahead of it.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 from pathwaysutils.experimental.concatenate_by_mesh_axis import concatenate_by_mesh_axis
 from pathwaysutils.experimental.split_by_mesh_axis import split_by_mesh_axis
 
 from trainer_client.core.format._snapshot_shards import index_bounds
+from trainer_client.errors import MemoryTierFull
 
 PINNED = "pinned_host"
 ReplicaAxis = str | int
@@ -143,5 +151,65 @@ def target_sharding(held: HeldArray, want: Any) -> Sharding:
     return sharding
 
 
-__all__ = ["PINNED", "HeldArray", "ReplicaAxis", "axis_name", "copy_to_host", "host_bytes", "is_key", "readable",
-           "rebuild", "target_sharding", "to_device"]
+def required_bytes(state: Any, *, in_flight: bool = True) -> int:
+    """Host memory the tier needs for ``state`` (arrays or ``ShapeDtypeStruct``s with shardings): one copy of
+    this host's share, every replica its devices hold; two copies with ``in_flight`` (the held one while the
+    next is copied), the peak."""
+    one = sum(host_bytes(leaf) for leaf in jax.tree_util.tree_leaves(state) if _is_array_like(leaf))
+    return 2 * one if in_flight else one
+
+
+def _is_array_like(leaf: Any) -> bool:
+    return isinstance(leaf, jax.Array | jax.ShapeDtypeStruct)
+
+
+def host_memory_free() -> int:
+    """The host's free physical memory, the default budget."""
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_budget(state: Any, budget_bytes: int | None) -> int:
+    """``required_bytes(state)``, or ``MemoryTierFull`` when ``budget_bytes`` (default: the host's free
+    memory) cannot hold it."""
+    need = required_bytes(state)
+    budget = host_memory_free() if budget_bytes is None else budget_bytes
+    if need > budget:
+        raise MemoryTierFull(
+            f"the replica snapshot tier needs {need / 2**20:.1f} MiB of host memory on this host (two copies of "
+            f"its {need / 2 / 2**20:.1f} MiB share of the state: the held one and the next, in flight) and the "
+            f"budget is {budget / 2**20:.1f} MiB. Give the host more memory, shard the state over more devices, "
+            "or turn the tier off.")
+    return need
+
+
+def pinned_zeros(leaf: jax.ShapeDtypeStruct) -> jax.Array | None:
+    """Zeros of ``leaf``'s shape in pinned host memory on its sharding, every byte written (a region's zeros
+    are copied in from the host); None for a typed key (a few bytes) or a leaf without a sharding."""
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, Sharding) or is_key(leaf):
+        return None
+    shape, dtype = tuple(leaf.shape), leaf.dtype
+
+    def region(index: tuple[slice, ...] | None) -> np.ndarray:  # written, not calloc's untouched pages
+        return np.full(tuple(stop - start for start, stop in index_bounds(index, shape)), 0, dtype)
+
+    return jax.make_array_from_callback(shape, sharding.with_memory_kind(PINNED), region)
+
+
+def touch_copies(state: Any, axis: ReplicaAxis, copies: int) -> list[jax.Array]:
+    """``copies`` throwaway copies of ``state``'s arrays in pinned host memory on their shardings, complete:
+    each array copied as a snapshot copies it, each ``ShapeDtypeStruct`` as zeros."""
+    out: list[jax.Array] = []
+    for _ in range(copies):
+        for leaf in jax.tree_util.tree_leaves(state):
+            if isinstance(leaf, jax.Array):
+                out.extend(copy_to_host("", leaf, axis).replicas)
+            elif isinstance(leaf, jax.ShapeDtypeStruct) and (zeros := pinned_zeros(leaf)) is not None:
+                out.append(zeros)
+    jax.block_until_ready(out)
+    return out
+
+
+__all__ = ["PINNED", "HeldArray", "ReplicaAxis", "axis_name", "check_budget", "copy_to_host", "host_bytes",
+           "host_memory_free", "is_key", "pinned_zeros", "readable", "rebuild", "required_bytes", "target_sharding",
+           "to_device", "touch_copies"]

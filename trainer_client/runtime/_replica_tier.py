@@ -1,5 +1,5 @@
 """The replica snapshot tier: the train state copied into the accelerator hosts' memory, restored from the
-replicas that survive a slice loss (docs/concepts.md, "Replica snapshots (in progress)").
+replicas that survive a slice loss (docs/concepts.md, "Three tiers").
 
 ``ReplicaTier.snapshot`` dispatches an asynchronous copy of the state into ``pinned_host`` memory on the same
 shardings, split into the replicas along the replica axis (``trainer_client.runtime._replica_leaves``); the
@@ -22,15 +22,15 @@ read), concatenates whatever replicas survive — so an array sharded along the 
 the wrong shape instead of an error — and neither accounts for host memory nor reports age or bytes.
 
 Host memory: each host holds one copy of its share of the state (every replica its devices hold), two while
-a copy is in flight (``required_bytes``); the constructor refuses a budget that cannot hold that
-(``MemoryTierFull``).
+a copy is in flight (``required_bytes``); the constructor (given the state) and ``prepare`` refuse a budget
+that cannot hold that (``MemoryTierFull``). ``prepare``, before the first snapshot, faults those pages in, so
+that the first copy costs what later ones do (sizing: docs/deploy.md).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-import os
 import queue
 import threading
 import time
@@ -41,16 +41,19 @@ from typing import Any, NamedTuple
 import jax
 
 from trainer_client.checkpoint_io._state_tree import leaf_name
-from trainer_client.errors import MemoryTierFull, NoWholeReplica
+from trainer_client.errors import NoWholeReplica
 from trainer_client.runtime._replica_leaves import (
     HeldArray,
     ReplicaAxis,
+    check_budget,
     copy_to_host,
     host_bytes,
     is_key,
     rebuild,
+    required_bytes,
     target_sharding,
     to_device,
+    touch_copies,
 )
 
 _log = logging.getLogger(__name__)
@@ -110,23 +113,6 @@ class _Value:
     value: Any  # a leaf that is not a jax.Array: kept as a copy
 
 
-def required_bytes(state: PyTree, *, in_flight: bool = True) -> int:
-    """Host memory the tier needs for ``state`` (arrays or ``ShapeDtypeStruct``s with shardings): one copy of
-    this host's share, every replica its devices hold; two copies with ``in_flight`` (the held one while the
-    next is copied), the peak."""
-    one = sum(host_bytes(leaf) for leaf in jax.tree_util.tree_leaves(state) if _is_array_like(leaf))
-    return 2 * one if in_flight else one
-
-
-def _is_array_like(leaf: Any) -> bool:
-    return isinstance(leaf, jax.Array | jax.ShapeDtypeStruct)
-
-
-def host_memory_free() -> int:
-    """The host's free physical memory, the default budget."""
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 class ReplicaTier:
     """Asynchronous snapshots of one process's train state in its hosts' pinned memory, one held at a time.
 
@@ -144,15 +130,10 @@ class ReplicaTier:
         self._slice_of = ({d.id: k for k, devices in slice_to_devices.items() for d in devices}
                           if slice_to_devices is not None else None)
         self._clock = clock
+        self.budget_bytes = budget_bytes
         if state is not None:
-            need = required_bytes(state)
-            budget = host_memory_free() if budget_bytes is None else budget_bytes
-            if need > budget:
-                raise MemoryTierFull(
-                    f"the replica snapshot tier needs {need / 2**20:.1f} MiB of host memory on this host (two "
-                    f"copies of its {need / 2 / 2**20:.1f} MiB share of the state: the held one and the next, in "
-                    f"flight) and the budget is {budget / 2**20:.1f} MiB. Give the host more memory, shard the "
-                    "state over more devices, or turn the tier off.")
+            check_budget(state, budget_bytes)
+        self._reserve: list[jax.Array] = []  # prepare's throwaway copies, until the first dispatch
         self._lock = threading.Condition()
         self._held: _Snapshot | None = None
         self._in_flight = False
@@ -166,6 +147,24 @@ class ReplicaTier:
 
     # ---- snapshots ------------------------------------------------------------------------------
 
+    def prepare(self, state: PyTree) -> int:
+        """Make the host ready for the first snapshot of ``state`` (arrays, or ``ShapeDtypeStruct``s with
+        shardings) and return the bytes reserved: its footprint checked against the budget (``MemoryTierFull``),
+        then two throwaway copies of its layout made in pinned host memory — the held snapshot and the next, in
+        flight — which fault the pages in and are kept until the first snapshot's dispatch lets them go for its
+        copy to take. Nothing is reserved once a snapshot is held or in flight (its memory is in use already)."""
+        need = check_budget(state, self.budget_bytes)
+        with self._lock:
+            if self._held is not None or self._in_flight:
+                return 0
+        self._reserve = touch_copies(state, self.replica_axis, 2)
+        return need
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Host bytes ``prepare`` holds for the first snapshot (0 once it has been dispatched)."""
+        return sum(host_bytes(x) for x in self._reserve)
+
     def snapshot(self, step: int, state: PyTree, *, data_position: int, iterator_state: Any = None) -> bool:
         """Dispatch a copy of ``state`` (of ``step``; ``data_position`` and ``iterator_state`` at it) and
         return; False when a copy is still in flight (skipped, counted). A ``DATA_LOSS`` raised by the dispatch
@@ -176,6 +175,7 @@ class ReplicaTier:
                 self.skips += 1
                 return False
             self._in_flight = True
+        self._reserve = []  # prepare's pages go back to the allocator, for this copy to take
         try:
             snap = self._dispatch(step, state, data_position, iterator_state)
         except BaseException as exc:
@@ -235,6 +235,7 @@ class ReplicaTier:
         self.wait()
         self._queue.put(None)
         self._worker.join()
+        self._reserve = []
         with self._lock:
             self._held = None
 
@@ -359,4 +360,4 @@ def _copy_value(leaf: HeldArray | _Value) -> Any:
     return copy.deepcopy(leaf.value)
 
 
-__all__ = ["Held", "ReplicaStats", "ReplicaTier", "Restored", "required_bytes"]
+__all__ = ["Held", "ReplicaStats", "ReplicaTier", "Restored", "check_budget", "required_bytes"]

@@ -6,6 +6,8 @@ arrays — the pinned copies on it too — raise ``DATA_LOSS`` as on Pathways.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -233,3 +235,61 @@ def test_host_memory_is_accounted_and_checked_against_the_budget() -> None:
     with pytest.raises(MemoryTierFull, match=r"needs .* MiB"):
         ReplicaTier(replica_axis="replica", state=abstract, budget_bytes=2 * one - 1)
     ReplicaTier(replica_axis="replica", state=abstract, budget_bytes=2 * one).close()
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _trim_heap() -> None:
+    """Give the memory earlier tests freed back to the kernel, so that new buffers must fault their pages in
+    (else they reuse resident heap and the resident size does not move)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pytest.skip("no glibc malloc_trim: the resident size cannot tell new pages from reused ones")
+
+
+@pytest.mark.parametrize("form", ["arrays", "abstract"])
+def test_prepare_faults_in_two_copies_and_lets_them_go_at_the_first_snapshot(form: str) -> None:
+    mesh = _mesh(jax.devices(), 2)
+    big = jax.jit(lambda: jnp.ones((512, 4096), jnp.float32),  # 8 MiB, a quarter on each device of a replica
+                  out_shardings=NamedSharding(mesh, P(None, "model")))()
+    state = {"w": big, "rng": jax.device_put(jax.random.key(1), NamedSharding(mesh, P())), "step": 4}
+    given = state if form == "arrays" else jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x,
+        state)
+    one = required_bytes(state, in_flight=False)  # both replicas of w: 16 MiB, and the key on every device
+    tier = ReplicaTier(replica_axis="replica")
+    try:
+        _trim_heap()
+        before = _resident_bytes()
+        assert tier.prepare(given) == 2 * one
+        grown = _resident_bytes() - before
+        assert grown >= 0.9 * 2 * 16 * 2**20, grown  # both copies of w written, not only reserved
+        assert tier.reserved_bytes >= 2 * 16 * 2**20
+        assert all(x.sharding.memory_kind == "pinned_host" and not x.is_deleted() for x in tier._reserve)
+        assert tier.snapshot(1, state, data_position=0) and tier.wait(10)
+        assert tier.reserved_bytes == 0  # the first copy took their place
+        assert tier.prepare(given) == 0 and tier.reserved_bytes == 0  # a snapshot is held: nothing reserved
+        np.testing.assert_array_equal(np.asarray(tier.restore(mesh).state["w"]), np.asarray(big))
+    finally:
+        tier.close()
+
+
+def test_prepare_refuses_a_budget_too_small_before_touching_anything() -> None:
+    mesh = _mesh(jax.devices(), 2)
+    state = _state(mesh)
+    need = required_bytes(state)
+    tier = ReplicaTier(replica_axis="replica", budget_bytes=need - 1)
+    try:
+        with pytest.raises(MemoryTierFull, match=r"needs .* MiB of host memory .* budget is"):
+            tier.prepare(state)
+        assert tier.reserved_bytes == 0
+    finally:
+        tier.close()
+    roomy = ReplicaTier(replica_axis="replica", budget_bytes=need)
+    assert roomy.prepare(state) == need and roomy.reserved_bytes == need
+    roomy.close()
+    assert roomy.reserved_bytes == 0
