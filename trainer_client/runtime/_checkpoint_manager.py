@@ -15,6 +15,12 @@ directory, so the steps are Orbax's layout and plain Orbax restores them. What c
 - options that would let Orbax delete steps by its own judgement, or name steps outside ckptd's commit rule,
   are refused with the reason (``unsupported_options``): retention is ckptd's (``ckptd gc --keep-last``,
   ``CKPTD_KEEP_LAST`` for ``ckptd serve``), which never deletes the newest good step or a step being written.
+  Every other field of Orbax's options is honoured by Orbax (``HONOURED``; a test checks that each field is in
+  one table).
+
+Saves go to storage through Orbax only, and carry no ckptd training metadata: a host-memory tier configured
+for ckptd (``ClientSettings.shm_dir``) is named in a warning, not used, because a snapshot needs the data
+position and global batch an Orbax loop never tells the manager (docs/adopt.md, "What it does not do (yet)").
 
 The job is the directory's last name under the root ckptd serves: ``<root>/<job>`` (MaxText's
 ``<base>/<run>/checkpoints``: ``ckptd serve --root <base>/<run>``, job ``checkpoints``).
@@ -153,10 +159,12 @@ class CheckpointManager(AbstractCheckpointManager):
         if problems:
             raise ValueError("; ".join(problems))
         self._own_client: CkptdClient | None = None
-        if ckptd is None:
-            settings = ClientSettings()
-            if "url" in settings.model_fields_set:  # CKPTD_URL: the sidecar beside this trainer
-                ckptd = self._own_client = CkptdClient(settings)
+        settings = ckptd.settings if ckptd is not None else ClientSettings()
+        if ckptd is None and "url" in settings.model_fields_set:  # CKPTD_URL: the sidecar beside this trainer
+            ckptd = self._own_client = CkptdClient(settings)
+        if settings.shm_dir is not None:
+            _log.warning("ckptd's host-memory tier (%s) is not used by trainer_client.CheckpointManager: its saves go "
+                         "to storage through Orbax (docs/adopt.md, \"What it does not do (yet)\")", settings.shm_dir)
         self._good = GoodSteps(str(directory), ckptd)
         self._reporter = (EventReporter(ckptd.settings, self._good.job)
                           if ckptd is not None and ckptd.settings.report_events else None)

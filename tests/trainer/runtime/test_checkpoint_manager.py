@@ -268,3 +268,17 @@ def test_ckptd_named_by_the_environment_is_asked_and_told_of_every_save(
     events = httpx.get(f"{server.url}/v1/jobs/checkpoints/events").json()["events"]
     saves = [e for e in events if e["kind"] == "checkpoint_started"]
     assert [e["step"] for e in saves] == [3] and saves[0]["tier"] == "storage"
+
+
+def test_a_host_memory_tier_configured_for_ckptd_is_said_to_be_unused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """CKPTD_SHM_DIR (the tier the runner's client uses) is not taken by the manager: a warning says so, the
+    save goes to storage and nothing is written to the tier's directory."""
+    shm = tmp_path / "shm"
+    monkeypatch.setenv("CKPTD_SHM_DIR", str(shm))
+    with (caplog.at_level("WARNING", logger="trainer_client.runtime._checkpoint_manager"),
+          CheckpointManager(tmp_path / "checkpoints") as mgr):
+        mgr.save(1, args=ocp.args.StandardSave({"a": np.arange(3.0)}))
+    assert any("host-memory tier" in r.getMessage() and str(shm) in r.getMessage() for r in caplog.records)
+    assert (tmp_path / "checkpoints" / "1" / COMMIT_MARKER).is_file() and not shm.exists()
