@@ -61,7 +61,8 @@ from trainer_client import CheckpointManager
 with CheckpointManager(sys.argv[1], item_names=("state", "extra")) as mgr:
     got = mgr.restore(None, args=ocp.args.Composite(state=ocp.args.StandardRestore(), extra=ocp.args.JsonRestore()))
     print(json.dumps({"latest": mgr.latest_step(), "all": list(mgr.all_steps()), "w": got.state["w"].tolist(),
-                      "step": int(got.state["step"]), "should_save": [mgr.should_save(s) for s in (3, 4, 6)]}))
+                      "b": got.state["b"].tolist(), "step": int(got.state["step"]), "lr": got.extra["lr"],
+                      "should_save": [mgr.should_save(s) for s in (3, 4, 6)]}))
 """
 
 
@@ -75,6 +76,10 @@ def _run(code: str, *args: str, **env: str) -> dict[str, Any]:
                           text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+# What ORBAX_LOOP saved as step 2 (its state and extra item), as a new process's RESUME prints it.
+_STEP_2 = {"w": [2.0 * i for i in range(8)], "b": [[2] * 3] * 2, "step": 2, "lr": 1.0}
 
 
 def _restore_args() -> ocp.args.Composite:
@@ -130,7 +135,7 @@ def damaged(written: dict[str, Any], tmp_path: Path) -> Path:
 def test_a_new_process_without_ckptd_names_and_restores_the_newest_good_step(damaged: Path) -> None:
     got = _run(RESUME, str(damaged))
     assert got["latest"] == 2 and got["all"] == [0, 2]
-    assert got["w"] == [2.0 * i for i in range(8)] and got["step"] == 2
+    assert got == {**got, **_STEP_2}  # step 2's state, exactly as saved
     assert got["should_save"] == [True, True, True]  # Orbax's own view counts no bad step either
     with ocp.CheckpointManager(damaged, item_names=("state", "extra")) as plain:
         assert plain.latest_step() == 6  # what plain Orbax would have resumed from
@@ -164,7 +169,7 @@ def test_a_fresh_manager_asking_ckptd_names_and_restores_the_newest_good_step(
     assert states[4] == "quarantined" and states[6] in ("writing", "abandoned") and states[2] == "verified"
     # a new process with only the import swapped, told where ckptd is by CKPTD_URL, resumes the same
     again = _run(RESUME, str(damaged), CKPTD_URL=server.url)
-    assert (again["latest"], again["all"], again["step"]) == (2, [0, 2], 2)
+    assert (again["latest"], again["all"]) == (2, [0, 2]) and again == {**again, **_STEP_2}
 
 
 def test_ckptd_down_falls_back_to_storage(damaged: Path, tcp_port: int) -> None:
