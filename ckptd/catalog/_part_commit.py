@@ -31,6 +31,7 @@ from trainer_client.core._durability import sync_paths
 from trainer_client.core._errors import StorageError
 from trainer_client.core._identity import step_identity
 from trainer_client.core._storage import Storage
+from trainer_client.core.format._fates import Fate, decide_fate, read_fate
 from trainer_client.core.format._files import COMMIT_MARKER
 from trainer_client.core.format._manifest import UNMANIFESTED, FileEntry, Manifest, file_entry, write_manifest
 from trainer_client.core.format._parts import (
@@ -121,9 +122,9 @@ class PartSaves:
         incarnation's (the save id's prefix), made before this part's snapshot was taken (an incarnation
         runs only once every process of the one before is gone: the coordination service dies with the
         job), the step is not committed, and some part record of its save is absent (a save whose every
-        part is durable is the commit pass's). Local roots only (``take_over_claim``)."""
+        part is durable is the commit pass's). Local roots and ``gs://`` alike (``take_over_claim``)."""
         assert meta.save_id is not None
-        if self.storage.is_remote or incarnation_of(claim.save_id) == incarnation_of(meta.save_id):
+        if incarnation_of(claim.save_id) == incarnation_of(meta.save_id):
             return False
         if claim.created_at >= meta.created_at:
             return False
@@ -243,6 +244,8 @@ class PartSaves:
             if held is None or not held.whole or where != step_path_for(self.storage, job, step, held.found[0].save_id):
                 _log.info("step %s of %s: its save changed before the commit; not committed now", step, job)
                 return False
+            if not self._decide(job, step, held.found[0].save_id, "commit"):
+                return False
             self._commit(job, step, where, held.found)
             return True
 
@@ -275,6 +278,21 @@ class PartSaves:
         self.commits += 1
         _log.info("committed step %s of %s from %d host parts", step, job, first.process_count)
 
+    def _decide(self, job: str, step: int, save_id: str, fate: Fate) -> bool:
+        """On ``gs://``, where no lock spans sidecars: decide the save's fate before its first write or delete
+        (``format/_fates.py``), so a leader paused past its checks while a newer one committed or cleaned stands
+        down. A local root needs none: the job's flock, held here, excludes every other commit and cleanup."""
+        if not self.storage.is_remote or decide_fate(self.storage, job, step, save_id, fate, self.sidecar):
+            return True
+        _log.warning("step %s of %s: save %s's fate was decided otherwise (%s); not %s now", step, job, save_id,
+                     read_fate(self.storage, job, step, save_id), "committed" if fate == "commit" else "deleted")
+        return False
+
+    def _retired(self, job: str, step: int, save_id: str) -> bool:
+        """Whether a cleanup already retired the save (``gs://``): then it is deleted even if its last part landed
+        since, as no commit will ever take it."""
+        return self.storage.is_remote and read_fate(self.storage, job, step, save_id) == "retire"
+
     def abandoned(self, job: str, older_than_s: float, now: float | None = None, *,
                   spent: Spent = lambda: False) -> list[Abandoned]:
         """Claims older than ``older_than_s`` whose step is not committed and whose parts are absent, not
@@ -291,7 +309,7 @@ class PartSaves:
             held = self._held(job, step, claim.save_id, claim.process_count, spent)
             if held.stopped is not None:
                 break  # out of time: this save is looked at again next time
-            if held.whole:
+            if held.whole and not self._retired(job, step, claim.save_id):
                 continue  # every part is durable: the commit pass's to commit, never abandoned
             if held.bad:
                 report_refused(step_path_for(self.storage, job, step, claim.save_id),
@@ -316,10 +334,13 @@ class PartSaves:
             if claim is None or claim.save_id != found.save_id or self.committed(found.job, found.step, found.save_id):
                 return False
             held = self._held(found.job, found.step, found.save_id, claim.process_count)
-            if held.whole or held.bad:
+            retired = self._retired(found.job, found.step, found.save_id)
+            if held.bad or (held.whole and not retired):
                 return False
             where = step_path_for(self.storage, found.job, found.step, found.save_id)
             if self.storage.exists(posixpath.join(where, COMMIT_MARKER)):
+                return False
+            if not retired and not self._decide(found.job, found.step, found.save_id, "retire"):
                 return False
             if self.storage.exists(where):
                 self.storage.remove(where, recursive=True)

@@ -12,12 +12,14 @@ saves included — ckptd deletes nothing in step directories it may not write in
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from ckptd.catalog._job_lock import job_lock
 from ckptd.catalog._part_commit import JOB_BUDGET_S, PartSaves
 from ckptd.catalog._worker_client import InProcessWorker
 from trainer_client.core._storage import Storage, storage_errors
@@ -101,15 +103,25 @@ def decide(checkpoints: Iterable[CheckpointInfo], policy: RetentionPolicy, now: 
     return out
 
 
-def collect(storage: Storage, decisions: Iterable[Decision], *, dry_run: bool = False) -> list[Decision]:
-    """Delete what ``decide`` said to delete (unless ``dry_run``); returns the deleted decisions."""
+def collect(storage: Storage, decisions: Iterable[Decision], *, dry_run: bool = False, job: str | None = None,
+            writes: Callable[[str], bool] | None = None) -> list[Decision]:
+    """Delete what ``decide`` said to delete (unless ``dry_run``); returns the deleted decisions. With ``job``
+    and ``writes`` (a sidecar's retention): each deletion under the job's lock, and only while ``writes(job)``
+    (this sidecar still leads) holds under it, so a leader paused past its decision deletes nothing once a newer
+    one leads, nor while that one commits (docs/multihost.md, section 5, "Fenced writers")."""
     deleted = []
     for d in decisions:
         if d.action != "delete":
             continue
         if not dry_run:
-            with storage_errors(f"cannot delete {d.path}"):
-                storage.remove(d.path, recursive=True)
+            with contextlib.ExitStack() as held:
+                if job is not None and writes is not None and not (held.enter_context(job_lock(storage, job))
+                                                                    and writes(job)):
+                    _log.info("retention of %s: the job's lock is held elsewhere, or the lease moved; step %s kept "
+                              "for now", job, d.step)
+                    break
+                with storage_errors(f"cannot delete {d.path}"):
+                    storage.remove(d.path, recursive=True)
             _log.info("retention deleted step %s (%s): %s", d.step, d.path, "; ".join(d.reasons))
         deleted.append(d)
     if deleted and not dry_run:
@@ -173,7 +185,7 @@ def prune(catalog: Catalog, policy: RetentionPolicy) -> list[Decision]:
         catalog.refresh_job(job.name)
         decisions = checked_decisions(catalog, job.name, policy)
         if catalog.writes(job.name):  # asked again: the checks take time, the lease may have passed on meanwhile
-            deleted += collect(catalog.storage, decisions)
+            deleted += collect(catalog.storage, decisions, job=job.name, writes=catalog.writes)
             if policy.clean_abandoned:  # saves from host parts never completed (docs/multihost.md, section 5)
                 deleted += clean_abandoned_parts(catalog.storage, job.name, catalog.save_timeout_s,
                                                  writes=catalog.writes)

@@ -121,11 +121,3 @@ def test_of_racing_takers_in_separate_processes_exactly_one_replaces_the_claim(t
     assert sorted(p.name for p in (tmp_path / "job" / ".ckptd" / "claims").iterdir()) == [
         f"{STEP}.json", f"{STEP}.takeover-{DEAD}"]  # no temporary file left
 
-
-def test_a_gcs_root_takes_nothing_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    stale = dead_save(tmp_path)
-    storage = Storage(str(tmp_path))
-    monkeypatch.setattr(Storage, "is_remote", property(lambda _self: True))  # the rule only: parts in place
-    assert not PartSaves(storage, Recorder()).stale("job", stale, part_meta(LIVE, time.time()))
-    assert not take_over_claim(storage, "job", STEP, stale, LIVE, 2)
-    assert not (tmp_path / "job" / ".ckptd" / "claims" / f"{STEP}.takeover-{DEAD}").exists()

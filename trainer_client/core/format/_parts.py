@@ -4,7 +4,7 @@ never take a step committed from parts unless every part's record is there.
 
 ```
 <job>/.ckptd/claims/<step>.json              {"save_id", "process_count", "created_at"}: create-only
-<job>/.ckptd/claims/<step>.takeover-<save>   who took over the claim of that (dead) save: create-only
+<job>/.ckptd/claims/<step>.takeover-<save>   that save's fate: committed or retired (format/_fates.py)
 <job>/.ckptd/staging/<step>.<save_id>/       a local root's step until the leader commits it (renamed)
 <step>/ckptd_parts/process_<k>.json          host k's part record (PartInfo), create-only, once durable
 ```
@@ -31,6 +31,8 @@ from trainer_client.core._durability import sync_paths
 from trainer_client.core._errors import StorageError, UnsafePathError
 from trainer_client.core._said_once import SaidOnce
 from trainer_client.core._storage import Storage, join_path
+from trainer_client.core._whole_files import write_json_file
+from trainer_client.core.format._fates import fate_path, fate_record
 from trainer_client.core.format._files import (
     ARRAY_METADATAS,
     CLAIMS_DIR,
@@ -184,21 +186,30 @@ def incarnation_of(save_id: str) -> str:
 
 def take_over_claim(storage: Storage, job: str, step: int, stale: Claim, save_id: str, process_count: int) -> bool:
     """Replace the claim ``stale`` of ``step`` (a dead incarnation's, as the caller judged) by one for
-    ``save_id``, on a local root; True when this call replaced it. One taker per stale save among any number of
-    processes: the create-only ``<step>.takeover-<stale save>`` decides who; the winner replaces the claim only
-    if it still reads ``stale``, by a rename over it (atomic: a reader sees the old claim or the new one).
-    A taker that dies between the two leaves the stale claim to the save timeout (docs/multihost.md, section 5).
-    On ``gs://`` a save's parts are written in place, so the dead save's files would mix with the new one's:
-    nothing is taken over there."""
-    if storage.is_remote:
-        return False
+    ``save_id``; True when this call replaced it. One taker per stale save among any number of processes and
+    sidecars: creating ``<step>.takeover-<stale save>`` (create-only) decides, and retires the stale save for good
+    (``format/_fates.py``: no leader commits it from then on). The winner replaces the claim only if it still
+    reads ``stale``. On a local root by a rename over it (atomic: a reader sees the old claim or the new one).
+    On ``gs://``, where a save's parts are written in place, it first deletes what the dead save left in
+    ``<job>/<step>/`` (nothing there is committed: the caller checked, and the fate keeps any commit out), then
+    writes the new claim: the new save's hosts write only once the claim names their save, so nothing of theirs
+    is deleted and nothing of the dead save mixes with theirs. A taker that dies between the two leaves the
+    stale claim to the save timeout (docs/multihost.md, section 5)."""
     claims = storage.join(job, CLAIMS_DIR)
     claim = Claim(save_id=save_id, process_count=process_count, created_at=time.time())
-    if not storage.create_new(join_path(claims, f"{step}.takeover-{stale.save_id}"), claim.model_dump_json().encode()):
-        return False  # another process took it over (or tried and died)
+    if not storage.create_new(fate_path(storage, job, step, stale.save_id), fate_record("retire", save_id)):
+        return False  # another process took it over (or tried and died), or a leader decided its fate first
     if read_claim(storage, job, step) != stale:
         return False  # cleaned as abandoned, or replaced, since the caller read it
     path = claim_path(storage, job, step)
+    if storage.is_remote:
+        where = step_path_for(storage, job, step, stale.save_id)
+        storage.invalidate(where)
+        if storage.exists(where):
+            storage.remove(where, recursive=True)
+        write_json_file(storage, path, claim.model_dump_json())
+        storage.invalidate(storage.join(job))
+        return True
     tmp = storage.writable(f"{path}.{save_id}.tmp")
     with open(tmp, "wb") as out:
         out.write(claim.model_dump_json().encode())

@@ -1,0 +1,138 @@
+"""A leader SIGSTOPped mid-cleanup while a follower takes the lease over and commits, then SIGCONTed: nothing
+committed is lost (docs/multihost.md, section 5, "Fenced writers"). Two OS processes, each with its own lease
+(``ckptd/catalog/_lease.py``, a real lease on the root) and its own ``PartSaves``, on a local root and on the GCS
+emulator:
+
+* the old leader finds save ``aa-7`` abandoned (host 1's part missing past the save timeout), passes its checks
+  and stops itself (SIGSTOP) at its first deletion;
+* host 1's part lands late, so the save is whole; the follower's lease expires the old leader's and it commits;
+* the old leader is let go (SIGCONT) and runs on.
+
+Then step 7 is either committed with every file of both parts, or was never committed. On a local root the
+job's flock, held by the stopped leader, keeps the follower from committing until it is let go; on ``gs://`` no
+lock spans the two, and the save's fate record decides (``trainer_client/core/format/_fates.py``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptd.catalog import _job_lock
+from ckptd.catalog._lease import Lease, lease_directory
+from ckptd.catalog._part_commit import PartSaves
+from ckptd.catalog._retention import clean_abandoned_parts
+from tests.support.fenced_saves import JOB, STEP, committed_whole, finalizing_worker, land_part, lay_save
+from tests.support.gcs_emulator import GcsEmulator
+from trainer_client.core._storage import Storage
+from trainer_client.core.format._files import COMMIT_MARKER
+from trainer_client.core.format._parts import read_claim
+
+TTL_S = 1.0
+SAVE = f"aa-{STEP}"
+
+
+def _keep_ticking(lease: Lease, stop: threading.Event) -> threading.Thread:
+    def run() -> None:
+        while not stop.is_set():
+            lease.tick()
+            stop.wait(lease.ttl_s / 4)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _lead(storage: Storage, holder: str, timeout_s: float = 30.0) -> Lease:
+    lease = Lease(storage, lease_directory(storage, JOB), holder, TTL_S)
+    deadline = time.monotonic() + timeout_s
+    while not lease.leads():
+        assert time.monotonic() < deadline, f"{holder} never led"
+        lease.tick()
+        time.sleep(TTL_S / 8)
+    return lease
+
+
+def _old_leader(url: str, pause_at: str, stopped_at: str, done: Any) -> None:
+    """Lead, then clean the abandoned save; SIGSTOP this process at its first ``pause_at`` (``remove``: a deletion,
+    ``create_new``: a create-only write) of the job's files, the lease's aside."""
+    storage = Storage(url)
+    lease = _lead(storage, "old-leader")
+    _keep_ticking(lease, threading.Event())
+    real = getattr(Storage, pause_at)
+
+    def pausing(self: Storage, path: Any, *args: Any, **kwargs: Any) -> Any:
+        if "/.ckptd/leader" not in str(path) and not os.path.exists(stopped_at):
+            Path(stopped_at).write_text(str(path))
+            os.kill(os.getpid(), signal.SIGSTOP)  # paused past its checks (the job's lock held)
+        return real(self, path, *args, **kwargs)
+
+    setattr(Storage, pause_at, pausing)
+    cleaned = clean_abandoned_parts(storage, JOB, older_than_s=30.0, writes=lambda _job: lease.leads())
+    done.put([d.path for d in cleaned])
+
+
+@pytest.fixture(params=["local", "gcs"])
+def root(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "local":
+        return str(tmp_path / "root")
+    gcs: GcsEmulator = request.getfixturevalue("gcs_emulator")
+    return gcs.gs(f"fenced-{uuid.uuid4().hex[:8]}")
+
+
+@pytest.mark.parametrize("pause_at", ["remove", "create_new"])
+def test_a_leader_stopped_mid_cleanup_loses_nothing_a_newer_leader_committed(
+        root: str, pause_at: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``remove``: stopped at its first deletion; ``create_new``: at its first write, which on ``gs://`` is the
+    save's fate record (locally the cleanup writes nothing: the flock alone fences it)."""
+    storage = Storage(root)
+    if pause_at == "create_new" and not storage.is_remote:
+        pytest.skip("a local cleanup creates nothing: its one stop is its first deletion")
+    lay_save(storage, SAVE, (0,))
+    monkeypatch.setattr(_job_lock, "LOCK_WAIT_S", 1.0)  # the follower's commit gives up sooner on a held flock
+    stopped_at = str(tmp_path / "stopped")
+    ctx = multiprocessing.get_context("spawn")
+    done = ctx.Queue()
+    old = ctx.Process(target=_old_leader, args=(root, pause_at, stopped_at, done))
+    old.start()
+    stop = threading.Event()
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(stopped_at):
+            assert old.is_alive() and time.monotonic() < deadline, "the old leader never reached its deletion"
+            time.sleep(0.05)
+        print(f"[fenced] old leader stopped before deleting {Path(stopped_at).read_text()}")
+        land_part(storage, SAVE, 1)  # host 1's part, late: the save is whole now
+        lease = _lead(storage, "new-leader")  # the old leader's beat stopped: the follower takes over
+        _keep_ticking(lease, stop)
+        saves = PartSaves(storage, finalizing_worker(), writes=lambda _job: lease.leads(), sidecar="new-leader")
+        committed = saves.commit_ready(JOB)
+        print(f"[fenced] the new leader committed {committed} while the old one was stopped")
+        if committed:
+            assert committed_whole(storage, SAVE)
+        os.kill(old.pid or 0, signal.SIGCONT)
+        cleaned = done.get(timeout=60)
+        old.join(60)
+        assert old.exitcode == 0
+        print(f"[fenced] the old leader, let go, deleted {cleaned}")
+        committed += saves.commit_ready(JOB)  # the next pass of the new leader
+    finally:
+        stop.set()
+        if old.is_alive():
+            os.kill(old.pid or 0, signal.SIGCONT)
+            old.kill()
+    storage.invalidate()
+    marker = storage.exists(storage.join(JOB, str(STEP), COMMIT_MARKER))
+    if committed:  # nothing committed is lost
+        assert marker and committed_whole(storage, SAVE)
+    else:  # never committed: the old leader's decision stood, the save and its claim are gone
+        assert not marker and cleaned and read_claim(storage, JOB, STEP) is None
+    # who won: the fate record on gs:// (the first to decide), the flock held by the stopped leader locally
+    assert bool(committed) == (pause_at == "create_new"), (committed, cleaned)

@@ -1,0 +1,81 @@
+"""The fate of one multi-host save, decided once by a create-only record (docs/multihost.md, section 5, "Fenced
+writers"): committed, or retired (cleaned as abandoned, or taken over by a restarted incarnation's save).
+
+A leader paused (SIGSTOP, a stalled host, a partition) inside a cleanup, while a newer leader took the job over
+and committed, must not delete what that one committed; a commit must not seal a save a cleanup or a takeover is
+deleting. On a local root the job's flock already excludes them (``ckptd/catalog/_job_lock.py``); on ``gs://``
+no lock spans processes and no write of one object can be made conditional on another (the lease's epoch
+object): a generation precondition guards only the object written. So the decision itself is one object, made
+with the one precondition every sidecar already relies on, create-only (``Storage.create_new``:
+``ifGenerationMatch=0`` on GCS, ``O_EXCL`` locally):
+
+```
+<job>/.ckptd/claims/<step>.takeover-<save>   {"fate": "commit" | "retire", "by", "at"}: create-only
+```
+
+Whoever creates it first decides; the other side reads it and stands down: a commit never writes the marker of
+a retired save, a cleanup or a takeover never deletes a save whose commit was decided. The name is the one a
+takeover has always created (``take_over_claim``), so a taker of the previous release, whose record holds the
+new save's claim, decides ``retire`` too, and two releases side by side still exclude each other. A record that
+is neither (damaged, forged) counts as ``retire`` for a commit and as undecided-by-us for a cleanup: the save
+is neither committed nor deleted (kept for inspection).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Literal
+
+from trainer_client.core._errors import StorageError, UnsafePathError
+from trainer_client.core._storage import Storage, join_path
+from trainer_client.core.format._files import CLAIMS_DIR
+
+Fate = Literal["commit", "retire"]
+MAX_FATE_BYTES = 4096  # a fate record is ~100 bytes
+
+
+def fate_path(storage: Storage, job: str, step: int, save_id: str) -> str:
+    return join_path(storage.join(job, CLAIMS_DIR), f"{step}.takeover-{save_id}")
+
+
+def read_fate(storage: Storage, job: str, step: int, save_id: str) -> Fate | Literal["unreadable"] | None:
+    """The fate decided for ``save_id``: None when none was (no record). A takeover's record of the previous
+    release (the new save's claim) is ``retire``; a record that cannot be read as either is ``unreadable``."""
+    try:
+        raw = storage.read_bytes(fate_path(storage, job, step, save_id), max_bytes=MAX_FATE_BYTES)
+    except FileNotFoundError:
+        return None
+    except (StorageError, UnsafePathError, ValueError):
+        return "unreadable"
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except ValueError:
+        return "unreadable"
+    if not isinstance(record, dict):
+        return "unreadable"
+    fate = record.get("fate")
+    if fate in ("commit", "retire"):
+        return fate
+    if "fate" not in record and isinstance(record.get("save_id"), str) and record["save_id"] != save_id:
+        return "retire"  # the previous release's takeover: the record is the claim that replaced this save's
+    return "unreadable"
+
+
+def fate_record(fate: Fate, by: str) -> bytes:
+    """A fate record's bytes: the fate, who decided it (a leader's holder, or the save that took over), when."""
+    return json.dumps({"fate": fate, "by": by[:256], "at": time.time()}).encode()
+
+
+def decide_fate(storage: Storage, job: str, step: int, save_id: str, fate: Fate, by: str) -> bool:
+    """Decide ``fate`` for ``save_id`` unless it was decided otherwise: True when this call decided it, or it had
+    been decided the same way before (a leader that died half-way through a commit or a cleanup is redone by the
+    next; a cleanup of a save a taker retired and left, dead, goes on); False when the other way (or the record
+    is unreadable): stand down. A takeover is decided by the creation alone (``take_over_claim``: one taker)."""
+    if storage.create_new(fate_path(storage, job, step, save_id), fate_record(fate, by)):
+        return True
+    storage.invalidate(storage.join(job, CLAIMS_DIR))
+    return read_fate(storage, job, step, save_id) == fate
+
+
+__all__ = ["Fate", "decide_fate", "fate_path", "fate_record", "read_fate"]
