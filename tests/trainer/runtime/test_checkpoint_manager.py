@@ -36,7 +36,7 @@ from orbax.checkpoint import CheckpointManager
 
 directory, steps = sys.argv[1], int(sys.argv[2])
 options = ocp.CheckpointManagerOptions(save_interval_steps=2)
-with CheckpointManager(directory, options=options, item_names=("state", "extra")) as mgr:
+with CheckpointManager(directory, options=options, item_names=("state", "extra"), metadata={"model": "mlp"}) as mgr:
     for step in range(steps):
         state = {"w": jnp.arange(8.0) * step, "b": jnp.full((2, 3), step, jnp.int32), "step": step}
         mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -47,7 +47,9 @@ with CheckpointManager(directory, options=options, item_names=("state", "extra")
     got = mgr.restore(latest, args=ocp.args.Composite(state=ocp.args.StandardRestore(), extra=ocp.args.JsonRestore()))
     print(json.dumps({"all": list(mgr.all_steps()), "latest": latest, "w": got.state["w"].tolist(),
                       "b": got.state["b"].tolist(), "step": int(got.state["step"]), "lr": got.extra["lr"],
-                      "should_save_next": mgr.should_save(steps), "names": sorted(mgr.item_metadata(latest).keys())}))
+                      "should_save_next": mgr.should_save(steps), "names": sorted(mgr.item_metadata(latest).keys()),
+                      "root": dict(mgr.metadata().custom_metadata), "step_meta": mgr.metadata(latest).custom_metadata,
+                      "preempted": mgr.reached_preemption(latest), "dir": mgr.directory.name}))
 """
 ORBAX_IMPORT = "from orbax.checkpoint import CheckpointManager"
 SWAPPED_IMPORT = "from trainer_client import CheckpointManager"
@@ -108,6 +110,7 @@ def test_an_orbax_loop_runs_unchanged_with_the_import_swapped(written: dict[str,
     assert SWAPPED_IMPORT not in ORBAX_LOOP
     assert written["ours"] == written["orbax"]
     assert written["ours"]["all"] == [0, 2, 4, 6] and written["ours"]["w"] == [6.0 * i for i in range(8)]
+    assert written["ours"]["root"] == {"model": "mlp"} and written["ours"]["preempted"] is False  # Orbax's own
     storage = Storage(str(written["dir"]))
     for step in (0, 2, 4, 6):  # every step carries ckptd's manifest, and its files match it
         assert (written["dir"] / str(step) / CKPTD_MANIFEST).is_file()
