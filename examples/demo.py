@@ -1,17 +1,20 @@
 """``make demo``: lose a slice mid-run and keep training in the same process.
 
 Starts a real ckptd (``python -m ckptd serve``) on 127.0.0.1 over a local directory, with the host-memory
-tier in ``/dev/shm``; trains the demo MLP on 8 fake CPU devices grouped into 4 slices (a memory snapshot
-every 5 steps, a persistent one every 20, which ckptd writes to storage), takes slice 2 down mid-run,
-recovers on 3 slices in the same PID from the newest snapshot in memory (the meshes compiled ahead of time
-in the background), grows back to 4 when the slice returns, finishes and stops the server, which first
+tier in ``/dev/shm``; trains the demo MLP on 8 fake CPU devices grouped into 4 slices (a replica snapshot in
+the hosts' pinned memory after every step, a shared-memory snapshot every 5 steps, a persistent one every 50,
+which ckptd writes to storage), takes slice 2 down mid-run, recovers on 3 slices in the same PID from the
+replicas of the newest step on the slices left (the meshes compiled ahead of time in the background; at
+most one step lost), grows back to 4 when the slice returns, finishes and stops the server, which first
 persists what the run saved last: the run ends with its last step committed and verified on storage.
 Prints a timeline and, as its last line, ``report: PATH`` naming a JSON report.
 
 Options: ``--spares 1`` keeps one of the 4 slices as a hot spare (mesh 3 x 2): the spare takes slice 2's place
 at once, same mesh, and slice 2 becomes the spare when it returns. ``--fault in-jax`` loses the slice from inside
 a JAX operation (``InJaxFaults``: reading the step's loss raises ``DATA_LOSS`` mid-step, as on Pathways) instead
-of at the step boundary.
+of at the step boundary. ``--no-replicas`` turns the replica snapshot tier off: the recovery then restores the
+newest snapshot in shared memory (up to 5 steps lost), as before that tier existed. Each recovery in the report
+says where it restored from (``restored_from``: ``replicas``, ``memory: PATH`` or ``storage: PATH``).
 
 ``--hosts 2 [--lose-host-memory K]``: a multi-controller job instead (a trainer process and a ckptd per host, one
 lost and every trainer restarted): examples/multihost_demo.py.
@@ -50,6 +53,7 @@ from trainer_client import (
     HealthOptions,
     InJaxFaults,
     MemoryTierOptions,
+    ReplicaOptions,
     SimulatedSlices,
     SliceFault,
 )
@@ -112,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--down-for", type=float, default=3.0, help="seconds until the slice returns")
     parser.add_argument("--policy", choices=["pause", "resize"], default="resize")
     parser.add_argument("--no-memory-tier", action="store_true", help="save to storage only, through Orbax")
+    parser.add_argument("--no-replicas", action="store_true",
+                        help="no replica snapshots in the hosts' pinned memory: recover from shared memory or storage")
     parser.add_argument("--spares", type=int, choices=[0, 1, 2], default=0,
                         help="hot spare slices: the mesh uses 4 - N slices, a spare takes a lost slice's place")
     parser.add_argument("--fault", choices=["boundary", "in-jax"], default="boundary",
@@ -129,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ckptd serving {root} on http://127.0.0.1:{port} (pid {server.pid}); memory tier in {shm_dir}; "
           f"log {out / 'ckptd.log'}")
     print(f"trainer pid {os.getpid()}, {jax.device_count()} devices in 4 slices, policy {args.policy}"
-          + (f", {args.spares} hot spare(s)" if args.spares else "") + f", slice loss {args.fault}")
+          + (f", {args.spares} hot spare(s)" if args.spares else "") + f", slice loss {args.fault}"
+          + ("" if args.no_replicas else ", replica snapshots every step"))
 
     previous = [0.0]
 
@@ -148,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         health=HealthOptions(scale_up_check_interval_s=0.5),
         compilation=CompilationOptions(compilation_cache_dir=str(out / "jax-cache")),
         memory_tier=MemoryTierOptions(shm_dir=None if args.no_memory_tier else str(shm_dir),
-                                      memory_period=None if args.no_memory_tier else 5, max_snapshots=8),
+                                      memory_period=None if args.no_memory_tier else 5, max_snapshots=8,
+                                      replicas=ReplicaOptions(enabled=not args.no_replicas)),  # every step
     )
     in_jax = args.fault == "in-jax"
     slices = SimulatedSlices(num_slices=4, faults=[] if in_jax else [SliceFault(2, args.fail_at, args.down_for)])
@@ -181,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         "policy": args.policy,
         "spares": args.spares,
         "fault": args.fault,
+        "replicas": not args.no_replicas,
         "in_jax_faults": [f.__dict__ for f in injector.fired],
         "events": [{"kind": e.kind, "step": e.step, "time": round(e.t, 4), "detail": e.detail}
                    for e in result.events],
@@ -200,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {r.kind:<10} at step {r.failed_at_step}: mesh {r.mesh_before} -> {r.mesh_after}, "
               f"slices {r.slices_before} -> {r.slices_after}"
               + (f" (spare {r.spares_used} in)" if r.spares_used else "")
-              + f", restored step {r.restored_step}, lost {r.lost_steps} steps, {r.seconds:.2f}s to first step")
+              + f", restored step {r.restored_step} from {r.restored_from}, lost {r.lost_steps} steps, "
+              f"{r.seconds:.2f}s to first step")
     print(f"loss {report['first_loss']:.4f} (step {first}) -> {report['final_loss']:.4f} (step {last}); "
           f"same pid: {pid_before == result.pid}")
     print(f"on storage: step {on_storage} committed and verified"

@@ -31,8 +31,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 import jax
 from jax.sharding import Mesh
@@ -57,6 +56,8 @@ from trainer_client.runtime._precompile import (
     ensure_compilation_cache,
 )
 from trainer_client.runtime._recovery import ArraysBefore, release_failed_attempt
+from trainer_client.runtime._replica_snapshots import RunnerReplicas
+from trainer_client.runtime._run_record import ElasticResult, Event, Recovery, restored_from
 from trainer_client.runtime._saver import HealthWatch, Saver
 from trainer_client.runtime._slice_manager import SliceManager
 from trainer_client.runtime._slices import SimulatedSlices, SliceProvider, initialize_pathways
@@ -65,45 +66,6 @@ _log = logging.getLogger(__name__)
 
 PyTree = Any
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Event:
-    kind: str
-    step: int | None
-    t: float  # seconds since the run started
-    detail: str = ""
-    wall_time: float = 0.0  # time.time() when emitted
-    fields: dict[str, Any] = field(default_factory=dict)  # structured extras (protocol.ElasticEvent fields)
-
-
-@dataclass
-class Recovery:
-    """One elastic event, from detection to the first completed step on the new mesh."""
-
-    kind: Literal["slice_down", "scale_up"]
-    failed_at_step: int
-    detected_t: float
-    restored_step: int | None = None
-    lost_steps: int | None = None
-    mesh_before: list[int] = field(default_factory=list)
-    mesh_after: list[int] = field(default_factory=list)
-    slices_before: list[int] = field(default_factory=list)  # the slices the mesh used
-    slices_after: list[int] = field(default_factory=list)
-    spares_used: list[int] = field(default_factory=list)  # hot spares that took lost slices' places
-    seconds: float | None = None
-
-
-@dataclass
-class ElasticResult(Generic[T]):
-    value: T
-    pid: int
-    events: list[Event]
-    recoveries: list[Recovery]
-    final_step: int | None
-    # a multi-controller job stopped at the step its processes agreed on after a preemption notice (SIGTERM),
-    # that step saved to storage; ``value`` is None then (the training function did not return)
-    preempted: bool = False
 
 
 class _Raise(RunnerSignal):
@@ -170,6 +132,11 @@ class ElasticRunner:
         if (count := jax.process_count()) > 1:
             self.agreement = ResumeAgreement(config.job, tier.shm_dir, client,
                                              process_index=jax.process_index(), process_count=count)
+        # the replica snapshot tier: a single-controller run's (a lost process of a multi-controller job takes
+        # its host memory with it)
+        self.replicas: RunnerReplicas | None = None
+        if tier.replicas.enabled and self.agreement is None:
+            self.replicas = RunnerReplicas(tier.replicas, slices.slice_to_devices)
         self.on_event = on_event
         self.events: list[Event] = []
         self.recoveries: list[Recovery] = []
@@ -194,10 +161,19 @@ class ElasticRunner:
         rec.seconds = self.events[-1].t - rec.detected_t
         spare = f", spare slice(s) {rec.spares_used} in" if rec.spares_used else ""
         detail = (f"{rec.kind} at step {rec.failed_at_step}: {rec.seconds:.2f}s to the first step, "
-                  f"{rec.lost_steps} step(s) lost{spare}")
+                  f"{rec.lost_steps} step(s) lost{spare}, restored from {rec.restored_from or 'nothing'}")
         self.emit("recovered", step, detail, recovery_seconds=rec.seconds, lost_steps=rec.lost_steps,
                   restored_step=rec.restored_step, mesh_before=rec.mesh_before, mesh_after=rec.mesh_after,
-                  spares_used=rec.spares_used or None)
+                  spares_used=rec.spares_used or None, restored_from=rec.restored_from,
+                  **(self.replicas.stats_fields() if self.replicas is not None else {}))
+
+    def note_restored(self, plan: ResumePlan) -> None:
+        """The attempt restored ``plan`` (after any fallback): the open recovery's step, tier and path."""
+        if self.recoveries and self.recoveries[-1].seconds is None:
+            rec = self.recoveries[-1]
+            rec.restored_step = plan.step
+            rec.lost_steps = rec.failed_at_step - plan.step
+            rec.restored_from = restored_from(plan.tier, plan.path)
 
     # ---- the loop around the user's function ---------------------------------------------------
 
@@ -216,6 +192,8 @@ class ElasticRunner:
             self.precompiler.stop(wait=True)
             self.precompiler.release()
             self.saver.close()
+            if self.replicas is not None:
+                self.replicas.close()
             if self.reporter is not None:
                 self.reporter.close(self.settings.events_flush_timeout_s)
 
@@ -248,8 +226,10 @@ class ElasticRunner:
             self.precompiler.stop()
             self.precompiler.forget(self._lost)  # executables on lost slices go with the clear below
             self.checkpointer.reset()  # a save in flight has its host copy: the device arrays may go
+            held = self.replicas.held_arrays() if self.replicas is not None else []  # the snapshot survives
             with self.manager.device_work:  # not while the monitor's health check runs on arrays of its own
-                release_failed_attempt(callers_arrays)
+                release_failed_attempt(callers_arrays, also_keep=held)
+            del held
             self.emit("waiting_for_slices", None, f"policy {options.policy} needs {needed} of {total} slices")
 
         def ready() -> None:  # after Manager's wait, before the attempt: which healthy slices the mesh uses
@@ -338,6 +318,8 @@ class ElasticRunner:
     def _record(self, kind: Literal["slice_down", "scale_up"], ctx: ElasticContext, detail: str,
                 lost: frozenset[int] = frozenset()) -> None:
         self._lost = lost  # the event's compile-ahead executables on these slices are dropped (after_event)
+        if self.replicas is not None:
+            self.replicas.note_lost(lost)
         step = ctx.last_step if ctx.last_step is not None else ctx.start_step
         self.emit("failure_detected" if kind == "slice_down" else "scale_up_detected", step, detail)
         self.recoveries.append(Recovery(kind, step, self.events[-1].t,
@@ -356,9 +338,11 @@ class ElasticRunner:
             return InJaxFaults(self.slices)
         return contextlib.nullcontext()
 
-    def resume_plan(self, active: frozenset[int], *, use_memory_tier: bool = True) -> ResumePlan | None:
+    def resume_plan(self, active: frozenset[int], *, use_memory_tier: bool = True,
+                    use_replicas: bool = True) -> ResumePlan | None:
         """Where to resume on the slices ``active`` (ckptd's answer, or the client's storage scan; agreed by
-        every process of a multi-controller job); None when the job has no checkpoint yet."""
+        every process of a multi-controller job); None when the job has no checkpoint yet. The request tells
+        what the replica tier holds unless ``use_replicas`` is False (its restore failed)."""
         slices = [SliceAlive(index=k, devices=len(self.slices.slice_to_devices[k])) for k in sorted(active)]
         cfg = self.config
         request = ResumeRequest(
@@ -368,6 +352,7 @@ class ElasticRunner:
             batch=cfg.batch.wire(), use_memory_tier=use_memory_tier,
             # who asks (docs/protocol.md, Identity); the client adds the run id of its settings
             process_count=jax.process_count(),
+            replicas=self.replicas.wire() if self.replicas is not None and use_replicas else None,
         )
         try:
             plan = (self.agreement.plan(request) if self.agreement is not None
@@ -377,8 +362,10 @@ class ElasticRunner:
         if plan is None:
             return None
         batch = plan.batch
-        detail = (f"mesh {plan.mesh.shape} on slices {plan.slices_used} from {plan.source}, "
-                  f"data position {plan.data_position}")
+        position = ("held with the replicas" if plan.tier == "replicas" and plan.data_position is None
+                    else plan.data_position)
+        detail = (f"mesh {plan.mesh.shape} on slices {plan.slices_used} from {plan.source}, tier {plan.tier}, "
+                  f"data position {position}")
         if batch:
             detail += f", batch {batch.global_batch} = {batch.accumulation_steps} x {batch.micro_batch}"
         self.emit("plan_received", plan.step, detail)

@@ -5,8 +5,8 @@ The job and its mesh (``job``, ``mesh_axes``, ``mesh_shape``, ``global_batch``) 
 way Orbax's ``CheckpointManagerOptions`` composes ``AsyncOptions``, ``MultiprocessingOptions`` and
 ``FileOptions``: ``ElasticOptions`` (the policy after a slice loss, retries, hot spares),
 ``BatchScalingOptions`` (the batch on a resized mesh), ``MemoryFitOptions`` (the device memory a plan must
-fit), ``HealthOptions`` (the waits and health checks), ``MemoryTierOptions`` (ckptd's host-memory tier),
-``ReplicaOptions`` (the replica snapshot tier in the accelerator hosts' memory),
+fit), ``HealthOptions`` (the waits and health checks), ``MemoryTierOptions`` (the host-memory tiers: ckptd's
+shared-memory snapshots, and ``ReplicaOptions`` for the replica snapshots in the accelerator hosts' memory),
 ``CompilationOptions`` and ``SaveOptions``. docs/maxtext.md maps MaxText's flags onto them. A keyword that
 names a group's field on ``ElasticConfig`` itself (``ElasticConfig(shm_dir=...)``) is refused with its
 spelling in the group, never ignored.
@@ -68,16 +68,6 @@ class HealthOptions:
 
 
 @dataclass(frozen=True)
-class MemoryTierOptions:
-    """ckptd's host-memory tier (off unless ``shm_dir`` is set)."""
-
-    shm_dir: str | None = None  # host-memory tier: a shared-memory directory ckptd also sees
-    memory_period: int | None = None  # memory-only snapshots every N steps (between persistent saves)
-    max_snapshots: int = 2
-    preallocate_snapshots: bool = True  # allocate the next snapshot's shm file in the background after a save
-
-
-@dataclass(frozen=True)
 class ReplicaOptions:
     """The replica snapshot tier: the train state copied into the accelerator hosts' pinned memory every
     ``period`` steps and restored from the replicas that survive a slice loss (docs/concepts.md, "Three
@@ -92,6 +82,18 @@ class ReplicaOptions:
     # host memory the tier may take on this host (two copies of its share of the state at the peak); unset:
     # the host's free memory when the first snapshot is taken
     host_budget_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class MemoryTierOptions:
+    """The host-memory tiers: ckptd's shared-memory snapshots (off unless ``shm_dir`` is set) and the replica
+    snapshots in the accelerator hosts' pinned memory (``replicas``; on by default)."""
+
+    shm_dir: str | None = None  # host-memory tier: a shared-memory directory ckptd also sees
+    memory_period: int | None = None  # memory-only snapshots every N steps (between persistent saves)
+    max_snapshots: int = 2
+    preallocate_snapshots: bool = True  # allocate the next snapshot's shm file in the background after a save
+    replicas: ReplicaOptions = field(default_factory=ReplicaOptions)
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,6 @@ class ElasticConfig:
     memory_fit: MemoryFitOptions = field(default_factory=MemoryFitOptions)
     health: HealthOptions = field(default_factory=HealthOptions)
     memory_tier: MemoryTierOptions = field(default_factory=MemoryTierOptions)
-    replicas: ReplicaOptions = field(default_factory=ReplicaOptions)
     compilation: CompilationOptions = field(default_factory=CompilationOptions)
     saving: SaveOptions = field(default_factory=SaveOptions)
 

@@ -25,13 +25,22 @@ from pathwaysutils.elastic.manager import ScaleUpSignalError
 
 from trainer_client.config import ClientSettings
 from trainer_client.core._batching import initial_batch
+from trainer_client.core.format._snapshot import DataIteratorRecord
 from trainer_client.core.protocol import BatchPlan, ResumePlan
+from trainer_client.errors import NoWholeReplica
 from trainer_client.runtime._checkpointing import mesh_spec, target_shardings, training_metadata
-from trainer_client.runtime._data_iterator import DataIterator, planned_state, restore_iterator, state_record
+from trainer_client.runtime._data_iterator import (
+    DataIterator,
+    planned_state,
+    restore_iterator,
+    set_iterator_state,
+    state_record,
+)
 from trainer_client.runtime._elastic_config import ElasticConfig
 from trainer_client.runtime._job_store import preemption_reached
 from trainer_client.runtime._multihost import ResumeAgreement
 from trainer_client.runtime._precompile import Precompiled, PrecompileHook, Precompiler
+from trainer_client.runtime._replica_snapshots import RunnerReplicas
 from trainer_client.runtime._saver import Saver, restore_plan
 from trainer_client.runtime._slices import SliceProvider
 
@@ -75,9 +84,15 @@ class AttemptRunner(Protocol):
     @property
     def agreement(self) -> ResumeAgreement | None: ...
 
+    @property
+    def replicas(self) -> RunnerReplicas | None: ...
+
     def emit(self, kind: str, step: int | None = None, detail: str = "", **fields: Any) -> None: ...
 
-    def resume_plan(self, active: frozenset[int], *, use_memory_tier: bool = True) -> ResumePlan | None: ...
+    def resume_plan(self, active: frozenset[int], *, use_memory_tier: bool = True,
+                    use_replicas: bool = True) -> ResumePlan | None: ...
+
+    def note_restored(self, plan: ResumePlan) -> None: ...
 
     def first_step_done(self, step: int) -> None: ...
 
@@ -161,6 +176,10 @@ class ElasticContext:
             self.start_step, position = 0, 0
             self.runner.emit("initialized", 0, f"fresh state on mesh {list(self.mesh.devices.shape)}")
         else:
+            if self.plan.tier == "replicas":
+                restored = self._from_replicas(self.plan, abstract, specs)
+                if restored is not None:
+                    return restored
             planned = self.plan
             # a memory snapshot's iterator state is read before its arrays: ckptd may evict the snapshot once
             # the restore has mapped it
@@ -174,9 +193,10 @@ class ElasticContext:
                 state, self.plan = agreement.restore(self.plan, target_for)
             else:
                 runner, active = self.runner, self.active_slices
-                state, self.plan = restore_plan(self.plan, target_for,
-                                                lambda: runner.resume_plan(active, use_memory_tier=False),
-                                                runner.settings.restore_host_bytes)
+                state, self.plan = restore_plan(
+                    self.plan, target_for, lambda: runner.resume_plan(active, use_memory_tier=False,
+                                                                      use_replicas=False),
+                    runner.settings.restore_host_bytes)
             jax.block_until_ready(state)
             self.start_step = self.plan.step
             position = self.plan.data_position or 0
@@ -187,8 +207,44 @@ class ElasticContext:
                     plan, data_iterator, held if plan is planned and held is not None else None) else (
                     ", no data iterator state saved with the step: the iterator starts where it is")
             self.runner.emit("restored", plan.step, detail, tier=plan.tier)
+            self.runner.note_restored(plan)
         self.last_step = self.start_step
         return state, self.start_step, position
+
+    def _from_replicas(self, plan: ResumePlan, abstract: PyTree, specs: PyTree) -> tuple[PyTree, int, int] | None:
+        """The plan's step from the replicas on the slices left (``replica_snapshots``), with the data position
+        and iterator state held with it; None when no whole replica survives (none reads back whole): then
+        ``self.plan`` is ckptd's answer without the replica tier (the shared-memory tier or storage), and the
+        event ``replicas_unusable`` says why."""
+        replicas = self.runner.replicas
+        devices = list(self.mesh.devices.flat)
+        try:
+            if replicas is None:
+                raise NoWholeReplica("this run has no replica snapshot tier")
+            restored = replicas.restore(target_shardings(abstract, self.mesh, specs, plan.arrays), devices)
+        except NoWholeReplica as exc:  # a slice lost during the restore itself is a slice loss: raised on
+            self.runner.emit("replicas_unusable", plan.step,
+                             f"{type(exc).__name__}: {exc}"[:500] + "; asking for another tier")
+            fallback = self.runner.resume_plan(self.active_slices, use_replicas=False)
+            if fallback is None:
+                raise
+            self.plan = fallback
+            return None
+        self.start_step = restored.step
+        position = restored.data_position
+        detail = f"from replicas in host memory (step {restored.step})"
+        if self._data_iterator is not None:
+            record = restored.iterator_state
+            if isinstance(record, DataIteratorRecord):
+                set_iterator_state(self._data_iterator, record.state)
+                detail += ", data iterator restored"
+            else:
+                detail += ", no data iterator state held with the step: the iterator starts where it is"
+        self.plan = plan.model_copy(update={"data_position": position})
+        self.runner.emit("restored", restored.step, detail, tier="replicas")
+        self.runner.note_restored(self.plan)
+        self.last_step = self.start_step
+        return restored.state, self.start_step, position
 
     def save(self, step: int, state: PyTree, data_position: int, *, persist: bool = True,
              if_busy: Literal["wait", "skip"] = "wait") -> str:
@@ -207,8 +263,10 @@ class ElasticContext:
         if persist and tier != "skipped":
             self._persisted.add(step)
         self._start_precompile()  # after the attempt's first save: its first-time costs are paid alone
+        replicas = self.runner.replicas
         self.runner.emit("checkpoint_started", step, f"{tier}, {saver.last_blocked_s or 0.0:.3f}s blocked",
-                         blocked_seconds=saver.last_blocked_s, tier=tier)
+                         blocked_seconds=saver.last_blocked_s, tier=tier,
+                         **(replicas.stats_fields() if replicas is not None else {}))
         return tier
 
     def _start_precompile(self) -> None:
@@ -241,8 +299,12 @@ class ElasticContext:
         cfg = self.runner.config
         period, tier = cfg.checkpoint_period, cfg.memory_tier
         self.last_step = step
-        self.runner.slices.at_step_boundary(step, self.active_slices)
         later = step > self.start_step
+        replicas = self.runner.replicas
+        if replicas is not None and (later or replicas.held_step() != step):
+            iterator = state_record(self._data_iterator) if self._data_iterator is not None else None
+            replicas.snapshot(step, state, data_position, iterator)  # dispatched: the copy runs on
+        self.runner.slices.at_step_boundary(step, self.active_slices)
         if later and period > 0 and step % period == 0:
             self.save(step, state, data_position, if_busy=cfg.saving.when_save_busy)
         elif later and tier.memory_period and step % tier.memory_period == 0 and tier.shm_dir:

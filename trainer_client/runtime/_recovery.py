@@ -12,7 +12,8 @@ training). After every elastic event the runner:
   found in the compilation cache (``precompile.ensure_compilation_cache``: JAX's persistent cache; on
   Pathways the runtime's own): it is traced and lowered again, not compiled;
 - deletes the arrays the failed attempt created (``jax.live_arrays()`` minus those alive before the first
-  attempt) even where something still references them — a training function or a callback that keeps its
+  attempt, and minus the replica tier's held snapshot in host memory, which the next attempt may restore
+  from) even where something still references them — a training function or a callback that keeps its
   state or metrics would otherwise hold device memory (on the dead slice, or on a live one) into the next
   attempt. The next attempt needs none of them: it restores from storage or from the memory tier, whose
   snapshots are files;
@@ -33,6 +34,7 @@ import functools
 import gc
 import logging
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -51,13 +53,15 @@ class ArraysBefore:
         return ref is not None and ref() is arr
 
 
-def release_failed_attempt(keep: ArraysBefore) -> int:
-    """Clear JAX's caches and delete every live array not in ``keep``; returns how many were deleted."""
+def release_failed_attempt(keep: ArraysBefore, also_keep: Iterable[jax.Array] = ()) -> int:
+    """Clear JAX's caches and delete every live array not in ``keep`` nor in ``also_keep`` (the replica
+    tier's held snapshot, which the next attempt may restore from); returns how many were deleted."""
     gc.collect()  # what nothing references any more goes the ordinary way first
     jax.clear_caches()
+    kept = {id(a) for a in also_keep}
     deleted = 0
     for arr in jax.live_arrays():
-        if arr in keep:
+        if arr in keep or id(arr) in kept:
             continue
         try:
             arr.delete()

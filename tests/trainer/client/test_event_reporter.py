@@ -26,7 +26,13 @@ from trainer_client.client._event_reporter import EventReporter
 from trainer_client.config import ClientSettings
 from trainer_client.core import protocol as p
 from trainer_client.runtime._elastic import ElasticConfig, ElasticRunner
-from trainer_client.runtime._elastic_config import CompilationOptions, ElasticOptions, HealthOptions
+from trainer_client.runtime._elastic_config import (
+    CompilationOptions,
+    ElasticOptions,
+    HealthOptions,
+    MemoryTierOptions,
+    ReplicaOptions,
+)
 from trainer_client.runtime._slices import SimulatedSlices, SliceFault
 
 
@@ -190,6 +196,7 @@ def test_the_elastic_runner_reports_a_recovery_that_ckptd_turns_into_goodput(
     config = ElasticConfig(job="mlp", mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=48,
                            checkpoint_period=5, elastic=ElasticOptions(policy="resize", elastic_timeout_s=30),
                            health=HealthOptions(poll_interval_s=0.05),
+                           memory_tier=MemoryTierOptions(replicas=ReplicaOptions(enabled=False)),  # from storage
                            compilation=CompilationOptions(precompile=False))  # no background compiles competing
     client = CkptdClient(ClientSettings(url=server.url, timeout_s=2.0, resume_deadline_s=3.0), root=str(tmp_path))
     runner = ElasticRunner(config, slices=SimulatedSlices(num_slices=4, faults=[SliceFault(3, 12, None)]),
@@ -213,6 +220,7 @@ def test_the_elastic_runner_reports_a_recovery_that_ckptd_turns_into_goodput(
         assert (recovered.lost_steps, recovered.restored_step, recovered.mesh_before, recovered.mesh_after) == (
             2, 10, [4, 2], [3, 2])
         assert recovered.recovery_seconds == pytest.approx(rec.seconds)
+        assert recovered.restored_from == f"storage: {tmp_path / 'mlp' / '10'}" == rec.restored_from
         saves = [e for e in events if e.kind == "checkpoint_started"]
         assert [e.step for e in saves][:3] == [5, 10, 15] and all(e.blocked_seconds for e in saves)
         assert {e.tier for e in saves} == {"storage"}  # where each save went, as a field (the dashboard's lanes)

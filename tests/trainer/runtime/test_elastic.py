@@ -36,7 +36,9 @@ _run = run_to_end
 _leaves = leaves
 
 
-def test_pause_policy_is_bitwise_equal_to_a_run_without_failures(tmp_path: Path, ckptd_server: Any) -> None:
+@pytest.mark.parametrize("replicas", [True, False], ids=["replicas", "no-replicas"])
+def test_pause_policy_is_bitwise_equal_to_a_run_without_failures(tmp_path: Path, ckptd_server: Any,
+                                                                 replicas: bool) -> None:
     clean_root, failing_root = tmp_path / "clean", tmp_path / "failing"
     clean_server = ckptd_server(clean_root.mkdir() or clean_root)
     clean = _run(_runner(clean_root, clean_server.url, "pause", []), make_train_fn(40, TrainLog()))
@@ -44,14 +46,20 @@ def test_pause_policy_is_bitwise_equal_to_a_run_without_failures(tmp_path: Path,
     failing_server = ckptd_server(failing_root.mkdir() or failing_root)
     log = TrainLog()
     failed = _run(
-        _runner(failing_root, failing_server.url, "pause", [SliceFault(1, at_step=25, down_for_s=0.5)]),
+        _runner(failing_root, failing_server.url, "pause", [SliceFault(1, at_step=25, down_for_s=0.5)],
+                replicas=replicas),
         make_train_fn(40, log),
     )
 
     assert failed.pid == clean.pid == os.getpid()
     assert len(failed.recoveries) == 1
     rec = failed.recoveries[0]
-    assert (rec.kind, rec.failed_at_step, rec.restored_step, rec.lost_steps) == ("slice_down", 25, 20, 5)
+    assert (rec.kind, rec.failed_at_step) == ("slice_down", 25)
+    if replicas:  # step 25's copy was done when the slice went (25), or met the loss and was dropped whole (24)
+        assert rec.restored_step in (24, 25) and rec.restored_from == "replicas"
+    else:
+        assert rec.restored_step == 20 and rec.restored_from == f"storage: {failing_root / JOB / '20'}"
+    assert rec.lost_steps == 25 - rec.restored_step
     assert rec.mesh_before == rec.mesh_after == [4, 2]
     kinds = [e.kind for e in failed.events]
     assert kinds.index("failure_detected") < kinds.index("plan_received") < kinds.index("restored")
@@ -66,7 +74,7 @@ def test_pause_policy_is_bitwise_equal_to_a_run_without_failures(tmp_path: Path,
 def test_resize_continues_from_the_restored_values_then_grows_back(tmp_path: Path, ckptd_server: Any) -> None:
     server = ckptd_server(tmp_path)
     log = TrainLog()
-    seen_at_20: list[list[np.ndarray]] = []
+    seen: dict[int, list[np.ndarray]] = {}  # the first attempt's state at each step boundary
     attempts: list[dict[str, Any]] = []
     inner = make_train_fn(60, log)
 
@@ -83,8 +91,8 @@ def test_resize_continues_from_the_restored_values_then_grows_back(tmp_path: Pat
         original_boundary = ctx.step_boundary
 
         def boundary(step: int, state: Any, position: int) -> None:
-            if step == 20 and len(attempts) == 1:
-                seen_at_20.append(_leaves(state))
+            if len(attempts) == 1:
+                seen[step] = _leaves(state)
             original_boundary(step, state, position)
 
         ctx.step_boundary = boundary  # type: ignore[method-assign]
@@ -96,12 +104,16 @@ def test_resize_continues_from_the_restored_values_then_grows_back(tmp_path: Pat
     assert result.pid == os.getpid()
     assert [a["mesh"] for a in attempts[:2]] == [[4, 2], [3, 2]]
     resized = attempts[1]
-    assert (resized["step"], resized["position"]) == (20, 20 * BATCH)
-    for saved, restored in zip(seen_at_20[0], resized["values"], strict=True):
-        assert np.array_equal(saved, restored), "resize did not restore the exact values of step 20"
+    # from the replicas on the slices left: step 25 (its copy was done) or 24 (the copy met the loss)
+    step = resized["step"]
+    assert step in (24, 25) and resized["position"] == step * BATCH
+    for saved, restored in zip(seen[step], resized["values"], strict=True):
+        assert np.array_equal(saved, restored), f"resize did not restore the exact values of step {step}"
 
     down, *rest = result.recoveries
-    assert (down.kind, down.restored_step, down.lost_steps, down.mesh_after) == ("slice_down", 20, 5, [3, 2])
+    assert (down.kind, down.restored_step, down.lost_steps, down.mesh_after) == ("slice_down", step, 25 - step,
+                                                                                 [3, 2])
+    assert down.restored_from == "replicas"
     if rest:  # the slice came back before step 60: grown back from a fresh checkpoint, nothing lost
         up = rest[0]
         assert up.kind == "scale_up" and up.mesh_after == [4, 2]
@@ -126,9 +138,11 @@ def test_scale_up_restores_the_state_it_saved(tmp_path: Path, ckptd_server: Any)
     log = TrainLog()
     result = _run(runner, make_train_fn(30, log, step_hook=hook))
     down, up = result.recoveries
-    assert (down.kind, down.mesh_after, down.restored_step) == ("slice_down", [3, 2], 10)
+    assert (down.kind, down.mesh_after, down.restored_from) == ("slice_down", [3, 2], "replicas")
+    assert down.restored_step in (11, 12)  # the replicas of step 12, or of 11 when 12's copy met the loss
     assert (up.kind, up.mesh_before, up.mesh_after) == ("scale_up", [3, 2], [4, 2])
     assert up.failed_at_step == 18 and up.restored_step == 18 and up.lost_steps == 0
+    assert up.restored_from == "replicas"  # grown onto 4 slices from the 3 replicas held in host memory
     assert result.final_step == 29
     assert [log.samples[s] for s in range(30)] == [(s * BATCH, (s + 1) * BATCH) for s in range(30)]
 
@@ -238,12 +252,13 @@ def test_every_sample_is_consumed_exactly_once_across_a_shrink_and_a_regrow(
     log = TrainLog()
     result = _run(runner, make_train_fn(40, log, step_hook=hook))
     down, up = result.recoveries
-    assert (down.restored_step, down.mesh_after, up.mesh_after) == (10, [3, 2], [4, 2])
+    assert (down.mesh_after, up.mesh_after) == ([3, 2], [4, 2])
+    assert down.restored_step in (12, 13)  # from the replicas (13's copy done, or met by the loss)
     counts = Counter(i for step in range(40) for i in range(*log.samples[step]))
     end = log.samples[39][1]
     assert sorted(counts) == list(range(end)), "a sample was skipped"
     assert set(counts.values()) == {1}, "a sample was read twice"
-    shrunk = range(10, up.restored_step)  # the steps that ran on 3 slices
+    shrunk = range(down.restored_step, up.restored_step)  # the steps that ran on 3 slices
     for step in range(40):
         size = log.samples[step][1] - log.samples[step][0]
         accumulation, lr_scale = log.batches[step]

@@ -51,7 +51,9 @@ def _assert_every_sample_once(log: TrainLog) -> None:
     assert every_sample_once(log, STEPS)
 
 
-def test_a_slice_lost_mid_step(tmp_path: Path, ckptd_server: Any, faults: InJaxFaults, clean_state: Any) -> None:
+@pytest.mark.parametrize("replicas", [True, False], ids=["replicas", "no-replicas"])
+def test_a_slice_lost_mid_step(tmp_path: Path, ckptd_server: Any, faults: InJaxFaults, clean_state: Any,
+                               replicas: bool) -> None:
     server = ckptd_server(tmp_path)
 
     def hook(step: int) -> None:
@@ -59,12 +61,18 @@ def test_a_slice_lost_mid_step(tmp_path: Path, ckptd_server: Any, faults: InJaxF
             faults.fail_during("to_host", 1, down_for_s=0.5)
 
     log = TrainLog()
-    result = run_to_end(elastic_runner(tmp_path, server.url, "pause", slices=faults.slices),
+    result = run_to_end(elastic_runner(tmp_path, server.url, "pause", slices=faults.slices, replicas=replicas),
                         make_train_fn(STEPS, log, step_hook=hook))
     assert faults.fired == [Fired("to_host", 1, "MainThread", None)]
     assert result.pid == os.getpid()
     (rec,) = result.recoveries
-    assert (rec.kind, rec.failed_at_step, rec.restored_step, rec.lost_steps) == ("slice_down", 25, 20, 5)
+    # the replicas hold step 25 (its copy was done when the loss was met) or 24 (the copy met it: dropped whole)
+    assert (rec.kind, rec.failed_at_step) == ("slice_down", 25)
+    if replicas:
+        assert rec.restored_step in (24, 25) and rec.restored_from == "replicas"
+    else:
+        assert rec.restored_step == 20 and rec.restored_from == f"storage: {tmp_path / JOB / '20'}"
+    assert rec.lost_steps == 25 - rec.restored_step
     assert_bitwise_equal(clean_state, result.value)
     _assert_every_sample_once(log)
 
@@ -85,7 +93,8 @@ def test_a_slice_lost_mid_snapshot_copy(tmp_path: Path, ckptd_server: Any, fault
             left.append([p.name for p in (shm / JOB).iterdir() if ".tmp-" in p.name])
 
     log = TrainLog()
-    runner = elastic_runner(root, server.url, "pause", slices=faults.slices, shm_dir=str(shm), on_event=on_event)
+    runner = elastic_runner(root, server.url, "pause", slices=faults.slices, shm_dir=str(shm), on_event=on_event,
+                            replicas=False)  # the shared-memory tier's path
     result = run_to_end(runner, make_train_fn(STEPS, log, step_hook=hook))
     assert faults.fired == [Fired("to_host", 0, "MainThread", "MemoryTier._write")]
     (rec,) = result.recoveries
@@ -95,7 +104,7 @@ def test_a_slice_lost_mid_snapshot_copy(tmp_path: Path, ckptd_server: Any, fault
     _assert_every_sample_once(log)
 
 
-@pytest.mark.parametrize("tier", ["storage", "memory"])
+@pytest.mark.parametrize("tier", ["storage", "memory", "replicas"])
 def test_a_slice_lost_mid_restore(tmp_path: Path, ckptd_server: Any, faults: InJaxFaults, clean_state: Any,
                                   tier: str) -> None:
     shm, root = tmp_path / "shm", tmp_path / "root"
@@ -111,12 +120,16 @@ def test_a_slice_lost_mid_restore(tmp_path: Path, ckptd_server: Any, faults: InJ
             faults.fail_during("to_device", 3, nth=2, down_for_s=0.5)
 
     log = TrainLog()
-    runner = elastic_runner(root, server.url, "pause", slices=faults.slices, on_event=on_event, shm_dir=shm_dir)
+    runner = elastic_runner(root, server.url, "pause", slices=faults.slices, on_event=on_event, shm_dir=shm_dir,
+                            replicas=tier == "replicas")
     result = run_to_end(runner, make_train_fn(STEPS, log, step_hook=hook))
     assert [(f.op, f.slice_index) for f in faults.fired] == [("to_host", 1), ("to_device", 3)]
     first, second = result.recoveries
-    assert (first.failed_at_step, first.restored_step) == (25, 20)
-    assert (second.failed_at_step, second.restored_step, second.lost_steps) == (20, 20, 0)
+    step = first.restored_step  # the replicas hold step 24 or 25 (see test_a_slice_lost_mid_step)
+    assert first.failed_at_step == 25 and step in ((24, 25) if tier == "replicas" else (20,))
+    # the restore met a lost slice: a second event, the same step restored again (from the other replicas)
+    assert (second.failed_at_step, second.restored_step, second.lost_steps) == (step, step, 0)
+    assert str(second.restored_from).startswith(tier)
     restored = [e for e in result.events if e.kind == "restored"]
     assert len(restored) == 1 and restored[0].fields["tier"] == tier
     assert_bitwise_equal(clean_state, result.value)

@@ -35,7 +35,7 @@ from trainer_client.errors import MemoryTierFull
 from trainer_client.runtime._checkpointing import Checkpointer, leaf_name, training_metadata
 from trainer_client.runtime._direct_restore import restore_direct
 from trainer_client.runtime._elastic import ElasticConfig, ElasticRunner
-from trainer_client.runtime._elastic_config import ElasticOptions, HealthOptions, MemoryTierOptions
+from trainer_client.runtime._elastic_config import ElasticOptions, HealthOptions, MemoryTierOptions, ReplicaOptions
 from trainer_client.runtime._memory_spare import make_spare, snapshot_bytes
 from trainer_client.runtime._memory_tier import MemoryTier, restore_snapshot
 from trainer_client.runtime._slices import SimulatedSlices, SliceFault
@@ -461,7 +461,8 @@ def test_the_runner_recovers_from_memory_and_persists_through_ckptd(tmp_path: Pa
     server = ckptd_server(root, shm_dir=str(shm), refresh_interval_s=0.2)
     config = ElasticConfig(job="job", mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=48,
                            checkpoint_period=10, elastic=ElasticOptions(policy="resize"),
-                           memory_tier=MemoryTierOptions(shm_dir=str(shm), memory_period=5, max_snapshots=3),
+                           memory_tier=MemoryTierOptions(shm_dir=str(shm), memory_period=5, max_snapshots=3,
+                                                         replicas=ReplicaOptions(enabled=False)),  # shm's path
                            health=HealthOptions(poll_interval_s=0.05, scale_up_check_interval_s=0.0))
     client = CkptdClient(ClientSettings(url=server.url, shm_dir=str(shm)), root=str(root))
     runner = ElasticRunner(config, slices=SimulatedSlices(num_slices=4, faults=[SliceFault(2, 17, None)]),

@@ -14,7 +14,7 @@ from trainer_client.core.protocol._wire import MAX_STEP
 EVENT_KINDS = (
     "start", "waiting_for_slices", "slices_ready", "plan_received", "initialized", "restored",
     "first_step_done", "checkpoint_started", "failure_detected", "scale_up_detected", "recovered",
-    "finished", "aborted", "retention_deleted",
+    "finished", "aborted", "retention_deleted", "replicas_unusable",
 )
 EVENT_KIND_PATTERN = r"^[a-z][a-z0-9_]{0,63}$"
 MAX_EVENTS_PER_BATCH = 1000
@@ -47,6 +47,19 @@ class ElasticEvent(_Request):
     tier: Literal["replicas", "memory", "memory+persist", "storage", "skipped"] | None = Field(
         default=None, description="checkpoint_started: where the save went; restored: where the state came from "
         "(the plan's tier: `replicas`, `memory`, `storage`)")
+    restored_from: str | None = Field(
+        default=None, max_length=2000,
+        description="recovered: where the state came from (`replicas`, `memory: PATH`, `storage: PATH`)")
+    # the replica snapshot tier's counters (checkpoint_started, recovered; docs/operations.md)
+    replica_held_step: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = None
+    replica_age_seconds: Annotated[float, Field(ge=0)] | None = Field(
+        default=None, description="seconds since the held replica snapshot was dispatched")
+    replica_skips: Annotated[int, Field(ge=0)] | None = Field(
+        default=None, description="snapshots skipped so far because one was still in flight")
+    replica_failures: Annotated[int, Field(ge=0)] | None = Field(
+        default=None, description="snapshots dropped so far because their copy failed (a slice lost mid-copy)")
+    replica_bytes_held: Annotated[int, Field(ge=0)] | None = Field(
+        default=None, description="this host's bytes of the held replica snapshot")
 
 
 class EventBatch(_Request):

@@ -1,0 +1,57 @@
+"""``make demo`` as a user runs it (``python -m examples.demo``, its own ckptd process), shortened: a slice lost
+in resize and in pause, at a step boundary and inside JAX, is restored from the replica snapshots in the
+hosts' memory with at most one step lost, in the same process; ``--no-replicas`` shows the path before that
+tier (the newest shared-memory snapshot). Each report names where each recovery restored from."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _demo(out: Path, *args: str) -> dict[str, Any]:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-m", "examples.demo", "--out", str(out), "--steps", "60", *args],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    report: dict[str, Any] = json.loads((out / "report.json").read_text())
+    assert report["pid_before"] == report["pid_after"]
+    assert report["last_step_on_storage"] == 60
+    return report
+
+
+@pytest.mark.parametrize("args", [
+    ("--fail-at", "30", "--down-for", "2"),  # resize at a step boundary: shrink, then grow back
+    ("--policy", "pause", "--fail-at", "30", "--down-for", "2", "--fault", "in-jax"),
+], ids=["resize-boundary", "pause-in-jax"])
+def test_a_slice_loss_is_restored_from_the_replicas(tmp_path: Path, args: tuple[str, ...]) -> None:
+    report = _demo(tmp_path / "out", *args)
+    down = report["recoveries"][0]
+    assert down["kind"] == "slice_down" and down["failed_at_step"] == 30
+    assert down["restored_from"] == "replicas" and down["lost_steps"] <= 1
+    assert all(r["restored_from"] == "replicas" for r in report["recoveries"])
+    if "pause" in args:
+        assert down["mesh_after"] == down["mesh_before"] == [4, 2]
+    else:
+        assert down["mesh_after"] == [3, 2]
+    restored = [e for e in report["events"] if e["kind"] == "restored"]
+    assert restored and "from replicas" in restored[0]["detail"]
+
+
+@pytest.mark.slow
+def test_without_replicas_the_newest_shared_memory_snapshot_is_restored(tmp_path: Path) -> None:
+    report = _demo(tmp_path / "out", "--fail-at", "32", "--down-for", "2", "--no-replicas")
+    down = report["recoveries"][0]
+    assert report["replicas"] is False
+    assert down["restored_from"].startswith("memory: ") and down["restored_step"] == 30  # every 5 steps
+    assert down["lost_steps"] == 2

@@ -1,0 +1,101 @@
+"""The elastic runner's use of the replica snapshot tier: a snapshot at every ``period``-th step boundary,
+what a resume request tells ckptd of it, and the restore a ``replicas`` plan asks for (docs/concepts.md,
+"Three tiers").
+
+The tier itself (``trainer_client.runtime._replica_tier``) knows nothing of runs: this module decides when to
+snapshot (the first time with the state's footprint checked against the host budget, ``MemoryTierFull`` with
+the sizes when it does not fit), turns what the tier holds into the request's ``ReplicasHeld`` (no HTTP per
+step: ckptd learns of it only when the runner asks where to resume), and restores the held step onto an
+attempt's mesh, leaving out the slices the last events took. A single-controller run only: in a
+multi-controller job a lost process ends every process and takes its host memory's snapshot with it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from trainer_client.core.format._snapshot import DataIteratorRecord
+from trainer_client.core.protocol import ReplicasHeld
+from trainer_client.errors import NoWholeReplica
+from trainer_client.runtime._elastic_config import ReplicaOptions
+from trainer_client.runtime._replica_tier import ReplicaStats, ReplicaTier, Restored
+
+_log = logging.getLogger(__name__)
+PyTree = Any
+
+
+class RunnerReplicas:
+    """One run's replica tier: made at the first snapshot (when the state's footprint is known)."""
+
+    def __init__(self, options: ReplicaOptions, slice_to_devices: Mapping[int, Sequence[jax.Device]]) -> None:
+        if options.period < 1:
+            raise ValueError(f"ReplicaOptions.period={options.period}: a snapshot every N >= 1 steps")
+        self.options = options
+        self._slice_to_devices = slice_to_devices
+        self.tier: ReplicaTier | None = None
+        # the slices lost since the held snapshot was taken: their copies are not read on restore (on real
+        # hardware a lost slice's host memory may be gone, or read back stale after the slice returns)
+        self.lost: set[int] = set()
+
+    def snapshot(self, step: int, state: PyTree, data_position: int,
+                 iterator_state: DataIteratorRecord | None) -> bool:
+        """Dispatch a snapshot of ``step`` when it is due; False when not due, or skipped (one in flight)."""
+        if step % self.options.period:
+            return False
+        if self.tier is None:
+            self.tier = ReplicaTier(replica_axis=self.options.replica_axis, slice_to_devices=self._slice_to_devices,
+                                    state=state, budget_bytes=self.options.host_budget_bytes)
+        taken = self.tier.snapshot(step, state, data_position=data_position, iterator_state=iterator_state)
+        if taken:
+            self.lost.clear()  # this copy is taken on the slices in use now
+        return taken
+
+    def held_step(self) -> int | None:
+        held = self.tier.held() if self.tier is not None else None
+        return held.step if held is not None else None
+
+    def wire(self) -> ReplicasHeld | None:
+        """What a resume request says of the tier: the step held whole and each replica's slices; None when
+        nothing is held (the request then leaves the tier out)."""
+        held = self.tier.held() if self.tier is not None else None
+        if held is None or not held.replicas:
+            return None
+        return ReplicasHeld(step=held.step, slices=[sorted(group) for group in held.replicas])
+
+    def note_lost(self, slices: Collection[int]) -> None:
+        self.lost.update(slices)
+
+    def restore(self, target: PyTree, alive_devices: Collection[jax.Device]) -> Restored:
+        """The held step onto ``target`` (a tree of ``ShapeDtypeStruct``s with shardings) from the replicas on
+        ``alive_devices`` outside the lost slices; ``NoWholeReplica`` when none is whole."""
+        if self.tier is None:
+            raise NoWholeReplica("the replica snapshot tier has taken no snapshot in this run")
+        restored = self.tier.restore(target, lost_slices=sorted(self.lost), alive_devices=alive_devices)
+        self.lost.clear()  # the tier now holds the restored step on the new mesh's devices
+        return restored
+
+    def held_arrays(self) -> list[jax.Array]:
+        return self.tier.held_arrays() if self.tier is not None else []
+
+    def stats(self) -> ReplicaStats | None:
+        return self.tier.stats() if self.tier is not None else None
+
+    def stats_fields(self) -> dict[str, Any]:
+        """The tier's counters as event fields (docs/operations.md): age, skips, failures, bytes held."""
+        stats = self.stats()
+        if stats is None:
+            return {}
+        return {"replica_held_step": stats.held_step, "replica_age_seconds": stats.age_s,
+                "replica_skips": stats.skips, "replica_failures": stats.failures,
+                "replica_bytes_held": stats.bytes_held}
+
+    def close(self) -> None:
+        if self.tier is not None:
+            self.tier.close()
+
+
+__all__ = ["RunnerReplicas"]

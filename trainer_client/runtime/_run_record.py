@@ -1,0 +1,58 @@
+"""What an elastic run records: its events, its recoveries (each from detection to the first step done on the
+new mesh, with the tier it restored from) and its result. ``ElasticRunner`` fills them; the demo's
+``report.json``, the soak and the benchmarks read them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str
+    step: int | None
+    t: float  # seconds since the run started
+    detail: str = ""
+    wall_time: float = 0.0  # time.time() when emitted
+    fields: dict[str, Any] = field(default_factory=dict)  # structured extras (protocol.ElasticEvent fields)
+
+
+@dataclass
+class Recovery:
+    """One elastic event, from detection to the first completed step on the new mesh."""
+
+    kind: Literal["slice_down", "scale_up"]
+    failed_at_step: int
+    detected_t: float
+    restored_step: int | None = None
+    lost_steps: int | None = None
+    mesh_before: list[int] = field(default_factory=list)
+    mesh_after: list[int] = field(default_factory=list)
+    slices_before: list[int] = field(default_factory=list)  # the slices the mesh used
+    slices_after: list[int] = field(default_factory=list)
+    spares_used: list[int] = field(default_factory=list)  # hot spares that took lost slices' places
+    seconds: float | None = None
+    restored_from: str | None = None  # ``restored_from(tier, path)`` of the step restored
+
+
+@dataclass
+class ElasticResult(Generic[T]):
+    value: T
+    pid: int
+    events: list[Event]
+    recoveries: list[Recovery]
+    final_step: int | None
+    # a multi-controller job stopped at the step its processes agreed on after a preemption notice (SIGTERM),
+    # that step saved to storage; ``value`` is None then (the training function did not return)
+    preempted: bool = False
+
+
+def restored_from(tier: str, path: str) -> str:
+    """Where a recovery restored from, as the report says it: ``replicas``, ``memory: PATH``, ``storage: PATH``."""
+    return tier if tier == "replicas" or not path else f"{tier}: {path}"
+
+
+__all__ = ["ElasticResult", "Event", "Recovery", "restored_from"]
