@@ -49,6 +49,18 @@ class Stat(BaseModel):
         return self.total / self.count if self.count else None
 
 
+RECOVERY_TIERS = ("replicas", "memory", "storage", "peer", "none", "unknown")
+
+
+def recovery_tier(restored_from: str | None) -> str:
+    """The tier a ``recovered`` event's ``restored_from`` names (``replicas``, ``memory: PATH``, ...): one of
+    ``RECOVERY_TIERS`` (``unknown``: not said, or a name this ckptd does not know; ``none``: a fresh start)."""
+    if restored_from is None:
+        return "unknown"
+    tier = restored_from.split(":", 1)[0].strip()
+    return tier if tier in RECOVERY_TIERS else "unknown"
+
+
 class EventStats(BaseModel):
     """Counts and measured quantities over a set of events (kinds outside ``EVENT_KINDS`` count as ``other``)."""
 
@@ -61,6 +73,8 @@ class EventStats(BaseModel):
     recovery_seconds: Stat = Field(default_factory=Stat, description="recovered: failure until the first step after")
     lost_steps: Stat = Field(default_factory=Stat, description="recovered: steps done again")
     save_stall_seconds: Stat = Field(default_factory=Stat, description="checkpoint_started: loop blocked by the save")
+    recovered_from: dict[str, int] = Field(default_factory=dict,
+                                           description="recovered: how many restored from each tier (recovery_tier)")
 
     def add(self, events: Iterable[StoredEvent]) -> EventStats:
         for e in events:
@@ -74,6 +88,8 @@ class EventStats(BaseModel):
                     self.recovery_seconds.add(e.recovery_seconds)
                 if e.lost_steps is not None:
                     self.lost_steps.add(float(e.lost_steps))
+                tier = recovery_tier(e.restored_from)
+                self.recovered_from[tier] = self.recovered_from.get(tier, 0) + 1
             elif e.kind == "checkpoint_started" and e.blocked_seconds is not None:
                 self.save_stall_seconds.add(e.blocked_seconds)
         return self
@@ -85,13 +101,16 @@ class EventStats(BaseModel):
         kinds = dict(self.kinds)
         for kind, n in later.kinds.items():
             kinds[kind] = kinds.get(kind, 0) + n
+        tiers = dict(self.recovered_from)
+        for tier, n in later.recovered_from.items():
+            tiers[tier] = tiers.get(tier, 0) + n
         return EventStats(
             events=self.events + later.events, first_time=min(firsts) if firsts else None,
             last_time=max(lasts) if lasts else None, kinds=kinds,
             recovery_seconds=self.recovery_seconds.merged(later.recovery_seconds),
             lost_steps=self.lost_steps.merged(later.lost_steps),
-            save_stall_seconds=self.save_stall_seconds.merged(later.save_stall_seconds),
+            save_stall_seconds=self.save_stall_seconds.merged(later.save_stall_seconds), recovered_from=tiers,
         )
 
 
-__all__ = ["RECENT_VALUES", "EventStats", "Stat"]
+__all__ = ["RECENT_VALUES", "RECOVERY_TIERS", "EventStats", "Stat", "recovery_tier"]

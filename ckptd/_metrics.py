@@ -31,7 +31,7 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
-from ckptd._event_stats import EventStats, Stat
+from ckptd._event_stats import EventStats, Stat, recovery_tier
 from ckptd._process_metrics import ProcessTreeCollector
 from trainer_client.core.protocol import EVENT_KINDS, JobInfo, StepState, StoredEvent
 
@@ -101,6 +101,17 @@ class Metrics:
         self.recovery_seconds = Histogram("ckptd_recovery_seconds", "failure detected until the first step after it",
                                           [JOB_LABEL], registry=r, buckets=_SECONDS)
         self.lost_steps = Counter("ckptd_lost_steps", "steps done again after recoveries", [JOB_LABEL], registry=r)
+        self.recoveries = Counter("ckptd_recoveries", "recoveries by the tier the state came from (replicas, memory, "
+                                  "storage; none: a fresh start)", [JOB_LABEL, "tier"], registry=r)
+        # the replica snapshot tier of the job's trainer, as its last save or recovery event reported it
+        self.replica_age = Gauge("ckptd_replica_snapshot_age_seconds", "age of the trainer's held replica snapshot "
+                                 "when it last reported", [JOB_LABEL], registry=r)
+        self.replica_skips = Gauge("ckptd_replica_snapshot_skips", "replica snapshots skipped (one in flight) in "
+                                   "the trainer's run, as last reported", [JOB_LABEL], registry=r)
+        self.replica_failures = Gauge("ckptd_replica_snapshot_failures", "replica snapshots dropped mid-copy in the "
+                                      "trainer's run, as last reported", [JOB_LABEL], registry=r)
+        self.replica_bytes = Gauge("ckptd_replica_snapshot_bytes", "bytes of the trainer host's held replica "
+                                   "snapshot, as last reported", [JOB_LABEL], registry=r)
         self.goodput = Gauge("ckptd_goodput_ratio", "productive training time over wall time (reported events)",
                              [JOB_LABEL], registry=r)
         self.lease_leader = Gauge("ckptd_lease_leader", "1 when this sidecar leads the job (writes its records; "
@@ -124,8 +135,16 @@ class Metrics:
                     self.recovery_seconds.labels(job).observe(e.recovery_seconds)
                 if e.lost_steps:
                     self.lost_steps.labels(job).inc(e.lost_steps)
+                self.recoveries.labels(job, recovery_tier(e.restored_from)).inc()
             elif e.kind == "checkpoint_started" and e.blocked_seconds is not None:
                 self.save_stall.labels(job).observe(e.blocked_seconds)
+            self._replica_gauges(job, e)
+
+    def _replica_gauges(self, job: str, e: StoredEvent) -> None:
+        for gauge, value in ((self.replica_age, e.replica_age_seconds), (self.replica_skips, e.replica_skips),
+                             (self.replica_failures, e.replica_failures), (self.replica_bytes, e.replica_bytes_held)):
+            if value is not None:
+                gauge.labels(job).set(value)
 
     def history_loaded(self, job: str) -> bool:
         with self._history_lock:
@@ -144,6 +163,9 @@ class Metrics:
                 self.elastic_events.labels(job, kind).inc(n - live.kinds.get(kind, 0))
         if stored.lost_steps.total > live.lost_steps.total:
             self.lost_steps.labels(job).inc(stored.lost_steps.total - live.lost_steps.total)
+        for tier, n in stored.recovered_from.items():
+            if n > live.recovered_from.get(tier, 0):
+                self.recoveries.labels(job, tier).inc(n - live.recovered_from.get(tier, 0))
         _replay(self.recovery_seconds.labels(job), stored.recovery_seconds, live.recovery_seconds)
         _replay(self.save_stall.labels(job), stored.save_stall_seconds, live.save_stall_seconds)
 
@@ -177,8 +199,11 @@ class Metrics:
         """Drop the counters' and histograms' series of jobs not in ``jobs``: the exposition stays bounded
         however many jobs come and go."""
         for metric in (self.resume_requests, self.commits, self.committed_bytes, self.save_seconds, self.save_stall,
-                       self.validation_failures, self.elastic_events, self.recovery_seconds, self.lost_steps):
-            names = (JOB_LABEL, "kind") if metric is self.elastic_events else (JOB_LABEL,)
+                       self.validation_failures, self.elastic_events, self.recovery_seconds, self.lost_steps,
+                       self.recoveries, self.replica_age, self.replica_skips, self.replica_failures,
+                       self.replica_bytes):
+            names = ((JOB_LABEL, "kind") if metric is self.elastic_events else (JOB_LABEL, "tier")
+                     if metric is self.recoveries else (JOB_LABEL,))
             stale = {tuple(sample.labels[n] for n in names) for family in metric.collect() for sample in family.samples
                      if JOB_LABEL in sample.labels and sample.labels[JOB_LABEL] not in jobs}
             for labels in stale:

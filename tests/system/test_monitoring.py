@@ -101,7 +101,8 @@ def scrape(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrape]:
     write_orbax_steps(job, [10, 20], custom_metadata={s: training_metadata(s) for s in (10, 20)})
     EventStore(Storage(str(root))).append(JOB, [  # a history a previous ckptd stored
         _event(0, "start"), _event(10, "checkpoint_started", step=10, blocked_seconds=0.5),
-        _event(20, "recovered", recovery_seconds=30.0, lost_steps=4), _event(30, "finished", step=20)])
+        _event(20, "recovered", recovery_seconds=30.0, lost_steps=4, restored_from="replicas"),
+        _event(30, "finished", step=20)])
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = clean_env(CKPTD_REFRESH_INTERVAL_S="0.2", CKPTD_LEASE_TTL_S="10")
@@ -120,6 +121,11 @@ def scrape(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrape]:
         wait_until(lambda: "ckptd_goodput_ratio{" in _metrics(url), timeout=30, what="the first metrics pass")
         wait_until(lambda: httpx.post(f"{url}/v1/jobs/{JOB}/resume", json={"alive_devices": 8}, timeout=30)
                    .status_code == 200, timeout=30, interval=0.2, what="a resume plan (once steps are verified)")
+        # A trainer reports a save with its replica snapshot tier's counters (they are gauges of the live run).
+        replica = {"replica_held_step": 20, "replica_age_seconds": 0.4, "replica_skips": 2, "replica_failures": 1,
+                   "replica_bytes_held": 4096}
+        live = _event(40, "checkpoint_started", step=20, blocked_seconds=0.1, **replica).model_dump(exclude_none=True)
+        assert httpx.post(f"{url}/v1/jobs/{JOB}/events", json={"events": [live]}, timeout=30).status_code == 200
         # Seen while running: a good step committed (a copy without ckptd's files), a bad one (a truncated file).
         shutil.copytree(job / "20", job / "30", ignore=shutil.ignore_patterns("ckptd_*"))
         shutil.copytree(job / "20", job / "40")

@@ -164,7 +164,7 @@ class ElasticRunner:
                   f"{rec.lost_steps} step(s) lost{spare}, restored from {rec.restored_from or 'nothing'}")
         self.emit("recovered", step, detail, recovery_seconds=rec.seconds, lost_steps=rec.lost_steps,
                   restored_step=rec.restored_step, mesh_before=rec.mesh_before, mesh_after=rec.mesh_after,
-                  spares_used=rec.spares_used or None, restored_from=rec.restored_from,
+                  spares_used=rec.spares_used or None, restored_from=rec.restored_from or "none",
                   **(self.replicas.stats_fields() if self.replicas is not None else {}))
 
     def note_restored(self, plan: ResumePlan) -> None:

@@ -49,7 +49,8 @@ class ElasticEvent(_Request):
         "(the plan's tier: `replicas`, `memory`, `storage`)")
     restored_from: str | None = Field(
         default=None, max_length=2000,
-        description="recovered: where the state came from (`replicas`, `memory: PATH`, `storage: PATH`)")
+        description="recovered: where the state came from (`replicas`, `memory: PATH`, `storage: PATH`; `none`: "
+        "a fresh start)")
     # the replica snapshot tier's counters (checkpoint_started, recovered; docs/operations.md)
     replica_held_step: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = None
     replica_age_seconds: Annotated[float, Field(ge=0)] | None = Field(
