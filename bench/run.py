@@ -10,9 +10,11 @@ report as ``bench-output/benchmarks.md`` (docs/benchmarks.md's prose with this r
 
 Families: ``io`` (save, persist, restore, memory tier: bench/io.py), ``service`` (resume latency, burst,
 catalog rebuild: bench/service.py), ``recovery`` (in-process recovery against a relaunch:
-bench/recovery.py), ``multihost`` (a 2-process job's restart from memory against from storage, and the
-multi-host persist when bench/multihost_persist.py is there: bench/multihost.py), ``first_sight`` (ms per
-step of 1,000 arrays seen without records: bench/first_sight.py). Work files go to a fresh
+bench/recovery.py), ``replicas`` (a replica snapshot every step against none, and a recovery from the
+replicas against one from the shared-memory tier: bench/replicas.py), ``multihost`` (a 2-process job's
+restart from memory against from storage, and the multi-host persist when bench/multihost_persist.py is
+there: bench/multihost.py), ``first_sight`` (ms per step of 1,000 arrays seen without records:
+bench/first_sight.py). Work files go to a fresh
 directory under ``--workdir`` (default: the system temp directory) and a shared-memory directory under
 ``--shm`` (default /dev/shm); both are removed at the end.
 """
@@ -36,7 +38,8 @@ from typing import Any
 from bench.common import Profile, Results, free_gib, profile_from_env, rmtree, write_json
 from bench.report import write_report
 
-FAMILIES = ("io", "interference", "recovery", "multihost", "first_sight", "service")  # the longest (service) last
+FAMILIES = ("io", "interference", "recovery", "replicas", "multihost", "first_sight",
+            "service")  # the longest (service) last
 ROOT = Path(__file__).resolve().parent.parent
 PUBLISHED = ROOT / "bench"  # the tracked results (--publish), and the tracked report beside them
 PUBLISHED_DOCS = ROOT / "docs" / "benchmarks.md"
@@ -97,6 +100,10 @@ def run(profile: Profile, families: tuple[str, ...], out: Path, docs: Path | Non
                     from bench.recovery import run_recovery
 
                     run_recovery(profile, results, base / "recovery", shm_base)
+                elif family == "replicas":
+                    from bench.replicas import run_replicas
+
+                    run_replicas(profile, results, base / "replicas", shm_base)
                 elif family == "first_sight":
                     from bench.first_sight import run_first_sight
 
