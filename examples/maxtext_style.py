@@ -14,8 +14,9 @@ The model is a one-layer decoder in plain JAX with MaxText's parameter names (``
 ``data`` row (dcn), ``fsdp`` inside a slice, the embedding dimension sharded over ``fsdp``. Data: a Grain
 pipeline of synthetic token sequences. Slice 2 goes down at ``--fail-at``; training goes on on 3 slices
 (``elastic_min_slice_count`` > 0: ckptd's ``resize``; the global batch kept by gradient accumulation) and
-grows back when the slice returns at ``--back-at``. The run checks that every step read exactly the batch an
-uninterrupted Grain iterator gives. ``python -m examples.maxtext_style``; prints ``report: PATH`` last.
+grows back when the slice returns at ``--back-at``, restored from the replicas the loss spared
+(``--elastic-backup-kind snapshot``, MaxText's default) or from the last checkpoint (``checkpoint``). The run
+checks that every step read exactly the batch an uninterrupted Grain iterator gives. ``python -m examples.maxtext_style``; prints ``report: PATH`` last.
 """
 
 from __future__ import annotations
@@ -107,9 +108,11 @@ def elastic_config(cfg: MaxTextConfig, **groups: Any) -> ElasticConfig:
     ``<base_output_directory>/<run_name>``, the state's item ``items``; ``elastic_min_slice_count=-1`` waits
     for every slice (``pause``), a count trains on that many (``resize``); without ``elastic_enabled`` the
     first slice loss ends the run (no retries). ``groups``: the option groups MaxText has no flags for
-    (``health``, ``memory_tier``, ...); ``replicas`` defaults to ``replica_options(cfg)``."""
+    (``health``, ``memory_tier``, ...); the memory tier's ``replicas`` follow ``elastic_backup_kind``
+    (``replica_options``)."""
     resize = cfg.elastic_min_slice_count != -1
-    groups.setdefault("replicas", replica_options(cfg))
+    tier = groups.pop("memory_tier", MemoryTierOptions())
+    groups["memory_tier"] = dataclasses.replace(tier, replicas=replica_options(cfg, tier.replicas))
     return ElasticConfig(
         job="checkpoints", mesh_axes=MESH_AXES, mesh_shape=(cfg.dcn_data_parallelism, cfg.ici_fsdp_parallelism),
         global_batch=cfg.global_batch_size_to_train_on,
@@ -123,16 +126,17 @@ def elastic_config(cfg: MaxTextConfig, **groups: Any) -> ElasticConfig:
         **groups)
 
 
-def replica_options(cfg: MaxTextConfig) -> ReplicaOptions:
+def replica_options(cfg: MaxTextConfig, given: ReplicaOptions | None = None) -> ReplicaOptions:
     """MaxText's ``elastic_backup_kind``: ``snapshot`` is ckptd's replica tier (a snapshot of the state every
     step in the hosts' memory, restored from the replicas a slice loss spares, along ``data``: one replica per
-    slice); ``checkpoint`` turns it off (a resume reads the host-memory tier or storage). Any other kind is
-    refused, as MaxText's config refuses it."""
+    slice); ``checkpoint`` turns it off (a resume reads the shared-memory tier or storage). Any other kind is
+    refused, as MaxText's config refuses it. ``given``: the options MaxText has no flag for (``period``,
+    ``host_budget_bytes``) are kept from it."""
     if cfg.elastic_backup_kind not in ("snapshot", "checkpoint"):
         raise ValueError(f"elastic_backup_kind must be one of 'snapshot' or 'checkpoint', got "
                          f"{cfg.elastic_backup_kind!r}")
-    return ReplicaOptions(enabled=cfg.elastic_enabled and cfg.elastic_backup_kind == "snapshot", period=1,
-                          replica_axis=MESH_AXES[0])
+    return dataclasses.replace(given or ReplicaOptions(), replica_axis=MESH_AXES[0],
+                               enabled=cfg.elastic_enabled and cfg.elastic_backup_kind == "snapshot")
 
 
 # ---- data: Grain -------------------------------------------------------------------------------------
@@ -320,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "pid": result.pid, "final_step": result.final_step,
         "recoveries": [{"kind": r.kind, "failed_at_step": r.failed_at_step, "restored_step": r.restored_step,
-                        "mesh_after": r.mesh_after} for r in result.recoveries],
+                        "mesh_after": r.mesh_after, "restored_from": r.restored_from} for r in result.recoveries],
         "grain_resumed_exactly": exact,
         "first_loss": losses[0], "final_loss": losses[cfg.steps - 1],
         "last_checkpoint": sorted(p.name for p in last.iterdir()) if last.is_dir() else [],

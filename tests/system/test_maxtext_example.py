@@ -1,6 +1,7 @@
 """``examples/maxtext_style.py`` in its short form: a decoder LM with MaxText's settings under the elastic runner
 loses a slice, trains on 3 slices, grows back, and reads exactly the batches an uninterrupted Grain iterator
-gives; its checkpoints are MaxText's layout (``<run>/checkpoints/<step>/items`` + ``iter``), and MaxText's way of
+gives, restored from the replica tier (MaxText's ``elastic_backup_kind: snapshot``) or from the checkpoint
+(``checkpoint``); its checkpoints are MaxText's layout (``<run>/checkpoints/<step>/items`` + ``iter``), and MaxText's way of
 restoring them (a CheckpointManager with the items ``items`` and ``iter``, Grain's handler for ``iter``; plain
 Orbax and Grain in another process) gets the state and the iterator's next batch back."""
 
@@ -15,7 +16,7 @@ import pytest
 
 from examples.maxtext_style import MaxTextConfig, elastic_config, replica_options
 from tests.support.helpers import clean_env
-from trainer_client import ReplicaOptions
+from trainer_client import MemoryTierOptions, ReplicaOptions
 
 _MAXTEXT_RESTORE = r"""
 import json, sys
@@ -41,21 +42,27 @@ print(json.dumps({"step": int(np.asarray(restored["items"]["step"])), "embedding
 """
 
 
-def test_the_maxtext_style_example_resumes_grain_exactly_and_maxtext_restores_its_steps(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("backup_kind", "restored", "tier"), [
+    ("snapshot", 12, "replicas"),  # MaxText's default: the replica tier, one step lost
+    ("checkpoint", 10, "memory: "),  # the step saved to storage, read from ckptd's shared memory
+])
+def test_the_maxtext_style_example_resumes_grain_exactly_and_maxtext_restores_its_steps(
+        tmp_path: Path, backup_kind: str, restored: int, tier: str) -> None:
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "examples.maxtext_style", "--base-output-directory", str(out),
-                           "--steps", "30", "--fail-at", "13", "--back-at", "22"],
+                           "--steps", "30", "--fail-at", "13", "--back-at", "22", "--elastic-backup-kind", backup_kind],
                           env=clean_env(), capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # the timeline: an event of a step names it, one of no step (a wait for slices, the start) names none
     timeline = [line for line in proc.stdout.splitlines() if line.startswith("  [")]
     assert "step None" not in proc.stdout, timeline
-    assert any(" restored " in line and " step   10 " in line for line in timeline), timeline
+    assert any(" restored " in line and f" step   {restored} " in line for line in timeline), timeline
     assert any(" waiting_for_slices " in line and " step " not in line for line in timeline), timeline
     report = json.loads((out / "report.json").read_text())
     assert report["grain_resumed_exactly"] and report["final_loss"] < report["first_loss"]
     assert [(r["kind"], r["failed_at_step"], r["restored_step"], r["mesh_after"]) for r in report["recoveries"]] == [
-        ("slice_down", 13, 10, [3, 2]), ("scale_up", 23, 23, [4, 2])]  # slice 2 back at step 22, seen at 23
+        ("slice_down", 13, restored, [3, 2]), ("scale_up", 23, 23, [4, 2])]  # slice 2 back at step 22, seen at 23
+    assert report["recoveries"][0]["restored_from"].startswith(tier), report["recoveries"]
     checkpoints = out / "maxtext-style" / "checkpoints"
     assert sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == [10, 20, 30]
     assert {"items", "iter"} <= {p.name for p in (checkpoints / "30").iterdir()}
@@ -69,9 +76,13 @@ def test_the_maxtext_style_example_resumes_grain_exactly_and_maxtext_restores_it
 def test_maxtexts_elastic_backup_kind_maps_onto_the_replica_tier() -> None:
     """``snapshot`` (MaxText's default): the replica tier every step along ``data`` (a replica per slice);
     ``checkpoint``, or elastic training off: no replica tier; any other kind refused as MaxText refuses it."""
-    assert elastic_config(MaxTextConfig()).replicas == ReplicaOptions(enabled=True, period=1, replica_axis="data")
+    assert elastic_config(MaxTextConfig()).memory_tier.replicas == ReplicaOptions(
+        enabled=True, period=1, replica_axis="data")
     assert not replica_options(MaxTextConfig(elastic_backup_kind="checkpoint")).enabled
-    assert not elastic_config(MaxTextConfig(elastic_enabled=False)).replicas.enabled
-    assert elastic_config(MaxTextConfig(), replicas=ReplicaOptions(period=5)).replicas.period == 5  # given: kept
+    assert not elastic_config(MaxTextConfig(elastic_enabled=False)).memory_tier.replicas.enabled
+    given = MemoryTierOptions(shm_dir="/dev/shm/x", replicas=ReplicaOptions(period=5, host_budget_bytes=1 << 30))
+    tier = elastic_config(MaxTextConfig(), memory_tier=given).memory_tier
+    assert (tier.shm_dir, tier.replicas) == ("/dev/shm/x", ReplicaOptions(
+        enabled=True, period=5, replica_axis="data", host_budget_bytes=1 << 30))  # what MaxText has no flag for: kept
     with pytest.raises(ValueError, match="elastic_backup_kind must be one of"):
         replica_options(MaxTextConfig(elastic_backup_kind="emergency"))
