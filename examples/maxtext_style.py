@@ -16,7 +16,8 @@ pipeline of synthetic token sequences. Slice 2 goes down at ``--fail-at``; train
 (``elastic_min_slice_count`` > 0: ckptd's ``resize``; the global batch kept by gradient accumulation) and
 grows back when the slice returns at ``--back-at``, restored from the replicas the loss spared
 (``--elastic-backup-kind snapshot``, MaxText's default) or from the last checkpoint (``checkpoint``). The run
-checks that every step read exactly the batch an uninterrupted Grain iterator gives. ``python -m examples.maxtext_style``; prints ``report: PATH`` last.
+checks that every step read exactly the batch an uninterrupted Grain iterator gives.
+``python -m examples.maxtext_style``; prints ``report: PATH`` last.
 """
 
 from __future__ import annotations

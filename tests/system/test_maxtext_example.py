@@ -1,9 +1,9 @@
 """``examples/maxtext_style.py`` in its short form: a decoder LM with MaxText's settings under the elastic runner
 loses a slice, trains on 3 slices, grows back, and reads exactly the batches an uninterrupted Grain iterator
 gives, restored from the replica tier (MaxText's ``elastic_backup_kind: snapshot``) or from the checkpoint
-(``checkpoint``); its checkpoints are MaxText's layout (``<run>/checkpoints/<step>/items`` + ``iter``), and MaxText's way of
-restoring them (a CheckpointManager with the items ``items`` and ``iter``, Grain's handler for ``iter``; plain
-Orbax and Grain in another process) gets the state and the iterator's next batch back."""
+(``checkpoint``); its checkpoints are MaxText's layout (``<run>/checkpoints/<step>/items`` + ``iter``), and
+MaxText's way of restoring them (a CheckpointManager with the items ``items`` and ``iter``, Grain's handler for
+``iter``; plain Orbax and Grain in another process) gets the state and the iterator's next batch back."""
 
 from __future__ import annotations
 
