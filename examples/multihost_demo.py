@@ -10,7 +10,10 @@ trainer. The survivors are left to what jax does (docs/multihost.md, section 2):
 aborts them once the heartbeat timeout passes (at once when process 0 died). Then the demo restarts every
 trainer as a JobSet restarting its pods' trainer containers in place would (new PIDs; sidecars and shared
 memory stay) and all resume the step they agree on: from memory, or, with ``--lose-host-memory K`` (host K's
-shared memory wiped first, as on a replaced node), from storage. At the end it waits until the last step is
+shared memory wiped first, as on a replaced node), host K's part from the peer sidecar that keeps a copy of it
+(each sidecar sends its host's newest whole part to the next host's: docs/multihost.md, "Peer copies") and
+the others' from their memory; with a host and its peer both wiped (``--lose-host-memory 1,0``), or without the
+copies (``--no-peers``), every host from storage. At the end it waits until the last step is
 committed and verified, stops the sidecars, and checks every step on storage with ``ckptd validate --deep``.
 Prints a timeline and, last, ``report: PATH`` (exit 1 when anything above did not hold).
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -120,6 +124,41 @@ def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
         time.sleep(0.02)
 
 
+def holder_of(k: int, hosts: int) -> int:
+    """The host whose sidecar keeps the copy of host k's part (ckptd's default: the next host)."""
+    return (k + 1) % hosts
+
+
+def expected_tiers(args: argparse.Namespace) -> list[str]:
+    """Where each host must restore from: its memory, a peer's copy (a wiped host whose peer kept its part),
+    or storage (every host, when a wiped host's part is nowhere)."""
+    if args.no_kill:
+        return ["none"] * args.hosts
+    lost = set(args.lost)
+    if lost and (args.no_peers or any(holder_of(k, args.hosts) in lost for k in lost)):
+        return ["storage"] * args.hosts
+    return ["peer" if k in lost else "memory" for k in range(args.hosts)]
+
+
+def newest_own_step(shm: Path) -> int | None:
+    steps = [int(p.name) for p in (shm / JOB).glob("*") if p.name.isdigit()] if (shm / JOB).is_dir() else []
+    return max(steps, default=None)
+
+
+def wait_for_copies(args: argparse.Namespace, hosts: list[dict[str, Any]], timeline: Timeline) -> None:
+    """Before a wipe: the copy of each wiped host's newest part is held by its peer (the sidecars copy in the
+    background; a node lost before its copy landed takes the job to the newest step every host can still get)."""
+    for k in args.lost:
+        step = newest_own_step(hosts[k]["shm"])
+        holder = holder_of(k, args.hosts)
+        copy = hosts[holder]["shm"] / JOB / f".peer-{k}" / str(step)
+        try:
+            wait_for(lambda copy=copy: copy.is_dir(), 60, f"host {holder}'s copy of host {k}'s step {step}")
+            timeline.say(f"ckptd {holder}", "peer copy held", step, f"host {k}'s part, in {copy.parent}")
+        except TimeoutError as exc:
+            timeline.say(f"ckptd {holder}", "NO peer copy", step, str(exc))
+
+
 def first_run(args: argparse.Namespace, hosts: list[dict[str, Any]], out: Path, timeline: Timeline) -> list[Trainer]:
     """Train until host ``kill_host`` has saved ``kill_after`` to memory, SIGKILL it, wait for the others to end."""
     hold = out / "hold"  # the trainers wait past step kill_after while it exists: the kill comes there
@@ -180,8 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--hosts", type=int, default=2)
     parser.add_argument("--out", default="demo-output", help="directory for checkpoints, logs and the report")
-    parser.add_argument("--lose-host-memory", type=int, default=None, metavar="K",
-                        help="wipe host K's shared memory before the restart (a replaced node): resume from storage")
+    parser.add_argument("--lose-host-memory", default=None, metavar="K[,J...]",
+                        help="wipe these hosts' shared memory before the restart (replaced nodes): a wiped host gets "
+                        "its part from its peer's copy; when its peer was wiped too, every host resumes from storage")
+    parser.add_argument("--no-peers", action="store_true",
+                        help="sidecars without the peer channel: a wiped host sends every host to storage")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--checkpoint-period", type=int, default=30, help="steps between saves to storage")
     parser.add_argument("--memory-period", type=int, default=10, help="steps between memory-only saves")
@@ -192,9 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heartbeat-s", type=int, default=10, help="jax.distributed heartbeat timeout")
     parser.add_argument("--no-kill", action="store_true", help="the same run without a failure (for comparison)")
     args = parser.parse_args(argv)
-    if args.hosts < 2 or not 0 <= args.kill_host < args.hosts or (
-            args.lose_host_memory is not None and not 0 <= args.lose_host_memory < args.hosts):
-        parser.error("--hosts must be at least 2; --kill-host and --lose-host-memory name a host 0..hosts-1")
+    try:
+        args.lost = sorted({int(k) for k in (args.lose_host_memory or "").split(",") if k.strip()})
+    except ValueError:
+        args.lost = [-1]
+    if args.hosts < 2 or not 0 <= args.kill_host < args.hosts or not all(0 <= k < args.hosts for k in args.lost):
+        parser.error("--hosts must be at least 2; --kill-host and --lose-host-memory name hosts 0..hosts-1")
 
     out = Path(args.out).resolve()
     shutil.rmtree(out, ignore_errors=True)
@@ -204,14 +249,18 @@ def main(argv: list[str] | None = None) -> int:
     timeline = Timeline()
     hosts: list[dict[str, Any]] = []
     servers: list[subprocess.Popen[bytes]] = []
+    secret = secrets.token_hex(32)  # every sidecar of the job shares it (in a pod: a Secret)
     try:
         for k in range(args.hosts):  # one sidecar per host; the lease makes one of them the job's only writer
             shm = Path(tempfile.mkdtemp(prefix=f"ckptd-demo-host{k}-", dir=shm_base))
-            hosts.append({"shm": shm, "port": free_port()})
+            hosts.append({"shm": shm, "port": free_port(), "peer_port": free_port()})
             hosts[-1]["url"] = f"http://127.0.0.1:{hosts[-1]['port']}"
         with ThreadPoolExecutor(args.hosts) as pool:  # started side by side, as the pods' sidecars are
+            peers = {} if args.no_peers else {"CKPTD_PEER_SECRET": secret, "CKPTD_PEER_HOST": "127.0.0.1"}
             started = [pool.submit(start_ckptd, args.root, out / f"ckptd-state-{k}", host["shm"], host["port"],
-                                   out / f"ckptd-{k}.log", {"CKPTD_LEASE_TTL_S": "3"}) for k, host in enumerate(hosts)]
+                                   out / f"ckptd-{k}.log", {"CKPTD_LEASE_TTL_S": "3", **peers, **(
+                                       {"CKPTD_PEER_PORT": str(host["peer_port"])} if peers else {})})
+                       for k, host in enumerate(hosts)]
             for k, future in enumerate(started):
                 servers.append(future.result())
                 timeline.say(f"ckptd {k}", "serving", None,
@@ -219,11 +268,13 @@ def main(argv: list[str] | None = None) -> int:
         before = first_run(args, hosts, out, timeline)
         after = before
         if not args.no_kill:
-            if args.lose_host_memory is not None:
-                wiped = hosts[args.lose_host_memory]["shm"]
+            if args.lost and not args.no_peers:
+                wait_for_copies(args, hosts, timeline)
+            for k in args.lost:
+                wiped = hosts[k]["shm"]
                 for child in wiped.iterdir():
                     shutil.rmtree(child, ignore_errors=True)
-                timeline.say(f"host {args.lose_host_memory}", "memory wiped", None, f"{wiped} emptied (node replaced)")
+                timeline.say(f"host {k}", "memory wiped", None, f"{wiped} emptied (node replaced)")
             after = launch(args, hosts, out, 2, timeline)  # JobSet: every trainer container restarts in place
             for t in after:
                 rc = t.proc.wait(timeout=600)
@@ -257,7 +308,7 @@ def _report(args: argparse.Namespace, out: Path, timeline: Timeline, results: li
     losses = {k: v for t in before for k, v in t.losses.items()}
     losses.update({int(k): v for r in done for k, v in r["losses"].items()})
     agreed = {r["resume_step"] for r in done}
-    report = {
+    report: dict[str, Any] = {
         "root": str(args.root),
         "job": JOB,
         "initial_loss": losses.get(0),
@@ -269,7 +320,8 @@ def _report(args: argparse.Namespace, out: Path, timeline: Timeline, results: li
                    "state_sha256": r["state_sha256"] if r else None}
                   for k, (b, a, r) in enumerate(zip(before, after, results, strict=True))],
         "killed_host": None if args.no_kill else args.kill_host,
-        "lost_host_memory": args.lose_host_memory,
+        "lost_host_memory": args.lost[0] if len(args.lost) == 1 else (args.lost or None),
+        "peers": not args.no_peers,
         "last_step_committed": committed,
         "validate_deep": {"exit_code": validation["exit_code"], "steps": [
             {"step": r["step"], "ok": r.get("ok"), "problems": r.get("problems", [])[:3]}
@@ -278,11 +330,11 @@ def _report(args: argparse.Namespace, out: Path, timeline: Timeline, results: li
     }
     path = out / "report.json"
     path.write_text(json.dumps(report, indent=2))
-    expect = "none" if args.no_kill else ("storage" if args.lose_host_memory is not None else "memory")
+    expect = expected_tiers(args)
     tiers = [str(h["restored_from"]).split(":")[0] for h in report["hosts"]]
     problems = [
         *([] if report["agreed_step"] is not None else ["the hosts resumed different steps"]),
-        *([] if tiers == [expect] * len(tiers) else [f"restored from {tiers}, expected {expect}"]),
+        *([] if tiers == expect else [f"restored from {tiers}, expected {expect}"]),
         *([] if report["final_step"] == args.steps else [f"final step {report['final_step']}"]),
         *([] if (report["final_loss"] or 1e9) < (report["initial_loss"] or 0) else ["the loss did not go down"]),
         *([] if committed == args.steps else [f"step {args.steps} not committed and verified"]),

@@ -4,7 +4,8 @@ A process of a multi-controller JAX job: ``initialize_multihost`` joins it to th
 127.0.0.1, a short heartbeat, the preemption service on), then the example MLP (examples/elastic_mlp.py)
 trains on the global mesh of every process's CPU devices through ``ElasticRunner``, talking to this host's
 own ckptd sidecar and shared-memory directory. A restarted process resumes the step all processes agree on
-(``ResumeAgreement``: from every host's memory when each holds its part, else from storage). Each event goes
+(``ResumeAgreement``: from every host's memory when each holds its part, a wiped host's part brought back from
+the peer sidecar that kept a copy, else from storage). Each event goes
 to stdout as one ``EVENT {json}`` line (the demo prints the timeline); at the end the process writes
 ``--result`` (what it restored, the losses, a digest of its shards of the final state).
 """
@@ -90,15 +91,21 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     def show(event: Event) -> None:
+        detail = event.detail
+        if event.kind == "restored" and (peer := peer_source()) is not None:
+            detail = f"from peer: host {peer} ({detail})"
         if event.kind != "checkpoint_started" or event.fields.get("tier") != "skipped":
             print("EVENT " + json.dumps({"host": args.index, "kind": event.kind, "step": event.step,
-                                         "wall": event.wall_time, "detail": event.detail,
+                                         "wall": event.wall_time, "detail": detail,
                                          "tier": event.fields.get("tier")}), flush=True)
 
     client = CkptdClient(settings, root=args.root)
     runner = ElasticRunner(config, slices=SimulatedSlices(num_slices=1), client=client,
                            checkpoint_dir=f"{args.root}/{args.job}", on_event=show)
     log = TrainLog()
+
+    def peer_source() -> int | None:  # the host whose copy of this host's part was restored, if any
+        return runner.agreement.peer_source if runner.agreement is not None else None
 
     def hook(step: int) -> None:  # the previous step's loss, as it happens (a killed process writes no result)
         if args.index == 0 and step - 1 in log.losses:
@@ -117,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         "pid": os.getpid(),
         "resume_step": restored.step if restored is not None else 0,
         # "from memory: PATH" -> "memory: PATH"
-        "restored_from": restored.detail.removeprefix("from ") if restored is not None else "none: fresh state",
+        "restored_from": ("none: fresh state" if restored is None else restored.detail.removeprefix("from ")
+                          if peer_source() is None else f"peer: host {peer_source()} ({restored.detail})"),
         "final_step": args.steps if result.value is not None else result.final_step,  # the state's step
         "preempted": result.preempted,
         "losses": {str(k): v for k, v in sorted(log.losses.items())},

@@ -1,9 +1,10 @@
 """``python -m examples.demo --hosts 2`` as a user runs it (a subprocess): two trainer processes of one
 jax.distributed job, each with its own ``ckptd serve`` and shared memory, one SIGKILLed mid-run, both restarted.
 The report must show one agreed step, new PIDs, where each host restored from, a falling loss, the last step
-committed and every step on storage deep-validated. The memory variant is in ``make test`` (a short run);
-the storage variant (``--lose-host-memory 1``) and the bitwise comparison with a run without a kill are
-chaos-marked (``make chaos``)."""
+committed and every step on storage deep-validated. The memory variant and the peer variant
+(``--lose-host-memory 1``: host 1's part brought back from host 0's sidecar, no storage read) are in ``make
+test`` (short runs); the storage variants (a host and its peer both wiped; a wiped host without peer copies)
+and the bitwise comparison with a run without a kill are chaos-marked (``make chaos``)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def _demo(out: Path, *extra: str, timeout_s: float = 540) -> dict[str, Any]:
     return report
 
 
-def _check(report: dict[str, Any], steps: int, tier: str) -> None:
+def _check(report: dict[str, Any], steps: int, tier: str | list[str]) -> None:
     assert report["job"] and Path(report["root"]).is_dir()
     assert report["final_step"] == steps
     assert report["final_loss"] < report["initial_loss"]
@@ -51,8 +52,8 @@ def _check(report: dict[str, Any], steps: int, tier: str) -> None:
     assert [h["process_index"] for h in hosts] == [0, 1]
     assert all(h["pid_after"] != h["pid_before"] for h in hosts), "restarted processes, as JobSet restarts them"
     assert {h["resume_step"] for h in hosts} == {report["agreed_step"]}, "one step for every host"
-    for h in hosts:
-        assert h["restored_from"].startswith(f"{tier}: "), h
+    for h, expected in zip(hosts, [tier] * len(hosts) if isinstance(tier, str) else tier, strict=True):
+        assert h["restored_from"].startswith(f"{expected}: "), h
     assert report["last_step_committed"] == steps
     validated = report["validate_deep"]
     assert validated["exit_code"] == 0 and validated["steps"] and all(s["ok"] for s in validated["steps"])
@@ -70,17 +71,39 @@ def test_two_hosts_resume_one_step_from_memory(tmp_path: Path) -> None:
     assert len(planned) == 2 and all("from memory_agreement" in line for line in planned), planned
 
 
-def _check_run(tmp_path: Path, tier: str, *extra: str) -> dict[str, Any]:
+def _check_run(tmp_path: Path, tier: str | list[str], *extra: str) -> dict[str, Any]:
     report = _demo(tmp_path / "out", *SHORT, *extra)
     _check(report, 40, tier)
     return report
 
 
+@pytest.mark.timeout(600)
+def test_a_host_that_lost_its_memory_gets_its_part_from_its_peer(tmp_path: Path) -> None:
+    report = _check_run(tmp_path, ["memory", "peer"], "--lose-host-memory", "1")
+    assert report["agreed_step"] == 25, "the memory save the trainers waited past for the kill, not storage's 15"
+    assert report["lost_host_memory"] == 1
+    assert report["hosts"][1]["restored_from"].startswith("peer: host 0 ")
+    lines = report["stdout"].splitlines()
+    assert any("peer copy held" in line and "host 1's part" in line for line in lines)
+    assert any("restored" in line and "from peer: host 0" in line for line in lines)
+    planned = [line for line in lines if " plan_received " in line]
+    assert len(planned) == 2 and all("from memory_agreement" in line for line in planned), planned
+
+
 @pytest.mark.chaos
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_host_that_lost_its_memory_sends_both_hosts_to_storage(tmp_path: Path) -> None:
-    report = _check_run(tmp_path, "storage", "--lose-host-memory", "1")
+def test_a_host_and_its_peer_both_wiped_send_both_hosts_to_storage(tmp_path: Path) -> None:
+    report = _check_run(tmp_path, "storage", "--lose-host-memory", "0,1")
+    assert report["agreed_step"] == 15, "the newest step on storage before the kill"
+    assert report["lost_host_memory"] == [0, 1]
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_host_that_lost_its_memory_without_peer_copies_sends_both_hosts_to_storage(tmp_path: Path) -> None:
+    report = _check_run(tmp_path, "storage", "--lose-host-memory", "1", "--no-peers")
     assert report["agreed_step"] == 15, "the newest step on storage before the kill"
     assert report["lost_host_memory"] == 1
 

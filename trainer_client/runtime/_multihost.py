@@ -6,17 +6,20 @@ different steps. ``ResumeAgreement`` makes them agree through JAX's coordination
 (``jax._src.distributed.global_state.client``: no device work, explicit timeouts, usable before any mesh
 exists; the store lives in process 0 and starts empty with every incarnation of the job):
 
-1. every process offers the steps whose part it holds intact in its own shared memory (``offer/<k>``);
+1. every process offers the steps whose part it holds intact in its own shared memory, and the copies of other
+   hosts' parts its sidecar keeps there (``offer/<k>``; docs/multihost.md, "Peer copies");
 2. process 0 asks for the storage answer (its sidecar's resume plan with the memory tier off, or the
    client's storage scan when the sidecar cannot answer) on a thread of its own as soon as it enters the
    round, so that call overlaps the listing of its own parts and the wait for the others' offers; it waits
-   for all offers and for that answer and decides: the newest step
-   every process offered (the same save in every part), unless the storage step is newer; a host that
-   offers nothing (its memory wiped) makes the job take storage. It publishes the decision with the storage
-   plan (``decision``);
-3. every process plans from the decision (a memory plan of its own part, or the one storage plan) and
-   restores; then all exchange how it went (``restored/<k>``): if any memory restore failed (a checksum
-   found wrong), every process restores the storage step instead, so the job never runs on mixed steps.
+   for all offers and for that answer and decides: the newest step every host can get from its own memory
+   or from a peer's copy (the same save in every part), unless the storage step is newer; a host whose part
+   is nowhere (its memory and its peers' wiped) makes the job take storage. It publishes the decision with
+   the storage plan and, per host that must fetch its part, the host holding the copy (``decision``);
+3. every process plans from the decision (a memory plan of its own part, brought back first by its sidecar
+   from the peer the decision names when its memory lacks it, or the one storage plan) and restores; then
+   all exchange how it went (``restored/<k>``): if any memory restore failed (a checksum found wrong, a part
+   that could not be brought back), every process restores the storage step instead, so the job never runs
+   on mixed steps.
 
 A single-process job never gets here (``ElasticRunner`` asks ckptd as it always did).
 """
@@ -37,6 +40,7 @@ from pydantic import ValidationError
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.core._errors import UnsafePathError
 from trainer_client.core._resume_decision import memory_snapshot_plan
+from trainer_client.core.format._peer_copies import held_copies, request_fetch, wait_fetch
 from trainer_client.core.format._snapshot import SnapshotMeta, complete_snapshots, problems, read_meta
 from trainer_client.core.protocol import ResumePlan, ResumeRequest
 from trainer_client.errors import CkptdRequestError, NoCheckpointError
@@ -48,6 +52,7 @@ PyTree = Any
 
 OFFER_TIMEOUT_MS = 120_000  # the slowest process's start (imports, jax.distributed) plus its shm scan
 RESTORE_TIMEOUT_MS = 600_000  # the slowest process's restore (storage: every process reads its shards)
+FETCH_TIMEOUT_S = 300.0  # a part brought back from a peer by this host's sidecar (checked shard by shard)
 
 
 @dataclass(frozen=True)
@@ -92,11 +97,41 @@ def own_parts(shm_dir: str | None, job: str, process_index: int, process_count: 
     return out
 
 
-def decide(offers: list[list[list[Any]]], storage_step: int | None) -> tuple[str, int | None, str | None]:
-    """``(tier, step, save)``: the newest ``[step, save]`` every process offered (``memory``), unless the
-    storage step is newer (``storage``; memory wins a tie: it is the faster restore); ``("none", None, None)``
-    when neither has a step."""
-    common = set.intersection(*({(int(s), str(k)) for s, k in offer} for offer in offers)) if offers else set()
+def copy_parts(shm_dir: str | None, job: str, process_count: int, at_most: int | None = None) -> list[Part]:
+    """The intact copies of other hosts' parts of ``job`` this host's sidecar keeps (of a job of this many
+    processes), newest first."""
+    return [Part(meta.step, path, meta) for _, path, meta in held_copies(shm_dir, job)
+            if meta.process_count == process_count and (at_most is None or meta.step <= at_most)]
+
+
+def _reachable(offers: list[list[list[Any]]], copies: list[list[list[Any]]] | None) -> list[set[tuple[int, str]]]:
+    """Per host: the ``(step, save)`` of its part it can get, from its own memory or a peer's copy."""
+    out = [{(int(s), str(k)) for s, k in offer} for offer in offers]
+    for holder, held in enumerate(copies or []):
+        for origin, s, k in held:
+            if 0 <= int(origin) < len(out) and int(origin) != holder:
+                out[int(origin)].add((int(s), str(k)))
+    return out
+
+
+def peer_sources(offers: list[list[list[Any]]], copies: list[list[list[Any]]], step: int, save: str) -> dict[int, int]:
+    """``{host: holder}``: for each host whose own memory lacks ``(step, save)``, the lowest host holding a
+    copy of its part."""
+    out = {}
+    for k, offer in enumerate(offers):
+        if (step, save) not in {(int(s), str(x)) for s, x in offer}:
+            out[k] = min(j for j, held in enumerate(copies) if j != k and [k, step, save] in
+                         [[int(o), int(s), str(x)] for o, s, x in held])
+    return out
+
+
+def decide(offers: list[list[list[Any]]], storage_step: int | None,
+           copies: list[list[list[Any]]] | None = None) -> tuple[str, int | None, str | None]:
+    """``(tier, step, save)``: the newest ``[step, save]`` every process offered, or can get from a peer's copy
+    (``copies[j]``: the ``[origin, step, save]`` host j holds) (``memory``), unless the storage step is newer
+    (``storage``; memory wins a tie: it is the faster restore); ``("none", None, None)`` when neither has a
+    step."""
+    common = set.intersection(*_reachable(offers, copies)) if offers else set()
     memory = max(common, default=None)
     if memory is not None and (storage_step is None or memory[0] >= storage_step):
         return "memory", memory[0], memory[1]
@@ -121,6 +156,8 @@ class ResumeAgreement:
         self.storage_plan: ResumePlan | None = None
         self.timings: dict[str, float] = {}  # seconds per phase of the last round (the bench reports them)
         self._planned: ResumePlan | None = None  # process 0's memory plan of the decided step, made once
+        self.peer_source: int | None = None  # the host whose copy of this host's part was restored (last round)
+        self._fetch_error: Exception | None = None  # why this host's part could not be brought back from a peer
 
     @property
     def store(self) -> KeyValueStore:
@@ -137,15 +174,18 @@ class ResumeAgreement:
         self._round += 1
         self.timings = {}
         self._planned = None
+        self.peer_source, self._fetch_error = None, None
         start = time.perf_counter()
         storage = self._ask_storage(request) if self.index == 0 else None  # overlaps the listing and the waits
         parts = own_parts(self.shm_dir, self.job, self.index, self.count, request.step) \
             if request.use_memory_tier else []
+        copies = copy_parts(self.shm_dir, self.job, self.count, request.step) if request.use_memory_tier else []
         self.timings["list_parts_s"] = time.perf_counter() - start
-        self.store.key_value_set(self._key(f"offer/{self.index}"),
-                                 json.dumps({"parts": [[p.step, p.save] for p in parts]}))
+        self.store.key_value_set(self._key(f"offer/{self.index}"), json.dumps({
+            "parts": [[p.step, p.save] for p in parts],
+            "copies": [[p.meta.process_index, p.step, p.save] for p in copies]}))
         if storage is not None:
-            self._decide(request, parts, storage)
+            self._decide(request, parts, copies, storage)
         waited = time.perf_counter()
         decision = json.loads(self.store.blocking_key_value_get(self._key("decision"), OFFER_TIMEOUT_MS))
         self.timings["decision_wait_s"] = time.perf_counter() - waited
@@ -156,6 +196,11 @@ class ResumeAgreement:
                              if decision.get("storage") is not None else None)
         self.timings["agreement_s"] = time.perf_counter() - start
         if decision["tier"] == "memory":
+            source = decision.get("sources", {}).get(str(self.index))
+            if source is not None:  # this host's memory lacks its part: its sidecar brings it back from a peer
+                parts = self._fetch(decision["step"], decision["save"], int(source), request)
+                if self._fetch_error is not None:
+                    return self.storage_plan
             part = next((p for p in parts if p.step == decision["step"] and p.save == decision["save"]), None)
             if part is None:  # cannot be: this process offered it
                 raise RuntimeError(f"the agreed memory step {decision['step']} is not in this host's memory")
@@ -163,8 +208,36 @@ class ResumeAgreement:
                                                          snapshot=(part.path, part.meta))
             return plan.model_copy(update={"source": "memory_agreement", "notes": [
                 *plan.notes, f"agreed by {self.count} processes: each restores its own part of step {part.step} "
-                "from memory"]})
+                "from memory" + (f" (this host's brought back from host {source}'s copy)" if source is not None
+                                 else "")]})
         return self.storage_plan
+
+    def _fetch(self, step: int, save: str, source: int, request: ResumeRequest) -> list[Part]:
+        """Ask this host's sidecar for its part of ``step`` from host ``source``'s copy; this host's parts after
+        it (``_fetch_error`` set when it could not be brought back: the restore then fails over to storage in
+        every process)."""
+        fetched = time.perf_counter()
+        save_id = json.loads(save)[0]
+        error: str | None = "no shared-memory directory"
+        if self.shm_dir is not None:
+            request_fetch(self.shm_dir, self.job, step, source=source, origin=self.index, count=self.count,
+                          save_id=save_id)
+            error = wait_fetch(self.shm_dir, self.job, step, FETCH_TIMEOUT_S)
+        self.timings["peer_fetch_s"] = time.perf_counter() - fetched
+        parts = own_parts(self.shm_dir, self.job, self.index, self.count, request.step)
+        if error is None and not any((p.step, p.save) == (step, save) for p in parts):
+            error = "the part brought back is not the agreed save"
+        if error is not None:
+            _log.error("this host's part of step %s could not be brought back from host %d: %s", step, source, error)
+            self._fetch_error = RuntimeError(f"part of step {step} from host {source}: {error}")
+            if self.storage_plan is None:  # nothing to fall back to: every process must hear it now
+                self.store.key_value_set(self._key(f"restored/{self.index}"), f"failed: {self._fetch_error}")
+                raise self._fetch_error
+        else:
+            self.peer_source = source
+            _log.info("this host's part of step %s brought back from host %d in %.2f s", step, source,
+                      self.timings["peer_fetch_s"])
+        return parts
 
     def _ask_storage(self, request: ResumeRequest) -> Future[ResumePlan | None]:
         """Process 0's storage answer, asked on a thread now and awaited by ``_decide``."""
@@ -182,7 +255,8 @@ class ResumeAgreement:
         finally:
             pool.shutdown(wait=False)  # the call runs on; the thread ends with it
 
-    def _decide(self, request: ResumeRequest, parts: list[Part], asked: Future[ResumePlan | None]) -> None:
+    def _decide(self, request: ResumeRequest, parts: list[Part], copies: list[Part],
+                asked: Future[ResumePlan | None]) -> None:
         """Process 0: the storage answer asked before, every offer, the decision (published, read back like
         the others)."""
         storage: ResumePlan | None = None
@@ -198,24 +272,31 @@ class ResumeAgreement:
             raise
         finally:
             self.timings["storage_wait_s"] = time.perf_counter() - waited
-        offers = [json.loads(self.store.blocking_key_value_get(self._key(f"offer/{k}"), OFFER_TIMEOUT_MS))["parts"]
-                  for k in range(self.count)]
+        offered = [json.loads(self.store.blocking_key_value_get(self._key(f"offer/{k}"), OFFER_TIMEOUT_MS))
+                   for k in range(self.count)]
+        offers, held = [o["parts"] for o in offered], [o.get("copies", []) for o in offered]
         self.timings["offers_wait_s"] = time.perf_counter() - waited - self.timings["storage_wait_s"]
-        tier, step, save = decide(offers, storage.step if storage is not None else None)
-        if tier == "memory":  # restored onto the same global mesh only: each process holds just its own regions
-            mine = next(p for p in parts if (p.step, p.save) == (step, save))
+        tier, step, save = decide(offers, storage.step if storage is not None else None, held)
+        sources = peer_sources(offers, held, step, save) if tier == "memory" and step is not None and save else {}
+        # restored onto the same global mesh only: each process holds just its own regions (any part of the step
+        # here tells its mesh; with none here, a host that fetched its part finds a mismatch at its restore)
+        mine = next((p for p in [*parts, *copies] if (p.step, p.save) == (step, save)), None)
+        if tier == "memory" and mine is not None:
             planned = memory_snapshot_plan(job=self.job, request=request, snapshot=(mine.path, mine.meta))
             if planned.mesh.shape != mine.meta.training.mesh.shape:
                 _log.warning("step %s is in every host's memory, but the devices alive ask for mesh %s, not the "
                              "saved %s: restoring from storage", step, planned.mesh.shape,
                              mine.meta.training.mesh.shape)
                 tier, step, save = ("storage", storage.step, None) if storage is not None else ("none", None, None)
-            else:
+                sources = {}
+            elif mine in parts:
                 self._planned = planned
-        _log.info("resume agreed by %d processes: %s step %s (offers: %s; storage: %s)", self.count, tier, step,
-                  [[s for s, _ in offer] for offer in offers], storage.step if storage is not None else None)
+        _log.info("resume agreed by %d processes: %s step %s (offers: %s; peer copies: %s; from peers: %s; "
+                  "storage: %s)", self.count, tier, step, [[s for s, _ in offer] for offer in offers],
+                  [[(o, s) for o, s, _ in h] for h in held], sources, storage.step if storage is not None else None)
         self.store.key_value_set(self._key("decision"), json.dumps({
             "tier": tier, "step": step, "save": save, "refused": refused,
+            "sources": {str(k): j for k, j in sources.items()},
             "storage": storage.model_dump(mode="json") if storage is not None else None}))
 
     def restore(self, plan: ResumePlan, target_for: Callable[[ResumePlan], PyTree]) -> tuple[PyTree, ResumePlan]:
@@ -224,6 +305,8 @@ class ResumeAgreement:
         state: PyTree = None
         error: Exception | None = None
         try:
+            if self._fetch_error is not None:  # this host's part is nowhere here: the job takes storage
+                raise self._fetch_error
             state = restore_from_plan(plan, target_for(plan), self.client.settings.restore_host_bytes)
         except Exception as exc:  # told to the others first: they must not wait for this process in vain
             error = exc
@@ -234,8 +317,9 @@ class ResumeAgreement:
         failed = [f"process {k}: {o}" for k, o in enumerate(outcomes) if o != "ok"]
         if not failed:
             return state, plan
-        if plan.tier != "memory":
+        if plan.tier != "memory" and self._fetch_error is None:
             raise error if error is not None else RuntimeError(f"restore of step {plan.step} failed in {failed}")
+        self.peer_source = None
         _log.error("restoring step %s from memory failed (%s); every process restores from storage instead",
                    plan.step, "; ".join(failed))
         fallback = self.storage_plan
@@ -246,4 +330,4 @@ class ResumeAgreement:
         return restore_from_plan(fallback, target_for(fallback), budget), fallback
 
 
-__all__ = ["Part", "ResumeAgreement", "decide", "own_parts"]
+__all__ = ["Part", "ResumeAgreement", "copy_parts", "decide", "own_parts", "peer_sources"]
