@@ -1,8 +1,8 @@
 """Elastic runs for the trainer tests: the demo MLP on 4 fake slices of 2 CPU devices, against a real ckptd.
 
 ``elastic_runner`` builds an ``ElasticRunner`` (mesh 4 x 2 unless ``mesh_shape`` says otherwise, batch 48, a
-save every 10 steps, short polls, the replica snapshot tier on unless ``replicas=False``; other options by their
-names, ``with_options`` puts each in its group),
+save every 10 steps, short polls, the replica snapshot tier on (every step held) unless ``replicas=False``;
+other options by their names, ``with_options`` puts each in its group),
 ``run_to_end`` runs it and closes its checkpointer and client, ``leaves`` reads a state back to numpy. The
 ``in_jax_faults`` fixture body gives 4 simulated slices whose losses JAX operations raise (``InJaxFaults``).
 """
@@ -36,7 +36,8 @@ def elastic_runner(root: Path, url: str, policy: str, faults: Sequence[SliceFaul
     options: dict[str, Any] = dict(checkpoint_period=10, elastic_timeout_s=30, poll_interval_s=0.05,
                                    scale_up_check_interval_s=0.0, monitor_interval_s=0.2)
     options.update(config, policy=policy, shm_dir=shm_dir)
-    options.setdefault("replicas", ReplicaOptions(enabled=replicas))
+    # every due step held (the loop waits for a copy in flight): the step a loss restores is known to the step
+    options.setdefault("replicas", ReplicaOptions(enabled=replicas, when_busy="wait"))
     cfg = with_options(ElasticConfig(job=JOB, mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=BATCH),
                        **options)
     client = CkptdClient(ClientSettings(url=url, timeout_s=2.0, resume_deadline_s=3.0, shm_dir=shm_dir),

@@ -75,7 +75,11 @@ class ReplicaOptions:
     ends every process, and the shared-memory tier is the fast path there."""
 
     enabled: bool = True
-    period: int = 1  # a snapshot every N steps (a busy tier skips one and counts it)
+    period: int = 1  # a snapshot every N steps
+    # a snapshot due while the previous copy is still in flight: skipped and counted (the loop never waits),
+    # or the loop waits for that copy (every due step is held: a loss costs at most one step, whatever the
+    # copy's speed against the step's)
+    when_busy: Literal["skip", "wait"] = "skip"
     # the mesh axis the replicas lie along (name, or index in the mesh's axes): the data-parallel axis across
     # slices. An array sharded along it has no whole replica once one of its slices is lost.
     replica_axis: str | int = 0

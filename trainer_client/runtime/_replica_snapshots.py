@@ -37,9 +37,13 @@ class RunnerReplicas:
         self.options = options
         self._slice_to_devices = slice_to_devices
         self.tier: ReplicaTier | None = None
-        # the slices lost since the held snapshot was taken: their copies are not read on restore (on real
-        # hardware a lost slice's host memory may be gone, or read back stale after the slice returns)
-        self.lost: set[int] = set()
+        # each slice lost, with how many snapshots had been dispatched then: while the held snapshot is one of
+        # those, its copies on that slice are neither offered to ckptd nor read on restore (on real hardware a
+        # lost slice's host memory may be gone, or read back stale after the slice returns); a copy in flight
+        # at the loss counts as taken before it
+        self._lost_at: dict[int, int] = {}
+        self._dispatched = 0
+        self._number_of: dict[int, int] = {}  # a recent snapshot's step -> its dispatch number
 
     def snapshot(self, step: int, state: PyTree, data_position: int,
                  iterator_state: DataIteratorRecord | None) -> bool:
@@ -49,10 +53,22 @@ class RunnerReplicas:
         if self.tier is None:
             self.tier = ReplicaTier(replica_axis=self.options.replica_axis, slice_to_devices=self._slice_to_devices,
                                     state=state, budget_bytes=self.options.host_budget_bytes)
-        taken = self.tier.snapshot(step, state, data_position=data_position, iterator_state=iterator_state)
-        if taken:
-            self.lost.clear()  # this copy is taken on the slices in use now
-        return taken
+        if self.options.when_busy == "wait":
+            self.tier.wait()
+        if not self.tier.snapshot(step, state, data_position=data_position, iterator_state=iterator_state):
+            return False
+        self._dispatched += 1
+        self._number_of[step] = self._dispatched
+        for old in sorted(self._number_of)[:-4]:  # one held, one in flight, and a margin
+            del self._number_of[old]
+        return True
+
+    @property
+    def lost(self) -> frozenset[int]:
+        """The slices lost since the held snapshot was dispatched."""
+        held = self.tier.held() if self.tier is not None else None
+        number = self._number_of.get(held.step, 0) if held is not None else 0
+        return frozenset(k for k, at in self._lost_at.items() if number <= at)
 
     def held_step(self) -> int | None:
         held = self.tier.held() if self.tier is not None else None
@@ -62,12 +78,14 @@ class RunnerReplicas:
         """What a resume request says of the tier: the step held whole and each replica's slices; None when
         nothing is held (the request then leaves the tier out)."""
         held = self.tier.held() if self.tier is not None else None
-        if held is None or not held.replicas:
+        lost = self.lost
+        groups = [sorted(group) for group in held.replicas if not group & lost] if held is not None else []
+        if held is None or not groups:
             return None
-        return ReplicasHeld(step=held.step, slices=[sorted(group) for group in held.replicas])
+        return ReplicasHeld(step=held.step, slices=groups)
 
     def note_lost(self, slices: Collection[int]) -> None:
-        self.lost.update(slices)
+        self._lost_at.update({k: self._dispatched for k in slices})
 
     def restore(self, target: PyTree, alive_devices: Collection[jax.Device]) -> Restored:
         """The held step onto ``target`` (a tree of ``ShapeDtypeStruct``s with shardings) from the replicas on
@@ -75,7 +93,7 @@ class RunnerReplicas:
         if self.tier is None:
             raise NoWholeReplica("the replica snapshot tier has taken no snapshot in this run")
         restored = self.tier.restore(target, lost_slices=sorted(self.lost), alive_devices=alive_devices)
-        self.lost.clear()  # the tier now holds the restored step on the new mesh's devices
+        self._lost_at.clear()  # the tier now holds the restored step on the new mesh's devices
         return restored
 
     def held_arrays(self) -> list[jax.Array]:
