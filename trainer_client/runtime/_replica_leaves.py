@@ -91,9 +91,15 @@ def copy_to_host(name: str, x: jax.Array, axis: ReplicaAxis) -> HeldArray:
     is a new buffer: a later step that donates ``x`` does not touch it."""
     key_dtype = x.dtype if is_key(x) else None
     data = jax.random.key_data(x) if key_dtype is not None else x
-    sharding = data.sharding
-    pinned = jax.device_put(data, sharding.with_memory_kind(PINNED), may_alias=False)
-    nbytes = host_bytes(data)
+    return hold_pinned(name, jax.device_put(data, data.sharding.with_memory_kind(PINNED), may_alias=False), axis,
+                       key_dtype)
+
+
+def hold_pinned(name: str, pinned: jax.Array, axis: ReplicaAxis, key_dtype: Any | None = None) -> HeldArray:
+    """``pinned`` (in pinned host memory, a typed key's ``key_data`` with ``key_dtype``) held as it is, split
+    into replicas along ``axis``: no copy (the caller gives a buffer nothing else writes)."""
+    sharding = pinned.sharding
+    nbytes = host_bytes(pinned)
     name_on_mesh = axis_name(sharding.mesh, axis) if isinstance(sharding, NamedSharding) else None
     if name_on_mesh is None or not isinstance(sharding, NamedSharding):
         spec = sharding.spec if isinstance(sharding, NamedSharding) else None
@@ -210,6 +216,6 @@ def touch_copies(state: Any, axis: ReplicaAxis, copies: int) -> list[jax.Array]:
     return out
 
 
-__all__ = ["PINNED", "HeldArray", "ReplicaAxis", "axis_name", "check_budget", "copy_to_host", "host_bytes",
-           "host_memory_free", "is_key", "pinned_zeros", "readable", "rebuild", "required_bytes", "target_sharding",
-           "to_device", "touch_copies"]
+__all__ = ["PINNED", "HeldArray", "ReplicaAxis", "axis_name", "check_budget", "copy_to_host", "hold_pinned",
+           "host_bytes", "host_memory_free", "is_key", "pinned_zeros", "readable", "rebuild", "required_bytes",
+           "target_sharding", "to_device", "touch_copies"]

@@ -47,6 +47,7 @@ from trainer_client.runtime._replica_leaves import (
     ReplicaAxis,
     check_budget,
     copy_to_host,
+    hold_pinned,
     host_bytes,
     is_key,
     rebuild,
@@ -339,16 +340,15 @@ class ReplicaTier:
         return frozenset(d.id for d in jax.devices() if self._slices({d.id}) & set(slices))
 
     def _hold_restored(self, snap: _Snapshot, hosts: list[tuple[HeldArray, Any, jax.Array] | None]) -> None:
-        """Hold the restored step on its new layout: a copy of the rebuilt host arrays, split again."""
+        """Hold the restored step on its new layout: the rebuilt host arrays themselves, split again (the
+        restored device arrays are copies of them, so a step that donates those leaves these alone)."""
         leaves: list[HeldArray | _Value] = []
         for leaf, entry in zip(snap.leaves, hosts, strict=True):
             if entry is None:
                 leaves.append(leaf)
                 continue
             before, _, host = entry
-            held = copy_to_host(before.name, host, self.replica_axis)
-            held.key_dtype = before.key_dtype
-            leaves.append(held)
+            leaves.append(hold_pinned(before.name, host, self.replica_axis, before.key_dtype))
         nbytes = sum(leaf.nbytes for leaf in leaves if isinstance(leaf, HeldArray))
         with self._lock:
             self._held = _Snapshot(snap.step, snap.treedef, leaves, snap.data_position, snap.iterator_state,
