@@ -31,13 +31,14 @@ BATCH = 48
 
 def elastic_runner(root: Path, url: str, policy: str, faults: Sequence[SliceFault] = (), *,
                    slices: SimulatedSlices | None = None, on_event: Callable[[Event], None] | None = None,
-                   shm_dir: str | None = None, replicas: bool = True, **config: Any) -> ElasticRunner:
+                   shm_dir: str | None = None, replicas: bool | ReplicaOptions = True, **config: Any) -> ElasticRunner:
     (root / JOB).mkdir(parents=True, exist_ok=True)
     options: dict[str, Any] = dict(checkpoint_period=10, elastic_timeout_s=30, poll_interval_s=0.05,
                                    scale_up_check_interval_s=0.0, monitor_interval_s=0.2)
     options.update(config, policy=policy, shm_dir=shm_dir)
     # every due step held (the loop waits for a copy in flight): the step a loss restores is known to the step
-    options.setdefault("replicas", ReplicaOptions(enabled=replicas, when_busy="wait"))
+    options["replicas"] = (replicas if isinstance(replicas, ReplicaOptions)
+                           else ReplicaOptions(enabled=replicas, when_busy="wait"))
     cfg = with_options(ElasticConfig(job=JOB, mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=BATCH),
                        **options)
     client = CkptdClient(ClientSettings(url=url, timeout_s=2.0, resume_deadline_s=3.0, shm_dir=shm_dir),

@@ -136,7 +136,8 @@ class ElasticRunner:
         # its host memory with it)
         self.replicas: RunnerReplicas | None = None
         if tier.replicas.enabled and self.agreement is None:
-            self.replicas = RunnerReplicas(tier.replicas, slices.slice_to_devices)
+            self.replicas = RunnerReplicas(tier.replicas, slices.slice_to_devices,
+                                           on_off=lambda why: self.emit("replicas_off", None, why[:1900]))
         self.on_event = on_event
         self.events: list[Event] = []
         self.recoveries: list[Recovery] = []

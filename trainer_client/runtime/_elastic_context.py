@@ -208,6 +208,8 @@ class ElasticContext:
                     ", no data iterator state saved with the step: the iterator starts where it is")
             self.runner.emit("restored", plan.step, detail, tier=plan.tier)
             self.runner.note_restored(plan)
+        if self.runner.replicas is not None:
+            self.runner.replicas.prepare(state)  # host pages touched before the first snapshot
         self.last_step = self.start_step
         return state, self.start_step, position
 

@@ -13,14 +13,14 @@ multi-controller job a lost process ends every process and takes its host memory
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
 
 from trainer_client.core.format._snapshot import DataIteratorRecord
 from trainer_client.core.protocol import ReplicasHeld
-from trainer_client.errors import NoWholeReplica
+from trainer_client.errors import MemoryTierFull, NoWholeReplica
 from trainer_client.runtime._elastic_config import ReplicaOptions
 from trainer_client.runtime._replica_tier import ReplicaStats, ReplicaTier, Restored
 
@@ -31,12 +31,15 @@ PyTree = Any
 class RunnerReplicas:
     """One run's replica tier: made at the first snapshot (when the state's footprint is known)."""
 
-    def __init__(self, options: ReplicaOptions, slice_to_devices: Mapping[int, Sequence[jax.Device]]) -> None:
+    def __init__(self, options: ReplicaOptions, slice_to_devices: Mapping[int, Sequence[jax.Device]],
+                 on_off: Callable[[str], None] | None = None) -> None:
         if options.period < 1:
             raise ValueError(f"ReplicaOptions.period={options.period}: a snapshot every N >= 1 steps")
         self.options = options
         self._slice_to_devices = slice_to_devices
+        self._on_off = on_off
         self.tier: ReplicaTier | None = None
+        self.off_reason: str | None = None  # the tier turned itself off: the host cannot hold it
         # each slice lost, with how many snapshots had been dispatched then: while the held snapshot is one of
         # those, its copies on that slice are neither offered to ckptd nor read on restore (on real hardware a
         # lost slice's host memory may be gone, or read back stale after the slice returns); a copy in flight
@@ -48,11 +51,11 @@ class RunnerReplicas:
     def snapshot(self, step: int, state: PyTree, data_position: int,
                  iterator_state: DataIteratorRecord | None) -> bool:
         """Dispatch a snapshot of ``step`` when it is due; False when not due, or skipped (one in flight)."""
-        if step % self.options.period:
+        if step % self.options.period or self.off_reason is not None:
             return False
-        if self.tier is None:
-            self.tier = ReplicaTier(replica_axis=self.options.replica_axis, slice_to_devices=self._slice_to_devices,
-                                    state=state, budget_bytes=self.options.host_budget_bytes)
+        if self.tier is None and not self._make_tier(state):
+            return False
+        assert self.tier is not None
         if self.options.when_busy == "wait":
             self.tier.wait()
         if not self.tier.snapshot(step, state, data_position=data_position, iterator_state=iterator_state):
@@ -61,6 +64,32 @@ class RunnerReplicas:
         self._number_of[step] = self._dispatched
         for old in sorted(self._number_of)[:-4]:  # one held, one in flight, and a margin
             del self._number_of[old]
+        return True
+
+    def prepare(self, state: PyTree) -> None:
+        """Before an attempt's first step: the tier made for ``state`` (its footprint checked) and, while it
+        holds nothing, the host's pinned pages for two copies of ``state`` touched (``ReplicaTier.prepare``), so
+        that the first snapshot costs the loop what a later one does."""
+        if self.off_reason is not None or (self.tier is None and not self._make_tier(state)):
+            return
+        assert self.tier is not None
+        self.tier.prepare(state)
+
+    def _make_tier(self, state: PyTree) -> bool:
+        """The tier for ``state``'s footprint. Over a budget the user set: ``MemoryTierFull`` (the run stops
+        with the sizes). Over the default budget (the host's free memory): the tier turns itself off, once, with
+        a warning and ``on_off(reason)`` (an event), and training goes on with the other tiers."""
+        try:
+            self.tier = ReplicaTier(replica_axis=self.options.replica_axis, slice_to_devices=self._slice_to_devices,
+                                    state=state, budget_bytes=self.options.host_budget_bytes)
+        except MemoryTierFull as exc:
+            if self.options.host_budget_bytes is not None:
+                raise
+            self.off_reason = f"replica snapshot tier off: {exc}"
+            _log.warning("%s", self.off_reason)
+            if self._on_off is not None:
+                self._on_off(self.off_reason)
+            return False
         return True
 
     @property

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from examples.elastic_mlp import TrainLog, make_train_fn
+from examples.elastic_mlp import TrainLog, init_state, make_train_fn, partition_specs
 from tests.support.elastic_runs import (
     JOB,
     assert_bitwise_equal,
@@ -31,9 +31,12 @@ from tests.support.elastic_runs import (
     leaves,
     run_to_end,
 )
+from trainer_client.errors import MemoryTierFull
 from trainer_client.runtime import _replica_leaves
 from trainer_client.runtime._elastic import ElasticContext
+from trainer_client.runtime._elastic_config import ReplicaOptions
 from trainer_client.runtime._jax_faults import InJaxFaults
+from trainer_client.runtime._replica_tier import required_bytes
 from trainer_client.runtime._slices import SliceFault
 
 STEPS = 40
@@ -160,3 +163,40 @@ def test_replicas_that_do_not_read_back_fall_back_and_say_so(
     assert (down.restored_step, down.restored_from) == (20, f"storage: {tmp_path / JOB / '20'}")
     assert_bitwise_equal(clean_two_replicas, result.value)
     assert every_sample_once(log, STEPS)
+
+
+def test_a_host_that_cannot_hold_the_tier_trains_on_without_it(tmp_path: Path, ckptd_server: Any,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    server = ckptd_server(tmp_path)
+    monkeypatch.setattr(_replica_leaves, "host_memory_free", lambda: 1024)  # the default budget: too small
+    runner = elastic_runner(tmp_path, server.url, "resize", [SliceFault(1, at_step=15, down_for_s=None)])
+    result = run_to_end(runner, make_train_fn(20, TrainLog()))
+    (off,) = [e for e in result.events if e.kind == "replicas_off"]
+    assert "MiB of host memory" in off.detail and "budget is 0.0 MiB" in off.detail
+    assert result.final_step == 19 and result.recoveries[0].restored_from == f"storage: {tmp_path / JOB / '10'}"
+
+
+def test_a_budget_set_too_small_stops_the_run_with_the_sizes(tmp_path: Path, ckptd_server: Any) -> None:
+    server = ckptd_server(tmp_path)
+    runner = elastic_runner(tmp_path, server.url, "resize", replicas=ReplicaOptions(host_budget_bytes=1024))
+    with pytest.raises(MemoryTierFull, match=r"the replica snapshot tier needs .* MiB of host memory"):
+        run_to_end(runner, make_train_fn(5, TrainLog()))
+
+
+def test_the_host_pages_are_touched_before_the_first_snapshot(tmp_path: Path, ckptd_server: Any) -> None:
+    server = ckptd_server(tmp_path)
+    runner = elastic_runner(tmp_path, server.url, "resize")
+    reserved: list[tuple[int, int]] = []
+
+    def train(ctx: ElasticContext) -> Any:
+        state, step, position = ctx.restore_or_init(init_state, partition_specs)
+        replicas = ctx.runner.replicas
+        assert replicas is not None and replicas.tier is not None
+        reserved.append((replicas.tier.reserved_bytes, required_bytes(state)))
+        ctx.step_boundary(step, state, position)  # the first snapshot takes the pages over
+        reserved.append((replicas.tier.reserved_bytes, 0))
+        return state
+
+    run_to_end(runner, train)
+    (touched, need), (after, _) = reserved
+    assert touched == need > 0 and after == 0

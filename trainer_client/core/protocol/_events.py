@@ -14,7 +14,7 @@ from trainer_client.core.protocol._wire import MAX_STEP
 EVENT_KINDS = (
     "start", "waiting_for_slices", "slices_ready", "plan_received", "initialized", "restored",
     "first_step_done", "checkpoint_started", "failure_detected", "scale_up_detected", "recovered",
-    "finished", "aborted", "retention_deleted", "replicas_unusable",
+    "finished", "aborted", "retention_deleted", "replicas_unusable", "replicas_off",
 )
 EVENT_KIND_PATTERN = r"^[a-z][a-z0-9_]{0,63}$"
 MAX_EVENTS_PER_BATCH = 1000
