@@ -6,7 +6,8 @@ save that one is committing: the newer leader waits for the lock, and gives up a
 next pass tries again) rather than stall behind a paused process for good. The holder checks again, under
 the lock, that it still leads before it writes or deletes anything.
 
-On ``gs://`` only the threads of one process are excluded; the lease keeps other sidecars out there.
+On ``gs://`` only the threads of one process are excluded; there a save's fate record fences the sidecars
+(``trainer_client/core/format/_fates.py``, docs/multihost.md, section 5, "Fenced writers").
 """
 
 from __future__ import annotations

@@ -21,7 +21,9 @@ unchanged for ``ttl_s`` -> it tries to create the next epoch. The leader fences 
 that window, and once the window has passed it steps down rather than renew. So a follower that saw no beat
 change for ``ttl_s`` takes over only after the old leader stopped leading (no clock has to agree with
 another). Writes already in flight when the window closes are the overlap the design accepts: each is the
-same content whoever writes it (docs/multihost.md).
+same content whoever writes it (docs/multihost.md); a commit or a deletion of a leader paused past this gate
+is fenced at storage instead (the job's flock locally, a save's fate record on ``gs://``: docs/multihost.md,
+section 5, "Fenced writers").
 
 What counts on storage is decided by ``lease_records.py`` (names, bounds, records: anyone who can write the root
 can plant files here). A name that does not count is reported once and ignored; a takeover creates the next

@@ -12,7 +12,9 @@ part records are all there with the claim's save id: the worker's finalize (merg
 root the rename of the staging directory to ``<job>/<S>``. Every action before the marker is a rewrite of
 the same content, so a leader that dies mid-commit is replaced and the next one redoes it. A step missing a
 part is never committed, so never served; a claim older than ``save_timeout_s`` without a commit is reported
-abandoned and deleted, staged files included, by ``clean_abandoned``.
+abandoned and deleted, staged files included, by ``clean_abandoned``. A commit and a cleanup exclude each other
+under the job's flock locally; on ``gs://`` each first decides the save's fate (``format/_fates.py``), so a
+leader paused past its checks never deletes what a newer one committed (docs/multihost.md, "Fenced writers").
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from trainer_client.core.format._fates import fate_path, fate_record
 from trainer_client.core.format._files import (
     ARRAY_METADATAS,
     CLAIMS_DIR,
+    COMMIT_MARKER,
     ITEM_NAME_PATTERN,
     ITER_ITEM,
     OCDBT_PROCESS_PREFIX,
@@ -205,6 +206,8 @@ def take_over_claim(storage: Storage, job: str, step: int, stale: Claim, save_id
     if storage.is_remote:
         where = step_path_for(storage, job, step, stale.save_id)
         storage.invalidate(where)
+        if storage.exists(join_path(where, COMMIT_MARKER)):
+            return False  # committed meanwhile by another writer (a direct Orbax save): nothing to take over
         if storage.exists(where):
             storage.remove(where, recursive=True)
         write_json_file(storage, path, claim.model_dump_json())
