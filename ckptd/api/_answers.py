@@ -115,8 +115,8 @@ class JobAnswers:
         stored = self._stored(job, request)
         if stored is not None:
             held.append(stored)
-        decided = decide(with_replicas(held, request, load=p.ResumePlan.model_validate_json, dump=_plan_bytes),
-                         request)
+        decided = decide(with_replicas(held, request, load=p.ResumePlan.model_validate_json, dump=_plan_bytes,
+                                       job=job), request)
         if isinstance(decided, Refusal):
             raise _refused(job, decided)
         return decided

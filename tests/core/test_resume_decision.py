@@ -19,7 +19,16 @@ from trainer_client.core._resume_decision import (
     whole_replica,
     with_replicas,
 )
-from trainer_client.core.protocol import ErrorCode, MeshSpec, ReplicasHeld, ResumePlan, ResumeRequest, SliceAlive
+from trainer_client.core.protocol import (
+    ArraySpec,
+    ErrorCode,
+    MeshSpec,
+    ReplicasHeld,
+    ResumePlan,
+    ResumeRequest,
+    SliceAlive,
+    TrainingMetadata,
+)
 
 ASK = ResumeRequest(alive_devices=8)
 
@@ -115,7 +124,7 @@ def _plan(source: str, step: int) -> Candidate[ResumePlan]:
 
 
 def _decided(candidates: list[Candidate[ResumePlan]], request: ResumeRequest) -> ResumePlan | Refusal:
-    return decide(with_replicas(candidates, request, load=as_is, dump=as_is), request)
+    return decide(with_replicas(candidates, request, load=as_is, dump=as_is, job="job"), request)
 
 
 def test_replicas_are_the_fastest_tier() -> None:
@@ -167,7 +176,7 @@ def test_replicas_with_no_other_good_step_to_take_the_layout_from_are_no_candida
     request = _asked([0, 1])
     assert _decided([], request) == Refusal(ErrorCode.NO_GOOD_CHECKPOINT)
     pending: Candidate[ResumePlan] = Candidate(STORAGE, 10, refused=Refusal(ErrorCode.NOT_READY, step=10))
-    assert [c.source for c in with_replicas([pending], request, load=as_is, dump=as_is)] == [STORAGE]
+    assert [c.source for c in with_replicas([pending], request, load=as_is, dump=as_is, job="job")] == [STORAGE]
 
 
 def test_a_step_asked_for_takes_the_replicas_only_at_that_step() -> None:
@@ -183,3 +192,21 @@ def test_the_replica_plan_is_refused_as_its_layout_is() -> None:
 
     why = _decided([Candidate(STORAGE, 10, too_few)], _asked([0, 1]))
     assert why == Refusal(ErrorCode.NOT_ENOUGH_DEVICES, "policy 'pause' needs 8 devices", 20)
+
+
+def test_replicas_that_carry_their_training_metadata_are_laid_out_from_it_alone() -> None:
+    """No other tier holds a good step (a failure before the first checkpoint), or it was saved on another mesh:
+    the replicas' own metadata lays them out, with their data position and batch."""
+    arrays = {"w": ArraySpec(shape=[8, 4], dtype="float32", partition_spec=[None, "data"])}
+    own = TrainingMetadata(step=20, data_position=20 * 48, global_batch=48, mesh=MESH, wall_time=1.0, arrays=arrays)
+    held = HELD.model_copy(update={"training": own})
+    for candidates in ([], [_plan(STORAGE, 10)]):
+        plan = _decided(candidates, _asked([0, 1, 3], held))
+        assert isinstance(plan, ResumePlan) and (plan.tier, plan.step, plan.path) == ("replicas", 20, "")
+        assert plan.data_position == 960 and plan.saved_mesh == MESH and plan.mesh.shape == [3, 2]
+        assert plan.batch is not None and plan.batch.global_batch == 48 and "w" in plan.arrays
+        assert "slices [0, 1]" in plan.notes[-1]
+    # a newer good step elsewhere still wins; with no whole replica the metadata changes nothing
+    newer = _decided([_plan(STORAGE, 30)], _asked([0, 1, 3], held))
+    assert isinstance(newer, ResumePlan) and newer.tier == "storage"
+    assert _decided([], _asked([0, 2], held)) == Refusal(ErrorCode.NO_GOOD_CHECKPOINT)

@@ -218,7 +218,8 @@ class CkptdClient:
             step_path, step = found.path, found.step
             held.append(Candidate(STORAGE, step, lambda: plan_for_step(  # the one planner of a step on storage
                 storage, step_path, request, job=job, step=step, source="storage_scan")))
-        decided = decide(with_replicas(held, request, load=as_is, dump=as_is), request)
+        decided = decide(with_replicas(held, request, load=as_is, dump=as_is, job=job, source="storage_scan"),
+                         request)
         if not isinstance(decided, Refusal):
             return decided
         which = "" if decided.step is None else f" {decided.step}"

@@ -145,33 +145,46 @@ def whole_replica(request: ResumeRequest) -> list[int] | None:
 
 def with_replicas(
     candidates: Iterable[Candidate[T]], request: ResumeRequest,
-    *, load: Callable[[T], ResumePlan], dump: Callable[[ResumePlan], T],
+    *, load: Callable[[T], ResumePlan], dump: Callable[[ResumePlan], T], job: str, source: str = "ckptd",
 ) -> list[Candidate[T]]:
     """``candidates`` and the replica tier's, when the request says the trainer holds a step whose replica
     survives whole (``whole_replica``): what ckptd's ``POST /resume`` and the client's fallback both decide on.
 
-    The replicas carry the state, not its layout: their plan is the plan of the newest step another tier
-    holds good (the arrays and mesh the run's steps share), laid out for the alive devices as that tier
-    would, then named for the replicas' step (``tier: "replicas"``, no ``path``, no ``data_position``: the
-    tier keeps the data position with its arrays). With no other good step to take it from there is no
-    replica candidate. ``load``/``dump``: a candidate's plan to a ``ResumePlan`` and back (the server's
-    candidates give bytes)."""
+    The replicas' plan (``tier: "replicas"``, no ``path``) is laid out from the held step's own training
+    metadata when the request carries it (``ReplicasHeld.training``: its mesh, arrays, batch and data
+    position), as a step on storage is from its own. A request without it (the replicas carry the state, not
+    its layout) gets the plan of the newest step another tier holds good, laid out for the alive devices as
+    that tier would, then named for the replicas' step (no ``data_position``: the tier keeps it with its
+    arrays); with no other good step there is then no replica candidate. ``load``/``dump``: a candidate's
+    plan to a ``ResumePlan`` and back (the server's candidates give bytes); ``job``, ``source``: the plan's."""
     held = list(candidates)
     replica = whole_replica(request)
+    if replica is None or request.replicas is None:
+        return held
+    step = request.replicas.step
+    note = f"restored from the replicas of step {step} in the hosts' memory (slices {replica} hold one whole)"
+    training = request.replicas.training
+    if training is not None:
+        own = training
+
+        def lay_out_own() -> T:
+            plan = resume_plan(job=job, step=step, path="", request=request, training=own,
+                               saved_layout=(own.mesh, dict(own.arrays)), source=source, tier="replicas")
+            return dump(plan.model_copy(update={"notes": [*plan.notes, note]}))
+
+        return [*held, Candidate(REPLICAS, step, lay_out_own)]
     donors = [c for c in held if c.lay_out is not None]
-    if replica is None or request.replicas is None or not donors:
+    if not donors:
         return held
     donor = max(donors, key=_rank)
     assert donor.lay_out is not None
     lay_donor = donor.lay_out
-    step = request.replicas.step
 
     def lay_out() -> T:
         plan = load(lay_donor())
-        note = (f"restored from the replicas of step {step} in the hosts' memory (slices {replica} hold one "
-                f"whole); laid out as step {plan.step} on {donor.source}")
+        laid = f"{note}; laid out as step {plan.step} on {donor.source}"
         return dump(plan.model_copy(update={
-            "step": step, "path": "", "tier": REPLICAS, "data_position": None, "notes": [*plan.notes, note]}))
+            "step": step, "path": "", "tier": REPLICAS, "data_position": None, "notes": [*plan.notes, laid]}))
 
     return [*held, Candidate(REPLICAS, step, lay_out)]
 

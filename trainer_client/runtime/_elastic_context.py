@@ -26,7 +26,7 @@ from pathwaysutils.elastic.manager import ScaleUpSignalError
 from trainer_client.config import ClientSettings
 from trainer_client.core._batching import initial_batch
 from trainer_client.core.format._snapshot import DataIteratorRecord
-from trainer_client.core.protocol import BatchPlan, ResumePlan
+from trainer_client.core.protocol import BatchPlan, ResumePlan, TrainingMetadata
 from trainer_client.errors import NoWholeReplica
 from trainer_client.runtime._checkpointing import mesh_spec, target_shardings, training_metadata
 from trainer_client.runtime._data_iterator import (
@@ -124,6 +124,7 @@ class ElasticContext:
         self._precompiling = False
         self._data_iterator: DataIterator | None = None
         self._persisted: set[int] = set()  # steps this attempt saved to storage (or had ckptd persist)
+        self._training: TrainingMetadata | None = None  # the attempt's layout, for the replica snapshots
         # a multi-controller job: SIGTERM is a preemption notice
         self._preemptible = runner.agreement is not None
 
@@ -305,7 +306,8 @@ class ElasticContext:
         replicas = self.runner.replicas
         if replicas is not None and (later or replicas.held_step() != step):
             iterator = state_record(self._data_iterator) if self._data_iterator is not None else None
-            replicas.snapshot(step, state, data_position, iterator)  # dispatched: the copy runs on
+            # dispatched: the copy runs on
+            replicas.snapshot(step, state, data_position, iterator, self._training_at(step, state, data_position))
         self.runner.slices.at_step_boundary(step, self.active_slices)
         if later and period > 0 and step % period == 0:
             self.save(step, state, data_position, if_busy=cfg.saving.when_save_busy)
@@ -315,6 +317,16 @@ class ElasticContext:
             self._start_precompile()  # no save came first (one in this boundary started it already)
         if cfg.elastic.policy == "resize":
             self._maybe_scale_up(step, state, data_position)
+
+    def _training_at(self, step: int, state: PyTree, data_position: int) -> TrainingMetadata:
+        """The training metadata of ``step``: the attempt's mesh and arrays (read from the state once per
+        attempt) with this step's number, data position and time."""
+        if self._training is None:
+            self._training = training_metadata(
+                step, state, data_position=data_position, global_batch=self.global_batch, mesh=self.mesh,
+                slices=sorted(self.active_slices), batch=self.batch, run_id=self.runner.settings.run_id)
+        return self._training.model_copy(update={"step": step, "data_position": data_position,
+                                                 "wall_time": time.time()})
 
     def _stop_for_preemption(self, step: int, state: PyTree, data_position: int) -> None:
         plan = self.plan

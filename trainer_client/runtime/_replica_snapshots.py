@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from trainer_client.core.format._snapshot import DataIteratorRecord
-from trainer_client.core.protocol import ReplicasHeld
+from trainer_client.core.protocol import ReplicasHeld, TrainingMetadata
 from trainer_client.errors import MemoryTierFull, NoWholeReplica
 from trainer_client.runtime._elastic_config import ReplicaOptions
 from trainer_client.runtime._replica_tier import ReplicaStats, ReplicaTier, Restored
@@ -47,10 +47,12 @@ class RunnerReplicas:
         self._lost_at: dict[int, int] = {}
         self._dispatched = 0
         self._number_of: dict[int, int] = {}  # a recent snapshot's step -> its dispatch number
+        self._training_of: dict[int, TrainingMetadata] = {}  # a recent snapshot's step -> its training metadata
 
     def snapshot(self, step: int, state: PyTree, data_position: int,
-                 iterator_state: DataIteratorRecord | None) -> bool:
-        """Dispatch a snapshot of ``step`` when it is due; False when not due, or skipped (one in flight)."""
+                 iterator_state: DataIteratorRecord | None, training: TrainingMetadata | None = None) -> bool:
+        """Dispatch a snapshot of ``step`` when it is due; False when not due, or skipped (one in flight).
+        ``training``: the step's training metadata, which ckptd lays the replicas out from."""
         if step % self.options.period or self.off_reason is not None:
             return False
         if self.tier is None and not self._make_tier(state):
@@ -62,8 +64,11 @@ class RunnerReplicas:
             return False
         self._dispatched += 1
         self._number_of[step] = self._dispatched
+        if training is not None:
+            self._training_of[step] = training
         for old in sorted(self._number_of)[:-4]:  # one held, one in flight, and a margin
             del self._number_of[old]
+            self._training_of.pop(old, None)
         return True
 
     def prepare(self, state: PyTree) -> None:
@@ -111,7 +116,7 @@ class RunnerReplicas:
         groups = [sorted(group) for group in held.replicas if not group & lost] if held is not None else []
         if held is None or not groups:
             return None
-        return ReplicasHeld(step=held.step, slices=groups)
+        return ReplicasHeld(step=held.step, slices=groups, training=self._training_of.get(held.step))
 
     def note_lost(self, slices: Collection[int]) -> None:
         self._lost_at.update({k: self._dispatched for k in slices})

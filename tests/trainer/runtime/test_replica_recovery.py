@@ -22,6 +22,7 @@ import pytest
 
 from examples.elastic_mlp import TrainLog, init_state, make_train_fn, partition_specs
 from tests.support.elastic_runs import (
+    BATCH,
     JOB,
     assert_bitwise_equal,
     elastic_runner,
@@ -200,3 +201,19 @@ def test_the_host_pages_are_touched_before_the_first_snapshot(tmp_path: Path, ck
     run_to_end(runner, train)
     (touched, need), (after, _) = reserved
     assert touched == need > 0 and after == 0
+
+
+def test_a_loss_before_the_first_checkpoint_resumes_from_the_replicas(tmp_path: Path, ckptd_server: Any) -> None:
+    """Nothing on storage or in shared memory yet: the replicas' own training metadata lays them out (before,
+    the run started again from step 0)."""
+    server = ckptd_server(tmp_path)
+    log = TrainLog()
+    runner = elastic_runner(tmp_path, server.url, "resize", [SliceFault(2, at_step=6, down_for_s=None)])
+    result = run_to_end(runner, make_train_fn(15, log))
+    (down,) = result.recoveries
+    assert (down.failed_at_step, down.restored_from, down.mesh_after) == (6, "replicas", [3, 2])
+    assert down.restored_step in (5, 6) and down.lost_steps == 6 - down.restored_step
+    plans = [e for e in result.events if e.kind == "plan_received"]
+    assert plans and "tier replicas" in plans[0].detail and f"data position {down.restored_step * BATCH}" in \
+        plans[0].detail
+    assert every_sample_once(log, 15)

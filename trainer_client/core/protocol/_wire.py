@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from trainer_client.core.protocol._base import _Model, _Request
-from trainer_client.core.protocol._stored import ArraySpec, BatchPlan, CheckpointInfo, MeshSpec
+from trainer_client.core.protocol._stored import ArraySpec, BatchPlan, CheckpointInfo, MeshSpec, TrainingMetadata
 
 # ckptd's default port, on both sides (ckptd/config.py, trainer_client/config.py): clear of libtpu's
 # 8470-8479 on TPU VMs, which share the trainer pod's network namespace (docs/deploy.md).
@@ -166,6 +166,11 @@ class ReplicasHeld(_Request):
         min_length=1, max_length=100_000,
         description="one entry per replica of the state: the slices it lives on (one slice each when the replica "
         "axis is across slices); a replica is whole when all its slices are among the request's `slices`",
+    )
+    training: TrainingMetadata | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="the held step's training metadata (its mesh, arrays, batch and data position): the replicas "
+        "are laid out from it; absent, from the newest step another tier holds good",
     )
 
 
