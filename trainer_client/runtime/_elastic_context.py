@@ -209,8 +209,11 @@ class ElasticContext:
                     ", no data iterator state saved with the step: the iterator starts where it is")
             self.runner.emit("restored", plan.step, detail, tier=plan.tier)
             self.runner.note_restored(plan)
+        # host pages touched before the first snapshot of each tier, so that it costs what a later one does
         if self.runner.replicas is not None:
-            self.runner.replicas.prepare(state)  # host pages touched before the first snapshot
+            self.runner.replicas.prepare(state)
+        if self.runner.saver.memory is not None:
+            self.runner.saver.memory.prepare(state)  # in the background
         self.last_step = self.start_step
         return state, self.start_step, position
 

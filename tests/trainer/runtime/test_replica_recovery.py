@@ -37,6 +37,7 @@ from trainer_client.runtime import _replica_leaves
 from trainer_client.runtime._elastic import ElasticContext
 from trainer_client.runtime._elastic_config import ReplicaOptions
 from trainer_client.runtime._jax_faults import InJaxFaults
+from trainer_client.runtime._memory_spare import snapshot_bytes
 from trainer_client.runtime._replica_tier import required_bytes
 from trainer_client.runtime._slices import SliceFault
 
@@ -185,22 +186,29 @@ def test_a_budget_set_too_small_stops_the_run_with_the_sizes(tmp_path: Path, ckp
 
 
 def test_the_host_pages_are_touched_before_the_first_snapshot(tmp_path: Path, ckptd_server: Any) -> None:
-    server = ckptd_server(tmp_path)
-    runner = elastic_runner(tmp_path, server.url, "resize")
+    """Both host-memory tiers, before an attempt's first step: the replica tier's pinned pages for two copies,
+    and the shared-memory tier's first save's file (allocated and touched, in the background)."""
+    shm = tmp_path / "shm"
+    server = ckptd_server(tmp_path, shm_dir=str(shm))
+    runner = elastic_runner(tmp_path, server.url, "resize", shm_dir=str(shm), memory_period=5)
     reserved: list[tuple[int, int]] = []
 
     def train(ctx: ElasticContext) -> Any:
         state, step, position = ctx.restore_or_init(init_state, partition_specs)
-        replicas = ctx.runner.replicas
-        assert replicas is not None and replicas.tier is not None
+        replicas, memory = ctx.runner.replicas, ctx.runner.saver.memory
+        assert replicas is not None and replicas.tier is not None and memory is not None
         reserved.append((replicas.tier.reserved_bytes, required_bytes(state)))
-        ctx.step_boundary(step, state, position)  # the first snapshot takes the pages over
+        memory.wait_spare()
+        spare = shm / JOB / f".spare-{os.getpid()}"
+        reserved.append((spare.stat().st_size, snapshot_bytes(state)))
+        ctx.step_boundary(step, state, position)  # the first snapshot takes the pinned pages over
         reserved.append((replicas.tier.reserved_bytes, 0))
         return state
 
     run_to_end(runner, train)
-    (touched, need), (after, _) = reserved
+    (touched, need), (spare_size, snapshot_size), (after, _) = reserved
     assert touched == need > 0 and after == 0
+    assert spare_size >= snapshot_size > 0
 
 
 def test_a_loss_before_the_first_checkpoint_resumes_from_the_replicas(tmp_path: Path, ckptd_server: Any) -> None:
