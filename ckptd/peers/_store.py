@@ -104,7 +104,7 @@ class PartStore:
             if (meta.step, meta.process_index, meta.process_count, meta.nbytes) != (step, origin, count, data_bytes):
                 raise PeerError(f"the metadata is of step {meta.step}, process {meta.process_index} of "
                                 f"{meta.process_count}, {meta.nbytes} bytes: not what the header announced")
-            fd = open_private(staging / SNAPSHOT_DATA_FILE, os.O_WRONLY | os.O_CREAT)
+            fd = open_private(staging / SNAPSHOT_DATA_FILE, os.O_RDWR | os.O_CREAT)  # mapped: read and write
             try:
                 recv_into_file(sock, fd, data_bytes)
             finally:
