@@ -4,8 +4,11 @@
   port, with the host-memory tier; a trial may SIGKILL it mid-recovery and restart it in the background.
 - ``Soak``: the root, the shared-memory directory, one ``SimulatedSlices`` (4 slices of 2 CPU devices) with one
   ``InJaxFaults`` active for the whole soak (losses raised from inside JAX operations), the time of every slice
-  loss, the runner each trial builds, the reference state (a run without failures), and ``sample``: the
-  process's RSS, live arrays, live executables and threads between trials.
+  loss, the runner each trial builds, the references (a run without failures on each mesh a trial uses: its
+  state at every step and at the end), and ``sample``: the process's RSS, live arrays, live executables and
+  threads between trials.
+- ``StateRecord``: the state a run had at each step boundary, read to the host, and every restore checked
+  against it: the restored step's values must be ones the run had at that step (never a mixed-step state).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,7 +36,7 @@ from examples.demo import free_port, start_ckptd
 from examples.elastic_mlp import TrainLog, make_train_fn
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
-from trainer_client.runtime._elastic import ElasticConfig, ElasticResult, ElasticRunner
+from trainer_client.runtime._elastic import ElasticConfig, ElasticContext, ElasticResult, ElasticRunner
 from trainer_client.runtime._elastic_config import ElasticOptions, HealthOptions, MemoryTierOptions
 from trainer_client.runtime._jax_faults import InJaxFaults
 from trainer_client.runtime._recovery import give_back_host_memory
@@ -41,7 +45,10 @@ from trainer_client.runtime._slices import SimulatedSlices
 STEPS = 30  # steps of one trial; saves every 10 (persistent) and every 5 (memory tier)
 BATCH = 48
 SLICES = 4
+MESH = (4, 2)  # (replica, data): one replica of the state on each slice
+TWO_REPLICAS = (2, 4)  # two replicas, each on two slices: two slices lost, one of each, leave no whole replica
 Policy = Literal["pause", "resize"]
+Leaves = list[np.ndarray]
 
 
 class Ckptd:
@@ -173,6 +180,72 @@ def _files_open() -> str:
     return ", ".join(f"{n} x {k}" for k, n in sorted(found.items()))
 
 
+@dataclass
+class StateRecord:
+    """The state a run had at each step boundary (every version: an attempt may compute a step again), read to
+    the host, and each restore's state checked against it (``restores``: step and verdict). A state is read only
+    while no fault is armed: the read is a transfer to the host, and must not be the one a trial's fault meets."""
+
+    injector: InJaxFaults
+    reference: dict[int, Leaves] = field(default_factory=dict)  # a run without failures on the same mesh
+    steps: dict[int, list[Leaves]] = field(default_factory=dict)
+    restores: list[tuple[int, str]] = field(default_factory=list)  # (step, equal | DIFFERS | unread | unrecorded)
+
+    def _read(self, state: Any) -> Leaves | None:
+        if self.injector.armed:
+            return None
+        return [np.asarray(x).copy() for x in jax.tree_util.tree_leaves(state)]
+
+    def boundary(self, step: int, state: Any) -> None:
+        leaves = self._read(state)
+        if leaves is not None:
+            self.steps.setdefault(step, []).append(leaves)
+
+    def restored(self, step: int, state: Any) -> None:
+        leaves = self._read(state)
+        known = self.steps.get(step, []) + ([self.reference[step]] if step in self.reference else [])
+        if leaves is None:
+            verdict = "unread"
+        elif not known:
+            verdict = "unrecorded"
+        else:
+            verdict = "equal" if any(_same(leaves, had) for had in known) else "DIFFERS"
+        self.restores.append((step, verdict))
+        if leaves is not None:
+            self.steps.setdefault(step, []).append(leaves)
+
+    def wrap(self, train_fn: Callable[[ElasticContext], Any]) -> Callable[[ElasticContext], Any]:
+        """``train_fn`` given a context that records each step boundary's state and checks each restore's."""
+        record = self
+
+        class Recording:
+            def __init__(self, ctx: ElasticContext) -> None:
+                self._ctx = ctx
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self._ctx, name)
+
+            def restore_or_init(self, *args: Any, **kwargs: Any) -> tuple[Any, int, int]:
+                fresh = self._ctx.plan is None
+                state, step, position = self._ctx.restore_or_init(*args, **kwargs)
+                if fresh:
+                    record.boundary(step, state)
+                else:
+                    record.restored(step, state)
+                return state, step, position
+
+            def step_boundary(self, step: int, state: Any, data_position: int) -> None:
+                if step > self._ctx.start_step:  # the restored state is recorded by restore_or_init
+                    record.boundary(step, state)
+                self._ctx.step_boundary(step, state, data_position)
+
+        return lambda ctx: train_fn(Recording(ctx))  # type: ignore[arg-type]
+
+
+def _same(a: Leaves, b: Leaves) -> bool:
+    return len(a) == len(b) and all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
 class Soak:
     """The soak's shared state; a context manager (ckptd and the fault injector run inside it)."""
 
@@ -188,7 +261,8 @@ class Soak:
         self.losses: list[tuple[int, float]] = []  # (slice, time.time()) of every loss
         self.slices.add_loss_listener(lambda k: self.losses.append((k, time.time())))
         self.samples: list[Sample] = []
-        self.reference: list[np.ndarray] = []
+        self.reference: dict[tuple[int, ...], Leaves] = {}  # per mesh: the final state of a run without failures
+        self.trajectory: dict[tuple[int, ...], dict[int, Leaves]] = {}  # per mesh: its state at each step
 
     def __enter__(self) -> Soak:
         self.ckptd.start()
@@ -206,11 +280,12 @@ class Soak:
         for k in self.slices.slice_to_devices:
             self.slices.bring_back(k)
 
-    def runner(self, job: str, policy: Policy, *, memory_tier: bool, on_event: Any = None) -> ElasticRunner:
+    def runner(self, job: str, policy: Policy, *, memory_tier: bool, on_event: Any = None,
+               mesh: tuple[int, ...] = MESH) -> ElasticRunner:
         (self.root / job).mkdir(parents=True, exist_ok=True)
         shm = str(self.shm) if memory_tier else None
         config = ElasticConfig(
-            job=job, mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=BATCH, checkpoint_period=10,
+            job=job, mesh_axes=("replica", "data"), mesh_shape=mesh, global_batch=BATCH, checkpoint_period=10,
             elastic=ElasticOptions(policy=policy, elastic_timeout_s=60),
             health=HealthOptions(poll_interval_s=0.05, scale_up_check_interval_s=0.0, monitor_interval_s=0.2),
             memory_tier=MemoryTierOptions(shm_dir=shm, memory_period=5 if memory_tier else None, max_snapshots=4),
@@ -220,18 +295,25 @@ class Soak:
         return ElasticRunner(config, slices=self.slices, client=client, checkpoint_dir=str(self.root / job),
                              on_event=on_event)
 
-    def train(self, runner: ElasticRunner, log: TrainLog, hook: Any = None) -> ElasticResult[Any]:
+    def train(self, runner: ElasticRunner, log: TrainLog, hook: Any = None,
+              record: StateRecord | None = None) -> ElasticResult[Any]:
+        train_fn = make_train_fn(STEPS, log, step_hook=hook)
         try:
-            return runner.run(make_train_fn(STEPS, log, step_hook=hook))
+            return runner.run(record.wrap(train_fn) if record is not None else train_fn)
         finally:
             runner.checkpointer.close()
             runner.client.close()
 
     def make_reference(self) -> None:
-        """A run without failures: what every ``pause`` trial must end with, bit for bit (pause keeps the mesh)."""
-        self.reset_slices()
-        result = self.train(self.runner("reference", "pause", memory_tier=True), TrainLog())
-        self.reference = [np.asarray(x) for x in jax.tree_util.tree_leaves(result.value)]
+        """A run without failures on each mesh a ``pause`` trial uses: what the trial must end with, bit for bit
+        (pause keeps the mesh), and its state at every step (what a restore of that step must give)."""
+        for mesh in (MESH, TWO_REPLICAS):
+            self.reset_slices()
+            record = StateRecord(self.injector)
+            name = "reference-" + "x".join(map(str, mesh))
+            result = self.train(self.runner(name, "pause", memory_tier=True, mesh=mesh), TrainLog(), record=record)
+            self.reference[mesh] = [np.asarray(x) for x in jax.tree_util.tree_leaves(result.value)]
+            self.trajectory[mesh] = {step: versions[0] for step, versions in record.steps.items()}
 
     def sample(self, after_trial: int) -> Sample:
         """The process between trials, twice. First as the library left it (``*_raw``): the runner clears JAX's
@@ -257,4 +339,5 @@ class Soak:
         return found
 
 
-__all__ = ["BATCH", "SLICES", "STEPS", "Ckptd", "Policy", "Sample", "Soak", "rss_mib"]
+__all__ = ["BATCH", "MESH", "SLICES", "STEPS", "TWO_REPLICAS", "Ckptd", "Policy", "Sample", "Soak", "StateRecord",
+           "rss_mib"]

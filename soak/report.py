@@ -1,21 +1,24 @@
 """The soak's results: ``soak/results.json`` and the Markdown table of docs/operations.md ("Recovery soak").
 
-``summarize`` turns the trials and the samples into the JSON record (``trials``, ``successes``, ``phases``,
-per-phase timings p50/p99, steps lost per failure, the process samples, each failure's problems and every
-trial in short); ``markdown`` prints it as the tables the docs carry; ``flat`` says whether the samples grew.
+``summarize`` turns the trials and the samples into the JSON record (``trials``, ``successes``, ``phases``
+with, per phase, the tier each slice-loss recovery restored from and the distribution of steps lost; timings
+p50/p99 per recovery phase, steps lost per failure, where recoveries restored from, the process samples, each
+failure's problems and every trial in short); ``markdown`` prints it as the tables the docs carry; ``flat`` says
+whether the samples grew.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from bench.common import percentile
 from soak.harness import Sample
-from soak.trials import PHASES, TIMINGS, Trial
+from soak.trials import PHASES, TIERS, TIMINGS, Trial
 
 SCHEMA = "ckptd-soak/1"
 
@@ -27,13 +30,24 @@ def _stats(values: Sequence[float]) -> dict[str, Any]:
             "max": round(max(values), 4)}
 
 
+def _counts(values: Iterable[int | str]) -> dict[str, int]:
+    """How many of each value, in order: steps lost 0, 1, 2, ...; tiers replicas, memory, storage (then others)."""
+    found = Counter(values)
+    rank = {tier: i for i, tier in enumerate(TIERS)}
+    return {str(k): found[k] for k in sorted(found, key=lambda k: (rank.get(str(k), len(rank)), str(k).zfill(9)))}
+
+
 def summarize(trials: Sequence[Trial], samples: Sequence[Sample], *, seed: int, started: float,
               finished: float, pid: int) -> dict[str, Any]:
     phases = {}
     for phase in PHASES:
         mine = [t for t in trials if t.phase == phase]
         phases[phase] = {"trials": len(mine), "successes": sum(t.ok for t in mine),
-                         "variants": sorted({t.variant for t in mine if t.variant})}
+                         "variants": sorted({t.variant for t in mine if t.variant}),
+                         "restored_from": _counts(tier for t in mine for tier in t.restored_from),
+                         "lost_steps": _counts(n for t in mine for n in t.lost_steps),
+                         "restores_checked": sum(v == "equal" for t in mine for _, v in t.restores),
+                         "replicas_unusable": sum(t.replicas_unusable for t in mine)}
     timings = {name: _stats([v for t in trials for v in t.timings.get(name, [])]) for name in TIMINGS}
     lost = [n for t in trials for n in t.lost_steps]
     return {
@@ -48,11 +62,13 @@ def summarize(trials: Sequence[Trial], samples: Sequence[Sample], *, seed: int, 
         "steps_lost_per_failure": {"n": len(lost), "mean": round(statistics.fmean(lost), 2) if lost else None,
                                    "p50": percentile(lost, 50) if lost else None,
                                    "max": max(lost) if lost else None},
+        "lost_steps": _counts(lost),
+        "restored_from": _counts(tier for t in trials for tier in t.restored_from),
         "samples": [s.__dict__ for s in samples],
         "failures": [{"trial": t.index, "phase": t.phase, "variant": t.variant, "problems": t.problems}
                      for t in trials if not t.ok],
         "trial_log": [{"trial": t.index, "phase": t.phase, "variant": t.variant, "ok": t.ok, "seconds": t.seconds,
-                       "recoveries": t.recoveries} for t in trials],
+                       "recoveries": t.recoveries, "restores": [list(r) for r in t.restores]} for t in trials],
     }
 
 
@@ -92,6 +108,10 @@ def _ms(value: float | None) -> str:
     return "—" if value is None else f"{value * 1000:.0f} ms"
 
 
+def _spread(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k}: {n}" for k, n in counts.items()) or "—"
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The tables of docs/operations.md's "Recovery soak" section."""
     out = [f"**{results['successes']}/{results['trials']} trials recovered** (seed {results['seed']}, "
@@ -106,6 +126,12 @@ def markdown(results: dict[str, Any]) -> str:
     lost = results["steps_lost_per_failure"]
     out += ["", f"Steps lost per failure: mean {lost['mean']}, median {lost['p50']}, max {lost['max']} "
             f"({lost['n']} failures).", "",
+            "| phase | restored from | steps lost: failures | restores checked equal |", "|---|---|---|---|"]
+    for phase, p in results["phases"].items():
+        out.append(f"| {phase} | {_spread(p['restored_from'])} | {_spread(p['lost_steps'])} | "
+                   f"{p['restores_checked']} |")
+    out += [f"| all | {_spread(results['restored_from'])} | {_spread(results['lost_steps'])} | "
+            f"{sum(p['restores_checked'] for p in results['phases'].values())} |", "",
             "| after trial | RSS as left | arrays, executables as left | RSS | RSS before the trim | live arrays | "
             "live executables | threads | open files |",
             "|---|---|---|---|---|---|---|---|---|"]

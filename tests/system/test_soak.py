@@ -1,4 +1,5 @@
-"""The recovery soak's short form (``make soak`` runs 100 trials; this runs one of each phase).
+"""The recovery soak's short form (``make soak`` runs 100 trials; this runs one of each phase, the replica
+tier's among them: a loss during the pinned copy, two slices lost at once, a loss right after a scale-up).
 
 The soak runs as ``make soak`` does, as its own trainer process (``python -m soak``): one process for every
 trial, a real ``ckptd serve`` process, 4 fake slices with losses raised inside JAX. Every trial must recover
@@ -19,7 +20,7 @@ import pytest
 
 from soak.harness import Sample
 from soak.report import flat
-from soak.trials import PHASES, TIMINGS
+from soak.trials import PHASES, TIERS, TIMINGS
 from tests.support.helpers import REPO, clean_env
 
 pytestmark = pytest.mark.integration
@@ -42,6 +43,25 @@ def test_every_phase_recovers_and_nothing_of_a_trial_stays_alive(tmp_path: Path)
     assert (results["trials"], results["successes"]) == (trials, trials)
     assert {phase: p["successes"] for phase, p in results["phases"].items()} == dict.fromkeys(PHASES, 1)
     assert len({t["phase"] for t in results["trial_log"]}) == trials
+    # each trial records the tier every slice-loss recovery restored from and the steps it lost; the results
+    # report their distribution per phase, and every restore whose state could be read equals the run's there
+    for phase, p in results["phases"].items():
+        assert set(p["restored_from"]) <= {*TIERS, "interrupted"} and set(p["restored_from"]) & set(TIERS), (phase, p)
+        assert sum(p["lost_steps"].values()) == sum(p["restored_from"].values()), (phase, p)
+    log = {t["phase"]: t for t in results["trial_log"]}
+    assert all(verdict != "DIFFERS" for t in log.values() for _, verdict in t["restores"])
+    downs = {phase: [r for r in t["recoveries"] if r["kind"] == "slice_down"] for phase, t in log.items()}
+    # a failed pinned copy is dropped: the step held before restores, whole, from the replicas
+    assert [r["restored_from"] for r in downs["replica_copy"]] == ["replicas"]
+    assert [v for _, v in log["replica_copy"]["restores"]] == ["equal"]
+    # two replicas of two slices each: one of each lost leaves no whole replica (memory or storage), both of
+    # one leave the other
+    two = [r["restored_from"].split(":")[0] for r in downs["two_slices"]]
+    want = ("replicas",) if log["two_slices"]["variant"] == "one_replica" else ("memory", "storage")
+    assert len(two) == 1 and two[0] in want, (log["two_slices"]["variant"], two)
+    assert [r["kind"] for r in log["after_scale_up"]["recoveries"]] == [
+        "slice_down", "scale_up", "slice_down", "scale_up"]
+    assert sum(results["restored_from"].values()) == sum(results["lost_steps"].values()) >= trials
     # A sample after every trial, the first (after trial 1: first-time costs paid) the baseline. No array,
     # executable, thread or open file of a trial may outlive it: tolerance 0 (JAX's caches are cleared before
     # counting, as the runner clears them after an event; what they hold is bounded by their LRU sizes). RSS is
@@ -62,3 +82,4 @@ def test_every_phase_recovers_and_nothing_of_a_trial_stays_alive(tmp_path: Path)
         assert results["timings_s"][name]["n"] >= trials - 1, (name, results["timings_s"][name])
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "trials recovered" in proc.stdout
+    assert "| phase | restored from | steps lost: failures |" in proc.stdout
