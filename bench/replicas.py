@@ -105,14 +105,14 @@ def _abstract(state: PyTree) -> PyTree:
 
 def _steps(step: Any, state: PyTree, batch: tuple[jax.Array, jax.Array], n: int,
            tier: ReplicaTier | None, first: int) -> tuple[PyTree, float]:
-    """``n`` steps (each waited for, as a loop that reads its loss does); a snapshot after each with ``tier``.
-    Returns the state and the mean seconds per step."""
+    """``n`` steps, each waited for (a loop that reads its loss), then with ``tier`` a snapshot of its state
+    at the step boundary, as the runner takes it. Returns the state and the mean seconds per step."""
     started = time.perf_counter()
     for i in range(n):
         state, loss = step(state, *batch)
+        float(loss)
         if tier is not None:
             tier.snapshot(first + i, state, data_position=first + i)
-        float(loss)
     seconds = (time.perf_counter() - started) / n
     if tier is not None:
         tier.wait()
