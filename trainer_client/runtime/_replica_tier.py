@@ -273,10 +273,12 @@ class ReplicaTier:
         return tuple(self._slices(group) for group in groups)
 
     def held_arrays(self) -> list[jax.Array]:
-        """The host arrays of the held snapshot (what a failed attempt's clean-up must leave alone)."""
+        """The host arrays of the held snapshot, and ``prepare``'s until the first snapshot (what a failed
+        attempt's clean-up must leave alone)."""
         with self._lock:
             snap = self._held
-        return [r for leaf in snap.arrays for r in leaf.replicas] if snap is not None else []
+        return [r for leaf in snap.arrays for r in leaf.replicas] + self._reserve if snap is not None else \
+            list(self._reserve)
 
     def stats(self) -> ReplicaStats:
         with self._lock:

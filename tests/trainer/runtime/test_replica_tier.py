@@ -293,3 +293,18 @@ def test_prepare_refuses_a_budget_too_small_before_touching_anything() -> None:
     assert roomy.prepare(state) == need and roomy.reserved_bytes == need
     roomy.close()
     assert roomy.reserved_bytes == 0
+
+
+def test_prepares_copies_are_left_alone_by_a_failed_attempts_clean_up_until_the_first_snapshot() -> None:
+    mesh = _mesh(jax.devices(), 2)
+    state = _state(mesh)
+    tier = ReplicaTier(replica_axis="replica")
+    try:
+        tier.prepare(state)
+        kept = tier.held_arrays()
+        assert kept and {id(x) for x in kept} == {id(x) for x in tier._reserve}
+        assert tier.snapshot(1, state, data_position=0) and tier.wait(10)
+        held = tier.held_arrays()
+        assert held and not {id(x) for x in held} & {id(x) for x in kept}  # the reserve is gone: only the snapshot
+    finally:
+        tier.close()
