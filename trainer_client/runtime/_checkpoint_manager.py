@@ -18,9 +18,15 @@ directory, so the steps are Orbax's layout and plain Orbax restores them. What c
   Every other field of Orbax's options is honoured by Orbax (``HONOURED``; a test checks that each field is in
   one table).
 
-Saves go to storage through Orbax only, and carry no ckptd training metadata: a host-memory tier configured
-for ckptd (``ClientSettings.shm_dir``) is named in a warning, not used, because a snapshot needs the data
-position and global batch an Orbax loop never tells the manager (docs/adopt.md, "What it does not do (yet)").
+ckptd's training metadata (data position, global batch, mesh, arrays, run id) needs what an Orbax loop never
+tells its manager: told ``global_batch=`` (and optionally ``data_position=``), every save records it where the
+elastic runner does (the step's custom metadata and manifest: ``trainer_client.runtime._manager_saves``), and a
+save the host-memory tier can hold goes there when one is configured (``ClientSettings.shm_dir``): the loop
+pays the device-to-host copy and ckptd persists the step in Orbax's layout, routed as the runner routes
+(``trainer_client.runtime._saver``); ``wait_until_finished`` waits until ckptd has. Without ``global_batch=``
+saves go to storage through Orbax with no training metadata (a configured tier is named in a warning), as
+they do when the tier is full or the save holds more than it can (docs/adopt.md, "Training metadata and the
+memory tier").
 
 The job is the directory's last name under the root ckptd serves: ``<root>/<job>`` (MaxText's
 ``<base>/<run>/checkpoints``: ``ckptd serve --root <base>/<run>``, job ``checkpoints``).
@@ -29,9 +35,10 @@ The job is the directory's last name under the root ckptd serves: ``<root>/<job>
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -50,7 +57,17 @@ from trainer_client.core._durability import sync_tree
 from trainer_client.core._storage import join_path
 from trainer_client.core.format._files import CKPTD_MANIFEST, TMP_DIR_SUFFIX
 from trainer_client.core.format._manifest import build_manifest, write_manifest
+from trainer_client.core.format._steps import CUSTOM_METADATA_KEY
+from trainer_client.core.protocol import TrainingMetadata
 from trainer_client.runtime._good_steps import GoodSteps, GoodStepsOnly
+from trainer_client.runtime._manager_saves import (
+    MemoryRoute,
+    MemorySave,
+    TrainingInfo,
+    array_item,
+    memory_save,
+    training_for,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -143,6 +160,9 @@ class CheckpointManager(AbstractCheckpointManager):
         handler_registry: Any = None,
         *,
         ckptd: CkptdClient | None = None,
+        global_batch: int | None = None,
+        data_position: Callable[[int], int] | None = None,
+        persist_timeout_s: float = 600.0,
     ) -> None:
         """As ``orbax.checkpoint.CheckpointManager`` (``item_names``, ``item_handlers``, ``options``,
         ``metadata``, ``logger``, ``handler_registry``). ``ckptd``: the client of the ckptd serving the root
@@ -150,7 +170,12 @@ class CheckpointManager(AbstractCheckpointManager):
         good steps are then judged from storage. With a client every save is reported to ckptd as a
         ``checkpoint_started`` event (in the background; ``CKPTD_REPORT_EVENTS=false``: not). Raises
         ``ValueError`` for an option ckptd cannot honour (``unsupported_options``) and for Orbax's legacy
-        ``checkpointers``."""
+        ``checkpointers``.
+
+        ``global_batch``: the samples of one step; with it every save records ckptd's training metadata, at the
+        data position ``data_position(step)`` (by default ``step * global_batch``), and goes to the host-memory
+        tier when ``ClientSettings.shm_dir`` names one and the save fits it. ``persist_timeout_s``: how long
+        ``wait_until_finished`` waits for ckptd to persist this manager's memory-tier saves."""
         if checkpointers is not None:
             raise ValueError("CheckpointManager(checkpointers=...) is Orbax's legacy API and is not supported: "
                              "pass item_names=/item_handlers= and save with args=")
@@ -162,15 +187,22 @@ class CheckpointManager(AbstractCheckpointManager):
         settings = ckptd.settings if ckptd is not None else ClientSettings()
         if ckptd is None and "url" in settings.model_fields_set:  # CKPTD_URL: the sidecar beside this trainer
             ckptd = self._own_client = CkptdClient(settings)
-        if settings.shm_dir is not None:
-            _log.warning("ckptd's host-memory tier (%s) is not used by trainer_client.CheckpointManager: its saves go "
-                         "to storage through Orbax (docs/adopt.md, \"What it does not do (yet)\")", settings.shm_dir)
+        if data_position is not None and global_batch is None:
+            raise ValueError("data_position= needs global_batch=: ckptd's training metadata records both")
+        self._training = None if global_batch is None else TrainingInfo(global_batch, data_position, settings.run_id)
+        if settings.shm_dir is not None and self._training is None:
+            _log.warning("ckptd's host-memory tier (%s) is not used by trainer_client.CheckpointManager without "
+                         "global_batch=: its saves go to storage through Orbax (docs/adopt.md, \"Training metadata "
+                         "and the memory tier\")", settings.shm_dir)
         self._good = GoodSteps(str(directory), ckptd)
         self._reporter = (EventReporter(ckptd.settings, self._good.job)
                           if ckptd is not None and ckptd.settings.report_events else None)
         self._storage = self._good.storage
         self._async = options.enable_async_checkpointing
-        self._pending_step: int | None = None  # the save in flight: its manifest is written before its commit
+        self._pending: tuple[int, TrainingMetadata | None] | None = None  # the save in flight: its manifest is
+        # written before its commit
+        self._default_item = item_names is None and not isinstance(item_handlers, Mapping)  # unnamed args: "default"
+        self._persist_timeout_s = persist_timeout_s
         async_options = options.async_options
         self._user_callback = async_options.post_finalization_callback if async_options else None
         if self._async:  # Orbax refuses the callback without its asynchronous checkpointer
@@ -189,6 +221,8 @@ class CheckpointManager(AbstractCheckpointManager):
             directory, options=delegated, metadata=metadata, item_names=item_names, item_handlers=item_handlers,
             logger=logger, handler_registry=handler_registry,
         )
+        self._memory = (MemoryRoute(self._manager, settings.shm_dir, self._storage, self._good.job, ckptd, settings)
+                        if settings.shm_dir is not None and self._training is not None else None)
 
     # ---- what ckptd changes ----------------------------------------------------------------------
 
@@ -203,20 +237,41 @@ class CheckpointManager(AbstractCheckpointManager):
     def save(self, step: int, items: Any = None, save_kwargs: Any = None, metrics: Any = None,
              force: bool | None = False, args: args_lib.CheckpointArgs | None = None,
              custom_metadata: dict[str, Any] | None = None) -> bool:
-        """Orbax's ``save`` (same arguments, same decision); the step gets ckptd's manifest before its commit."""
+        """Orbax's ``save`` (same arguments, same decision); the step gets ckptd's manifest before its commit, and
+        with ``global_batch=`` ckptd's training metadata; to the memory tier when it can take the save."""
         if not force and not self._manager.should_save(step):
             return False
-        self._manager.wait_until_finished()  # one save in flight: the callback below knows its step
-        self._pending_step = step
         started = time.perf_counter()
+        found = array_item(args, self._default_item) if items is None else None
+        meta = training_for(step, found[1], self._training) if found is not None else None
+        store = functools.partial(self._to_storage, step, items, save_kwargs, metrics, force, args, custom_metadata)
+        taken = memory_save(args, self._default_item) if self._memory is not None and meta is not None else None
+        if isinstance(taken, MemorySave) and metrics is None and not custom_metadata:  # what the tier carries
+            assert self._memory is not None and meta is not None
+            tier, saved = self._memory.save(step, taken, meta, store)
+        else:
+            if self._memory is not None and meta is not None:
+                _log.info("step %s goes to storage, not the memory tier: %s", step,
+                          taken if isinstance(taken, str) else "Orbax's metrics or custom metadata are given")
+            tier, saved = "storage", store(meta)
+        if saved and self._reporter is not None:
+            blocked = time.perf_counter() - started
+            self._reporter.report("checkpoint_started", time=time.time(), step=step, tier=tier,
+                                  blocked_seconds=blocked, detail=f"{tier}, {blocked:.3f}s blocked")
+        return saved
+
+    def _to_storage(self, step: int, items: Any, save_kwargs: Any, metrics: Any, force: bool | None,
+                    args: args_lib.CheckpointArgs | None, custom_metadata: dict[str, Any] | None,
+                    meta: TrainingMetadata | None) -> bool:
+        """The save through Orbax, with ``meta`` in the step's custom metadata (key ``ckptd``) and manifest."""
+        self._manager.wait_until_finished()  # one save in flight: the callback below knows its step
+        self._pending = (step, meta)
+        if meta is not None:
+            custom_metadata = {**(custom_metadata or {}), CUSTOM_METADATA_KEY: meta.model_dump(mode="json")}
         saved = bool(self._manager.save(step, items, save_kwargs=save_kwargs, metrics=metrics, force=force,
                                         args=args, custom_metadata=custom_metadata))
         if saved and not self._async:  # no callback before a synchronous save's commit: manifest it now
-            self._manifest(step, committed=True)
-        if saved and self._reporter is not None:
-            blocked = time.perf_counter() - started
-            self._reporter.report("checkpoint_started", time=time.time(), step=step, tier="storage",
-                                  blocked_seconds=blocked, detail=f"storage, {blocked:.3f}s blocked")
+            self._manifest(step, meta, committed=True)
         return saved
 
     def restore(self, step: int | None, items: Any = None, restore_kwargs: Any = None,
@@ -235,13 +290,13 @@ class CheckpointManager(AbstractCheckpointManager):
 
     def _before_commit(self) -> None:
         """Orbax's post-finalization callback: every file of the step is written, its commit marker is not."""
-        step, self._pending_step = self._pending_step, None
-        if step is not None:
-            self._manifest(step, committed=False)
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._manifest(*pending, committed=False)
         if self._user_callback is not None:
             self._user_callback()
 
-    def _manifest(self, step: int, *, committed: bool) -> None:
+    def _manifest(self, step: int, meta: TrainingMetadata | None, *, committed: bool) -> None:
         """ckptd's manifest of ``step`` (process 0 only, as Orbax's commit), fsynced with the step on a local disk."""
         if jax.process_index() != 0:
             return
@@ -251,7 +306,8 @@ class CheckpointManager(AbstractCheckpointManager):
             step_path = tmp
         if committed and self._storage.exists(join_path(step_path, CKPTD_MANIFEST)):
             return
-        manifest = build_manifest(self._storage, step_path, step=step, writer="trainer_client")
+        manifest = build_manifest(self._storage, step_path, step=step, writer="trainer_client",
+                                  arrays=meta.arrays if meta is not None else None, training=meta)
         write_manifest(self._storage, step_path, manifest)
         if not self._storage.is_remote:
             sync_tree(step_path)
@@ -287,7 +343,12 @@ class CheckpointManager(AbstractCheckpointManager):
         return bool(self._manager.is_saving_in_progress())
 
     def wait_until_finished(self) -> None:
+        """Orbax's saves finished, then this manager's memory-tier saves committed on storage by ckptd (at most
+        ``persist_timeout_s``: ``TimeoutError`` naming the steps still in shared memory, which ckptd persists
+        when it can)."""
         self._manager.wait_until_finished()
+        if self._memory is not None:
+            self._memory.wait_persisted(self._persist_timeout_s)
 
     def check_for_errors(self) -> None:
         self._manager.check_for_errors()
@@ -298,6 +359,8 @@ class CheckpointManager(AbstractCheckpointManager):
         try:
             self._manager.close()
         finally:
+            if self._memory is not None:
+                self._memory.close()
             if self._reporter is not None:
                 self._reporter.close(self._reporter.settings.events_flush_timeout_s)
             if self._own_client is not None:

@@ -281,8 +281,9 @@ def test_ckptd_named_by_the_environment_is_asked_and_told_of_every_save(
 def test_a_host_memory_tier_configured_for_ckptd_is_said_to_be_unused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """CKPTD_SHM_DIR (the tier the runner's client uses) is not taken by the manager: a warning says so, the
-    save goes to storage and nothing is written to the tier's directory."""
+    """CKPTD_SHM_DIR (the tier the runner's client uses) is not taken by a manager not told the global batch
+    (no training metadata for a snapshot): a warning says so, the save goes to storage and nothing is written to
+    the tier's directory."""
     shm = tmp_path / "shm"
     monkeypatch.setenv("CKPTD_SHM_DIR", str(shm))
     with (caplog.at_level("WARNING", logger="trainer_client.runtime._checkpoint_manager"),
