@@ -34,7 +34,10 @@ def leaf_bytes(leaf: Any) -> int:
     """The bytes a snapshot gives one array (or ``ShapeDtypeStruct`` with a sharding): each region this
     process's devices hold, once, each at a ``SHARD_ALIGN`` boundary (the bound a save sizes its file by)."""
     shape = tuple(leaf.shape)
-    regions = {index_bounds(index, shape) for index in leaf.sharding.addressable_devices_indices_map(shape).values()}
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is None:  # a ShapeDtypeStruct without one: the whole array, as one shard
+        return math.prod(shape) * leaf.dtype.itemsize + SHARD_ALIGN
+    regions = {index_bounds(index, shape) for index in sharding.addressable_devices_indices_map(shape).values()}
     return sum(math.prod(stop - start for start, stop in bounds) * leaf.dtype.itemsize + SHARD_ALIGN
                for bounds in regions)
 

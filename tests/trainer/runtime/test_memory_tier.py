@@ -177,6 +177,7 @@ def test_prepare_touches_the_first_saves_file_before_it_and_evicts_nothing(shm_p
                                       if isinstance(a, jax.Array) else a, state)
     nbytes = snapshot_bytes(abstract)
     assert nbytes == snapshot_bytes(state) >= 16 << 20  # one replica of each of the two halves, aligned
+    assert snapshot_bytes({"w": jax.ShapeDtypeStruct((1024, 4096), jnp.float32)}) >= 16 << 20  # no sharding: whole
     earlier = MemoryTier(str(tmp_path), "job", max_snapshots=3)
     earlier.save(1, state, _meta(1, state, mesh), persist=False)
     earlier.close()
