@@ -135,7 +135,7 @@ def expected_tiers(args: argparse.Namespace) -> list[str]:
     if args.no_kill:
         return ["none"] * args.hosts
     lost = set(args.lost)
-    if lost and (args.no_peers or any(holder_of(k, args.hosts) in lost for k in lost)):
+    if lost and (args.no_peers or args.corrupt_peer_copy or any(holder_of(k, args.hosts) in lost for k in lost)):
         return ["storage"] * args.hosts
     return ["peer" if k in lost else "memory" for k in range(args.hosts)]
 
@@ -157,6 +157,13 @@ def wait_for_copies(args: argparse.Namespace, hosts: list[dict[str, Any]], timel
             timeline.say(f"ckptd {holder}", "peer copy held", step, f"host {k}'s part, in {copy.parent}")
         except TimeoutError as exc:
             timeline.say(f"ckptd {holder}", "NO peer copy", step, str(exc))
+            continue
+        if args.corrupt_peer_copy:  # one bit of a shard flipped: the size still right, the checksum not
+            with (copy / "data.bin").open("r+b") as f:
+                first = f.read(1)
+                f.seek(0)
+                f.write(bytes([first[0] ^ 1]))
+            timeline.say(f"ckptd {holder}", "peer copy damaged", step, "one bit flipped (--corrupt-peer-copy)")
 
 
 def first_run(args: argparse.Namespace, hosts: list[dict[str, Any]], out: Path, timeline: Timeline) -> list[Trainer]:
@@ -222,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lose-host-memory", default=None, metavar="K[,J...]",
                         help="wipe these hosts' shared memory before the restart (replaced nodes): a wiped host gets "
                         "its part from its peer's copy; when its peer was wiped too, every host resumes from storage")
+    parser.add_argument("--corrupt-peer-copy", action="store_true",
+                        help="flip a bit in the peer's copy of each wiped host's part: found, every host from storage")
     parser.add_argument("--no-peers", action="store_true",
                         help="sidecars without the peer channel: a wiped host sends every host to storage")
     parser.add_argument("--steps", type=int, default=100)

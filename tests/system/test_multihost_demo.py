@@ -102,6 +102,17 @@ def test_a_host_and_its_peer_both_wiped_send_both_hosts_to_storage(tmp_path: Pat
 @pytest.mark.chaos
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def test_a_damaged_peer_copy_is_found_and_both_hosts_resume_from_storage(tmp_path: Path) -> None:
+    report = _check_run(tmp_path, "storage", "--lose-host-memory", "1", "--corrupt-peer-copy")
+    assert report["agreed_step"] == 15, "the newest step on storage before the kill"
+    lines = report["stdout"].splitlines()
+    assert any("peer copy damaged" in line for line in lines)
+    assert not any("from peer" in line for line in lines), "the damaged copy is never restored"
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_a_host_that_lost_its_memory_without_peer_copies_sends_both_hosts_to_storage(tmp_path: Path) -> None:
     report = _check_run(tmp_path, "storage", "--lose-host-memory", "1", "--no-peers")
     assert report["agreed_step"] == 15, "the newest step on storage before the kill"
