@@ -13,8 +13,9 @@ catalog rebuild: bench/service.py), ``recovery`` (in-process recovery against a 
 bench/recovery.py), ``replicas`` (a replica snapshot every step against none, and a recovery from the
 replicas against one from the shared-memory tier: bench/replicas.py), ``multihost`` (a 2-process job's
 restart from memory against from storage, and the multi-host persist when bench/multihost_persist.py is
-there: bench/multihost.py), ``first_sight`` (ms per step of 1,000 arrays seen without records:
-bench/first_sight.py). Work files go to a fresh
+there: bench/multihost.py), ``peers`` (the same job's restart with one host's part from a peer's copy against
+from storage, and what the copies cost training: bench/peers.py), ``first_sight`` (ms per step of 1,000
+arrays seen without records: bench/first_sight.py). Work files go to a fresh
 directory under ``--workdir`` (default: the system temp directory) and a shared-memory directory under
 ``--shm`` (default /dev/shm); both are removed at the end.
 """
@@ -38,7 +39,7 @@ from typing import Any
 from bench.common import Profile, Results, free_gib, profile_from_env, rmtree, write_json
 from bench.report import write_report
 
-FAMILIES = ("io", "interference", "recovery", "replicas", "multihost", "first_sight",
+FAMILIES = ("io", "interference", "recovery", "replicas", "multihost", "peers", "first_sight",
             "service")  # the longest (service) last
 ROOT = Path(__file__).resolve().parent.parent
 PUBLISHED = ROOT / "bench"  # the tracked results (--publish), and the tracked report beside them
@@ -112,6 +113,10 @@ def run(profile: Profile, families: tuple[str, ...], out: Path, docs: Path | Non
                     from bench.multihost import run_multihost
 
                     run_multihost(profile, results, base / "multihost", shm_base)
+                elif family == "peers":
+                    from bench.peers import run_peers
+
+                    run_peers(profile, results, base / "peers", shm_base)
                 else:
                     raise ValueError(f"unknown family {family!r}")
             except Exception as exc:  # one family failing must not lose the others' numbers
