@@ -15,10 +15,10 @@ Phases (``PHASES``), each with a random slice, step and down time from the trial
 - ``ckptd_restart``: ckptd SIGKILLed when the failure is detected and restarted in the background;
 - ``replica_copy``: a slice lost during the replica tier's copy into pinned host memory: inside the dispatch
   (the n-th ``device_put`` of ``copy_to_host``) or while the tier's worker waits for the copy; the copy is
-  dropped and the run restores from the replicas of the step held before;
+  dropped and the run restores from the replicas of the step held before (or a newer step in memory);
 - ``two_slices`` (mesh 2 x 4: two replicas, each on two slices): two slices lost at once, one of each replica
   (no whole replica left: the restore falls back to the shared-memory tier or storage) or both of one replica
-  (the other restores);
+  (the other restores, unless memory holds a newer step);
 - ``after_scale_up`` (``resize``): a loss, the run shrinks, the slice returns and the run grows back, and a
   slice (the one that returned, or another) is lost in the first step after the scale-up.
 
@@ -89,6 +89,7 @@ class _Scenario:
         self.waited_for_return = False
         self.waited_after = 0  # after_scale_up: the restores after which the hook waited for the slice back
         self.scaled_up = False
+        self.held_at_plan: list[int | None] = []  # the step the replica tier held when each plan came
         if self.phase == "replica_copy":
             trial.variant = rng.choice(["dispatch", "wait"])
             self.nth = rng.randint(1, 13)  # the state's 13 arrays: one device_put each, every slice involved
@@ -199,6 +200,9 @@ class _Scenario:
             self._arm_first()  # the next read of a result, while the save of step 20 is written
         elif kind == "restored":
             self.restores += 1
+        elif kind == "plan_received":
+            replicas = self.runner.replicas if self.runner is not None else None
+            self.held_at_plan.append(replicas.held_step() if replicas is not None else None)
         elif kind == "replicas_unusable":
             self.trial.replicas_unusable += 1
         elif kind == "scale_up_detected":
@@ -307,20 +311,25 @@ def _check_phase(trial: Trial, scenario: _Scenario, result: ElasticResult[Any], 
     """What the replica tier's phases must show beyond every trial's checks."""
     problems, phase, variant = trial.problems, scenario.phase, trial.variant
     tiers = [tier_of(r.restored_from) for r in downs]
+    # from replicas, or from a newer step in memory or storage (ckptd takes the newest whole step; of equal
+    # steps, the replicas): the step the replicas held when the plan came, or older, is never taken elsewhere
+    held = scenario.held_at_plan[0] if scenario.held_at_plan else None
+    newest = bool(downs) and (tiers[0] == "replicas" or held is None or (downs[0].restored_step or 0) > held)
     if phase == "replica_copy":
         failures = [e.fields.get("replica_failures") or 0 for e in result.events if e.kind == "recovered"]
         if not failures or max(failures) < 1:
             problems.append(f"the replica tier counted no failed copy (recovered events: {failures})")
-        if tiers != ["replicas"]:
-            problems.append(f"a failed copy left no whole snapshot: restored from {tiers}")
+        if len(tiers) != 1 or not newest:
+            problems.append(f"a failed copy left no whole snapshot: restored from {tiers}, replicas held {held}")
         if not any(verdict == "equal" for _, verdict in trial.restores):
             problems.append(f"no restore was checked against the run's state: {trial.restores}")
         if variant == "dispatch" and downs and (downs[0].restored_step or 0) >= downs[0].failed_at_step:
             problems.append(f"the step whose copy failed ({downs[0].failed_at_step}) was restored")
     elif phase == "two_slices":
-        want = ("memory", "storage") if variant == "across_replicas" else ("replicas",)
-        if not tiers or tiers[0] not in want:
-            problems.append(f"two slices lost ({variant}): restored from {tiers}, expected one of {want}")
+        if variant == "across_replicas" and (not tiers or tiers[0] not in ("memory", "storage")):
+            problems.append(f"no whole replica left: restored from {tiers}, expected memory or storage")
+        elif variant == "one_replica" and not newest:
+            problems.append(f"one whole replica left: restored from {tiers}, the replicas held step {held}")
         if not any(verdict == "equal" for _, verdict in trial.restores):
             problems.append(f"no restore was checked against the run's state: {trial.restores}")
     elif phase == "after_scale_up":
