@@ -39,7 +39,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, SupportsIndex
 
 import jax
 import orbax.checkpoint as ocp
@@ -161,7 +161,7 @@ class CheckpointManager(AbstractCheckpointManager):
         *,
         ckptd: CkptdClient | None = None,
         global_batch: int | None = None,
-        data_position: Callable[[int], int] | None = None,
+        data_position: Callable[[int], SupportsIndex] | None = None,
         persist_timeout_s: float = 600.0,
     ) -> None:
         """As ``orbax.checkpoint.CheckpointManager`` (``item_names``, ``item_handlers``, ``options``,

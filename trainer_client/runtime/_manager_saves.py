@@ -18,14 +18,16 @@ with the arguments the loop gave) and waits, when asked, until ckptd has committ
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, SupportsIndex, cast
 
 import jax
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
+from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
 from trainer_client.checkpoint_io._checkpointer import Checkpointer, training_metadata
 from trainer_client.checkpoint_io._state_tree import is_value
@@ -52,7 +54,7 @@ class TrainingInfo:
     ``step * global_batch``, the assumption that the state saved as step N has consumed N steps' samples)."""
 
     global_batch: int
-    data_position: Callable[[int], int] | None = None
+    data_position: Callable[[int], SupportsIndex] | None = None
     run_id: str | None = None
 
     def __post_init__(self) -> None:
@@ -61,9 +63,13 @@ class TrainingInfo:
 
     def position(self, step: int) -> int:
         position = self.data_position(step) if self.data_position is not None else step * self.global_batch
-        if not isinstance(position, int) or isinstance(position, bool) or position < 0:
+        try:
+            index = operator.index(position)  # an int, a numpy integer; never a float rounded
+        except TypeError:
+            index = -1
+        if isinstance(position, bool) or index < 0:
             raise ValueError(f"data_position({step}) gave {position!r}: the global index of the next sample")
-        return position
+        return index
 
 
 def array_item(args: Any, default_item: bool) -> tuple[str, PyTree] | None:
@@ -184,6 +190,8 @@ class MemoryRoute:
     def save(self, step: int, taken: MemorySave, meta: TrainingMetadata,
              store: Callable[[TrainingMetadata], bool]) -> tuple[str, bool]:
         """``(tier, saved)``: ``step`` into the tier, or through ``store`` when the tier cannot take it."""
+        if step in self.manager.all_steps():  # as Orbax refuses a step it has saved
+            raise StepAlreadyExistsError(f"Checkpoint for step {step} already exists.")
         stored: list[bool] = []
         self.writer.item = taken.item
         self.writer.store = lambda _, m: stored.append(store(m))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grain
 import httpx
@@ -17,6 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
 from tests.support.grain_data import dataset
 from tests.support.server import StartServer
@@ -25,6 +26,7 @@ from trainer_client.core._storage import Storage
 from trainer_client.core._validation import validate_step
 from trainer_client.core.format._files import COMMIT_MARKER
 from trainer_client.core.format._steps import read_training
+from trainer_client.runtime._manager_saves import MemorySave, TrainingInfo, memory_save
 
 BATCH = 32
 
@@ -75,6 +77,12 @@ def test_saves_go_through_the_memory_tier_and_ckptd_persists_good_orbax_steps(
                 assert mgr.latest_step() == step
         assert list(mgr.all_steps()) == [0, 2, 4] and mgr.latest_step() == 4
         got = mgr.restore(None, args=ocp.args.Composite(state=ocp.args.StandardRestore(_target())))
+        fresh = iter(dataset(batch=4))  # Grain's own handler reads the iterator's state ckptd wrote
+        mgr.restore(4, args=ocp.args.Composite(state=ocp.args.StandardRestore(_target()),
+                                               iter=grain.checkpoint.CheckpointRestore(fresh)))
+        assert fresh.get_state() == {"next_index": 5}
+        with pytest.raises(StepAlreadyExistsError):  # as Orbax refuses a step it has saved
+            mgr.save(4, args=ocp.args.Composite(state=ocp.args.StandardSave(_state(4))), force=True)
     np.testing.assert_array_equal(np.asarray(got.state["w"]), np.arange(64.0).reshape(8, 8) + 4)
     storage = Storage(str(job))
     for step in (0, 2, 4):
@@ -155,3 +163,35 @@ def test_a_full_tier_sends_the_save_to_storage(tmp_path: Path, monkeypatch: pyte
         assert list(mgr.all_steps()) == [3] and not mgr.should_save(2)
     assert sorted(p.name for p in (shm / "checkpoints").iterdir() if p.name.isdigit()) == ["1", "2"]
     assert _custom(job, 3)["ckptd"]["step"] == 3
+
+
+def test_which_save_arguments_the_tier_holds() -> None:
+    state = _state(1)
+    chunked = ocp.args.PyTreeSave(state, save_args=jax.tree_util.tree_map(
+        lambda _: ocp.SaveArgs(chunk_byte_size=1 << 20), state))  # MaxText's: a layout choice, the values kept
+    held = memory_save(ocp.args.Composite(items=chunked), default_item=False)
+    assert isinstance(held, MemorySave) and held.item == "items" and held.data_iterator is None
+    unnamed = memory_save(ocp.args.StandardSave(state), default_item=True)
+    assert isinstance(unnamed, MemorySave) and unnamed.item == "default"
+    casting = ocp.args.PyTreeSave(state, save_args=jax.tree_util.tree_map(
+        lambda _: ocp.SaveArgs(dtype=jnp.float16), state))
+    refused = {
+        "cast": ocp.args.Composite(items=casting),
+        "no array item": ocp.args.Composite(extra=ocp.args.JsonSave({"a": 1})),
+        "two array items": ocp.args.Composite(a=ocp.args.StandardSave(state), b=ocp.args.StandardSave(state)),
+        "iter is no iterator": ocp.args.Composite(a=ocp.args.StandardSave(state), iter=ocp.args.JsonSave({})),
+        "unnamed, items named": ocp.args.StandardSave(state),
+        "numpy": ocp.args.Composite(a=ocp.args.StandardSave({"w": np.ones(2)})),
+    }
+    for why, args in refused.items():
+        assert isinstance(memory_save(args, default_item=False), str), why
+
+
+def test_the_data_position_is_an_index() -> None:
+    assert TrainingInfo(8).position(3) == 24
+    assert TrainingInfo(8, lambda step: np.int64(step + 1) * 8).position(3) == 32
+    for bad in (lambda step: 1.5, lambda step: -1, lambda step: True):
+        with pytest.raises(ValueError, match="global index of the next sample"):
+            TrainingInfo(8, cast(Any, bad)).position(3)
+    with pytest.raises(ValueError):
+        TrainingInfo(0)
