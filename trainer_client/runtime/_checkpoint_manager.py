@@ -230,6 +230,10 @@ class CheckpointManager(AbstractCheckpointManager):
         """The newest good step on storage (a save still in flight is named once it is committed)."""
         return self._good.latest()
 
+    def best_step(self) -> int | None:
+        """The latest good step: Orbax's answer without ``best_fn`` (refused here)."""
+        return self.latest_step()
+
     def all_steps(self, read: bool = False) -> Sequence[int]:
         """Every good step, oldest first (always read: ckptd or storage is asked each time)."""
         return self._good.all()
@@ -317,9 +321,6 @@ class CheckpointManager(AbstractCheckpointManager):
     @property
     def directory(self) -> epath.Path:
         return self._manager.directory
-
-    def best_step(self) -> int | None:
-        return self._manager.best_step()
 
     def reached_preemption(self, step: int) -> bool:
         return bool(self._manager.reached_preemption(step))

@@ -145,7 +145,7 @@ def test_what_the_tier_cannot_hold_goes_to_storage(tmp_path: Path, monkeypatch: 
         assert (shm / "checkpoints" / "3").is_dir() and not (job / "3").exists()
         with pytest.raises(TimeoutError, match=r"steps \[3\]"):
             mgr.wait_until_finished()
-        assert list(mgr.all_steps()) == [1, 2]
+        assert list(mgr.all_steps()) == [1, 2] and mgr.latest_step() == mgr.best_step() == 2
     for step in (1, 2):
         assert (job / str(step) / COMMIT_MARKER).is_file() and not (shm / "checkpoints" / str(step)).exists()
     assert _custom(job, 1)["ckptd"]["global_batch"] == BATCH and "ckptd" not in _custom(job, 2)
