@@ -5,7 +5,8 @@ An Orbax loop tells its manager a step and Orbax's save arguments, never its dat
 which ckptd's training metadata (``TrainingMetadata``) requires. ``TrainingInfo`` is what the user tells the
 manager instead (its ``global_batch=``/``data_position=`` keywords); from it and the state's shardings
 ``training_for`` makes the metadata the elastic runner records (``trainer_client.checkpoint_io._checkpointer``,
-``training_metadata``), or nothing when a value is unknown: no metadata is ever guessed. ``array_item`` finds the
+``training_metadata``), or nothing when a value is unknown (its one default, the data position
+``step * global_batch``, is an assumption docs/adopt.md states). ``array_item`` finds the
 state in Orbax's arguments; ``memory_save`` decides whether the save is one ckptd's host-memory tier can hold
 (one array item, optionally Grain's iterator item ``iter``: what ckptd's persist worker writes back as the same
 Orbax step) and takes it apart for ``MemoryTier.save``.
