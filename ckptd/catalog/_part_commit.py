@@ -203,6 +203,8 @@ class PartSaves:
             self._checked[key] = min(held.absent + held.bad)  # the records below it are good
             return "not committed"  # a missing part: never committed, never served
         self._checked.pop(key, None)
+        if self._retired(job, step, claim.save_id):
+            return "not committed"  # a cleanup retired it (gs://): retention deletes it, no commit ever takes it
         if self.storage.exists(self.final_path(job, step)) and not self.storage.is_remote:
             _log.error("not committing step %s of %s from parts: %s exists already", step, job,
                        self.final_path(job, step))

@@ -1,13 +1,15 @@
 """Writers fenced at storage (docs/multihost.md, section 5, "Fenced writers"), in one process with the interleaving
-forced, on a local root and on the GCS emulator: a leader whose cleanup passed its checks and is about to delete
+forced, on the GCS emulator: a leader whose cleanup passed its checks and is about to delete
 an abandoned save, while a newer leader commits that save (its last part landed late), never deletes what was
 committed (the newer leader's commit stands down, or the cleanup does); a restarted incarnation takes a dead one's
 incomplete claim over at once on ``gs://`` too, deleting what the dead save left in place and nothing of the new
-one's; retention deletes nothing once its sidecar no longer leads. The same with two OS processes and SIGSTOP:
+one's; retention deletes nothing once its sidecar no longer leads, nor while another process holds the job's
+lock (a local root). The same with two OS processes and SIGSTOP:
 ``tests/system/test_fenced_leaders.py``."""
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 import uuid
 from collections.abc import Callable
@@ -16,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from ckptd.catalog import _job_lock
+from ckptd.catalog._job_lock import job_lock
 from ckptd.catalog._part_commit import PartSaves
 from ckptd.catalog._retention import Decision, clean_abandoned_parts, collect
 from ckptd.catalog._worker_client import PersistWorkerError
@@ -25,7 +29,7 @@ from tests.support.gcs_emulator import GcsEmulator
 from tests.support.orbax_steps import training_metadata
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._fates import read_fate
-from trainer_client.core.format._parts import read_claim
+from trainer_client.core.format._parts import read_claim, step_path_for
 from trainer_client.core.format._snapshot import SnapshotMeta
 from trainer_client.core.protocol import StepState, TrainingMetadata
 
@@ -85,7 +89,8 @@ def test_a_commit_never_seals_a_save_a_cleanup_retired(storage: Storage) -> None
     assert old._decide(JOB, STEP, DEAD, "retire")  # the cleanup decided, then paused before deleting
     land_part(storage, DEAD, 1)
     new = PartSaves(Storage(storage.url), finalizing_worker(), sidecar="new-leader")
-    assert new.commit_ready(JOB) == []
+    assert new.commit_ready(JOB) == []  # the pass skips a retired save
+    assert not new.commit(JOB, STEP, step_path_for(storage, JOB, STEP, DEAD))  # and a commit past it stands down
     assert not storage.exists(storage.join(JOB, str(STEP), "commit_success.txt"))
     assert old.clean(found)  # it goes on (a cleanup redone by the next leader would too)
     assert not storage.exists(data_file(storage, DEAD, 0))
@@ -129,3 +134,32 @@ def test_retention_deletes_nothing_once_its_sidecar_no_longer_leads(tmp_path: Pa
     assert collect(storage, [decision], job=JOB, writes=lambda _job: True) == [decision]
     assert not step.exists()
 
+
+
+def _hold(root: str, held: Any, release: Any) -> None:
+    with job_lock(Storage(root), JOB) as got:
+        if got:
+            held.set()
+        release.wait(60)
+
+
+def test_retention_waits_for_another_process_holding_the_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local root: a commit in another process holds the job's flock; retention deletes nothing meanwhile."""
+    storage = Storage(str(tmp_path))
+    step = tmp_path / JOB / "3"
+    step.mkdir(parents=True)
+    decision = Decision(3, str(step), StepState.VERIFIED, "delete", ["not kept"])
+    ctx = multiprocessing.get_context("spawn")
+    held, release = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_hold, args=(str(tmp_path), held, release))
+    holder.start()
+    try:
+        assert held.wait(60)
+        monkeypatch.setattr(_job_lock, "LOCK_WAIT_S", 0.3)
+        assert collect(storage, [decision], job=JOB, writes=lambda _job: True) == []
+        assert step.is_dir()
+    finally:
+        release.set()
+        holder.join(60)
+    assert collect(storage, [decision], job=JOB, writes=lambda _job: True) == [decision]
+    assert not step.exists()
