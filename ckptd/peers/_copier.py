@@ -7,7 +7,9 @@ cores) and at most at the channel's byte rate (``RateLimit``): a slow or dead pe
 never a save or a training step (the trainer only writes its snapshot into shared memory). After a copy, and
 whenever this host's own parts change, each holder is told which steps this host still holds, and drops the
 copies of the others (a copy is evicted with its original). The fetcher answers the trainer's requests
-(``trainer_client/core/format/_peer_copies.py``) at once, on a thread of its own.
+(``trainer_client/core/format/_peer_copies.py``) at once, on a thread of its own; and when this host held parts
+of a job and holds none any more (its memory wiped while the sidecar ran), it brings the newest copy back
+without waiting to be asked, so a restarting trainer finds its part in memory.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ class PeerCopier:
         self._sent: dict[tuple[str, int], tuple[int, str | None, tuple[int, ...]]] = {}
         self._metas: dict[Path, tuple[int, SnapshotMeta]] = {}
         self._retry: dict[tuple[str, int], tuple[float, int]] = {}  # (job, holder) -> (not before, failures in a row)
+        self._known: dict[str, tuple[int, int]] = {}  # job -> (this host's index, the job's hosts), once seen
+        self._refill_at: dict[str, float] = {}  # job -> when to try bringing its part back again
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._loop, args=(self.copy_pass, True), name="ckptd-peer-copier",
                                           daemon=True),
@@ -137,6 +141,7 @@ class PeerCopier:
             if not parts:
                 continue
             path, meta = parts[0]
+            self._known[job] = (meta.process_index, meta.process_count)
             held = tuple(sorted(m.step for _, m in parts))
             self.directory.register(job, meta.process_index)
             for holder in holders_of(meta.process_index, meta.process_count, self.options.k, self.options.stride,
@@ -193,7 +198,7 @@ class PeerCopier:
                   holder, time.monotonic() - started)
 
     def fetch_pass(self) -> None:
-        for job in self.jobs():
+        for job in sorted(set(self.jobs()) | set(self._known)):  # a wiped job's directory may be gone too
             for request in pending_fetches(self.store.shm_dir, job):
                 error = ""
                 try:
@@ -206,6 +211,29 @@ class PeerCopier:
                     self.stats.failed(f"fetch of {job} step {request['step']} {error}")
                     _log.warning("fetch of %s step %s %s", job, request["step"], error)
                 answer_fetch(self.store.shm_dir, job, request["step"], ok=not error, error=error)
+            if job in self._known and time.monotonic() >= self._refill_at.get(job, 0.0) and not self.own_parts(job):
+                self._refill_at[job] = time.monotonic() + 2.0
+                self.refill(job, *self._known[job])
+
+    def refill(self, job: str, index: int, count: int) -> Path | None:
+        """This host held parts of ``job`` and holds none now (its memory was wiped): bring the newest copy of
+        its part back from the hosts that keep them, before its trainer asks (it restarts meanwhile)."""
+        for holder in holders_of(index, count, self.options.k, self.options.stride, self.options.explicit):
+            try:
+                with connect(self._address(job, holder), self.secret, self.options.timeout_s) as sock:
+                    send_header(sock, {"op": "list", "job": job, "origin": index, "count": count})
+                    listed = expect_ok(sock).get("copies")
+                if not isinstance(listed, list) or not listed:
+                    continue
+                step, save_id = max((header_int({"s": s}, "s", 0, 2**63 - 1), str(k)) for s, k in listed[-16:])
+                path = self.fetch(job, step, source=holder, origin=index, count=count, save_id=save_id)
+                self.stats.fetched += 1
+                return path
+            except (PeerError, OSError, ValueError, TypeError) as exc:
+                self.stats.fetch_failures += 1
+                self.stats.failed(f"refill of {job} from host {holder}: {exc}")
+                _log.warning("bringing %s's part back from host %d failed: %s", job, holder, exc)
+        return None
 
     def fetch(self, job: str, step: int, *, source: int, origin: int, count: int, save_id: str | None) -> Path:
         """This host's part of ``step`` (host ``origin`` of ``count``), brought back from host ``source``'s copy
@@ -224,7 +252,7 @@ class PeerCopier:
             if reason is not None:
                 raise PeerError(reason)
             path = self.store.receive(sock, job, origin=origin, count=count, step=step, meta_bytes=meta_bytes,
-                                      data_bytes=data_bytes, own=True)
+                                      data_bytes=data_bytes, own=True, source=source)
         if save_id is not None and read_meta(path).save_id != save_id:
             raise PeerError(f"host {source} sent another save of step {step}")
         _log.info("%s step %s: this host's part brought back from host %d (%d bytes, %.2f s)", job, step, source,

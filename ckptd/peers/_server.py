@@ -2,7 +2,8 @@
 drops them when their originals go (``held``), and hands a copy back to the host it came from (``get``)
 (docs/multihost.md, "Peer copies").
 
-A thread per connection, at most ``max_connections`` at once (more are closed at once), each with a socket
+``list`` names the copies held of a host's part (a host that lost its memory asks before it fetches). A thread
+per connection, at most ``max_connections`` at once (more are closed at once), each with a socket
 timeout; a caller that fails the handshake is closed without an answer. Every field of a request is checked
 before anything is written: the job name, the host indexes, the step, and sizes bounded by the snapshot
 format's limits and by the room this host has (``PartStore.room_for``).
@@ -102,6 +103,9 @@ class PeerListener:
                 self._held(conn, request)
             elif op == "get":
                 self._get(conn, request)
+            elif op == "list":
+                job, origin, _ = self._origin(request)
+                send_header(conn, {"ok": True, "copies": self.store.listing(job, origin)})
             else:
                 raise PeerError(f"no such operation: {str(op)[:40]!r}")
         except (PeerError, OSError, ValueError) as exc:

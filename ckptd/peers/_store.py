@@ -11,6 +11,7 @@ brings its own part back, ``<job>/<step>/`` itself. A part that fails a check is
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -23,7 +24,7 @@ from pydantic import ValidationError
 
 from ckptd.peers._protocol import PeerError, recv_exact, recv_into_file
 from trainer_client.core.format._files import SNAPSHOT_DATA_FILE, SNAPSHOT_META_FILE
-from trainer_client.core.format._peer_copies import copies_dir
+from trainer_client.core.format._peer_copies import FROM_PEER_FILE, copies_dir
 from trainer_client.core.format._private_files import (
     check_private_dir,
     ensure_private_dir,
@@ -87,7 +88,7 @@ class PartStore:
         return None
 
     def receive(self, sock: socket.socket, job: str, *, origin: int, count: int, step: int, meta_bytes: int,
-                data_bytes: int, own: bool) -> Path:
+                data_bytes: int, own: bool, source: int | None = None) -> Path:
         """Read one part (``meta_bytes`` of ``snapshot.json``, then ``data_bytes`` of ``data.bin``) from ``sock``,
         check it, put it in place; returns where. ``PeerError`` when anything about it is wrong (deleted)."""
         check_private_dir(self.shm_dir)
@@ -110,6 +111,8 @@ class PartStore:
             finally:
                 os.close(fd)
             write_private(staging / SNAPSHOT_META_FILE, raw)
+            if source is not None:  # where this host's own part came back from (the trainer reports it)
+                write_private(staging / FROM_PEER_FILE, json.dumps({"host": source}).encode())
             self.check(staging, meta)
             if final.exists():  # held already (the same save sent twice): keep the one in place
                 shutil.rmtree(staging, ignore_errors=True)
@@ -129,6 +132,16 @@ class PartStore:
         damaged = damaged_shards(map_data(path, meta), meta)
         if damaged:
             raise PeerError(f"{len(damaged)} shard(s) arrived damaged: {damaged[:2]}")
+
+    def listing(self, job: str, origin: int) -> list[list[object]]:
+        """``[step, save_id]`` of every intact copy of ``origin``'s parts of ``job``, oldest first."""
+        out: list[list[object]] = []
+        for path in self.copies(job, origin):
+            with contextlib.suppress(OSError, ValueError, PeerError):
+                if not problems(path):
+                    out.append([int(path.name), SnapshotMeta.model_validate_json(
+                        read_private(path / SNAPSHOT_META_FILE, max_bytes=MAX_META_BYTES)).save_id])
+        return out
 
     def open_part(self, path: Path) -> tuple[bytes, SnapshotMeta, BinaryIO]:
         """``(snapshot.json bytes, its metadata, data.bin opened)`` of the part at ``path``, read by this

@@ -40,7 +40,7 @@ from pydantic import ValidationError
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.core._errors import UnsafePathError
 from trainer_client.core._resume_decision import memory_snapshot_plan
-from trainer_client.core.format._peer_copies import held_copies, request_fetch, wait_fetch
+from trainer_client.core.format._peer_copies import brought_from, held_copies, request_fetch, wait_fetch
 from trainer_client.core.format._snapshot import SnapshotMeta, complete_snapshots, problems, read_meta
 from trainer_client.core.protocol import ResumePlan, ResumeRequest
 from trainer_client.errors import CkptdRequestError, NoCheckpointError
@@ -204,6 +204,8 @@ class ResumeAgreement:
             part = next((p for p in parts if p.step == decision["step"] and p.save == decision["save"]), None)
             if part is None:  # cannot be: this process offered it
                 raise RuntimeError(f"the agreed memory step {decision['step']} is not in this host's memory")
+            if source is None and (earlier := brought_from(part.path)) is not None:
+                source = self.peer_source = earlier  # brought back by the sidecar before this process asked
             plan = self._planned or memory_snapshot_plan(job=self.job, request=request,
                                                          snapshot=(part.path, part.meta))
             return plan.model_copy(update={"source": "memory_agreement", "notes": [

@@ -23,7 +23,7 @@ from ckptd.peers._directory import holders_of, parse_map
 from ckptd.peers._protocol import PeerError, caller_handshake, connect, recv_header, send_header
 from tests.support.helpers import wait_until
 from tests.support.peer_parts import SECRET, write_part
-from trainer_client.core.format._peer_copies import copies_dir, held_copies, request_fetch, wait_fetch
+from trainer_client.core.format._peer_copies import brought_from, copies_dir, held_copies, request_fetch, wait_fetch
 from trainer_client.core.format._snapshot import problems
 
 JOB = "peerjob"
@@ -155,3 +155,18 @@ def test_the_mapping_and_the_secret_rule() -> None:
         Settings(peer_port=0, shm_dir="/tmp")
     with pytest.raises(ValidationError, match="PEER_SECRET"):
         Settings(peer_port=0, shm_dir="/tmp", peer_secret="short")
+
+
+def test_a_sidecar_whose_memory_was_wiped_brings_its_newest_part_back_unasked(
+        pair: tuple[list[PeerService], list[Path]]) -> None:
+    (s0, _), (shm0, shm1) = pair
+    write_part(shm1, JOB, 10, index=1)
+    write_part(shm0, JOB, 10, index=0)
+    original = (write_part(shm0, JOB, 20, index=0) / "data.bin").read_bytes()
+    wait_until(lambda: (copies_dir(shm1, JOB, 0) / "20").is_dir(), timeout=20)
+    shutil.rmtree(shm0 / JOB)  # no trainer asks: the sidecar saw its parts and sees none now
+    back = shm0 / JOB / "20"
+    wait_until(lambda: back.is_dir(), timeout=20, what="the part brought back")
+    assert (back / "data.bin").read_bytes() == original and problems(back) == []
+    assert brought_from(back) == 1 and brought_from(copies_dir(shm1, JOB, 0) / "20") is None
+    assert s0.snapshot()["fetched"] >= 1

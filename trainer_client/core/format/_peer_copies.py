@@ -11,6 +11,7 @@ memory, under the memory tier's rules (``_private_files``: owned by the one user
 <shm>/<job>/.peer-<k>/<step>/             a copy of host k's part of <step> (data.bin, snapshot.json)
 <shm>/<job>/.peer-fetch-<step>.json       the trainer asks: bring my part of <step> back from host <source>
 <shm>/<job>/.peer-fetch-<step>.done.json  the sidecar answers: {"ok": true} (the part is now <shm>/<job>/<step>/)
+<shm>/<job>/<step>/from_peer.json         in a part brought back from a peer: {"host": <the peer>}
 ```
 
 A name starting with a dot is never a step: the memory tier and ckptd's keeper list digits only.
@@ -42,6 +43,16 @@ _COPY_DIR = re.compile(r"^\.peer-([0-9]{1,6})$")
 _STEP = re.compile(r"^[0-9]{1,19}$")
 _FETCH = re.compile(r"^\.peer-fetch-([0-9]{1,19})\.json$")
 MAX_REQUEST_BYTES = 4096
+FROM_PEER_FILE = "from_peer.json"
+
+
+def brought_from(part: str | Path) -> int | None:
+    """The host a part was brought back from (its ``from_peer.json``), or None for a part written here."""
+    try:
+        body = json.loads(read_private(Path(part) / FROM_PEER_FILE, max_bytes=MAX_REQUEST_BYTES))
+        return int(body["host"])
+    except (OSError, ValueError, KeyError, TypeError, UnsafePathError):
+        return None
 
 
 def copies_dir(shm_dir: str | Path, job: str, origin: int) -> Path:
@@ -150,5 +161,5 @@ def wait_fetch(shm_dir: str | Path, job: str, step: int, timeout_s: float) -> st
     return f"no answer from this host's ckptd within {timeout_s:.0f} s (is its peer channel on?)"
 
 
-__all__ = ["COPY_PREFIX", "FETCH_PREFIX", "answer_fetch", "copies_dir", "held_copies", "pending_fetches",
-           "request_fetch", "wait_fetch"]
+__all__ = ["COPY_PREFIX", "FETCH_PREFIX", "FROM_PEER_FILE", "answer_fetch", "brought_from", "copies_dir",
+           "held_copies", "pending_fetches", "request_fetch", "wait_fetch"]
