@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
-from trainer_client.checkpoint_io._checkpointer import Checkpointer, training_metadata
+from trainer_client.checkpoint_io._checkpointer import training_metadata
 from trainer_client.checkpoint_io._state_tree import is_value
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
@@ -184,7 +184,7 @@ class MemoryRoute:
         self.storage = storage
         self.job = job
         self.writer = OrbaxWriter(manager)
-        self.saver = Saver(cast(Checkpointer, self.writer), MemoryTier(shm_dir, job),
+        self.saver = Saver(self.writer, MemoryTier(shm_dir, job),
                            HealthWatch(client) if client is not None else None, settings=settings)
         self.in_memory: set[int] = set()  # saved to the tier, not yet seen committed on storage
 

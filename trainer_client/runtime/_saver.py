@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import jax
 
@@ -28,7 +28,7 @@ from trainer_client.core._errors import CkptdError, StoredFormatError
 from trainer_client.core.format._snapshot import DataIteratorRecord
 from trainer_client.core.protocol import ResumePlan, TrainingMetadata
 from trainer_client.errors import MemoryTierFull
-from trainer_client.runtime._checkpointing import Checkpointer, restore
+from trainer_client.runtime._checkpointing import restore
 from trainer_client.runtime._job_store import job_incarnation
 from trainer_client.runtime._memory_tier import MemoryTier, restore_snapshot
 from trainer_client.runtime._save_route import SaveRoute
@@ -56,10 +56,27 @@ class HealthWatch:
         self._stop.set()
 
 
+class StorageWriter(Protocol):
+    """What a save route needs of the writer to storage: the elastic runner's ``Checkpointer``, or the
+    ``CheckpointManager``'s Orbax manager (``trainer_client.runtime._manager_saves.OrbaxWriter``)."""
+
+    item: str
+    last_save_blocked_s: float | None
+
+    def is_saving(self) -> bool: ...
+
+    def save_with_metadata(self, step: int, state: PyTree, meta: TrainingMetadata, *,
+                           data_iterator: DataIteratorRecord | None = None) -> None: ...
+
+    def wait(self) -> None: ...
+
+    def reset(self) -> None: ...
+
+
 class Saver:
     """Routes saves to the memory tier or to Orbax, and remembers which steps were saved how."""
 
-    def __init__(self, checkpointer: Checkpointer, memory: MemoryTier | None, health: HealthWatch | None,
+    def __init__(self, checkpointer: StorageWriter, memory: MemoryTier | None, health: HealthWatch | None,
                  route: SaveRoute | None = None, *, settings: ClientSettings | None = None) -> None:
         self.checkpointer = checkpointer
         self.memory = memory
@@ -182,4 +199,4 @@ def restore_plan(plan: ResumePlan, target_for: Callable[[ResumePlan], PyTree],
         return restore_from_plan(fallback, target_for(fallback), host_bytes), fallback
 
 
-__all__ = ["HealthWatch", "Saver", "restore_from_plan", "restore_plan"]
+__all__ = ["HealthWatch", "Saver", "StorageWriter", "restore_from_plan", "restore_plan"]

@@ -94,7 +94,8 @@ def test_a_data_loss_with_a_slice_down_is_recovered(tmp_path: Path, ckptd_server
     result = run_to_end(runner, make_train_fn(20, TrainLog(), step_hook=hook))
     assert result.pid == os.getpid() and result.final_step == 19
     (rec,) = result.recoveries
-    assert (rec.kind, rec.failed_at_step, rec.restored_step) == ("slice_down", 13, 10)
+    assert (rec.kind, rec.failed_at_step, rec.restored_from) == ("slice_down", 13, "replicas")
+    assert rec.restored_step in (12, 13)  # step 13's copy was done when the loss came, or was dropped whole
     detected = next(e for e in result.events if e.kind == "failure_detected")
     assert detected.detail.startswith("slice(s) [2] down: DATA_LOSS")
 
