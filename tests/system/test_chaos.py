@@ -636,7 +636,8 @@ def test_long_run_with_random_slice_failures(tmp_path: Path, ckptd_server: Any, 
             assert loss == pytest.approx(first_seen[step], rel=1e-3), f"step {step} replayed with another loss"
         else:
             first_seen[step] = loss
-    assert replays >= 1
+    # a recovery that lost steps replays them (from the replica snapshots a recovery may lose none)
+    assert replays >= 1 or not any(r.lost_steps for _, r in downs)
     curve = [losses[s] for s in range(steps)]
     window = max(5, steps // 20)
     smooth = [float(np.mean(curve[i : i + window])) for i in range(0, steps - window + 1)]
