@@ -48,7 +48,9 @@ test-all: venv
 	$(PY) -m pytest -q
 
 # The recovery soak: SOAK_TRIALS elastic trials (default 100) in one trainer process, a slice lost inside JAX at a
-# random phase of each; prints the tables of docs/operations.md and writes soak-output/results.json (untracked;
+# random phase of each (the replica snapshot's copy, two slices at once and a loss right after a regrow among
+# them), each restore checked against the run's state at that step; prints the tables of docs/operations.md (the
+# tier each recovery restored from, the steps lost) and writes soak-output/results.json (untracked;
 # SOAK_PUBLISH=1: the tracked soak/results.json). SOAK_SEED=N replays (random: a new one).
 soak: venv-run
 	$(PY) -m soak
