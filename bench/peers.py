@@ -103,9 +103,9 @@ def _restart_key(profile: Profile, results: Results, base: Path, shms: list[str]
 
     def restart(tier: str) -> None:
         if tier == "peer":
-            wiped = Path(shms[1]) / "job"  # host 1 replaced: its part and the copies it kept are gone
-            while wiped.exists():  # its sidecar may be dropping a copy meanwhile
-                shutil.rmtree(wiped, ignore_errors=True)
+            # host 1 replaced: its part and the copies it kept are gone (once: its sidecar then starts bringing
+            # its part back, as on a node whose sidecar saw the wipe)
+            shutil.rmtree(Path(shms[1]) / "job", ignore_errors=True)
         if profile.cold_reads:
             evict_from_page_cache(base / "root", base / "jax-cache")
         hosts = _job(base, "restore", shape, shms if tier == "peer" else ["-", "-"], timeout_s, url)
