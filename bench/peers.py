@@ -155,14 +155,17 @@ def _copy_cost(profile: Profile, results: Results, base: Path, shm: Path, state_
         sidecars = _sidecars(work, shms, peers=peers)
         stop = threading.Event()
 
-        def writer(shms: list[str] = shms, stop: threading.Event = stop) -> None:
+        writes = [0]
+
+        def writer(shms: list[str] = shms, stop: threading.Event = stop, writes: list[int] = writes) -> None:
             step = 0
             write_part(Path(shms[1]), "job", 0, index=1, cols=1024)  # host 1's sidecar learns its index
             while not stop.is_set():
                 step += 1
-                write_part(Path(shms[0]), "job", step, index=0, cols=cols)
+                write_part(Path(shms[0]), "job", step, index=0, cols=cols, random=False)
                 old = Path(shms[0]) / "job" / str(step - 2)
                 shutil.rmtree(old, ignore_errors=True)
+                writes[0] += 1
                 stop.wait(1.0)
 
         thread = threading.Thread(target=writer, daemon=True)
@@ -172,12 +175,13 @@ def _copy_cost(profile: Profile, results: Results, base: Path, shm: Path, state_
             loop = subprocess.run([sys.executable, "-c", _LOOP, str(seconds)], cwd=REPO, env=_env(),
                                   capture_output=True, text=True, timeout=300, check=True)
             per_step[label] = json.loads(loop.stdout.strip().splitlines()[-1])
-            log = (work / "ckptd-0.log").read_text(errors="replace")
-            results.context[f"peer_copy_cost_copies_sent_{label}"] = log.count(") held by host 1")
         finally:
             stop.set()
             thread.join()
             _stop(sidecars)
+            log = (work / "ckptd-0.log").read_text(errors="replace")
+            results.context[f"peer_copy_cost_copies_sent_{label}"] = log.count(") held by host 1")
+            results.context[f"peer_copy_cost_parts_written_{label}"] = writes[0]
             for path in shms:
                 shutil.rmtree(path, ignore_errors=True)
     median = {k: sorted(v)[len(v) // 2] for k, v in per_step.items()}

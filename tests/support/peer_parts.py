@@ -20,12 +20,14 @@ ROWS = 8  # rows of the one array, split between the hosts
 
 
 def write_part(shm: Path, job: str, step: int, *, index: int, count: int = 2, cols: int = 1024,
-               save_id: str | None = None, seed: int = 0) -> Path:
-    """Host ``index``'s part of ``step``: its rows of one f32[ROWS, cols] array (``<shm>/<job>/<step>/``)."""
+               save_id: str | None = None, seed: int = 0, random: bool = True) -> Path:
+    """Host ``index``'s part of ``step``: its rows of one f32[ROWS, cols] array (``<shm>/<job>/<step>/``), random
+    or (``random=False``, cheap to make in bulk) one value per step and host."""
     ensure_private_dir(shm)
     ensure_private_dir(shm / job)
     rows = ROWS // count
-    data = np.random.default_rng(seed * 1000 + step * 10 + index).standard_normal((rows, cols)).astype(np.float32)
+    data = (np.random.default_rng(seed * 1000 + step * 10 + index).standard_normal((rows, cols)).astype(np.float32)
+            if random else np.full((rows, cols), step * 10 + index, np.float32))
     raw = data.tobytes()
     shard = ShardRecord(index=[[index * rows, (index + 1) * rows], [0, cols]], offset=0, nbytes=len(raw),
                         xxh3=xxhash.xxh3_64_intdigest(raw), replica_id=0)
