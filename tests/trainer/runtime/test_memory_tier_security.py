@@ -147,7 +147,7 @@ def test_links_are_never_followed(tmp_path: Path) -> None:
     # the trainer's spare file: a planted link at its temporary name is not zero-filled through
     tier = MemoryTier(str(shm), "job", preallocate=True)
     (shm / "job" / f"{SNAPSHOT_SPARE_PREFIX}{os.getpid()}.part").symlink_to(victim)
-    tier._prepare_spare(1 << 20, path)
+    tier._prepare_spare(1 << 20, path, True)  # touched: every page written, the strongest case
     assert victim.read_text() == "precious"
     tier.close()
     # a step directory that is a link, and a data file that is a link, are not snapshots
