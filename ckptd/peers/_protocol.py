@@ -31,13 +31,15 @@ import threading
 import time
 from typing import Any, BinaryIO
 
+from trainer_client.core._errors import CkptdError
+
 MAGIC = b"CKPTDP1\n"
 NONCE_BYTES = 32
 MAX_HEADER_BYTES = 64 << 10
 CHUNK = 1 << 20
 
 
-class PeerError(Exception):
+class PeerError(CkptdError):
     """The peer broke the protocol, failed the handshake, or refused the request."""
 
 
