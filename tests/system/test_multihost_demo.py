@@ -93,10 +93,13 @@ def test_a_host_that_lost_its_memory_gets_its_part_from_its_peer(tmp_path: Path)
 @pytest.mark.chaos
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_host_and_its_peer_both_wiped_send_both_hosts_to_storage(tmp_path: Path) -> None:
-    report = _check_run(tmp_path, "storage", "--lose-host-memory", "0,1")
+@pytest.mark.parametrize(("extra", "lost"), [(["0,1"], [0, 1]), (["1", "--no-peers"], 1)],
+                         ids=["a host and its peer both wiped", "no peer copies"])
+def test_a_wiped_host_whose_part_is_nowhere_sends_both_hosts_to_storage(tmp_path: Path, extra: list[str],
+                                                                        lost: object) -> None:
+    report = _check_run(tmp_path, "storage", "--lose-host-memory", *extra)
     assert report["agreed_step"] == 15, "the newest step on storage before the kill"
-    assert report["lost_host_memory"] == [0, 1]
+    assert report["lost_host_memory"] == lost
 
 
 @pytest.mark.chaos
@@ -108,15 +111,6 @@ def test_a_damaged_peer_copy_is_found_and_both_hosts_resume_from_storage(tmp_pat
     lines = report["stdout"].splitlines()
     assert any("peer copy damaged" in line for line in lines)
     assert not any("from peer" in line for line in lines), "the damaged copy is never restored"
-
-
-@pytest.mark.chaos
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_a_host_that_lost_its_memory_without_peer_copies_sends_both_hosts_to_storage(tmp_path: Path) -> None:
-    report = _check_run(tmp_path, "storage", "--lose-host-memory", "1", "--no-peers")
-    assert report["agreed_step"] == 15, "the newest step on storage before the kill"
-    assert report["lost_host_memory"] == 1
 
 
 @pytest.mark.chaos
