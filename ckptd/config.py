@@ -173,6 +173,10 @@ class Settings(BaseSettings):
         default=float(1 << 30), gt=0,
         description="peer copies: bytes per second sent to peers at most (None: unbounded)",
     )
+    peer_refill: bool = Field(
+        default=True, description="peer copies: a sidecar whose host's parts are gone brings the newest copy back "
+        "unasked (off: only when its trainer asks)",
+    )
     peer_capacity_bytes: int | None = Field(
         default=None, ge=0, description="peer copies: bytes of other hosts' parts held at most (None: what shared "
         "memory has free, less 256 MiB for the trainer)",

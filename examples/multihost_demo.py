@@ -231,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
                         "its part from its peer's copy; when its peer was wiped too, every host resumes from storage")
     parser.add_argument("--corrupt-peer-copy", action="store_true",
                         help="flip a bit in the peer's copy of each wiped host's part: found, every host from storage")
+    parser.add_argument("--trainer-asks", action="store_true",
+                        help="sidecars that wait for the trainer's request to bring a wiped host's part back "
+                        "(CKPTD_PEER_REFILL=false): the agreement's fetch path")
     parser.add_argument("--no-peers", action="store_true",
                         help="sidecars without the peer channel: a wiped host sends every host to storage")
     parser.add_argument("--steps", type=int, default=100)
@@ -265,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
             hosts.append({"shm": shm, "port": free_port(), "peer_port": free_port()})
             hosts[-1]["url"] = f"http://127.0.0.1:{hosts[-1]['port']}"
         with ThreadPoolExecutor(args.hosts) as pool:  # started side by side, as the pods' sidecars are
-            peers = {} if args.no_peers else {"CKPTD_PEER_SECRET": secret, "CKPTD_PEER_HOST": "127.0.0.1"}
+            peers = {} if args.no_peers else {"CKPTD_PEER_SECRET": secret, "CKPTD_PEER_HOST": "127.0.0.1",
+                                              "CKPTD_PEER_REFILL": "false" if args.trainer_asks else "true"}
             started = [pool.submit(start_ckptd, args.root, out / f"ckptd-state-{k}", host["shm"], host["port"],
                                    out / f"ckptd-{k}.log", {"CKPTD_LEASE_TTL_S": "3", **peers, **(
                                        {"CKPTD_PEER_PORT": str(host["peer_port"])} if peers else {})})

@@ -78,7 +78,8 @@ def build_peers(settings: Settings) -> PeerService | None:
     static = parse_peers(settings.peers)
     directory = PeerDirectory(None if static else Storage(settings.root), static, advertised)
     options = PeerOptions(k=settings.peer_copies, stride=settings.peer_stride,
-                          explicit=parse_map(settings.peer_map) or None, nice=settings.persist_nice)
+                          explicit=parse_map(settings.peer_map) or None, nice=settings.persist_nice,
+                          refill=settings.peer_refill)
     return PeerService(listener, PeerCopier(store, directory, secret.encode(), rate, options))
 
 

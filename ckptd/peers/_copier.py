@@ -61,6 +61,7 @@ class PeerOptions:
     interval_s: float = 0.2
     timeout_s: float = 30.0
     nice: int = 10
+    refill: bool = True
 
 
 class PeerCopier:
@@ -211,7 +212,8 @@ class PeerCopier:
                     self.stats.failed(f"fetch of {job} step {request['step']} {error}")
                     _log.warning("fetch of %s step %s %s", job, request["step"], error)
                 answer_fetch(self.store.shm_dir, job, request["step"], ok=not error, error=error)
-            if job in self._known and time.monotonic() >= self._refill_at.get(job, 0.0) and not self.own_parts(job):
+            if (self.options.refill and job in self._known and time.monotonic() >= self._refill_at.get(job, 0.0)
+                    and not self.own_parts(job)):
                 self._refill_at[job] = time.monotonic() + 2.0
                 self.refill(job, *self._known[job])
 

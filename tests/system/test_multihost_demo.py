@@ -93,6 +93,17 @@ def test_a_host_that_lost_its_memory_gets_its_part_from_its_peer(tmp_path: Path)
 @pytest.mark.chaos
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def test_a_wiped_host_s_trainer_asks_its_sidecar_for_its_part_from_the_peer(tmp_path: Path) -> None:
+    report = _check_run(tmp_path, ["memory", "peer"], "--lose-host-memory", "1", "--trainer-asks")
+    assert report["agreed_step"] == 25
+    assert report["hosts"][1]["restored_from"].startswith("peer: host 0 ")
+    log = (Path(report["root"]).parent / "ckptd-1.log").read_text(errors="replace")
+    assert "this host's part brought back from host 0" in log  # asked by the trainer: the refill is off
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize(("extra", "lost"), [(["0,1"], [0, 1]), (["1", "--no-peers"], 1)],
                          ids=["a host and its peer both wiped", "no peer copies"])
 def test_a_wiped_host_whose_part_is_nowhere_sends_both_hosts_to_storage(tmp_path: Path, extra: list[str],
