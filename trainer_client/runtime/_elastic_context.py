@@ -247,6 +247,7 @@ class ElasticContext:
             else:
                 detail += ", no data iterator state held with the step: the iterator starts where it is"
         self.plan = plan.model_copy(update={"data_position": position})
+        replicas.restored_as(restored.step, self._training_at(restored.step, restored.state, position))
         self.runner.emit("restored", restored.step, detail, tier="replicas")
         self.runner.note_restored(self.plan)
         self.last_step = self.start_step

@@ -130,6 +130,11 @@ class RunnerReplicas:
         self._lost_at.clear()  # the tier now holds the restored step on the new mesh's devices
         return restored
 
+    def restored_as(self, step: int, training: TrainingMetadata) -> None:
+        """The held step, restored onto a new mesh, has this layout now: what the next resume request says of it
+        until a newer snapshot is held."""
+        self._training_of[step] = training
+
     def held_arrays(self) -> list[jax.Array]:
         return self.tier.held_arrays() if self.tier is not None else []
 

@@ -34,7 +34,7 @@ from tests.support.elastic_runs import (
 )
 from trainer_client.errors import MemoryTierFull
 from trainer_client.runtime import _replica_leaves
-from trainer_client.runtime._elastic import ElasticContext
+from trainer_client.runtime._elastic import ElasticContext, Event
 from trainer_client.runtime._elastic_config import ReplicaOptions
 from trainer_client.runtime._jax_faults import InJaxFaults
 from trainer_client.runtime._memory_spare import snapshot_bytes
@@ -216,7 +216,14 @@ def test_a_loss_before_the_first_checkpoint_resumes_from_the_replicas(tmp_path: 
     the run started again from step 0)."""
     server = ckptd_server(tmp_path)
     log = TrainLog()
-    runner = elastic_runner(tmp_path, server.url, "resize", [SliceFault(2, at_step=6, down_for_s=None)])
+    told: list[Any] = []
+
+    def on_event(event: Event) -> None:  # right after the restore: what a next resume request would say
+        if event.kind == "restored" and runner.replicas is not None:
+            told.append(runner.replicas.wire())
+
+    runner = elastic_runner(tmp_path, server.url, "resize", [SliceFault(2, at_step=6, down_for_s=None)],
+                            on_event=on_event)
     result = run_to_end(runner, make_train_fn(15, log))
     (down,) = result.recoveries
     assert (down.failed_at_step, down.restored_from, down.mesh_after) == (6, "replicas", [3, 2])
@@ -224,4 +231,7 @@ def test_a_loss_before_the_first_checkpoint_resumes_from_the_replicas(tmp_path: 
     plans = [e for e in result.events if e.kind == "plan_received"]
     assert plans and "tier replicas" in plans[0].detail and f"data position {down.restored_step * BATCH}" in \
         plans[0].detail
+    (held,) = told  # the restored step, with the layout it has now
+    assert held.step == down.restored_step and held.training is not None
+    assert held.training.mesh.shape == [3, 2] and held.slices == [[0], [1], [3]]
     assert every_sample_once(log, 15)
