@@ -9,7 +9,10 @@ Four kinds of sources, so that a scrape of ``GET /metrics`` stays fast (it reads
 * the background tracker (``ckptd.catalog._commit_tracker``): commits and bytes committed (from the manifests),
   save durations, validation failures, goodput per job — everything that needs storage reads;
 * /proc, read at scrape time (``ckptd._process_metrics``): the memory, CPU, file descriptors and threads of
-  ckptd and of its persist worker, to size the sidecar's limits from.
+  ckptd and of its persist worker, to size the sidecar's limits from;
+* with the peer channel on (CKPTD_PEER_PORT), its numbers, read at scrape time (``watch_peers``): copies and
+  bytes sent, received and brought back, failures, refusals, the bytes of other hosts' parts held, and per
+  job the age of this host's newest copy at its peers.
 
 Every per-job series carries the job's name in the label ``ckpt_job`` (``JOB_LABEL``), never ``job``.
 
@@ -26,10 +29,12 @@ from __future__ import annotations
 
 import threading
 from collections import Counter as Multiset
-from collections.abc import Iterable, Mapping
-from typing import Protocol
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from ckptd._event_stats import EventStats, Stat, recovery_tier
 from ckptd._process_metrics import ProcessTreeCollector
@@ -121,6 +126,10 @@ class Metrics:
         self._history_lock = threading.Lock()
         self._loaded: set[str] = set()  # jobs whose stored history is counted
         self._live: dict[str, EventStats] = {}  # counted on arrival before the job's history was loaded
+
+    def watch_peers(self, numbers: Callable[[], Mapping[str, Any]]) -> None:
+        """Export the peer channel's numbers (``ckptd.peers.PeerService.snapshot``), read at each scrape."""
+        self.registry.register(PeerCollector(numbers))
 
     def observe_events(self, job: str, events: Iterable[StoredEvent]) -> None:
         """Count newly stored events (called once per event, after deduplication)."""
@@ -225,4 +234,42 @@ def _replay(histogram: Histogram, stored: Stat, live: Stat) -> None:
             histogram.observe(mean)
 
 
-__all__ = ["JOB_LABEL", "CatalogView", "Metrics"]
+# the peer channel's counters: (metric, key of PeerService.snapshot(), help)
+_PEER_COUNTERS = (
+    ("ckptd_peer_copies_sent", "copies_sent", "this host's parts copied to peers"),
+    ("ckptd_peer_bytes_sent", "bytes_sent", "bytes of this host's parts copied to peers"),
+    ("ckptd_peer_copy_failures", "copy_failures", "copies to a peer that failed (unreachable, refused, cut)"),
+    ("ckptd_peer_copies_received", "copies_received", "other hosts' parts received and checked"),
+    ("ckptd_peer_bytes_received", "bytes_received", "bytes of other hosts' parts received"),
+    ("ckptd_peer_requests_refused", "requests_refused",
+     "peer requests refused (no secret, a hostile or malformed header, no room)"),
+    ("ckptd_peer_fetched", "fetched", "this host's parts brought back from a peer"),
+    ("ckptd_peer_fetch_failures", "fetch_failures", "parts that could not be brought back (damaged, holder gone)"),
+)
+
+
+class PeerCollector(Collector):
+    """The peer channel's numbers, read at each scrape from ``numbers()``: counters since the sidecar started,
+    the bytes of other hosts' parts held, and per job the age of this host's newest copy at its peers."""
+
+    def __init__(self, numbers: Callable[[], Mapping[str, Any]]) -> None:
+        self._numbers = numbers
+
+    def collect(self) -> Iterable[Metric]:
+        numbers = self._numbers()
+        families: list[Metric] = []
+        for name, key, text in _PEER_COUNTERS:
+            counter = CounterMetricFamily(name, text)
+            counter.add_metric([], float(numbers.get(key, 0)))
+            families.append(counter)
+        held = GaugeMetricFamily("ckptd_peer_copies_held_bytes", "bytes of other hosts' parts this host holds")
+        held.add_metric([], float(numbers.get("copies_held_bytes", 0)))
+        age = GaugeMetricFamily("ckptd_peer_copy_age_seconds",
+                                "seconds since this host's newest part of the job was copied to its peers",
+                                labels=[JOB_LABEL])
+        for job, seconds in dict(numbers.get("copy_age_s", {})).items():
+            age.add_metric([str(job)], float(seconds))
+        return [*families, held, age]
+
+
+__all__ = ["JOB_LABEL", "CatalogView", "Metrics", "PeerCollector"]

@@ -108,8 +108,11 @@ def build_sidecar(settings: Settings, catalog: Catalog | None = None) -> Sidecar
         # the leader's commits
         commit_worker=PersistWorkerClient(nice=settings.persist_nice, devices=settings.persist_devices),
     )
+    peers = build_peers(settings)
+    if peers is not None:
+        metrics.watch_peers(peers.snapshot)  # the channel's numbers on /metrics (docs/operations.md)
     return Sidecar(settings=settings, catalog=cat, metrics=metrics, events=events, tracker=tracker,
-                   refresher=refresher, keeper=keeper, lease=cat.lease, peers=build_peers(settings))
+                   refresher=refresher, keeper=keeper, lease=cat.lease, peers=peers)
 
 
 __all__ = ["Sidecar", "build_sidecar", "open_catalog", "retention_policy"]

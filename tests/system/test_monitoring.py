@@ -105,10 +105,13 @@ def scrape(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrape]:
         _event(30, "finished", step=20)])
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = clean_env(CKPTD_REFRESH_INTERVAL_S="0.2", CKPTD_LEASE_TTL_S="10")
+    # the peer channel on (its numbers are read at each scrape): a shared-memory directory and a secret
+    env = clean_env(CKPTD_REFRESH_INTERVAL_S="0.2", CKPTD_LEASE_TTL_S="10", CKPTD_PEER_PORT=str(free_port()),
+                    CKPTD_PEER_SECRET="monitoring-test-secret")
     with (tmp / "serve.log").open("w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "ckptd", "serve", "--root", str(root), "--port", str(port),
-                                 "--state-dir", str(tmp / "state")], env=env, stdout=log, stderr=subprocess.STDOUT)
+                                 "--state-dir", str(tmp / "state"), "--shm-dir", str(tmp / "shm")], env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
     try:
         def ready() -> bool:
             assert proc.poll() is None, (tmp / "serve.log").read_text()

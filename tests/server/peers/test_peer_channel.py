@@ -15,8 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
+from ckptd._metrics import Metrics
 from ckptd.config import Settings
 from ckptd.peers import PeerService, build_peers
 from ckptd.peers._directory import holders_of, parse_map
@@ -69,6 +72,15 @@ def test_a_whole_part_is_copied_evicted_with_its_original_and_brought_back(
     wait_until(lambda: not copy.exists(), timeout=20)
     assert s0.snapshot()["copies_sent"] == 2 and s1.snapshot()["copies_received"] == 2
     assert s1.snapshot()["copies_sent"] == 1 and (copies_dir(shm0, JOB, 1) / "10").is_dir()  # and the other way
+    # the same numbers on /metrics, read at the scrape
+    metrics = Metrics()
+    metrics.watch_peers(s0.snapshot)
+    exported = {(x.name, tuple(x.labels.items())): x.value
+                for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+                for x in family.samples}
+    assert exported[("ckptd_peer_copies_sent_total", ())] == 2
+    assert exported[("ckptd_peer_bytes_sent_total", ())] == s0.snapshot()["bytes_sent"] > 0
+    assert 0 <= exported[("ckptd_peer_copy_age_seconds", (("ckpt_job", JOB),))] < 60
 
     original = (shm0 / JOB / "20" / "data.bin").read_bytes()
     shutil.rmtree(shm0 / JOB)  # host 0's memory wiped: its trainer asks for its part of 20 back from host 1
