@@ -168,13 +168,14 @@ class ElasticRunner:
                   spares_used=rec.spares_used or None, restored_from=rec.restored_from or "none",
                   **(self.replicas.stats_fields() if self.replicas is not None else {}))
 
-    def note_restored(self, plan: ResumePlan) -> None:
-        """The attempt restored ``plan`` (after any fallback): the open recovery's step, tier and path."""
+    def note_restored(self, plan: ResumePlan | None) -> None:
+        """The attempt restored ``plan`` (after any fallback; None: it started afresh, no tier held a step): the
+        open recovery's step, tier and path."""
         if self.recoveries and self.recoveries[-1].seconds is None:
             rec = self.recoveries[-1]
-            rec.restored_step = plan.step
-            rec.lost_steps = rec.failed_at_step - plan.step
-            rec.restored_from = restored_from(plan.tier, plan.path)
+            rec.restored_step = plan.step if plan is not None else 0
+            rec.lost_steps = rec.failed_at_step - rec.restored_step
+            rec.restored_from = restored_from(plan.tier, plan.path) if plan is not None else None
 
     # ---- the loop around the user's function ---------------------------------------------------
 

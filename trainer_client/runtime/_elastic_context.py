@@ -15,6 +15,7 @@ around its step never swallows it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
@@ -45,6 +46,7 @@ from trainer_client.runtime._saver import Saver, restore_plan
 from trainer_client.runtime._slices import SliceProvider
 
 PyTree = Any
+_log = logging.getLogger(__name__)
 
 
 class RunnerSignal(BaseException):
@@ -92,7 +94,7 @@ class AttemptRunner(Protocol):
     def resume_plan(self, active: frozenset[int], *, use_memory_tier: bool = True,
                     use_replicas: bool = True) -> ResumePlan | None: ...
 
-    def note_restored(self, plan: ResumePlan) -> None: ...
+    def note_restored(self, plan: ResumePlan | None) -> None: ...
 
     def first_step_done(self, step: int) -> None: ...
 
@@ -169,6 +171,10 @@ class ElasticContext:
         self._data_iterator = data_iterator
         abstract = jax.eval_shape(init_fn)
         specs = specs_fn(abstract)
+        if self.plan is not None and self.plan.tier == "replicas":
+            restored = self._from_replicas(self.plan, abstract, specs)
+            if restored is not None:
+                return restored
         if self.plan is None:
             shardings = jax.tree_util.tree_map(
                 lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
@@ -176,11 +182,8 @@ class ElasticContext:
             state = jax.jit(init_fn, out_shardings=shardings)()
             self.start_step, position = 0, 0
             self.runner.emit("initialized", 0, f"fresh state on mesh {list(self.mesh.devices.shape)}")
+            self.runner.note_restored(None)
         else:
-            if self.plan.tier == "replicas":
-                restored = self._from_replicas(self.plan, abstract, specs)
-                if restored is not None:
-                    return restored
             planned = self.plan
             # a memory snapshot's iterator state is read before its arrays: ckptd may evict the snapshot once
             # the restore has mapped it
@@ -220,8 +223,8 @@ class ElasticContext:
     def _from_replicas(self, plan: ResumePlan, abstract: PyTree, specs: PyTree) -> tuple[PyTree, int, int] | None:
         """The plan's step from the replicas on the slices left (``replica_snapshots``), with the data position
         and iterator state held with it; None when no whole replica survives (none reads back whole): then
-        ``self.plan`` is ckptd's answer without the replica tier (the shared-memory tier or storage), and the
-        event ``replicas_unusable`` says why."""
+        ``self.plan`` is ckptd's answer without the replica tier (the shared-memory tier or storage; None when
+        neither holds a step: a fresh start), and the event ``replicas_unusable`` says why."""
         replicas = self.runner.replicas
         devices = list(self.mesh.devices.flat)
         try:
@@ -231,10 +234,10 @@ class ElasticContext:
         except NoWholeReplica as exc:  # a slice lost during the restore itself is a slice loss: raised on
             self.runner.emit("replicas_unusable", plan.step,
                              f"{type(exc).__name__}: {exc}"[:500] + "; asking for another tier")
-            fallback = self.runner.resume_plan(self.active_slices, use_replicas=False)
-            if fallback is None:
-                raise
-            self.plan = fallback
+            self.plan = self.runner.resume_plan(self.active_slices, use_replicas=False)
+            if self.plan is not None and self.plan.mesh != plan.mesh:
+                _log.warning("step %s of %s is laid out on mesh %s, the attempt's mesh is %s: restored onto the "
+                             "attempt's", self.plan.step, self.plan.tier, self.plan.mesh.shape, plan.mesh.shape)
             return None
         self.start_step = restored.step
         position = restored.data_position

@@ -235,3 +235,17 @@ def test_a_loss_before_the_first_checkpoint_resumes_from_the_replicas(tmp_path: 
     assert held.step == down.restored_step and held.training is not None
     assert held.training.mesh.shape == [3, 2] and held.slices == [[0], [1], [3]]
     assert every_sample_once(log, 15)
+
+
+def test_replicas_that_do_not_read_back_with_nothing_saved_start_afresh(
+        tmp_path: Path, ckptd_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    server = ckptd_server(tmp_path)
+    runner = elastic_runner(tmp_path, server.url, "resize", [SliceFault(2, at_step=6, down_for_s=None)])
+    monkeypatch.setattr(_replica_leaves, "readable", lambda x: False)
+    log = TrainLog()
+    result = run_to_end(runner, make_train_fn(12, log))
+    kinds = [e.kind for e in result.events]
+    assert kinds.count("initialized") == 2 and "replicas_unusable" in kinds  # nothing else held a step
+    (down,) = result.recoveries
+    assert (down.restored_step, down.restored_from, result.final_step) == (0, None, 11)
+    assert every_sample_once(log, 12)
