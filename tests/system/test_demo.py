@@ -32,7 +32,10 @@ def _demo(out: Path, *args: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("args", [
     ("--fail-at", "30", "--down-for", "2"),  # resize at a step boundary: shrink, then grow back
-    ("--policy", "pause", "--fail-at", "30", "--down-for", "2", "--fault", "in-jax"),
+    # a long form: pause and a loss inside JAX restored from the replicas are in the short suite as runner tests
+    # (tests/trainer/runtime/test_elastic.py, test_in_jax_faults.py)
+    pytest.param(("--policy", "pause", "--fail-at", "30", "--down-for", "2", "--fault", "in-jax"),
+                 marks=pytest.mark.slow),
 ], ids=["resize-boundary", "pause-in-jax"])
 def test_a_slice_loss_is_restored_from_the_replicas(tmp_path: Path, args: tuple[str, ...]) -> None:
     report = _demo(tmp_path / "out", *args)

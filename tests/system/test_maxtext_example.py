@@ -44,7 +44,9 @@ print(json.dumps({"step": int(np.asarray(restored["items"]["step"])), "embedding
 
 @pytest.mark.parametrize(("backup_kind", "restored", "tier"), [
     ("snapshot", 12, "replicas"),  # MaxText's default: the replica tier, one step lost
-    ("checkpoint", 10, "memory: "),  # the step saved to storage, read from ckptd's shared memory
+    # the step saved to storage, read from ckptd's shared memory (a long form: the shared-memory path of the
+    # runner is covered by tests/trainer/runtime/test_memory_tier.py in the short suite)
+    pytest.param("checkpoint", 10, "memory: ", marks=pytest.mark.slow),
 ])
 def test_the_maxtext_style_example_resumes_grain_exactly_and_maxtext_restores_its_steps(
         tmp_path: Path, backup_kind: str, restored: int, tier: str) -> None:

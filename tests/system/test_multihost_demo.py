@@ -1,10 +1,11 @@
 """``python -m examples.demo --hosts 2`` as a user runs it (a subprocess): two trainer processes of one
 jax.distributed job, each with its own ``ckptd serve`` and shared memory, one SIGKILLed mid-run, both restarted.
 The report must show one agreed step, new PIDs, where each host restored from, a falling loss, the last step
-committed and every step on storage deep-validated. The memory variant and the peer variant
-(``--lose-host-memory 1``: host 1's part brought back from host 0's sidecar, no storage read) are in ``make
-test`` (short runs); the storage variants (a host and its peer both wiped; a wiped host without peer copies)
-and the bitwise comparison with a run without a kill are chaos-marked (``make chaos``)."""
+committed and every step on storage deep-validated. The peer variant (``--lose-host-memory 1``: host 1's
+part brought back from host 0's sidecar, host 0 from its memory, no storage read) is in ``make test`` (a short
+run); the memory-only variant (``make test-all``), the storage variants (a host and its peer both wiped; a
+wiped host without peer copies) and the bitwise comparison with a run without a kill are chaos-marked
+(``make chaos``)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ def _check(report: dict[str, Any], steps: int, tier: str | list[str]) -> None:
     assert steps in [s["step"] for s in validated["steps"]]
 
 
+# a long form: the short suite's peer run below has host 0 resume from its memory through the same agreement
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_hosts_resume_one_step_from_memory(tmp_path: Path) -> None:
     report = _check_run(tmp_path, "memory")
