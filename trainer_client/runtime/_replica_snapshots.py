@@ -49,11 +49,16 @@ class RunnerReplicas:
         self._number_of: dict[int, int] = {}  # a recent snapshot's step -> its dispatch number
         self._training_of: dict[int, TrainingMetadata] = {}  # a recent snapshot's step -> its training metadata
 
+    def due(self, step: int) -> bool:
+        """Whether a snapshot of ``step`` is due (every ``period`` steps, while the tier is on): asked before
+        the caller gathers what goes with it."""
+        return step % self.options.period == 0 and self.off_reason is None
+
     def snapshot(self, step: int, state: PyTree, data_position: int,
                  iterator_state: DataIteratorRecord | None, training: TrainingMetadata | None = None) -> bool:
         """Dispatch a snapshot of ``step`` when it is due; False when not due, or skipped (one in flight).
         ``training``: the step's training metadata, which ckptd lays the replicas out from."""
-        if step % self.options.period or self.off_reason is not None:
+        if not self.due(step):
             return False
         if self.tier is None and not self._make_tier(state):
             return False
