@@ -8,7 +8,10 @@ repeat, side by side (alternating which goes first): host 1's shared memory is w
 (the agreement takes memory: host 0 restores its own part, host 1 its part brought back from host 0's copy by
 its sidecar: as soon as the sidecar sees the memory wiped, while the trainers start, or when the trainer
 asks), and the job is restarted without a memory tier (every process reads its shards from
-storage, as with both hosts wiped). The key is storage ÷ peer per repeat.
+storage, as with both hosts wiped). The key is storage ÷ peer per repeat. Beside it, in the same run: a restart
+with every host's memory kept (``multihost_restart_peer_over_memory``: what bringing a part back costs over
+not having lost it) and the restore phase alone (``multihost_restore_speedup_peer_vs_storage``); each host's
+phases (plan, restore, the first step's compile and run) are in the key's details.
 
 ``peer_copy_training_slowdown``: ms per step of a jitted loop in a trainer-like process (all of its devices
 busy) while this host's sidecar copies a new part of the state's size to its peer every second, over the same
@@ -99,7 +102,8 @@ def _restart_key(profile: Profile, results: Results, base: Path, shms: list[str]
           "each host's part copied to the other")
     peer: list[float] = []
     storage: list[float] = []
-    phases: dict[str, list[Any]] = {"peer": [], "storage": []}
+    memory: list[float] = []
+    phases: dict[str, list[Any]] = {"peer": [], "storage": [], "memory": []}
 
     def restart(tier: str) -> None:
         if tier == "peer":
@@ -108,22 +112,23 @@ def _restart_key(profile: Profile, results: Results, base: Path, shms: list[str]
             shutil.rmtree(Path(shms[1]) / "job", ignore_errors=True)
         if profile.cold_reads:
             evict_from_page_cache(base / "root", base / "jax-cache")
-        hosts = _job(base, "restore", shape, shms if tier == "peer" else ["-", "-"], timeout_s, url)
-        want = "memory" if tier == "peer" else "storage"
+        hosts = _job(base, "restore", shape, ["-", "-"] if tier == "storage" else shms, timeout_s, url)
+        want = "storage" if tier == "storage" else "memory"
         if {h["tier"] for h in hosts} != {want}:
             raise RuntimeError(f"the {tier} restart restored from {[h['tier'] for h in hosts]}")
         if tier == "peer" and not (Path(shms[1]) / "job" / "10" / "from_peer.json").is_file():
             raise RuntimeError("host 1 did not bring its part back from its peer")
-        (peer if tier == "peer" else storage).append(max(h["join_to_first_step"] for h in hosts))
-        phases[tier].append({"restore_s": max(h["restore_s"] for h in hosts),
-                             "plan_s": max(h["plan_s"] for h in hosts),
-                             "agreement": [h["agreement"] for h in hosts]})
+        {"peer": peer, "storage": storage, "memory": memory}[tier].append(max(h["join_to_first_step"] for h in hosts))
+        phases[tier].append({**{k: [round(h[k], 4) for h in hosts] for k in (
+            "join_to_first_step", "plan_s", "restore_s", "first_step_compile_s", "first_step_run_s")},
+            "agreement": [h["agreement"] for h in hosts]})
 
     restart("peer")  # not counted: compiles the first step into JAX's cache, as the job's first start did
     peer.clear()
     phases["peer"].clear()
     for i in range(max(1, profile.recovery_repeats)):
         alternate(i, lambda: restart("peer"), lambda: restart("storage"))
+        restart("memory")  # nothing wiped: what the peer path is worth against a host that kept its memory
         results.progress()
     results.measure("multihost_restart_to_first_step_s_peer", peer, "s",
                     "restart of a 2-process job to its first step, host 1's part from host 0's copy "
@@ -133,11 +138,18 @@ def _restart_key(profile: Profile, results: Results, base: Path, shms: list[str]
     if asked:
         results.measure("multihost_peer_fetch_s", asked, "s",
                         "host 1's trainer waiting for its sidecar to bring its part back from host 0 (when asked)")
+    results.measure("multihost_restart_peer_over_memory", [p / m for p, m in zip(peer, memory, strict=True)], "x",
+                    "restart to first step with host 1's part from host 0's copy / with every host's memory kept "
+                    "(same run)")
+    restore = {t: [max(h) for h in (p["restore_s"] for p in phases[t])] for t in ("peer", "storage")}
+    results.measure("multihost_restore_speedup_peer_vs_storage",
+                    [s / p for s, p in zip(restore["storage"], restore["peer"], strict=True)], "x",
+                    "the restore alone (agreement decided to arrays on the devices): storage / peer")
     results.figure(Figure(
         KEY, [s / p for s, p in zip(storage, peer, strict=True)], ">=", 3.0, "x",
         "restart-to-first-step of a 2-process job, one host's memory lost: from storage / its part from a peer",
         details={"state_bytes": profile.multihost_state_bytes, "peer_s": peer, "storage_s": storage,
-                 "phases": phases}))
+                 "memory_s": memory, "phases": phases}))
 
 
 def _copy_cost(profile: Profile, results: Results, base: Path, shm: Path, state_bytes: int) -> None:
