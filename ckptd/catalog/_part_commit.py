@@ -33,7 +33,7 @@ from trainer_client.core._durability import sync_paths
 from trainer_client.core._errors import StorageError
 from trainer_client.core._identity import step_identity
 from trainer_client.core._storage import Storage
-from trainer_client.core.format._fates import Fate, decide_fate, read_fate
+from trainer_client.core.format._fates import Fate, FateRecord, decide_fate, read_fate, read_fate_record
 from trainer_client.core.format._files import COMMIT_MARKER
 from trainer_client.core.format._manifest import UNMANIFESTED, FileEntry, Manifest, file_entry, write_manifest
 from trainer_client.core.format._parts import (
@@ -41,6 +41,7 @@ from trainer_client.core.format._parts import (
     Claim,
     PartInfo,
     SaveParts,
+    changed_files,
     claimed_steps,
     incarnation_of,
     listed_parts,
@@ -155,6 +156,10 @@ class PartSaves:
             return "written"  # an earlier try of this sidecar finished
         record = self.worker.write_part(snapshot, self.storage.url_of(self.storage.writable(where)))
         info = PartInfo.model_validate({**record, "sidecar": self.sidecar})
+        self.storage.invalidate(self.storage.join(job, CLAIMS_DIR))  # gs://: the save taken over or cleaned since?
+        if self.storage.is_remote and (read_claim(self.storage, job, meta.step) != claim or read_fate(
+                self.storage, job, meta.step, meta.save_id) == "retire"):
+            return "claimed by another save"  # written in place too late: no record beside the new save's
         self.storage.create_new(record_path(where, meta.process_index), record_bytes(info))
         return "written"
 
@@ -216,9 +221,10 @@ class PartSaves:
         recorded (so the leader does not read every byte again), the leader's own read and checksummed."""
         recorded = {f.path: FileEntry(size=f.size, crc32c=f.crc32c) for part in parts for f in part.files}
         on_storage = list_files(self.storage, where)
-        absent = sorted(set(recorded) - set(on_storage))
-        if absent:  # a part record names what is not there: never committed (never served)
-            raise StorageError(f"step {step} at {where}: files of its parts are missing: {', '.join(absent[:4])}")
+        absent = sorted(set(recorded) - set(on_storage)) or changed_files(parts, on_storage)
+        if absent:  # not there, or written over in place since its record (gs://): never committed (never served)
+            raise StorageError(f"step {step} at {where}: files of its parts are missing or changed: "
+                               f"{', '.join(absent[:4])}")
         files = {}
         for rel, listed in sorted(on_storage.items()):
             if rel in UNMANIFESTED:
@@ -315,6 +321,9 @@ class PartSaves:
                 break  # out of time: this save is looked at again next time
             if held.whole and not self._retired(job, step, claim.save_id):
                 continue  # every part is durable: the commit pass's to commit, never abandoned
+            fate = read_fate_record(self.storage, job, step, claim.save_id) if self.storage.is_remote else None
+            if isinstance(fate, FateRecord) and fate.by != self.sidecar and now - fate.at < older_than_s:
+                continue  # another's cleanup or takeover, maybe paused before its deletion: not redone yet
             if held.bad:
                 report_refused(step_path_for(self.storage, job, step, claim.save_id),
                                f"an abandoned save whose part records of processes {spans(held.bad)} are "

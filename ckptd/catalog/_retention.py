@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import posixpath
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -22,7 +23,8 @@ from typing import TYPE_CHECKING, Literal
 from ckptd.catalog._job_lock import job_lock
 from ckptd.catalog._part_commit import JOB_BUDGET_S, PartSaves
 from ckptd.catalog._worker_client import InProcessWorker
-from trainer_client.core._storage import Storage, storage_errors
+from trainer_client.core._storage import Storage, join_path, storage_errors
+from trainer_client.core.format._files import CLAIMS_DIR, PARTS_DIR
 from trainer_client.core.format._parts import spans, step_path_for
 from trainer_client.core.protocol import CheckpointInfo, StepState
 
@@ -120,6 +122,10 @@ def collect(storage: Storage, decisions: Iterable[Decision], *, dry_run: bool = 
                     _log.info("retention of %s: the job's lock is held elsewhere, or the lease moved; step %s kept "
                               "for now", job, d.step)
                     break
+                if _saved_in_place(storage, d):
+                    _log.info("retention of step %s: %s is a multi-host save's, written in place; its claim's cleanup "
+                              "decides its fate", d.step, d.path)
+                    continue
                 with storage_errors(f"cannot delete {d.path}"):
                     storage.remove(d.path, recursive=True)
             _log.info("retention deleted step %s (%s): %s", d.step, d.path, "; ".join(d.reasons))
@@ -127,6 +133,18 @@ def collect(storage: Storage, decisions: Iterable[Decision], *, dry_run: bool = 
     if deleted and not dry_run:
         storage.invalidate()
     return deleted
+
+
+def _saved_in_place(storage: Storage, d: Decision) -> bool:
+    """Whether ``d`` would delete an uncommitted step directory on ``gs://`` that a multi-host save writes in place
+    (its step claimed, or part records in it). Retention leaves it to ``clean_abandoned_parts``, which decides the
+    save's fate first: a leader paused past its checks here would otherwise delete what a newer leader committed
+    since, the same save's late part or a restarted incarnation's save of the step (docs/multihost.md, section 5)."""
+    if d.state is StepState.VERIFIED or not storage.is_remote:
+        return False
+    job_dir, name = posixpath.split(d.path.rstrip("/"))
+    return storage.exists(join_path(d.path, PARTS_DIR)) or (
+        name == str(d.step) and storage.exists(join_path(job_dir, CLAIMS_DIR, f"{d.step}.json")))
 
 
 def checked_decisions(catalog: Catalog, job: str, policy: RetentionPolicy) -> list[Decision]:

@@ -24,7 +24,9 @@ is neither committed nor deleted (kept for inspection).
 from __future__ import annotations
 
 import json
+import math
 import time
+from dataclasses import dataclass
 from typing import Literal
 
 from trainer_client.core._errors import StorageError, UnsafePathError
@@ -39,9 +41,19 @@ def fate_path(storage: Storage, job: str, step: int, save_id: str) -> str:
     return join_path(storage.join(job, CLAIMS_DIR), f"{step}.takeover-{save_id}")
 
 
-def read_fate(storage: Storage, job: str, step: int, save_id: str) -> Fate | Literal["unreadable"] | None:
-    """The fate decided for ``save_id``: None when none was (no record). A takeover's record of the previous
-    release (the new save's claim) is ``retire``; a record that cannot be read as either is ``unreadable``."""
+@dataclass(frozen=True)
+class FateRecord:
+    """A decided fate, who decided it (a leader's holder, or the save that took over) and when (their clock)."""
+
+    fate: Fate
+    by: str
+    at: float
+
+
+def read_fate_record(storage: Storage, job: str, step: int, save_id: str) -> FateRecord | Literal["unreadable"] | None:
+    """The fate record of ``save_id``: None when none was made. A takeover's record of the previous release (the
+    new save's claim) is ``retire`` by that save at its claim's time; a record that cannot be read as either (or
+    whose ``by`` or ``at`` is not a string and a finite number) is ``unreadable``."""
     try:
         raw = storage.read_bytes(fate_path(storage, job, step, save_id), max_bytes=MAX_FATE_BYTES)
     except FileNotFoundError:
@@ -54,12 +66,22 @@ def read_fate(storage: Storage, job: str, step: int, save_id: str) -> Fate | Lit
         return "unreadable"
     if not isinstance(record, dict):
         return "unreadable"
-    fate = record.get("fate")
-    if fate in ("commit", "retire"):
-        return fate
-    if "fate" not in record and isinstance(record.get("save_id"), str) and record["save_id"] != save_id:
-        return "retire"  # the previous release's takeover: the record is the claim that replaced this save's
-    return "unreadable"
+    fate: Fate = "commit" if record.get("fate") == "commit" else "retire"
+    by, at = record.get("by"), record.get("at")
+    if record.get("fate") not in ("commit", "retire"):
+        if "fate" in record or not isinstance(record.get("save_id"), str) or record["save_id"] == save_id:
+            return "unreadable"
+        by, at = record["save_id"], record.get("created_at")  # the previous release's takeover: its new claim
+    if not isinstance(by, str) or isinstance(at, bool) or not isinstance(at, int | float) or not math.isfinite(at):
+        return "unreadable"
+    return FateRecord(fate, by, float(at))
+
+
+def read_fate(storage: Storage, job: str, step: int, save_id: str) -> Fate | Literal["unreadable"] | None:
+    """The fate decided for ``save_id``: None when none was (no record). A takeover's record of the previous
+    release (the new save's claim) is ``retire``; a record that cannot be read as either is ``unreadable``."""
+    record = read_fate_record(storage, job, step, save_id)
+    return record.fate if isinstance(record, FateRecord) else record
 
 
 def fate_record(fate: Fate, by: str) -> bytes:
@@ -78,4 +100,4 @@ def decide_fate(storage: Storage, job: str, step: int, save_id: str, fate: Fate,
     return read_fate(storage, job, step, save_id) == fate
 
 
-__all__ = ["Fate", "decide_fate", "fate_path", "fate_record", "read_fate"]
+__all__ = ["Fate", "FateRecord", "decide_fate", "fate_path", "fate_record", "read_fate", "read_fate_record"]

@@ -45,6 +45,7 @@ from trainer_client.core.format._files import (
 )
 from trainer_client.core.format._manifest import file_entry
 from trainer_client.core.format._snapshot import process_in_range
+from trainer_client.core.format._step_files import Listed
 from trainer_client.core.format._tree_paths import TreeEntry
 from trainer_client.core.protocol import TrainingMetadata
 
@@ -352,6 +353,13 @@ def part_problems(storage: Storage, step_path: str) -> list[str]:
     return out
 
 
+def changed_files(parts: list[PartInfo], on_storage: dict[str, Listed]) -> list[str]:
+    """The files the ``parts`` recorded whose listing (``gs://``: with the object's CRC32C) shows other bytes: a
+    file written over in place since its part's record (docs/multihost.md, section 5, "Fenced writers")."""
+    return sorted(f.path for part in parts for f in part.files if (listed := on_storage.get(f.path)) is not None
+                  and listed.crc32c is not None and (listed.size, listed.crc32c) != (f.size, f.crc32c))
+
+
 def record_bytes(info: PartInfo) -> bytes:
     return json.dumps(info.model_dump(mode="json"), sort_keys=True).encode()
 
@@ -365,6 +373,7 @@ __all__ = [
     "PartFile",
     "PartInfo",
     "SaveParts",
+    "changed_files",
     "claim_path",
     "claimed_steps",
     "incarnation_of",

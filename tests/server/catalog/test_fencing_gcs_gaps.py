@@ -1,0 +1,206 @@
+"""The writes a stale leader or a dead incarnation's sidecar could still make on ``gs://`` past the fate records
+(docs/multihost.md, section 5, "Fenced writers", "What a stale writer can still do"), on the GCS emulator, the
+interleaving forced in one process as ``test_fencing.py`` does:
+
+* retention's deletion of an uncommitted step directory, decided while a save of that step was incomplete, never
+  deletes it once a newer leader committed that save (its last part landed late) or a restarted incarnation's save
+  of the same step number;
+* a verified step a stale retention deletes is one the newer leader's policy deletes too (harmless);
+* a cleanup another leader retired and left half-way is not redone before the save timeout, so the step number is
+  not given to a new save while the first cleaner may still delete its files;
+* a dead incarnation's part landing after a restarted incarnation took its claim over leaves no part record, and a
+  part file it overwrote after the new save's record is never committed;
+* a stale leader's late manifest of a step a newer leader committed and sealed leaves the step good."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from ckptd.catalog._part_commit import PartSaves
+from ckptd.catalog._retention import RetentionPolicy, clean_abandoned_parts, collect, decide
+from ckptd.catalog._worker_client import InProcessWorker
+from tests.server.catalog.test_fencing import _interpose, _meta
+from tests.server.catalog.test_forged_parts import Recorder
+from tests.support.fenced_saves import JOB, STEP, committed_whole, finalizing_worker, land_part, lay_save, part_record
+from tests.support.gcs_emulator import GcsEmulator
+from trainer_client.core._errors import StorageError
+from trainer_client.core._storage import Storage, join_path
+from trainer_client.core.format._fates import read_fate, read_fate_record
+from trainer_client.core.format._files import COMMIT_MARKER
+from trainer_client.core.format._manifest import crc32c_of
+from trainer_client.core.format._parts import make_claim, read_claim, read_part, record_path, take_over_claim
+from trainer_client.core.format._steps import inspect_step
+from trainer_client.core.protocol import CheckpointInfo, StepState
+
+DEAD, LIVE = f"aa-{STEP}", f"bb-{STEP}"
+
+
+@pytest.fixture
+def storage(gcs_emulator: GcsEmulator) -> Storage:
+    return Storage(gcs_emulator.gs(f"gaps-{uuid.uuid4().hex[:8]}"))
+
+
+def _step_info(storage: Storage, step: int) -> CheckpointInfo:
+    """What a leader's catalog says of ``<job>/<step>``, its save timeout passed (the step is uncommitted)."""
+    storage.invalidate()
+    [entry] = [e for e in storage.list_dir(storage.join(JOB)) if e.name == str(step)]
+    found = inspect_step(storage, entry, save_timeout_s=0.0, now=time.time() + 1.0)
+    assert found is not None
+    return found.to_info(storage)
+
+
+def _late_part_committed(storage: Storage) -> bool:
+    """The newer leader's work: host 1's part of DEAD lands late and the save is committed."""
+    land_part(storage, DEAD, 1)
+    return PartSaves(storage, finalizing_worker(), sidecar="new-leader").commit_ready(JOB) == [STEP]
+
+
+def _restarted_save_committed(storage: Storage) -> bool:
+    """A restarted incarnation's save LIVE of the same step takes DEAD's claim over, its parts land, it commits."""
+    claim = read_claim(storage, JOB, STEP)
+    assert claim is not None and take_over_claim(storage, JOB, STEP, claim, LIVE, 2)
+    for k in (0, 1):
+        land_part(storage, LIVE, k)
+    return PartSaves(storage, finalizing_worker(), sidecar="new-leader").commit_ready(JOB) == [STEP]
+
+
+@pytest.mark.parametrize("meanwhile", [_late_part_committed, _restarted_save_committed])
+def test_retention_never_deletes_a_save_in_place_that_a_newer_leader_committed(
+        storage: Storage, monkeypatch: pytest.MonkeyPatch, meanwhile: Callable[[Storage], bool]) -> None:
+    """The old leader's catalog lists ``<job>/7`` (save DEAD, host 1's part missing, written in place) as an
+    abandoned save and retention decides to delete it; it pauses at its deletion, past its lease check. Meanwhile
+    the newer leader commits step 7. The committed step stays whole."""
+    lay_save(storage, DEAD, (0,))
+    [decision] = decide([_step_info(storage, STEP)], RetentionPolicy())
+    assert decision.action == "delete" and decision.state is StepState.ABANDONED
+    old = Storage(storage.url)
+    done = _interpose(monkeypatch, PartSaves(old, Recorder()), "remove", lambda: meanwhile(Storage(storage.url)))
+    collect(old, [decision], job=JOB, writes=lambda _job: True)
+    if not done:  # the old leader's retention left the save alone: the newer leader commits it all the same
+        done.append(meanwhile(Storage(storage.url)))
+    assert done == [True]
+    assert committed_whole(storage, LIVE if meanwhile is _restarted_save_committed else DEAD)
+
+
+def _good_step(storage: Storage, step: int) -> CheckpointInfo:
+    assert storage.create_new(join_path(storage.join(JOB, str(step)), COMMIT_MARKER), b"committed")
+    return CheckpointInfo(step=step, state=StepState.VERIFIED, path=storage.url_of(storage.join(JOB, str(step))),
+                          committed_at=time.time())
+
+
+def test_a_verified_step_a_stale_retention_deletes_is_one_the_newer_leader_deletes_too(
+        storage: Storage, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retention's rules only let go of more steps as steps are added and time passes: the old leader decided to
+    delete step 3 (keep the last 1 of 3 and 5), paused, and the newer leader committed step 7 meanwhile. Its late
+    deletion takes step 3 only, which the newer leader's policy deletes too; step 5 and the committed 7 stay."""
+    policy = RetentionPolicy(keep_last=1)
+    infos = [_good_step(storage, 3), _good_step(storage, 5)]
+    stale = [d for d in decide(infos, policy) if d.action == "delete"]
+    assert [d.step for d in stale] == [3]
+    lay_save(storage, DEAD, (0,))
+    old = Storage(storage.url)
+    done = _interpose(monkeypatch, PartSaves(old, Recorder()), "remove", lambda: _late_part_committed(storage))
+    assert [d.step for d in collect(old, stale, job=JOB, writes=lambda _job: True)] == [3]
+    assert done == [True] and committed_whole(storage, DEAD)
+    newer = [*infos, CheckpointInfo(step=STEP, state=StepState.VERIFIED, path=storage.url_of(storage.join(JOB, "7")),
+                                    committed_at=time.time())]
+    assert {d.step for d in decide(newer, policy) if d.action == "delete"} >= {3}
+    assert storage.exists(storage.join(JOB, "5", COMMIT_MARKER))
+
+
+def test_a_cleanup_another_leader_retired_is_not_redone_before_the_save_timeout(
+        storage: Storage, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old leader retired the abandoned save DEAD and paused before its deletion. The newer leader leaves the
+    save and its claim alone until the fate record is older than the save timeout, so no new save of step 7 is
+    written where the old leader's late deletion would land; that deletion then takes DEAD's files only, and the
+    restarted save claims step 7 afterwards and is committed whole."""
+    lay_save(storage, DEAD, (0,))
+    old = PartSaves(Storage(storage.url), Recorder(), sidecar="old-leader")
+    [found] = old.abandoned(JOB, older_than_s=30.0)
+    new_leader = Storage(storage.url)
+
+    def newer_leader_cleans_and_a_new_save_claims() -> bool:
+        assert read_fate(storage, JOB, STEP, DEAD) == "retire"
+        cleaned = clean_abandoned_parts(new_leader, JOB, older_than_s=30.0)
+        claim = make_claim(new_leader, JOB, STEP, LIVE, 2)
+        assert claim is not None
+        return not cleaned and claim.save_id == DEAD  # the step is still DEAD's: LIVE waits
+
+    done = _interpose(monkeypatch, old, "remove", newer_leader_cleans_and_a_new_save_claims)
+    assert old.clean(found)
+    assert done == [True]
+    claim = make_claim(new_leader, JOB, STEP, LIVE, 2)
+    assert claim is not None and claim.save_id == LIVE
+    for k in (0, 1):
+        land_part(new_leader, LIVE, k)
+    assert PartSaves(new_leader, finalizing_worker()).commit_ready(JOB) == [STEP]
+    assert committed_whole(storage, LIVE)
+
+
+def test_a_cleanup_another_leader_retired_is_redone_after_the_save_timeout(storage: Storage) -> None:
+    lay_save(storage, DEAD, (0,))
+    assert PartSaves(storage, Recorder(), sidecar="old-leader")._decide(JOB, STEP, DEAD, "retire")
+    record = read_fate_record(storage, JOB, STEP, DEAD)
+    assert not isinstance(record, str) and record is not None and record.by == "old-leader"
+    assert clean_abandoned_parts(Storage(storage.url), JOB, older_than_s=30.0) == []
+    saves = PartSaves(Storage(storage.url), Recorder(), sidecar="new-leader")
+    [found] = saves.abandoned(JOB, older_than_s=30.0, now=time.time() + 31.0)
+    assert saves.clean(found) and read_claim(storage, JOB, STEP) is None
+
+
+def _writing(record: dict[str, Any], also: Callable[[], None] = lambda: None) -> InProcessWorker:
+    """A persist worker whose part write succeeds (``also`` runs meanwhile) and answers ``record``."""
+    def answer(request: dict[str, Any]) -> dict[str, Any]:
+        also()
+        return {"ok": True, "record": record} if "part" in request else {"ok": False}
+    return InProcessWorker(answer)
+
+
+def test_a_dead_incarnations_late_part_leaves_no_record_beside_the_new_save(storage: Storage) -> None:
+    """Host 1's sidecar of the dead incarnation is still writing its part of DEAD when the restarted incarnation
+    takes the claim over (on another host). Its part lands late: no part record of DEAD is made in ``<job>/7``,
+    so host 1's record of the new save is, and that save is committed."""
+    lay_save(storage, DEAD, (0,), age_s=20.0)
+    late = PartSaves(Storage(storage.url), Recorder(), sidecar="host1")
+
+    def taken_over_meanwhile() -> None:
+        claim = read_claim(storage, JOB, STEP)
+        assert claim is not None and take_over_claim(storage, JOB, STEP, claim, LIVE, 2)
+
+    late.worker = _writing(json.loads(part_record(DEAD, 1)), taken_over_meanwhile)
+    assert late.persist_part(JOB, "/shm/job/7", _meta(DEAD, time.time() - 30.0)) != "written"
+    assert read_part(storage, storage.join(JOB, str(STEP)), 1) is None
+    for k in (0, 1):
+        land_part(storage, LIVE, k)
+    assert PartSaves(storage, finalizing_worker()).commit_ready(JOB) == [STEP]
+    assert committed_whole(storage, LIVE)
+
+
+def test_a_part_file_overwritten_after_its_record_is_never_committed(storage: Storage) -> None:
+    """The new save's host 1 recorded ``ocdbt.process_1/manifest.ocdbt`` with its checksum; the dead incarnation's
+    late write of the same name lands after it (same size, other bytes). The step is not committed from a file
+    that is not the one its part recorded: never a step that mixes two saves."""
+    lay_save(storage, LIVE, (0,))
+    step = storage.join(JOB, str(STEP))
+    name = "default/ocdbt.process_1/manifest.ocdbt"
+    ours = b"manifest of LIVE"
+    assert storage.create_new(join_path(step, name), ours)
+    record = json.loads(part_record(LIVE, 1))
+    record["files"] = [{"path": name, "size": len(ours), "crc32c": _crc(ours)}]
+    storage.fs.pipe_file(join_path(step, name), b"manifest of DEAD")  # the dead save's late write, same size
+    assert storage.create_new(record_path(step, 1), json.dumps(record).encode())
+    with pytest.raises(StorageError, match=r"missing or changed: default/ocdbt\.process_1/manifest\.ocdbt"):
+        PartSaves(Storage(storage.url), finalizing_worker()).commit_ready(JOB)
+    storage.invalidate()
+    assert not storage.exists(join_path(step, COMMIT_MARKER))
+
+
+def _crc(data: bytes) -> str:
+    chunks = iter([data, b""])
+    return crc32c_of(lambda: next(chunks))[1]
