@@ -2,7 +2,8 @@
 
 Each host k gets its own ``ckptd serve`` (its own port, state and shared-memory directory, the leader lease
 on: ``CKPTD_LEASE_TTL_S``) over one storage root under ``--out``, and its own trainer process
-(examples/multihost_trainer.py: jax.distributed on 127.0.0.1, 4 CPU devices each, gloo, one global mesh).
+(examples/multihost_trainer.py: jax.distributed on 127.0.0.1, 4 CPU devices each, gloo, one global mesh; with
+``--hosts 3`` a mesh of 3 replicas by 4, the MLP's hidden size being split over 4 devices, not 12).
 The trainers save to storage every ``--checkpoint-period`` steps and to host memory (each host its part) every
 ``--memory-period``. Past step ``--kill-after`` the trainers wait at each step boundary until the demo has
 seen host ``--kill-host``'s memory save of that step and a step committed on storage; then it SIGKILLs that
@@ -91,6 +92,7 @@ def launch(args: argparse.Namespace, hosts: list[dict[str, Any]], out: Path, rou
            timeline: Timeline) -> list[Trainer]:
     """Every host's trainer process, one job (a fresh coordinator port: a new incarnation of the job)."""
     coordinator = f"127.0.0.1:{free_port()}"
+    replicas = 1 if 128 % (4 * len(hosts)) == 0 else len(hosts)  # the MLP's hidden size over the data axis
     trainers = []
     for k, host in enumerate(hosts):
         result = out / f"trainer-{k}-run{round_}.json"
@@ -100,7 +102,7 @@ def launch(args: argparse.Namespace, hosts: list[dict[str, Any]], out: Path, rou
                "--job", JOB, "--steps", str(args.steps), "--checkpoint-period", str(args.checkpoint_period),
                "--memory-period", str(args.memory_period), "--step-time-s", str(args.step_time_s),
                "--heartbeat-s", str(args.heartbeat_s), "--cache", str(out / "jax-cache"), "--result", str(result),
-               "--hold-after", str(args.kill_after), "--hold-file", str(out / "hold")]
+               "--hold-after", str(args.kill_after), "--hold-file", str(out / "hold"), "--replicas", str(replicas)]
         env = {**_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
         with (out / f"trainer-{k}-run{round_}.log").open("w") as log:
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
