@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from examples.demo import DRAIN_TIMEOUT_S, free_port, last_step_on_storage, start_ckptd, step_label
+from trainer_client.core._storage import Storage
 
 JOB = "demo-multihost"
 REPO = Path(__file__).resolve().parent.parent
@@ -118,12 +119,18 @@ def _env() -> dict[str, str]:
     return dict(os.environ)
 
 
-def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
+def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.02) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what}: not within {timeout_s:.0f} s")
-        time.sleep(0.02)
+        time.sleep(interval_s)
+
+
+def committed_step(root: Path | str) -> int | None:
+    """The newest step committed and verified on storage, listed afresh (gcsfs keeps a process's listings)."""
+    Storage(str(root)).invalidate()
+    return last_step_on_storage(root, JOB)
 
 
 def holder_of(k: int, hosts: int) -> int:
@@ -185,13 +192,13 @@ def first_run(args: argparse.Namespace, hosts: list[dict[str, Any]], out: Path, 
         if any(t.proc.poll() is not None for t in trainers):
             raise RuntimeError("a trainer ended before the kill: see its log under --out")
         return any(e["kind"] == "checkpoint_started" and e.get("tier") == "memory" and e["step"] >= args.kill_after
-                   for e in victim.events) and last_step_on_storage(args.root, JOB) is not None
+                   for e in victim.events) and committed_step(args.root) is not None
 
     wait_for(ready_to_kill, 600, f"trainer {args.kill_host}'s memory save of step {args.kill_after} and a step "
-             "committed on storage")
+             "committed on storage", 0.1)
     killed_at = time.time()
     victim.proc.kill()
-    on_storage = last_step_on_storage(args.root, JOB)
+    on_storage = committed_step(args.root)
     timeline.say(f"trainer {victim.index}", "SIGKILL", None, f"pid {victim.proc.pid} (step {on_storage} committed "
                  "on storage)", killed_at)
     victim.proc.wait()
@@ -247,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-time-s", type=float, default=0.03)
     parser.add_argument("--heartbeat-s", type=int, default=10, help="jax.distributed heartbeat timeout")
     parser.add_argument("--no-kill", action="store_true", help="the same run without a failure (for comparison)")
+    parser.add_argument("--root", default=None, metavar="URL",
+                        help="the storage root, empty (default: OUT/checkpoints): a directory or gs://BUCKET/PREFIX "
+                        "(its credentials, or an emulator's variables, in the environment)")
     args = parser.parse_args(argv)
     try:
         args.lost = sorted({int(k) for k in (args.lose_host_memory or "").split(",") if k.strip()})
@@ -257,8 +267,10 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out).resolve()
     shutil.rmtree(out, ignore_errors=True)
-    args.root = out / "checkpoints"
-    (args.root / JOB).mkdir(parents=True)
+    out.mkdir(parents=True)
+    if args.root is None or "://" not in args.root:  # a directory; else an object store's prefix
+        args.root = Path(args.root).resolve() if args.root else out / "checkpoints"
+        (args.root / JOB).mkdir(parents=True, exist_ok=True)
     shm_base = Path("/dev/shm") if Path("/dev/shm").is_dir() else out
     timeline = Timeline()
     hosts: list[dict[str, Any]] = []
@@ -297,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         results = [json.loads(t.result.read_text()) if t.result.exists() else None for t in after]
         committed = None
         try:
-            wait_for(lambda: last_step_on_storage(args.root, JOB) == args.steps, 120,
-                     f"step {args.steps} committed and verified")
+            wait_for(lambda: committed_step(args.root) == args.steps, 120,
+                     f"step {args.steps} committed and verified", 0.25)
             committed = args.steps
             timeline.say("storage", "committed", args.steps, "the last step: committed and verified by the leader")
         except TimeoutError as exc:

@@ -4,7 +4,8 @@
 as a copy on host 1, and host 0's part comes back from it once host 0's memory is wiped (``make test``); under
 ``make test-all``: a copy damaged at the holder is found at the fetch and nothing of it is left, and a holder
 SIGKILLed mid-copy keeps nothing, then, restarted on another port, is found again through the registry and gets
-the whole copy."""
+the whole copy; and the multi-host demo on the emulator (``--root gs://...``, ``--lose-host-memory 1``): host 1
+resumes from host 0's copy, host 0 from its memory, no storage read."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 from tests.support.gcs_emulator import GcsEmulator
 from tests.support.helpers import free_port, wait_until
 from tests.support.peer_parts import PeerSidecars, flip_a_bit, write_part
+from tests.system.test_multihost_demo import SHORT, _demo
 from trainer_client.core.format._files import SNAPSHOT_DATA_FILE
 
 JOB = "peerjob"
@@ -117,3 +119,23 @@ def test_a_holder_killed_mid_copy_keeps_nothing_and_is_found_again_through_the_r
         assert "peer copy of peerjob step 10 to host 1 failed" in hosts.log(0)
     finally:
         hosts.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_multihost_demo_on_gcs_resumes_a_wiped_host_from_its_peer(gcs_emulator: GcsEmulator,
+                                                                      tmp_path: Path) -> None:
+    root = gcs_emulator.gs(f"demo-{uuid.uuid4().hex[:10]}")
+    report = _demo(tmp_path / "out", *SHORT, "--root", root, "--lose-host-memory", "1")
+    assert report["root"] == root
+    assert report["agreed_step"] == 25, "the memory save the trainers waited past for the kill, not storage's 15"
+    assert [h["restored_from"].split(":")[0] for h in report["hosts"]] == ["memory", "peer"]
+    assert report["hosts"][1]["restored_from"].startswith("peer: host 0 ")
+    planned = [line for line in report["stdout"].splitlines() if " plan_received " in line]
+    assert len(planned) == 2 and all("from memory_agreement" in line for line in planned), planned
+    assert report["last_step_committed"] == 40 and report["final_loss"] < report["initial_loss"]
+    validated = report["validate_deep"]
+    assert validated["exit_code"] == 0 and 40 in [s["step"] for s in validated["steps"] if s["ok"]]
+    fs = gcs_emulator.other_writer()  # the registry was on gs://, the only place the sidecars learnt addresses
+    assert sorted(Path(p).name for p in fs.ls(f"{root.removeprefix('gs://')}/demo-multihost/.ckptd/peers")) == [
+        "process_0.json", "process_1.json"]
