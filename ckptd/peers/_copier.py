@@ -25,7 +25,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ckptd.peers._directory import PeerDirectory, holders_of
-from ckptd.peers._protocol import PeerError, RateLimit, connect, expect_ok, header_int, send_file, send_header
+from ckptd.peers._protocol import PeerError, RateLimit, connect, header_int
 from ckptd.peers._server import MAX_PART_BYTES
 from ckptd.peers._store import PartStore
 from trainer_client.core._errors import UnsafePathError
@@ -175,22 +175,22 @@ class PeerCopier:
         return address
 
     def _tell_held(self, job: str, holder: int, meta: SnapshotMeta, held: tuple[int, ...]) -> None:
-        with connect(self._address(job, holder), self.secret, self.options.timeout_s) as sock:
-            send_header(sock, {"op": "held", "job": job, "origin": meta.process_index, "count": meta.process_count,
+        with connect(self._address(job, holder), self.secret, self.options.timeout_s) as chan:
+            chan.send_header({"op": "held", "job": job, "origin": meta.process_index, "count": meta.process_count,
                                "held": list(held)})
-            expect_ok(sock)
+            chan.expect_ok()
 
     def _send(self, job: str, holder: int, path: Path, held: tuple[int, ...]) -> None:
         raw, meta, data = self.store.open_part(path)
-        with data, connect(self._address(job, holder), self.secret, self.options.timeout_s) as sock:
-            send_header(sock, {"op": "put", "job": job, "origin": meta.process_index, "count": meta.process_count,
+        with data, connect(self._address(job, holder), self.secret, self.options.timeout_s) as chan:
+            chan.send_header({"op": "put", "job": job, "origin": meta.process_index, "count": meta.process_count,
                                "step": meta.step, "held": list(held), "meta": len(raw), "data": meta.nbytes})
-            if expect_ok(sock).get("have"):
+            if chan.expect_ok().get("have"):
                 return
             started = time.monotonic()
-            sock.sendall(raw)
-            send_file(sock, data, meta.nbytes, self.rate)
-            expect_ok(sock)
+            chan.send_bytes(raw)
+            chan.send_file(data, meta.nbytes, self.rate)
+            chan.expect_ok()
         self.stats.copies_sent += 1
         self.stats.bytes_sent += meta.nbytes
         self.stats.last_copy_at[job] = time.time()
@@ -222,9 +222,9 @@ class PeerCopier:
         its part back from the hosts that keep them, before its trainer asks (it restarts meanwhile)."""
         for holder in holders_of(index, count, self.options.k, self.options.stride, self.options.explicit):
             try:
-                with connect(self._address(job, holder), self.secret, self.options.timeout_s) as sock:
-                    send_header(sock, {"op": "list", "job": job, "origin": index, "count": count})
-                    listed = expect_ok(sock).get("copies")
+                with connect(self._address(job, holder), self.secret, self.options.timeout_s) as chan:
+                    chan.send_header({"op": "list", "job": job, "origin": index, "count": count})
+                    listed = chan.expect_ok().get("copies")
                 if not isinstance(listed, list) or not listed:
                     continue
                 step, save_id = max((header_int({"s": s}, "s", 0, 2**63 - 1), str(k)) for s, k in listed[-16:])
@@ -244,16 +244,16 @@ class PeerCopier:
         if own.exists() and not problems(own) and read_meta(own).save_id == save_id:
             return own
         started = time.monotonic()
-        with connect(self._address(job, source), self.secret, self.options.timeout_s) as sock:
-            send_header(sock, {"op": "get", "job": job, "origin": origin, "count": count, "step": step,
+        with connect(self._address(job, source), self.secret, self.options.timeout_s) as chan:
+            chan.send_header({"op": "get", "job": job, "origin": origin, "count": count, "step": step,
                                "save_id": save_id})
-            answer = expect_ok(sock)
+            answer = chan.expect_ok()
             meta_bytes = header_int(answer, "meta", 1, MAX_META_BYTES)
             data_bytes = header_int(answer, "data", 0, MAX_PART_BYTES)
             reason = self.store.room_for(meta_bytes + data_bytes, copy=False)
             if reason is not None:
                 raise PeerError(reason)
-            path = self.store.receive(sock, job, origin=origin, count=count, step=step, meta_bytes=meta_bytes,
+            path = self.store.receive(chan, job, origin=origin, count=count, step=step, meta_bytes=meta_bytes,
                                       data_bytes=data_bytes, own=True, source=source)
         if save_id is not None and read_meta(path).save_id != save_id:
             raise PeerError(f"host {source} sent another save of step {step}")

@@ -1,20 +1,28 @@
-"""The peer data channel's wire: a mutual HMAC handshake over a shared secret, bounded JSON headers, raw byte
-bodies sent at a bounded rate (docs/multihost.md, "Peer copies").
+"""The peer data channel's wire: a mutual HMAC handshake over a shared secret, then every header and every body
+authenticated with a key of the connection's own; bounded JSON headers, raw byte bodies sent at a bounded rate
+(docs/multihost.md, "Peer copies").
 
 A connection is one request. The listener speaks first:
 
 ```
-listener -> caller   b"CKPTDP1\\n" + 32 random bytes (its nonce)
+listener -> caller   b"CKPTDP2\\n" + 32 random bytes (its nonce)
 caller   -> listener 32 random bytes (the caller's nonce) + HMAC-SHA256(secret, b"caller" + nonces)
 listener -> caller   HMAC-SHA256(secret, b"listener" + nonces)       (both sides now know the other has the secret)
-then frames: 4-byte big-endian length (at most MAX_HEADER_BYTES) + a JSON object, and raw bodies whose lengths
-a header announced
+both                 key = HMAC-SHA256(secret, b"session" + nonces)  (never sent)
+then frames, each followed by its 32-byte tag, HMAC-SHA256(key, direction + kind + sequence + length + bytes):
+  a header: 4-byte big-endian length (at most MAX_HEADER_BYTES) + a JSON object, then its tag
+  a body:   the raw bytes a header announced, then its tag (computed as the bytes go, over the mapped file)
 ```
 
-Everything read from the wire is hostile until checked: a header longer than ``MAX_HEADER_BYTES`` or not a JSON
-object ends the connection, and the caller of ``header_int`` bounds every number it takes. The bytes are
-not protected in transit beyond TCP's checksum: the receiver checks every shard against the XXH3 checksum the
-snapshot records before the copy is used (``_store``).
+The direction (``C>L``/``L>C``) and a per-direction sequence number inside every tag mean a frame cannot be
+altered, reflected, replayed, reordered or dropped without the receiver noticing: a frame whose tag does not
+match ends the request (``PeerError``), and what was received of it is discarded by the caller (``_store``). A
+peer of another wire version (another magic line) is refused at the first bytes.
+
+Everything read from the wire is hostile until checked: a header longer than ``MAX_HEADER_BYTES``, failing its
+tag or not a JSON object ends the connection, and the caller of ``header_int`` bounds every number it takes. The
+tags prove who sent the bytes; the receiver still checks every shard against the XXH3 checksum the snapshot
+records before the copy is used (``_store``): what the sender's memory held may have decayed.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import hmac
 import json
 import mmap
 import os
+import queue
 import secrets
 import socket
 import struct
@@ -33,7 +42,9 @@ from typing import Any, BinaryIO
 
 from trainer_client.core._errors import CkptdError
 
-MAGIC = b"CKPTDP1\n"
+MAGIC = b"CKPTDP2\n"
+MAGIC_FAMILY = b"CKPTDP"  # any version of this channel
+TAG_BYTES = 32
 NONCE_BYTES = 32
 MAX_HEADER_BYTES = 64 << 10
 CHUNK = 1 << 20
@@ -58,48 +69,6 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def listener_handshake(sock: socket.socket, secret: bytes) -> None:
-    """The listener's side: ``PeerError`` unless the caller proves it holds ``secret``."""
-    mine = secrets.token_bytes(NONCE_BYTES)
-    sock.sendall(MAGIC + mine)
-    theirs = recv_exact(sock, NONCE_BYTES)
-    proof = recv_exact(sock, 32)
-    if not hmac.compare_digest(proof, _mac(secret, b"caller", mine, theirs)):
-        raise PeerError("the caller does not hold the peer secret")
-    sock.sendall(_mac(secret, b"listener", theirs, mine))
-
-
-def caller_handshake(sock: socket.socket, secret: bytes) -> None:
-    """The caller's side: ``PeerError`` unless the listener proves it holds ``secret``."""
-    if recv_exact(sock, len(MAGIC)) != MAGIC:
-        raise PeerError("not a ckptd peer channel")
-    theirs = recv_exact(sock, NONCE_BYTES)
-    mine = secrets.token_bytes(NONCE_BYTES)
-    sock.sendall(mine + _mac(secret, b"caller", theirs, mine))
-    if not hmac.compare_digest(recv_exact(sock, 32), _mac(secret, b"listener", mine, theirs)):
-        raise PeerError("the listener does not hold the peer secret")
-
-
-def send_header(sock: socket.socket, header: dict[str, Any]) -> None:
-    data = json.dumps(header).encode()
-    if len(data) > MAX_HEADER_BYTES:
-        raise PeerError(f"header of {len(data)} bytes")
-    sock.sendall(struct.pack(">I", len(data)) + data)
-
-
-def recv_header(sock: socket.socket) -> dict[str, Any]:
-    (size,) = struct.unpack(">I", recv_exact(sock, 4))
-    if size > MAX_HEADER_BYTES:
-        raise PeerError(f"a header of {size} bytes (at most {MAX_HEADER_BYTES})")
-    try:
-        header = json.loads(recv_exact(sock, size))
-    except ValueError as exc:
-        raise PeerError(f"a header that is not JSON: {exc}") from None
-    if not isinstance(header, dict):
-        raise PeerError("a header that is not a JSON object")
-    return header
-
-
 def header_int(header: dict[str, Any], key: str, low: int, high: int) -> int:
     """``header[key]`` as an int within ``[low, high]``, else ``PeerError``."""
     value = header.get(key)
@@ -108,12 +77,177 @@ def header_int(header: dict[str, Any], key: str, low: int, high: int) -> int:
     return value
 
 
-def expect_ok(sock: socket.socket) -> dict[str, Any]:
-    """The peer's answer; ``PeerError`` with its reason unless it says ok."""
-    answer = recv_header(sock)
-    if answer.get("ok") is not True:
-        raise PeerError(str(answer.get("error") or "refused")[:500])
-    return answer
+def listener_handshake(sock: socket.socket, secret: bytes) -> Channel:
+    """The listener's side: ``PeerError`` unless the caller proves it holds ``secret``."""
+    mine = secrets.token_bytes(NONCE_BYTES)
+    sock.sendall(MAGIC + mine)
+    theirs = recv_exact(sock, NONCE_BYTES)
+    proof = recv_exact(sock, 32)
+    if not hmac.compare_digest(proof, _mac(secret, b"caller", mine, theirs)):
+        raise PeerError("the caller does not hold the peer secret")
+    sock.sendall(_mac(secret, b"listener", theirs, mine))
+    return Channel(sock, _mac(secret, b"session", mine, theirs), caller=False)
+
+
+def caller_handshake(sock: socket.socket, secret: bytes) -> Channel:
+    """The caller's side: ``PeerError`` unless the listener proves it holds ``secret``."""
+    magic = recv_exact(sock, len(MAGIC))
+    if magic != MAGIC:
+        if magic.startswith(MAGIC_FAMILY):
+            raise PeerError(f"the peer speaks another version of the peer channel ({magic.strip()!r}, this sidecar "
+                            f"{MAGIC.strip()!r}): run the same ckptd release on every host")
+        raise PeerError("not a ckptd peer channel")
+    theirs = recv_exact(sock, NONCE_BYTES)
+    mine = secrets.token_bytes(NONCE_BYTES)
+    sock.sendall(mine + _mac(secret, b"caller", theirs, mine))
+    if not hmac.compare_digest(recv_exact(sock, 32), _mac(secret, b"listener", mine, theirs)):
+        raise PeerError("the listener does not hold the peer secret")
+    return Channel(sock, _mac(secret, b"session", theirs, mine), caller=True)
+
+
+class _TagBehind:
+    """Feeds a tag the ranges of a mapped file on a thread of its own, in order, while the caller moves the next
+    bytes through the socket (hashing and the socket both run without the GIL: the tag costs the transfer
+    little time)."""
+
+    def __init__(self, tagger: hmac.HMAC, view: memoryview) -> None:
+        self.tagger = tagger
+        self._view = view
+        self._ranges: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="ckptd-peer-tag", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._ranges.get()) is not None:
+            self.tagger.update(self._view[item[0]: item[1]])
+
+    def add(self, start: int, end: int) -> None:
+        self._ranges.put((start, end))
+
+    def finish(self) -> None:
+        """Wait until every range given is in the tag (always called before the view is released)."""
+        self._ranges.put(None)
+        self._thread.join()
+
+
+class Channel:
+    """One connection after the handshake: every header and body it sends carries a tag, every one it receives
+    is checked against its tag (``PeerError`` on a mismatch). A context manager that closes the socket."""
+
+    def __init__(self, sock: socket.socket, key: bytes, *, caller: bool) -> None:
+        self.sock = sock
+        self._key = key
+        self._directions = (b"C>L", b"L>C") if caller else (b"L>C", b"C>L")  # (sending, receiving)
+        self._counts = [0, 0]  # frames sent, frames received
+
+    def __enter__(self) -> Channel:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.sock.close()
+
+    def _tagger(self, receiving: bool, kind: bytes, nbytes: int) -> hmac.HMAC:
+        """The tag of the next frame in one direction: the key, the direction, the kind, its number, its length."""
+        seq = self._counts[receiving]
+        self._counts[receiving] += 1
+        return hmac.new(self._key, self._directions[receiving] + kind + struct.pack(">QQ", seq, nbytes),
+                        hashlib.sha256)
+
+    def _check(self, tagger: hmac.HMAC, what: str) -> None:
+        if not hmac.compare_digest(recv_exact(self.sock, TAG_BYTES), tagger.digest()):
+            raise PeerError(f"{what} failed its authentication (altered in transit): discarded")
+
+    def send_header(self, header: dict[str, Any]) -> None:
+        data = json.dumps(header).encode()
+        if len(data) > MAX_HEADER_BYTES:
+            raise PeerError(f"header of {len(data)} bytes")
+        tagger = self._tagger(False, b"H", len(data))
+        tagger.update(data)
+        self.sock.sendall(struct.pack(">I", len(data)) + data + tagger.digest())
+
+    def recv_header(self) -> dict[str, Any]:
+        (size,) = struct.unpack(">I", recv_exact(self.sock, 4))
+        if size > MAX_HEADER_BYTES:
+            raise PeerError(f"a header of {size} bytes (at most {MAX_HEADER_BYTES})")
+        data = recv_exact(self.sock, size)
+        tagger = self._tagger(True, b"H", size)
+        tagger.update(data)
+        self._check(tagger, "a header")
+        try:
+            header = json.loads(data)
+        except ValueError as exc:
+            raise PeerError(f"a header that is not JSON: {exc}") from None
+        if not isinstance(header, dict):
+            raise PeerError("a header that is not a JSON object")
+        return header
+
+    def expect_ok(self) -> dict[str, Any]:
+        """The peer's answer; ``PeerError`` with its reason unless it says ok."""
+        answer = self.recv_header()
+        if answer.get("ok") is not True:
+            raise PeerError(str(answer.get("error") or "refused")[:500])
+        return answer
+
+    def send_bytes(self, data: bytes) -> None:
+        """A body held in memory (a part's metadata), then its tag."""
+        tagger = self._tagger(False, b"B", len(data))
+        tagger.update(data)
+        self.sock.sendall(data + tagger.digest())
+
+    def recv_bytes(self, n: int) -> bytes:
+        """A body of ``n`` bytes, checked against its tag."""
+        data = recv_exact(self.sock, n)
+        tagger = self._tagger(True, b"B", n)
+        tagger.update(data)
+        self._check(tagger, "a body")
+        return data
+
+    def send_file(self, f: BinaryIO, nbytes: int, limit: RateLimit) -> None:
+        """``nbytes`` of ``f`` from its start, at most at ``limit``'s rate, then their tag: sent by ``sendfile``
+        (no copy through Python), the tag computed over a read-only mapping of the same file."""
+        tagger = self._tagger(False, b"B", nbytes)
+        if nbytes:
+            with mmap.mmap(f.fileno(), nbytes, mmap.MAP_SHARED, mmap.PROT_READ) as mapped:
+                view = memoryview(mapped)
+                behind = _TagBehind(tagger, view)
+                try:
+                    sent = 0
+                    while sent < nbytes:
+                        count = min(CHUNK * 8, nbytes - sent)
+                        limit.wait(count)
+                        done = self.sock.sendfile(f, offset=sent, count=count)
+                        if done <= 0:
+                            raise PeerError(f"the file ended {nbytes - sent} bytes early")
+                        behind.add(sent, sent + done)
+                        sent += done
+                finally:
+                    behind.finish()
+                    view.release()
+        self.sock.sendall(tagger.digest())
+
+    def recv_into_file(self, fd: int, nbytes: int) -> None:
+        """Exactly ``nbytes`` from the peer into the open, empty file ``fd``, received straight into its pages (a
+        shared mapping of the file: one copy, from the socket to shared memory), then checked against their tag:
+        ``PeerError`` on a mismatch (the caller deletes the file)."""
+        tagger = self._tagger(True, b"B", nbytes)
+        if nbytes:
+            os.ftruncate(fd, nbytes)
+            with mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mapped:
+                view = memoryview(mapped)
+                behind = _TagBehind(tagger, view)
+                try:
+                    got = 0
+                    while got < nbytes:
+                        n = self.sock.recv_into(view[got: min(nbytes, got + CHUNK * 8)])
+                        if not n:
+                            raise PeerError(f"the peer closed the connection with {nbytes - got} of {nbytes} "
+                                            "bytes to come")
+                        behind.add(got, got + n)
+                        got += n
+                finally:
+                    behind.finish()
+                    view.release()
+        self._check(tagger, "a body")
 
 
 class RateLimit:
@@ -135,50 +269,18 @@ class RateLimit:
             time.sleep(delay)
 
 
-def send_file(sock: socket.socket, f: BinaryIO, nbytes: int, limit: RateLimit) -> None:
-    """``nbytes`` of ``f`` from its start, at most at ``limit``'s rate (``sendfile``: no copy through Python)."""
-    sent = 0
-    while sent < nbytes:
-        count = min(CHUNK * 8, nbytes - sent)
-        limit.wait(count)
-        done = sock.sendfile(f, offset=sent, count=count)
-        if done <= 0:
-            raise PeerError(f"the file ended {nbytes - sent} bytes early")
-        sent += done
-
-
-def recv_into_file(sock: socket.socket, fd: int, nbytes: int) -> None:
-    """Exactly ``nbytes`` from the peer into the open, empty file ``fd``: received straight into its pages
-    (a shared mapping of the file: one copy, from the socket to shared memory)."""
-    if not nbytes:
-        return
-    os.ftruncate(fd, nbytes)
-    with mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mapped:
-        view = memoryview(mapped)
-        try:
-            got = 0
-            while got < nbytes:
-                n = sock.recv_into(view[got: min(nbytes, got + CHUNK * 8)])
-                if not n:
-                    raise PeerError(f"the peer closed the connection with {nbytes - got} of {nbytes} bytes to come")
-                got += n
-        finally:
-            view.release()
-
-
-def connect(address: str, secret: bytes, timeout_s: float) -> socket.socket:
+def connect(address: str, secret: bytes, timeout_s: float) -> Channel:
     """A connection to the listener at ``host:port``, the handshake done."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise PeerError(f"not a host:port address: {address[:100]!r}")
     sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
     try:
-        caller_handshake(sock, secret)
+        return caller_handshake(sock, secret)
     except BaseException:
         sock.close()
         raise
-    return sock
 
 
-__all__ = ["CHUNK", "PeerError", "RateLimit", "caller_handshake", "connect", "expect_ok", "header_int",
-           "listener_handshake", "recv_exact", "recv_header", "recv_into_file", "send_file", "send_header"]
+__all__ = ["CHUNK", "MAGIC", "Channel", "PeerError", "RateLimit", "caller_handshake", "connect", "header_int",
+           "listener_handshake", "recv_exact"]

@@ -19,15 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptd.peers._protocol import (
-    PeerError,
-    RateLimit,
-    header_int,
-    listener_handshake,
-    recv_header,
-    send_file,
-    send_header,
-)
+from ckptd.peers._protocol import Channel, PeerError, RateLimit, header_int, listener_handshake
 from ckptd.peers._store import PartStore, check_job
 from trainer_client.core.format._snapshot import MAX_META_BYTES
 
@@ -92,28 +84,30 @@ class PeerListener:
             threading.Thread(target=self._serve, args=(conn, peer), name="ckptd-peer-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket, peer: Any) -> None:
+        chan: Channel | None = None
         try:
             conn.settimeout(self.timeout_s)
-            listener_handshake(conn, self.secret)
-            request = recv_header(conn)
+            chan = listener_handshake(conn, self.secret)
+            request = chan.recv_header()
             op = request.get("op")
             if op == "put":
-                self._put(conn, request)
+                self._put(chan, request)
             elif op == "held":
-                self._held(conn, request)
+                self._held(chan, request)
             elif op == "get":
-                self._get(conn, request)
+                self._get(chan, request)
             elif op == "list":
                 job, origin, _ = self._origin(request)
-                send_header(conn, {"ok": True, "copies": self.store.listing(job, origin)})
+                chan.send_header({"ok": True, "copies": self.store.listing(job, origin)})
             else:
                 raise PeerError(f"no such operation: {str(op)[:40]!r}")
         except (PeerError, OSError, ValueError) as exc:
             self.stats.refused += 1
             self.stats.failed(f"from {peer[0]}: {exc}")
             _log.warning("peer request from %s refused: %s", peer[0], exc)
-            with contextlib.suppress(OSError):
-                send_header(conn, {"ok": False, "error": str(exc)[:500]})
+            if chan is not None:  # a caller that failed the handshake gets no answer
+                with contextlib.suppress(OSError, PeerError):
+                    chan.send_header({"ok": False, "error": str(exc)[:500]})
         finally:
             conn.close()
             self._slots.release()
@@ -123,7 +117,7 @@ class PeerListener:
         count = header_int(request, "count", 2, MAX_HOSTS)
         return job, header_int(request, "origin", 0, count - 1), count
 
-    def _put(self, conn: socket.socket, request: dict[str, Any]) -> None:
+    def _put(self, chan: Channel, request: dict[str, Any]) -> None:
         job, origin, count = self._origin(request)
         step = header_int(request, "step", 0, MAX_STEP)
         meta_bytes = header_int(request, "meta", 1, MAX_META_BYTES)
@@ -131,17 +125,17 @@ class PeerListener:
         keep = self._keep(request) | {step}
         self.store.prune(job, origin, keep)  # first: the originals gone make room for the new one
         if self.store.copy_path(job, origin, step).exists():
-            send_header(conn, {"ok": True, "have": True})
+            chan.send_header({"ok": True, "have": True})
             return
         reason = self.store.room_for(meta_bytes + data_bytes, copy=True)
         if reason is not None:
             raise PeerError(reason)
-        send_header(conn, {"ok": True, "have": False})
-        self.store.receive(conn, job, origin=origin, count=count, step=step, meta_bytes=meta_bytes,
+        chan.send_header({"ok": True, "have": False})
+        self.store.receive(chan, job, origin=origin, count=count, step=step, meta_bytes=meta_bytes,
                            data_bytes=data_bytes, own=False)
         self.stats.received += 1
         self.stats.received_bytes += data_bytes
-        send_header(conn, {"ok": True})
+        chan.send_header({"ok": True})
 
     def _keep(self, request: dict[str, Any]) -> set[int]:
         held = request.get("held")
@@ -149,12 +143,12 @@ class PeerListener:
             raise PeerError("held: not a list of at most 4096 steps")
         return {header_int({"step": s}, "step", 0, MAX_STEP) for s in held}
 
-    def _held(self, conn: socket.socket, request: dict[str, Any]) -> None:
+    def _held(self, chan: Channel, request: dict[str, Any]) -> None:
         job, origin, _ = self._origin(request)
         dropped = self.store.prune(job, origin, self._keep(request))
-        send_header(conn, {"ok": True, "dropped": dropped})
+        chan.send_header({"ok": True, "dropped": dropped})
 
-    def _get(self, conn: socket.socket, request: dict[str, Any]) -> None:
+    def _get(self, chan: Channel, request: dict[str, Any]) -> None:
         job, origin, _ = self._origin(request)
         step = header_int(request, "step", 0, MAX_STEP)
         raw, meta, data = self.store.open_part(self.store.copy_path(job, origin, step))
@@ -162,9 +156,9 @@ class PeerListener:
             save_id = request.get("save_id")
             if save_id is not None and meta.save_id != save_id:
                 raise PeerError(f"the copy of step {step} is of save {meta.save_id}, not {str(save_id)[:40]}")
-            send_header(conn, {"ok": True, "meta": len(raw), "data": meta.nbytes})
-            conn.sendall(raw)
-            send_file(conn, data, meta.nbytes, RateLimit(None))  # a restore waits for it: not rate-bounded
+            chan.send_header({"ok": True, "meta": len(raw), "data": meta.nbytes})
+            chan.send_bytes(raw)
+            chan.send_file(data, meta.nbytes, RateLimit(None))  # a restore waits for it: not rate-bounded
         self.stats.served += 1
         self.stats.served_bytes += meta.nbytes
 

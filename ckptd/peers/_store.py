@@ -16,13 +16,12 @@ import os
 import re
 import secrets
 import shutil
-import socket
 from pathlib import Path
 from typing import BinaryIO
 
 from pydantic import ValidationError
 
-from ckptd.peers._protocol import PeerError, recv_exact, recv_into_file
+from ckptd.peers._protocol import Channel, PeerError
 from trainer_client.core.format._files import SNAPSHOT_DATA_FILE, SNAPSHOT_META_FILE
 from trainer_client.core.format._peer_copies import FROM_PEER_FILE, copies_dir
 from trainer_client.core.format._private_files import (
@@ -87,9 +86,9 @@ class PartStore:
             return f"{nbytes} bytes more would pass the peer copies' capacity of {self.capacity_bytes} bytes"
         return None
 
-    def receive(self, sock: socket.socket, job: str, *, origin: int, count: int, step: int, meta_bytes: int,
+    def receive(self, chan: Channel, job: str, *, origin: int, count: int, step: int, meta_bytes: int,
                 data_bytes: int, own: bool, source: int | None = None) -> Path:
-        """Read one part (``meta_bytes`` of ``snapshot.json``, then ``data_bytes`` of ``data.bin``) from ``sock``,
+        """Read one part (``meta_bytes`` of ``snapshot.json``, then ``data_bytes`` of ``data.bin``) from ``chan``,
         check it, put it in place; returns where. ``PeerError`` when anything about it is wrong (deleted)."""
         check_private_dir(self.shm_dir)
         job_dir = ensure_private_dir(self.shm_dir / check_job(job))
@@ -97,7 +96,7 @@ class PartStore:
         final = self.own_path(job, step) if own else self.copy_path(job, origin, step)
         staging = make_private_dir(parent / f"{_STAGING}{secrets.token_hex(8)}")
         try:
-            raw = recv_exact(sock, meta_bytes)
+            raw = chan.recv_bytes(meta_bytes)
             try:
                 meta = SnapshotMeta.model_validate_json(raw)
             except ValidationError as exc:
@@ -107,7 +106,7 @@ class PartStore:
                                 f"{meta.process_count}, {meta.nbytes} bytes: not what the header announced")
             fd = open_private(staging / SNAPSHOT_DATA_FILE, os.O_RDWR | os.O_CREAT)  # mapped: read and write
             try:
-                recv_into_file(sock, fd, data_bytes)
+                chan.recv_into_file(fd, data_bytes)
             finally:
                 os.close(fd)
             write_private(staging / SNAPSHOT_META_FILE, raw)

@@ -11,7 +11,6 @@ import shutil
 import socket
 import struct
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,37 +20,14 @@ from pydantic import ValidationError
 
 from ckptd._metrics import Metrics
 from ckptd.config import Settings
-from ckptd.peers import PeerService, build_peers
+from ckptd.peers import PeerService
 from ckptd.peers._directory import holders_of, parse_map
-from ckptd.peers._protocol import PeerError, caller_handshake, connect, recv_header, send_header
+from ckptd.peers._protocol import PeerError, caller_handshake, connect
+from tests.server.peers.conftest import JOB
 from tests.support.helpers import wait_until
 from tests.support.peer_parts import SECRET, write_part
 from trainer_client.core.format._peer_copies import brought_from, copies_dir, held_copies, request_fetch, wait_fetch
 from trainer_client.core.format._snapshot import problems
-
-JOB = "peerjob"
-
-
-def settings(tmp: Path, k: int, root: Path, **extra: object) -> Settings:
-    return Settings(root=str(root), shm_dir=str(tmp / f"shm{k}"), state_dir=str(tmp / f"state{k}"), peer_port=0,
-                    peer_secret=SECRET, **extra)  # type: ignore[arg-type]
-
-
-@pytest.fixture
-def pair(tmp_path: Path) -> Iterator[tuple[list[PeerService], list[Path]]]:
-    root = tmp_path / "root"
-    (root / JOB).mkdir(parents=True)
-    shms = [tmp_path / "shm0", tmp_path / "shm1"]
-    for shm in shms:
-        shm.mkdir(mode=0o700)
-    services = [build_peers(settings(tmp_path, k, root)) for k in range(2)]
-    assert all(s is not None for s in services)
-    started = [s for s in services if s is not None]
-    for s in started:
-        s.start()
-    yield started, shms
-    for s in started:
-        s.stop()
 
 
 def test_a_whole_part_is_copied_evicted_with_its_original_and_brought_back(
@@ -129,33 +105,37 @@ def test_callers_without_the_secret_and_hostile_headers_are_refused(
         connect(s1.address, b"another-secret-of-the-same-size!", 5)
     wait_until(lambda: any("secret" in f for f in s1.listener.stats.failures), timeout=5)
 
-    def ask(header: bytes) -> dict[str, object]:
+    def ask(header: bytes | dict[str, object]) -> dict[str, object]:
         host, _, port = s1.address.rpartition(":")
         with socket.create_connection((host, int(port)), timeout=5) as sock:
-            caller_handshake(sock, SECRET.encode())
-            sock.sendall(header)
-            return recv_header(sock)
+            chan = caller_handshake(sock, SECRET.encode())
+            if isinstance(header, bytes):
+                sock.sendall(header)
+            else:  # well-formed and tagged: only its fields are hostile
+                chan.send_header(header)
+            return chan.recv_header()
 
     assert ask(struct.pack(">I", 1 << 30))["ok"] is False  # refused without reading a gigabyte
-    for bad in ({"op": "put", "job": "../x", "origin": 0, "count": 2, "step": 1, "held": [], "meta": 10, "data": 10},
-                {"op": "put", "job": JOB, "origin": 5, "count": 2, "step": 1, "held": [], "meta": 10, "data": 10},
-                {"op": "put", "job": JOB, "origin": 0, "count": 2, "step": -1, "held": [], "meta": 10, "data": 10},
-                {"op": "put", "job": JOB, "origin": 0, "count": 2, "step": 1, "held": [], "meta": 10, "data": 1 << 50},
-                {"op": "get", "job": JOB, "origin": 0, "count": 2, "step": 1},
-                {"op": "rm", "job": JOB}):
-        body = json.dumps(bad).encode()
-        answer = ask(struct.pack(">I", len(body)) + body)
+    bads: list[dict[str, object]] = [
+        {"op": "put", "job": "../x", "origin": 0, "count": 2, "step": 1, "held": [], "meta": 10, "data": 10},
+        {"op": "put", "job": JOB, "origin": 5, "count": 2, "step": 1, "held": [], "meta": 10, "data": 10},
+        {"op": "put", "job": JOB, "origin": 0, "count": 2, "step": -1, "held": [], "meta": 10, "data": 10},
+        {"op": "put", "job": JOB, "origin": 0, "count": 2, "step": 1, "held": [], "meta": 10, "data": 1 << 50},
+        {"op": "get", "job": JOB, "origin": 0, "count": 2, "step": 1},
+        {"op": "rm", "job": JOB}]
+    for bad in bads:
+        answer = ask(bad)
         assert answer["ok"] is False, bad
     assert not (shm1 / "x").exists() and not list(shm1.glob("*/.peer-*/*"))
 
 
 def test_a_sender_killed_mid_copy_leaves_no_copy(pair: tuple[list[PeerService], list[Path]]) -> None:
     (_, s1), (_, shm1) = pair
-    with connect(s1.address, SECRET.encode(), 5) as sock:
-        send_header(sock, {"op": "put", "job": JOB, "origin": 0, "count": 2, "step": 7, "held": [7],
-                           "meta": 100, "data": 4096})
-        assert recv_header(sock)["ok"] is True
-        sock.sendall(b"{" * 50)  # half the metadata, then the connection drops
+    with connect(s1.address, SECRET.encode(), 5) as chan:
+        chan.send_header({"op": "put", "job": JOB, "origin": 0, "count": 2, "step": 7, "held": [7],
+                          "meta": 100, "data": 4096})
+        assert chan.expect_ok()["have"] is False
+        chan.sock.sendall(b"{" * 50)  # half the metadata, then the connection drops
     wait_until(lambda: s1.listener.stats.refused >= 1, timeout=10)
     assert list(copies_dir(shm1, JOB, 0).iterdir()) == []  # neither the copy nor its staging directory
 

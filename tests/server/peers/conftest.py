@@ -1,0 +1,101 @@
+"""What the peer-channel tests share: two sidecars' ``PeerService``s on 127.0.0.1 (``pair``), their settings, and
+a TCP proxy that alters one byte of the stream after the handshake (``FlipProxy``: an attacker on the path
+without the secret, docs/multihost.md, "Peer copies")."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ckptd.config import Settings
+from ckptd.peers import PeerService, build_peers
+from tests.support.peer_parts import SECRET
+
+JOB = "peerjob"
+# bytes of the handshake in each direction: the magic line and a nonce; a nonce and a proof; a proof
+HANDSHAKE_BYTES = {"C>L": 32 + 32, "L>C": 8 + 32 + 32}
+
+
+def settings(tmp: Path, k: int, root: Path, **extra: object) -> Settings:
+    return Settings(root=str(root), shm_dir=str(tmp / f"shm{k}"), state_dir=str(tmp / f"state{k}"), peer_port=0,
+                    peer_secret=SECRET, **extra)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[list[PeerService], list[Path]]]:
+    root = tmp_path / "root"
+    (root / JOB).mkdir(parents=True)
+    shms = [tmp_path / "shm0", tmp_path / "shm1"]
+    for shm in shms:
+        shm.mkdir(mode=0o700)
+    services = [build_peers(settings(tmp_path, k, root)) for k in range(2)]
+    assert all(s is not None for s in services)
+    started = [s for s in services if s is not None]
+    for s in started:
+        s.start()
+    yield started, shms
+    for s in started:
+        s.stop()
+
+
+class FlipProxy:
+    """Forwards every connection to ``target``; while ``flip`` is ``(direction, n)`` it flips one bit of the
+    n-th byte after the handshake in that direction (``"C>L"``: caller to listener) of each connection."""
+
+    def __init__(self, target: str) -> None:
+        host, _, port = target.rpartition(":")
+        self.target = (host, int(port))
+        self.flip: tuple[str, int] | None = None
+        self.flipped = 0
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self._server.settimeout(0.2)
+        self.address = f"127.0.0.1:{self._server.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._server.close()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                caller, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            listener = socket.create_connection(self.target, timeout=30)
+            caller.settimeout(30)
+            flip = self.flip
+            for src, dst, direction in ((caller, listener, "C>L"), (listener, caller, "L>C")):
+                threading.Thread(target=self._pump, args=(src, dst, direction, flip), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, direction: str, flip: tuple[str, int] | None) -> None:
+        at = HANDSHAKE_BYTES[direction] + flip[1] if flip is not None and flip[0] == direction else -1
+        seen = 0
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                if seen <= at < seen + len(data):
+                    changed = bytearray(data)
+                    changed[at - seen] ^= 0x01
+                    data = bytes(changed)
+                    self.flipped += 1
+                seen += len(data)
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+
+@pytest.fixture
+def proxy_to() -> Iterator[list[FlipProxy]]:
+    """Proxies made by the test (``proxies.append(FlipProxy(address))``), closed after it."""
+    proxies: list[FlipProxy] = []
+    yield proxies
+    for proxy in proxies:
+        proxy.close()
