@@ -7,14 +7,16 @@ hosts: 4, the same position on the next slice), unless ``CKPTD_PEER_MAP`` names 
 
 Addresses: named in ``CKPTD_PEERS`` (``0=host-0.job:7480,1=...``: JobSet's stable pod names), else each sidecar
 registers its own under the job on the storage root (``<root>/<job>/.ckptd/peers/process_<k>.json``) once it
-sees that host's first part, and reads the others' there (cached for a few seconds). What it reads there is
-checked like anything from the wire: a bounded JSON file holding one ``host:port``.
+sees that host's first part, and reads the others' there (cached for a few seconds; each read goes to storage,
+never to a listing of the prefix the process's file system cached before a host registered or moved). What it
+reads there is checked like anything from the wire: a bounded JSON file holding one ``host:port``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import posixpath
 import re
 import time
 
@@ -101,8 +103,10 @@ class PeerDirectory:
         if cached is not None and time.monotonic() - cached[0] < CACHE_S:
             return cached[1]
         address: str | None = None
+        path = self._record(job, index)
+        self.storage.invalidate(posixpath.dirname(path))  # gs://: not from a listing cached before it registered
         try:
-            record = json.loads(self.storage.read_bytes(self._record(job, index), max_bytes=MAX_RECORD_BYTES))
+            record = json.loads(self.storage.read_bytes(path, max_bytes=MAX_RECORD_BYTES))
             found = record.get("address") if isinstance(record, dict) else None
             address = found if isinstance(found, str) and _ADDRESS.match(found) else None
         except FileNotFoundError:

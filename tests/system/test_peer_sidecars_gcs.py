@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from ckptd.peers._directory import PeerDirectory
 from tests.support.gcs_emulator import GcsEmulator
 from tests.support.helpers import free_port, wait_until
 from tests.support.peer_parts import PeerSidecars, flip_a_bit, write_part
 from tests.system.test_multihost_demo import SHORT, _demo
+from trainer_client.core._storage import Storage
 from trainer_client.core.format._files import SNAPSHOT_DATA_FILE
 
 JOB = "peerjob"
@@ -71,6 +73,24 @@ def test_a_copy_lands_through_the_gcs_registry_and_a_wiped_host_gets_its_part_ba
     assert (back / SNAPSHOT_DATA_FILE).read_bytes() == data
     assert json.loads((back / "from_peer.json").read_text()) == {"host": 1}
     assert "this host's part brought back from host 1" in hosts.log(0)
+
+
+def test_the_registry_is_read_from_gcs_not_from_a_listing_this_process_cached_before(
+        gcs_emulator: GcsEmulator) -> None:
+    """gcsfs answers a file's info from its parent's cached listing: one of ``.ckptd/peers/`` taken before host 1
+    registered (any listing this sidecar's file system made of the prefix) must not hide host 1's address."""
+    storage = Storage(gcs_emulator.gs(f"registry-{uuid.uuid4().hex[:10]}"))
+    directory = PeerDirectory(storage, {}, "127.0.0.1:7001")
+    directory.register(JOB, 0)
+    peers = storage.join(JOB, ".ckptd", "peers")
+    assert [e.name for e in storage.list_dir(peers)] == ["process_0.json"]  # cached by this process's gcsfs
+    other = gcs_emulator.other_writer()  # host 1's sidecar, another process
+    other.pipe(f"{peers}/process_1.json", json.dumps({"address": "127.0.0.1:7002"}).encode())
+    assert directory.address_of(JOB, 1) == "127.0.0.1:7002"
+    other.pipe(f"{peers}/process_1.json", json.dumps({"address": "127.0.0.1:17002"}).encode())  # moved
+    storage.list_dir(peers)
+    directory.forget(JOB, 1)  # what the copier does when host 1 no longer answers there
+    assert directory.address_of(JOB, 1) == "127.0.0.1:17002"
 
 
 @pytest.mark.slow
