@@ -30,6 +30,7 @@ from ckptd.catalog._worker_client import PersistWorker, PersistWorkerClient
 from trainer_client.core._errors import StorageError
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._parts import CLAIMS_DIR
+from trainer_client.core.format._steps import DEFAULT_SAVE_TIMEOUT_S
 
 _log = logging.getLogger(__name__)
 STOP_WAIT_S = 5.0  # a stop waits this long for a commit in progress, then as long for its last pass
@@ -44,14 +45,17 @@ class CommitPass:
     """Every ``interval_s``: for each job of ``jobs()`` that ``writes(job)`` (leads) and has claims, commit what
     is ready (``PartSaves.commit_ready``), for at most ``job_budget_s`` a job; ``on_committed(job, step)`` after
     each commit. The merge goes to ``worker`` (default: a ``PersistWorkerClient`` with the worker's defaults,
-    whose child starts on the first request; tests: ``InProcessWorker``), closed by ``stop``."""
+    whose child starts on the first request; tests: ``InProcessWorker``), closed by ``stop``. ``redo_after_s``: on
+    ``gs://``, how long a commit another sidecar decided is left to it before this one redoes it (the save
+    timeout: that sidecar may be paused half-way, docs/multihost.md, section 5, "Fenced writers")."""
 
     def __init__(self, storage: Storage, *, jobs: Callable[[], Iterable[str]], writes: Callable[[str], bool],
                  interval_s: float, worker: PersistWorker | None = None,
                  on_committed: Callable[[str, int], object] | None = None,
-                 job_budget_s: float = JOB_BUDGET_S, stop_wait_s: float = STOP_WAIT_S) -> None:
+                 job_budget_s: float = JOB_BUDGET_S, stop_wait_s: float = STOP_WAIT_S,
+                 redo_after_s: float = DEFAULT_SAVE_TIMEOUT_S) -> None:
         self.worker = worker or PersistWorkerClient()
-        self.parts = PartSaves(storage, self.worker, writes=writes)
+        self.parts = PartSaves(storage, self.worker, writes=writes, redo_after_s=redo_after_s)
         self._jobs = jobs
         self.interval_s = interval_s
         self.job_budget_s = job_budget_s

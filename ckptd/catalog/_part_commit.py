@@ -33,7 +33,7 @@ from trainer_client.core._durability import sync_paths
 from trainer_client.core._errors import StorageError
 from trainer_client.core._identity import step_identity
 from trainer_client.core._storage import Storage
-from trainer_client.core.format._fates import Fate, FateRecord, decide_fate, read_fate, read_fate_record
+from trainer_client.core.format._fates import Fate, decide_fate, read_fate
 from trainer_client.core.format._files import COMMIT_MARKER
 from trainer_client.core.format._manifest import UNMANIFESTED, FileEntry, Manifest, file_entry, write_manifest
 from trainer_client.core.format._parts import (
@@ -59,6 +59,7 @@ from trainer_client.core.format._parts import (
 )
 from trainer_client.core.format._snapshot import SnapshotMeta
 from trainer_client.core.format._step_files import list_files
+from trainer_client.core.format._steps import DEFAULT_SAVE_TIMEOUT_S
 
 _log = logging.getLogger(__name__)
 
@@ -85,8 +86,10 @@ class PartSaves:
     sidecar leads."""
 
     def __init__(self, storage: Storage, worker: PersistWorker, *,
-                 writes: Callable[[str], bool] = lambda _job: True, sidecar: str = "") -> None:
+                 writes: Callable[[str], bool] = lambda _job: True, sidecar: str = "",
+                 redo_after_s: float = DEFAULT_SAVE_TIMEOUT_S) -> None:
         self.storage = storage
+        self.redo_after_s = redo_after_s  # gs://: another party's commit or cleanup is redone after this long
         self.worker = worker
         self.writes = writes
         self.sidecar = sidecar or f"{os.uname().nodename}/{os.getpid()}"
@@ -292,7 +295,8 @@ class PartSaves:
         """On ``gs://``, where no lock spans sidecars: decide the save's fate before its first write or delete
         (``format/_fates.py``), so a leader paused past its checks while a newer one committed or cleaned stands
         down. A local root needs none: the job's flock, held here, excludes every other commit and cleanup."""
-        if not self.storage.is_remote or decide_fate(self.storage, job, step, save_id, fate, self.sidecar):
+        if not self.storage.is_remote or decide_fate(self.storage, job, step, save_id, fate, self.sidecar,
+                                                     redo_after_s=self.redo_after_s):
             return True
         _log.warning("step %s of %s: save %s's fate was decided otherwise (%s); not %s now", step, job, save_id,
                      read_fate(self.storage, job, step, save_id), "committed" if fate == "commit" else "deleted")
@@ -321,9 +325,6 @@ class PartSaves:
                 break  # out of time: this save is looked at again next time
             if held.whole and not self._retired(job, step, claim.save_id):
                 continue  # every part is durable: the commit pass's to commit, never abandoned
-            fate = read_fate_record(self.storage, job, step, claim.save_id) if self.storage.is_remote else None
-            if isinstance(fate, FateRecord) and fate.by != self.sidecar and now - fate.at < older_than_s:
-                continue  # another's cleanup or takeover, maybe paused before its deletion: not redone yet
             if held.bad:
                 report_refused(step_path_for(self.storage, job, step, claim.save_id),
                                f"an abandoned save whose part records of processes {spans(held.bad)} are "
@@ -353,8 +354,8 @@ class PartSaves:
             where = step_path_for(self.storage, found.job, found.step, found.save_id)
             if self.storage.exists(posixpath.join(where, COMMIT_MARKER)):
                 return False
-            if not retired and not self._decide(found.job, found.step, found.save_id, "retire"):
-                return False
+            if not self._decide(found.job, found.step, found.save_id, "retire"):
+                return False  # decided otherwise, or retired by another party that may still be deleting
             if self.storage.exists(where):
                 self.storage.remove(where, recursive=True)
             self.storage.remove(self.storage.join(found.job, CLAIMS_DIR, f"{found.step}.json"))

@@ -176,7 +176,7 @@ def clean_abandoned_parts(storage: Storage, job: str, older_than_s: float, *, bu
     ``budget_s`` (the rest waits for the next run): a job's forged claims hold up no other job's retention.
     ``writes(job)``: whether this sidecar still leads, asked again under the job's lock before each deletion."""
     saves = PartSaves(storage, InProcessWorker(lambda _request: {"ok": False, "error": "retention writes no parts"}),
-                      writes=writes)
+                      writes=writes, redo_after_s=older_than_s)
     out = []
     deadline = time.monotonic() + budget_s
     for found in saves.abandoned(job, older_than_s, spent=lambda: time.monotonic() > deadline):

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from ckptd.catalog import _part_commit
 from ckptd.catalog._part_commit import PartSaves
 from ckptd.catalog._retention import RetentionPolicy, clean_abandoned_parts, collect, decide
 from ckptd.catalog._worker_client import InProcessWorker
@@ -31,10 +32,11 @@ from tests.support.fenced_saves import JOB, STEP, committed_whole, finalizing_wo
 from tests.support.gcs_emulator import GcsEmulator
 from trainer_client.core._errors import StorageError
 from trainer_client.core._storage import Storage, join_path
-from trainer_client.core.format._fates import read_fate, read_fate_record
+from trainer_client.core.format._fates import fate_path, read_fate, read_fate_record
 from trainer_client.core.format._files import COMMIT_MARKER
-from trainer_client.core.format._manifest import crc32c_of
+from trainer_client.core.format._manifest import crc32c_of, read_manifest
 from trainer_client.core.format._parts import make_claim, read_claim, read_part, record_path, take_over_claim
+from trainer_client.core.format._step_files import list_files
 from trainer_client.core.format._steps import inspect_step
 from trainer_client.core.protocol import CheckpointInfo, StepState
 
@@ -144,14 +146,63 @@ def test_a_cleanup_another_leader_retired_is_not_redone_before_the_save_timeout(
 
 
 def test_a_cleanup_another_leader_retired_is_redone_after_the_save_timeout(storage: Storage) -> None:
+    """A leader that retired a save and died half-way: the next one finishes the cleanup once the save timeout
+    passed since that decision (and its own decisions at once)."""
     lay_save(storage, DEAD, (0,))
-    assert PartSaves(storage, Recorder(), sidecar="old-leader")._decide(JOB, STEP, DEAD, "retire")
+    decided = {"fate": "retire", "by": "old-leader", "at": time.time() - 29.0}
+    assert storage.create_new(fate_path(storage, JOB, STEP, DEAD), json.dumps(decided).encode())
     record = read_fate_record(storage, JOB, STEP, DEAD)
     assert not isinstance(record, str) and record is not None and record.by == "old-leader"
     assert clean_abandoned_parts(Storage(storage.url), JOB, older_than_s=30.0) == []
-    saves = PartSaves(Storage(storage.url), Recorder(), sidecar="new-leader")
-    [found] = saves.abandoned(JOB, older_than_s=30.0, now=time.time() + 31.0)
-    assert saves.clean(found) and read_claim(storage, JOB, STEP) is None
+    time.sleep(1.1)
+    assert [d.step for d in clean_abandoned_parts(Storage(storage.url), JOB, older_than_s=30.0)] == [STEP]
+    assert read_claim(storage, JOB, STEP) is None and not storage.exists(storage.join(JOB, str(STEP)))
+
+
+def _merging_worker() -> InProcessWorker:
+    """The persist worker's finalize as it behaves: each run writes a new merged root (``default/manifest.ocdbt``
+    and a new ``default/d/`` file) and ``_CHECKPOINT_METADATA`` with its own commit time, so two runs over one
+    save differ in those files (measured with Orbax's merge, docs/multihost.md, "Fenced writers")."""
+    def answer(request: dict[str, Any]) -> dict[str, Any]:
+        if "commit" not in request:
+            return {"ok": False}
+        step, run = Storage(request["commit"]), uuid.uuid4().hex
+        step.fs.pipe_file(step.join("default", "d", run), run.encode())
+        step.fs.pipe_file(step.join("default", "manifest.ocdbt"), f"root {run}".encode())
+        step.fs.pipe_file(step.join("_CHECKPOINT_METADATA"), json.dumps({"commit": time.time_ns()}).encode())
+        return {"ok": True}
+    return InProcessWorker(answer)
+
+
+def _manifest_holds(storage: Storage, step: str) -> bool:
+    """Quick validation's check: every file the step's manifest lists is on storage with its size and CRC32C."""
+    manifest, listed = read_manifest(storage, step), list_files(storage, step)
+    assert manifest is not None
+    return all((listed[p].size, listed[p].crc32c) == (e.size, e.crc32c) if p in listed else False
+               for p, e in manifest.files.items())
+
+
+def test_a_commit_another_leader_decided_is_not_redone_before_the_save_timeout(
+        storage: Storage, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old leader decided to commit save DEAD, finalized it and paused with its manifest in hand. A newer leader
+    redoing the commit meanwhile would merge again (other bytes) and commit; the old leader's manifest, landing
+    then, would describe files no longer there: the step quarantined at its next check. The newer leader leaves a
+    commit another decided to it until the save timeout passed; the step is committed once, its manifest true."""
+    lay_save(storage, DEAD, (0, 1))
+    old = PartSaves(Storage(storage.url), _merging_worker(), sidecar="old-leader")
+    new = PartSaves(Storage(storage.url), _merging_worker(), sidecar="new-leader")
+    real, paused = _part_commit.write_manifest, []
+
+    def pausing(*args: Any, **kwargs: Any) -> None:
+        if not paused:
+            paused.append(True)
+            paused.append(new.commit_ready(JOB))  # meanwhile, the newer leader's pass
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(_part_commit, "write_manifest", pausing)
+    old.commit_ready(JOB)
+    assert committed_whole(storage, DEAD) and _manifest_holds(storage, storage.join(JOB, str(STEP)))
+    assert paused == [True, []]  # the newer leader stood down; the old one committed
 
 
 def _writing(record: dict[str, Any], also: Callable[[], None] = lambda: None) -> InProcessWorker:

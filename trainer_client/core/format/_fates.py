@@ -89,15 +89,20 @@ def fate_record(fate: Fate, by: str) -> bytes:
     return json.dumps({"fate": fate, "by": by[:256], "at": time.time()}).encode()
 
 
-def decide_fate(storage: Storage, job: str, step: int, save_id: str, fate: Fate, by: str) -> bool:
+def decide_fate(storage: Storage, job: str, step: int, save_id: str, fate: Fate, by: str, *,
+                redo_after_s: float = 0.0) -> bool:
     """Decide ``fate`` for ``save_id`` unless it was decided otherwise: True when this call decided it, or it had
-    been decided the same way before (a leader that died half-way through a commit or a cleanup is redone by the
-    next; a cleanup of a save a taker retired and left, dead, goes on); False when the other way (or the record
-    is unreadable): stand down. A takeover is decided by the creation alone (``take_over_claim``: one taker)."""
+    been decided the same way before, by ``by`` or longer than ``redo_after_s`` ago (a leader that died half-way
+    through a commit or a cleanup is redone by the next; a cleanup of a save a taker retired and left, dead, goes
+    on); False when the other way, by another party more recently (it may be paused half-way, and would write or
+    delete in place after the redo: wait), or the record is unreadable: stand down. A takeover is decided by the
+    creation alone (``take_over_claim``: one taker)."""
     if storage.create_new(fate_path(storage, job, step, save_id), fate_record(fate, by)):
         return True
     storage.invalidate(storage.join(job, CLAIMS_DIR))
-    return read_fate(storage, job, step, save_id) == fate
+    record = read_fate_record(storage, job, step, save_id)
+    return isinstance(record, FateRecord) and record.fate == fate and (
+        record.by == by[:256] or time.time() - record.at >= redo_after_s)
 
 
 __all__ = ["Fate", "FateRecord", "decide_fate", "fate_path", "fate_record", "read_fate", "read_fate_record"]
