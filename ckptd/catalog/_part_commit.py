@@ -33,7 +33,7 @@ from trainer_client.core._durability import sync_paths
 from trainer_client.core._errors import StorageError
 from trainer_client.core._identity import step_identity
 from trainer_client.core._storage import Storage
-from trainer_client.core.format._fates import Fate, decide_fate, read_fate
+from trainer_client.core.format._fates import Fate, decide_fate, read_fate, read_fate_record
 from trainer_client.core.format._files import COMMIT_MARKER
 from trainer_client.core.format._manifest import UNMANIFESTED, FileEntry, Manifest, file_entry, write_manifest
 from trainer_client.core.format._parts import (
@@ -159,10 +159,11 @@ class PartSaves:
             return "written"  # an earlier try of this sidecar finished
         record = self.worker.write_part(snapshot, self.storage.url_of(self.storage.writable(where)))
         info = PartInfo.model_validate({**record, "sidecar": self.sidecar})
-        self.storage.invalidate(self.storage.join(job, CLAIMS_DIR))  # gs://: the save taken over or cleaned since?
-        if self.storage.is_remote and (read_claim(self.storage, job, meta.step) != claim or read_fate(
-                self.storage, job, meta.step, meta.save_id) == "retire"):
-            return "claimed by another save"  # written in place too late: no record beside the new save's
+        if self.storage.is_remote:  # written in place: was the save taken over or cleaned meanwhile?
+            self.storage.invalidate(self.storage.join(job, CLAIMS_DIR))
+            if read_claim(self.storage, job, meta.step) != claim or read_fate(
+                    self.storage, job, meta.step, meta.save_id) == "retire":
+                return "claimed by another save"  # too late: no record of it beside the new save's
         self.storage.create_new(record_path(where, meta.process_index), record_bytes(info))
         return "written"
 
@@ -298,8 +299,9 @@ class PartSaves:
         if not self.storage.is_remote or decide_fate(self.storage, job, step, save_id, fate, self.sidecar,
                                                      redo_after_s=self.redo_after_s):
             return True
-        _log.warning("step %s of %s: save %s's fate was decided otherwise (%s); not %s now", step, job, save_id,
-                     read_fate(self.storage, job, step, save_id), "committed" if fate == "commit" else "deleted")
+        _log.warning("step %s of %s: save %s's fate was decided otherwise, or by another sidecar less than %gs ago "
+                     "(%s); not %s now", step, job, save_id, self.redo_after_s,
+                     read_fate_record(self.storage, job, step, save_id), "committed" if fate == "commit" else "deleted")
         return False
 
     def _retired(self, job: str, step: int, save_id: str) -> bool:
