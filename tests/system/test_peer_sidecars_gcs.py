@@ -2,10 +2,11 @@
 ``CKPTD_PEERS``: each sidecar learns where the others listen only from the registry under
 ``<root>/<job>/.ckptd/peers/process_<k>.json`` (docs/multihost.md, "Peer copies"). A part written on host 0 lands
 as a copy on host 1, and host 0's part comes back from it once host 0's memory is wiped (``make test``); under
-``make test-all``: a copy damaged at the holder is found at the fetch and nothing of it is left, and a holder
-SIGKILLed mid-copy keeps nothing, then, restarted on another port, is found again through the registry and gets
-the whole copy; and the multi-host demo on the emulator (``--root gs://...``, ``--lose-host-memory 1``): host 1
-resumes from host 0's copy, host 0 from its memory, no storage read."""
+``make test-all``: a copy damaged at the holder is found at the fetch (the sidecar's own, or the one the
+trainer asks for) and nothing of it is left, and a holder SIGKILLed mid-copy keeps nothing, then, restarted on
+another port, is found again through the registry and gets the whole copy; and the multi-host demo on the
+emulator (``--root gs://...``, ``--lose-host-memory 1``): host 1 resumes from host 0's copy, host 0 from its
+memory, no storage read."""
 
 from __future__ import annotations
 
@@ -23,13 +24,15 @@ from tests.support.peer_parts import PeerSidecars, flip_a_bit, write_part
 from tests.system.test_multihost_demo import SHORT, _demo
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._files import SNAPSHOT_DATA_FILE
+from trainer_client.core.format._peer_copies import request_fetch, wait_fetch
 
 JOB = "peerjob"
 BIG_COLS = 1 << 21  # host 0's part: 4 rows x 2Mi f32 = 32 MiB
 
 
-def _sidecars(gcs: GcsEmulator, base: Path, bandwidth: int = 1 << 30) -> PeerSidecars:
-    return PeerSidecars(base, gcs.gs(f"peers-{uuid.uuid4().hex[:10]}"), 2, bandwidth=bandwidth)
+def _sidecars(gcs: GcsEmulator, base: Path, bandwidth: int = 1 << 30,
+              env: dict[str, str] | None = None) -> PeerSidecars:
+    return PeerSidecars(base, gcs.gs(f"peers-{uuid.uuid4().hex[:10]}"), 2, bandwidth=bandwidth, env=env)
 
 
 @pytest.fixture
@@ -95,22 +98,33 @@ def test_the_registry_is_read_from_gcs_not_from_a_listing_this_process_cached_be
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("asked", [False, True], ids=["brought back unasked", "asked by the trainer"])
 def test_a_copy_damaged_at_the_holder_is_found_at_the_fetch_and_nothing_is_left(
-        gcs_emulator: GcsEmulator, hosts: PeerSidecars) -> None:
-    hosts.start(0)
-    hosts.start(1)
-    write_part(hosts.shm[1], JOB, 10, index=1)
-    write_part(hosts.shm[0], JOB, 10, index=0)
-    wait_until(lambda: hosts.copy(1, JOB, 0, 10).is_dir(), timeout=60, what="host 1's copy of host 0's part")
-    flip_a_bit(hosts.copy(1, JOB, 0, 10))
-    hosts.wipe(0)
-    wait_until(lambda: "bringing peerjob's part back from host 1 failed" in hosts.log(0), timeout=30,
-               what="the damaged copy refused")
-    assert "arrived damaged" in hosts.log(0)
-    assert own_steps(hosts, 0) == [], "nothing of the damaged copy is left, not even its staging"
-    wait_until(lambda: hosts.log(0).count("bringing peerjob's part back from host 1 failed") >= 2, timeout=30,
-               what="a second try")  # tried again: still refused, still nothing kept
-    assert own_steps(hosts, 0) == []
+        gcs_emulator: GcsEmulator, tmp_path: Path, asked: bool) -> None:
+    hosts = _sidecars(gcs_emulator, tmp_path, env={"CKPTD_PEER_REFILL": str(not asked).lower()})
+    try:
+        hosts.start(0)
+        hosts.start(1)
+        write_part(hosts.shm[1], JOB, 10, index=1)
+        write_part(hosts.shm[0], JOB, 10, index=0)
+        wait_until(lambda: hosts.copy(1, JOB, 0, 10).is_dir(), timeout=60, what="host 1's copy of host 0's part")
+        flip_a_bit(hosts.copy(1, JOB, 0, 10))
+        hosts.wipe(0)
+        if asked:  # the agreement's path (ResumeAgreement): the trainer writes a request and waits for the answer
+            request_fetch(hosts.shm[0], JOB, 10, source=1, origin=0, count=2, save_id="ab-10")
+            error = wait_fetch(hosts.shm[0], JOB, 10, timeout_s=30)
+            assert error is not None and "arrived damaged" in error, error
+        else:
+            wait_until(lambda: "bringing peerjob's part back from host 1 failed" in hosts.log(0), timeout=30,
+                       what="the damaged copy refused")
+        assert "arrived damaged" in hosts.log(0)
+        assert own_steps(hosts, 0) == [], "nothing of the damaged copy is left, not even its staging"
+        if not asked:
+            wait_until(lambda: hosts.log(0).count("bringing peerjob's part back from host 1 failed") >= 2,
+                       timeout=30, what="a second try")  # tried again: still refused, still nothing kept
+            assert own_steps(hosts, 0) == []
+    finally:
+        hosts.stop()
 
 
 @pytest.mark.slow
