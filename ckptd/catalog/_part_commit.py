@@ -260,10 +260,9 @@ class PartSaves:
                 return False
             if not self._decide(job, step, held.found[0].save_id, "commit"):
                 return False
-            self._commit(job, step, where, held.found)
-            return True
+            return self._commit(job, step, where, held.found)
 
-    def _commit(self, job: str, step: int, where: str, parts: list[PartInfo]) -> None:
+    def _commit(self, job: str, step: int, where: str, parts: list[PartInfo]) -> bool:
         first = parts[0]
         marker = posixpath.join(where, COMMIT_MARKER)
         if not self.storage.exists(marker):  # else: the marker is there, the rename was not done
@@ -274,7 +273,7 @@ class PartSaves:
                 raise type(exc)(f"commit of step {step} failed: {exc}") from exc
             write_manifest(self.storage, where, self.manifest(where, step, parts))
             if not self.writes(job):  # the lease moved while finalizing: the new leader commits
-                return
+                return False
             if not self.storage.create_new(marker, f"Checkpoint commit was successful to {where}".encode()):
                 _log.info("step %s of %s: another leader committed it", step, job)
         if not self.storage.is_remote:
@@ -282,15 +281,16 @@ class PartSaves:
             try:
                 self.storage.rename(where, final)
             except FileExistsError:
-                return
+                return True
             except OSError as exc:
                 if os.path.exists(final):
-                    return
+                    return True
                 raise StorageError(f"cannot move {where} to {final}: {exc}") from exc
             sync_paths(posixpath.dirname(final))
         self.storage.invalidate(self.storage.join(job))
         self.commits += 1
         _log.info("committed step %s of %s from %d host parts", step, job, first.process_count)
+        return True
 
     def _decide(self, job: str, step: int, save_id: str, fate: Fate) -> bool:
         """On ``gs://``, where no lock spans sidecars: decide the save's fate before its first write or delete

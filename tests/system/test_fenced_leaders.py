@@ -11,6 +11,10 @@ emulator:
 Then step 7 is either committed with every file of both parts, or was never committed. On a local root the
 job's flock, held by the stopped leader, keeps the follower from committing until it is let go; on ``gs://`` no
 lock spans the two, and the save's fate record decides (``trainer_client/core/format/_fates.py``).
+
+The same with the old leader stopped mid-commit (finalized, its manifest in hand): the follower leaves the commit
+to it while it may still write (the flock; on ``gs://`` the fate it decided, until older than the redo delay),
+then redoes it; the step's manifest describes the files there.
 """
 
 from __future__ import annotations
@@ -26,10 +30,12 @@ from typing import Any
 
 import pytest
 
-from ckptd.catalog import _job_lock
+from ckptd.catalog import _job_lock, _part_commit
 from ckptd.catalog._lease import Lease, lease_directory
 from ckptd.catalog._part_commit import PartSaves
 from ckptd.catalog._retention import clean_abandoned_parts
+from tests.server.catalog.test_fencing_gcs_gaps import _manifest_holds as manifest_holds
+from tests.server.catalog.test_fencing_gcs_gaps import _merging_worker as merging_worker
 from tests.support.fenced_saves import JOB, STEP, committed_whole, finalizing_worker, land_part, lay_save
 from tests.support.gcs_emulator import GcsEmulator
 from trainer_client.core._storage import Storage
@@ -136,3 +142,70 @@ def test_a_leader_stopped_mid_cleanup_loses_nothing_a_newer_leader_committed(
         assert not marker and cleaned and read_claim(storage, JOB, STEP) is None
     # who won: the fate record on gs:// (the first to decide), the flock held by the stopped leader locally
     assert bool(committed) == (pause_at == "create_new"), (committed, cleaned)
+
+
+REDO_S = 6.0  # the newer leader's ``redo_after_s`` here: a commit another decided is left to it this long
+
+
+def _old_committer(url: str, stopped_at: str, done: Any) -> None:
+    """Lead, then commit the whole save; SIGSTOP this process as it is about to write the step's manifest (its
+    finalize done, past every check)."""
+    storage = Storage(url)
+    lease = _lead(storage, "old-leader")
+    _keep_ticking(lease, threading.Event())
+    real = _part_commit.write_manifest
+
+    def pausing(*args: Any, **kwargs: Any) -> None:
+        if not os.path.exists(stopped_at):
+            Path(stopped_at).write_text("ckptd_manifest.json")
+            os.kill(os.getpid(), signal.SIGSTOP)
+        real(*args, **kwargs)
+
+    _part_commit.write_manifest = pausing  # type: ignore[assignment]
+    saves = PartSaves(storage, merging_worker(), writes=lambda _job: lease.leads(), sidecar="old-leader")
+    done.put(saves.commit_ready(JOB))
+
+
+@pytest.mark.parametrize("root", ["local", "gcs"], indirect=True)
+def test_a_leader_stopped_mid_commit_leaves_a_step_whose_manifest_holds(
+        root: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old leader finalized the whole save and stopped with its manifest in hand; the follower takes the lease
+    over. Its commit would merge again (other bytes): it stands down while the old one may still write (locally
+    the stopped leader's flock, on ``gs://`` the fate record the old leader decided, younger than ``REDO_S``). Let
+    go, the old leader writes its manifest and finds it no longer leads; the follower commits after ``REDO_S``. The
+    step is committed once, and its manifest describes the files there (else: quarantined at its next check)."""
+    storage = Storage(root)
+    lay_save(storage, SAVE, (0, 1))
+    monkeypatch.setattr(_job_lock, "LOCK_WAIT_S", 1.0)
+    stopped_at = str(tmp_path / "stopped")
+    ctx = multiprocessing.get_context("spawn")
+    done = ctx.Queue()
+    old = ctx.Process(target=_old_committer, args=(root, stopped_at, done))
+    old.start()
+    stop = threading.Event()
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(stopped_at):
+            assert old.is_alive() and time.monotonic() < deadline, "the old leader never reached its manifest"
+            time.sleep(0.05)
+        decided_at = time.monotonic()
+        lease = _lead(storage, "new-leader")
+        _keep_ticking(lease, stop)
+        saves = PartSaves(storage, merging_worker(), writes=lambda _job: lease.leads(), sidecar="new-leader",
+                          redo_after_s=REDO_S)
+        meanwhile = saves.commit_ready(JOB)  # the old leader may still write: left to it
+        assert time.monotonic() - decided_at < REDO_S, "too slow to show the wait"
+        os.kill(old.pid or 0, signal.SIGCONT)
+        print(f"[fenced] the old leader, let go, reported {done.get(timeout=60)}")
+        old.join(60)
+        assert old.exitcode == 0
+        time.sleep(max(0.0, decided_at + REDO_S + 0.5 - time.monotonic()))
+        redone = saves.commit_ready(JOB)  # the redo, once the old leader's decision is old enough
+    finally:
+        stop.set()
+        if old.is_alive():
+            os.kill(old.pid or 0, signal.SIGCONT)
+            old.kill()
+    assert committed_whole(storage, SAVE)
+    assert manifest_holds(storage, storage.join(JOB, str(STEP)))
+    assert (meanwhile, redone) == ([], [STEP])

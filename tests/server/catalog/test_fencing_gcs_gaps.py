@@ -34,7 +34,7 @@ from trainer_client.core._errors import StorageError
 from trainer_client.core._storage import Storage, join_path
 from trainer_client.core.format._fates import fate_path, read_fate, read_fate_record
 from trainer_client.core.format._files import COMMIT_MARKER
-from trainer_client.core.format._manifest import crc32c_of, read_manifest
+from trainer_client.core.format._manifest import crc32c_of, file_entry, read_manifest
 from trainer_client.core.format._parts import make_claim, read_claim, read_part, record_path, take_over_claim
 from trainer_client.core.format._step_files import list_files
 from trainer_client.core.format._steps import inspect_step
@@ -167,6 +167,7 @@ def _merging_worker() -> InProcessWorker:
         if "commit" not in request:
             return {"ok": False}
         step, run = Storage(request["commit"]), uuid.uuid4().hex
+        step.fs.makedirs(step.join("default", "d"), exist_ok=True)
         step.fs.pipe_file(step.join("default", "d", run), run.encode())
         step.fs.pipe_file(step.join("default", "manifest.ocdbt"), f"root {run}".encode())
         step.fs.pipe_file(step.join("_CHECKPOINT_METADATA"), json.dumps({"commit": time.time_ns()}).encode())
@@ -178,8 +179,7 @@ def _manifest_holds(storage: Storage, step: str) -> bool:
     """Quick validation's check: every file the step's manifest lists is on storage with its size and CRC32C."""
     manifest, listed = read_manifest(storage, step), list_files(storage, step)
     assert manifest is not None
-    return all((listed[p].size, listed[p].crc32c) == (e.size, e.crc32c) if p in listed else False
-               for p, e in manifest.files.items())
+    return all(p in listed and file_entry(storage, join_path(step, p)) == e for p, e in manifest.files.items())
 
 
 def test_a_commit_another_leader_decided_is_not_redone_before_the_save_timeout(
