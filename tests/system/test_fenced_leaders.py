@@ -25,6 +25,8 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +87,23 @@ def _old_leader(url: str, pause_at: str, stopped_at: str, done: Any) -> None:
     done.put([d.path for d in cleaned])
 
 
+_SPAWN = multiprocessing.get_context("spawn")
+
+
+def _stopped_old_leader(target: Callable[..., None], args: tuple[Any, ...], stopped_at: str,
+                        where: str) -> BaseProcess:
+    """The old leader, ``target(*args)`` in a process of its own, once it stopped itself at ``where``."""
+    old = _SPAWN.Process(target=target, args=args)
+    old.start()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(stopped_at):
+        if not old.is_alive() or time.monotonic() >= deadline:
+            old.kill()
+            raise AssertionError(f"the old leader never reached {where}")
+        time.sleep(0.05)
+    return old
+
+
 @pytest.fixture
 def root(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "local":
@@ -104,16 +123,10 @@ def test_a_leader_stopped_mid_cleanup_loses_nothing_a_newer_leader_committed(
     lay_save(storage, SAVE, (0,))
     monkeypatch.setattr(_job_lock, "LOCK_WAIT_S", 1.0)  # the follower's commit gives up sooner on a held flock
     stopped_at = str(tmp_path / "stopped")
-    ctx = multiprocessing.get_context("spawn")
-    done = ctx.Queue()
-    old = ctx.Process(target=_old_leader, args=(root, pause_at, stopped_at, done))
-    old.start()
+    done = _SPAWN.Queue()
+    old = _stopped_old_leader(_old_leader, (root, pause_at, stopped_at, done), stopped_at, "its deletion")
     stop = threading.Event()
     try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(stopped_at):
-            assert old.is_alive() and time.monotonic() < deadline, "the old leader never reached its deletion"
-            time.sleep(0.05)
         print(f"[fenced] old leader stopped before deleting {Path(stopped_at).read_text()}")
         land_part(storage, SAVE, 1)  # host 1's part, late: the save is whole now
         lease = _lead(storage, "new-leader")  # the old leader's beat stopped: the follower takes over
@@ -178,16 +191,10 @@ def test_a_leader_stopped_mid_commit_leaves_a_step_whose_manifest_holds(
     lay_save(storage, SAVE, (0, 1))
     monkeypatch.setattr(_job_lock, "LOCK_WAIT_S", 1.0)
     stopped_at = str(tmp_path / "stopped")
-    ctx = multiprocessing.get_context("spawn")
-    done = ctx.Queue()
-    old = ctx.Process(target=_old_committer, args=(root, stopped_at, done))
-    old.start()
+    done = _SPAWN.Queue()
+    old = _stopped_old_leader(_old_committer, (root, stopped_at, done), stopped_at, "its manifest")
     stop = threading.Event()
     try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(stopped_at):
-            assert old.is_alive() and time.monotonic() < deadline, "the old leader never reached its manifest"
-            time.sleep(0.05)
         decided_at = time.monotonic()
         lease = _lead(storage, "new-leader")
         _keep_ticking(lease, stop)
