@@ -10,7 +10,10 @@ interleaving forced in one process as ``test_fencing.py`` does:
   not given to a new save while the first cleaner may still delete its files;
 * a dead incarnation's part landing after a restarted incarnation took its claim over leaves no part record, and a
   part file it overwrote after the new save's record is never committed;
-* a stale leader's late manifest of a step a newer leader committed and sealed leaves the step good."""
+* a commit another leader decided is left to it until the save timeout, so its late manifest never describes
+  files a redo replaced (Orbax's merge writes other bytes each run);
+* a fate record is carried out by its decider at once and by another party only once old enough; one that does not
+  read whole (forged, damaged) decides nothing."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,7 +36,7 @@ from tests.support.fenced_saves import JOB, STEP, committed_whole, finalizing_wo
 from tests.support.gcs_emulator import GcsEmulator
 from trainer_client.core._errors import StorageError
 from trainer_client.core._storage import Storage, join_path
-from trainer_client.core.format._fates import fate_path, read_fate, read_fate_record
+from trainer_client.core.format._fates import decide_fate, fate_path, read_fate, read_fate_record
 from trainer_client.core.format._files import COMMIT_MARKER
 from trainer_client.core.format._manifest import crc32c_of, file_entry, read_manifest
 from trainer_client.core.format._parts import make_claim, read_claim, read_part, record_path, take_over_claim
@@ -255,3 +259,31 @@ def test_a_part_file_overwritten_after_its_record_is_never_committed(storage: St
 def _crc(data: bytes) -> str:
     chunks = iter([data, b""])
     return crc32c_of(lambda: next(chunks))[1]
+
+
+@pytest.mark.parametrize(("record", "read"), [
+    ({"fate": "retire", "by": "old-leader", "at": 100.0}, ("retire", "old-leader", 100.0)),
+    ({"save_id": LIVE, "process_count": 2, "created_at": 50.0}, ("retire", LIVE, 50.0)),  # previous release's taker
+    ({"save_id": DEAD, "process_count": 2, "created_at": 50.0}, "unreadable"),  # a claim naming the save itself
+    ({"fate": "commit", "by": "x"}, "unreadable"),
+    ({"fate": "commit", "by": "x", "at": "NaN"}, "unreadable"),
+    ({"fate": "commit", "by": 3, "at": 1.0}, "unreadable"),
+    ({"fate": "keep", "by": "x", "at": 1.0}, "unreadable"),
+    ([1, 2], "unreadable"),
+])
+def test_a_fate_record_is_read_whole_or_not_at_all(tmp_path: Path, record: Any, read: Any) -> None:
+    storage = Storage(str(tmp_path))
+    assert storage.create_new(fate_path(storage, JOB, STEP, DEAD), json.dumps(record).encode())
+    found = read_fate_record(storage, JOB, STEP, DEAD)
+    assert (found if isinstance(found, str) else (found.fate, found.by, found.at) if found else None) == read
+    assert not decide_fate(storage, JOB, STEP, DEAD, "commit", "new-leader", redo_after_s=0.0)
+
+
+def test_a_fate_is_carried_out_by_its_decider_and_by_another_only_once_old_enough(tmp_path: Path) -> None:
+    storage = Storage(str(tmp_path))
+    assert read_fate_record(storage, JOB, STEP, DEAD) is None
+    assert decide_fate(storage, JOB, STEP, DEAD, "commit", "old-leader", redo_after_s=60.0)
+    assert decide_fate(storage, JOB, STEP, DEAD, "commit", "old-leader", redo_after_s=60.0)  # its own: a redo
+    assert not decide_fate(storage, JOB, STEP, DEAD, "commit", "new-leader", redo_after_s=60.0)  # it may be paused
+    assert decide_fate(storage, JOB, STEP, DEAD, "commit", "new-leader", redo_after_s=0.0)  # old enough
+    assert not decide_fate(storage, JOB, STEP, DEAD, "retire", "old-leader", redo_after_s=0.0)  # decided otherwise
