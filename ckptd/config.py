@@ -10,7 +10,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from pydantic import Field, model_validator
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from trainer_client.core import protocol as p
@@ -18,6 +18,7 @@ from trainer_client.core import protocol as p
 # The value deploy/k8s/secret.example.yaml shows; a token starting like it was copied, not generated.
 PLACEHOLDER_TOKEN_PREFIX = "REPLACE-WITH"
 DEFAULT_PERSIST_NICE = 10  # how far below ckptd the persist worker runs, unless CKPTD_PERSIST_NICE says otherwise
+MAX_HOSTS = 100_000  # hosts of one job at most (Kubernetes' limit on an Indexed Job's completions)
 
 
 def token_problem(token: str) -> str | None:
@@ -39,7 +40,9 @@ class Settings(BaseSettings):
     """Configuration of one ckptd process."""
 
     # hide_input_in_errors: a validation error must never print the token it was given.
-    model_config = SettingsConfigDict(env_prefix="CKPTD_", extra="ignore", hide_input_in_errors=True)
+    # populate_by_name: tests and callers give host_index/host_count by name; the environment by their aliases.
+    model_config = SettingsConfigDict(env_prefix="CKPTD_", extra="ignore", hide_input_in_errors=True,
+                                      populate_by_name=True)
 
     root: str = Field(default="./checkpoints", description="checkpoint root: a directory or gs://bucket/prefix")
     create_root: bool = Field(
@@ -177,6 +180,17 @@ class Settings(BaseSettings):
         default=True, description="peer copies: a sidecar whose host's parts are gone brings the newest copy back "
         "unasked (off: only when its trainer asks)",
     )
+    host_index: int | None = Field(
+        default=None, ge=0, lt=MAX_HOSTS, validation_alias=AliasChoices("CKPTD_HOST_INDEX", "JOB_COMPLETION_INDEX"),
+        description="peer copies: this host's index in its jobs (CKPTD_HOST_INDEX, else Kubernetes' "
+        "JOB_COMPLETION_INDEX): with the host count, a sidecar on a new node brings its part back before any part "
+        "or trainer tells it who it is (docs/multihost.md, \"Peer copies\")",
+    )
+    host_count: int | None = Field(
+        default=None, ge=1, le=MAX_HOSTS, validation_alias=AliasChoices("CKPTD_HOST_COUNT"),
+        description="peer copies: the hosts of the job (default: the hosts CKPTD_PEERS names, when it names "
+        "0..N-1)",
+    )
     peer_capacity_bytes: int | None = Field(
         default=None, ge=0, description="peer copies: bytes of other hosts' parts held at most (None: what shared "
         "memory has free, less 256 MiB for the trainer)",
@@ -258,6 +272,9 @@ class Settings(BaseSettings):
         if self.peer_port is not None and (self.peer_secret is None or len(self.peer_secret) < 16):
             raise ValueError("CKPTD_PEER_PORT needs CKPTD_PEER_SECRET (or _FILE) of at least 16 characters, the same "
                              "on every host of the job (e.g. `openssl rand -hex 32`)")
+        if self.host_index is not None and self.host_count is not None and self.host_index >= self.host_count:
+            raise ValueError(f"the host index {self.host_index} (CKPTD_HOST_INDEX or JOB_COMPLETION_INDEX) is not "
+                             f"below the host count {self.host_count} (CKPTD_HOST_COUNT)")
         bad = sorted(name for name in self.read_only_job_names() if not p.is_valid_job_name(name))
         if bad:
             raise ValueError(f"CKPTD_READ_ONLY_JOBS names invalid job names: {bad}")
@@ -291,4 +308,4 @@ class CliSettings(BaseSettings):
     )
 
 
-__all__ = ["DEFAULT_PERSIST_NICE", "PLACEHOLDER_TOKEN_PREFIX", "CliSettings", "Settings", "token_problem"]
+__all__ = ["DEFAULT_PERSIST_NICE", "MAX_HOSTS", "PLACEHOLDER_TOKEN_PREFIX", "CliSettings", "Settings", "token_problem"]

@@ -9,7 +9,9 @@ whenever this host's own parts change, each holder is told which steps this host
 copies of the others (a copy is evicted with its original). The fetcher answers the trainer's requests
 (``trainer_client/core/format/_peer_copies.py``) at once, on a thread of its own; and when this host held parts
 of a job and holds none any more (its memory wiped while the sidecar ran), it brings the newest copy back
-without waiting to be asked, so a restarting trainer finds its part in memory.
+without waiting to be asked, so a restarting trainer finds its part in memory. A sidecar started on a new node
+has seen no part: when its settings give its host index and the host count, it asks its holders which jobs they
+keep its part of (``discover``) and brings those back the same way.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pydantic import ValidationError
 
 from ckptd.peers._directory import PeerDirectory, holders_of
 from ckptd.peers._protocol import PeerError, RateLimit, connect, header_int
-from ckptd.peers._server import MAX_PART_BYTES
+from ckptd.peers._server import MAX_JOBS_LISTED, MAX_PART_BYTES
 from ckptd.peers._store import PartStore
 from trainer_client.core._errors import UnsafePathError
 from trainer_client.core.format._peer_copies import answer_fetch, pending_fetches
@@ -34,6 +36,9 @@ from trainer_client.core.format._snapshot import MAX_META_BYTES, SnapshotMeta, c
 from trainer_client.core.protocol import is_valid_job_name
 
 _log = logging.getLogger(__name__)
+DISCOVER_FIRST_S = 2.0  # a sidecar that knows its host index asks its holders for its jobs again after this,
+DISCOVER_MAX_S = 60.0  # doubling up to this, for as long as its memory holds no part of its own
+MAX_DISCOVER_JOBS = 64  # jobs on the storage root whose registry is read to find the holders' addresses
 
 
 @dataclass
@@ -62,6 +67,7 @@ class PeerOptions:
     timeout_s: float = 30.0
     nice: int = 10
     refill: bool = True
+    host: tuple[int, int] | None = None  # (this host's index, the hosts) from the settings, when both are known
 
 
 class PeerCopier:
@@ -80,6 +86,7 @@ class PeerCopier:
         self._retry: dict[tuple[str, int], tuple[float, int]] = {}  # (job, holder) -> (not before, failures in a row)
         self._known: dict[str, tuple[int, int]] = {}  # job -> (this host's index, the job's hosts), once seen
         self._refill_at: dict[str, float] = {}  # job -> when to try bringing its part back again
+        self._discover = (0.0, DISCOVER_FIRST_S)  # (not before, the wait after the next try): while no part is seen
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._loop, args=(self.copy_pass, True), name="ckptd-peer-copier",
                                           daemon=True),
@@ -142,6 +149,11 @@ class PeerCopier:
             if not parts:
                 continue
             path, meta = parts[0]
+            if self.options.host is not None and self._known.get(job, self.options.host) != (
+                    meta.process_index, meta.process_count):
+                _log.warning("%s: this host's part is host %d of %d, not host %d of %d as its settings say "
+                             "(CKPTD_HOST_INDEX, JOB_COMPLETION_INDEX, CKPTD_HOST_COUNT): the part is believed",
+                             job, meta.process_index, meta.process_count, *self.options.host)
             self._known[job] = (meta.process_index, meta.process_count)
             held = tuple(sorted(m.step for _, m in parts))
             self.directory.register(job, meta.process_index)
@@ -199,6 +211,10 @@ class PeerCopier:
                   holder, time.monotonic() - started)
 
     def fetch_pass(self) -> None:
+        if self.options.refill and self.options.host is not None and time.monotonic() >= self._discover[0]:
+            wait = self._discover[1]
+            self._discover = (time.monotonic() + wait, min(DISCOVER_MAX_S, wait * 2))
+            self.discover(*self.options.host)
         for job in sorted(set(self.jobs()) | set(self._known)):  # a wiped job's directory may be gone too
             for request in pending_fetches(self.store.shm_dir, job):
                 error = ""
@@ -216,6 +232,47 @@ class PeerCopier:
                     and not self.own_parts(job)):
                 self._refill_at[job] = time.monotonic() + 2.0
                 self.refill(job, *self._known[job])
+
+    def discover(self, index: int, count: int) -> list[str]:
+        """This host is host ``index`` of ``count`` (its settings say) and its memory holds no part of its own
+        (a new node): the jobs whose copies of its part its holders keep (``jobs``), learned as if a part had
+        said so, so that ``fetch_pass`` brings each back at once. The holders are found at their static
+        addresses, else through the registry of the jobs on the storage root (at most ``MAX_DISCOVER_JOBS``)."""
+        if any(self.own_parts(job) for job in self.jobs()):
+            self._discover = (float("inf"), DISCOVER_MAX_S)  # its parts say who this host is from now on
+            return []
+        found: list[str] = []
+        for address in self._holder_addresses(index, count):
+            try:
+                with connect(address, self.secret, self.options.timeout_s) as chan:
+                    chan.send_header({"op": "jobs", "origin": index, "count": count})
+                    jobs = chan.expect_ok().get("jobs")
+                if not isinstance(jobs, list):
+                    raise PeerError("jobs: not a list")
+                found += [job for job in jobs[:MAX_JOBS_LISTED] if isinstance(job, str) and is_valid_job_name(job)]
+            except (PeerError, OSError) as exc:
+                _log.debug("asking %s which jobs it keeps host %d's part of failed: %s", address, index, exc)
+        new = sorted(job for job in set(found) if job not in self._known)
+        for job in new:
+            self._known[job] = (index, count)
+            _log.info("%s: the holders keep copies of this host's part (host %d of %d): bringing it back", job,
+                      index, count)
+        return new
+
+    def _holder_addresses(self, index: int, count: int) -> list[str]:
+        holders = holders_of(index, count, self.options.k, self.options.stride, self.options.explicit)
+        if self.directory.static:
+            return list(dict.fromkeys(self.directory.static[h] for h in holders if h in self.directory.static))
+        storage = self.directory.storage
+        if storage is None:
+            return []
+        try:
+            jobs = [e.name for e in storage.list_dir(storage.root) if e.is_dir and is_valid_job_name(e.name)]
+        except OSError as exc:  # StorageError is one
+            _log.debug("listing the jobs on the storage root failed: %s", exc)
+            return []
+        addresses = (self.directory.address_of(job, h) for job in jobs[:MAX_DISCOVER_JOBS] for h in holders)
+        return list(dict.fromkeys(a for a in addresses if a is not None))
 
     def refill(self, job: str, index: int, count: int) -> Path | None:
         """This host held parts of ``job`` and holds none now (its memory was wiped): bring the newest copy of

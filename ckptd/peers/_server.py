@@ -2,7 +2,8 @@
 drops them when their originals go (``held``), and hands a copy back to the host it came from (``get``)
 (docs/multihost.md, "Peer copies").
 
-``list`` names the copies held of a host's part (a host that lost its memory asks before it fetches). A thread
+``list`` names the copies held of a host's part (a host that lost its memory asks before it fetches), ``jobs``
+the jobs of which copies of a host's part are held (a sidecar on a new node asks before it knows a job). A thread
 per connection, at most ``max_connections`` at once (more are closed at once), each with a socket
 timeout; a caller that fails the handshake is closed without an answer. Every field of a request is checked
 before anything is written: the job name, the host indexes, the step, and sizes bounded by the snapshot
@@ -19,15 +20,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptd.config import MAX_HOSTS
 from ckptd.peers._protocol import Channel, PeerError, RateLimit, header_int, listener_handshake
 from ckptd.peers._store import PartStore, check_job
 from trainer_client.core.format._snapshot import MAX_META_BYTES
 
 _log = logging.getLogger(__name__)
-MAX_HOSTS = 100_000
 MAX_STEP = 2**63 - 1
 MAX_PART_BYTES = 1 << 44  # a part's data.bin at most (16 TiB); the room on this host bounds it first
 MAX_HELD = 4096
+MAX_JOBS_LISTED = 256  # jobs named in one answer to ``jobs``
 
 
 @dataclass
@@ -99,6 +101,10 @@ class PeerListener:
             elif op == "list":
                 job, origin, _ = self._origin(request)
                 chan.send_header({"ok": True, "copies": self.store.listing(job, origin)})
+            elif op == "jobs":  # a sidecar on a new node, its memory empty, asks what to bring back
+                count = header_int(request, "count", 2, MAX_HOSTS)
+                origin = header_int(request, "origin", 0, count - 1)
+                chan.send_header({"ok": True, "jobs": self.store.jobs_holding(origin, MAX_JOBS_LISTED)})
             else:
                 raise PeerError(f"no such operation: {str(op)[:40]!r}")
         except (PeerError, OSError, ValueError) as exc:

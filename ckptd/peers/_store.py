@@ -142,6 +142,14 @@ class PartStore:
                         read_private(path / SNAPSHOT_META_FILE, max_bytes=MAX_META_BYTES)).save_id])
         return out
 
+    def jobs_holding(self, origin: int, limit: int) -> list[str]:
+        """The jobs (at most ``limit``, by name) of which this host holds copies of ``origin``'s parts."""
+        try:
+            jobs = sorted(p.name for p in self.shm_dir.iterdir() if is_valid_job_name(p.name) and is_real_dir(p))
+        except OSError:
+            return []
+        return [job for job in jobs if self.copies(job, origin)][:limit]
+
     def open_part(self, path: Path) -> tuple[bytes, SnapshotMeta, BinaryIO]:
         """``(snapshot.json bytes, its metadata, data.bin opened)`` of the part at ``path``, read by this
         memory tier's rules; ``PeerError`` when it is not there or not intact."""

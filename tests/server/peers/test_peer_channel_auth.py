@@ -40,19 +40,20 @@ def nothing_received(shm: Path, job: str) -> bool:
 
 
 def test_a_part_altered_in_flight_is_refused_and_the_honest_path_works(
-        pair: tuple[list[PeerService], list[Path]], proxy_to: list[FlipProxy]) -> None:
+        pair: tuple[list[PeerService], list[Path]], proxy_to: list[FlipProxy], tmp_path: Path) -> None:
     (s0, s1), (shm0, shm1) = pair
     proxy = FlipProxy(s1.address)
     proxy_to.append(proxy)
     s0.copier.directory.static = {1: proxy.address}  # host 0 reaches host 1 through the attacker
-    part = write_part(shm0, JOB, 10, index=0)
-    proxy.flip = ("C>L", into_data(part))
-    wait_until(lambda: any("authentication" in f for f in s1.listener.stats.failures), timeout=20,
-               what="the holder refusing the altered copy")
+    proxy.flip = ("C>L", into_data(write_part(tmp_path / "scratch", JOB, 10, index=0)))  # the same sizes
+    part = write_part(shm0, JOB, 10, index=0)  # the copier sends it at once: through the proxy, altered
+    wait_until(lambda: "authentication" in (s0.snapshot()["last_failure"] or ""), timeout=20,
+               what="the holder refusing the altered copy, and telling the sender why")
     assert proxy.flipped >= 1 and s0.snapshot()["copy_failures"] >= 1
-    assert "authentication" in (s0.snapshot()["last_failure"] or "")  # the sender is told why
+    assert any("a body failed its authentication" in f for f in s1.listener.stats.failures)
     assert not any("damaged" in f for f in s1.listener.stats.failures)  # the tag caught it, before the checksums
-    assert nothing_received(shm1, JOB)  # neither the copy nor its staging directory
+    # neither the copy nor its staging directory (the copier tries again meanwhile, less often each time)
+    wait_until(lambda: nothing_received(shm1, JOB), timeout=10, what="nothing left of the altered copies")
 
     proxy.flip = None  # the same path, honest: the copy lands, byte for byte
     copy = copies_dir(shm1, JOB, 0) / "10"
