@@ -272,13 +272,27 @@ class Settings(BaseSettings):
         if self.peer_port is not None and (self.peer_secret is None or len(self.peer_secret) < 16):
             raise ValueError("CKPTD_PEER_PORT needs CKPTD_PEER_SECRET (or _FILE) of at least 16 characters, the same "
                              "on every host of the job (e.g. `openssl rand -hex 32`)")
-        if self.host_index is not None and self.host_count is not None and self.host_index >= self.host_count:
+        count = self.host_count or self._hosts_named()
+        if self.host_index is not None and count is not None and self.host_index >= count:
             raise ValueError(f"the host index {self.host_index} (CKPTD_HOST_INDEX or JOB_COMPLETION_INDEX) is not "
-                             f"below the host count {self.host_count} (CKPTD_HOST_COUNT)")
+                             f"below the host count {count} (CKPTD_HOST_COUNT, else the hosts CKPTD_PEERS names)")
         bad = sorted(name for name in self.read_only_job_names() if not p.is_valid_job_name(name))
         if bad:
             raise ValueError(f"CKPTD_READ_ONLY_JOBS names invalid job names: {bad}")
         return self
+
+    def _hosts_named(self) -> int | None:
+        """N when ``peers`` names hosts 0..N-1 (else None; the peer channel checks its addresses)."""
+        names = [item.partition("=")[0].strip() for item in self.peers.split(",") if item.strip()]
+        if not names or not all(name.isdigit() for name in names):
+            return None
+        return len(names) if {int(name) for name in names} == set(range(len(names))) else None
+
+    def this_host(self) -> tuple[int, int] | None:
+        """``(this host's index, the hosts)`` when both are known: the index from ``CKPTD_HOST_INDEX`` (else
+        ``JOB_COMPLETION_INDEX``), the count from ``CKPTD_HOST_COUNT`` (else the hosts ``CKPTD_PEERS`` names)."""
+        count = self.host_count or self._hosts_named()
+        return None if self.host_index is None or count is None else (self.host_index, count)
 
     def catalog_path(self) -> Path:
         """The SQLite file of the catalog cache for this root."""

@@ -63,23 +63,6 @@ class PeerService:
                 "last_failure": c.last_failure, "listener_failures": list(s.failures)}
 
 
-def this_host(settings: Settings, static: dict[int, str]) -> tuple[int, int] | None:
-    """``(this host's index, the hosts)`` when the settings give both: the count from ``CKPTD_HOST_COUNT``, else
-    from ``CKPTD_PEERS`` when it names hosts 0..N-1; ``ValueError`` when the index is not among them."""
-    count = settings.host_count
-    if count is None and static and set(static) == set(range(len(static))):
-        count = len(static)
-    if settings.host_index is None or count is None:
-        if settings.host_index is not None:
-            _log.info("this host is host %d; without the host count (CKPTD_HOST_COUNT) it learns its jobs from "
-                      "their parts", settings.host_index)
-        return None
-    if settings.host_index >= count:
-        raise ValueError(f"the host index {settings.host_index} (CKPTD_HOST_INDEX or JOB_COMPLETION_INDEX) is not "
-                         f"one of the {count} hosts CKPTD_PEERS names")
-    return settings.host_index, count
-
-
 def build_peers(settings: Settings) -> PeerService | None:
     """The peer channel ``settings`` ask for (``CKPTD_PEER_PORT`` and a shared-memory directory), not started;
     None when off."""
@@ -92,12 +75,15 @@ def build_peers(settings: Settings) -> PeerService | None:
     listener = PeerListener(store, secret.encode(), host=settings.peer_host, port=settings.peer_port)
     advertised = settings.peer_advertise or (
         f"{socket.getfqdn() if settings.peer_host in ('0.0.0.0', '::') else settings.peer_host}:{listener.port}")
+    if settings.host_index is not None and settings.this_host() is None:
+        _log.info("this host is host %d; without the host count (CKPTD_HOST_COUNT) it learns its jobs from their "
+                  "parts", settings.host_index)
     static = parse_peers(settings.peers)
     directory = PeerDirectory(None if static else Storage(settings.root), static, advertised)
     options = PeerOptions(k=settings.peer_copies, stride=settings.peer_stride,
                           explicit=parse_map(settings.peer_map) or None, nice=settings.persist_nice,
-                          refill=settings.peer_refill, host=this_host(settings, static))
+                          refill=settings.peer_refill, host=settings.this_host())
     return PeerService(listener, PeerCopier(store, directory, secret.encode(), rate, options))
 
 
-__all__ = ["PeerService", "build_peers", "this_host"]
+__all__ = ["PeerService", "build_peers"]

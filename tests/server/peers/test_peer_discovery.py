@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from ckptd.config import Settings
-from ckptd.peers import PeerService, build_peers, this_host
+from ckptd.peers import PeerService, build_peers
 from tests.server.peers.conftest import JOB, settings
 from tests.support.helpers import wait_until
 from tests.support.peer_parts import write_part
@@ -93,10 +93,10 @@ def test_the_host_index_settings_are_checked(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.delenv("CKPTD_HOST_INDEX")
     monkeypatch.delenv("JOB_COMPLETION_INDEX")
     # the count from CKPTD_PEERS only when it names hosts 0..N-1; an index outside them is refused
-    peers = {0: "a:1", 1: "b:1", 2: "c:1"}
-    assert this_host(Settings(host_index=2), peers) == (2, 3)
-    assert this_host(Settings(host_index=2), {0: "a:1", 2: "c:1"}) is None
-    assert this_host(Settings(host_index=2, host_count=4), {}) == (2, 4)
-    assert this_host(Settings(host_index=None), peers) is None
-    with pytest.raises(ValueError, match="not one of the 3 hosts"):
-        this_host(Settings(host_index=3), peers)
+    peers = "0=a:1,1=b:1,2=c:1"
+    assert Settings(host_index=2, peers=peers).this_host() == (2, 3)
+    assert Settings(host_index=2, peers="0=a:1,2=c:1").this_host() is None
+    assert Settings(host_index=2, host_count=4).this_host() == (2, 4)
+    assert Settings(peers=peers).this_host() is None
+    with pytest.raises(ValidationError, match="not below the host count 3"):
+        Settings(host_index=3, peers=peers)
