@@ -58,7 +58,7 @@ class Refresher:
         self.commits = CommitPass(
             catalog.storage, jobs=lambda: [j.name for j in catalog.jobs()] if catalog.ready.is_set() else [],
             writes=catalog.writes, interval_s=interval_s, worker=commit_worker,
-            on_committed=lambda job, _step: catalog.refresh_job(job))
+            on_committed=lambda job, _step: catalog.refresh_job(job), redo_after_s=catalog.save_timeout_s)
         self._stop = threading.Event()
         self._jobs = JobWorkers(job_workers)
         self._thread = threading.Thread(target=self._run, name="ckptd-refresher", daemon=True)

@@ -153,9 +153,12 @@ def _cmd_gc(args: argparse.Namespace) -> int:
         verb = "would delete" if args.dry_run else "deleted"
         print(f"policy: {policy.describe()}")
         print(f"{'STEP':>10} {'STATE':<12} {'ACTION':<13} WHY")
+        done = {id(d) for d in deleted}
         for d in decisions:
-            action = (verb if d.action == "delete" else "keep")
-            print(f"{d.step:>10} {d.state.value:<12} {action:<13} {'; '.join(d.reasons)}")
+            # a delete collect left alone (gs://: a multi-host save written in place, its claim's cleanup decides)
+            action = "keep" if d.action != "delete" else verb if id(d) in done else "left"
+            why = "; ".join(d.reasons) + ("" if action != "left" else "; a multi-host save's: its cleanup decides")
+            print(f"{d.step:>10} {d.state.value:<12} {action:<13} {why}")
         print(f"{len(deleted)} step(s) {verb}", file=sys.stderr)
     return EXIT_OK
 

@@ -345,3 +345,16 @@ def test_a_quick_refresh_sees_renames_and_finishing_saves_without_listing(root: 
         assert cat.step("alpha", 21).state is StepState.VERIFIED  # type: ignore[union-attr]
     finally:
         cat.close()
+
+
+def test_the_commit_pass_waits_the_configured_save_timeout_before_redoing_another_s_commit(
+    root: Path, tmp_path: Path
+) -> None:
+    # docs/multihost.md, "Fenced writers": a commit or cleanup another sidecar decided is redone only once its
+    # fate record is older than the save timeout; CKPTD_SAVE_TIMEOUT_S, not the 1 h default
+    cat = Catalog(Storage(str(root)), tmp_path / "timeout.sqlite3", save_timeout_s=42.0)
+    try:
+        refresher = Refresher(cat, 0.05)
+        assert refresher.commits.parts.redo_after_s == 42.0
+    finally:
+        cat.close()

@@ -114,3 +114,18 @@ def test_a_reader_that_stops_reading_gets_no_traceback(root: Path, argv: list[st
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 1
     assert "Traceback" not in err and "BrokenPipeError" not in err and "Exception ignored" not in err, err
+
+
+def test_gc_reports_a_step_retention_left_alone_as_left_not_deleted(root: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    # on gs:// retention leaves a multi-host save written in place to its claim's cleanup (docs/multihost.md,
+    # "Fenced writers"): the table must not say such a step was deleted
+    from ckptd.cli import _maintenance
+
+    monkeypatch.setattr(_maintenance, "collect", lambda storage, decisions, dry_run=False: [])
+    assert main(["gc", f"{root}/llm", "--keep-last", "1"]) == 0
+    captured = capsys.readouterr()
+    [row] = [line.split() for line in captured.out.splitlines() if line.split()[:1] == ["10"]]
+    assert row[2] == "left" and "deleted" not in captured.out
+    assert captured.err.strip() == "0 step(s) deleted"
+    assert (root / "llm" / "10").is_dir()
