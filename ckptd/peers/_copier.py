@@ -36,6 +36,7 @@ from trainer_client.core.format._snapshot import MAX_META_BYTES, SnapshotMeta, c
 from trainer_client.core.protocol import is_valid_job_name
 
 _log = logging.getLogger(__name__)
+RECHECK_S = 5.0  # a holder is asked again after this whether it still keeps the copy (its memory may be wiped)
 DISCOVER_FIRST_S = 2.0  # a sidecar that knows its host index asks its holders for its jobs again after this,
 DISCOVER_MAX_S = 60.0  # doubling up to this, for as long as its memory holds no part of its own
 MAX_DISCOVER_JOBS = 64  # jobs on the storage root whose registry is read to find the holders' addresses
@@ -82,6 +83,7 @@ class PeerCopier:
         self.options = options
         self.stats = CopierStats()
         self._sent: dict[tuple[str, int], tuple[int, str | None, tuple[int, ...]]] = {}
+        self._checked: dict[tuple[str, int], float] = {}  # (job, holder) -> when it last said it holds the copy
         self._metas: dict[Path, tuple[int, SnapshotMeta]] = {}
         self._retry: dict[tuple[str, int], tuple[float, int]] = {}  # (job, holder) -> (not before, failures in a row)
         self._known: dict[str, tuple[int, int]] = {}  # job -> (this host's index, the job's hosts), once seen
@@ -160,17 +162,19 @@ class PeerCopier:
             for holder in holders_of(meta.process_index, meta.process_count, self.options.k, self.options.stride,
                                      self.options.explicit):
                 sent = self._sent.get((job, holder))
-                if sent is not None and sent[:2] == (meta.step, meta.save_id) and sent[2] == held:
+                if sent is not None and sent[:2] == (meta.step, meta.save_id) and sent[2] == held and \
+                        time.monotonic() - self._checked.get((job, holder), 0.0) < RECHECK_S:
                     continue
                 not_before, streak = self._retry.get((job, holder), (0.0, 0))
                 if time.monotonic() < not_before:
                     continue
                 try:
-                    if sent is not None and sent[:2] == (meta.step, meta.save_id):
+                    if sent is not None and sent[:2] == (meta.step, meta.save_id) and sent[2] != held:
                         self._tell_held(job, holder, meta, held)
                     else:
                         self._send(job, holder, path, held)
                     self._sent[(job, holder)] = (meta.step, meta.save_id, held)
+                    self._checked[(job, holder)] = time.monotonic()
                     self._retry.pop((job, holder), None)
                 except (PeerError, OSError, ValueError) as exc:  # tried again later, less often each time
                     self.stats.copy_failures += 1

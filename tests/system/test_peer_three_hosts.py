@@ -91,3 +91,15 @@ def test_three_hosts_a_wiped_host_and_the_holder_of_its_part_send_every_host_to_
     assert report["agreed_step"] == 15, "the newest step on storage before the kill"
     assert all(h["restored_from"].startswith("storage: ") for h in report["hosts"])
     assert report["lost_host_memory"] == [1, 2]
+
+
+@pytest.mark.timeout(120)
+def test_a_wiped_holder_is_sent_the_copies_it_kept_again_before_their_hosts_save_anew(hosts: PeerSidecars) -> None:
+    for k in range(3):
+        hosts.start(k)
+    for k in range(3):
+        write_part(hosts.shm[k], JOB, 10, index=k, count=3)
+    for k in range(3):
+        wait_until(lambda k=k: hosts.copy((k + 1) % 3, JOB, k, 10).is_dir(), timeout=60, what=f"host {k}'s copy")
+    hosts.wipe(1)  # host 1 kept host 0's part: host 0 saves nothing new, and must send it again
+    wait_until(lambda: hosts.copy(1, JOB, 0, 10).is_dir(), timeout=30, what="host 0's copy on host 1 again")
