@@ -186,6 +186,15 @@ class Settings(BaseSettings):
         "JOB_COMPLETION_INDEX): with the host count, a sidecar on a new node brings its part back before any part "
         "or trainer tells it who it is (docs/multihost.md, \"Peer copies\")",
     )
+    slice_index: int | None = Field(
+        default=None, ge=0, lt=MAX_HOSTS, description="peer copies: this host's slice (a JobSet's job index: one "
+        "Job per slice); with it the host index is the index within the slice (JOB_COMPLETION_INDEX is) and this "
+        "host is slice_index x CKPTD_HOSTS_PER_SLICE + host index",
+    )
+    hosts_per_slice: int | None = Field(
+        default=None, ge=1, le=MAX_HOSTS, description="peer copies: the hosts of each slice (needed with "
+        "CKPTD_SLICE_INDEX)",
+    )
     host_count: int | None = Field(
         default=None, ge=1, le=MAX_HOSTS, validation_alias=AliasChoices("CKPTD_HOST_COUNT"),
         description="peer copies: the hosts of the job (default: the hosts CKPTD_PEERS names, when it names "
@@ -269,13 +278,24 @@ class Settings(BaseSettings):
                 self.peer_secret = Path(self.peer_secret_file).read_text(encoding="utf-8").strip()
             except (OSError, UnicodeDecodeError) as exc:
                 raise ValueError(f"cannot read the peer secret file {self.peer_secret_file!r}: {exc}") from None
+        if self.peer_secret is not None and self.peer_secret.upper().startswith(PLACEHOLDER_TOKEN_PREFIX):
+            raise ValueError("the peer secret is the placeholder of deploy/k8s/secret.example.yaml: create the Secret "
+                             "with a random value (e.g. `openssl rand -hex 32`)")
         if self.peer_port is not None and (self.peer_secret is None or len(self.peer_secret) < 16):
             raise ValueError("CKPTD_PEER_PORT needs CKPTD_PEER_SECRET (or _FILE) of at least 16 characters, the same "
                              "on every host of the job (e.g. `openssl rand -hex 32`)")
-        count = self.host_count or self._hosts_named()
-        if self.host_index is not None and count is not None and self.host_index >= count:
-            raise ValueError(f"the host index {self.host_index} (CKPTD_HOST_INDEX or JOB_COMPLETION_INDEX) is not "
-                             f"below the host count {count} (CKPTD_HOST_COUNT, else the hosts CKPTD_PEERS names)")
+        if self.slice_index is not None and self.host_index is not None:
+            if self.hosts_per_slice is None:
+                raise ValueError("CKPTD_SLICE_INDEX needs CKPTD_HOSTS_PER_SLICE (the host index is then the index "
+                                 "within the slice: slice x hosts per slice + index)")
+            if self.host_index >= self.hosts_per_slice:
+                raise ValueError(f"the host index {self.host_index} (CKPTD_HOST_INDEX or JOB_COMPLETION_INDEX, within "
+                                 f"slice {self.slice_index}) is not below CKPTD_HOSTS_PER_SLICE {self.hosts_per_slice}")
+        count, index = self.host_count or self._hosts_named(), self.global_host_index()
+        if index is not None and count is not None and index >= count:
+            raise ValueError(f"the host index {index} (CKPTD_HOST_INDEX or JOB_COMPLETION_INDEX, with "
+                             "CKPTD_SLICE_INDEX x CKPTD_HOSTS_PER_SLICE when set) is not below the host count "
+                             f"{count} (CKPTD_HOST_COUNT, else the hosts CKPTD_PEERS names)")
         bad = sorted(name for name in self.read_only_job_names() if not p.is_valid_job_name(name))
         if bad:
             raise ValueError(f"CKPTD_READ_ONLY_JOBS names invalid job names: {bad}")
@@ -290,9 +310,17 @@ class Settings(BaseSettings):
 
     def this_host(self) -> tuple[int, int] | None:
         """``(this host's index, the hosts)`` when both are known: the index from ``CKPTD_HOST_INDEX`` (else
-        ``JOB_COMPLETION_INDEX``), the count from ``CKPTD_HOST_COUNT`` (else the hosts ``CKPTD_PEERS`` names)."""
-        count = self.host_count or self._hosts_named()
-        return None if self.host_index is None or count is None else (self.host_index, count)
+        ``JOB_COMPLETION_INDEX``; within its slice with ``CKPTD_SLICE_INDEX``), the count from ``CKPTD_HOST_COUNT``
+        (else the hosts ``CKPTD_PEERS`` names)."""
+        count, index = self.host_count or self._hosts_named(), self.global_host_index()
+        return None if index is None or count is None else (index, count)
+
+    def global_host_index(self) -> int | None:
+        """This host's index in its jobs: ``host_index``, or with ``slice_index`` ``slice_index x hosts_per_slice
+        + host_index`` (a JobSet of one Job per slice gives each pod its index within its Job only)."""
+        if self.host_index is None or self.slice_index is None:
+            return self.host_index
+        return self.slice_index * (self.hosts_per_slice or 0) + self.host_index
 
     def catalog_path(self) -> Path:
         """The SQLite file of the catalog cache for this root."""

@@ -77,7 +77,7 @@ def build_peers(settings: Settings) -> PeerService | None:
         f"{socket.getfqdn() if settings.peer_host in ('0.0.0.0', '::') else settings.peer_host}:{listener.port}")
     if settings.host_index is not None and settings.this_host() is None:
         _log.info("this host is host %d; without the host count (CKPTD_HOST_COUNT) it learns its jobs from their "
-                  "parts", settings.host_index)
+                  "parts", settings.global_host_index())
     static = parse_peers(settings.peers)
     directory = PeerDirectory(None if static else Storage(settings.root), static, advertised)
     options = PeerOptions(k=settings.peer_copies, stride=settings.peer_stride,

@@ -119,9 +119,10 @@ def _config() -> dict[str, str]:
 
 
 def _sidecar_port(pod: dict[str, Any]) -> dict[str, Any]:
+    """The sidecar's API port (API, probes and metrics); the only other one is the peer channel's."""
     ports = _sidecar(pod)["ports"]
-    assert len(ports) == 1, "the sidecar exposes one port (API, probes and metrics)"
-    port: dict[str, Any] = ports[0]
+    assert {p["name"] for p in ports} <= {"ckptd", "ckptd-peer"}, ports
+    port: dict[str, Any] = _only(ports, "ckptd")
     return port
 
 
