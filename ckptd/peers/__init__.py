@@ -72,7 +72,8 @@ def build_peers(settings: Settings) -> PeerService | None:
     assert secret is not None  # Settings refuses a channel without one
     store = PartStore(settings.shm_dir, capacity_bytes=settings.peer_capacity_bytes)
     rate = RateLimit(settings.peer_bandwidth_bytes_s)
-    listener = PeerListener(store, secret.encode(), host=settings.peer_host, port=settings.peer_port)
+    listener = PeerListener(store, secret.encode(), host=settings.peer_host, port=settings.peer_port,
+                            nice=settings.persist_nice)
     advertised = settings.peer_advertise or (
         f"{socket.getfqdn() if settings.peer_host in ('0.0.0.0', '::') else settings.peer_host}:{listener.port}")
     if settings.host_index is not None and settings.this_host() is None:

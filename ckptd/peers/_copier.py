@@ -16,7 +16,6 @@ keep its part of (``discover``) and brings those back the same way.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -27,7 +26,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ckptd.peers._directory import PeerDirectory, holders_of
-from ckptd.peers._protocol import PeerError, RateLimit, connect, header_int
+from ckptd.peers._protocol import PeerError, RateLimit, connect, header_int, lower_this_thread
 from ckptd.peers._server import MAX_JOBS_LISTED, MAX_PART_BYTES
 from ckptd.peers._store import PartStore
 from trainer_client.core._errors import UnsafePathError
@@ -106,9 +105,7 @@ class PeerCopier:
 
     def _loop(self, work: object, lowered: bool) -> None:
         if lowered:
-            with contextlib.suppress(OSError):  # Linux: a thread's own priority
-                tid = threading.get_native_id()
-                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self.options.nice)
+            lower_this_thread(self.options.nice)
         while not self._stop.is_set():
             try:
                 work()  # type: ignore[operator]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptd.config import MAX_HOSTS
-from ckptd.peers._protocol import Channel, PeerError, RateLimit, header_int, listener_handshake
+from ckptd.peers._protocol import Channel, PeerError, RateLimit, header_int, listener_handshake, lower_this_thread
 from ckptd.peers._store import PartStore, check_job
 from trainer_client.core.format._snapshot import MAX_META_BYTES
 
@@ -51,8 +51,9 @@ class PeerListener:
     """Accepts peer connections on ``host:port`` (port 0: any free one; ``address`` says which)."""
 
     def __init__(self, store: PartStore, secret: bytes, *, host: str, port: int, max_connections: int = 8,
-                 timeout_s: float = 30.0) -> None:
+                 timeout_s: float = 30.0, nice: int = 0) -> None:
         self.store = store
+        self.nice = nice  # a copy received (put) runs this many nice steps lower: the host's trainer comes first
         self.secret = secret
         self.timeout_s = timeout_s
         self.stats = ListenerStats()
@@ -137,6 +138,7 @@ class PeerListener:
         if reason is not None:
             raise PeerError(reason)
         chan.send_header({"ok": True, "have": False})
+        lower_this_thread(self.nice)  # receiving and checking a copy is background work (a get is not: a restore)
         self.store.receive(chan, job, origin=origin, count=count, step=step, meta_bytes=meta_bytes,
                            data_bytes=data_bytes, own=False)
         self.stats.received += 1
