@@ -245,9 +245,14 @@ def test_every_variable_reference_is_defined_before_use() -> None:
 
 def test_ckptd_is_deploy_k8s_sidecar_plus_the_memory_tier() -> None:
     """The same image, settings, token, probes and hardening as the multi-controller sidecar; only the memory
-    tier's variable and volume and a larger budget (it persists the whole model) differ."""
+    tier's variable and volume and a larger budget (it persists the whole model) differ, and the head has no
+    peer channel (one controller: a lost slice is restored from the replica tier, docs/multihost.md section 10
+    is for multi-controller hosts)."""
     js = jobset()
     head, ckptd, sidecar = pod(js, HEAD), container(pod(js, HEAD), CKPTD), k8s_sidecar()
+    peer_port = _only(sidecar["ports"], "ckptd-peer")
+    sidecar = {**sidecar, "ports": [p for p in sidecar["ports"] if p is not peer_port],
+               "volumeMounts": [m for m in sidecar["volumeMounts"] if m["name"] != "ckptd-peer-secret"]}
     for key in set(sidecar) | set(ckptd):
         if key not in ("env", "resources", "volumeMounts"):
             assert ckptd.get(key) == sidecar.get(key), key
@@ -255,6 +260,9 @@ def test_ckptd_is_deploy_k8s_sidecar_plus_the_memory_tier() -> None:
     assert mounts(ckptd).items() >= mounts(sidecar).items()
     k8s_pod = _pod_spec(_one("JobSet"))
     for volume in k8s_pod["volumes"]:
+        if volume["name"] == "ckptd-peer-secret":
+            assert not any(v["name"] == volume["name"] for v in head["volumes"])
+            continue
         if volume["name"] == "shm":  # the memory tier on both, sized apart: there a host's part, here the whole state
             assert _only(head["volumes"], "shm")["emptyDir"]["medium"] == volume["emptyDir"]["medium"] == "Memory"
             continue
