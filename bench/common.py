@@ -23,6 +23,8 @@ from typing import Any, Literal
 SCHEMA = "ckptd-bench/1"
 
 
+MAX_KEPT_SAMPLES = 1000  # results.json keeps raw samples up to this many per measurement
+
 @dataclass(frozen=True)
 class Profile:
     """How big and how often. ``full`` is what ``make bench`` runs; ``quick`` (BENCH_QUICK=1) measures every
@@ -171,8 +173,12 @@ class Results:
             self.on_progress()
 
     def measure(self, name: str, samples: Sequence[float], unit: str, what: str = "") -> dict[str, Any]:
-        """Record a component measurement (raw samples and their spread) and print it."""
+        """Record a component measurement (raw samples and their spread) and print it; more than
+        ``MAX_KEPT_SAMPLES`` samples (a loop's step times) are summarised, not kept."""
         entry = {"unit": unit, "what": what, **summary(samples)}
+        if len(samples) > MAX_KEPT_SAMPLES:
+            entry.pop("samples", None)
+            entry["what"] = f"{what} (samples left out: {len(samples)})"
         self.measurements[name] = entry
         print(f"  {name:<52} median {_fmt(entry['median'])} {unit}  [{_fmt(entry['min'])} .. {_fmt(entry['max'])}]"
               f"  n={entry['n']}", flush=True)

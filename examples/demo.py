@@ -77,7 +77,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_ckptd(root: Path, state_dir: Path, shm_dir: Path, port: int, log: Path,
+def start_ckptd(root: Path | str, state_dir: Path, shm_dir: Path, port: int, log: Path,
                 extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """``ckptd serve`` in its own process, its log (and its persist worker's) in ``log``: a pipe nobody
     reads would fill up and stall it. ``extra_env``: more ckptd settings."""
