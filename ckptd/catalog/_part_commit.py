@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ckptd.catalog._job_lock import job_lock
+from ckptd.catalog._lease_records import default_holder
 from ckptd.catalog._worker_client import PersistWorker, PersistWorkerError
 from trainer_client.core._durability import sync_paths
 from trainer_client.core._errors import StorageError
@@ -92,7 +93,7 @@ class PartSaves:
         self.redo_after_s = redo_after_s  # gs://: another party's commit or cleanup is redone after this long
         self.worker = worker
         self.writes = writes
-        self.sidecar = sidecar or f"{os.uname().nodename}/{os.getpid()}"
+        self.sidecar = sidecar or default_holder()  # unique per start: a pod recreated under its name and pid 1 is not
         self.commits = 0
         self._resume_at: dict[str, int] = {}  # job -> the claim a pass out of time stopped at
         self._checked: dict[tuple[str, int, str], int] = {}  # (job, step, save) -> its records below this are good

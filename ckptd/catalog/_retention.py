@@ -143,6 +143,9 @@ def _saved_in_place(storage: Storage, d: Decision) -> bool:
     if d.state is StepState.VERIFIED or not storage.is_remote:
         return False
     job_dir, name = posixpath.split(d.path.rstrip("/"))
+    # asked of storage, not of a listing cached before a save claimed the step or landed a part (gcsfs)
+    storage.invalidate(d.path)
+    storage.invalidate(join_path(job_dir, CLAIMS_DIR))
     return storage.exists(join_path(d.path, PARTS_DIR)) or (
         name == str(d.step) and storage.exists(join_path(job_dir, CLAIMS_DIR, f"{d.step}.json")))
 

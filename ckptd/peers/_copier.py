@@ -143,6 +143,7 @@ class PeerCopier:
         return out
 
     def copy_pass(self) -> None:
+        self.discover_pass()
         for job in self.jobs():
             parts = self.own_parts(job)
             if not parts:
@@ -211,11 +212,15 @@ class PeerCopier:
         _log.info("peer copy of %s step %s (%d bytes) held by host %d (%.2f s)", job, meta.step, meta.nbytes,
                   holder, time.monotonic() - started)
 
-    def fetch_pass(self) -> None:
+    def discover_pass(self) -> None:
+        """On the copier's thread, never the fetcher's: a holder slow to answer must not hold up the answer to
+        a trainer's fetch."""
         if self.options.refill and self.options.host is not None and time.monotonic() >= self._discover[0]:
             wait = self._discover[1]
             self._discover = (time.monotonic() + wait, min(DISCOVER_MAX_S, wait * 2))
             self.discover(*self.options.host)
+
+    def fetch_pass(self) -> None:
         for job in sorted(set(self.jobs()) | set(self._known)):  # a wiped job's directory may be gone too
             for request in pending_fetches(self.store.shm_dir, job):
                 error = ""
@@ -224,6 +229,7 @@ class PeerCopier:
                                count=request["count"], save_id=request["save_id"])
                     self.stats.fetched += 1
                 except (PeerError, OSError, ValueError) as exc:
+                    self.directory.forget(job, request["source"])  # its address is read again next time
                     error = f"from host {request['source']}: {exc}"
                     self.stats.fetch_failures += 1
                     self.stats.failed(f"fetch of {job} step {request['step']} {error}")
@@ -290,6 +296,7 @@ class PeerCopier:
                 self.stats.fetched += 1
                 return path
             except (PeerError, OSError, ValueError, TypeError) as exc:
+                self.directory.forget(job, holder)
                 self.stats.fetch_failures += 1
                 self.stats.failed(f"refill of {job} from host {holder}: {exc}")
                 _log.warning("bringing %s's part back from host %d failed: %s", job, holder, exc)

@@ -7,8 +7,9 @@ hosts: 4, the same position on the next slice), unless ``CKPTD_PEER_MAP`` names 
 
 Addresses: named in ``CKPTD_PEERS`` (``0=host-0.job:7480,1=...``: JobSet's stable pod names), else each sidecar
 registers its own under the job on the storage root (``<root>/<job>/.ckptd/peers/process_<k>.json``) once it
-sees that host's first part, and reads the others' there (cached for a few seconds; each read goes to storage,
-never to a listing of the prefix the process's file system cached before a host registered or moved). What it
+sees that host's first part, and reads the others' there (cached for 30 s, read again at once when it does
+not answer; each read goes to storage, never to a listing of the prefix the process's file system cached before
+a host registered or moved). What it
 reads there is checked like anything from the wire: a bounded JSON file holding one ``host:port``.
 """
 
@@ -25,7 +26,7 @@ from trainer_client.core._storage import Storage
 _log = logging.getLogger(__name__)
 _ADDRESS = re.compile(r"^[A-Za-z0-9.\-\[\]:]{1,253}:[0-9]{1,5}$")
 MAX_RECORD_BYTES = 4096
-CACHE_S = 5.0
+CACHE_S = 30.0  # an address read from the root is kept this long; one that does not answer is read again at once
 
 
 def parse_peers(text: str) -> dict[int, str]:

@@ -32,14 +32,31 @@ from ckptd.catalog._retention import RetentionPolicy, clean_abandoned_parts, col
 from ckptd.catalog._worker_client import InProcessWorker
 from tests.server.catalog.test_fencing import _interpose, _meta
 from tests.server.catalog.test_forged_parts import Recorder
-from tests.support.fenced_saves import JOB, STEP, committed_whole, finalizing_worker, land_part, lay_save, part_record
+from tests.support.fenced_saves import (
+    JOB,
+    STEP,
+    committed_whole,
+    data_file,
+    finalizing_worker,
+    land_part,
+    lay_save,
+    part_record,
+)
 from tests.support.gcs_emulator import GcsEmulator
 from trainer_client.core._errors import StorageError
 from trainer_client.core._storage import Storage, join_path
 from trainer_client.core.format._fates import decide_fate, fate_path, read_fate, read_fate_record
 from trainer_client.core.format._files import COMMIT_MARKER
 from trainer_client.core.format._manifest import crc32c_of, file_entry, read_manifest
-from trainer_client.core.format._parts import make_claim, read_claim, read_part, record_path, take_over_claim
+from trainer_client.core.format._parts import (
+    Claim,
+    claim_path,
+    make_claim,
+    read_claim,
+    read_part,
+    record_path,
+    take_over_claim,
+)
 from trainer_client.core.format._step_files import list_files
 from trainer_client.core.format._steps import inspect_step
 from trainer_client.core.protocol import CheckpointInfo, StepState
@@ -287,3 +304,37 @@ def test_a_fate_is_carried_out_by_its_decider_and_by_another_only_once_old_enoug
     assert not decide_fate(storage, JOB, STEP, DEAD, "commit", "new-leader", redo_after_s=60.0)  # it may be paused
     assert decide_fate(storage, JOB, STEP, DEAD, "commit", "new-leader", redo_after_s=0.0)  # old enough
     assert not decide_fate(storage, JOB, STEP, DEAD, "retire", "old-leader", redo_after_s=0.0)  # decided otherwise
+
+
+def test_retention_asks_storage_not_a_listing_it_cached_whether_a_save_now_writes_in_place(
+        storage: Storage, gcs_emulator: GcsEmulator) -> None:
+    """The old leader decided to delete ``<job>/7`` (abandoned: a stray file, no claim) and its file system
+    listed the step and the claims before a restarted incarnation claimed step 7 and landed a part in place
+    (another client). Its retention must see the claim and the part: gcsfs would answer ``exists`` from the
+    listings it kept."""
+    assert storage.create_new(storage.join(JOB, str(STEP), "stray"), b"left by a dead save")
+    [decision] = decide([_step_info(storage, STEP)], RetentionPolicy())
+    assert decision.action == "delete"
+    old = Storage(storage.url)
+    old.list_dir(old.join(JOB, str(STEP)))
+    old.list_dir(old.join(JOB))
+    other = gcs_emulator.other_writer()  # the restarted incarnation's sidecar: another process
+    claim = Claim(save_id=LIVE, process_count=2, created_at=time.time())
+    other.pipe(claim_path(storage, JOB, STEP), claim.model_dump_json().encode())
+    other.pipe(data_file(storage, LIVE, 0), b"part 0 of the restarted save")
+    other.pipe(record_path(storage.join(JOB, str(STEP)), 0), part_record(LIVE, 0))
+    collect(old, [decision], job=JOB, writes=lambda _job: True)
+    storage.invalidate()
+    assert read_claim(storage, JOB, STEP) is not None
+    assert storage.exists(record_path(storage.join(JOB, str(STEP)), 0)), "the new save's part was deleted"
+
+
+def test_a_sidecar_started_again_under_the_same_host_name_and_pid_is_another_party(storage: Storage) -> None:
+    """A recreated pod keeps its host name and its entrypoint's pid (1): its sidecar must not count as the decider
+    of a fate its predecessor recorded, or it would redo a commit or cleanup at once beside a paused one."""
+    first, again = (PartSaves(storage, Recorder()) for _ in range(2))
+    assert first.sidecar != again.sidecar
+    assert first.sidecar.split("/")[:2] == again.sidecar.split("/")[:2]  # the same host and pid
+    assert decide_fate(storage, JOB, STEP, DEAD, "retire", first.sidecar, redo_after_s=3600.0)
+    assert decide_fate(storage, JOB, STEP, DEAD, "retire", first.sidecar, redo_after_s=3600.0)  # its decider
+    assert not decide_fate(storage, JOB, STEP, DEAD, "retire", again.sidecar, redo_after_s=3600.0)  # waits
