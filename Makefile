@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 PYTHON ?= python3
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export JAX_PLATFORMS ?= cpu
+# Bytecode is cached (__pycache__/, ignored by git) even where the environment says not to: the suite starts
+# hundreds of Python processes, each of which would otherwise compile the project's modules again (~0.3 s)
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: venv venv-run demo test test-all lint typecheck check clean bench chaos soak
 

@@ -156,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         compilation=CompilationOptions(compilation_cache_dir=str(out / "jax-cache")),
         memory_tier=MemoryTierOptions(shm_dir=None if args.no_memory_tier else str(shm_dir),
                                       memory_period=None if args.no_memory_tier else 5, max_snapshots=8,
-                                      replicas=ReplicaOptions(enabled=not args.no_replicas)),  # every step
+                                      # every step; the loop waits for a copy still in flight (the demo's
+                                      # state is small): every step is held, a slice loss costs at most one
+                                      # step however busy the machine (the default skips a busy snapshot)
+                                      replicas=ReplicaOptions(enabled=not args.no_replicas, when_busy="wait")),
     )
     in_jax = args.fault == "in-jax"
     slices = SimulatedSlices(num_slices=4, faults=[] if in_jax else [SliceFault(2, args.fail_at, args.down_for)])
