@@ -105,7 +105,7 @@ class PeerListener:
             elif op == "jobs":  # a sidecar on a new node, its memory empty, asks what to bring back
                 count = header_int(request, "count", 2, MAX_HOSTS)
                 origin = header_int(request, "origin", 0, count - 1)
-                chan.send_header({"ok": True, "jobs": self.store.jobs_holding(origin, MAX_JOBS_LISTED)})
+                chan.send_header({"ok": True, "jobs": self.store.jobs_holding(origin, count, MAX_JOBS_LISTED)})
             else:
                 raise PeerError(f"no such operation: {str(op)[:40]!r}")
         except (PeerError, OSError, ValueError) as exc:

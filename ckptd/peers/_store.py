@@ -142,13 +142,29 @@ class PartStore:
                         read_private(path / SNAPSHOT_META_FILE, max_bytes=MAX_META_BYTES)).save_id])
         return out
 
-    def jobs_holding(self, origin: int, limit: int) -> list[str]:
-        """The jobs (at most ``limit``, by name) of which this host holds copies of ``origin``'s parts."""
+    def jobs_holding(self, origin: int, count: int, limit: int) -> list[str]:
+        """The jobs (at most ``limit``, by name) of which this host holds an intact copy of ``origin``'s part of
+        a ``count``-host save: a job that ran on another number of hosts is not the asker's."""
         try:
             jobs = sorted(p.name for p in self.shm_dir.iterdir() if is_valid_job_name(p.name) and is_real_dir(p))
         except OSError:
             return []
-        return [job for job in jobs if self.copies(job, origin)][:limit]
+        found: list[str] = []
+        for job in jobs:
+            if len(found) >= limit:
+                break
+            if any(self._hosts_of(path) == count for path in reversed(self.copies(job, origin))):
+                found.append(job)
+        return found
+
+    @staticmethod
+    def _hosts_of(path: Path) -> int | None:
+        """The host count of the save whose part is at ``path`` (None when it cannot be read whole)."""
+        with contextlib.suppress(OSError, ValueError):
+            if not problems(path):
+                raw = read_private(path / SNAPSHOT_META_FILE, max_bytes=MAX_META_BYTES)
+                return SnapshotMeta.model_validate_json(raw).process_count
+        return None
 
     def open_part(self, path: Path) -> tuple[bytes, SnapshotMeta, BinaryIO]:
         """``(snapshot.json bytes, its metadata, data.bin opened)`` of the part at ``path``, read by this

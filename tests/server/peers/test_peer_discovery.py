@@ -5,6 +5,7 @@ and brings the part back at once, with no trainer asking (docs/multihost.md, "Pe
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -13,10 +14,12 @@ from pydantic import ValidationError
 
 from ckptd.config import Settings
 from ckptd.peers import PeerService, build_peers
+from ckptd.peers._store import PartStore
 from tests.server.peers.conftest import JOB, settings
 from tests.support.helpers import wait_until
 from tests.support.peer_parts import write_part
 from trainer_client.core.format._peer_copies import brought_from, copies_dir
+from trainer_client.core.format._private_files import ensure_private_dir
 from trainer_client.core.format._snapshot import problems
 
 
@@ -100,3 +103,20 @@ def test_the_host_index_settings_are_checked(monkeypatch: pytest.MonkeyPatch) ->
     assert Settings(peers=peers).this_host() is None
     with pytest.raises(ValidationError, match="not below the host count 3"):
         Settings(host_index=3, peers=peers)
+
+
+def test_a_holder_names_only_the_jobs_of_as_many_hosts_as_the_asker(tmp_path: Path) -> None:
+    """A new node's ``jobs`` question says its host count: copies of a job that ran on another number of hosts
+    (an ended job's, a differently sized one's) are not brought back to it."""
+    shm = ensure_private_dir(tmp_path / "shm")
+    for job, count in (("two-hosts", 2), ("four-hosts", 4), ("also-two", 2)):
+        part = write_part(tmp_path / "made", job, 5, index=0, count=count)
+        ensure_private_dir(shm / job)
+        os.rename(part, ensure_private_dir(copies_dir(shm, job, 0)) / "5")
+    store = PartStore(shm)
+    assert store.jobs_holding(0, 2, 256) == ["also-two", "two-hosts"]
+    assert store.jobs_holding(0, 4, 256) == ["four-hosts"]
+    assert store.jobs_holding(0, 3, 256) == [] and store.jobs_holding(1, 2, 256) == []
+    assert store.jobs_holding(0, 2, 1) == ["also-two"]
+    (copies_dir(shm, "two-hosts", 0) / "5" / "data.bin").write_bytes(b"cut short")
+    assert store.jobs_holding(0, 2, 256) == ["also-two"]  # a copy not intact names no job
