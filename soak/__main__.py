@@ -1,5 +1,6 @@
 """``python -m soak`` (``make soak``): the recovery soak. ``SOAK_TRIALS`` (default 100) trials, ``SOAK_SEED``
-(default 0; ``random`` draws one) replays a soak; prints the tables of docs/operations.md and writes
+(default 0; ``random`` draws one) replays a soak, ``SOAK_PHASES`` (``--phases``; default every phase) names the
+phases its trials draw from; prints the tables of docs/operations.md and writes
 ``soak-output/results.json`` in the current directory (untracked); ``SOAK_PUBLISH=1`` (``--publish``) writes the
 tracked ``soak/results.json`` instead. Exit status 0 only when every trial recovered and the process's samples
 stayed flat, both as the library left the process and after the harness cleared JAX's caches.
@@ -32,17 +33,17 @@ OUTPUT = Path("soak-output") / "results.json"  # a run's results unless it publi
 RSS_TOLERANCE_MIB = 64.0
 
 
-def phase_order(trials: int, rng: random.Random) -> list[str]:
-    """Every phase once per round of len(PHASES) trials, in a random order each round."""
+def phase_order(trials: int, rng: random.Random, phases: tuple[str, ...] = PHASES) -> list[str]:
+    """Every phase of ``phases`` once per round of that many trials, in a random order each round."""
     order: list[str] = []
     while len(order) < trials:
-        block = list(PHASES)
+        block = list(phases)
         rng.shuffle(block)
         order += block
     return order[:trials]
 
 
-def run_soak(trials: int, seed: int, workdir: Path, *, sample_every: int = 10,
+def run_soak(trials: int, seed: int, workdir: Path, *, sample_every: int = 10, phases: tuple[str, ...] = PHASES,
              progress: Callable[[Trial], None] | None = None) -> dict[str, Any]:
     """Run the soak in this process; the results (``soak.report.summarize``) with ``grew``: what was not flat."""
     rng = random.Random(seed)
@@ -50,7 +51,7 @@ def run_soak(trials: int, seed: int, workdir: Path, *, sample_every: int = 10,
     done: list[Trial] = []
     with Soak(workdir) as soak:
         soak.make_reference()
-        for index, phase in enumerate(phase_order(trials, rng), start=1):
+        for index, phase in enumerate(phase_order(trials, rng, phases), start=1):
             trial = run_trial(soak, index, phase, random.Random(rng.randrange(2**32)))
             done.append(trial)
             if progress is not None:
@@ -69,12 +70,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--publish", action="store_true", default=os.environ.get("SOAK_PUBLISH") == "1",
                         help="write the tracked soak/results.json (SOAK_PUBLISH=1)")
     parser.add_argument("--sample-every", type=int, default=10, help="sample the process every N trials")
+    parser.add_argument("--phases", default=os.environ.get("SOAK_PHASES", ""),
+                        help=f"comma-separated phases the trials draw from (SOAK_PHASES; default: {','.join(PHASES)})")
     args = parser.parse_args(argv)
+    phases = tuple(p.strip() for p in args.phases.split(",") if p.strip()) or PHASES
+    unknown = sorted(set(phases) - set(PHASES))
+    if unknown:
+        parser.error(f"no such phase(s): {', '.join(unknown)} (the phases: {', '.join(PHASES)})")
     out: Path = args.out or (PUBLISHED if args.publish else OUTPUT)
     trials = int(os.environ.get("SOAK_TRIALS", "100"))
     seed_text = os.environ.get("SOAK_SEED", "0")
     seed = random.SystemRandom().randrange(2**32) if seed_text == "random" else int(seed_text)
-    print(f"soak: {trials} trials, seed {seed} (replay with SOAK_SEED={seed}), pid {os.getpid()}", flush=True)
+    print(f"soak: {trials} trials, seed {seed} (replay with SOAK_SEED={seed}), pid {os.getpid()}"
+          + ("" if phases == PHASES else f", phases {','.join(phases)}"), flush=True)
 
     def show(trial: Trial) -> None:
         status = "ok" if trial.ok else "FAILED: " + "; ".join(p.splitlines()[0] for p in trial.problems)
@@ -82,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
 
     with tempfile.TemporaryDirectory(prefix="ckptd-soak-") as tmp:
-        results = run_soak(trials, seed, Path(tmp), sample_every=args.sample_every, progress=show)
+        results = run_soak(trials, seed, Path(tmp), sample_every=args.sample_every, phases=phases,
+                           progress=show)
     write(results, out)
     print()
     print(markdown(results))
