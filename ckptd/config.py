@@ -13,6 +13,8 @@ from pathlib import Path
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ckptd._peer_lists import hosts_named, parse_map, parse_peers
+
 from trainer_client.core import protocol as p
 
 # The value deploy/k8s/secret.example.yaml shows; a token starting like it was copied, not generated.
@@ -284,6 +286,7 @@ class Settings(BaseSettings):
         if self.peer_port is not None and (self.peer_secret is None or len(self.peer_secret) < 16):
             raise ValueError("CKPTD_PEER_PORT needs CKPTD_PEER_SECRET (or _FILE) of at least 16 characters, the same "
                              "on every host of the job (e.g. `openssl rand -hex 32`)")
+        parse_peers(self.peers), parse_map(self.peer_map)  # ValueError naming the item that is malformed
         if self.slice_index is not None and self.host_index is not None:
             if self.hosts_per_slice is None:
                 raise ValueError("CKPTD_SLICE_INDEX needs CKPTD_HOSTS_PER_SLICE (the host index is then the index "
@@ -291,7 +294,7 @@ class Settings(BaseSettings):
             if self.host_index >= self.hosts_per_slice:
                 raise ValueError(f"the host index {self.host_index} (CKPTD_HOST_INDEX or JOB_COMPLETION_INDEX, within "
                                  f"slice {self.slice_index}) is not below CKPTD_HOSTS_PER_SLICE {self.hosts_per_slice}")
-        count, index = self.host_count or self._hosts_named(), self.global_host_index()
+        count, index = self.host_count or hosts_named(self.peers), self.global_host_index()
         if index is not None and count is not None and index >= count:
             raise ValueError(f"the host index {index} (CKPTD_HOST_INDEX or JOB_COMPLETION_INDEX, with "
                              "CKPTD_SLICE_INDEX x CKPTD_HOSTS_PER_SLICE when set) is not below the host count "
@@ -301,18 +304,11 @@ class Settings(BaseSettings):
             raise ValueError(f"CKPTD_READ_ONLY_JOBS names invalid job names: {bad}")
         return self
 
-    def _hosts_named(self) -> int | None:
-        """N when ``peers`` names hosts 0..N-1 (else None; the peer channel checks its addresses)."""
-        names = [item.partition("=")[0].strip() for item in self.peers.split(",") if item.strip()]
-        if not names or not all(name.isdigit() for name in names):
-            return None
-        return len(names) if {int(name) for name in names} == set(range(len(names))) else None
-
     def this_host(self) -> tuple[int, int] | None:
         """``(this host's index, the hosts)`` when both are known: the index from ``CKPTD_HOST_INDEX`` (else
         ``JOB_COMPLETION_INDEX``; within its slice with ``CKPTD_SLICE_INDEX``), the count from ``CKPTD_HOST_COUNT``
         (else the hosts ``CKPTD_PEERS`` names)."""
-        count, index = self.host_count or self._hosts_named(), self.global_host_index()
+        count, index = self.host_count or hosts_named(self.peers), self.global_host_index()
         return None if index is None or count is None else (index, count)
 
     def global_host_index(self) -> int | None:

@@ -18,38 +18,14 @@ from __future__ import annotations
 import json
 import logging
 import posixpath
-import re
 import time
 
+from ckptd._peer_lists import ADDRESS, parse_map, parse_peers
 from trainer_client.core._storage import Storage
 
 _log = logging.getLogger(__name__)
-_ADDRESS = re.compile(r"^[A-Za-z0-9.\-\[\]:]{1,253}:[0-9]{1,5}$")
 MAX_RECORD_BYTES = 4096
 CACHE_S = 30.0  # an address read from the root is kept this long; one that does not answer is read again at once
-
-
-def parse_peers(text: str) -> dict[int, str]:
-    """``CKPTD_PEERS`` (``0=host:port,1=host:port``) as ``{index: address}``; ``ValueError`` when malformed."""
-    out: dict[int, str] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        index, sep, address = item.partition("=")
-        if not sep or not index.strip().isdigit() or not _ADDRESS.match(address.strip()):
-            raise ValueError(f"CKPTD_PEERS: {item!r} is not INDEX=HOST:PORT")
-        out[int(index)] = address.strip()
-    return out
-
-
-def parse_map(text: str) -> dict[int, list[int]]:
-    """``CKPTD_PEER_MAP`` (``0:2,1:3`` or ``0:2+3``) as ``{origin: [holders]}``; ``ValueError`` when malformed."""
-    out: dict[int, list[int]] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        origin, sep, holders = item.partition(":")
-        targets = holders.split("+")
-        if not sep or not origin.strip().isdigit() or not all(t.strip().isdigit() for t in targets):
-            raise ValueError(f"CKPTD_PEER_MAP: {item!r} is not ORIGIN:HOLDER[+HOLDER...]")
-        out[int(origin)] = [int(t) for t in targets]
-    return out
 
 
 def holders_of(origin: int, count: int, k: int, stride: int, explicit: dict[int, list[int]] | None = None) -> list[int]:
@@ -109,7 +85,7 @@ class PeerDirectory:
         try:
             record = json.loads(self.storage.read_bytes(path, max_bytes=MAX_RECORD_BYTES))
             found = record.get("address") if isinstance(record, dict) else None
-            address = found if isinstance(found, str) and _ADDRESS.match(found) else None
+            address = found if isinstance(found, str) and ADDRESS.match(found) else None
         except FileNotFoundError:
             pass
         except (OSError, ValueError) as exc:

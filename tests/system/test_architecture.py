@@ -53,7 +53,7 @@ PARTS: dict[str, tuple[str, ...]] = {
 EXACT: dict[str, tuple[str, ...]] = {
     "trainer_client": ("trainer_client", "trainer_client.config", "trainer_client.errors"),  # the public surface
     "ckptd": ("ckptd", "ckptd.config", "ckptd.errors", "ckptd._metrics", "ckptd._process_metrics",
-              "ckptd._event_stats"),  # shared by every part of the sidecar, below all of them
+              "ckptd._event_stats", "ckptd._peer_lists"),  # shared by every part of the sidecar, below all of them
     "ckptd._sidecar": ("ckptd._sidecar",),  # the composition root
     "ckptd.cli": ("ckptd.__main__",),  # python -m ckptd
     "ckptd.persist_worker": (PERSIST_WORKER,),  # the child process (jax on the CPU)

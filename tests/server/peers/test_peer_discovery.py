@@ -103,6 +103,12 @@ def test_the_host_index_settings_are_checked(monkeypatch: pytest.MonkeyPatch) ->
     assert Settings(peers=peers).this_host() is None
     with pytest.raises(ValidationError, match="not below the host count 3"):
         Settings(host_index=3, peers=peers)
+    # a malformed list is refused at startup, naming the item (not at the peer channel's start)
+    for field, value, message in (("peers", "0=a:1,b:2", r"CKPTD_PEERS: 'b:2' is not INDEX=HOST:PORT"),
+                                  ("peers", "0=a b:1", "CKPTD_PEERS"),
+                                  ("peer_map", "0:1,1:x", r"CKPTD_PEER_MAP: '1:x' is not ORIGIN:HOLDER")):
+        with pytest.raises(ValidationError, match=message):
+            Settings(**{field: value})
 
 
 def test_a_holder_names_only_the_jobs_of_as_many_hosts_as_the_asker(tmp_path: Path) -> None:
