@@ -40,8 +40,8 @@ demo: venv-run
 bench: venv
 	$(PY) -m bench.run
 
-# Two workers by default: run serially the suite kept about one core busy (15.6 min on 2 idle cores); on two
-# workers 7.5 min. TEST_WORKERS=0 runs it in one process. Each test file stays on one worker (its module
+# Two workers by default (the suite keeps ~1.7 of 2 cores busy: ~14.5 min on this 2-core VM, 2026-12-03; three
+# workers gained 3%). TEST_WORKERS=0 runs it in one process. Each test file stays on one worker (its module
 # fixtures run once).
 TEST_WORKERS ?= 2
 test: venv

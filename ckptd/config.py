@@ -14,7 +14,6 @@ from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ckptd._peer_lists import hosts_named, parse_map, parse_peers
-
 from trainer_client.core import protocol as p
 
 # The value deploy/k8s/secret.example.yaml shows; a token starting like it was copied, not generated.
