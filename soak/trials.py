@@ -14,7 +14,7 @@ Phases (``PHASES``), each with a random slice, step and down time from the trial
 - ``slice_returns`` (``resize``): the lost slice returns mid-recovery; the run shrinks, then grows back;
 - ``ckptd_restart``: ckptd SIGKILLed when the failure is detected and restarted in the background;
 - ``replica_copy``: a slice lost during the replica tier's copy into pinned host memory: inside the dispatch
-  (the n-th ``device_put`` of ``copy_to_host``) or while the tier's worker waits for the copy; the copy is
+  (the one ``device_put`` of ``copy_to_host``) or while the tier's worker waits for the copy; the copy is
   dropped and the run restores from the replicas of the step held before (or a newer step in memory);
 - ``two_slices`` (mesh 2 x 4: two replicas, each on two slices): two slices lost at once, one of each replica
   (no whole replica left: the restore falls back to the shared-memory tier or storage) or both of one replica
@@ -92,7 +92,7 @@ class _Scenario:
         self.held_at_plan: list[int | None] = []  # the step the replica tier held when each plan came
         if self.phase == "replica_copy":
             trial.variant = rng.choice(["dispatch", "wait"])
-            self.nth = rng.randint(1, 13)  # the state's 13 arrays: one device_put each, every slice involved
+            self.nth = 1  # the state's arrays go to the host in one device_put (copy_to_host), every slice involved
         elif self.phase == "two_slices":
             trial.variant = rng.choice(["across_replicas", "one_replica"])
             if trial.variant == "across_replicas":  # replica r lives on slices 2r and 2r + 1
@@ -142,7 +142,7 @@ class _Scenario:
         injector = self.soak.injector
         if self.phase == "replica_copy" and step == self.at and not self.armed_first:
             self.armed_first = True
-            if self.trial.variant == "dispatch":  # the next snapshot's dispatch, at its nth transfer
+            if self.trial.variant == "dispatch":  # the next snapshot's dispatch
                 injector.fail_during("to_device", self.lost, nth=self.nth, down_for_s=self.down,
                                      inside="copy_to_host")
             else:  # the tier's worker waiting for a copy

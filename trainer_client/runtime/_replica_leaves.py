@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,14 +85,18 @@ def _ids(sharding: Sharding) -> frozenset[int]:
     return frozenset(int(d.id) for d in devices)
 
 
-def copy_to_host(name: str, x: jax.Array, axis: ReplicaAxis) -> HeldArray:
-    """Dispatch the copy of ``x`` into pinned host memory on its sharding, split into replicas (asynchronous:
-    the copy completes in the background; ``jax.block_until_ready`` on the replicas waits for it). The copy
-    is a new buffer: a later step that donates ``x`` does not touch it."""
-    key_dtype = x.dtype if is_key(x) else None
-    data = jax.random.key_data(x) if key_dtype is not None else x
-    return hold_pinned(name, jax.device_put(data, data.sharding.with_memory_kind(PINNED), may_alias=False), axis,
-                       key_dtype)
+def copy_to_host(named: Sequence[tuple[str, jax.Array]], axis: ReplicaAxis) -> list[HeldArray]:
+    """Dispatch the copy of each array into pinned host memory on its sharding, split into replicas
+    (asynchronous: the copies complete in the background; ``jax.block_until_ready`` on the replicas waits for
+    them). One ``jax.device_put`` for all of them: dispatched leaf by leaf, 13 arrays on 8 CPU devices took
+    3.3 ms of the training thread, together 1.7 ms. Each copy is a new buffer: a later step that donates an
+    array does not touch it."""
+    if not named:
+        return []
+    key_dtypes = [x.dtype if is_key(x) else None for _, x in named]
+    data = [jax.random.key_data(x) if key is not None else x for (_, x), key in zip(named, key_dtypes, strict=True)]
+    pinned = jax.device_put(data, [d.sharding.with_memory_kind(PINNED) for d in data], may_alias=False)
+    return [hold_pinned(name, copy, axis, key) for (name, _), copy, key in zip(named, pinned, key_dtypes, strict=True)]
 
 
 def hold_pinned(name: str, pinned: jax.Array, axis: ReplicaAxis, key_dtype: Any | None = None) -> HeldArray:
@@ -206,12 +210,12 @@ def touch_copies(state: Any, axis: ReplicaAxis, copies: int) -> list[jax.Array]:
     """``copies`` throwaway copies of ``state``'s arrays in pinned host memory on their shardings, complete:
     each array copied as a snapshot copies it, each ``ShapeDtypeStruct`` as zeros."""
     out: list[jax.Array] = []
+    leaves = jax.tree_util.tree_leaves(state)
     for _ in range(copies):
-        for leaf in jax.tree_util.tree_leaves(state):
-            if isinstance(leaf, jax.Array):
-                out.extend(copy_to_host("", leaf, axis).replicas)
-            elif isinstance(leaf, jax.ShapeDtypeStruct) and (zeros := pinned_zeros(leaf)) is not None:
-                out.append(zeros)
+        out.extend(r for held in copy_to_host([("", x) for x in leaves if isinstance(x, jax.Array)], axis)
+                   for r in held.replicas)
+        out.extend(zeros for leaf in leaves
+                   if isinstance(leaf, jax.ShapeDtypeStruct) and (zeros := pinned_zeros(leaf)) is not None)
     jax.block_until_ready(out)
     return out
 

@@ -190,12 +190,10 @@ class ReplicaTier:
         leaves, treedef = jax.tree_util.tree_flatten(state)
         if self._names is None or self._names[0] != treedef:  # the leaves' names once per structure
             self._names = (treedef, [leaf_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]])
-        held: list[HeldArray | _Value] = []
-        for name, leaf in zip(self._names[1], leaves, strict=True):
-            if isinstance(leaf, jax.Array):
-                held.append(copy_to_host(name, leaf, self.replica_axis))
-            else:
-                held.append(_Value(copy.deepcopy(leaf)))
+        named = list(zip(self._names[1], leaves, strict=True))
+        copies = iter(copy_to_host([(n, x) for n, x in named if isinstance(x, jax.Array)], self.replica_axis))
+        held: list[HeldArray | _Value] = [next(copies) if isinstance(x, jax.Array) else _Value(copy.deepcopy(x))
+                                          for _, x in named]
         nbytes = sum(leaf.nbytes for leaf in held if isinstance(leaf, HeldArray))
         return _Snapshot(step, treedef, held, data_position, copy.deepcopy(iterator_state), self._clock(), nbytes)
 
