@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 from ckptd.errors import Busy
 
@@ -22,13 +23,15 @@ _CHECK_EVERY = 256  # failures between two looks at the clock (~5 ms of simulati
 
 
 class WorkBudget:
-    """``max_failures`` simulated failures in all (None: no cap) within ``timeout_s`` (None: no deadline)."""
+    """``max_failures`` simulated failures in all (None: no cap) within ``timeout_s`` (None: no deadline) of
+    ``clock`` (seconds; the monotonic clock unless given)."""
 
     def __init__(self, max_failures: int | None = None, timeout_s: float | None = None,
-                 stop: threading.Event | None = None) -> None:
+                 stop: threading.Event | None = None, clock: Callable[[], float] | None = None) -> None:
         self.max_failures = max_failures
         self.timeout_s = timeout_s
-        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._clock = clock if clock is not None else time.monotonic
+        self.deadline = None if timeout_s is None else self._clock() + timeout_s
         self.stop = stop if stop is not None else threading.Event()
         self.failures = 0
         self.per_run: float | None = None  # failures one run may simulate (``share``); a run ends at twice that
@@ -49,7 +52,7 @@ class WorkBudget:
         """Raise ``Busy`` when told to stop or past the deadline."""
         if self.stop.is_set():
             raise Busy("the advice was abandoned (the client left or ckptd is stopping)")
-        if self.deadline is not None and time.monotonic() > self.deadline:
+        if self.deadline is not None and self._clock() > self.deadline:
             raise Busy(f"the advice took longer than {self.timeout_s:g} s; try again later, or lower "
                        "min_failures or horizon_days")
 

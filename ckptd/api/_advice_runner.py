@@ -38,8 +38,10 @@ async def _until_disconnected(request: Request) -> None:
 class AdviceRunner:
     """``await runner.run(compute, request)``: ``compute(budget)`` on one of ``workers`` threads of its own."""
 
-    def __init__(self, workers: int, *, timeout_s: float, max_failures: int) -> None:
+    def __init__(self, workers: int, *, timeout_s: float, max_failures: int,
+                 clock: Callable[[], float] | None = None) -> None:
         self.workers, self.timeout_s, self.max_failures = workers, timeout_s, max_failures
+        self.clock = clock  # what each computation's deadline is read from (None: the monotonic clock)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-advice")
         self._slots = threading.BoundedSemaphore(workers)
         self._lock = threading.Lock()
@@ -63,7 +65,7 @@ class AdviceRunner:
                 raise Busy("ckptd is stopping", retry_after_s=RETRY_AFTER_S)
             self._running.add(stop)
         try:
-            future = self._pool.submit(compute, WorkBudget(self.max_failures, self.timeout_s, stop))
+            future = self._pool.submit(compute, WorkBudget(self.max_failures, self.timeout_s, stop, self.clock))
         except BaseException:
             self._finished(stop)
             raise

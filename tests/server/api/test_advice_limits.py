@@ -75,10 +75,24 @@ def test_out_of_range_inputs_are_refused_at_once(client: TestClient, query: dict
     assert p.ErrorBody.model_validate(resp.json()).code is p.ErrorCode.INVALID_REQUEST
 
 
+class SteppingClock:
+    """A clock that moves ``step_s`` at each reading: a deadline passes after a known number of looks, however
+    fast the machine simulates (a real clock made this test fail where the simulation beat its deadline)."""
+
+    def __init__(self, step_s: float) -> None:
+        self.now, self.step_s, self.reads = 0.0, step_s, 0
+
+    def __call__(self) -> float:
+        self.now += self.step_s
+        self.reads += 1
+        return self.now
+
+
 def test_a_simulation_past_its_deadline_answers_503_with_retry_after(client: TestClient) -> None:
-    started = time.monotonic()
-    resp = _advice(client, **SLOW)  # the app's advice_timeout_s is 1 s
-    assert time.monotonic() - started < 5.0
+    clock = SteppingClock(0.6)  # the app's advice_timeout_s is 1 s: past it at the second look at the clock
+    client.app.state.services.advice.clock = clock  # type: ignore[attr-defined]
+    resp = _advice(client, **SLOW)
+    assert clock.reads == 3  # the deadline set, then two looks (every 256 simulated failures): the second past it
     assert resp.status_code == 503, resp.text
     assert p.ErrorBody.model_validate(resp.json()).code is p.ErrorCode.BUSY
     assert int(resp.headers["Retry-After"]) > 0
@@ -92,8 +106,8 @@ def test_the_budget_bounds_a_recovery_that_failures_keep_interrupting() -> None:
     advice = advise(query, budget=WorkBudget(max_failures=200_000, timeout_s=10.0))
     assert time.monotonic() - started < 10.0
     assert all(a.goodput < 0.01 for a in advice.policies)  # it never trains: the answer says so
-    with pytest.raises(Busy):
-        advise(p.AdviceQuery(**SLOW), budget=WorkBudget(timeout_s=0.2))
+    with pytest.raises(Busy):  # past its deadline at the second look, however fast the machine
+        advise(p.AdviceQuery(**SLOW), budget=WorkBudget(timeout_s=0.2, clock=SteppingClock(0.15)))
     # more than the budget: simulated on a shorter horizon, within it, quickly
     started = time.monotonic()
     shorter = advise(p.AdviceQuery(**SLOW), budget=WorkBudget(max_failures=100_000))
