@@ -74,6 +74,8 @@ class CatalogView(Protocol):
 
     def states(self, job: str) -> dict[str, StepState]: ...
 
+    def lock_troubles(self) -> list[dict[str, str | float]]: ...
+
 
 class Metrics:
     """Every metric ckptd exports, in its own registry (several apps in one process do not collide)."""
@@ -123,6 +125,10 @@ class Metrics:
                                   "CKPTD_LEASE_TTL_S), else 0", [JOB_LABEL], registry=r)
         self.lease_epoch = Gauge("ckptd_lease_epoch", "the newest lease epoch of the job this sidecar saw", [JOB_LABEL],
                                  registry=r)
+        self.lock_blocked = Gauge("ckptd_job_lock_blocked_seconds", "seconds the job's lock has not been taken: "
+                                  "refused (not a plain file at its path) or held by another process past the bound; "
+                                  "no commit, cleanup or retention runs in the job meanwhile", [JOB_LABEL, "reason"],
+                                  registry=r)
         self._history_lock = threading.Lock()
         self._loaded: set[str] = set()  # jobs whose stored history is counted
         self._live: dict[str, EventStats] = {}  # counted on arrival before the job's history was loaded
@@ -201,6 +207,9 @@ class Metrics:
             self.lease_leader.labels(name).set(1 if view.role == "leader" else 0)
             if view.epoch is not None:
                 self.lease_epoch.labels(name).set(view.epoch)
+        self.lock_blocked.clear()
+        for trouble in catalog.lock_troubles():  # a handful at most: one per job whose lock is in trouble
+            self.lock_blocked.labels(str(trouble["job"]), str(trouble["state"])).set(float(trouble["seconds"]))
         return generate_latest(self.registry)
 
 

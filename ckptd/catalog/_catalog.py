@@ -32,6 +32,7 @@ from typing import TypeVar
 
 from ckptd.catalog._integrity import each_step, from_verified_record, quarantine, settle
 from ckptd.catalog._job_admission import JobAdmission
+from ckptd.catalog._job_lock import lock_troubles
 from ckptd.catalog._layouts import Layouts
 from ckptd.catalog._lease import LeaseBoard
 from ckptd.catalog._step_table import FINAL_STATES, StepTable
@@ -145,6 +146,11 @@ class Catalog:
     def writes(self, job: str) -> bool:
         """Whether this ckptd writes ``job``'s records (any when no lease is on; else only while it leads)."""
         return self.lease is None or self.lease.leads(job)
+
+    def lock_troubles(self) -> list[dict[str, str | float]]:
+        """The jobs of this root whose lock a commit, cleanup or retention could not take: refused (not a plain
+        file), or held by another process past the bound (``ckptd/catalog/_job_lock.py``): /readyz, /metrics."""
+        return [t.as_dict() for t in lock_troubles(self.storage.root)]
 
     def _read_only_at(self, step_path: str) -> bool:
         return self.read_only_for(posixpath.basename(posixpath.dirname(step_path.rstrip("/"))))

@@ -6,29 +6,66 @@ save that one is committing: the newer leader waits for the lock, and gives up a
 next pass tries again) rather than stall behind a paused process for good. The holder checks again, under
 the lock, that it still leads before it writes or deletes anything.
 
+Fencing is never silently off: whatever stands at the lock path that is not a plain file (a symbolic link,
+wherever it leads; a directory; a FIFO), or that cannot be opened, is refused: ``job_lock`` then yields False
+(nothing is committed, cleaned or deleted in that job), logs an error naming the path once, and
+``lock_troubles`` reports it (``/readyz``, ``ckptd_job_lock_blocked_seconds`` on ``/metrics``) until a pass
+takes the lock again.
+
 On ``gs://`` only the threads of one process are excluded; there a save's fate record fences the sidecars
 (``trainer_client/core/format/_fates.py``, docs/multihost.md, section 5, "Fenced writers").
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Literal
 
 from trainer_client.core._errors import UnsafePathError
+from trainer_client.core._said_once import SaidOnce
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._files import JOB_LOCK
 
 LOCK_WAIT_S = 10.0  # how long a commit or a cleanup waits for another process holding the job's lock
 _POLL_S = 0.05
 
+_log = logging.getLogger(__name__)
 _guard = threading.Lock()
 _locks: dict[str, threading.RLock] = {}
 _files: dict[str, tuple[int, int]] = {}  # job directory -> (the flocked descriptor, how deep this thread holds it)
+_said = SaidOnce()
+
+
+@dataclass(frozen=True)
+class LockTrouble:
+    """Why a job's lock was not taken: ``refused`` (what stands at its path is no lock a writer made)."""
+
+    job: str
+    path: str
+    state: Literal["refused", "held"]
+    detail: str
+    since: float  # time.monotonic() when first seen
+
+    def as_dict(self, now: float | None = None) -> dict[str, str | float]:
+        now = time.monotonic() if now is None else now
+        return {"job": self.job, "path": self.path, "state": self.state, "detail": self.detail,
+                "seconds": round(max(0.0, now - self.since), 3)}
+
+
+_troubles: dict[str, LockTrouble] = {}  # lock path -> its trouble now
+
+
+class _Refused(Exception):
+    """What stands at the lock path is refused (the message says what and why)."""
 
 
 def _thread_lock(key: str) -> threading.RLock:
@@ -36,10 +73,33 @@ def _thread_lock(key: str) -> threading.RLock:
         return _locks.setdefault(key, threading.RLock())
 
 
+def _refusal(path: str, exc: OSError) -> str:
+    """What an ``OSError`` opening the lock says about what stands at ``path``."""
+    if exc.errno == errno.ELOOP or os.path.islink(path):
+        return f"a symbolic link (to {os.readlink(path) if os.path.islink(path) else '?'})"
+    if exc.errno == errno.EISDIR or os.path.isdir(path):
+        return "a directory"
+    return f"not openable ({exc.strerror or exc})"
+
+
+def _open(path: str) -> int:
+    """A descriptor of the plain file at ``path`` (created if absent); ``_Refused`` for anything else."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY,
+                     0o600)
+    except OSError as exc:
+        raise _Refused(_refusal(path, exc)) from exc
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise _Refused(f"not a plain file (mode {stat.filemode(info.st_mode)})")
+    return fd
+
+
 def _flock(path: str, wait_s: float) -> int | None:
     """A descriptor of ``path`` holding its exclusive ``flock``, or None when another holder kept it ``wait_s``."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    fd = _open(path)
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -52,11 +112,41 @@ def _flock(path: str, wait_s: float) -> int | None:
             time.sleep(_POLL_S)
 
 
+def _refuse(job: str, path: str, what: str) -> None:
+    detail = (f"{path} is {what}, not the job's lock file: ckptd takes no lock through it, so it commits, cleans "
+              f"and deletes nothing in job {job!r} until it is removed (docs/multihost.md, section 5)")
+    with _guard:
+        known = _troubles.get(path)
+        if known is None or known.state != "refused" or known.detail != detail:
+            _troubles[path] = LockTrouble(job, path, "refused", detail, time.monotonic())
+    if _said.first(path, detail):
+        _log.error("%s", detail)
+
+
+def _settled(path: str) -> None:
+    """The lock at ``path`` was taken: whatever was reported about it is over."""
+    with _guard:
+        gone = _troubles.pop(path, None)
+    if gone is not None:
+        _said.first(path, "")  # said again if it comes back
+        _log.info("the lock %s of job %r is taken again (%s for %.0f s before)", path, gone.job, gone.state,
+                  time.monotonic() - gone.since)
+
+
+def lock_troubles(root: str | None = None) -> list[LockTrouble]:
+    """The jobs (under ``root``, or all) whose lock is refused now, oldest first."""
+    prefix = None if root is None else root.rstrip("/") + "/"
+    with _guard:
+        found = [t for path, t in _troubles.items() if prefix is None or path.startswith(prefix)]
+    return sorted(found, key=lambda t: t.since)
+
+
 @contextmanager
 def job_lock(storage: Storage, job: str, wait_s: float | None = None) -> Iterator[bool]:
     """Hold ``job``'s lock; yields whether it is held (False: another process kept it ``wait_s``, by default
-    ``LOCK_WAIT_S``: do nothing now). Re-entrant within a thread. A job ckptd may not write (read-only) takes
-    only the threads' lock: nothing is written there."""
+    ``LOCK_WAIT_S``, or what stands at its path is refused: do nothing now). Re-entrant within a thread. A job
+    ckptd may not write (read-only, or its directory a link out of the root) takes only the threads' lock:
+    nothing is written there."""
     key = storage.join(job)
     lock = _thread_lock(key)
     with lock:
@@ -65,15 +155,26 @@ def job_lock(storage: Storage, job: str, wait_s: float | None = None) -> Iterato
             return
         held = _files.get(key)
         if held is None:
-            try:
-                path = storage.writable(storage.join(job, JOB_LOCK))
-            except UnsafePathError:
-                yield True
+            if storage.write_refusal(key) is not None:
+                yield True  # nothing under the job is ever written (every write refuses): nothing to fence
                 return
-            fd = _flock(path, LOCK_WAIT_S if wait_s is None else wait_s)
+            path = storage.join(job, JOB_LOCK)
+            try:
+                storage.writable(path)
+                fd = _flock(path, LOCK_WAIT_S if wait_s is None else wait_s)
+            except UnsafePathError:  # a link on the way leads out of the root
+                _refuse(job, path, f"a symbolic link (to {os.readlink(path)}) leading out of the checkpoint root"
+                        if os.path.islink(path) else "behind a symbolic link leading out of the checkpoint root")
+                yield False
+                return
+            except _Refused as exc:
+                _refuse(job, path, str(exc))
+                yield False
+                return
             if fd is None:
                 yield False
                 return
+            _settled(path)
             held = (fd, 0)
         _files[key] = (held[0], held[1] + 1)
         try:
@@ -86,4 +187,4 @@ def job_lock(storage: Storage, job: str, wait_s: float | None = None) -> Iterato
                 os.close(fd)  # releases the flock
 
 
-__all__ = ["LOCK_WAIT_S", "job_lock"]
+__all__ = ["LOCK_WAIT_S", "LockTrouble", "job_lock", "lock_troubles"]

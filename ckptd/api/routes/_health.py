@@ -4,7 +4,8 @@ The probes are async: they run on the event loop, never queued behind busy worke
 probe that waits on a slow listing would get a loaded ckptd restarted). They touch no storage. Liveness
 still sees a wedged pool: ``/healthz`` answers 503 once a probe task has waited ``CKPTD_WEDGED_AFTER_S``
 for a handler thread (``ckptd.api._pool_watch``). ``/readyz`` shows its details (the storage root, the last
-refresh, the last error and, with a lease, each job's leader) only to a caller with the bearer token when one
+refresh, the last error, with a lease each job's leader, and each job whose lock a commit could not take:
+``job_locks``) only to a caller with the bearer token when one
 is configured: anyone who can reach the port may probe, not learn where the checkpoints live or what failed
 reading them.
 """
@@ -46,6 +47,9 @@ def router(svc: Services) -> APIRouter:
             detail = {"root": svc.settings.root, "last_refresh": cat.last_refresh}
             if cat.last_error:
                 detail["last_error"] = cat.last_error
+            troubles = cat.lock_troubles()  # refused, or held elsewhere past the bound (ckptd/catalog/_job_lock.py)
+            if troubles:
+                detail["job_locks"] = troubles
             if cat.lease is not None:  # per job: leader or follower, the epoch and its holder (docs/multihost.md)
                 detail["lease"] = {"holder": cat.lease.holder,
                                    "jobs": {job: v.as_dict() for job, v in cat.lease.views().items()}}

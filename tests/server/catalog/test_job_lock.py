@@ -92,3 +92,68 @@ def test_the_lock_is_reentrant_in_a_thread_and_released_after(tmp_path: Path) ->
     assert held.wait(60)  # released: another process gets it at once
     other.join(60)
     assert (tmp_path / "job" / ".ckptd" / "lock").is_file()
+
+
+def _refused(root: Path) -> list[dict[str, Any]]:
+    return [t.as_dict() for t in _job_lock.lock_troubles(str(root)) if t.state == "refused"]
+
+
+@pytest.mark.parametrize("planted", ["link_out", "link_in", "directory"])
+def test_a_link_or_a_directory_at_the_lock_path_is_refused_and_nothing_is_deleted(
+        tmp_path: Path, planted: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Fencing is never silently off: a symbolic link at ``<job>/.ckptd/lock`` (out of the root, or to another
+    job's lock inside it) or a directory there is refused with an error naming it, the job's lock is not held
+    (so the cleanup deletes nothing), and the refusal is reported (``lock_troubles``: /readyz, /metrics)."""
+    root = tmp_path / "root"
+    root.mkdir()
+    staged = _abandoned_save(root)
+    saves = PartSaves(Storage(str(root)), _no_worker())
+    [found] = saves.abandoned("job", older_than_s=30.0)
+    lock = root / "job" / ".ckptd" / "lock"
+    if planted == "link_out":
+        (tmp_path / "elsewhere").write_text("")
+        lock.symlink_to(tmp_path / "elsewhere")
+    elif planted == "link_in":
+        (root / "other" / ".ckptd").mkdir(parents=True)
+        (root / "other" / ".ckptd" / "lock").write_text("")
+        lock.symlink_to(root / "other" / ".ckptd" / "lock")
+    else:
+        lock.mkdir()
+    with job_lock(Storage(str(root)), "job", wait_s=0.0) as got:
+        assert got is False
+    assert not saves.clean(found)
+    assert staged.is_dir() and (root / "job" / ".ckptd" / "claims" / f"{STEP}.json").is_file()
+    what = "directory" if planted == "directory" else "symbolic link"
+    assert any(r.levelname == "ERROR" and str(lock) in r.getMessage() and what in r.getMessage()
+               for r in caplog.records)
+    [refusal] = _refused(root)
+    assert refusal["job"] == "job" and what in refusal["detail"]
+    if planted == "directory":
+        lock.rmdir()
+    else:
+        lock.unlink()
+    assert saves.clean(found)  # the operator removed it: the next pass takes the lock and goes ahead
+    assert not staged.exists() and _refused(root) == []
+
+
+def test_a_refused_lock_is_on_readyz_and_metrics_until_it_is_taken_again(tmp_path: Path) -> None:
+    """An operator sees a job whose commits stopped on its lock without reading the logs: ``/readyz`` names the
+    path and why, ``ckptd_job_lock_blocked_seconds{reason="refused"}`` counts; both clear once it is taken."""
+    from fastapi.testclient import TestClient
+
+    from tests.support.server import app_over
+
+    root = tmp_path / "root"
+    (root / "job" / ".ckptd" / "lock").mkdir(parents=True)
+    app = app_over(root, tmp_path)
+    with job_lock(Storage(str(root)), "job", wait_s=0.0) as got:
+        assert not got
+    with TestClient(app) as client:
+        [trouble] = client.get("/readyz").json()["detail"]["job_locks"]
+        assert trouble["job"] == "job" and trouble["state"] == "refused" and "a directory" in trouble["detail"]
+        assert 'ckptd_job_lock_blocked_seconds{ckpt_job="job",reason="refused"}' in client.get("/metrics").text
+        (root / "job" / ".ckptd" / "lock").rmdir()
+        with job_lock(Storage(str(root)), "job", wait_s=0.0) as got:
+            assert got
+        assert "job_locks" not in client.get("/readyz").json()["detail"]
+        assert "ckptd_job_lock_blocked_seconds{" not in client.get("/metrics").text
