@@ -36,9 +36,9 @@ _log = logging.getLogger(__name__)
 STOP_WAIT_S = 5.0  # a stop waits this long for a commit in progress, then as long for its last pass
 
 
-def _spent(stopping: Callable[[], bool], deadline: float) -> Callable[[], bool]:
-    """Whether a job's share of a pass is used up: ckptd is stopping, or ``deadline`` (monotonic) passed."""
-    return lambda: stopping() or time.monotonic() > deadline
+def _spent(stopping: Callable[[], bool], deadline: float, clock: Callable[[], float]) -> Callable[[], bool]:
+    """Whether a job's share of a pass is used up: ckptd is stopping, or ``deadline`` (of ``clock``) passed."""
+    return lambda: stopping() or clock() > deadline
 
 
 class CommitPass:
@@ -47,19 +47,21 @@ class CommitPass:
     each commit. The merge goes to ``worker`` (default: a ``PersistWorkerClient`` with the worker's defaults,
     whose child starts on the first request; tests: ``InProcessWorker``), closed by ``stop``. ``redo_after_s``: on
     ``gs://``, how long a commit another sidecar decided is left to it before this one redoes it (the save
-    timeout: that sidecar may be paused half-way, docs/multihost.md, section 5, "Fenced writers")."""
+    timeout: that sidecar may be paused half-way, docs/multihost.md, section 5, "Fenced writers"). ``clock``: what
+    the budgets are read from (seconds; the monotonic clock unless given: tests step it)."""
 
     def __init__(self, storage: Storage, *, jobs: Callable[[], Iterable[str]], writes: Callable[[str], bool],
                  interval_s: float, worker: PersistWorker | None = None,
                  on_committed: Callable[[str, int], object] | None = None,
                  job_budget_s: float = JOB_BUDGET_S, stop_wait_s: float = STOP_WAIT_S,
-                 redo_after_s: float = DEFAULT_SAVE_TIMEOUT_S) -> None:
+                 redo_after_s: float = DEFAULT_SAVE_TIMEOUT_S, clock: Callable[[], float] | None = None) -> None:
         self.worker = worker or PersistWorkerClient()
         self.parts = PartSaves(storage, self.worker, writes=writes, redo_after_s=redo_after_s)
         self._jobs = jobs
         self.interval_s = interval_s
         self.job_budget_s = job_budget_s
         self.stop_wait_s = stop_wait_s
+        self._clock = clock if clock is not None else time.monotonic
         self.on_committed = on_committed
         self.commits = 0
         self.last_error: str | None = None
@@ -75,14 +77,14 @@ class CommitPass:
             for job in sorted(set(self._jobs())):
                 if stopping():
                     break
-                deadline = time.monotonic() + self.job_budget_s
+                deadline = self._clock() + self.job_budget_s
                 try:
                     if not self.parts.writes(job) or storage.write_refusal(storage.join(job)) is not None:
                         continue  # a follower lists nothing; nothing is committed in a read-only job
                     storage.invalidate(storage.join(job, CLAIMS_DIR))  # claims of others
                     if not self.parts.claims(job):
                         continue
-                    steps = self.parts.commit_ready(job, spent=_spent(stopping, deadline))
+                    steps = self.parts.commit_ready(job, spent=_spent(stopping, deadline, self._clock))
                 except (OSError, StorageError, RuntimeError) as exc:  # reported; the next pass tries again
                     self.last_error = f"{job}: {type(exc).__name__}: {exc}"
                     _log.error("committing the host parts of %s failed: %s", job, exc)
@@ -108,9 +110,9 @@ class CommitPass:
         if self._thread.is_alive():
             self._thread.join(timeout=self.stop_wait_s)
         if started and not self._thread.is_alive():
-            deadline = time.monotonic() + self.stop_wait_s
+            deadline = self._clock() + self.stop_wait_s
             try:
-                self.run_once(stopping=lambda: time.monotonic() > deadline)
+                self.run_once(stopping=lambda: self._clock() > deadline)
             except Exception:  # shutting down: reported, the next leader commits
                 _log.exception("last commit pass failed")
         self.worker.close(self.stop_wait_s)

@@ -41,6 +41,20 @@ def wait_until(
         time.sleep(interval)
 
 
+class SteppingClock:
+    """A clock that moves ``step_s`` at each reading: a deadline passes after a known number of looks, however
+    fast or slow the machine does the work between them (a real clock made tests fail where the work beat its
+    deadline). ``reads``: how many looks so far."""
+
+    def __init__(self, step_s: float) -> None:
+        self.now, self.step_s, self.reads = 0.0, step_s, 0
+
+    def __call__(self) -> float:
+        self.now += self.step_s
+        self.reads += 1
+        return self.now
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     """The current environment without any CKPTD_* variable, plus ``extra``; 8 fake CPU devices; the
     repository importable (``tests.support`` included)."""

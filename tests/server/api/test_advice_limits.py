@@ -19,7 +19,7 @@ from ckptd.advisor._advisor import advise
 from ckptd.advisor._budget import WorkBudget
 from ckptd.errors import Busy
 from tests.support.chaos_support import CkptdProcess
-from tests.support.helpers import wait_until
+from tests.support.helpers import SteppingClock, wait_until
 from tests.support.orbax_steps import training_metadata, write_orbax_jobs
 from tests.support.server import StartServer, app_over
 from trainer_client.core import protocol as p
@@ -73,19 +73,6 @@ def test_out_of_range_inputs_are_refused_at_once(client: TestClient, query: dict
     assert time.monotonic() - started < 5.0  # refused before any simulation (2.6 s seen with the cores busy)
     assert resp.status_code == 422, resp.text
     assert p.ErrorBody.model_validate(resp.json()).code is p.ErrorCode.INVALID_REQUEST
-
-
-class SteppingClock:
-    """A clock that moves ``step_s`` at each reading: a deadline passes after a known number of looks, however
-    fast the machine simulates (a real clock made this test fail where the simulation beat its deadline)."""
-
-    def __init__(self, step_s: float) -> None:
-        self.now, self.step_s, self.reads = 0.0, step_s, 0
-
-    def __call__(self) -> float:
-        self.now += self.step_s
-        self.reads += 1
-        return self.now
 
 
 def test_a_simulation_past_its_deadline_answers_503_with_retry_after(client: TestClient) -> None:

@@ -25,6 +25,7 @@ from ckptd.catalog._retention import clean_abandoned_parts
 from ckptd.catalog._snapshots import SnapshotKeeper
 from ckptd.catalog._worker_client import InProcessWorker
 from tests.support.forged_records import forge_claim, forge_part, tree_state, write_snapshot
+from tests.support.helpers import SteppingClock, wait_until
 from trainer_client.core._errors import StorageError, UnsafePathError
 from trainer_client.core._storage import Storage, join_path
 from trainer_client.core._whole_files import write_json_file
@@ -191,38 +192,47 @@ def test_one_jobs_costly_claims_hold_up_no_other_job_and_are_all_visited(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="ckptd.catalog._part_commit")
     root = tmp_path / "root"
-    _costly_job(root, "aaa", 400)  # ~0.5 ms each to read: far more than the budget of 0.02 s
+    _costly_job(root, "aaa", 400)  # each claim's records read, none committed
     _ready(root, "aaa", 99_999)  # after every costly claim: reached in later passes, never starved
     _ready(root, "zzz", 5)
     worker = Recorder()
+    # A job's budget is spent after ~20 looks at the clock, however fast the machine reads the claims (on the
+    # real clock a fast machine read all 400 within the 0.02 s and the pass never ran out of time).
+    clock = SteppingClock(0.001)
     commits = CommitPass(Storage(str(root)), jobs=lambda: ["aaa", "zzz"], writes=lambda _job: True, interval_s=3600,
-                         worker=worker, job_budget_s=0.02)
-    started = time.monotonic()
+                         worker=worker, job_budget_s=0.02, clock=clock)
     commits.run_once()
-    took = time.monotonic() - started
     asked = [request["commit"].rsplit("/", 1)[-1] for request in worker.asked]
     assert asked == ["5.ab-5"], asked  # zzz's ready step was reached in the first pass
-    assert "committing the host parts of aaa: out of time for this pass at step" in caplog.text
-    assert took < 5.0, f"a pass took {took:.2f}s with a budget of 0.02 s a job"
-    deadline = time.monotonic() + 60
-    while "99999.ab-99999" not in [request["commit"].rsplit("/", 1)[-1] for request in worker.asked]:
-        assert time.monotonic() < deadline, "aaa's ready step was never reached: its costly claims starve it"
+    stopped_at = [int(r.getMessage().rsplit("at step ", 1)[1].split(";")[0]) for r in caplog.records
+                  if "committing the host parts of aaa: out of time for this pass at step" in r.getMessage()]
+    assert len(stopped_at) == 1 and 0 < stopped_at[0] < 100, stopped_at  # aaa's share ended early in its claims
+    for _ in range(402):  # each pass visits at least one claim: 401 of them are all visited within as many passes
+        if "99999.ab-99999" in [request["commit"].rsplit("/", 1)[-1] for request in worker.asked]:
+            break
         commits.run_once()
+    else:
+        pytest.fail("aaa's ready step was never reached: its costly claims starve it")
 
 
 def test_a_stop_ends_a_pass_at_its_next_record(tmp_path: Path) -> None:
     root = tmp_path / "root"
     _costly_job(root, "aaa", 2000)
+    # Every record read looks at the clock; once stopped, the pass in progress looks no more and the last pass
+    # gets stop_wait_s of this clock (~25 looks): counted, not timed, so the machine's speed does not matter.
+    clock = SteppingClock(0.01)
     commits = CommitPass(Storage(str(root)), jobs=lambda: ["aaa"], writes=lambda _job: True, interval_s=0.01,
-                         worker=Recorder(), job_budget_s=600, stop_wait_s=0.5)
+                         worker=Recorder(), job_budget_s=600, stop_wait_s=0.5, clock=clock)
     commits.start()
-    time.sleep(0.5)  # in the middle of a pass over aaa's claims (~2 s), then the last pass gets 0.5 s
-    started = time.monotonic()
+    wait_until(lambda: clock.reads > 20, timeout=30, what="a pass over aaa's claims to be under way")
+    before = clock.reads
     stopper = threading.Thread(target=commits.stop)
     stopper.start()
     stopper.join(timeout=30)
-    took = time.monotonic() - started
-    assert not stopper.is_alive() and took < 1.5, f"stop took {took:.2f}s"
+    assert not stopper.is_alive(), "stop hung"
+    wait_until(lambda: not commits._thread.is_alive(), timeout=30, what="the commit pass thread to end")
+    looks = clock.reads - before
+    assert looks < 200, f"{looks} looks at the clock after the stop: a pass over 2000 claims went on"
 
 
 def test_a_read_only_job_is_neither_persisted_nor_committed_nor_cleaned(tmp_path: Path) -> None:
