@@ -58,11 +58,30 @@ def _mac(secret: bytes, role: bytes, a: bytes, b: bytes) -> bytes:
     return hmac.new(secret, role + a + b, hashlib.sha256).digest()
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    """``n`` bytes, or ``PeerError`` when the peer closes first."""
+def arm(sock: socket.socket, deadline: float | None, timeout_s: float | None, what: str) -> None:
+    """Before one read or write of ``sock``: its timeout the time left before ``deadline`` (``time.monotonic``),
+    at most ``timeout_s``; ``PeerError`` once the deadline has passed. A peer that sends a byte now and then can
+    hold a read past a timeout per read, never past a deadline."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise PeerError(f"{what} not finished by its deadline")
+    sock.settimeout(left if timeout_s is None else min(left, timeout_s))
+
+
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None, what: str = "the request") -> bytes:
+    """``n`` bytes, or ``PeerError`` when the peer closes first or ``deadline`` (``time.monotonic``) passes."""
     buf = bytearray()
+    timeout_s = sock.gettimeout()
     while len(buf) < n:
-        chunk = sock.recv(min(n - len(buf), CHUNK))
+        arm(sock, deadline, timeout_s, what)
+        try:
+            chunk = sock.recv(min(n - len(buf), CHUNK))
+        except TimeoutError:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise PeerError(f"{what} not finished by its deadline") from None
+            raise
         if not chunk:
             raise PeerError(f"the peer closed the connection ({len(buf)} of {n} bytes)")
         buf += chunk
@@ -77,15 +96,21 @@ def header_int(header: dict[str, Any], key: str, low: int, high: int) -> int:
     return value
 
 
-def listener_handshake(sock: socket.socket, secret: bytes) -> Channel:
-    """The listener's side: ``PeerError`` unless the caller proves it holds ``secret``."""
+def listener_handshake(sock: socket.socket, secret: bytes, deadline_s: float) -> Channel:
+    """The listener's side: ``PeerError`` unless the caller proves it holds ``secret`` within ``deadline_s`` of
+    the start (however it spreads its bytes); the socket's own timeout is back in place after."""
+    timeout_s = sock.gettimeout()
+    deadline = time.monotonic() + deadline_s
     mine = secrets.token_bytes(NONCE_BYTES)
-    sock.sendall(MAGIC + mine)
-    theirs = recv_exact(sock, NONCE_BYTES)
-    proof = recv_exact(sock, 32)
+    arm(sock, deadline, timeout_s, "the handshake")
+    sock.sendall(MAGIC + mine)  # 40 bytes: into the socket's buffer whether the caller reads or not
+    caller = recv_exact(sock, NONCE_BYTES + 32, deadline, "the handshake")
+    theirs, proof = caller[:NONCE_BYTES], caller[NONCE_BYTES:]
     if not hmac.compare_digest(proof, _mac(secret, b"caller", mine, theirs)):
         raise PeerError("the caller does not hold the peer secret")
+    arm(sock, deadline, timeout_s, "the handshake")
     sock.sendall(_mac(secret, b"listener", theirs, mine))
+    sock.settimeout(timeout_s)
     return Channel(sock, _mac(secret, b"session", mine, theirs), caller=False)
 
 
@@ -300,6 +325,7 @@ __all__ = [
     "Channel",
     "PeerError",
     "RateLimit",
+    "arm",
     "caller_handshake",
     "connect",
     "header_int",

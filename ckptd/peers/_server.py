@@ -4,8 +4,13 @@ drops them when their originals go (``held``), and hands a copy back to the host
 
 ``list`` names the copies held of a host's part (a host that lost its memory asks before it fetches), ``jobs``
 the jobs of which copies of a host's part are held (a sidecar on a new node asks before it knows a job). A thread
-per connection, at most ``max_connections`` at once (more are closed at once), each with a socket
-timeout; a caller that fails the handshake is closed without an answer. Every field of a request is checked
+per connection. A connection first has ``handshake_s`` in all to prove it holds the secret (a deadline on the
+whole handshake, not a timeout per read: a caller trickling a byte now and then is closed at it), in one of
+``max_handshakes`` places; when they are all taken, a new connection takes the place of the oldest one still in
+its handshake (closed). Only a caller that proved the secret takes one of the ``max_connections`` slots its
+request is served in (when they are all busy it is answered ``busy``): callers without the secret never hold a
+slot an authenticated peer needs. A caller that fails the handshake is closed without an answer; an
+authenticated request has a socket timeout per read. Every field of a request is checked
 before anything is written: the job name, the host indexes, the step, and sizes bounded by the snapshot
 format's limits and by the room this host has (``PartStore.room_for``).
 """
@@ -13,10 +18,12 @@ format's limits and by the room this host has (``PartStore.room_for``).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import socket
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +37,9 @@ MAX_STEP = 2**63 - 1
 MAX_PART_BYTES = 1 << 44  # a part's data.bin at most (16 TiB); the room on this host bounds it first
 MAX_HELD = 4096
 MAX_JOBS_LISTED = 256  # jobs named in one answer to ``jobs``
+HANDSHAKE_S = 5.0  # a connection's whole handshake, at most (an honest one takes a round trip)
+MAX_HANDSHAKES = 64  # connections in their handshake at once; a new one takes the oldest one's place
+WARN_EVERY_S = 10.0  # failed handshakes: one warning per this, the others at debug (a flood never floods the log)
 
 
 @dataclass
@@ -51,13 +61,21 @@ class PeerListener:
     """Accepts peer connections on ``host:port`` (port 0: any free one; ``address`` says which)."""
 
     def __init__(self, store: PartStore, secret: bytes, *, host: str, port: int, max_connections: int = 8,
-                 timeout_s: float = 30.0, nice: int = 0) -> None:
+                 timeout_s: float = 30.0, nice: int = 0, handshake_s: float | None = None,
+                 max_handshakes: int = MAX_HANDSHAKES) -> None:
         self.store = store
         self.nice = nice  # a copy received (put) runs this many nice steps lower: the host's trainer comes first
         self.secret = secret
         self.timeout_s = timeout_s
+        self.handshake_s = min(HANDSHAKE_S, timeout_s) if handshake_s is None else handshake_s
         self.stats = ListenerStats()
+        self.max_connections = max_connections
         self._slots = threading.BoundedSemaphore(max_connections)
+        self.max_handshakes = max_handshakes
+        self._handshaking: OrderedDict[int, socket.socket] = OrderedDict()  # oldest first
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._warned_at = float("-inf")
         self._sock = socket.create_server((host, port), reuse_port=False)
         self._sock.settimeout(0.5)
         self.port = int(self._sock.getsockname()[1])
@@ -80,17 +98,67 @@ class PeerListener:
                 continue
             except OSError:
                 return
-            if not self._slots.acquire(blocking=False):
-                conn.close()
-                self.stats.refused += 1
-                continue
-            threading.Thread(target=self._serve, args=(conn, peer), name="ckptd-peer-conn", daemon=True).start()
+            key = next(self._ids)
+            with self._lock:
+                oldest = None
+                if len(self._handshaking) >= self.max_handshakes:
+                    oldest = self._handshaking.popitem(last=False)[1]
+                self._handshaking[key] = conn
+            if oldest is not None:  # its thread reads the end of the stream, and closes it
+                with contextlib.suppress(OSError):
+                    oldest.shutdown(socket.SHUT_RDWR)
+            threading.Thread(target=self._serve, args=(conn, peer, key), name="ckptd-peer-conn", daemon=True).start()
 
-    def _serve(self, conn: socket.socket, peer: Any) -> None:
-        chan: Channel | None = None
+    def _authenticate(self, conn: socket.socket, peer: Any, key: int) -> Channel | None:
+        """The channel of a caller that proved the secret within the handshake deadline, holding a slot; None
+        (the caller counted as refused) otherwise. The caller that proved it but finds every slot busy is told."""
         try:
             conn.settimeout(self.timeout_s)
-            chan = listener_handshake(conn, self.secret)
+            chan = listener_handshake(conn, self.secret, self.handshake_s)
+        except (PeerError, OSError) as exc:
+            with self._lock:
+                displaced = self._handshaking.pop(key, None) is None
+            reason = "displaced by newer connections while in its handshake" if displaced else str(exc)
+            self._refuse(peer, f"handshake: {reason}")
+            return None
+        with self._lock:
+            displaced = self._handshaking.pop(key, None) is None
+        if displaced:
+            self._refuse(peer, "handshake: displaced by newer connections while in its handshake")
+            return None
+        if not self._slots.acquire(blocking=False):
+            self._refuse(peer, f"busy: {self.max_connections} requests in progress")
+            with contextlib.suppress(OSError, PeerError):
+                chan.send_header({"ok": False, "error": f"busy: {self.max_connections} requests in progress, "
+                                                        "try again"})
+            return None
+        return chan
+
+    def _refuse(self, peer: Any, reason: str) -> None:
+        """A connection closed before its request was read: counted, logged (a flood of them at debug)."""
+        self.stats.refused += 1
+        self.stats.failed(f"from {peer[0]}: {reason}")
+        now = time.monotonic()
+        if now - self._warned_at >= WARN_EVERY_S:
+            self._warned_at = now
+            _log.warning("peer connection from %s refused: %s (more such refusals in the next %.0f s logged at "
+                         "debug)", peer[0], reason, WARN_EVERY_S)
+        else:
+            _log.debug("peer connection from %s refused: %s", peer[0], reason)
+
+    def _serve(self, conn: socket.socket, peer: Any, key: int) -> None:
+        try:
+            chan = self._authenticate(conn, peer, key)
+            if chan is not None:
+                try:
+                    self._answer(chan, peer)
+                finally:
+                    self._slots.release()
+        finally:
+            conn.close()
+
+    def _answer(self, chan: Channel, peer: Any) -> None:
+        try:
             request = chan.recv_header()
             op = request.get("op")
             if op == "put":
@@ -112,12 +180,8 @@ class PeerListener:
             self.stats.refused += 1
             self.stats.failed(f"from {peer[0]}: {exc}")
             _log.warning("peer request from %s refused: %s", peer[0], exc)
-            if chan is not None:  # a caller that failed the handshake gets no answer
-                with contextlib.suppress(OSError, PeerError):
-                    chan.send_header({"ok": False, "error": str(exc)[:500]})
-        finally:
-            conn.close()
-            self._slots.release()
+            with contextlib.suppress(OSError, PeerError):
+                chan.send_header({"ok": False, "error": str(exc)[:500]})
 
     def _origin(self, request: dict[str, Any]) -> tuple[str, int, int]:
         job = check_job(request.get("job"))

@@ -1,0 +1,129 @@
+"""The peer listener's limits against callers that hold no secret or send too much (docs/multihost.md, "Peer
+copies"): connections that never finish their handshake cannot take the slots authenticated peers need, and
+each is closed at its handshake deadline however slowly it trickles bytes. Real sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ckptd.peers._protocol import MAGIC, NONCE_BYTES, connect
+from ckptd.peers._server import PeerListener
+from ckptd.peers._store import PartStore
+from tests.support.helpers import wait_until
+from tests.support.peer_parts import SECRET
+
+JOB = "peerjob"
+
+
+@pytest.fixture
+def shm(tmp_path: Path) -> Path:
+    path = tmp_path / "shm"
+    path.mkdir(mode=0o700)
+    return path
+
+
+@contextlib.contextmanager
+def listening(shm: Path, **options: object) -> Iterator[PeerListener]:
+    listener = PeerListener(PartStore(shm), SECRET.encode(), host="127.0.0.1", port=0, **options)  # type: ignore[arg-type]
+    listener.start()
+    try:
+        yield listener
+    finally:
+        listener.stop()
+
+
+def address(listener: PeerListener) -> str:
+    return f"127.0.0.1:{listener.port}"
+
+
+def listed(listener: PeerListener) -> list[object]:
+    """A ``list`` request by a peer that holds the secret: the copies held of host 0's part."""
+    with connect(address(listener), SECRET.encode(), 10) as chan:
+        chan.send_header({"op": "list", "job": JOB, "origin": 0, "count": 2})
+        copies = chan.expect_ok()["copies"]
+    assert isinstance(copies, list)
+    return copies
+
+
+def greeted_or_closed(sock: socket.socket) -> bool:
+    """Read what the listener sends first: its magic line and nonce (its handshake with this caller has begun) or
+    the end of the stream (it closed the connection); True either way."""
+    got = b""
+    with contextlib.suppress(OSError):
+        while len(got) < len(MAGIC) + NONCE_BYTES:
+            chunk = sock.recv(64)
+            if not chunk:
+                break
+            got += chunk
+    return True
+
+
+class Trickler:
+    """A caller without the secret that sends one byte of its "handshake" every ``every_s`` until the listener
+    closes the connection (a slowloris): ``closed`` is set then, ``sent`` says how many bytes it had sent."""
+
+    def __init__(self, target: str, every_s: float) -> None:
+        host, _, port = target.rpartition(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        self.every_s = every_s
+        self.sent = 0
+        self.closed = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        self.sock.settimeout(self.every_s)
+        with contextlib.suppress(OSError):
+            while not self._stop.is_set():
+                self.sock.sendall(b"x")
+                self.sent += 1
+                try:
+                    if self.sock.recv(4096) == b"":
+                        break
+                except TimeoutError:
+                    continue
+        self.closed.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.sock.close()
+
+
+def test_callers_without_the_secret_never_take_the_slots_authenticated_peers_need(shm: Path) -> None:
+    # more connections than the listener serves at once, and more than it keeps in their handshakes, each sending
+    # one byte and then nothing: before, they held every slot and every honest request was closed unanswered
+    with listening(shm, max_connections=2) as listener:
+        attackers = [socket.create_connection(("127.0.0.1", listener.port), timeout=10) for _ in range(70)]
+        try:
+            for sock in attackers:
+                sock.sendall(b"x")
+                assert greeted_or_closed(sock)
+            for _ in range(10):
+                assert listed(listener) == []
+        finally:
+            for sock in attackers:
+                sock.close()
+
+
+def test_a_caller_that_trickles_its_handshake_is_closed_at_the_handshake_deadline(shm: Path) -> None:
+    # one byte every 100 ms never lets a per-read timeout of 0.5 s fire: only a deadline on the whole handshake
+    # ends it, long before the 64 bytes of a handshake are in (before, it was read to its end and only then refused)
+    with listening(shm, timeout_s=0.5) as listener:
+        slow = Trickler(address(listener), every_s=0.1)
+        try:
+            wait_until(slow.closed.is_set, timeout=30, what="the listener closing a handshake past its deadline")
+            assert slow.sent < 2 * NONCE_BYTES
+            wait_until(lambda: any("handshake" in f for f in listener.stats.failures), timeout=10,
+                       what="the listener counting the caller as refused")
+            listener.handshake_s = 30.0  # the honest path still works (however busy this machine is)
+            assert listed(listener) == []
+        finally:
+            slow.stop()
