@@ -202,6 +202,8 @@ class Channel:
             header = json.loads(data)
         except ValueError as exc:
             raise PeerError(f"a header that is not JSON: {exc}") from None
+        except RecursionError:  # nested deeper than the parser's stack: malformed like any other
+            raise PeerError("a header that is not JSON: nested too deep") from None
         if not isinstance(header, dict):
             raise PeerError("a header that is not a JSON object")
         return header

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from ckptd.peers._protocol import MAGIC, NONCE_BYTES, connect
+from ckptd.peers._protocol import MAGIC, NONCE_BYTES, Channel, PeerError, connect
 from ckptd.peers._server import PeerListener
 from ckptd.peers._store import PartStore
 from tests.support.helpers import wait_until
@@ -127,3 +128,23 @@ def test_a_caller_that_trickles_its_handshake_is_closed_at_the_handshake_deadlin
             assert listed(listener) == []
         finally:
             slow.stop()
+
+
+def send_tagged(chan: Channel, data: bytes) -> None:
+    """``data`` as the next header, with its length and a valid tag: what a peer holding the secret can send."""
+    tagger = chan._tagger(False, b"H", len(data))
+    tagger.update(data)
+    chan.sock.sendall(struct.pack(">I", len(data)) + data + tagger.digest())
+
+
+@pytest.mark.parametrize("nested", [b"[" * 30_000, b'{"":' * 10_000 + b"1" + b"}" * 10_000])
+def test_a_deeply_nested_header_is_refused_like_any_malformed_one(shm: Path, nested: bytes) -> None:
+    # before: json's RecursionError escaped the handler, the connection was dropped without the channel's answer
+    with listening(shm) as listener:
+        with connect(address(listener), SECRET.encode(), 10) as chan:
+            send_tagged(chan, nested)
+            with pytest.raises(PeerError, match="not JSON"):
+                chan.expect_ok()
+        wait_until(lambda: any("not JSON" in f for f in listener.stats.failures), timeout=10,
+                   what="the listener counting the header as refused")
+        assert listed(listener) == []  # and it goes on serving
