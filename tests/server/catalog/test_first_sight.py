@@ -9,6 +9,7 @@ import time
 import pytest
 
 from ckptd.catalog import _integrity as integrity
+from tests.support.helpers import wait_until
 from trainer_client.core._errors import StorageError
 
 
@@ -16,15 +17,19 @@ def test_each_step_keeps_order_and_hands_back_storage_errors() -> None:
     running = 0
     most = 0
     lock = threading.Lock()
+    two_done = threading.Event()
 
     def look(item: int) -> int:
         nonlocal running, most
         with lock:
             running += 1
             most = max(most, running)
-        time.sleep(0.01 * (item % 3))  # finish out of order
+        if item == 1:  # finish out of order: 1 ends after 2, which runs meanwhile (waited for, not slept on)
+            assert two_done.wait(10), "step 2 never ran while step 1 was running"
         with lock:
             running -= 1
+        if item == 2:
+            two_done.set()
         if item == 5:
             raise StorageError("unreadable")
         return item * 10
@@ -44,9 +49,12 @@ def test_each_step_stops_starting_steps_after_another_error() -> None:
         if item == 2:
             raise KeyError("a bug")
         time.sleep(0.02)
+        finished.append(item)
         return item
 
+    finished: list[int] = []
     with pytest.raises(KeyError):
         list(integrity.each_step(look, list(range(200))))
-    time.sleep(0.3)  # what was already running finishes; nothing queued later starts
+    # what was already running finishes (waited for); the rest was cancelled before the error reached here
+    wait_until(lambda: len(finished) == len(started) - 1, timeout=10, what="the steps already running to end")
     assert len(started) <= 3 * integrity._STEPS_AT_ONCE
