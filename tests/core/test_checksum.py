@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -69,12 +68,17 @@ class _Recorder(Syncer):
         self.threads: set[int] = set()
         self.failing = failing
         self._lock = threading.Lock()
+        self._second = threading.Event()
 
     def fsync_file(self, path: str) -> None:
         with self._lock:
             self.events.append(("file", path))
             self.threads.add(threading.get_ident())
-        time.sleep(0.02)  # the others are handed out while this one is busy
+            first = len(self.events) == 1
+            if len(self.events) == 2:
+                self._second.set()
+        if first:  # the others are handed out while this one is busy: it ends once another has begun
+            self._second.wait(10)
         if path == self.failing:
             raise OSError(5, "EIO: simulated disk error", path)
         super().fsync_file(path)

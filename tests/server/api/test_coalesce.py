@@ -215,10 +215,11 @@ def test_lists_are_built_once_per_catalog_change_and_never_stale(ckptd_server: A
         body = p.CheckpointList.model_validate_json(c.get("/v1/jobs/train/checkpoints").content)
         return {info.step: info.state.value for info in body.checkpoints}
 
-    def settled() -> bool:  # the first passes settle (adopt) the plain-Orbax steps: wait for a quiet catalog
+    def settled() -> bool:  # the first passes settle (adopt) the plain-Orbax steps: wait for both, then quiet
         version = catalog.version
+        adopted = all(getattr(catalog.step("train", s), "state", None) is p.StepState.VERIFIED for s in (10, 20))
         time.sleep(0.6)  # three refresh intervals
-        return bool(catalog.version == version)
+        return adopted and bool(catalog.version == version)
 
     wait_until(settled, timeout=20, what="the catalog to stop changing")
     built = []
