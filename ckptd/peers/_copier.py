@@ -315,11 +315,9 @@ class PeerCopier:
             answer = chan.expect_ok()
             meta_bytes = header_int(answer, "meta", 1, MAX_META_BYTES)
             data_bytes = header_int(answer, "data", 0, MAX_PART_BYTES)
-            reason = self.store.room_for(meta_bytes + data_bytes, copy=False)
-            if reason is not None:
-                raise PeerError(reason)
-            path = self.store.receive(chan, job, origin=origin, count=count, step=step, meta_bytes=meta_bytes,
-                                      data_bytes=data_bytes, own=True, source=source)
+            with self.store.reserve(meta_bytes + data_bytes, copy=False):
+                path = self.store.receive(chan, job, origin=origin, count=count, step=step, meta_bytes=meta_bytes,
+                                          data_bytes=data_bytes, own=True, source=source)
         if save_id is not None and read_meta(path).save_id != save_id:
             raise PeerError(f"host {source} sent another save of step {step}")
         _log.info("%s step %s: this host's part brought back from host %d (%d bytes, %.2f s)", job, step, source,

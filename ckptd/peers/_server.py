@@ -12,7 +12,8 @@ request is served in (when they are all busy it is answered ``busy``): callers w
 slot an authenticated peer needs. A caller that fails the handshake is closed without an answer; an
 authenticated request has a socket timeout per read. Every field of a request is checked
 before anything is written: the job name, the host indexes, the step, and sizes bounded by the snapshot
-format's limits and by the room this host has (``PartStore.room_for``).
+format's limits and by the room this host has, charged before a byte is received (``PartStore.reserve``:
+concurrent copies never pass the capacity together).
 """
 
 from __future__ import annotations
@@ -198,13 +199,11 @@ class PeerListener:
         if self.store.copy_path(job, origin, step).exists():
             chan.send_header({"ok": True, "have": True})
             return
-        reason = self.store.room_for(meta_bytes + data_bytes, copy=True)
-        if reason is not None:
-            raise PeerError(reason)
-        chan.send_header({"ok": True, "have": False})
-        lower_this_thread(self.nice)  # receiving and checking a copy is background work (a get is not: a restore)
-        self.store.receive(chan, job, origin=origin, count=count, step=step, meta_bytes=meta_bytes,
-                           data_bytes=data_bytes, own=False)
+        with self.store.reserve(meta_bytes + data_bytes, copy=True):  # charged before the answer, atomically
+            chan.send_header({"ok": True, "have": False})
+            lower_this_thread(self.nice)  # receiving and checking a copy is background work (a get is a restore)
+            self.store.receive(chan, job, origin=origin, count=count, step=step, meta_bytes=meta_bytes,
+                               data_bytes=data_bytes, own=False)
         self.stats.received += 1
         self.stats.received_bytes += data_bytes
         chan.send_header({"ok": True})

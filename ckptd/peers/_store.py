@@ -6,6 +6,11 @@ A part arrives into a staging directory of its own (``.in-<random>``, 0700, its 
 (``problems``) and shard by shard against the checksums its ``snapshot.json`` records (``damaged_shards``),
 and only then renamed into place: a copy of host k's part under ``<job>/.peer-<k>/<step>/``, or, when a host
 brings its own part back, ``<job>/<step>/`` itself. A part that fails a check is deleted, never used.
+
+Room is charged before a byte is received (``reserve``): under one lock, what the copies held, the copies being
+received and the new one come to is checked against the capacity, and the free space less everything being
+received against the reserve kept for the trainer; the charge is held until the part is in place (or deleted).
+Concurrent receives can never together pass either bound.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import os
 import re
 import secrets
 import shutil
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -53,6 +60,8 @@ class PartStore:
     def __init__(self, shm_dir: str | Path, *, capacity_bytes: int | None = None) -> None:
         self.shm_dir = Path(shm_dir)
         self.capacity_bytes = capacity_bytes  # the copies of other hosts' parts, all jobs together (None: free space)
+        self._lock = threading.Lock()
+        self._charged = [0, 0]  # bytes being received: [every part, copies of other hosts' parts]
 
     def copy_path(self, job: str, origin: int, step: int) -> Path:
         return copies_dir(self.shm_dir, job, origin) / str(step)
@@ -69,22 +78,46 @@ class PartStore:
             return []
 
     def copy_bytes(self) -> int:
-        """Bytes of every copy this host holds for other hosts."""
+        """Bytes of every copy this host holds for other hosts (in place: those being received are charged by
+        ``reserve``)."""
         total = 0
         for data in self.shm_dir.glob(f"*/.peer-*/*/{SNAPSHOT_DATA_FILE}"):
+            if data.parent.name.startswith(_STAGING):
+                continue
             with contextlib.suppress(OSError):
                 total += os.lstat(data).st_size
         return total
 
     def room_for(self, nbytes: int, *, copy: bool) -> str | None:
-        """Why ``nbytes`` more cannot be held (None: they can)."""
+        """Why ``nbytes`` more cannot be held beside what is held and being received (None: they can). Only a
+        check: ``reserve`` charges them."""
         stats = os.statvfs(self.shm_dir)
-        free = stats.f_bavail * stats.f_frsize
+        free = stats.f_bavail * stats.f_frsize - self._charged[0]
         if nbytes + RESERVE_BYTES > free:
-            return f"{nbytes} bytes do not fit in shared memory ({free} free, {RESERVE_BYTES} kept for the trainer)"
-        if copy and self.capacity_bytes is not None and self.copy_bytes() + nbytes > self.capacity_bytes:
-            return f"{nbytes} bytes more would pass the peer copies' capacity of {self.capacity_bytes} bytes"
+            return (f"{nbytes} bytes do not fit in shared memory ({free} free beside the parts being received, "
+                    f"{RESERVE_BYTES} kept for the trainer)")
+        if copy and self.capacity_bytes is not None and \
+                self.copy_bytes() + self._charged[1] + nbytes > self.capacity_bytes:
+            return (f"{nbytes} bytes more would pass the peer copies' capacity of {self.capacity_bytes} bytes "
+                    f"({self._charged[1]} being received)")
         return None
+
+    @contextlib.contextmanager
+    def reserve(self, nbytes: int, *, copy: bool) -> Iterator[None]:
+        """Charge ``nbytes`` (a copy of another host's part: against the capacity too) for as long as the block
+        runs, the check and the charge under one lock; ``PeerError`` with the reason when they do not fit."""
+        with self._lock:
+            reason = self.room_for(nbytes, copy=copy)
+            if reason is not None:
+                raise PeerError(reason)
+            self._charged[0] += nbytes
+            self._charged[1] += nbytes if copy else 0
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._charged[0] -= nbytes
+                self._charged[1] -= nbytes if copy else 0
 
     def receive(self, chan: Channel, job: str, *, origin: int, count: int, step: int, meta_bytes: int,
                 data_bytes: int, own: bool, source: int | None = None) -> Path:

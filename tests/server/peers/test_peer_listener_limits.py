@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.peers._protocol import MAGIC, NONCE_BYTES, Channel, PeerError, connect
+from ckptd.peers._protocol import MAGIC, NONCE_BYTES, Channel, PeerError, RateLimit, connect
 from ckptd.peers._server import PeerListener
 from ckptd.peers._store import PartStore
 from tests.support.helpers import wait_until
-from tests.support.peer_parts import SECRET
+from tests.support.peer_parts import SECRET, write_part
 
 JOB = "peerjob"
 
@@ -30,8 +30,9 @@ def shm(tmp_path: Path) -> Path:
 
 
 @contextlib.contextmanager
-def listening(shm: Path, **options: object) -> Iterator[PeerListener]:
-    listener = PeerListener(PartStore(shm), SECRET.encode(), host="127.0.0.1", port=0, **options)  # type: ignore[arg-type]
+def listening(shm: Path, capacity_bytes: int | None = None, **options: object) -> Iterator[PeerListener]:
+    listener = PeerListener(PartStore(shm, capacity_bytes=capacity_bytes), SECRET.encode(), host="127.0.0.1",
+                            port=0, **options)  # type: ignore[arg-type]
     listener.start()
     try:
         yield listener
@@ -148,3 +149,46 @@ def test_a_deeply_nested_header_is_refused_like_any_malformed_one(shm: Path, nes
         wait_until(lambda: any("not JSON" in f for f in listener.stats.failures), timeout=10,
                    what="the listener counting the header as refused")
         assert listed(listener) == []  # and it goes on serving
+
+
+def test_concurrent_copies_are_charged_against_the_capacity_before_any_is_received(shm: Path, tmp_path: Path) -> None:
+    # four puts of a 16 KiB part (four jobs: none evicts another) against room for two: every holder answers all
+    # four headers before any body moves, so only a charge taken at the answer can keep the sum under the capacity
+    part = write_part(tmp_path / "scratch", JOB, 10, index=0)
+    raw = (part / "snapshot.json").read_bytes()
+    nbytes = (part / "data.bin").stat().st_size
+    capacity = 2 * (len(raw) + nbytes) + 1024
+    with listening(shm, capacity_bytes=capacity, max_connections=4) as listener:
+        chans = [connect(address(listener), SECRET.encode(), 10) for _ in range(4)]
+        try:
+            accepted: list[Channel] = []
+            refused: list[str] = []
+            for k, chan in enumerate(chans):
+                chan.send_header({"op": "put", "job": f"job{k}", "origin": 0, "count": 2, "step": 10, "held": [10],
+                                  "meta": len(raw), "data": nbytes})
+            for chan in chans:
+                try:
+                    answer = chan.expect_ok()
+                except PeerError as exc:
+                    refused.append(str(exc))
+                    continue
+                assert answer["have"] is False
+                accepted.append(chan)
+            for chan in accepted:
+                chan.send_bytes(raw)
+                with (part / "data.bin").open("rb") as data:
+                    chan.send_file(data, nbytes, RateLimit(None))
+                chan.expect_ok()
+        finally:
+            for chan in chans:
+                chan.sock.close()
+        assert len(accepted) == 2 and len(refused) == 2
+        assert all("capacity" in reason for reason in refused)
+        assert listener.store.copy_bytes() == 2 * nbytes <= capacity
+        assert listener.stats.received == 2
+        # the charges of the copies received are released: once one goes, another fits again
+        listener.store.prune("job0", 0, set())
+        with connect(address(listener), SECRET.encode(), 10) as chan:
+            chan.send_header({"op": "put", "job": "job3", "origin": 0, "count": 2, "step": 10, "held": [10],
+                              "meta": len(raw), "data": nbytes})
+            assert chan.expect_ok()["have"] is False
