@@ -1,16 +1,24 @@
 """The lock a job's commit and its cleanup of abandoned saves both hold (docs/multihost.md, section 5, "Commit
 and cleanup exclude each other"): between the threads of one sidecar (a lock per job directory) and, on a
-local root, between processes and sidecars sharing the root (``fcntl.flock`` on ``<job>/.ckptd/lock``), so a
+local root, between processes and sidecars sharing the root (``fcntl.flock`` on ``<job>/.ckptd/job.lock``), so a
 leader paused inside a cleanup (SIGSTOP, a stalled host) while a newer leader took over can never delete a
 save that one is committing: the newer leader waits for the lock, and gives up after ``LOCK_WAIT_S`` (its
 next pass tries again) rather than stall behind a paused process for good. The holder checks again, under
 the lock, that it still leads before it writes or deletes anything.
 
-Fencing is never silently off: whatever stands at the lock path that is not a plain file (a symbolic link,
-wherever it leads; a directory; a FIFO), or that cannot be opened, is refused: ``job_lock`` then yields False
-(nothing is committed, cleaned or deleted in that job), logs an error naming the path once, and
-``lock_troubles`` reports it (``/readyz``, ``ckptd_job_lock_blocked_seconds`` on ``/metrics``) until a pass
-takes the lock again.
+Only a writer of the root can hold the lock. ``flock`` needs no write access, so a lock file others may open
+is one any local user who can read the root can hold, stopping every commit of the job: the file is created
+``0600`` by the sidecar's user (every writer of a root runs as one user), and one that another user owns or
+others may open is no writer's lock. The old lock (``<job>/.ckptd/lock``, created ``0644``, perhaps held by a
+reader since) is not used any more.
+
+Fencing is never silently off: whatever stands at the lock path that is not such a file (a symbolic link,
+wherever it leads; a directory; a FIFO; a file of another user or open to others), or that cannot be opened,
+is refused: ``job_lock`` then yields False (nothing is committed, cleaned or deleted in that job), logs an
+error naming the path once, and ``lock_troubles`` reports it (``/readyz``, ``ckptd_job_lock_blocked_seconds``
+on ``/metrics``) until a pass takes the lock again. A lock held by another process is waited on
+``LOCK_WAIT_S`` per try; once tries have failed for ``LOCK_REPORT_S`` it is reported the same way (a warning,
+``held``) rather than waited on silently.
 
 On ``gs://`` only the threads of one process are excluded; there a save's fate record fences the sidecars
 (``trainer_client/core/format/_fates.py``, docs/multihost.md, section 5, "Fenced writers").
@@ -36,6 +44,7 @@ from trainer_client.core._storage import Storage
 from trainer_client.core.format._files import JOB_LOCK
 
 LOCK_WAIT_S = 10.0  # how long a commit or a cleanup waits for another process holding the job's lock
+LOCK_REPORT_S = 60.0  # a job's lock held elsewhere this long (tries failing all along) is reported
 _POLL_S = 0.05
 
 _log = logging.getLogger(__name__)
@@ -47,7 +56,8 @@ _said = SaidOnce()
 
 @dataclass(frozen=True)
 class LockTrouble:
-    """Why a job's lock was not taken: ``refused`` (what stands at its path is no lock a writer made)."""
+    """Why a job's lock was not taken: ``refused`` (what stands at its path is no lock a writer made) or ``held``
+    (by another process, past ``LOCK_REPORT_S``)."""
 
     job: str
     path: str
@@ -61,7 +71,8 @@ class LockTrouble:
                 "seconds": round(max(0.0, now - self.since), 3)}
 
 
-_troubles: dict[str, LockTrouble] = {}  # lock path -> its trouble now
+_troubles: dict[str, LockTrouble] = {}  # lock path -> its trouble now (reported)
+_waiting: dict[str, float] = {}  # lock path -> when a try first found it held elsewhere (not yet reported)
 
 
 class _Refused(Exception):
@@ -91,9 +102,18 @@ def _open(path: str) -> int:
     except OSError as exc:
         raise _Refused(_refusal(path, exc)) from exc
     info = os.fstat(fd)
+    why = None
     if not stat.S_ISREG(info.st_mode):
+        why = f"not a plain file (mode {stat.filemode(info.st_mode)})"
+    elif info.st_uid != os.geteuid():
+        why = (f"a file owned by uid {info.st_uid}, not by this sidecar's user (uid {os.geteuid()}), as every "
+               "writer of the root is")
+    elif info.st_mode & 0o077:
+        why = (f"a file other users may open (mode {stat.filemode(info.st_mode)}), so may hold: no writer made it "
+               "(ckptd makes it 0600)")
+    if why is not None:
         os.close(fd)
-        raise _Refused(f"not a plain file (mode {stat.filemode(info.st_mode)})")
+        raise _Refused(why)
     return fd
 
 
@@ -123,9 +143,24 @@ def _refuse(job: str, path: str, what: str) -> None:
         _log.error("%s", detail)
 
 
+def _held_elsewhere(job: str, path: str) -> None:
+    """A try found the lock at ``path`` held by another process: reported once tries failed ``LOCK_REPORT_S``."""
+    now = time.monotonic()
+    with _guard:
+        since = _waiting.setdefault(path, now)
+        if now - since < LOCK_REPORT_S or path in _troubles:
+            return
+        detail = (f"{path} is held by another process (lsof or fuser names it) and was not taken for "
+                  f"{now - since:.0f} s: nothing is committed, cleaned or deleted in job {job!r} meanwhile "
+                  "(docs/multihost.md, section 5)")
+        _troubles[path] = LockTrouble(job, path, "held", detail, since)
+    _log.warning("%s", detail)
+
+
 def _settled(path: str) -> None:
     """The lock at ``path`` was taken: whatever was reported about it is over."""
     with _guard:
+        _waiting.pop(path, None)
         gone = _troubles.pop(path, None)
     if gone is not None:
         _said.first(path, "")  # said again if it comes back
@@ -134,7 +169,8 @@ def _settled(path: str) -> None:
 
 
 def lock_troubles(root: str | None = None) -> list[LockTrouble]:
-    """The jobs (under ``root``, or all) whose lock is refused now, oldest first."""
+    """The jobs (under ``root``, or all) whose lock is refused now, or held elsewhere past ``LOCK_REPORT_S``,
+    oldest first."""
     prefix = None if root is None else root.rstrip("/") + "/"
     with _guard:
         found = [t for path, t in _troubles.items() if prefix is None or path.startswith(prefix)]
@@ -172,6 +208,7 @@ def job_lock(storage: Storage, job: str, wait_s: float | None = None) -> Iterato
                 yield False
                 return
             if fd is None:
+                _held_elsewhere(job, path)
                 yield False
                 return
             _settled(path)
@@ -187,4 +224,4 @@ def job_lock(storage: Storage, job: str, wait_s: float | None = None) -> Iterato
                 os.close(fd)  # releases the flock
 
 
-__all__ = ["LOCK_WAIT_S", "LockTrouble", "job_lock", "lock_troubles"]
+__all__ = ["LOCK_REPORT_S", "LOCK_WAIT_S", "LockTrouble", "job_lock", "lock_troubles"]

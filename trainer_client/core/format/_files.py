@@ -35,7 +35,7 @@ EVENTS_SUMMARY_FILE = "summary.json"  # <events dir>/summary.json: what rotated-
 SIDE_EVENTS_DIR = ".ckptd/.events"  # <root>/.ckptd/.events/<job>/: a read-only job's elastic events
 CLAIMS_DIR = ".ckptd/claims"  # <job>/.ckptd/claims/: a multi-process save's claim (docs/multihost.md)
 STAGING_DIR = ".ckptd/staging"  # <job>/.ckptd/staging/: its host parts until the commit
-JOB_LOCK = ".ckptd/lock"  # <job>/.ckptd/lock: flocked by a job's commit and its cleanup (local roots)
+JOB_LOCK = ".ckptd/job.lock"  # <job>/.ckptd/job.lock (0600): flocked by a job's commit and cleanup (local roots)
 PARTS_DIR = "ckptd_parts"  # <step>/ckptd_parts/: the part records of a step committed from host parts
 LEASE_DIR = "leader"  # <job>/.ckptd/leader/: the leadership lease's epochs (docs/multihost.md)
 # an Orbax item's name, as a snapshot or a part record may give it (one plain path segment)
