@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -45,6 +46,7 @@ from tests.support.fenced_saves import (
 from tests.support.gcs_emulator import GcsEmulator
 from trainer_client.core._errors import StorageError
 from trainer_client.core._storage import Storage, join_path
+from trainer_client.core.format import _fates
 from trainer_client.core.format._fates import decide_fate, fate_path, read_fate, read_fate_record
 from trainer_client.core.format._files import COMMIT_MARKER
 from trainer_client.core.format._manifest import crc32c_of, file_entry, read_manifest
@@ -166,16 +168,19 @@ def test_a_cleanup_another_leader_retired_is_not_redone_before_the_save_timeout(
     assert committed_whole(storage, LIVE)
 
 
-def test_a_cleanup_another_leader_retired_is_redone_after_the_save_timeout(storage: Storage) -> None:
+def test_a_cleanup_another_leader_retired_is_redone_after_the_save_timeout(
+        storage: Storage, monkeypatch: pytest.MonkeyPatch) -> None:
     """A leader that retired a save and died half-way: the next one finishes the cleanup once the save timeout
     passed since that decision (and its own decisions at once)."""
+    now = [time.time()]  # the fates' clock, moved by the test: a slow first cleanup cannot pass the 30 s itself
+    monkeypatch.setattr(_fates, "time", SimpleNamespace(time=lambda: now[0]))
     lay_save(storage, DEAD, (0,))
-    decided = {"fate": "retire", "by": "old-leader", "at": time.time() - 29.0}
+    decided = {"fate": "retire", "by": "old-leader", "at": now[0] - 29.0}
     assert storage.create_new(fate_path(storage, JOB, STEP, DEAD), json.dumps(decided).encode())
     record = read_fate_record(storage, JOB, STEP, DEAD)
     assert not isinstance(record, str) and record is not None and record.by == "old-leader"
     assert clean_abandoned_parts(Storage(storage.url), JOB, older_than_s=30.0) == []
-    time.sleep(1.1)
+    now[0] += 1.1  # 30.1 s since the decision
     assert [d.step for d in clean_abandoned_parts(Storage(storage.url), JOB, older_than_s=30.0)] == [STEP]
     assert read_claim(storage, JOB, STEP) is None and not storage.exists(storage.join(JOB, str(STEP)))
 

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from ckptd.catalog._catalog import Catalog
 from ckptd.cli._main import main as ckptd_main
 from tests.support.golden import copy_root
+from tests.support.helpers import wait_until
 from trainer_client.checkpoint_io import _checkpointer as checkpointing
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
@@ -274,15 +275,24 @@ def test_a_step_that_cannot_be_made_durable_is_not_reported_good(root: Path) -> 
     assert cat.latest_good("job").step == N_STEPS - 1  # type: ignore[union-attr]
 
 
+class _Failing(list[int]):
+    """The steps whose manifest fails; ``raised``: those whose failure was raised already."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.raised: list[int] = []
+
+
 @pytest.fixture
-def failing_manifest(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+def failing_manifest(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Failing]:
     """Make the async save of the steps listed fail in Orbax's background thread (as when a slice dies
     during finalization)."""
-    failing: list[int] = []
+    failing = _Failing()
     real = checkpointing.build_manifest
 
     def build(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("step") in failing:
+            failing.raised.append(kwargs["step"])
             raise OSError("simulated: slice lost while the save was finalizing")
         return real(*args, **kwargs)
 
@@ -291,7 +301,7 @@ def failing_manifest(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 
 
 def test_orbax_step_cache_keeps_a_failed_save_but_the_client_never_resumes_from_it(
-    tmp_path: Path, ckptd_server: Any, failing_manifest: list[int]
+    tmp_path: Path, ckptd_server: Any, failing_manifest: _Failing
 ) -> None:
     mesh = _mesh()
     ck = Checkpointer(str(tmp_path / "job"))
@@ -299,10 +309,10 @@ def test_orbax_step_cache_keeps_a_failed_save_but_the_client_never_resumes_from_
     ck.wait()
     failing_manifest.append(20)
     _save(ck, mesh, 20)
-    deadline = time.monotonic() + 30
-    while not (tmp_path / "job" / "20.orbax-checkpoint-tmp").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(1.0)  # the background save has failed by now; nobody has called wait_until_finished
+    # the background save has failed (waited for: on a loaded machine it may take longer than the 1 s slept here,
+    # and the failure cleared below could then let it commit); nobody has called wait_until_finished
+    wait_until(lambda: 20 in failing_manifest.raised, timeout=60, what="step 20's save to fail")
+    assert (tmp_path / "job" / "20.orbax-checkpoint-tmp").exists()
     # The field failure: Orbax's in-memory cache still reports the failed save as the latest step.
     assert ck._manager.latest_step() == 20
     assert not ck._manager.should_save(20)
