@@ -17,6 +17,7 @@ import resource
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,6 +33,7 @@ from tests.support.forged_ocdbt import (
     table,
     varint,
 )
+from tests.support.helpers import SteppingClock
 from trainer_client.core._errors import ArrayIndexError, OcdbtFormatError, OcdbtRefusedError
 from trainer_client.core.format._array_index import read_array_index
 from trainer_client.core.format._ocdbt_index import OcdbtIndex
@@ -107,14 +109,14 @@ def test_a_value_outside_its_file_is_a_format_error(tmp_path: Path) -> None:
         index.read("k")
 
 
-def _refused_quickly(root: Path, match: str, within_s: float = 2.0, **bounds: float) -> None:
+def _refused_quickly(root: Path, match: str, within_s: float = 2.0, **bounds: Any) -> None:
     """``OcdbtIndex(root)`` raises ``OcdbtRefusedError`` matching ``match`` within ``within_s`` seconds, on a thread
     (the reader before these bounds never returned: the test must not hang with it)."""
     outcome: list[BaseException | None] = []
 
     def read() -> None:
         try:
-            OcdbtIndex(root, **bounds)  # type: ignore[arg-type]
+            OcdbtIndex(root, **bounds)
             outcome.append(None)
         except BaseException as exc:
             outcome.append(exc)
@@ -170,11 +172,15 @@ def test_the_node_budget_and_the_deadline_bound_a_tree_of_distinct_nodes(tmp_pat
     assert len(OcdbtIndex(root).values) == 50
     _refused_quickly(root, "more than 20 B\\+tree nodes", max_nodes=20)
     _refused_quickly(root, "more than 40 keys", max_keys=40)
-    # one leaf of 400,000 keys (what a forged manifest's node size allows) against a short deadline
+    # one leaf of 400,000 keys (what a forged manifest's node size allows) against a short deadline: a clock
+    # stepped at each look passes it after a few looks, however fast the machine decodes (a fast one could
+    # read the whole leaf within a real 0.05 s)
     big = Db(tmp_path / "big")
     top = big.add(leaf({i.to_bytes(3, "big"): b"" for i in range(400_000)}), compress=True)
+    clock = SteppingClock(0.02)
     _refused_quickly(big.commit(top, 0, max_decoded=16 << 20), "not read within its deadline of 0.05 s",
-                     deadline_s=0.05)
+                     deadline_s=0.05, clock=clock)
+    assert clock.reads == 4  # the deadline set, then looks (every 4096 numbers decoded): the third is past it
 
 
 def test_decompression_is_bounded_before_it_starts(tmp_path: Path) -> None:

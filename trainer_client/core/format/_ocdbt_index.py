@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from trainer_client.core._errors import OcdbtFormatError, OcdbtRefusedError
@@ -112,15 +113,16 @@ class _NodeRef:
 class OcdbtIndex:
     """The latest version's keys of the OCDBT database rooted at ``root`` (a local directory), read within
     ``deadline_s`` seconds (None: no deadline) from at most ``max_nodes`` nodes holding at most ``max_keys``
-    keys; ``OcdbtRefusedError`` past any of them."""
+    keys; ``OcdbtRefusedError`` past any of them. ``clock``: what the deadline is read from (the monotonic clock
+    unless given)."""
 
     def __init__(self, root: str | Path, *, deadline_s: float | None = DEADLINE_S, max_nodes: int = MAX_NODES,
-                 max_keys: int = MAX_KEYS) -> None:
+                 max_keys: int = MAX_KEYS, clock: Callable[[], float] | None = None) -> None:
         self.root = Path(root)
         self._resolved_root = self.root.resolve()
         self.values: dict[str, ValueRef] = {}
         self._node_limit = _MAX_DECODED_NODE
-        self._budget = Budget(deadline_s, max_nodes, max_keys, MAX_INLINE_BYTES)
+        self._budget = Budget(deadline_s, max_nodes, max_keys, MAX_INLINE_BYTES, clock)
         self._visited: set[tuple[int, int, int]] = set()  # (device, inode, offset) of every node read
         self._inside: set[str] = set()  # data file paths found inside the database
         top = self._manifest_root()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import struct
 import time
+from collections.abc import Callable
 
 import google_crc32c
 
@@ -32,16 +33,19 @@ _CHECK_EVERY = 4096  # numbers (or keys) decoded between two looks at the budget
 
 
 class Budget:
-    """What one read of a database may spend: wall time (``deadline_s``), nodes, keys and inline value bytes."""
+    """What one read of a database may spend: wall time (``deadline_s`` of ``clock``, the monotonic clock unless
+    given), nodes, keys and inline value bytes."""
 
-    def __init__(self, deadline_s: float | None, max_nodes: int, max_keys: int, max_inline_bytes: int) -> None:
+    def __init__(self, deadline_s: float | None, max_nodes: int, max_keys: int, max_inline_bytes: int,
+                 clock: Callable[[], float] | None = None) -> None:
         self.deadline_s = deadline_s
-        self._end = math.inf if deadline_s is None else time.monotonic() + deadline_s
+        self._clock = clock if clock is not None else time.monotonic
+        self._end = math.inf if deadline_s is None else self._clock() + deadline_s
         self.nodes_left, self.keys_left, self.inline_left = max_nodes, max_keys, max_inline_bytes
         self._limits = (max_nodes, max_keys, max_inline_bytes)
 
     def check(self, what: str) -> None:
-        if time.monotonic() > self._end:
+        if self._clock() > self._end:
             raise OcdbtRefusedError(f"{what}: the index was not read within its deadline of {self.deadline_s:g} s")
 
     def node(self, what: str) -> None:
