@@ -15,10 +15,12 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ckptd._peer_lists import hosts_named, parse_map, parse_peers
 from trainer_client.core import protocol as p
+from trainer_client.core._ckptd_url import socket_path_problem
 
 # The value deploy/k8s/secret.example.yaml shows; a token starting like it was copied, not generated.
 PLACEHOLDER_TOKEN_PREFIX = "REPLACE-WITH"
 DEFAULT_PERSIST_NICE = 10  # how far below ckptd the persist worker runs, unless CKPTD_PERSIST_NICE says otherwise
+UDS_MODES = ("0600", "0660")  # of ckptd's unix socket: the owner only, or the owner and the socket's group
 MAX_HOSTS = 100_000  # hosts of one job at most (Kubernetes' limit on an Indexed Job's completions)
 
 
@@ -54,6 +56,14 @@ class Settings(BaseSettings):
         description="listen address; anything but loopback without a token is warned about at startup",
     )
     port: int = Field(default=p.DEFAULT_PORT, ge=0, le=65535, description="listen port (clear of libtpu's 8470-8479)")
+    uds: str | None = Field(
+        default=None,
+        description="listen on this unix socket instead of host:port (trainers: CKPTD_URL=unix:///ABS/PATH); its "
+        "mode (CKPTD_UDS_MODE) is the access rule, its directory may not be writable by others",
+    )
+    uds_mode: str = Field(
+        default="0600", description="the unix socket's mode: 0600 (this user only) or 0660 (and the socket's group)",
+    )
     token: str | None = Field(default=None, repr=False, description="bearer token required on /v1 routes when set")
     token_file: str | None = Field(
         default=None,
@@ -298,10 +308,28 @@ class Settings(BaseSettings):
             raise ValueError(f"the host index {index} (CKPTD_HOST_INDEX or JOB_COMPLETION_INDEX, with "
                              "CKPTD_SLICE_INDEX x CKPTD_HOSTS_PER_SLICE when set) is not below the host count "
                              f"{count} (CKPTD_HOST_COUNT, else the hosts CKPTD_PEERS names)")
+        self._check_uds()
         bad = sorted(name for name in self.read_only_job_names() if not p.is_valid_job_name(name))
         if bad:
             raise ValueError(f"CKPTD_READ_ONLY_JOBS names invalid job names: {bad}")
         return self
+
+    def _check_uds(self) -> None:
+        """``uds`` made absolute and checked (it must fit in ``sun_path``; empty: unset), ``uds_mode`` one of the two
+        modes."""
+        if self.uds_mode.removeprefix("0o").rjust(4, "0") not in UDS_MODES:
+            raise ValueError(f"CKPTD_UDS_MODE {self.uds_mode!r} must be 0600 (this user only) or 0660 (this user and "
+                             "the socket's group): file permissions are who may reach ckptd over its socket")
+        if not self.uds:  # an empty CKPTD_UDS: TCP, as when unset
+            self.uds = None
+            return
+        self.uds = os.path.abspath(self.uds)
+        if (problem := socket_path_problem(self.uds)) is not None:
+            raise ValueError(f"CKPTD_UDS (--uds): {problem}")
+
+    def socket_mode(self) -> int:
+        """``uds_mode`` as a number (0o600 or 0o660)."""
+        return int(self.uds_mode.removeprefix("0o"), 8)
 
     def this_host(self) -> tuple[int, int] | None:
         """``(this host's index, the hosts)`` when both are known: the index from ``CKPTD_HOST_INDEX`` (else
@@ -345,4 +373,5 @@ class CliSettings(BaseSettings):
     )
 
 
-__all__ = ["DEFAULT_PERSIST_NICE", "MAX_HOSTS", "PLACEHOLDER_TOKEN_PREFIX", "CliSettings", "Settings", "token_problem"]
+__all__ = ["DEFAULT_PERSIST_NICE", "MAX_HOSTS", "PLACEHOLDER_TOKEN_PREFIX", "UDS_MODES", "CliSettings", "Settings",
+           "token_problem"]

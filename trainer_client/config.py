@@ -1,6 +1,7 @@
 """trainer_client's settings: the one place where the library reads its environment (prefix ``CKPTD_``).
 
-``CKPTD_URL`` (where the sidecar listens), ``CKPTD_TOKEN`` (bearer token), ``CKPTD_SHM_DIR`` (the
+``CKPTD_URL`` (where the sidecar listens: ``http://HOST:PORT``, or ``unix:///ABS/PATH`` for its unix socket, parsed
+by ``trainer_client.core._ckptd_url``), ``CKPTD_TOKEN`` (bearer token), ``CKPTD_SHM_DIR`` (the
 host-memory tier), ``CKPTD_TIMEOUT_S`` (per request), ``CKPTD_RESUME_DEADLINE_S`` (how long a resume may
 wait for the sidecar before the client scans storage itself), ``CKPTD_REPORT_EVENTS`` and
 ``CKPTD_EVENTS_FLUSH_TIMEOUT_S`` (the background event reporter, ``trainer_client.client._event_reporter``),
@@ -18,9 +19,10 @@ a module builds its own only as the default when none are passed.
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from trainer_client.core._ckptd_url import parse_ckptd_url
 from trainer_client.core.protocol import DEFAULT_PORT
 
 
@@ -29,7 +31,11 @@ class ClientSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="CKPTD_", extra="ignore")
 
-    url: str = Field(default=f"http://127.0.0.1:{DEFAULT_PORT}", description="base URL of the ckptd sidecar")
+    url: str = Field(
+        default=f"http://127.0.0.1:{DEFAULT_PORT}",
+        description="where the ckptd sidecar answers: its base URL (http://HOST:PORT), or unix:///ABS/PATH/TO.sock for "
+        "its unix socket (`ckptd serve --uds`)",
+    )
     token: str | None = Field(default=None, repr=False, description="bearer token sent on /v1 routes")
     timeout_s: float = Field(default=2.0, gt=0, description="timeout of one HTTP request")
     shm_dir: str | None = Field(
@@ -64,6 +70,14 @@ class ClientSettings(BaseSettings):
         "(trainer_client.runtime._restore_budget); unset: no cap (on accelerators the direct reader still batches "
         "at 4 GiB)",
     )
+
+    @field_validator("url")
+    @classmethod
+    def _known_form(cls, url: str) -> str:
+        """A malformed URL (no scheme, a relative socket path, one too long for a socket) is refused here, in one
+        line, not at the first request."""
+        parse_ckptd_url(url)
+        return url
 
 
 __all__ = ["ClientSettings"]

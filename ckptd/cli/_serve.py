@@ -4,10 +4,13 @@ Before anything runs, what would make the server useless is refused with one lin
 non-zero exit, never a traceback and never after "startup complete": invalid settings (exit 2), a local
 root that does not exist (exit 2; ``--create-root`` creates it, with a warning) or is no readable
 directory, a port that cannot be bound (exit 1: the socket is bound here, before uvicorn starts the
-application). Listening beyond loopback without a token is allowed (the container image does it) but
-warned about loudly. The flags' help shows each setting's default and environment variable. Once it answers, it
-logs where (``serving_line``: the root, the URL with the port bound, the dashboard, ``/docs``, ``/metrics``). In the
-base install, without the server's libraries, it says which install has them (``pip install 'ckptd[server]'``).
+application), a unix socket (``--uds PATH``, ``CKPTD_UDS``: instead of host and port) that may not be
+listened on (exit 1: a path that is no socket, a live one, an unsafe directory: ckptd/cli/_unix_listener.py).
+Listening beyond loopback without a token is allowed (the container image does it) but warned about loudly.
+The flags' help shows each setting's default and environment variable. Once it answers, it logs where
+(``serving_line``: the root, the URL with the port bound or the socket, the dashboard, ``/docs``,
+``/metrics``). In the base install, without the server's libraries, it says which install has them
+(``pip install 'ckptd[server]'``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ckptd.cli._unix_listener import bind_unix, identity, release
 from ckptd.config import Settings
+from trainer_client.core._ckptd_url import UDS_BASE_URL, unix_url
 from trainer_client.core._extras import needs_extra
 
 EXIT_OK = 0
@@ -34,8 +39,8 @@ SWITCH_INTERVAL_S = 0.001
 _log = logging.getLogger("ckptd.serve")
 
 # flag -> setting; every flag overrides the CKPTD_ variable of the same name
-_FLAGS = {"--root": "root", "--host": "host", "--port": "port", "--state-dir": "state_dir", "--shm-dir": "shm_dir",
-          "--lease-ttl-s": "lease_ttl_s"}
+_FLAGS = {"--root": "root", "--host": "host", "--port": "port", "--uds": "uds", "--uds-mode": "uds_mode",
+          "--state-dir": "state_dir", "--shm-dir": "shm_dir", "--lease-ttl-s": "lease_ttl_s"}
 
 
 def _help(name: str) -> str:
@@ -53,9 +58,13 @@ def add_parser(sub: Any) -> None:
         "serve", help="serve the HTTP API (settings: flags, else CKPTD_* variables)",
         description="Serve the HTTP API until SIGTERM or SIGINT. Each flag overrides its CKPTD_* variable; every "
         "other setting (limits, token, retention, ...: docs/protocol.md) comes from the environment. A local root "
-        "must exist, the port must be free: otherwise one line on stderr and exit 2 or 1.")
+        "must exist, the port must be free: otherwise one line on stderr and exit 2 or 1. With --uds PATH it listens "
+        "on a unix socket instead of host:port (trainers: CKPTD_URL=unix:///PATH): the socket's mode (0600, or "
+        "0660 with --uds-mode) is who may connect, in a directory of this user's that others may not write; a "
+        "stale socket is replaced, a live one or any other file is refused (exit 1).")
     for flag, name in _FLAGS.items():
-        serve.add_argument(flag, type=int if name == "port" else str, help=_help(name))
+        serve.add_argument(flag, type=int if name == "port" else str, help=_help(name),
+                           metavar={"uds": "PATH", "uds_mode": "MODE"}.get(name))
     serve.add_argument("--create-root", action="store_true", default=None, help=_help("create_root"))
     serve.add_argument("--read-only", action="store_true", default=None, help=_help("read_only"))
     serve.set_defaults(func=run)
@@ -109,12 +118,28 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _listen(settings: Settings) -> socket.socket:
+    """The listening socket: the unix socket ``settings.uds`` (``ValueError``: why not, in one line), else
+    ``host:port`` (``OSError``), warned about when it is beyond loopback without a token."""
+    if settings.uds is not None:
+        return bind_unix(settings.uds, settings.socket_mode())
+    if settings.token is None and not _is_loopback(settings.host):
+        _log.warning("NO TOKEN: listening on %s without a bearer token, so anyone who can reach port %d can list "
+                     "jobs, read plans and post events; set CKPTD_TOKEN_FILE or CKPTD_TOKEN (docs/operations.md, "
+                     "Security)", settings.host, settings.port)
+    return _bind(settings.host, settings.port)
+
+
 def serving_line(settings: Settings, sock: socket.socket) -> str:
-    """Where the server answers, for its log: the root, the URL (the port bound, when 0 was asked for) and the pages
-    a person opens there."""
+    """Where the server answers, for its log: the root, the URL (the port bound, when 0 was asked for; a unix
+    socket's ``unix://`` URL and mode) and the pages a person opens there."""
+    mode = ", read-only" if settings.read_only else ""
+    if sock.family == socket.AF_UNIX:
+        path = sock.getsockname()
+        return (f"serving the checkpoint root {settings.root}{mode} at {unix_url(path)} (mode {settings.uds_mode}): "
+                f"curl --unix-socket {path} {UDS_BASE_URL}/healthz; dashboard /, API docs /docs, metrics /metrics")
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-    mode = ", read-only" if settings.read_only else ""
     return (f"serving the checkpoint root {settings.root}{mode} at {url}: dashboard {url}/, API docs {url}/docs, "
             f"metrics {url}/metrics")
 
@@ -140,17 +165,18 @@ def run(args: argparse.Namespace) -> int:
     # ckptd's own loggers (persists, quarantines, refresh failures) at the same level as uvicorn's
     level = 5 if settings.log_level.lower() == "trace" else settings.log_level.upper()  # uvicorn's own level
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.uds is not None and (getattr(args, "host", None), getattr(args, "port", None)) != (None, None):
+        return _fail("--uds replaces --host and --port: give the socket or the address, not both", EXIT_USAGE)
     problem = _check_root(settings)
     if problem is not None:
         return _fail(problem, EXIT_USAGE)
-    if settings.token is None and not _is_loopback(settings.host):
-        _log.warning("NO TOKEN: listening on %s without a bearer token, so anyone who can reach port %d can list "
-                     "jobs, read plans and post events; set CKPTD_TOKEN_FILE or CKPTD_TOKEN (docs/operations.md, "
-                     "Security)", settings.host, settings.port)
     try:
-        sock = _bind(settings.host, settings.port)
+        sock = _listen(settings)
+    except ValueError as exc:  # the unix socket's refusals, one line each
+        return _fail(str(exc), EXIT_BAD)
     except OSError as exc:
         return _fail(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}", EXIT_BAD)
+    bound = identity(settings.uds) if settings.uds is not None else None
     app = create_app(settings, sidecar=build_sidecar(settings))  # the composition root (ckptd/_sidecar.py)
     # Answers are short; background passes (refresh, metrics, persist bookkeeping) are long and CPU-bound.
     # A 1 ms GIL switch interval (Python's default is 5 ms) keeps a background pass from adding its whole
@@ -164,9 +190,23 @@ def run(args: argparse.Namespace) -> int:
             if self.started:  # said once it answers, not before (a failed startup says why instead)
                 _log.info("%s", served)
 
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            try:
+                await super().shutdown(sockets=sockets)
+            finally:  # here, not after run(): uvicorn raises the SIGTERM it caught again once run() ends
+                unbind()
+
+    def unbind() -> None:
+        """The socket file goes with the server (unless another server's took its place)."""
+        if settings.uds is not None:
+            release(settings.uds, bound)
+
     server = Server(server_config(app, settings))
-    with sock:
-        server.run(sockets=[sock])
+    try:
+        with sock:
+            server.run(sockets=[sock])
+    finally:
+        unbind()
     return EXIT_OK if server.started else EXIT_BAD  # not started: the application's startup failed (logged)
 
 __all__ = ["add_parser", "run", "serving_line"]

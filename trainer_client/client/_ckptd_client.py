@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from trainer_client.client._http import ckptd_http
 from trainer_client.client._retry import RetryPolicy, retry
 from trainer_client.config import ClientSettings
 from trainer_client.core import protocol as p
@@ -56,13 +57,7 @@ class CkptdClient:
     ) -> None:
         self.settings = settings or ClientSettings()
         self.root = root
-        headers = {"Authorization": f"Bearer {self.settings.token}"} if self.settings.token else {}
-        self._http = httpx.Client(
-            base_url=self.settings.url,
-            timeout=httpx.Timeout(self.settings.timeout_s),
-            headers=headers,
-            transport=transport,
-        )
+        self._http = ckptd_http(self.settings, transport=transport)  # TCP, or a unix socket (unix:///PATH)
         self._tagged: dict[str, tuple[str, BaseModel]] = {}  # url -> (ETag, the answer it tags): If-None-Match
         self._policy = RetryPolicy(
             max_attempts=4, initial_backoff_s=0.1, max_backoff_s=1.0, deadline_s=self.settings.resume_deadline_s

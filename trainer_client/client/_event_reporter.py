@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
+from trainer_client.client._http import ckptd_http
 from trainer_client.config import ClientSettings
 from trainer_client.core import protocol as p
 
@@ -75,9 +76,7 @@ class EventReporter:
         self._kicks = 0  # bumped by every flush: the thread cuts its backoff short
         self._thread: threading.Thread | None = None
         self._last_log = float("-inf")
-        headers = {"Authorization": f"Bearer {settings.token}"} if settings.token else {}
-        self._http = httpx.Client(base_url=settings.url, timeout=httpx.Timeout(settings.timeout_s), headers=headers,
-                                  transport=transport)
+        self._http = ckptd_http(settings, transport=transport)  # TCP, or a unix socket (unix:///PATH)
         self._url = p.ROUTE_EVENTS.format(job=job)
 
     @property
