@@ -162,11 +162,12 @@ def test_concurrent_copies_are_charged_against_the_capacity_before_any_is_receiv
         chans = [connect(address(listener), SECRET.encode(), 10) for _ in range(4)]
         try:
             accepted: list[Channel] = []
+            jobs: list[str] = []
             refused: list[str] = []
             for k, chan in enumerate(chans):
                 chan.send_header({"op": "put", "job": f"job{k}", "origin": 0, "count": 2, "step": 10, "held": [10],
                                   "meta": len(raw), "data": nbytes})
-            for chan in chans:
+            for k, chan in enumerate(chans):
                 try:
                     answer = chan.expect_ok()
                 except PeerError as exc:
@@ -174,6 +175,7 @@ def test_concurrent_copies_are_charged_against_the_capacity_before_any_is_receiv
                     continue
                 assert answer["have"] is False
                 accepted.append(chan)
+                jobs.append(f"job{k}")
             for chan in accepted:
                 chan.send_bytes(raw)
                 with (part / "data.bin").open("rb") as data:
@@ -187,8 +189,9 @@ def test_concurrent_copies_are_charged_against_the_capacity_before_any_is_receiv
         assert listener.store.copy_bytes() == 2 * nbytes <= capacity
         assert listener.stats.received == 2
         # the charges of the copies received are released: once one goes, another fits again
-        listener.store.prune("job0", 0, set())
+        listener.store.prune(jobs[0], 0, set())
+        again = next(f"job{k}" for k in range(4) if f"job{k}" not in jobs)
         with connect(address(listener), SECRET.encode(), 10) as chan:
-            chan.send_header({"op": "put", "job": "job3", "origin": 0, "count": 2, "step": 10, "held": [10],
+            chan.send_header({"op": "put", "job": again, "origin": 0, "count": 2, "step": 10, "held": [10],
                               "meta": len(raw), "data": nbytes})
             assert chan.expect_ok()["have"] is False
