@@ -9,7 +9,8 @@ killed right after ``save`` returns — and evicts old ones. Memory is bounded: 
 per job, and a snapshot that does not fit in the free shared memory is refused with a clear error
 (``MemoryTierFull``) instead of failing halfway.
 
-``restore_snapshot`` builds the arrays for a new mesh straight from a memory map of the snapshot.
+``restore_snapshot`` builds the arrays for a new mesh from the snapshot's bytes, each shard checked as it is
+read, each array handed to the devices while the next are read (``_host_pipeline``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 import xxhash
 
 from trainer_client.checkpoint_io._state_tree import describe_paths, is_value, leaf_name, restored_leaf, with_values
+from trainer_client.core._dtypes import np_dtype
 from trainer_client.core._errors import StoredFormatError
 from trainer_client.core.format._files import (
     DEFAULT_ITEM,
@@ -49,17 +51,17 @@ from trainer_client.core.format._snapshot import (
     ShardRecord,
     SnapshotMeta,
     complete_snapshots,
-    damaged_shards,
     drop_leftovers,
     evict_oldest,
     job_dir,
     map_data,
     read_meta,
 )
-from trainer_client.core.format._snapshot_shards import ShardReader, index_bounds
+from trainer_client.core.format._snapshot_shards import ShardReader, aligned_empty, index_bounds
 from trainer_client.core.format._tree_paths import TreeEntry, decode_value
 from trainer_client.core.protocol import TrainingMetadata
 from trainer_client.errors import MemoryTierFull
+from trainer_client.runtime._host_pipeline import ACCELERATOR_HOST_BYTES, stream_to_devices
 from trainer_client.runtime._job_store import job_incarnation
 from trainer_client.runtime._memory_spare import leaf_bytes, make_spare, snapshot_bytes
 
@@ -289,21 +291,36 @@ class MemoryTier:
 _CHECKSUM_THREADS = 2
 
 
-def restore_snapshot(path: str | os.PathLike[str], target: PyTree) -> PyTree:
-    """The snapshot's state laid out like ``target`` (``ShapeDtypeStruct`` leaves with shardings), each
-    device's shard taken from a copy-on-write memory map of the snapshot: no disk, and no copy where a
-    target shard is a saved shard (other regions are assembled from the shards they overlap). Every shard's
-    checksum is checked first (``StoredFormatError`` when one differs). The leaves saved as values come from
-    the snapshot's record, as their target asks (``state_tree.restored_leaf``: what Orbax's restore gives)."""
+def restore_snapshot(path: str | os.PathLike[str], target: PyTree, *, threads: int | None = None,
+                     host_bytes: int | None = None) -> PyTree:
+    """The snapshot's state laid out like ``target`` (``ShapeDtypeStruct`` leaves with shardings).
+
+    ``data.bin`` is mapped read-only at once (``map_data(populate=True)``), and each saved shard's XXH3 is
+    checked by ``threads`` threads (default: one per core); an array is handed to jax as soon as every shard
+    it needs passed, while the others are still checked (``_host_pipeline``): the checks run beside the
+    transfers, and nothing unchecked is transferred. On an accelerator a transfer reads the shards straight
+    from the map (no copy on the host; regions of a mesh other than the saved one are assembled from the
+    checked shards, at most ``host_bytes`` of them held at once, default ``ACCELERATOR_HOST_BYTES``), and the
+    map is held until every transfer from it is complete. On CPU devices, whose arrays take host buffers as
+    they are, each shard is copied into an aligned buffer of this process's own and checked there: no restored
+    array shares memory with the snapshot, which ckptd evicts or replaces at its own time, and the bytes
+    checked are the bytes restored.
+
+    Any damage (a checksum that differs, a short file) raises ``StoredFormatError`` and returns no array: the
+    arrays built already are deleted, nothing corrupt is resumed from, and the caller falls back to storage.
+    The leaves saved as values come from the snapshot's record, as their target asks
+    (``state_tree.restored_leaf``: what Orbax's restore gives)."""
     meta = read_meta(path)
     all_leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
     saved = [entry for entry in meta.tree if entry.kind in ("array", "value")]
     if len(all_leaves) != len(saved):
         raise ValueError(f"snapshot of step {meta.step} has {len(saved)} leaves, the target {len(all_leaves)}")
-    data = map_data(path, meta, private=True)
-    damaged = damaged_shards(data, meta)  # nothing corrupt is resumed from: the caller falls back to storage
-    if damaged:
-        raise StoredFormatError(f"memory snapshot {path} is damaged: {'; '.join(damaged[:4])}")
+    on_host = _on_cpu([want for _, want in all_leaves])
+    try:
+        data = map_data(path, meta, populate=True)
+    except OSError as exc:
+        raise StoredFormatError(f"memory snapshot {path} is damaged: {exc}") from exc
+    read = _Shards(data, str(path), copy=on_host)  # the map goes once nothing views it: after every transfer
     values: dict[int, Any] = {}  # target leaf index -> the value restored there
     arrays: list[tuple[Any, str]] = []  # (target leaf, the snapshot's array) for the arrays restored
     names = iter(meta.leaf_names)
@@ -315,36 +332,94 @@ def restore_snapshot(path: str | os.PathLike[str], target: PyTree) -> PyTree:
         if name is None or name not in meta.arrays:
             raise StoredFormatError(f"snapshot {path}: its tree and its arrays differ")
         if is_value(want):  # a saved (0-d) array asked for as a value
-            values[k] = restored_leaf(ShardReader(data, meta.arrays[name])(None), want, leaf_name(where))
+            record = meta.arrays[name]
+            reader = ShardReader(None, record, views=read.checked(name, record))
+            values[k] = restored_leaf(reader(None), want, leaf_name(where))
         else:
             arrays.append((want, name))
-    leaves = [want for want, _ in arrays]
     if meta.is_part:  # one host's part holds only the regions its devices had: the target must need no other
         _check_part_covers(path, meta, arrays)
-    readers = []
     for want, name in arrays:
         record = meta.arrays[name]
         if tuple(want.shape) != tuple(record.shape):
-            raise ValueError(f"snapshot array {name} of shape {record.shape} does not fit a target of {want.shape}")
-        # Views of a copy-on-write map, not copies: a device's shard aliases the snapshot's pages (on CPU jax
-        # takes an aligned view as is). A step that donates these buffers writes into private pages, never
-        # into the snapshot; evicting the snapshot unlinks the file, and the mapping keeps its pages.
-        readers.append(ShardReader(data, record, copy=False))
-    assembled = _assemble_resharded(leaves, readers)
-    out = []
-    for want, reader, regions in zip(leaves, readers, assembled, strict=True):
+            raise ValueError(f"snapshot array {name} of shape {record.shape} does not fit a target of "
+                             f"{want.shape}")
+    sizes = [_held_bytes(want, meta.arrays[name], views=not on_host) for want, name in arrays]
 
-        def shard(index: tuple[slice, ...] | None, reader: ShardReader = reader,
-                  regions: dict[Any, np.ndarray] = regions) -> np.ndarray:
-            # the devices of a replicated axis share one region, as jax shares one buffer for replicas
-            # (XLA's CPU client never writes a donated buffer it took from the host in place)
-            ready = regions.get(reader.bounds(index))
-            return ready if ready is not None else reader(index)
+    def prepare(item: tuple[Any, str]) -> dict[Any, np.ndarray]:
+        want, name = item
+        record = meta.arrays[name]
+        reader = ShardReader(None, record, views=read.checked(name, record))
+        shape = tuple(want.shape)
+        needed = {reader.bounds(i) for i in want.sharding.addressable_devices_indices_map(shape).values()}
+        # the devices of a replicated axis share one region, as jax shares one buffer for replicas
+        # (XLA's CPU client never writes a donated buffer it took from the host in place)
+        return {bounds: reader.exact[bounds] if bounds in reader.exact else reader.assemble(bounds)
+                for bounds in needed}
 
-        out.append(jax.make_array_from_callback(want.shape, want.sharding, shard, dtype=want.dtype))
+    def build(item: tuple[Any, str], regions: dict[Any, np.ndarray]) -> jax.Array:
+        want, _ = item
+        shape = tuple(want.shape)
+        return jax.make_array_from_callback(
+            shape, want.sharding, lambda index: regions[index_bounds(index, shape)], dtype=want.dtype)
+
+    out = stream_to_devices(arrays, sizes, prepare, build, threads=threads or os.cpu_count() or 1,
+                            budget=None if on_host else (host_bytes or ACCELERATOR_HOST_BYTES))
     built = iter(out)
     return jax.tree_util.tree_unflatten(treedef, [values[k] if k in values else next(built)
                                                   for k in range(len(all_leaves))])
+
+
+class _Shards:
+    """The saved shards of a snapshot, checked against their XXH3 as they are taken (xxhash releases the GIL:
+    several threads at once). From a populated read-only map of ``data.bin``: views of it (``copy=False``:
+    what an accelerator's transfer reads, no copy on the host), or copies into aligned buffers of this
+    process's own, each checked after it is copied (``copy=True``: CPU devices, whose arrays take the buffers
+    as they are and so must never share memory with the snapshot)."""
+
+    def __init__(self, data: np.ndarray, path: str, *, copy: bool) -> None:
+        self.data = data
+        self.path = path
+        self.copy = copy
+
+    def checked(self, name: str, record: ArrayRecord) -> list[np.ndarray]:
+        dtype = np_dtype(record.dtype)
+        out = []
+        for k, shard in enumerate(record.shards):
+            extent = [stop - start for start, stop in shard.index]
+            if math.prod(extent) * dtype.itemsize != shard.nbytes or shard.offset + shard.nbytes > len(self.data):
+                raise StoredFormatError(f"memory snapshot {self.path} is damaged: {name} shard {k}'s extent does "
+                                        "not match its bytes")
+            view = self.data[shard.offset : shard.offset + shard.nbytes]
+            if self.copy:
+                buffer = aligned_empty(extent, dtype)
+                raw = buffer.reshape(-1).view(np.uint8)
+                raw[...] = view
+                view = raw
+            digest = xxhash.xxh3_64_intdigest(view.data)
+            if digest != shard.xxh3:
+                raise StoredFormatError(f"memory snapshot {self.path} is damaged: {name} shard {k}: XXH3 "
+                                        f"{digest:016x}, recorded {shard.xxh3:016x}")
+            out.append(view.view(dtype).reshape(extent))
+        return out
+
+
+def _on_cpu(leaves: list[Any]) -> bool:
+    """Whether every device the target leaves are laid out on is a CPU device (whose arrays take host
+    buffers as they are)."""
+    return all(d.platform == "cpu" for want in leaves
+               for d in getattr(getattr(want, "sharding", None), "addressable_devices", ()))
+
+
+def _held_bytes(want: Any, record: ArrayRecord, *, views: bool) -> int:
+    """Host bytes one array's restore holds: the copies of its saved shards (none when they are ``views`` of
+    the map), and the regions assembled from them."""
+    shape = tuple(want.shape)
+    exact = {tuple(tuple(b) for b in s.index) for s in record.shards}
+    regions = {index_bounds(i, shape) for i in want.sharding.addressable_devices_indices_map(shape).values()}
+    itemsize = np_dtype(record.dtype).itemsize
+    return (0 if views else sum(s.nbytes for s in record.shards)) + sum(
+        math.prod(hi - lo for lo, hi in r) * itemsize for r in regions if r not in exact)
 
 
 def _check_part_covers(path: str | os.PathLike[str], meta: SnapshotMeta, arrays: list[tuple[Any, str]]) -> None:
@@ -360,28 +435,6 @@ def _check_part_covers(path: str | os.PathLike[str], meta: SnapshotMeta, arrays:
                 raise StoredFormatError(f"memory snapshot {path} (process {meta.process_index} of "
                                         f"{meta.process_count}'s part) does not hold {name}{list(bounds)}, which "
                                         "this process's devices need")
-
-
-_ASSEMBLY_THREADS = 4
-
-
-def _assemble_resharded(leaves: list[Any], readers: list[ShardReader]) -> list[dict[Any, np.ndarray]]:
-    """Per array, the regions this process's devices need that are not saved shards (a mesh other than the
-    saved one), assembled by a few threads at once: on the way to a smaller mesh every byte is copied, and
-    one thread copying 2 GiB made a restore from memory slower than one from a cold disk."""
-    wanted: list[tuple[int, Any]] = []
-    for k, (want, reader) in enumerate(zip(leaves, readers, strict=True)):
-        needed = {reader.bounds(i) for i in want.sharding.addressable_devices_indices_map(tuple(want.shape)).values()}
-        wanted.extend((k, bounds) for bounds in sorted(needed) if bounds not in reader.exact)
-    assembled: list[dict[Any, np.ndarray]] = [{} for _ in leaves]
-    if not wanted:
-        return assembled
-    threads = max(1, min(len(wanted), os.cpu_count() or 1, _ASSEMBLY_THREADS))
-    with ThreadPoolExecutor(threads, thread_name_prefix="snapshot-reshard") as pool:
-        for (k, bounds), region in zip(wanted, pool.map(lambda w: readers[w[0]].assemble(w[1]), wanted),
-                                       strict=True):
-            assembled[k][bounds] = region
-    return assembled
 
 
 __all__ = ["MemoryTier", "MemoryTierFull", "restore_snapshot"]

@@ -8,6 +8,7 @@ format itself is ``snapshot.py``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -18,20 +19,27 @@ from trainer_client.core.format._snapshot import SHARD_ALIGN, ArrayRecord
 class ShardReader:
     """Regions of one array of a snapshot, read from the memory map of its ``data.bin``.
 
-    Called with a tuple of slices (what ``jax.make_array_from_callback`` passes). A region that is exactly a
+    The shards are views of the memory map ``data`` of ``data.bin``, or with ``views`` the shards' bytes
+    already read into arrays of their own, in ``record``'s order. Called with a tuple of slices (what
+    ``jax.make_array_from_callback`` passes). A region that is exactly a
     saved shard is that shard: a copy of it, or with ``copy=False`` a read-only view of the map (no copy at
     all; the caller must not let it be written to, nor outlive the snapshot). Any other region is assembled
     from the shards that overlap it, into a new array.
     """
 
-    def __init__(self, data: np.ndarray, record: ArrayRecord, *, copy: bool = True) -> None:
+    def __init__(self, data: np.ndarray | None, record: ArrayRecord, *, copy: bool = True,
+                 views: Sequence[np.ndarray] | None = None) -> None:
         self.shape = tuple(record.shape)
         self.dtype = np_dtype(record.dtype)
         self.copy = copy
         self.shards: list[tuple[tuple[tuple[int, int], ...], np.ndarray]] = []
-        for shard in record.shards:
+        for k, shard in enumerate(record.shards):
             extent = [stop - start for start, stop in shard.index]
-            view = data[shard.offset : shard.offset + shard.nbytes].view(self.dtype).reshape(extent)
+            if views is not None:  # the shards already read (and checked) into buffers of their own
+                view = views[k]
+            else:
+                assert data is not None, "a ShardReader reads from a map of data.bin or from the shards' views"
+                view = data[shard.offset : shard.offset + shard.nbytes].view(self.dtype).reshape(extent)
             self.shards.append((tuple((start, stop) for start, stop in shard.index), view))
         self.exact = dict(self.shards)
 
