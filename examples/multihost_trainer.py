@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--count", type=int, required=True)
     parser.add_argument("--coordinator", required=True, help="host:port of process 0's coordination service")
-    parser.add_argument("--url", required=True, help="this host's ckptd")
+    parser.add_argument("--url", required=True, help="this host's ckptd: http://HOST:PORT or unix:///PATH")
     parser.add_argument("--shm", required=True, help="this host's shared-memory directory")
     parser.add_argument("--root", required=True)
     parser.add_argument("--job", required=True)
