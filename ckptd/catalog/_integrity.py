@@ -64,6 +64,7 @@ from trainer_client.core.format._manifest import (
 )
 from trainer_client.core.format._records import RecordPlace, record_paths
 from trainer_client.core.format._steps import StepInspection, parse_step_name
+from trainer_client.core.format._stored_extents import contradiction_summary, stored_contradictions
 from trainer_client.core.protocol import StepState
 
 _log = logging.getLogger(__name__)
@@ -251,6 +252,11 @@ def settle(storage: Storage, inspection: StepInspection, *, adopt_after_s: float
             newest = newest_file_time(storage, path)
             if adopt_after_s > 0 and (newest is None or time.time() - newest < adopt_after_s):
                 return Settled(StepState.COMMITTED, f"not verified yet: adopting once unchanged for {adopt_after_s:g}s")
+            contradictions = stored_contradictions(storage, path)  # before it counts (_stored_extents.py)
+            if contradictions:
+                reason = contradiction_summary(contradictions)
+                quarantine(storage, path, reason, contradictions, read_only=read_only)
+                return Settled(StepState.QUARANTINED, reason)
             manifest = build_manifest(
                 storage, path, step=inspection.step, writer="adopted",
                 arrays=inspection.training.arrays if inspection.training else None, training=inspection.training,

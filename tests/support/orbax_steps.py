@@ -368,7 +368,7 @@ def training_metadata(
 # A saved layout with a model-parallel axis: (data=2, model=4); it cannot run on fewer than 4 devices.
 MODEL_PARALLEL_MESH: tuple[tuple[str, ...], tuple[int, ...]] = (("data", "model"), (2, 4))
 MODEL_PARALLEL_ARRAYS: dict[str, dict[str, Any]] = {
-    "params.w": {"shape": [8, 16], "dtype": "float32", "partition_spec": ["data", "model"]},
+    "params.w": {"shape": [4, 8], "dtype": "float32", "partition_spec": ["data", "model"]},  # as stored
 }
 
 

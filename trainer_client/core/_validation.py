@@ -41,6 +41,7 @@ from trainer_client.core.format._steps import (
     parse_step_name,
     step_entries,
 )
+from trainer_client.core.format._stored_extents import stored_contradictions
 from trainer_client.core.protocol import StepState, TrainingMetadata
 
 Level = Literal["quick", "deep"]
@@ -191,8 +192,8 @@ def latest_good_on_storage(
         if part_problems(storage, entry.path):  # committed from host parts: every part's record must be there
             continue
         result = validate_step(storage, entry.path, "quick")
-        if result.ok or result.problems == ["no manifest"]:
-            return inspection
+        if result.ok or (result.problems == ["no manifest"] and not stored_contradictions(storage, entry.path)):
+            return inspection  # a step ckptd would adopt: only if its metadata agrees with its data
     return None
 
 
