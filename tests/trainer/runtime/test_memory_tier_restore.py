@@ -6,6 +6,7 @@ done, and on CPU no restored array sharing memory with the snapshot. Speed is th
 from __future__ import annotations
 
 import gc
+import shutil
 import threading
 import weakref
 from pathlib import Path
@@ -17,11 +18,13 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tests.trainer.runtime import test_direct_restore as direct_cases
 from trainer_client.core._errors import StoredFormatError
 from trainer_client.core.format._files import SNAPSHOT_DATA_FILE
 from trainer_client.core.format._snapshot import map_data, read_meta
-from trainer_client.runtime import _memory_tier
-from trainer_client.runtime._checkpointing import training_metadata
+from trainer_client.runtime import _direct_restore, _memory_tier
+from trainer_client.runtime._checkpointing import leaf_name, training_metadata
+from trainer_client.runtime._direct_restore import restore_direct
 from trainer_client.runtime._host_pipeline import stream_to_devices
 from trainer_client.runtime._memory_tier import MemoryTier, restore_snapshot
 
@@ -170,3 +173,19 @@ def test_a_failed_check_drops_what_was_built_and_raises_the_first_failure() -> N
     with pytest.raises(StoredFormatError, match="shard 3 damaged"):
         stream_to_devices(list(range(8)), [8] * 8, prepare, build, threads=1)
     assert log == [] and built and all(t.deleted for t in built) and len(built) <= 3
+
+
+@pytest.mark.parametrize("case", sorted(direct_cases.TARGETS))
+def test_the_direct_readers_accelerator_path_reads_the_mapped_files_exactly(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    values = direct_cases._save(tmp_path / "job")
+    monkeypatch.setattr(_direct_restore, "_on_cpu", lambda sharding: False)  # as on an accelerator
+    mesh_shape, names, specs = direct_cases.TARGETS[case]
+    target = direct_cases._target(direct_cases._mesh(mesh_shape, names), specs)
+    out = restore_direct(tmp_path / "job" / "3" / "default", target, leaf_name, host_batch_bytes=64)
+    shutil.rmtree(tmp_path / "job")  # the maps, where still viewed, keep their pages
+    gc.collect()
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(out), jax.tree_util.tree_leaves(target),
+                                 strict=True):
+        assert got.sharding == want.sharding
+        assert np.array_equal(np.asarray(got), values[leaf_name(path).split(".")[-1]])

@@ -1,0 +1,211 @@
+"""``python -m bench.tier_restore``: the shared-memory tier's restore and the direct Orbax reader against the
+host-to-device rate measured in the same run, on whatever devices jax has (one TPU chip, or CPU devices).
+
+A state of ``--leaves`` float32 arrays (``--gb`` GB together, a few large and many small, like a decoder's
+parameters and Adam moments), each split along its first axis over every device, is saved once into the
+memory tier (``MemoryTier.save``) and once as an Orbax step (``Checkpointer``, under ``--workdir``, default a
+tmpfs beside the snapshot so both read from memory). Then, ``--repeats`` times in alternating order:
+
+* ``numpy_to_device_s``: ``jax.device_put`` of the same arrays from ordinary numpy memory (already touched) to
+  the same shardings, until ready: the host-to-device rate every restore is judged against;
+* ``shm_restore_s``: ``restore_snapshot`` onto the same shardings, until ready (map, every shard's checksum,
+  transfer); ``shm_ratio`` = its rate / the numpy-to-device rate (the target on accelerators: >= 0.5);
+* ``direct_restore_s``: ``checkpointing.restore`` of the Orbax step (the direct reader), until ready;
+* the shm restore's parts alone: ``checksum_s`` (every shard's XXH3 from a populated map, one thread per
+  core), ``checksum_lazy_map_s`` (the same from a map faulted in page by page, as before this pipeline),
+  ``transfer_from_map_s`` (``device_put`` of views of the map after its checks).
+
+Prints one JSON line (medians, with every repeat's figures under ``runs``) and writes it to ``--out`` if given.
+Runs in one process on one chip with ``JAX_PLATFORMS`` unset (no sockets, no ckptd), or on CPU devices:
+``JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m bench.tier_restore --gb 0.25``.
+The device's memory holds the state at most twice at a time (measured, then deleted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import xxhash
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from trainer_client.core.format._snapshot import map_data, read_meta
+from trainer_client.core.format._snapshot_shards import index_bounds
+from trainer_client.runtime._checkpointing import Checkpointer, restore, training_metadata
+from trainer_client.runtime._memory_tier import MemoryTier, restore_snapshot
+
+# relative sizes of the leaves: a decoder's stacked layer weights (large) and norms/biases/embeddings (small)
+_WEIGHTS = (8, 8, 4, 4, 2, 1, 1, 0.5, 0.25, 0.1)
+
+
+def _state_specs(total_bytes: int, leaves: int, devices: int) -> list[tuple[int, int]]:
+    """(rows, cols) of each float32 leaf: ``total_bytes`` together, rows a multiple of ``devices``."""
+    weights = [_WEIGHTS[k % len(_WEIGHTS)] for k in range(leaves)]
+    cols = 1024
+    out = []
+    for w in weights:
+        rows = max(devices, int(total_bytes * w / sum(weights) / 4 / cols) // devices * devices)
+        out.append((rows, cols))
+    return out
+
+
+def _make_state(specs: list[tuple[int, int]], mesh: Mesh) -> dict[str, jax.Array]:
+    sharding = NamedSharding(mesh, P("data"))
+    state = {}
+    for k, shape in enumerate(specs):
+        make = jax.jit(lambda key, shape=shape: jax.random.normal(key, shape, np.float32), out_shardings=sharding)
+        state[f"leaf{k:02d}"] = make(jax.random.key(k))
+    return jax.block_until_ready(state)
+
+
+def _timed(fn: Any) -> tuple[float, Any]:
+    started = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    return time.perf_counter() - started, out
+
+
+def _drop(tree: Any) -> None:
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, jax.Array):
+            leaf.delete()
+
+
+def _checksums(path: Path, threads: int, *, populate: bool) -> float:
+    """Seconds to check every shard of the snapshot from a new map (populated at once, or page by page)."""
+    meta = read_meta(path)
+    started = time.perf_counter()
+    data = map_data(path, meta, populate=populate)
+    shards = [s for name in meta.leaf_names for s in meta.arrays[name].shards]
+    with ThreadPoolExecutor(threads) as pool:
+        ok = list(pool.map(lambda s: xxhash.xxh3_64_intdigest(data[s.offset: s.offset + s.nbytes].data) == s.xxh3,
+                           shards))
+    assert all(ok), "the snapshot does not match its checksums"
+    return time.perf_counter() - started
+
+
+def _transfer_from_map(path: Path, target: dict[str, Any]) -> float:
+    """Seconds to put views of a populated, already checked map of the snapshot on the devices."""
+    meta = read_meta(path)
+    data = map_data(path, meta, populate=True)
+    views: dict[str, dict[tuple[tuple[int, int], ...], np.ndarray]] = {}
+    for name in target:
+        views[name] = {tuple((a, b) for a, b in s.index): data[s.offset: s.offset + s.nbytes].view(
+            np.float32).reshape([b - a for a, b in s.index]) for s in meta.arrays[name].shards}
+    for name in views:  # touched, as a check would have
+        for v in views[name].values():
+            xxhash.xxh3_64_intdigest(v.data)
+
+    def region(name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+        return views[name][index_bounds(index, shape)]
+
+    started = time.perf_counter()
+    out = [jax.make_array_from_callback(want.shape, want.sharding, functools.partial(region, name, want.shape))
+           for name, want in target.items()]
+    jax.block_until_ready(out)
+    seconds = time.perf_counter() - started
+    _drop(out)
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gb", type=float, default=float(os.environ.get("TIER_RESTORE_GB", "0.25")),
+                        help="state size in GB (TIER_RESTORE_GB; 5.2 on a TPU v5e chip)")
+    parser.add_argument("--leaves", type=int, default=int(os.environ.get("TIER_RESTORE_LEAVES", "25")))
+    parser.add_argument("--repeats", type=int, default=int(os.environ.get("TIER_RESTORE_REPEATS", "3")))
+    parser.add_argument("--threads", type=int, default=None, help="checking threads (default: one per core)")
+    parser.add_argument("--shm", default=os.environ.get("TIER_RESTORE_SHM", "/dev/shm"))
+    parser.add_argument("--workdir", default=None, help="where the Orbax step goes (default: under --shm)")
+    parser.add_argument("--no-direct", action="store_true", help="skip the Orbax step and the direct reader")
+    parser.add_argument("--out", default=None, help="also write the JSON line to this file")
+    args = parser.parse_args(argv)
+    threads = args.threads or os.cpu_count() or 1
+    devices = jax.devices()
+    mesh = Mesh(np.array(devices), ("data",))
+    specs = _state_specs(int(args.gb * 1e9), args.leaves, len(devices))
+    shm_base = Path(tempfile.mkdtemp(prefix="ckptd-tier-restore-", dir=args.shm if Path(args.shm).is_dir() else None))
+    work = Path(tempfile.mkdtemp(prefix="ckptd-tier-restore-", dir=args.workdir or shm_base))
+    runs: dict[str, list[float]] = {k: [] for k in (
+        "numpy_to_device_s", "shm_restore_s", "direct_restore_s", "checksum_s", "checksum_lazy_map_s",
+        "transfer_from_map_s")}
+    try:
+        state = _make_state(specs, mesh)
+        nbytes = sum(a.nbytes for a in state.values())
+        target = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for k, a in state.items()}
+        meta = training_metadata(1, state, data_position=0, global_batch=1, mesh=mesh, slices=[0])
+        tier = MemoryTier(str(shm_base), "bench", max_snapshots=1, preallocate=False)
+        started = time.perf_counter()
+        snapshot = tier.save(1, state, meta, persist=False)
+        save_s = time.perf_counter() - started
+        step_dir = None
+        if not args.no_direct:
+            ck = Checkpointer(str(work / "bench"))
+            ck.save(1, state, data_position=0, global_batch=1, mesh=mesh, slices=[0])
+            ck.wait()
+            ck.close()
+            step_dir = str(work / "bench" / "1")
+        host = {k: np.asarray(a) for k, a in state.items()}  # ordinary memory, touched
+        _drop(state)
+        del state
+        shardings = {k: t.sharding for k, t in target.items()}
+        for repeat in range(args.repeats):
+            order = ["numpy", "shm", "direct"] if repeat % 2 == 0 else ["direct", "shm", "numpy"]
+            for arm in order:
+                if arm == "numpy":
+                    seconds, out = _timed(lambda: jax.device_put(host, shardings))
+                    runs["numpy_to_device_s"].append(seconds)
+                elif arm == "shm":
+                    seconds, out = _timed(lambda: restore_snapshot(snapshot, target, threads=threads))
+                    runs["shm_restore_s"].append(seconds)
+                elif step_dir is not None:
+                    seconds, out = _timed(lambda: restore(step_dir, target))
+                    runs["direct_restore_s"].append(seconds)
+                else:
+                    continue
+                for k, array in out.items():
+                    if repeat == 0 and not np.array_equal(np.asarray(array), host[k]):
+                        raise AssertionError(f"{arm}: {k} differs from the state saved")
+                _drop(out)
+                del out
+            runs["checksum_s"].append(_checksums(snapshot, threads, populate=True))
+            runs["checksum_lazy_map_s"].append(_checksums(snapshot, threads, populate=False))
+            runs["transfer_from_map_s"].append(_transfer_from_map(snapshot, target))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm_base, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in runs.items() if v}
+    rate = nbytes / med["numpy_to_device_s"]
+    result: dict[str, Any] = {
+        "bench": "tier_restore", "platform": devices[0].platform, "device_kind": devices[0].device_kind,
+        "devices": len(devices), "state_bytes": nbytes, "leaves": len(specs), "threads": threads,
+        "cores": os.cpu_count(), "repeats": args.repeats, "shm_save_s": round(save_s, 4),
+        **{k: round(v, 4) for k, v in med.items()},
+        "numpy_to_device_GBps": round(rate / 1e9, 3),
+        "shm_restore_GBps": round(nbytes / med["shm_restore_s"] / 1e9, 3),
+        "shm_ratio": round(med["numpy_to_device_s"] / med["shm_restore_s"], 3), "shm_ratio_target": 0.5,
+        "runs": {k: [round(x, 4) for x in v] for k, v in runs.items() if v},
+    }
+    if "direct_restore_s" in med:
+        result["direct_restore_GBps"] = round(nbytes / med["direct_restore_s"] / 1e9, 3)
+        result["direct_ratio"] = round(med["numpy_to_device_s"] / med["direct_restore_s"], 3)
+    line = json.dumps(result)
+    print(line, flush=True)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
