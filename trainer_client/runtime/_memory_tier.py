@@ -311,16 +311,22 @@ def restore_snapshot(path: str | os.PathLike[str], target: PyTree, *, threads: i
     The leaves saved as values come from the snapshot's record, as their target asks
     (``state_tree.restored_leaf``: what Orbax's restore gives)."""
     meta = read_meta(path)
+    leaves = jax.tree_util.tree_leaves(target)
+    saved = [entry for entry in meta.tree if entry.kind in ("array", "value")]
+    if len(leaves) != len(saved):
+        raise ValueError(f"snapshot of step {meta.step} has {len(saved)} leaves, the target {len(leaves)}")
+    read = _Shards(path, meta, copy=_on_cpu(leaves))
+    try:
+        return _restore_arrays(path, meta, target, read, threads, host_bytes)
+    finally:
+        read.close()
+
+
+def _restore_arrays(path: str | os.PathLike[str], meta: SnapshotMeta, target: PyTree, read: _Shards,
+                    threads: int | None, host_bytes: int | None) -> PyTree:
     all_leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
     saved = [entry for entry in meta.tree if entry.kind in ("array", "value")]
-    if len(all_leaves) != len(saved):
-        raise ValueError(f"snapshot of step {meta.step} has {len(saved)} leaves, the target {len(all_leaves)}")
-    on_host = _on_cpu([want for _, want in all_leaves])
-    try:
-        data = map_data(path, meta, populate=True)
-    except OSError as exc:
-        raise StoredFormatError(f"memory snapshot {path} is damaged: {exc}") from exc
-    read = _Shards(data, str(path), copy=on_host)  # the map goes once nothing views it: after every transfer
+    on_host = read.fd is not None
     values: dict[int, Any] = {}  # target leaf index -> the value restored there
     arrays: list[tuple[Any, str]] = []  # (target leaf, the snapshot's array) for the arrays restored
     names = iter(meta.leaf_names)
@@ -371,37 +377,71 @@ def restore_snapshot(path: str | os.PathLike[str], target: PyTree, *, threads: i
 
 
 class _Shards:
-    """The saved shards of a snapshot, checked against their XXH3 as they are taken (xxhash releases the GIL:
-    several threads at once). From a populated read-only map of ``data.bin``: views of it (``copy=False``:
-    what an accelerator's transfer reads, no copy on the host), or copies into aligned buffers of this
-    process's own, each checked after it is copied (``copy=True``: CPU devices, whose arrays take the buffers
-    as they are and so must never share memory with the snapshot)."""
+    """The saved shards of a snapshot, each checked against its XXH3 as it is taken (xxhash and ``preadv``
+    release the GIL: several threads at once). ``copy=False`` (accelerators): views of a read-only map of
+    ``data.bin`` made at once (``map_data(populate=True)``), which the transfers read with no copy on the host.
+    ``copy=True`` (CPU devices, whose arrays take host buffers as they are): each shard read (``preadv``) into
+    an aligned buffer of this process's own and checked there, so that no restored array shares memory with
+    the snapshot and the bytes checked are the bytes restored."""
 
-    def __init__(self, data: np.ndarray, path: str, *, copy: bool) -> None:
-        self.data = data
-        self.path = path
-        self.copy = copy
+    def __init__(self, path: str | os.PathLike[str], meta: SnapshotMeta, *, copy: bool) -> None:
+        self.path = str(path)
+        self.fd: int | None = None
+        self.data: np.ndarray | None = None
+        if copy:
+            self.fd = open_private(Path(path) / SNAPSHOT_DATA_FILE)
+            size = os.fstat(self.fd).st_size
+            if size != meta.nbytes:
+                self.close()
+                raise StoredFormatError(f"memory snapshot {path} is damaged: {SNAPSHOT_DATA_FILE} has {size} bytes, "
+                                        f"its record says {meta.nbytes}")
+            return
+        try:
+            self.data = map_data(path, meta, populate=True)
+        except OSError as exc:
+            raise StoredFormatError(f"memory snapshot {path} is damaged: {exc}") from exc
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        self.data = None  # the map goes once no array views it: after every transfer from it
 
     def checked(self, name: str, record: ArrayRecord) -> list[np.ndarray]:
         dtype = np_dtype(record.dtype)
         out = []
         for k, shard in enumerate(record.shards):
             extent = [stop - start for start, stop in shard.index]
-            if math.prod(extent) * dtype.itemsize != shard.nbytes or shard.offset + shard.nbytes > len(self.data):
+            if math.prod(extent) * dtype.itemsize != shard.nbytes:
                 raise StoredFormatError(f"memory snapshot {self.path} is damaged: {name} shard {k}'s extent does "
                                         "not match its bytes")
-            view = self.data[shard.offset : shard.offset + shard.nbytes]
-            if self.copy:
-                buffer = aligned_empty(extent, dtype)
-                raw = buffer.reshape(-1).view(np.uint8)
-                raw[...] = view
-                view = raw
-            digest = xxhash.xxh3_64_intdigest(view.data)
+            raw = self._read(shard.offset, shard.nbytes, extent, dtype) if self.fd is not None else (
+                self._view(shard.offset, shard.nbytes))
+            if raw is None:
+                raise StoredFormatError(f"memory snapshot {self.path} is damaged: {SNAPSHOT_DATA_FILE} ends within "
+                                        f"{name} shard {k}")
+            digest = xxhash.xxh3_64_intdigest(raw.data)
             if digest != shard.xxh3:
                 raise StoredFormatError(f"memory snapshot {self.path} is damaged: {name} shard {k}: XXH3 "
                                         f"{digest:016x}, recorded {shard.xxh3:016x}")
-            out.append(view.view(dtype).reshape(extent))
+            out.append(raw.view(dtype).reshape(extent))
         return out
+
+    def _view(self, offset: int, nbytes: int) -> np.ndarray | None:
+        assert self.data is not None
+        return self.data[offset : offset + nbytes] if offset + nbytes <= len(self.data) else None
+
+    def _read(self, offset: int, nbytes: int, extent: list[int], dtype: np.dtype[Any]) -> np.ndarray | None:
+        assert self.fd is not None
+        raw = aligned_empty(extent, dtype).reshape(-1).view(np.uint8)
+        view = raw.data
+        done = 0
+        while done < nbytes:
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n <= 0:
+                return None
+            done += n
+        return raw
 
 
 def _on_cpu(leaves: list[Any]) -> bool:

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from tests.trainer.runtime import test_direct_restore as direct_cases
 from trainer_client.core._errors import StoredFormatError
 from trainer_client.core.format._files import SNAPSHOT_DATA_FILE
-from trainer_client.core.format._snapshot import map_data, read_meta
+from trainer_client.core.format._snapshot import read_meta
 from trainer_client.runtime import _direct_restore, _memory_tier
 from trainer_client.runtime._checkpointing import leaf_name, training_metadata
 from trainer_client.runtime._direct_restore import restore_direct
@@ -103,18 +103,26 @@ def test_the_accelerator_path_restores_exactly_and_outlives_the_snapshot(
         assert np.array_equal(np.asarray(restored[key]), np.asarray(array))
 
 
-def test_the_cpu_path_copies_every_shard_out_of_the_map(tmp_path: Path) -> None:
+def test_the_cpu_path_copies_every_shard_the_accelerator_path_views_the_map(tmp_path: Path) -> None:
     path, state, _ = _save(tmp_path)
     meta = read_meta(path)
-    data = map_data(path, meta, populate=True)
-    lo = data.ctypes.data
-    restored = restore_snapshot(path, _target(state))
-    for array in restored.values():
-        for shard in array.addressable_shards:
-            assert not lo <= shard.data.unsafe_buffer_pointer() < lo + len(data)
-    views = _memory_tier._Shards(data, str(path), copy=False).checked(meta.leaf_names[0],
-                                                                     meta.arrays[meta.leaf_names[0]])
-    assert all(lo <= v.ctypes.data < lo + len(data) and not v.flags.writeable for v in views)
+    name = meta.leaf_names[0]
+    shards = _memory_tier._Shards(path, meta, copy=False)
+    assert shards.data is not None
+    lo, hi = shards.data.ctypes.data, shards.data.ctypes.data + len(shards.data)
+    views = shards.checked(name, meta.arrays[name])
+    shards.close()
+    assert all(lo <= v.ctypes.data < hi and not v.flags.writeable for v in views)  # read-only views of the map
+    (path / SNAPSHOT_DATA_FILE).unlink()
+    gc.collect()  # the map outlives the snapshot while a view of it (a transfer's source) lives
+    assert [v.tobytes() for v in views] == [np.asarray(s.data).tobytes() for s in state[name].addressable_shards
+                                            if s.replica_id == 0]
+    path, state, _ = _save(tmp_path / "again")
+    copies = _memory_tier._Shards(path, meta, copy=True)
+    owned = copies.checked(name, meta.arrays[name])
+    copies.close()
+    assert all(v.flags.writeable and v.ctypes.data % 64 == 0 for v in owned)  # buffers of the restore's own
+    # (that arrays restored on CPU keep their bytes whatever happens to the snapshot after: test_memory_tier.py)
 
 
 class _Transfer:
