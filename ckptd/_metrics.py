@@ -119,6 +119,15 @@ class Metrics:
                                       "trainer's run, as last reported", [JOB_LABEL], registry=r)
         self.replica_bytes = Gauge("ckptd_replica_snapshot_bytes", "bytes of the trainer host's held replica "
                                    "snapshot, as last reported", [JOB_LABEL], registry=r)
+        # the replica tier's pacing (docs/concepts.md, "Pacing the replica tier"), as last reported
+        self.replica_period = Gauge("ckptd_replica_snapshot_period_steps", "a replica snapshot every this many steps, "
+                                    "chosen from the trainer's measured step and copy times", [JOB_LABEL], registry=r)
+        self.replica_copy_rate = Gauge("ckptd_replica_snapshot_copy_bytes_per_second", "the device-to-host rate of "
+                                       "the trainer's replica snapshot copies (median)", [JOB_LABEL], registry=r)
+        self.replica_expected_lost = Gauge("ckptd_replica_snapshot_expected_lost_steps", "steps a failure loses on "
+                                           "average at the chosen period", [JOB_LABEL], registry=r)
+        self.replica_overhead = Gauge("ckptd_replica_snapshot_overhead_ratio", "the training loop's expected "
+                                      "overhead from replica snapshots at the chosen period", [JOB_LABEL], registry=r)
         self.goodput = Gauge("ckptd_goodput_ratio", "productive training time over wall time (reported events)",
                              [JOB_LABEL], registry=r)
         self.lease_leader = Gauge("ckptd_lease_leader", "1 when this sidecar leads the job (writes its records; "
@@ -157,7 +166,11 @@ class Metrics:
 
     def _replica_gauges(self, job: str, e: StoredEvent) -> None:
         for gauge, value in ((self.replica_age, e.replica_age_seconds), (self.replica_skips, e.replica_skips),
-                             (self.replica_failures, e.replica_failures), (self.replica_bytes, e.replica_bytes_held)):
+                             (self.replica_failures, e.replica_failures), (self.replica_bytes, e.replica_bytes_held),
+                             (self.replica_period, e.replica_period), (self.replica_copy_rate,
+                                                                        e.replica_copy_bytes_per_second),
+                             (self.replica_expected_lost, e.replica_expected_lost_steps),
+                             (self.replica_overhead, e.replica_overhead)):
             if value is not None:
                 gauge.labels(job).set(value)
 
@@ -219,7 +232,8 @@ class Metrics:
         for metric in (self.resume_requests, self.commits, self.committed_bytes, self.save_seconds, self.save_stall,
                        self.validation_failures, self.elastic_events, self.recovery_seconds, self.lost_steps,
                        self.recoveries, self.replica_age, self.replica_skips, self.replica_failures,
-                       self.replica_bytes):
+                       self.replica_bytes, self.replica_period, self.replica_copy_rate, self.replica_expected_lost,
+                       self.replica_overhead):
             names = ((JOB_LABEL, "kind") if metric is self.elastic_events else (JOB_LABEL, "tier")
                      if metric is self.recoveries else (JOB_LABEL,))
             stale = {tuple(sample.labels[n] for n in names) for family in metric.collect() for sample in family.samples

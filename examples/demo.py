@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                                       # every step; the loop waits for a copy still in flight (the demo's
                                       # state is small): every step is held, a slice loss costs at most one
                                       # step however busy the machine (the default skips a busy snapshot)
-                                      replicas=ReplicaOptions(enabled=not args.no_replicas, when_busy="wait")),
+                                      replicas=ReplicaOptions(enabled=not args.no_replicas, period=1,
+                                                              when_busy="wait")),
     )
     in_jax = args.fault == "in-jax"
     slices = SimulatedSlices(num_slices=4, faults=[] if in_jax else [SliceFault(2, args.fail_at, args.down_for)])

@@ -38,7 +38,7 @@ def elastic_runner(root: Path, url: str, policy: str, faults: Sequence[SliceFaul
     options.update(config, policy=policy, shm_dir=shm_dir)
     # every due step held (the loop waits for a copy in flight): the step a loss restores is known to the step
     options["replicas"] = (replicas if isinstance(replicas, ReplicaOptions)
-                           else ReplicaOptions(enabled=replicas, when_busy="wait"))
+                           else ReplicaOptions(enabled=replicas, period=1, when_busy="wait"))
     cfg = with_options(ElasticConfig(job=JOB, mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=BATCH),
                        **options)
     client = CkptdClient(ClientSettings(url=url, timeout_s=2.0, resume_deadline_s=3.0, shm_dir=shm_dir),

@@ -56,6 +56,7 @@ from trainer_client.runtime._precompile import (
     ensure_compilation_cache,
 )
 from trainer_client.runtime._recovery import ArraysBefore, release_failed_attempt
+from trainer_client.runtime._replica_pacing import PaceChoice
 from trainer_client.runtime._replica_snapshots import RunnerReplicas
 from trainer_client.runtime._run_record import ElasticResult, Event, Recovery, restored_from
 from trainer_client.runtime._saver import HealthWatch, Saver
@@ -137,7 +138,8 @@ class ElasticRunner:
         self.replicas: RunnerReplicas | None = None
         if tier.replicas.enabled and self.agreement is None:
             self.replicas = RunnerReplicas(tier.replicas, slices.slice_to_devices,
-                                           on_off=lambda why: self.emit("replicas_off", None, why[:1900]))
+                                           on_off=lambda why: self.emit("replicas_off", None, why[:1900]),
+                                           on_paced=self._replicas_paced)
         self.on_event = on_event
         self.events: list[Event] = []
         self.recoveries: list[Recovery] = []
@@ -152,6 +154,12 @@ class ElasticRunner:
             self.reporter.report(kind, time=event.wall_time, step=step, t=event.t, detail=detail, **fields)
         if self.on_event is not None:
             self.on_event(event)
+
+    def _replicas_paced(self, step: int, choice: PaceChoice, before: PaceChoice | None) -> None:
+        """The replica tier's period or memory kind changed (docs/concepts.md, "Pacing the replica tier")."""
+        was = f" (was every {before.period} to {before.kind})" if before is not None else ""
+        self.emit("replica_paced", step, f"every {choice.period} step(s) to {choice.kind}{was}: {choice.reason}"[:1900],
+                  **choice.fields())
 
     def first_step_done(self, step: int) -> None:
         """The attempt's first step is done (``ElasticContext.step_boundary``): ends the open recovery."""

@@ -75,10 +75,13 @@ class ReplicaOptions:
     ends every process, and the shared-memory tier is the fast path there."""
 
     enabled: bool = True
-    period: int = 1  # a snapshot every N steps
+    # a snapshot every N steps; None: paced from what the run measures (docs/concepts.md, "Pacing the replica
+    # tier"): the smallest period that keeps the loop's overhead within ``overhead_budget`` and lets each copy
+    # finish before the next is due
+    period: int | None = None
     # a snapshot due while the previous copy is still in flight: skipped and counted (the loop never waits),
-    # or the loop waits for that copy (every due step is held: a loss costs at most one step, whatever the
-    # copy's speed against the step's)
+    # or the loop waits for that copy (every due step is held: with ``period=1`` a loss costs at most one step,
+    # and each step costs the copy's time where the copy is slower than the step, as on accelerators)
     when_busy: Literal["skip", "wait"] = "skip"
     # the mesh axis the replicas lie along (name, or index in the mesh's axes): the data-parallel axis across
     # slices. An array sharded along it has no whole replica once one of its slices is lost.
@@ -86,6 +89,20 @@ class ReplicaOptions:
     # host memory the tier may take on this host (two copies of its share of the state at the peak); unset:
     # the host's free memory when the first snapshot is taken
     host_budget_bytes: int | None = None
+    # the host memory the copies go to: "auto" measures pinned and unpinned host memory (a snapshot each) and
+    # keeps the one a failure costs least with; or one of them
+    memory_kind: Literal["auto", "pinned_host", "unpinned_host"] = "auto"
+    # copy through an on-device copy of the state, which the step does not donate (None: when the devices'
+    # memory statistics show room for it beside the step's peak); without it the step waits for each copy
+    staging: bool | None = None
+    # the loop's overhead a paced tier may cost (0.02: steps 2% slower on average)
+    overhead_budget: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.period is not None and self.period < 1:
+            raise ValueError(f"ReplicaOptions.period={self.period}: a snapshot every N >= 1 steps, or None (paced)")
+        if not 0 < self.overhead_budget < 1:
+            raise ValueError(f"ReplicaOptions.overhead_budget={self.overhead_budget}: a fraction in (0, 1)")
 
 
 @dataclass(frozen=True)

@@ -311,6 +311,8 @@ class ElasticContext:
         self.last_step = step
         later = step > self.start_step
         replicas = self.runner.replicas
+        if replicas is not None:
+            replicas.boundary(step)  # timed: the pacer's step time
         if replicas is not None and replicas.due(step) and (later or replicas.held_step() != step):
             # the iterator's state and the metadata gathered only for a snapshot that is due
             iterator = state_record(self._data_iterator) if self._data_iterator is not None else None

@@ -43,19 +43,23 @@ import jax
 from trainer_client.checkpoint_io._state_tree import leaf_name
 from trainer_client.errors import NoWholeReplica
 from trainer_client.runtime._replica_leaves import (
+    PINNED,
     HeldArray,
     ReplicaAxis,
     check_budget,
-    copy_to_host,
+    dispatch_to_host,
     hold_pinned,
     host_bytes,
     is_key,
     rebuild,
     required_bytes,
+    stage,
+    staging_room,
     target_sharding,
     to_device,
     touch_copies,
 )
+from trainer_client.runtime._replica_pacing import PaceMeter
 
 _log = logging.getLogger(__name__)
 PyTree = Any
@@ -82,6 +86,9 @@ class ReplicaStats:
     bytes_held: int
     age_s: float | None
     last_dispatch_s: float | None
+    memory_kind: str | None = None  # the held snapshot's host memory kind
+    staged: bool | None = None  # copies read an on-device copy of the state (None: no snapshot yet)
+    last_copy_s: float | None = None  # the last copy's time to the host, from its dispatch
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,25 @@ class _Value:
     value: Any  # a leaf that is not a jax.Array: kept as a copy
 
 
+@dataclass
+class _Copy:
+    """A snapshot on its way to the host: the staged device copies (or the host copies, dispatched directly),
+    the leaves' names and key dtypes, and where each non-array leaf sits."""
+
+    step: int
+    treedef: Any
+    names: list[str]
+    key_dtypes: list[Any | None]
+    sources: list[jax.Array]  # staged: on-device copies; direct: the host copies already dispatched
+    shardings: list[Any]  # the state's arrays' shardings (the host copies go on them)
+    staged: bool
+    kind: str
+    values: list[_Value | None]  # per leaf: the kept value, or None for an array (in order of ``sources``)
+    data_position: int
+    iterator_state: Any
+    taken_at: float
+
+
 class ReplicaTier:
     """Asynchronous snapshots of one process's train state in its hosts' pinned memory, one held at a time.
 
@@ -126,8 +152,14 @@ class ReplicaTier:
     def __init__(self, *, replica_axis: ReplicaAxis = 0,
                  slice_to_devices: Mapping[int, Sequence[jax.Device]] | None = None,
                  state: PyTree | None = None, budget_bytes: int | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, memory_kind: str = PINNED,
+                 staging: bool | None = None, meter: PaceMeter | None = None) -> None:
         self.replica_axis = replica_axis
+        self.memory_kind = memory_kind  # where the next snapshot's copy goes (the runner's pacer may change it)
+        self.staging = staging  # copy through an on-device copy: None decides at the first snapshot (room for it)
+        self.staging_reason: str | None = None
+        self.meter = meter  # told of each copy's start and end (the pacer's measurements)
+        self.last_copy_s: float | None = None
         self._slice_of = ({d.id: k for k, devices in slice_to_devices.items() for d in devices}
                           if slice_to_devices is not None else None)
         self._clock = clock
@@ -142,7 +174,7 @@ class ReplicaTier:
         self.snapshots = self.skips = self.failures = 0
         self.last_error: BaseException | None = None
         self.last_dispatch_s: float | None = None
-        self._queue: queue.Queue[_Snapshot | None] = queue.Queue(maxsize=1)
+        self._queue: queue.Queue[_Copy | None] = queue.Queue(maxsize=1)
         self._worker = threading.Thread(target=self._complete_copies, name="ckptd-replica-tier", daemon=True)
         self._worker.start()
 
@@ -158,8 +190,20 @@ class ReplicaTier:
         with self._lock:
             if self._held is not None or self._in_flight:
                 return 0
-        self._reserve = touch_copies(state, self.replica_axis, 2)
+        if self._stages(state):  # the copy runs beside the loop: its first-time costs are not the loop's
+            return need
+        self._reserve = touch_copies(state, self.replica_axis, 2, self.memory_kind)
         return need
+
+    def _stages(self, state: PyTree) -> bool:
+        """Whether snapshots copy through an on-device copy: as configured, else decided once from the devices'
+        room for one (``staging_room``)."""
+        if self.staging is None:
+            arrays = [x for x in jax.tree_util.tree_leaves(state) if isinstance(x, jax.Array | jax.ShapeDtypeStruct)]
+            self.staging, self.staging_reason = staging_room(arrays)
+            _log.info("replica snapshots %s: %s", "staged on the device" if self.staging else "copied directly "
+                      "(the step waits for each copy to read its buffers)", self.staging_reason)
+        return self.staging
 
     @property
     def reserved_bytes(self) -> int:
@@ -186,32 +230,68 @@ class ReplicaTier:
         self._queue.put(snap)
         return True
 
-    def _dispatch(self, step: int, state: PyTree, data_position: int, iterator_state: Any) -> _Snapshot:
+    def _dispatch(self, step: int, state: PyTree, data_position: int, iterator_state: Any) -> _Copy:
         leaves, treedef = jax.tree_util.tree_flatten(state)
         if self._names is None or self._names[0] != treedef:  # the leaves' names once per structure
             self._names = (treedef, [leaf_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]])
-        named = list(zip(self._names[1], leaves, strict=True))
-        copies = iter(copy_to_host([(n, x) for n, x in named if isinstance(x, jax.Array)], self.replica_axis))
-        held: list[HeldArray | _Value] = [next(copies) if isinstance(x, jax.Array) else _Value(copy.deepcopy(x))
-                                          for _, x in named]
-        nbytes = sum(leaf.nbytes for leaf in held if isinstance(leaf, HeldArray))
-        return _Snapshot(step, treedef, held, data_position, copy.deepcopy(iterator_state), self._clock(), nbytes)
+        arrays = [x for x in leaves if isinstance(x, jax.Array)]
+        values = [None if isinstance(x, jax.Array) else _Value(copy.deepcopy(x)) for x in leaves]
+        names = [n for n, x in zip(self._names[1], leaves, strict=True) if isinstance(x, jax.Array)]
+        key_dtypes = [x.dtype if is_key(x) else None for x in arrays]
+        staged = self._stages(state)
+        kind = self.memory_kind
+        started = self._clock()
+        # staged: one jitted on-device copy, the host copy from it on the worker; direct: the host copy now
+        if staged:
+            sources, shardings = stage(arrays)
+        else:
+            sources = dispatch_to_host(arrays, kind)
+            shardings = []
+        if self.meter is not None:
+            self.meter.copy_started(kind, started)
+        return _Copy(step, treedef, names, key_dtypes, sources, shardings, staged, kind, values, data_position,
+                     copy.deepcopy(iterator_state), started)
 
     def _complete_copies(self) -> None:
-        """The worker: wait for each dispatched copy; hold it once all of it is done, or drop it."""
+        """The worker: copy each staged snapshot to the host, wait for it; hold it once all of it is done, or
+        drop it (the staged device copies are freed either way)."""
         while True:
-            snap = self._queue.get()
-            if snap is None:
+            job = self._queue.get()
+            if job is None:
                 return
-            try:
-                jax.block_until_ready([r for leaf in snap.arrays for r in leaf.replicas])
-            except Exception as exc:  # e.g. DATA_LOSS: a slice lost mid-copy; the held snapshot stays
-                _log.warning("replica snapshot of step %d dropped, step %s still held: %s", snap.step,
-                             self._held.step if self._held is not None else None, exc)
-                self._finished(None, exc)
-            else:
-                self._finished(snap, None)
-            del snap
+            self._complete(job)
+            del job
+
+    def _complete(self, job: _Copy) -> None:
+        """One snapshot's copy to the host, waited for and held. Its unsplit host arrays live only in this call:
+        the held replicas share their buffers, and a failed attempt's clean-up deletes every live array the tier
+        does not hold (``held_arrays``), which would take the replicas' buffers with them."""
+        try:
+            hosts = dispatch_to_host(job.sources, job.kind, job.shardings) if job.staged else job.sources
+            job.sources = []  # the staged device copies go as soon as their host copies are done
+            jax.block_until_ready(hosts)
+            done = self._clock()
+            if self.meter is not None:
+                self.meter.copy_done(job.kind, job.taken_at, done)
+            self.last_copy_s = done - job.taken_at
+            snap = self._hold(job, hosts)
+            del hosts
+        except Exception as exc:  # e.g. DATA_LOSS: a slice lost mid-copy; the held snapshot stays
+            job.sources = []
+            if self.meter is not None:
+                self.meter.copy_done(job.kind, job.taken_at, self._clock())
+            _log.warning("replica snapshot of step %d dropped, step %s still held: %s", job.step,
+                         self._held.step if self._held is not None else None, exc)
+            self._finished(None, exc)
+        else:
+            self._finished(snap, None)
+
+    def _hold(self, job: _Copy, hosts: list[jax.Array]) -> _Snapshot:
+        arrays = iter(hold_pinned(name, host, self.replica_axis, key)
+                      for name, host, key in zip(job.names, hosts, job.key_dtypes, strict=True))
+        held: list[HeldArray | _Value] = [next(arrays) if v is None else v for v in job.values]
+        nbytes = sum(leaf.nbytes for leaf in held if isinstance(leaf, HeldArray))
+        return _Snapshot(job.step, job.treedef, held, job.data_position, job.iterator_state, job.taken_at, nbytes)
 
     def _finished(self, snap: _Snapshot | None, error: BaseException | None) -> None:
         with self._lock:
@@ -223,6 +303,12 @@ class ReplicaTier:
                 self.last_error = error
             self._in_flight = False
             self._lock.notify_all()
+
+    @property
+    def busy(self) -> bool:
+        """A copy is in flight."""
+        with self._lock:
+            return self._in_flight
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait until no copy is in flight; False on timeout."""
@@ -284,7 +370,9 @@ class ReplicaTier:
             return ReplicaStats(held_step=snap.step if snap else None, snapshots=self.snapshots, skips=self.skips,
                                 failures=self.failures, bytes_held=snap.nbytes if snap else 0,
                                 age_s=self._clock() - snap.taken_at if snap else None,
-                                last_dispatch_s=self.last_dispatch_s)
+                                last_dispatch_s=self.last_dispatch_s,
+                                memory_kind=_kind_of(snap) if snap else None, staged=self.staging,
+                                last_copy_s=self.last_copy_s)
 
     # ---- restore --------------------------------------------------------------------------------
 
@@ -353,6 +441,11 @@ class ReplicaTier:
         with self._lock:
             self._held = _Snapshot(snap.step, snap.treedef, leaves, snap.data_position, snap.iterator_state,
                                    snap.taken_at, nbytes)
+
+
+def _kind_of(snap: _Snapshot) -> str | None:
+    arrays = snap.arrays
+    return str(arrays[0].replicas[0].sharding.memory_kind) if arrays and arrays[0].replicas else None
 
 
 def _copy_value(leaf: HeldArray | _Value) -> Any:

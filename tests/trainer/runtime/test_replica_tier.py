@@ -154,10 +154,15 @@ def test_a_busy_tier_skips_and_counts(tier: ReplicaTier, monkeypatch: pytest.Mon
     assert tier.snapshot(4, _state(mesh, seed=4), data_position=4)  # free again
 
 
-@pytest.mark.parametrize("op, inside", [("block", "ReplicaTier._complete_copies"),
-                                        ("to_device", "ReplicaTier.snapshot")])
+@pytest.mark.parametrize("op, inside, staging", [
+    ("block", "ReplicaTier._complete_copies", True),
+    ("to_device", "ReplicaTier._complete_copies", True),  # staged: the copy to the host is the worker's
+    ("block", "ReplicaTier._complete_copies", False),
+    ("to_device", "ReplicaTier.snapshot", False),  # direct: the copy to the host is dispatched by the loop
+])
 def test_a_failure_during_the_copy_leaves_the_previous_snapshot_whole(
-        slices: SimulatedSlices, tier: ReplicaTier, op: Any, inside: str) -> None:
+        slices: SimulatedSlices, tier: ReplicaTier, op: Any, inside: str, staging: bool) -> None:
+    tier.staging = staging
     mesh = _mesh(jax.devices(), 2)
     first = _state(mesh, seed=1)
     want = _host(first)
@@ -167,7 +172,7 @@ def test_a_failure_during_the_copy_leaves_the_previous_snapshot_whole(
         try:
             tier.snapshot(2, _state(mesh, seed=2), data_position=20, iterator_state={"position": 20})
         except jax.errors.JaxRuntimeError:
-            assert op == "to_device"  # the dispatch itself failed: raised on to the caller
+            assert inside == "ReplicaTier.snapshot"  # the dispatch itself failed: raised on to the caller
         assert tier.wait(10)
         assert [f.op for f in faults.fired] == [op]
         assert tier.stats().failures == 1 and tier.held()[:2] == (1, frozenset({0, 1}))
@@ -261,7 +266,7 @@ def test_prepare_faults_in_two_copies_and_lets_them_go_at_the_first_snapshot(for
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x,
         state)
     one = required_bytes(state, in_flight=False)  # both replicas of w: 16 MiB, and the key on every device
-    tier = ReplicaTier(replica_axis="replica")
+    tier = ReplicaTier(replica_axis="replica", staging=False)
     try:
         _trim_heap()
         before = _resident_bytes()
@@ -282,14 +287,14 @@ def test_prepare_refuses_a_budget_too_small_before_touching_anything() -> None:
     mesh = _mesh(jax.devices(), 2)
     state = _state(mesh)
     need = required_bytes(state)
-    tier = ReplicaTier(replica_axis="replica", budget_bytes=need - 1)
+    tier = ReplicaTier(replica_axis="replica", budget_bytes=need - 1, staging=False)
     try:
         with pytest.raises(MemoryTierFull, match=r"needs .* MiB of host memory .* budget is"):
             tier.prepare(state)
         assert tier.reserved_bytes == 0
     finally:
         tier.close()
-    roomy = ReplicaTier(replica_axis="replica", budget_bytes=need)
+    roomy = ReplicaTier(replica_axis="replica", budget_bytes=need, staging=False)
     assert roomy.prepare(state) == need and roomy.reserved_bytes == need
     roomy.close()
     assert roomy.reserved_bytes == 0
@@ -298,7 +303,7 @@ def test_prepare_refuses_a_budget_too_small_before_touching_anything() -> None:
 def test_prepares_copies_are_left_alone_by_a_failed_attempts_clean_up_until_the_first_snapshot() -> None:
     mesh = _mesh(jax.devices(), 2)
     state = _state(mesh)
-    tier = ReplicaTier(replica_axis="replica")
+    tier = ReplicaTier(replica_axis="replica", staging=False)
     try:
         tier.prepare(state)
         kept = tier.held_arrays()
@@ -306,5 +311,37 @@ def test_prepares_copies_are_left_alone_by_a_failed_attempts_clean_up_until_the_
         assert tier.snapshot(1, state, data_position=0) and tier.wait(10)
         held = tier.held_arrays()
         assert held and not {id(x) for x in held} & {id(x) for x in kept}  # the reserve is gone: only the snapshot
+    finally:
+        tier.close()
+
+
+
+def test_a_staged_tier_reserves_nothing_and_copies_from_an_on_device_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Staged (room on the devices): ``prepare`` checks the budget and touches nothing (the copies run beside
+    the loop); a snapshot copies to the host from an on-device copy of the state, never from the state's own
+    buffers, so a step that donates them right after the dispatch changes nothing held."""
+    mesh = _mesh(jax.devices(), 2)
+    state = _state(mesh, seed=3)
+    want = _host(state)
+    tier = ReplicaTier(replica_axis="replica", staging=True)
+    read: list[set[int]] = []
+    real = _replica_tier.dispatch_to_host
+
+    def recording(arrays: Any, kind: str, shardings: Any = None) -> Any:
+        read.append({id(x) for x in arrays})
+        return real(arrays, kind, shardings)
+
+    monkeypatch.setattr(_replica_tier, "dispatch_to_host", recording)
+    try:
+        assert tier.prepare(state) == required_bytes(state) and tier.reserved_bytes == 0
+        assert tier.snapshot(1, state, data_position=10)
+        donate = jax.jit(lambda w, b: (w + 1, b + 1), donate_argnums=(0, 1))
+        ids = {id(x) for x in jax.tree_util.tree_leaves(state) if isinstance(x, jax.Array)}
+        # the step donates the state while its snapshot's copy may still be in flight
+        state["w"], state["b"] = donate(state["w"], state["b"])
+        assert tier.wait(30) and tier.stats().staged is True
+        assert read and not read[0] & ids  # the host copy read other buffers than the state's
+        assert tier.stats().memory_kind == "pinned_host"
+        _assert_equal(tier.restore(mesh).state, want)
     finally:
         tier.close()

@@ -14,7 +14,7 @@ from trainer_client.core.protocol._wire import MAX_STEP
 EVENT_KINDS = (
     "start", "waiting_for_slices", "slices_ready", "plan_received", "initialized", "restored",
     "first_step_done", "checkpoint_started", "failure_detected", "scale_up_detected", "recovered",
-    "finished", "aborted", "retention_deleted", "replicas_unusable", "replicas_off",
+    "finished", "aborted", "retention_deleted", "replicas_unusable", "replicas_off", "replica_paced",
 )
 EVENT_KIND_PATTERN = r"^[a-z][a-z0-9_]{0,63}$"
 MAX_EVENTS_PER_BATCH = 1000
@@ -61,6 +61,20 @@ class ElasticEvent(_Request):
         default=None, description="snapshots dropped so far because their copy failed (a slice lost mid-copy)")
     replica_bytes_held: Annotated[int, Field(ge=0)] | None = Field(
         default=None, description="this host's bytes of the held replica snapshot")
+    # the replica tier's pacing (replica_paced, checkpoint_started, recovered; docs/concepts.md, "Pacing the
+    # replica tier")
+    replica_period: Annotated[int, Field(ge=1, le=MAX_STEP)] | None = Field(
+        default=None, description="a replica snapshot every this many steps (chosen from measured costs)")
+    replica_memory_kind: Literal["pinned_host", "unpinned_host"] | None = Field(
+        default=None, description="the host memory the replica snapshots are copied to")
+    replica_copy_seconds: Annotated[float, Field(ge=0)] | None = Field(
+        default=None, description="a snapshot's copy to host memory, measured (median)")
+    replica_copy_bytes_per_second: Annotated[float, Field(ge=0)] | None = Field(
+        default=None, description="the device-to-host rate of that copy")
+    replica_overhead: Annotated[float, Field(ge=0)] | None = Field(
+        default=None, description="the training loop's expected overhead at the chosen period (0.02: 2%)")
+    replica_expected_lost_steps: Annotated[float, Field(ge=0)] | None = Field(
+        default=None, description="steps a failure loses on average at the chosen period")
 
 
 class EventBatch(_Request):

@@ -1,0 +1,126 @@
+"""The replica tier's pacing: the period and memory kind chosen from measured step and copy times
+(trainer_client/runtime/_replica_pacing.py), and the runner's use of it on a real (CPU) tier."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import jax
+import pytest
+
+from trainer_client.runtime._elastic_config import ReplicaOptions
+from trainer_client.runtime._replica_pacing import (
+    WARMUP_STEPS,
+    KindCosts,
+    PaceMeter,
+    choose,
+    expected_lost_steps,
+    overhead,
+    smallest_period,
+    worth_changing,
+)
+from trainer_client.runtime._replica_snapshots import RunnerReplicas
+
+# measured on a TPU v5e chip (docs/benchmarks.md, "Device profile"): a 5.22 GB state, 0.273 s a step, the
+# on-device copy 17 ms, pinned host 5.6 s, unpinned 3.1 s
+STEP, STAGE, PINNED_S, UNPINNED_S = 0.273, 0.017, 5.6, 3.1
+
+
+def test_the_period_is_the_smallest_within_the_budget_that_lets_each_copy_finish() -> None:
+    period = smallest_period(STEP, STAGE, PINNED_S, 0.0)
+    assert period * STEP >= PINNED_S  # one copy in flight: it ends before the next is due
+    assert (period - 1) * STEP < 1.25 * PINNED_S  # and no longer than that needs
+    assert overhead(period, STEP, STAGE, PINNED_S, 0.0) <= 0.02
+    # a copy that slows the steps it runs beside: spaced out until the average is within the budget
+    slowed = smallest_period(STEP, STAGE, UNPINNED_S, 0.5)
+    assert overhead(slowed, STEP, STAGE, UNPINNED_S, 0.5) <= 0.02 < overhead(slowed - 1, STEP, STAGE, UNPINNED_S, 0.5)
+    # a copy faster than a step and a cheap dispatch: every step
+    assert smallest_period(1.0, 0.001, 0.1, 0.0) == 1
+    # a dispatch that costs 10% of a step: every 5th step keeps it within 2%
+    assert smallest_period(1.0, 0.1, 0.1, 0.0) == 5
+    assert smallest_period(1.0, 0.1, 0.1, 0.0, budget=0.05) == 2
+
+
+def test_the_kind_a_failure_costs_least_with_is_chosen() -> None:
+    nbytes = 5_222_538_244
+    fast_copy = KindCosts("unpinned_host", UNPINNED_S, 0.0, restore_Bps=4.9e9)
+    slow_copy = KindCosts("pinned_host", PINNED_S, 0.0, restore_Bps=13.6e9)
+    choice = choose(STEP, STAGE, [slow_copy, fast_copy], nbytes)
+    assert choice.kind == "unpinned_host"  # fewer steps lost outweighs the slower restore here
+    assert choice.expected_lost_steps == pytest.approx(expected_lost_steps(choice.period, STEP, UNPINNED_S))
+    assert choice.overhead <= 0.02 and "pinned_host 5.60s" in choice.reason
+    # the same copy slowing every step it runs beside by half: pinned memory wins
+    interfering = KindCosts("unpinned_host", UNPINNED_S, 0.5, restore_Bps=4.9e9)
+    assert choose(STEP, STAGE, [slow_copy, interfering], nbytes).kind == "pinned_host"
+    fields = choice.fields()
+    assert fields["replica_period"] == choice.period and fields["replica_memory_kind"] == "unpinned_host"
+
+
+def test_a_new_choice_needs_a_real_change() -> None:
+    kinds = [KindCosts("pinned_host", PINNED_S, 0.0)]
+    current = choose(STEP, STAGE, kinds, 1)
+    assert not worth_changing(current, choose(STEP * 1.05, STAGE, kinds, 1))  # within the hysteresis
+    assert worth_changing(current, choose(STEP / 2, STAGE, kinds, 1))  # copies would outlast the period
+    assert worth_changing(current, choose(STEP * 3, STAGE, kinds, 1))  # far fewer steps needed
+    assert worth_changing(None, current)
+
+
+def test_the_meter_sorts_step_intervals_by_what_ran_beside_them() -> None:
+    meter = PaceMeter()
+    t = 0.0
+    for _ in range(WARMUP_STEPS + 2):  # idle steps: 1 s each
+        meter.boundary(t)
+        t += 1.0
+    meter.boundary(t)
+    assert meter.step_s() == pytest.approx(1.0) and meter.costs(100) is None  # no copy measured yet
+    meter.dispatched()  # a snapshot at this boundary: the next interval carries its blocking (0.1 s)
+    meter.copy_started("pinned_host", t)
+    t += 1.1
+    meter.boundary(t)
+    for _ in range(3):  # steps beside the copy: 20% slower
+        t += 1.2
+        meter.boundary(t)
+    meter.copy_done("pinned_host", 0.0 + t - 4.7, t)
+    t += 1.0
+    meter.boundary(t)
+    costs = meter.costs(100)
+    assert costs is not None
+    step, blocking, (kind,) = costs
+    assert step == pytest.approx(1.0) and blocking == pytest.approx(0.1)
+    assert kind.kind == "pinned_host" and kind.interference == pytest.approx(0.2) and kind.copy_s == pytest.approx(4.7)
+    meter.reset_steps()
+    assert meter.step_s() is None and meter.kinds_measured() == ["pinned_host"]  # copies' costs kept
+
+
+def test_the_runner_measures_each_kind_then_snapshots_at_the_chosen_period() -> None:
+    """A paced tier on CPU devices: no snapshot before the steps are timed, then one to each memory kind, then
+    a choice reported through ``on_paced`` and snapshots every ``choice.period`` steps."""
+    devices = jax.devices()
+    mesh = jax.sharding.Mesh(devices, ("replica",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    state = {"w": jax.device_put(jax.numpy.ones((64, 64)), replicated)}
+    now = [0.0]
+    paced: list[Any] = []
+    replicas = RunnerReplicas(ReplicaOptions(when_busy="wait"), {0: devices},
+                              on_paced=lambda step, new, old: paced.append((step, new, old)), clock=lambda: now[0])
+    dispatched: list[int] = []
+    try:
+        for step in range(200):
+            now[0] += 1.0  # a step of 1 s; the copies take no time on this clock
+            replicas.boundary(step)
+            if replicas.snapshot(step, state, data_position=step, iterator_state=None):
+                dispatched.append(step)
+                assert replicas.tier is not None and replicas.tier.wait(30)
+        assert dispatched[0] >= WARMUP_STEPS  # not before the steps were timed
+        assert replicas.tier is not None
+        kinds = [k for k in ("pinned_host", "unpinned_host")
+                 if k in {m.kind for m in devices[0].addressable_memories()}]
+        assert len(paced) == 1 and paced[0][2] is None
+        step, choice, _ = paced[0]
+        assert choice.kind in kinds and choice.period >= 1 and choice.overhead <= 0.02
+        after = [s for s in dispatched if s > step]
+        assert after and all(b - a == choice.period for a, b in itertools.pairwise(after))
+        assert replicas.stats_fields()["replica_period"] == choice.period
+    finally:
+        replicas.close()
