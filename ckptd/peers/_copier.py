@@ -12,21 +12,31 @@ of a job and holds none any more (its memory wiped while the sidecar ran), it br
 without waiting to be asked, so a restarting trainer finds its part in memory. A sidecar started on a new node
 has seen no part: when its settings give its host index and the host count, it asks its holders which jobs they
 keep its part of (``discover``) and brings those back the same way.
+
+Every peer operation has a deadline: a request without a body ``timeout_s`` in all (connecting and the
+handshake included), a copy that plus twice its bytes at the channel's rate, a fetch that plus its bytes at
+``fetch_floor_bytes_s`` (a peer slower than that loses to storage: the fetch is given up, the trainer told, and
+it restores from storage). Each copy to a holder, each fetch, each refill and the discovery run as tasks of their
+own (``_Tasks``: at most one per job and holder, or per job and step), so a slow job or peer holds up only
+itself, never another job's copies or a trainer's fetch.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
 from ckptd.peers._directory import PeerDirectory, holders_of
-from ckptd.peers._protocol import PeerError, RateLimit, connect, header_int, lower_this_thread
+from ckptd.peers._protocol import Channel, PeerError, RateLimit, connect, header_int, lower_this_thread
 from ckptd.peers._server import MAX_JOBS_LISTED, MAX_PART_BYTES
 from ckptd.peers._store import PartStore
 from trainer_client.core._errors import UnsafePathError
@@ -39,6 +49,8 @@ RECHECK_S = 5.0  # a holder is asked again after this whether it still keeps the
 DISCOVER_FIRST_S = 2.0  # a sidecar that knows its host index asks its holders for its jobs again after this,
 DISCOVER_MAX_S = 60.0  # doubling up to this, for as long as its memory holds no part of its own
 MAX_DISCOVER_JOBS = 64  # jobs on the storage root whose registry is read to find the holders' addresses
+FETCH_FLOOR_BYTES_S = 64 << 20  # a fetch slower than this is given up: storage would bring the part back sooner
+MAX_TASKS = 32  # copies, fetches and refills in flight at once (the channel's rate bounds their bytes together)
 
 
 @dataclass
@@ -68,6 +80,47 @@ class PeerOptions:
     nice: int = 10
     refill: bool = True
     host: tuple[int, int] | None = None  # (this host's index, the hosts) from the settings, when both are known
+    fetch_floor_bytes_s: float = FETCH_FLOOR_BYTES_S
+
+
+class _Tasks:
+    """Work on threads of its own, at most one per key and ``limit`` at once: one slow task holds up no other."""
+
+    def __init__(self, name: str, limit: int = MAX_TASKS) -> None:
+        self.name = name
+        self.limit = limit
+        self._running: dict[Hashable, threading.Thread] = {}
+        self._lock = threading.Lock()
+
+    def start(self, key: Hashable, work: Callable[[], object]) -> bool:
+        """Run ``work`` unless a task of ``key`` runs or ``limit`` do; whether it was started."""
+        with self._lock:
+            if key in self._running or len(self._running) >= self.limit:
+                return False
+            thread = threading.Thread(target=self._run, args=(key, work), name=self.name, daemon=True)
+            self._running[key] = thread
+        thread.start()
+        return True
+
+    def _run(self, key: Hashable, work: Callable[[], object]) -> None:
+        try:
+            work()
+        except Exception:  # a task never takes the worker down
+            _log.exception("peer channel task %s failed", key)
+        finally:
+            with self._lock:
+                self._running.pop(key, None)
+
+    def busy(self, key: Hashable) -> bool:
+        with self._lock:
+            return key in self._running
+
+    def join(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            threads = list(self._running.values())
+        for thread in threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 class PeerCopier:
@@ -89,6 +142,10 @@ class PeerCopier:
         self._refill_at: dict[str, float] = {}  # job -> when to try bringing its part back again
         self._discover = (0.0, DISCOVER_FIRST_S)  # (not before, the wait after the next try): while no part is seen
         self._stop = threading.Event()
+        self._copies = _Tasks("ckptd-peer-copy")  # started from the copier's lowered thread: they inherit its nice
+        self._fetches = _Tasks("ckptd-peer-fetch")
+        self._step_locks: dict[tuple[str, int], threading.Lock] = {}  # (job, step) -> held while it is fetched
+        self._locks_lock = threading.Lock()
         self._threads = [threading.Thread(target=self._loop, args=(self.copy_pass, True), name="ckptd-peer-copier",
                                           daemon=True),
                          threading.Thread(target=self._loop, args=(self.fetch_pass, False), name="ckptd-peer-fetcher",
@@ -102,6 +159,8 @@ class PeerCopier:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=self.options.timeout_s)
+        self._copies.join(self.options.timeout_s)
+        self._fetches.join(self.options.timeout_s)
 
     def _loop(self, work: object, lowered: bool) -> None:
         if lowered:
@@ -163,24 +222,29 @@ class PeerCopier:
                 if sent is not None and sent[:2] == (meta.step, meta.save_id) and sent[2] == held and \
                         time.monotonic() - self._checked.get((job, holder), 0.0) < RECHECK_S:
                     continue
-                not_before, streak = self._retry.get((job, holder), (0.0, 0))
-                if time.monotonic() < not_before:
+                if time.monotonic() < self._retry.get((job, holder), (0.0, 0))[0]:
                     continue
-                try:
-                    if sent is not None and sent[:2] == (meta.step, meta.save_id) and sent[2] != held:
-                        self._tell_held(job, holder, meta, held)
-                    else:
-                        self._send(job, holder, path, held)
-                    self._sent[(job, holder)] = (meta.step, meta.save_id, held)
-                    self._checked[(job, holder)] = time.monotonic()
-                    self._retry.pop((job, holder), None)
-                except (PeerError, OSError, ValueError) as exc:  # tried again later, less often each time
-                    self.stats.copy_failures += 1
-                    self.stats.failed(f"copy of {job} step {meta.step} to host {holder}: {exc}")
-                    self.directory.forget(job, holder)
-                    self._retry[(job, holder)] = (time.monotonic() + min(10.0, 0.25 * 2 ** streak), streak + 1)
-                    (_log.warning if streak == 0 else _log.debug)(
-                        "peer copy of %s step %s to host %d failed: %s", job, meta.step, holder, exc)
+                self._copies.start((job, holder), functools.partial(self._copy, job, holder, path, meta, held))
+
+    def _copy(self, job: str, holder: int, path: Path, meta: SnapshotMeta, held: tuple[int, ...]) -> None:
+        """One copy task: ``job``'s newest part to ``holder`` (or only the steps held, when it has the part)."""
+        sent = self._sent.get((job, holder))
+        streak = self._retry.get((job, holder), (0.0, 0))[1]
+        try:
+            if sent is not None and sent[:2] == (meta.step, meta.save_id) and sent[2] != held:
+                self._tell_held(job, holder, meta, held)
+            else:
+                self._send(job, holder, path, held)
+            self._sent[(job, holder)] = (meta.step, meta.save_id, held)
+            self._checked[(job, holder)] = time.monotonic()
+            self._retry.pop((job, holder), None)
+        except (PeerError, OSError, ValueError) as exc:  # tried again later, less often each time
+            self.stats.copy_failures += 1
+            self.stats.failed(f"copy of {job} step {meta.step} to host {holder}: {exc}")
+            self.directory.forget(job, holder)
+            self._retry[(job, holder)] = (time.monotonic() + min(10.0, 0.25 * 2 ** streak), streak + 1)
+            (_log.warning if streak == 0 else _log.debug)(
+                "peer copy of %s step %s to host %d failed: %s", job, meta.step, holder, exc)
 
     def _address(self, job: str, holder: int) -> str:
         address = self.directory.address_of(job, holder)
@@ -188,15 +252,21 @@ class PeerCopier:
             raise PeerError(f"no address known for host {holder} of {job}")
         return address
 
+    def _connect(self, address: str, deadline_s: float | None = None) -> Channel:
+        """A connection to ``address`` whose whole request has ``deadline_s`` (default ``timeout_s``)."""
+        return connect(address, self.secret, self.options.timeout_s,
+                       self.options.timeout_s if deadline_s is None else deadline_s)
+
     def _tell_held(self, job: str, holder: int, meta: SnapshotMeta, held: tuple[int, ...]) -> None:
-        with connect(self._address(job, holder), self.secret, self.options.timeout_s) as chan:
+        with self._connect(self._address(job, holder)) as chan:
             chan.send_header({"op": "held", "job": job, "origin": meta.process_index, "count": meta.process_count,
                                "held": list(held)})
             chan.expect_ok()
 
     def _send(self, job: str, holder: int, path: Path, held: tuple[int, ...]) -> None:
         raw, meta, data = self.store.open_part(path)
-        with data, connect(self._address(job, holder), self.secret, self.options.timeout_s) as chan:
+        rate = self.rate.rate or self.options.fetch_floor_bytes_s  # the copy's bytes at the channel's rate, twice
+        with data, self._connect(self._address(job, holder), self.options.timeout_s + 2 * meta.nbytes / rate) as chan:
             chan.send_header({"op": "put", "job": job, "origin": meta.process_index, "count": meta.process_count,
                                "step": meta.step, "held": list(held), "meta": len(raw), "data": meta.nbytes})
             if chan.expect_ok().get("have"):
@@ -213,32 +283,37 @@ class PeerCopier:
                   holder, time.monotonic() - started)
 
     def discover_pass(self) -> None:
-        """On the copier's thread, never the fetcher's: a holder slow to answer must not hold up the answer to
-        a trainer's fetch."""
+        """A task of its own, started from the copier's thread: a holder slow to answer holds up neither a copy
+        nor the answer to a trainer's fetch."""
         if self.options.refill and self.options.host is not None and time.monotonic() >= self._discover[0]:
-            wait = self._discover[1]
-            self._discover = (time.monotonic() + wait, min(DISCOVER_MAX_S, wait * 2))
-            self.discover(*self.options.host)
+            before, wait = self._discover
+            self._discover = (time.monotonic() + wait, min(DISCOVER_MAX_S, wait * 2))  # before the task can end it
+            if not self._copies.start(("discover",), functools.partial(self.discover, *self.options.host)):
+                self._discover = (before, wait)
 
     def fetch_pass(self) -> None:
         for job in sorted(set(self.jobs()) | set(self._known)):  # a wiped job's directory may be gone too
             for request in pending_fetches(self.store.shm_dir, job):
-                error = ""
-                try:
-                    self.fetch(job, request["step"], source=request["source"], origin=request["origin"],
-                               count=request["count"], save_id=request["save_id"])
-                    self.stats.fetched += 1
-                except (PeerError, OSError, ValueError) as exc:
-                    self.directory.forget(job, request["source"])  # its address is read again next time
-                    error = f"from host {request['source']}: {exc}"
-                    self.stats.fetch_failures += 1
-                    self.stats.failed(f"fetch of {job} step {request['step']} {error}")
-                    _log.warning("fetch of %s step %s %s", job, request["step"], error)
-                answer_fetch(self.store.shm_dir, job, request["step"], ok=not error, error=error)
+                self._fetches.start((job, "fetch", request["step"]), functools.partial(self._answer, job, request))
             if (self.options.refill and job in self._known and time.monotonic() >= self._refill_at.get(job, 0.0)
-                    and not self.own_parts(job)):
+                    and not self._fetches.busy((job, "refill")) and not self.own_parts(job)):
                 self._refill_at[job] = time.monotonic() + 2.0
-                self.refill(job, *self._known[job])
+                self._fetches.start((job, "refill"), functools.partial(self.refill, job, *self._known[job]))
+
+    def _answer(self, job: str, request: dict[str, Any]) -> None:
+        """One fetch task: the trainer's request, answered whatever happens (within the fetch's deadline)."""
+        error = ""
+        try:
+            self.fetch(job, request["step"], source=request["source"], origin=request["origin"],
+                       count=request["count"], save_id=request["save_id"])
+            self.stats.fetched += 1
+        except (PeerError, OSError, ValueError) as exc:
+            self.directory.forget(job, request["source"])  # its address is read again next time
+            error = f"from host {request['source']}: {exc}"
+            self.stats.fetch_failures += 1
+            self.stats.failed(f"fetch of {job} step {request['step']} {error}")
+            _log.warning("fetch of %s step %s %s", job, request["step"], error)
+        answer_fetch(self.store.shm_dir, job, request["step"], ok=not error, error=error)
 
     def discover(self, index: int, count: int) -> list[str]:
         """This host is host ``index`` of ``count`` (its settings say) and its memory holds no part of its own
@@ -251,7 +326,7 @@ class PeerCopier:
         found: list[str] = []
         for address in self._holder_addresses(index, count):
             try:
-                with connect(address, self.secret, self.options.timeout_s) as chan:
+                with self._connect(address) as chan:
                     chan.send_header({"op": "jobs", "origin": index, "count": count})
                     jobs = chan.expect_ok().get("jobs")
                 if not isinstance(jobs, list):
@@ -286,7 +361,7 @@ class PeerCopier:
         its part back from the hosts that keep them, before its trainer asks (it restarts meanwhile)."""
         for holder in holders_of(index, count, self.options.k, self.options.stride, self.options.explicit):
             try:
-                with connect(self._address(job, holder), self.secret, self.options.timeout_s) as chan:
+                with self._connect(self._address(job, holder)) as chan:
                     chan.send_header({"op": "list", "job": job, "origin": index, "count": count})
                     listed = chan.expect_ok().get("copies")
                 if not isinstance(listed, list) or not listed:
@@ -305,16 +380,26 @@ class PeerCopier:
     def fetch(self, job: str, step: int, *, source: int, origin: int, count: int, save_id: str | None) -> Path:
         """This host's part of ``step`` (host ``origin`` of ``count``), brought back from host ``source``'s copy
         into ``<shm>/<job>/<step>/``, every shard checked; ``PeerError`` when it cannot be."""
+        with self._locks_lock:
+            if len(self._step_locks) > 256:  # those no fetch holds go
+                self._step_locks = {k: v for k, v in self._step_locks.items() if v.locked()}
+            lock = self._step_locks.setdefault((job, step), threading.Lock())
+        with lock:  # a refill and the trainer's request for the same step: one brings it, the other finds it
+            return self._fetch(job, step, source=source, origin=origin, count=count, save_id=save_id)
+
+    def _fetch(self, job: str, step: int, *, source: int, origin: int, count: int, save_id: str | None) -> Path:
         own = self.store.own_path(job, step)
         if own.exists() and not problems(own) and read_meta(own).save_id == save_id:
             return own
         started = time.monotonic()
-        with connect(self._address(job, source), self.secret, self.options.timeout_s) as chan:
+        with self._connect(self._address(job, source)) as chan:
             chan.send_header({"op": "get", "job": job, "origin": origin, "count": count, "step": step,
                                "save_id": save_id})
             answer = chan.expect_ok()
             meta_bytes = header_int(answer, "meta", 1, MAX_META_BYTES)
             data_bytes = header_int(answer, "data", 0, MAX_PART_BYTES)
+            # the bytes at the slowest rate that still beats storage: a slower peer is given up on
+            chan.until(time.monotonic() + self.options.timeout_s + data_bytes / self.options.fetch_floor_bytes_s)
             with self.store.reserve(meta_bytes + data_bytes, copy=False):
                 path = self.store.receive(chan, job, origin=origin, count=count, step=step, meta_bytes=meta_bytes,
                                           data_bytes=data_bytes, own=True, source=source)

@@ -27,6 +27,7 @@ records before the copy is used (``_store``): what the sender's memory held may 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -38,6 +39,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from trainer_client.core._errors import CkptdError
@@ -114,20 +116,25 @@ def listener_handshake(sock: socket.socket, secret: bytes, deadline_s: float) ->
     return Channel(sock, _mac(secret, b"session", mine, theirs), caller=False)
 
 
-def caller_handshake(sock: socket.socket, secret: bytes) -> Channel:
-    """The caller's side: ``PeerError`` unless the listener proves it holds ``secret``."""
-    magic = recv_exact(sock, len(MAGIC))
+def caller_handshake(sock: socket.socket, secret: bytes, deadline: float | None = None) -> Channel:
+    """The caller's side: ``PeerError`` unless the listener proves it holds ``secret`` (by ``deadline``,
+    ``time.monotonic``, when given: the channel keeps it for everything after)."""
+    timeout_s = sock.gettimeout()
+    magic = recv_exact(sock, len(MAGIC), deadline, "the handshake")
     if magic != MAGIC:
         if magic.startswith(MAGIC_FAMILY):
             raise PeerError(f"the peer speaks another version of the peer channel ({magic.strip()!r}, this sidecar "
                             f"{MAGIC.strip()!r}): run the same ckptd release on every host")
         raise PeerError("not a ckptd peer channel")
-    theirs = recv_exact(sock, NONCE_BYTES)
+    theirs = recv_exact(sock, NONCE_BYTES, deadline, "the handshake")
     mine = secrets.token_bytes(NONCE_BYTES)
+    arm(sock, deadline, timeout_s, "the handshake")
     sock.sendall(mine + _mac(secret, b"caller", theirs, mine))
-    if not hmac.compare_digest(recv_exact(sock, 32), _mac(secret, b"listener", mine, theirs)):
+    if not hmac.compare_digest(recv_exact(sock, 32, deadline, "the handshake"),
+                               _mac(secret, b"listener", mine, theirs)):
         raise PeerError("the listener does not hold the peer secret")
-    return Channel(sock, _mac(secret, b"session", theirs, mine), caller=True)
+    sock.settimeout(timeout_s)
+    return Channel(sock, _mac(secret, b"session", theirs, mine), caller=True, deadline=deadline)
 
 
 class _TagBehind:
@@ -157,10 +164,16 @@ class _TagBehind:
 
 class Channel:
     """One connection after the handshake: every header and body it sends carries a tag, every one it receives
-    is checked against its tag (``PeerError`` on a mismatch). A context manager that closes the socket."""
+    is checked against its tag (``PeerError`` on a mismatch). A context manager that closes the socket.
 
-    def __init__(self, sock: socket.socket, key: bytes, *, caller: bool) -> None:
+    ``deadline`` (``time.monotonic``; None: none) bounds the whole request: every read and write of the socket
+    gets at most the time left (and at most the socket's timeout per read), and one past it is ``PeerError``. The
+    caller sets it, and may move it once it knows how many bytes are to come (``until``)."""
+
+    def __init__(self, sock: socket.socket, key: bytes, *, caller: bool, deadline: float | None = None) -> None:
         self.sock = sock
+        self.deadline = deadline
+        self._timeout_s = sock.gettimeout()
         self._key = key
         self._directions = (b"C>L", b"L>C") if caller else (b"L>C", b"C>L")  # (sending, receiving)
         self._counts = [0, 0]  # frames sent, frames received
@@ -171,6 +184,21 @@ class Channel:
     def __exit__(self, *_: object) -> None:
         self.sock.close()
 
+    def until(self, deadline: float) -> None:
+        """The request's deadline from now on (``time.monotonic``)."""
+        self.deadline = deadline
+
+    @contextlib.contextmanager
+    def _io(self, what: str) -> Iterator[None]:
+        """One read or write of the socket, bounded by the deadline (``PeerError`` once it has passed)."""
+        arm(self.sock, self.deadline, self._timeout_s, what)
+        try:
+            yield
+        except TimeoutError:
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                raise PeerError(f"{what} not finished by its deadline") from None
+            raise
+
     def _tagger(self, receiving: bool, kind: bytes, nbytes: int) -> hmac.HMAC:
         """The tag of the next frame in one direction: the key, the direction, the kind, its number, its length."""
         seq = self._counts[receiving]
@@ -179,7 +207,7 @@ class Channel:
                         hashlib.sha256)
 
     def _check(self, tagger: hmac.HMAC, what: str) -> None:
-        if not hmac.compare_digest(recv_exact(self.sock, TAG_BYTES), tagger.digest()):
+        if not hmac.compare_digest(recv_exact(self.sock, TAG_BYTES, self.deadline), tagger.digest()):
             raise PeerError(f"{what} failed its authentication (altered in transit): discarded")
 
     def send_header(self, header: dict[str, Any]) -> None:
@@ -188,13 +216,14 @@ class Channel:
             raise PeerError(f"header of {len(data)} bytes")
         tagger = self._tagger(False, b"H", len(data))
         tagger.update(data)
-        self.sock.sendall(struct.pack(">I", len(data)) + data + tagger.digest())
+        with self._io("the request"):
+            self.sock.sendall(struct.pack(">I", len(data)) + data + tagger.digest())
 
     def recv_header(self) -> dict[str, Any]:
-        (size,) = struct.unpack(">I", recv_exact(self.sock, 4))
+        (size,) = struct.unpack(">I", recv_exact(self.sock, 4, self.deadline))
         if size > MAX_HEADER_BYTES:
             raise PeerError(f"a header of {size} bytes (at most {MAX_HEADER_BYTES})")
-        data = recv_exact(self.sock, size)
+        data = recv_exact(self.sock, size, self.deadline)
         tagger = self._tagger(True, b"H", size)
         tagger.update(data)
         self._check(tagger, "a header")
@@ -219,11 +248,12 @@ class Channel:
         """A body held in memory (a part's metadata), then its tag."""
         tagger = self._tagger(False, b"B", len(data))
         tagger.update(data)
-        self.sock.sendall(data + tagger.digest())
+        with self._io("the request"):
+            self.sock.sendall(data + tagger.digest())
 
     def recv_bytes(self, n: int) -> bytes:
         """A body of ``n`` bytes, checked against its tag."""
-        data = recv_exact(self.sock, n)
+        data = recv_exact(self.sock, n, self.deadline)
         tagger = self._tagger(True, b"B", n)
         tagger.update(data)
         self._check(tagger, "a body")
@@ -242,7 +272,8 @@ class Channel:
                     while sent < nbytes:
                         count = min(CHUNK * 8, nbytes - sent)
                         limit.wait(count)
-                        done = self.sock.sendfile(f, offset=sent, count=count)
+                        with self._io("the transfer"):
+                            done = self.sock.sendfile(f, offset=sent, count=count)
                         if done <= 0:
                             raise PeerError(f"the file ended {nbytes - sent} bytes early")
                         behind.add(sent, sent + done)
@@ -250,7 +281,8 @@ class Channel:
                 finally:
                     behind.finish()
                     view.release()
-        self.sock.sendall(tagger.digest())
+        with self._io("the transfer"):
+            self.sock.sendall(tagger.digest())
 
     def recv_into_file(self, fd: int, nbytes: int) -> None:
         """Exactly ``nbytes`` from the peer into the open, empty file ``fd``, received straight into its pages (a
@@ -265,7 +297,8 @@ class Channel:
                 try:
                     got = 0
                     while got < nbytes:
-                        n = self.sock.recv_into(view[got: min(nbytes, got + CHUNK * 8)])
+                        with self._io("the transfer"):
+                            n = self.sock.recv_into(view[got: min(nbytes, got + CHUNK * 8)])
                         if not n:
                             raise PeerError(f"the peer closed the connection with {nbytes - got} of {nbytes} "
                                             "bytes to come")
@@ -296,14 +329,23 @@ class RateLimit:
             time.sleep(delay)
 
 
-def connect(address: str, secret: bytes, timeout_s: float) -> Channel:
-    """A connection to the listener at ``host:port``, the handshake done."""
+def connect(address: str, secret: bytes, timeout_s: float, deadline_s: float | None = None) -> Channel:
+    """A connection to the listener at ``host:port``, the handshake done; with ``deadline_s``, the whole request
+    (connecting included) bounded by a deadline that many seconds from now (``Channel.until`` moves it)."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise PeerError(f"not a host:port address: {address[:100]!r}")
-    sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
+    deadline = None if deadline_s is None else time.monotonic() + deadline_s
+    if deadline_s is None:
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
+    else:
+        try:
+            sock = socket.create_connection((host.strip("[]"), int(port)), timeout=min(timeout_s, deadline_s))
+        except TimeoutError:
+            raise PeerError(f"connecting to {address[:100]} not finished by its deadline") from None
+        sock.settimeout(timeout_s)
     try:
-        return caller_handshake(sock, secret)
+        return caller_handshake(sock, secret, deadline)
     except BaseException:
         sock.close()
         raise

@@ -9,8 +9,9 @@ whole handshake, not a timeout per read: a caller trickling a byte now and then 
 ``max_handshakes`` places; when they are all taken, a new connection takes the place of the oldest one still in
 its handshake (closed). Only a caller that proved the secret takes one of the ``max_connections`` slots its
 request is served in (when they are all busy it is answered ``busy``): callers without the secret never hold a
-slot an authenticated peer needs. A caller that fails the handshake is closed without an answer; an
-authenticated request has a socket timeout per read. Every field of a request is checked
+slot an authenticated peer needs. A caller that fails the handshake is closed without an answer. An
+authenticated request has a deadline too: ``timeout_s`` in all, plus its body's bytes at ``MIN_BYTES_S`` for a
+``put`` or a ``get`` (a peer that trickles a part holds a slot no longer). Every field of a request is checked
 before anything is written: the job name, the host indexes, the step, and sizes bounded by the snapshot
 format's limits and by the room this host has, charged before a byte is received (``PartStore.reserve``:
 concurrent copies never pass the capacity together).
@@ -40,6 +41,7 @@ MAX_HELD = 4096
 MAX_JOBS_LISTED = 256  # jobs named in one answer to ``jobs``
 HANDSHAKE_S = 5.0  # a connection's whole handshake, at most (an honest one takes a round trip)
 MAX_HANDSHAKES = 64  # connections in their handshake at once; a new one takes the oldest one's place
+MIN_BYTES_S = 1 << 20  # a request's body may take its bytes at this rate plus ``timeout_s``, no longer
 WARN_EVERY_S = 10.0  # failed handshakes: one warning per this, the others at debug (a flood never floods the log)
 
 
@@ -160,6 +162,7 @@ class PeerListener:
 
     def _answer(self, chan: Channel, peer: Any) -> None:
         try:
+            chan.until(time.monotonic() + self.timeout_s)  # the request and a small answer: one timeout in all
             request = chan.recv_header()
             op = request.get("op")
             if op == "put":
@@ -200,6 +203,7 @@ class PeerListener:
             chan.send_header({"ok": True, "have": True})
             return
         with self.store.reserve(meta_bytes + data_bytes, copy=True):  # charged before the answer, atomically
+            chan.until(time.monotonic() + self.timeout_s + (meta_bytes + data_bytes) / MIN_BYTES_S)
             chan.send_header({"ok": True, "have": False})
             lower_this_thread(self.nice)  # receiving and checking a copy is background work (a get is a restore)
             self.store.receive(chan, job, origin=origin, count=count, step=step, meta_bytes=meta_bytes,
@@ -227,6 +231,7 @@ class PeerListener:
             save_id = request.get("save_id")
             if save_id is not None and meta.save_id != save_id:
                 raise PeerError(f"the copy of step {step} is of save {meta.save_id}, not {str(save_id)[:40]}")
+            chan.until(time.monotonic() + self.timeout_s + (len(raw) + meta.nbytes) / MIN_BYTES_S)
             chan.send_header({"ok": True, "meta": len(raw), "data": meta.nbytes})
             chan.send_bytes(raw)
             chan.send_file(data, meta.nbytes, RateLimit(None))  # a restore waits for it: not rate-bounded

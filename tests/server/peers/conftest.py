@@ -1,6 +1,6 @@
-"""What the peer-channel tests share: two sidecars' ``PeerService``s on 127.0.0.1 (``pair``), their settings, and
-a TCP proxy that alters one byte of the stream after the handshake (``FlipProxy``: an attacker on the path
-without the secret, docs/multihost.md, "Peer copies")."""
+"""What the peer-channel tests share: two sidecars' ``PeerService``s on 127.0.0.1 (``pair``), their settings, a
+TCP proxy that alters one byte of the stream after the handshake (``FlipProxy``: an attacker on the path
+without the secret, docs/multihost.md, "Peer copies"), and a peer that accepts and never answers (``Tarpit``)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 
 from ckptd.config import Settings
 from ckptd.peers import PeerService, build_peers
+from ckptd.peers._protocol import MAGIC, NONCE_BYTES
 from tests.support.peer_parts import SECRET
 
 JOB = "peerjob"
@@ -99,3 +100,67 @@ def proxy_to() -> Iterator[list[FlipProxy]]:
     yield proxies
     for proxy in proxies:
         proxy.close()
+
+
+class Tarpit:
+    """A real listening socket that accepts every connection and never answers it (``trickle_s``: it sends the
+    channel's magic line and a nonce one byte every ``trickle_s``, so that no timeout per read ever fires, and
+    never a proof). ``held()``: the connections it holds that the caller has not closed."""
+
+    def __init__(self, trickle_s: float | None = None) -> None:
+        self.trickle_s = trickle_s
+        self.accepted = 0
+        self._conns: list[socket.socket] = []
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self._server.settimeout(0.2)
+        self.address = f"127.0.0.1:{self._server.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self._conns.append(conn)
+            self.accepted += 1
+            if self.trickle_s is not None:
+                threading.Thread(target=self._trickle, args=(conn,), daemon=True).start()
+
+    def _trickle(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            for byte in MAGIC + bytes(NONCE_BYTES):
+                if self._stop.wait(self.trickle_s):
+                    return
+                conn.sendall(bytes([byte]))
+
+    def held(self) -> int:
+        """Connections still open at the caller's end (reading one shows nothing, not the end of the stream)."""
+        count = 0
+        for conn in list(self._conns):
+            with contextlib.suppress(OSError):
+                conn.setblocking(False)
+                try:
+                    closed = conn.recv(1 << 16, socket.MSG_PEEK) == b""  # data: the caller sent its half and waits
+                except BlockingIOError:
+                    closed = False
+                count += not closed
+        return count
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._server.close()
+        for conn in self._conns:
+            conn.close()
+
+
+@pytest.fixture
+def tarpit() -> Iterator[Tarpit]:
+    pit = Tarpit()
+    yield pit
+    pit.close()

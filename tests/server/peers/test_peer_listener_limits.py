@@ -8,6 +8,7 @@ import contextlib
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -195,3 +196,29 @@ def test_concurrent_copies_are_charged_against_the_capacity_before_any_is_receiv
             chan.send_header({"op": "put", "job": again, "origin": 0, "count": 2, "step": 10, "held": [10],
                               "meta": len(raw), "data": nbytes})
             assert chan.expect_ok()["have"] is False
+
+
+def test_a_peer_that_trickles_a_part_is_cut_off_at_the_requests_deadline(shm: Path, tmp_path: Path) -> None:
+    # a sender holding the secret that sends one byte of a 16 KiB part every 20 ms never lets a per-read timeout of
+    # 0.5 s fire; the request's deadline (0.5 s plus the bytes at 1 MiB/s) ends it long before the part is in
+    part = write_part(tmp_path / "scratch", JOB, 10, index=0)
+    raw = (part / "snapshot.json").read_bytes()
+    nbytes = (part / "data.bin").stat().st_size
+    with listening(shm, timeout_s=0.5) as listener:
+        listener.handshake_s = 30.0  # the handshake is not what this test bounds
+        sent = 0
+        with connect(address(listener), SECRET.encode(), 10) as chan:
+            chan.send_header({"op": "put", "job": JOB, "origin": 0, "count": 2, "step": 10, "held": [10],
+                              "meta": len(raw), "data": nbytes})
+            assert chan.expect_ok()["have"] is False
+            chan.send_bytes(raw)
+            give_up = time.monotonic() + 60  # before the deadline: the listener never ended it
+            with contextlib.suppress(OSError):
+                while sent < nbytes and time.monotonic() < give_up and \
+                        not any("deadline" in f for f in listener.stats.failures):
+                    chan.sock.sendall(b"\0")
+                    sent += 1
+                    threading.Event().wait(0.02)
+        assert sent < nbytes
+        wait_until(lambda: any("deadline" in f for f in listener.stats.failures), timeout=10)
+        assert listener.store.copies(JOB, 0) == []
