@@ -57,7 +57,9 @@ class PeerService:
         return {"address": self.address, "copies_sent": c.copies_sent, "bytes_sent": c.bytes_sent,
                 "copy_failures": c.copy_failures, "fetched": c.fetched, "fetch_failures": c.fetch_failures,
                 "copy_age_s": {job: round(now - at, 3) for job, at in c.last_copy_at.items()},
-                "last_copy_step": dict(c.last_copy_step), "copies_received": s.received,
+                "last_copy_step": dict(c.last_copy_step),
+                "copy_holders": {job: sorted(held.values()) for job, held in c.holders.items() if held},
+                "copies_received": s.received,
                 "bytes_received": s.received_bytes, "requests_refused": s.refused, "copies_served": s.served,
                 "bytes_served": s.served_bytes, "copies_held_bytes": self.listener.store.copy_bytes(),
                 "last_failure": c.last_failure, "listener_failures": list(s.failures)}
@@ -84,7 +86,8 @@ def build_peers(settings: Settings) -> PeerService | None:
     options = PeerOptions(k=settings.peer_copies, stride=settings.peer_stride,
                           explicit=parse_map(settings.peer_map) or None, nice=settings.persist_nice,
                           refill=settings.peer_refill, host=settings.this_host())
-    return PeerService(listener, PeerCopier(store, directory, secret.encode(), rate, options))
+    return PeerService(listener, PeerCopier(store, directory, secret.encode(), rate, options,
+                                            instance=listener.instance))
 
 
 __all__ = ["PeerService", "build_peers"]

@@ -64,6 +64,7 @@ class CopierStats:
     fetch_failures: int = 0
     last_copy_at: dict[str, float] = field(default_factory=dict)  # job -> when its newest part was last copied
     last_copy_step: dict[str, int] = field(default_factory=dict)
+    holders: dict[str, dict[int, str]] = field(default_factory=dict)  # job -> {host: address} holding its copy
     last_failure: str | None = None
 
     def failed(self, what: str) -> None:
@@ -127,8 +128,9 @@ class PeerCopier:
     """Copies this host's parts out and brings them back (one per sidecar)."""
 
     def __init__(self, store: PartStore, directory: PeerDirectory, secret: bytes, rate: RateLimit,
-                 options: PeerOptions) -> None:
+                 options: PeerOptions, *, instance: str = "") -> None:
         self.store = store
+        self.instance = instance  # this sidecar's listener's (``PeerListener.instance``): never a copy's holder
         self.directory = directory
         self.secret = secret
         self.rate = rate
@@ -242,6 +244,7 @@ class PeerCopier:
             self.stats.copy_failures += 1
             self.stats.failed(f"copy of {job} step {meta.step} to host {holder}: {exc}")
             self.directory.forget(job, holder)
+            self.stats.holders.get(job, {}).pop(holder, None)
             self._retry[(job, holder)] = (time.monotonic() + min(10.0, 0.25 * 2 ** streak), streak + 1)
             (_log.warning if streak == 0 else _log.debug)(
                 "peer copy of %s step %s to host %d failed: %s", job, meta.step, holder, exc)
@@ -250,7 +253,16 @@ class PeerCopier:
         address = self.directory.address_of(job, holder)
         if address is None:
             raise PeerError(f"no address known for host {holder} of {job}")
+        if address == self.directory.address:
+            raise PeerError(f"host {holder}'s address for {job} ({address}) is this sidecar's own: a copy never "
+                            "lands on its origin")
         return address
+
+    def _not_own(self, answer: dict[str, Any], job: str, holder: int) -> None:
+        """``PeerError`` when the listener that answered is this sidecar's own (reached by another address)."""
+        if self.instance and answer.get("holder") == self.instance:
+            raise PeerError(f"host {holder}'s listener for {job} is this sidecar's own: a copy never lands on its "
+                            "origin")
 
     def _connect(self, address: str, deadline_s: float | None = None) -> Channel:
         """A connection to ``address`` whose whole request has ``deadline_s`` (default ``timeout_s``)."""
@@ -260,16 +272,21 @@ class PeerCopier:
     def _tell_held(self, job: str, holder: int, meta: SnapshotMeta, held: tuple[int, ...]) -> None:
         with self._connect(self._address(job, holder)) as chan:
             chan.send_header({"op": "held", "job": job, "origin": meta.process_index, "count": meta.process_count,
-                               "held": list(held)})
-            chan.expect_ok()
+                               "held": list(held), "sender": self.instance})
+            self._not_own(chan.expect_ok(), job, holder)
 
     def _send(self, job: str, holder: int, path: Path, held: tuple[int, ...]) -> None:
         raw, meta, data = self.store.open_part(path)
         rate = self.rate.rate or self.options.fetch_floor_bytes_s  # the copy's bytes at the channel's rate, twice
-        with data, self._connect(self._address(job, holder), self.options.timeout_s + 2 * meta.nbytes / rate) as chan:
+        address = self._address(job, holder)
+        with data, self._connect(address, self.options.timeout_s + 2 * meta.nbytes / rate) as chan:
             chan.send_header({"op": "put", "job": job, "origin": meta.process_index, "count": meta.process_count,
-                               "step": meta.step, "held": list(held), "meta": len(raw), "data": meta.nbytes})
-            if chan.expect_ok().get("have"):
+                               "step": meta.step, "held": list(held), "meta": len(raw), "data": meta.nbytes,
+                               "sender": self.instance})
+            answer = chan.expect_ok()
+            self._not_own(answer, job, holder)
+            if answer.get("have"):
+                self.stats.holders.setdefault(job, {})[holder] = address
                 return
             started = time.monotonic()
             chan.send_bytes(raw)
@@ -279,8 +296,9 @@ class PeerCopier:
         self.stats.bytes_sent += meta.nbytes
         self.stats.last_copy_at[job] = time.time()
         self.stats.last_copy_step[job] = meta.step
-        _log.info("peer copy of %s step %s (%d bytes) held by host %d (%.2f s)", job, meta.step, meta.nbytes,
-                  holder, time.monotonic() - started)
+        self.stats.holders.setdefault(job, {})[holder] = address
+        _log.info("peer copy of %s step %s (%d bytes) held by host %d at %s (%.2f s)", job, meta.step, meta.nbytes,
+                  holder, address, time.monotonic() - started)
 
     def discover_pass(self) -> None:
         """A task of its own, started from the copier's thread: a holder slow to answer holds up neither a copy

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import secrets
 import socket
 import threading
 import time
@@ -67,6 +68,7 @@ class PeerListener:
                  timeout_s: float = 30.0, nice: int = 0, handshake_s: float | None = None,
                  max_handshakes: int = MAX_HANDSHAKES) -> None:
         self.store = store
+        self.instance = secrets.token_hex(16)  # this listener's; its own sidecar's copier sends it as ``sender``
         self.nice = nice  # a copy received (put) runs this many nice steps lower: the host's trainer comes first
         self.secret = secret
         self.timeout_s = timeout_s
@@ -192,7 +194,14 @@ class PeerListener:
         count = header_int(request, "count", 2, MAX_HOSTS)
         return job, header_int(request, "origin", 0, count - 1), count
 
+    def _not_from_itself(self, request: dict[str, Any]) -> None:
+        """``PeerError`` when the request comes from this sidecar's own copier: a peer is never the origin."""
+        if request.get("sender") == self.instance:
+            raise PeerError("a copy sent by this sidecar to its own listener: a peer is never the origin (its "
+                            "address names this host's own listener)")
+
     def _put(self, chan: Channel, request: dict[str, Any]) -> None:
+        self._not_from_itself(request)
         job, origin, count = self._origin(request)
         step = header_int(request, "step", 0, MAX_STEP)
         meta_bytes = header_int(request, "meta", 1, MAX_META_BYTES)
@@ -200,11 +209,11 @@ class PeerListener:
         keep = self._keep(request) | {step}
         self.store.prune(job, origin, keep)  # first: the originals gone make room for the new one
         if self.store.copy_path(job, origin, step).exists():
-            chan.send_header({"ok": True, "have": True})
+            chan.send_header({"ok": True, "have": True, "holder": self.instance})
             return
         with self.store.reserve(meta_bytes + data_bytes, copy=True):  # charged before the answer, atomically
             chan.until(time.monotonic() + self.timeout_s + (meta_bytes + data_bytes) / MIN_BYTES_S)
-            chan.send_header({"ok": True, "have": False})
+            chan.send_header({"ok": True, "have": False, "holder": self.instance})
             lower_this_thread(self.nice)  # receiving and checking a copy is background work (a get is a restore)
             self.store.receive(chan, job, origin=origin, count=count, step=step, meta_bytes=meta_bytes,
                                data_bytes=data_bytes, own=False)
@@ -219,9 +228,10 @@ class PeerListener:
         return {header_int({"step": s}, "step", 0, MAX_STEP) for s in held}
 
     def _held(self, chan: Channel, request: dict[str, Any]) -> None:
+        self._not_from_itself(request)
         job, origin, _ = self._origin(request)
         dropped = self.store.prune(job, origin, self._keep(request))
-        chan.send_header({"ok": True, "dropped": dropped})
+        chan.send_header({"ok": True, "dropped": dropped, "holder": self.instance})
 
     def _get(self, chan: Channel, request: dict[str, Any]) -> None:
         job, origin, _ = self._origin(request)
