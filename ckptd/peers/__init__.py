@@ -68,7 +68,11 @@ class PeerService:
 def build_peers(settings: Settings) -> PeerService | None:
     """The peer channel ``settings`` ask for (``CKPTD_PEER_PORT`` and a shared-memory directory), not started;
     None when off."""
-    if settings.peer_port is None or not settings.shm_dir:
+    if settings.peer_port is None:
+        return None
+    if not settings.shm_dir:
+        _log.warning("CKPTD_PEER_PORT is set but CKPTD_SHM_DIR is not: the peer channel is off (it keeps and "
+                     "serves copies of the hosts' parts in shared memory; set CKPTD_SHM_DIR to turn it on)")
         return None
     secret = settings.peer_secret
     assert secret is not None  # Settings refuses a channel without one

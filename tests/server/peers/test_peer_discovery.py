@@ -5,6 +5,7 @@ and brings the part back at once, with no trainer asking (docs/multihost.md, "Pe
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -17,7 +18,7 @@ from ckptd.peers import PeerService, build_peers
 from ckptd.peers._store import PartStore
 from tests.server.peers.conftest import JOB, settings
 from tests.support.helpers import wait_until
-from tests.support.peer_parts import write_part
+from tests.support.peer_parts import SECRET, write_part
 from trainer_client.core.format._peer_copies import brought_from, copies_dir
 from trainer_client.core.format._private_files import ensure_private_dir
 from trainer_client.core.format._snapshot import problems
@@ -126,3 +127,12 @@ def test_a_holder_names_only_the_jobs_of_as_many_hosts_as_the_asker(tmp_path: Pa
     assert store.jobs_holding(0, 2, 1) == ["also-two"]
     (copies_dir(shm, "two-hosts", 0) / "5" / "data.bin").write_bytes(b"cut short")
     assert store.jobs_holding(0, 2, 256) == ["also-two"]  # a copy not intact names no job
+
+
+def test_a_peer_port_without_a_shared_memory_directory_says_the_channel_is_off(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="ckptd.peers"):
+        assert build_peers(Settings(root=str(tmp_path), state_dir=str(tmp_path / "state"), shm_dir=None, peer_port=0,
+                                    peer_secret=SECRET)) is None
+    [line] = [r for r in caplog.records if "CKPTD_PEER_PORT" in r.getMessage()]
+    assert line.levelno == logging.WARNING and "CKPTD_SHM_DIR" in line.getMessage() and "off" in line.getMessage()
