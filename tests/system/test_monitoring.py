@@ -126,7 +126,9 @@ def scrape(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrape]:
                    .status_code == 200, timeout=30, interval=0.2, what="a resume plan (once steps are verified)")
         # A trainer reports a save with its replica snapshot tier's counters (they are gauges of the live run).
         replica = {"replica_held_step": 20, "replica_age_seconds": 0.4, "replica_skips": 2, "replica_failures": 1,
-                   "replica_bytes_held": 4096}
+                   "replica_bytes_held": 4096, "replica_period": 26, "replica_memory_kind": "pinned_host",
+                   "replica_copy_seconds": 5.6, "replica_copy_bytes_per_second": 0.93e9, "replica_overhead": 0.004,
+                   "replica_expected_lost_steps": 33.5}
         live = _event(40, "checkpoint_started", step=20, blocked_seconds=0.1, **replica).model_dump(exclude_none=True)
         assert httpx.post(f"{url}/v1/jobs/{JOB}/events", json={"events": [live]}, timeout=30).status_code == 200
         # Seen while running: a good step committed (a copy without ckptd's files), a bad one (a truncated file).

@@ -35,13 +35,22 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 
 from trainer_client.checkpoint_io._state_tree import leaf_name
 from trainer_client.errors import NoWholeReplica
+from trainer_client.runtime._replica_held import (
+    Copy,
+    Held,
+    ReplicaStats,
+    Restored,
+    Snapshot,
+    Value,
+    copy_value,
+    kind_of,
+)
 from trainer_client.runtime._replica_leaves import (
     PINNED,
     HeldArray,
@@ -63,81 +72,6 @@ from trainer_client.runtime._replica_pacing import PaceMeter
 
 _log = logging.getLogger(__name__)
 PyTree = Any
-
-
-class Held(NamedTuple):
-    """The step the tier holds whole, the slices its replicas live on, and each replica's slices (a replica
-    of the whole state is whole when all of its slices are alive: ``ReplicasHeld.slices`` on the wire)."""
-
-    step: int
-    slices: frozenset[int]
-    replicas: tuple[frozenset[int], ...] = ()
-
-
-@dataclass(frozen=True)
-class ReplicaStats:
-    """The tier's counters: snapshots held, skipped (busy), failed (dropped mid-copy); the held one's bytes
-    (this host's) and age (seconds since its dispatch); the last dispatch's blocking time."""
-
-    held_step: int | None
-    snapshots: int
-    skips: int
-    failures: int
-    bytes_held: int
-    age_s: float | None
-    last_dispatch_s: float | None
-    memory_kind: str | None = None  # the held snapshot's host memory kind
-    staged: bool | None = None  # copies read an on-device copy of the state (None: no snapshot yet)
-    last_copy_s: float | None = None  # the last copy's time to the host, from its dispatch
-
-
-@dataclass(frozen=True)
-class Restored:
-    """A restore's result: the state on the new layout with what was kept with it, all of ``step``."""
-
-    step: int
-    state: PyTree
-    data_position: int
-    iterator_state: Any
-
-
-@dataclass
-class _Snapshot:
-    step: int
-    treedef: Any
-    leaves: list[HeldArray | _Value]
-    data_position: int
-    iterator_state: Any
-    taken_at: float
-    nbytes: int
-
-    @property
-    def arrays(self) -> list[HeldArray]:
-        return [leaf for leaf in self.leaves if isinstance(leaf, HeldArray)]
-
-
-@dataclass(frozen=True)
-class _Value:
-    value: Any  # a leaf that is not a jax.Array: kept as a copy
-
-
-@dataclass
-class _Copy:
-    """A snapshot on its way to the host: the staged device copies (or the host copies, dispatched directly),
-    the leaves' names and key dtypes, and where each non-array leaf sits."""
-
-    step: int
-    treedef: Any
-    names: list[str]
-    key_dtypes: list[Any | None]
-    sources: list[jax.Array]  # staged: on-device copies; direct: the host copies already dispatched
-    shardings: list[Any]  # the state's arrays' shardings (the host copies go on them)
-    staged: bool
-    kind: str
-    values: list[_Value | None]  # per leaf: the kept value, or None for an array (in order of ``sources``)
-    data_position: int
-    iterator_state: Any
-    taken_at: float
 
 
 class ReplicaTier:
@@ -168,13 +102,13 @@ class ReplicaTier:
             check_budget(state, budget_bytes)
         self._reserve: list[jax.Array] = []  # prepare's throwaway copies, until the first dispatch
         self._lock = threading.Condition()
-        self._held: _Snapshot | None = None
+        self._held: Snapshot | None = None
         self._in_flight = False
         self._names: tuple[Any, list[str]] | None = None
         self.snapshots = self.skips = self.failures = 0
         self.last_error: BaseException | None = None
         self.last_dispatch_s: float | None = None
-        self._queue: queue.Queue[_Copy | None] = queue.Queue(maxsize=1)
+        self._queue: queue.Queue[Copy | None] = queue.Queue(maxsize=1)
         self._worker = threading.Thread(target=self._complete_copies, name="ckptd-replica-tier", daemon=True)
         self._worker.start()
 
@@ -191,6 +125,9 @@ class ReplicaTier:
             if self._held is not None or self._in_flight:
                 return 0
         if self._stages(state):  # the copy runs beside the loop: its first-time costs are not the loop's
+            arrays = [x for x in jax.tree_util.tree_leaves(state) if isinstance(x, jax.Array)]
+            if arrays:  # the on-device copy compiled now, not in the first snapshot's dispatch (the loop's)
+                jax.block_until_ready(stage(arrays)[0])
             return need
         self._reserve = touch_copies(state, self.replica_axis, 2, self.memory_kind)
         return need
@@ -230,12 +167,12 @@ class ReplicaTier:
         self._queue.put(snap)
         return True
 
-    def _dispatch(self, step: int, state: PyTree, data_position: int, iterator_state: Any) -> _Copy:
+    def _dispatch(self, step: int, state: PyTree, data_position: int, iterator_state: Any) -> Copy:
         leaves, treedef = jax.tree_util.tree_flatten(state)
         if self._names is None or self._names[0] != treedef:  # the leaves' names once per structure
             self._names = (treedef, [leaf_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]])
         arrays = [x for x in leaves if isinstance(x, jax.Array)]
-        values = [None if isinstance(x, jax.Array) else _Value(copy.deepcopy(x)) for x in leaves]
+        values = [None if isinstance(x, jax.Array) else Value(copy.deepcopy(x)) for x in leaves]
         names = [n for n, x in zip(self._names[1], leaves, strict=True) if isinstance(x, jax.Array)]
         key_dtypes = [x.dtype if is_key(x) else None for x in arrays]
         staged = self._stages(state)
@@ -249,7 +186,7 @@ class ReplicaTier:
             shardings = []
         if self.meter is not None:
             self.meter.copy_started(kind, started)
-        return _Copy(step, treedef, names, key_dtypes, sources, shardings, staged, kind, values, data_position,
+        return Copy(step, treedef, names, key_dtypes, sources, shardings, staged, kind, values, data_position,
                      copy.deepcopy(iterator_state), started)
 
     def _complete_copies(self) -> None:
@@ -262,7 +199,7 @@ class ReplicaTier:
             self._complete(job)
             del job
 
-    def _complete(self, job: _Copy) -> None:
+    def _complete(self, job: Copy) -> None:
         """One snapshot's copy to the host, waited for and held. Its unsplit host arrays live only in this call:
         the held replicas share their buffers, and a failed attempt's clean-up deletes every live array the tier
         does not hold (``held_arrays``), which would take the replicas' buffers with them."""
@@ -286,14 +223,14 @@ class ReplicaTier:
         else:
             self._finished(snap, None)
 
-    def _hold(self, job: _Copy, hosts: list[jax.Array]) -> _Snapshot:
+    def _hold(self, job: Copy, hosts: list[jax.Array]) -> Snapshot:
         arrays = iter(hold_pinned(name, host, self.replica_axis, key)
                       for name, host, key in zip(job.names, hosts, job.key_dtypes, strict=True))
-        held: list[HeldArray | _Value] = [next(arrays) if v is None else v for v in job.values]
+        held: list[HeldArray | Value] = [next(arrays) if v is None else v for v in job.values]
         nbytes = sum(leaf.nbytes for leaf in held if isinstance(leaf, HeldArray))
-        return _Snapshot(job.step, job.treedef, held, job.data_position, job.iterator_state, job.taken_at, nbytes)
+        return Snapshot(job.step, job.treedef, held, job.data_position, job.iterator_state, job.taken_at, nbytes)
 
-    def _finished(self, snap: _Snapshot | None, error: BaseException | None) -> None:
+    def _finished(self, snap: Snapshot | None, error: BaseException | None) -> None:
         with self._lock:
             if snap is not None:
                 self._held = snap
@@ -371,7 +308,7 @@ class ReplicaTier:
                                 failures=self.failures, bytes_held=snap.nbytes if snap else 0,
                                 age_s=self._clock() - snap.taken_at if snap else None,
                                 last_dispatch_s=self.last_dispatch_s,
-                                memory_kind=_kind_of(snap) if snap else None, staged=self.staging,
+                                memory_kind=kind_of(snap) if snap else None, staged=self.staging,
                                 last_copy_s=self.last_copy_s)
 
     # ---- restore --------------------------------------------------------------------------------
@@ -415,7 +352,7 @@ class ReplicaTier:
                 f"{sorted(lost_slices)}): {shown}. Each array must be replicated along the replica axis and at "
                 "least one replica's slice must be alive; resume from the shared-memory tier or storage.",
                 tuple(missing))
-        out = [_copy_value(leaf) if entry is None else to_device(entry[2], entry[0], entry[1])
+        out = [copy_value(leaf) if entry is None else to_device(entry[2], entry[0], entry[1])
                for leaf, entry in zip(snap.leaves, hosts, strict=True)]
         jax.block_until_ready([jax.random.key_data(x) if is_key(x) else x for x in out if isinstance(x, jax.Array)])
         self._hold_restored(snap, hosts)
@@ -427,10 +364,10 @@ class ReplicaTier:
             return frozenset()
         return frozenset(d.id for d in jax.devices() if self._slices({d.id}) & set(slices))
 
-    def _hold_restored(self, snap: _Snapshot, hosts: list[tuple[HeldArray, Any, jax.Array] | None]) -> None:
+    def _hold_restored(self, snap: Snapshot, hosts: list[tuple[HeldArray, Any, jax.Array] | None]) -> None:
         """Hold the restored step on its new layout: the rebuilt host arrays themselves, split again (the
         restored device arrays are copies of them, so a step that donates those leaves these alone)."""
-        leaves: list[HeldArray | _Value] = []
+        leaves: list[HeldArray | Value] = []
         for leaf, entry in zip(snap.leaves, hosts, strict=True):
             if entry is None:
                 leaves.append(leaf)
@@ -439,18 +376,8 @@ class ReplicaTier:
             leaves.append(hold_pinned(before.name, host, self.replica_axis, before.key_dtype))
         nbytes = sum(leaf.nbytes for leaf in leaves if isinstance(leaf, HeldArray))
         with self._lock:
-            self._held = _Snapshot(snap.step, snap.treedef, leaves, snap.data_position, snap.iterator_state,
+            self._held = Snapshot(snap.step, snap.treedef, leaves, snap.data_position, snap.iterator_state,
                                    snap.taken_at, nbytes)
-
-
-def _kind_of(snap: _Snapshot) -> str | None:
-    arrays = snap.arrays
-    return str(arrays[0].replicas[0].sharding.memory_kind) if arrays and arrays[0].replicas else None
-
-
-def _copy_value(leaf: HeldArray | _Value) -> Any:
-    assert isinstance(leaf, _Value)
-    return copy.deepcopy(leaf.value)
 
 
 __all__ = ["Held", "ReplicaStats", "ReplicaTier", "Restored", "check_budget", "required_bytes"]
