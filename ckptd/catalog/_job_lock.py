@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
-from trainer_client.core._errors import UnsafePathError
+from trainer_client.core._errors import CkptdError, UnsafePathError
 from trainer_client.core._said_once import SaidOnce
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._files import JOB_LOCK
@@ -75,8 +75,9 @@ _troubles: dict[str, LockTrouble] = {}  # lock path -> its trouble now (reported
 _waiting: dict[str, float] = {}  # lock path -> when a try first found it held elsewhere (not yet reported)
 
 
-class _Refused(Exception):
-    """What stands at the lock path is refused (the message says what and why)."""
+class _Refused(CkptdError):
+    """What stands at the lock path is refused (the message says what and why); caught in this module, never
+    raised past ``job_lock``."""
 
 
 def _thread_lock(key: str) -> threading.RLock:

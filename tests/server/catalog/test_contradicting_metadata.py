@@ -1,4 +1,4 @@
-"""A step whose metadata contradicts its data is never named good (issue 40, item 5;
+"""A step whose metadata contradicts its data is never named good (checked by
 ``trainer_client/core/format/_stored_extents.py``): a real Orbax step without ckptd's records, its training
 metadata re-declaring ``params.w`` as ``[1048576, 1048576]`` over 128 bytes of data, or a chunk of its OCDBT
 database longer than the chunk could be, is quarantined at adoption, not adopted, and the storage-only answer

@@ -191,9 +191,9 @@ def _read_and_hold(path: str, held: Any, release: Any) -> None:
 
 
 def test_a_reader_holding_the_old_world_readable_lock_stops_no_writer(tmp_path: Path) -> None:
-    """Issue 40, item 3: the lock used to be ``<job>/.ckptd/lock``, created ``0644``; a reader who opened it (then
-    or before an upgrade) and holds its flock blocked every commit. That file is no writer's lock any more: the
-    cleanup goes ahead while the reader still holds it, and two writers still exclude each other."""
+    """The lock used to be ``<job>/.ckptd/lock``, created ``0644``; a reader who opened it (then or before an
+    upgrade) and holds its flock blocked every commit. That file is no writer's lock any more: the cleanup goes
+    ahead while the reader still holds it, and two writers still exclude each other."""
     staged = _abandoned_save(tmp_path)
     legacy = tmp_path / "job" / ".ckptd" / "lock"
     legacy.write_text("")

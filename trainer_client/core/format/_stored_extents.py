@@ -1,6 +1,6 @@
 """Whether what a step declares about its arrays agrees with the bytes it holds: checked before a step written
 without a manifest counts (adoption, and the storage-only answer), so a step whose metadata contradicts its
-data is never named good (issue 40, item 5; docs/concepts.md, "Good").
+data is never named good (docs/concepts.md, "Good").
 
 A manifest records sizes and checksums of the files present; it says nothing of whether ``params.w``
 declared ``[1048576, 1048576]`` in ckptd's training metadata (``_CHECKPOINT_METADATA``, plain JSON) is what
@@ -56,7 +56,7 @@ def _declared_problems(storage: Storage, step_path: str) -> list[str]:
     problems = []
     for name, spec in sorted(training.arrays.items()):
         info = stored.get(name)
-        if info is None:  # not compared yet: the tests' own steps declare arrays they do not store (issue 40)
+        if info is None:  # not compared yet: the tests' own steps declare arrays they do not store
             continue
         if spec.shape is not None and tuple(spec.shape) != info.shape:
             problems.append(f"{name}: declared shape {list(spec.shape)}, stored {list(info.shape)}")
