@@ -217,8 +217,9 @@ class ReplicaTier:
             job.sources = []
             if self.meter is not None:
                 self.meter.copy_done(job.kind, job.taken_at, self._clock())
-            _log.warning("replica snapshot of step %d dropped, step %s still held: %s", job.step,
-                         self._held.step if self._held is not None else None, exc)
+            _log.log(logging.INFO if "DATA_LOSS" in str(exc) else logging.WARNING,  # a lost slice's: expected
+                     "replica snapshot of step %d dropped, step %s still held: %s", job.step,
+                     self._held.step if self._held is not None else None, exc)
             self._finished(None, exc)
         else:
             self._finished(snap, None)
