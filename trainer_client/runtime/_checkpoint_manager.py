@@ -12,11 +12,11 @@ directory, so the steps are Orbax's layout and plain Orbax restores them. What c
 - every save writes ckptd's manifest (every file's size and CRC32C) in Orbax's post-finalization callback,
   before the commit marker, as ``trainer_client.checkpoint_io._checkpointer`` does for the elastic runner
   (docs/architecture.md, "Data flow of a save"), through the same writer (``core.format._manifest``);
-- options that would let Orbax delete steps by its own judgement, or name steps outside ckptd's commit rule,
-  are refused with the reason (``unsupported_options``): retention is ckptd's (``ckptd gc --keep-last``,
-  ``CKPTD_KEEP_LAST`` for ``ckptd serve``), which never deletes the newest good step or a step being written.
-  Every other field of Orbax's options is honoured by Orbax (``HONOURED``; a test checks that each field is in
-  one table).
+- Orbax's retention options (``max_to_keep``, ``keep_period``, ``keep_time_interval``, ``best_fn``,
+  ``preservation_policy``) are Orbax's own policy applied over good steps only, never to the newest good step
+  (``trainer_client.runtime._manager_retention``); options that would name steps outside ckptd's commit rule
+  are refused with the reason (``unsupported_options``). Every other field of Orbax's options is honoured by
+  Orbax (``HONOURED``; a test checks that each field is in one table).
 
 ckptd's training metadata (data position, global batch, mesh, arrays, run id) needs what an Orbax loop never
 tells its manager: told ``global_batch=`` (and optionally ``data_position=``), every save records it where the
@@ -45,7 +45,6 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import args as args_lib
-from orbax.checkpoint._src.checkpoint_managers import preservation_policy as preservation_policy_lib
 from orbax.checkpoint._src.path import atomicity
 from orbax.checkpoint._src.path import step as step_lib
 from orbax.checkpoint.abstract_checkpoint_manager import AbstractCheckpointManager
@@ -60,6 +59,7 @@ from trainer_client.core.format._manifest import build_manifest, write_manifest
 from trainer_client.core.format._steps import CUSTOM_METADATA_KEY
 from trainer_client.core.protocol import TrainingMetadata
 from trainer_client.runtime._good_steps import GoodSteps, GoodStepsOnly
+from trainer_client.runtime._manager_retention import ManagerRetention, conflicts, orbax_policy, without_retention
 from trainer_client.runtime._manager_saves import (
     MemoryRoute,
     MemorySave,
@@ -71,8 +71,6 @@ from trainer_client.runtime._manager_saves import (
 
 _log = logging.getLogger(__name__)
 
-_RETENTION = "retention is ckptd's: `ckptd gc --keep-last N` or `ckptd serve` with CKPTD_KEEP_LAST, which never " \
-    "delete the newest good step or a step being written (docs/operations.md)"
 _NAMING = "ckptd's commit rule reads Orbax's default step names (a plain integer directory per step)"
 
 
@@ -90,21 +88,18 @@ HONOURED: frozenset[str] = frozenset({
     "enable_should_save_is_saving_in_progress_check", "enable_async_checkpointing", "async_options",
     "file_options", "create", "read_only", "save_root_metadata", "prevent_write_metrics",
     "lightweight_initialize", "single_host_load_and_broadcast",
-    # Orbax's explicit delete(step) (its own retention is refused below)
+    # Orbax's deletions: an explicit delete(step), and its retention (Orbax's own policy, applied by
+    # ``_manager_retention`` over good steps, never to the newest good step)
     "todelete_subdir", "todelete_full_path", "enable_background_delete", "num_deletion_threads",
-    # best_fn's companions: no effect without best_fn, in Orbax as here (best_step() is then the latest good step)
-    "best_mode", "keep_checkpoints_without_metrics",
+    "max_to_keep", "keep_time_interval", "keep_period", "preservation_policy",
+    "best_fn", "best_mode", "keep_checkpoints_without_metrics",
     # honoured but for the values ``unsupported_options`` names: a custom temporary path class, a primary host
     # other than process 0, Orbax's reading of legacy steps without their commit marker
     "temporary_path_class", "multiprocessing_options", "atomicity_options",
 })
 REFUSED: dict[str, tuple[Any, str]] = {  # option: (the only value taken, why another is refused)
-    "max_to_keep": (None, _RETENTION),
-    "keep_time_interval": (None, _RETENTION),
-    "keep_period": (None, _RETENTION),
-    "should_keep_fn": (None, _RETENTION),  # not in 0.12.8; refused where an Orbax has it
-    "best_fn": (None, _RETENTION + "; Orbax ranks steps by metrics only to delete the others"),
-    "preservation_policy": (None, _RETENTION),
+    "should_keep_fn": (None, "not an option of Orbax 0.12.8, whose retention ckptd maps (docs/adopt.md, "
+                             "\"Retention\"): pass preservation_policy=CustomSteps(...) or another of its policies"),
     "cleanup_tmp_directories": (False, "it deletes every unfinished step, also one another process is still "
                                        "writing; ckptd cleans abandoned saves after its save timeout"),
     "step_prefix": (None, _NAMING),
@@ -119,7 +114,7 @@ def unsupported_options(options: ocp.CheckpointManagerOptions) -> list[str]:
     out = []
     for name, (default, why) in REFUSED.items():
         value = getattr(options, name, default)
-        if value != default and not (name == "preservation_policy" and _preserves_all(value)):
+        if value != default:
             out.append(f"CheckpointManagerOptions({name}={value!r}) is not supported: {why}")
     standard_tmp = (None, atomicity.AtomicRenameTemporaryPath, atomicity.CommitFileTemporaryPath)
     if options.temporary_path_class not in standard_tmp:
@@ -136,13 +131,7 @@ def unsupported_options(options: ocp.CheckpointManagerOptions) -> list[str]:
     if atomicity_options is not None and atomicity_options.allow_legacy_atomic_rename:
         out.append("CheckpointManagerOptions(atomicity_options=AtomicityOptions(allow_legacy_atomic_rename=True)) "
                    f"is not supported: {_COMMIT_RULE}")
-    return out
-
-
-def _preserves_all(policy: Any) -> bool:
-    """Orbax's policies that delete nothing: ``PreserveAll()``, ``LatestN(None)`` (what MaxText passes by default)."""
-    return isinstance(policy, preservation_policy_lib.PreserveAll) or (
-        isinstance(policy, preservation_policy_lib.LatestN) and policy.n is None)
+    return out + conflicts(options)
 
 
 class CheckpointManager(AbstractCheckpointManager):
@@ -213,7 +202,7 @@ class CheckpointManager(AbstractCheckpointManager):
             temporary_path_cls=options.temporary_path_class, atomicity_options=options.atomicity_options,
         )
         delegated = dataclasses.replace(
-            options,
+            without_retention(options),
             async_options=async_options,
             step_name_format=GoodStepsOnly(names, self._good.all),
         )
@@ -221,6 +210,8 @@ class CheckpointManager(AbstractCheckpointManager):
             directory, options=delegated, metadata=metadata, item_names=item_names, item_handlers=item_handlers,
             logger=logger, handler_registry=handler_registry,
         )
+        self._best = (options.best_fn, options.best_mode)
+        self._retention = ManagerRetention(self._manager, orbax_policy(options), options, self._good.all)
         self._memory = (MemoryRoute(self._manager, settings.shm_dir, self._storage, self._good.job, ckptd, settings)
                         if settings.shm_dir is not None and self._training is not None else None)
 
@@ -231,8 +222,11 @@ class CheckpointManager(AbstractCheckpointManager):
         return self._good.latest()
 
     def best_step(self) -> int | None:
-        """The latest good step: Orbax's answer without ``best_fn`` (refused here)."""
-        return self.latest_step()
+        """Orbax's answer over good steps: with ``best_fn``, the best good step with metrics; else the latest."""
+        best_fn, mode = self._best
+        if best_fn is None:
+            return self.latest_step()
+        return self._retention.best(self._good.all(), best_fn, mode)
 
     def all_steps(self, read: bool = False) -> Sequence[int]:
         """Every good step, oldest first (always read: ckptd or storage is asked each time)."""
@@ -245,6 +239,7 @@ class CheckpointManager(AbstractCheckpointManager):
         with ``global_batch=`` ckptd's training metadata; to the memory tier when it can take the save."""
         if not force and not self._manager.should_save(step):
             return False
+        self._retention.apply()  # what the saves before this one left (committed by now, or judged next time)
         started = time.perf_counter()
         found = array_item(args, self._default_item) if items is None else None
         meta = training_for(step, found[1], self._training) if found is not None else None
@@ -258,6 +253,7 @@ class CheckpointManager(AbstractCheckpointManager):
                 _log.info("step %s goes to storage, not the memory tier: %s", step,
                           taken if isinstance(taken, str) else "Orbax's metrics or custom metadata are given")
             tier, saved = "storage", store(meta)
+        self._retention.due |= saved
         if saved and self._reporter is not None:
             blocked = time.perf_counter() - started
             self._reporter.report("checkpoint_started", time=time.time(), step=step, tier=tier,
@@ -350,6 +346,7 @@ class CheckpointManager(AbstractCheckpointManager):
         self._manager.wait_until_finished()
         if self._memory is not None:
             self._memory.wait_persisted(self._persist_timeout_s)
+        self._retention.apply()
 
     def check_for_errors(self) -> None:
         self._manager.check_for_errors()
@@ -358,6 +355,8 @@ class CheckpointManager(AbstractCheckpointManager):
         """Orbax's ``close`` (waits for a save in flight), then the events go to ckptd (at most
         ``events_flush_timeout_s``)."""
         try:
+            self._manager.wait_until_finished()
+            self._retention.apply()
             self._manager.close()
         finally:
             if self._memory is not None:

@@ -17,7 +17,6 @@ import httpx
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from orbax.checkpoint._src.checkpoint_managers import preservation_policy as preservation_policy_lib
 
 from tests.support.helpers import REPO, clean_env
 from tests.support.orbax_steps import _MAXTEXT_WRITER, MAXTEXT_MESH_AXES, MAXTEXT_MESH_SHAPE
@@ -204,11 +203,8 @@ def test_a_step_saved_after_ckptd_looked_is_judged_from_storage(written: dict[st
 
 
 @pytest.mark.parametrize("options, named", [
-    (ocp.CheckpointManagerOptions(max_to_keep=3), "max_to_keep"),
     (ocp.CheckpointManagerOptions(cleanup_tmp_directories=True), "cleanup_tmp_directories"),
     (ocp.CheckpointManagerOptions(step_prefix="ckpt"), "step_prefix"),
-    (ocp.CheckpointManagerOptions(keep_period=10), "keep_period"),
-    (ocp.CheckpointManagerOptions(preservation_policy=preservation_policy_lib.LatestN(2)), "preservation_policy"),
 ])
 def test_an_option_ckptd_cannot_honour_is_refused(tmp_path: Path, options: Any, named: str) -> None:
     with pytest.raises(ValueError, match=rf"CheckpointManagerOptions\({named}=.*is not supported: "):

@@ -4,7 +4,6 @@ refused with a clear error before anything is written, never ignored (docs/adopt
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
 from pathlib import Path
 from typing import Any
@@ -35,9 +34,6 @@ class _OwnTmp(atomicity.AtomicRenameTemporaryPath):
 
 
 @pytest.mark.parametrize("options, named", [
-    (ocp.CheckpointManagerOptions(keep_time_interval=datetime.timedelta(hours=1)),
-     "keep_time_interval"),
-    (ocp.CheckpointManagerOptions(best_fn=lambda metrics: metrics["loss"]), "best_fn"),
     (ocp.CheckpointManagerOptions(step_format_fixed_length=8), "step_format_fixed_length"),
     (ocp.CheckpointManagerOptions(temporary_path_class=_OwnTmp), "temporary_path_class"),
     (ocp.CheckpointManagerOptions(multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=None)),
