@@ -242,7 +242,8 @@ class Settings(BaseSettings):
     max_jobs: int = Field(
         default=256, ge=1, le=100_000,
         description="jobs catalogued at most: scans ignore jobs past it (with a warning) and events may not create "
-        "one (409 JOB_LIMIT); jobs already catalogued are kept",
+        "one (409 JOB_LIMIT); directories holding steps are kept before empty ones, then the most recently "
+        "changed",
     )
     events_max_per_job: int = Field(
         default=10_000, ge=100, le=10_000_000,
