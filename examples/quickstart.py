@@ -1,10 +1,6 @@
-"""The smallest whole training script under ckptd (README, "Your own training script").
-
-``python examples/quickstart.py`` in the directory for its output (``quickstart-output/``). A linear model on 8
-CPU devices in 4 simulated slices; slice 2 is lost at step 25 and back 2 s later (``pause``: the run waits for
-it, restores the newest checkpoint and carries on in this process). It starts its own ``ckptd serve``; until
-that answers, or if it never does, the client plans the resume from storage itself.
-"""
+"""The smallest whole training script under ckptd (README, "Your own training script"): a linear model on 8 CPU
+devices in 4 simulated slices, slice 2 lost at step 25 and back 2 s later (``pause``: the run waits, restores and
+goes on in this process). It starts its own ckptd; until that answers, the client plans from storage itself."""
 
 import os
 import socket
@@ -47,18 +43,18 @@ def specs_fn(state: Any) -> Any:  # how each array is laid out on the mesh: here
 
 
 @jax.jit
-def train_step(state: Any, x: jax.Array, y: jax.Array) -> tuple[Any, jax.Array]:
-    def loss_fn(p: Any) -> jax.Array:
-        return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+def train_step(state: Any, micro: list[tuple[jax.Array, jax.Array]], lr_scale: float) -> tuple[Any, jax.Array]:
+    def loss_fn(p: Any) -> Any:  # the mean over the step's microbatches (ctx.batch.accumulation_steps of them)
+        return sum(jnp.mean((x @ p["w"] + p["b"] - y) ** 2) for x, y in micro) / len(micro)
 
     loss, grads = jax.value_and_grad(loss_fn)(state["params"])
     updates, opt = optimizer.update(grads, state["opt"])
+    updates = jax.tree_util.tree_map(lambda u: u * lr_scale, updates)  # the plan's learning-rate scale
     return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
 
 
 def batch_at(position: int, size: int, mesh: Mesh) -> tuple[jax.Array, jax.Array]:
-    """Samples ``position`` .. ``position + size``: each depends on its index alone, so a resumed run reads
-    exactly what comes next."""
+    """Samples ``position`` .. ``position + size``, each from its index alone: a resumed run reads what comes next."""
     x = np.stack([np.random.default_rng(i).normal(size=4) for i in range(position, position + size)])
     y = x @ np.array([[1.0], [-2.0], [3.0], [0.5]]) + 1.0
     sharding = NamedSharding(mesh, PartitionSpec(mesh.axis_names))  # the batch split over every device
@@ -69,7 +65,9 @@ def train(ctx: ElasticContext) -> Any:  # called again after every recovery, in 
     state, step, position = ctx.restore_or_init(init_fn, specs_fn)
     while step < STEPS:
         ctx.step_boundary(step, state, position)  # saves every checkpoint_period steps; a lost slice raises here
-        state, loss = train_step(state, *batch_at(position, ctx.global_batch, ctx.mesh))
+        b = ctx.batch  # on a smaller mesh the plan may split the step into microbatches or scale the lr
+        micro = [batch_at(position + k * b.micro_batch, b.micro_batch, ctx.mesh) for k in range(b.accumulation_steps)]
+        state, loss = train_step(state, micro, b.lr_scale)
         position, step = position + ctx.global_batch, step + 1
     ctx.save(step, state, position)
     print(f"step {step}: loss {float(loss):.4f}")

@@ -55,10 +55,11 @@ def test_the_quickstart_script_trains_through_a_slice_loss_in_one_process(
         quickstart: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     cwd, proc = quickstart
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # restored from the replica tier (on by default), in the same process: a step newer than the last checkpoint
-    # (20), the one before the failing step unless a busy tier skipped its snapshot on this loaded machine
+    # restored in the same process, from the replica tier (on by default) when it held a step newer than the last
+    # checkpoint (20), else from that checkpoint: the tier is paced from the measured step and copy times
+    # (docs/concepts.md, "Pacing the replica tier"), and on this 2 ms step it may hold no newer snapshot
     found = re.search(r"recoveries \[\('slice_down', 25, (\d+)\)\]; same pid: True", proc.stdout)
-    assert found is not None and 20 < int(found.group(1)) < 25, proc.stdout
+    assert found is not None and 20 <= int(found.group(1)) < 25, proc.stdout
     job = cwd / "quickstart-output" / "checkpoints" / "quickstart"
     assert sorted(int(p.name) for p in job.iterdir() if p.name.isdigit()) == [10, 20, 30, 40, 50, 60]
     assert (job / "60" / "commit_success.txt").is_file()

@@ -149,12 +149,18 @@ class EventReporter:
             self._thread = threading.Thread(target=self._work, name="ckptd-event-reporter", daemon=True)
             self._thread.start()
 
-    def _drop(self, n: int, why: str, *, force_log: bool = False) -> None:
+    def _drop(self, n: int, why: str, *, force_log: bool = False, refused: bool = False) -> None:
+        """Count ``n`` events dropped and log it (at most once a ``log_interval_s`` unless ``force_log``): a
+        WARNING once ckptd took events of this run, or when it refused some; INFO while no ckptd ever answered
+        (a run without one: the run's result holds every event)."""
         self.dropped += n
         now = time.monotonic()
         if force_log or now - self._last_log >= self.log_interval_s:
             self._last_log = now
-            _log.warning("dropped %d elastic event(s) of job %r (%d in total): %s", n, self.job, self.dropped, why)
+            level = logging.WARNING if self.sent or refused else logging.INFO
+            no_ckptd = "" if self.sent or refused else " (no ckptd answered this run)"
+            _log.log(level, "dropped %d elastic event(s) of job %r (%d in total): %s%s", n, self.job, self.dropped,
+                     why, no_ckptd)
 
     def _work(self) -> None:
         backoff = self.initial_backoff_s
@@ -184,7 +190,7 @@ class EventReporter:
                 if outcome == "sent":
                     self.sent += done
                 elif done:
-                    self._drop(done, "ckptd refused them", force_log=True)
+                    self._drop(done, "ckptd refused them", force_log=True, refused=True)
                 self._cond.notify_all()
 
     def _full_or_woken(self, kicks: int) -> Callable[[], bool]:

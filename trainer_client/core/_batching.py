@@ -40,6 +40,16 @@ def initial_batch(global_batch: int, mesh: MeshSpec, mode: str = "keep_global_ba
     )
 
 
+def describe_batch(batch: BatchPlan) -> str:
+    """One line of what the training step must do with ``batch``: how many microbatches of how many samples
+    make one step, and the learning-rate scale to apply (``1`` when the job's own global batch is kept)."""
+    text = (f"batch {batch.global_batch} = {batch.accumulation_steps} x {batch.micro_batch} "
+            f"({batch.per_device_batch} per device on {batch.data_parallel_size}), lr x {batch.lr_scale:.4g}")
+    if batch.global_batch != batch.base_global_batch:
+        text += f", not the job's {batch.base_global_batch}" + ("" if batch.exact else " (inexact)")
+    return text
+
+
 def _lr_scale(rule: str, new_global: int, base_global: int) -> float:
     ratio = new_global / base_global
     if rule == "linear":
@@ -87,4 +97,4 @@ def plan_batch(saved: BatchPlan, mesh: MeshSpec, options: BatchOptions) -> Batch
     )
 
 
-__all__ = ["BATCH_AXES", "data_parallel_size", "initial_batch", "plan_batch"]
+__all__ = ["BATCH_AXES", "data_parallel_size", "describe_batch", "initial_batch", "plan_batch"]

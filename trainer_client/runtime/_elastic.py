@@ -39,8 +39,9 @@ from pathwaysutils.elastic.manager import ElasticRuntimeError, ScaleUpSignalErro
 
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.client._event_reporter import EventReporter
+from trainer_client.core._batching import describe_batch
 from trainer_client.core._planner import plan_mesh
-from trainer_client.core.protocol import MeshSpec, ResumePlan, ResumeRequest, SliceAlive
+from trainer_client.core.protocol import BatchPlan, MeshSpec, ResumePlan, ResumeRequest, SliceAlive
 from trainer_client.errors import ElasticRetriesExhausted, ElasticTimeoutError, NoCheckpointError
 from trainer_client.runtime._checkpointing import Checkpointer
 from trainer_client.runtime._elastic_config import ElasticConfig
@@ -144,6 +145,7 @@ class ElasticRunner:
         self.events: list[Event] = []
         self.recoveries: list[Recovery] = []
         self._lost: frozenset[int] = frozenset()  # the slices the last event took
+        self._batch: BatchPlan | None = None  # the current attempt's batch plan
         self._t0 = time.monotonic()
 
     def emit(self, kind: str, step: int | None = None, detail: str = "", **fields: Any) -> None:
@@ -170,7 +172,8 @@ class ElasticRunner:
         rec.seconds = self.events[-1].t - rec.detected_t
         spare = f", spare slice(s) {rec.spares_used} in" if rec.spares_used else ""
         detail = (f"{rec.kind} at step {rec.failed_at_step}: {rec.seconds:.2f}s to the first step, "
-                  f"{rec.lost_steps} step(s) lost{spare}, restored from {rec.restored_from or 'nothing'}")
+                  f"{rec.lost_steps} step(s) lost{spare}, restored from {rec.restored_from or 'nothing'}"
+                  + (f"; {describe_batch(self._batch)}" if self._batch is not None else ""))
         self.emit("recovered", step, detail, recovery_seconds=rec.seconds, lost_steps=rec.lost_steps,
                   restored_step=rec.restored_step, mesh_before=rec.mesh_before, mesh_after=rec.mesh_after,
                   spares_used=rec.spares_used or None, restored_from=rec.restored_from or "none",
@@ -289,6 +292,7 @@ class ElasticRunner:
             self._note_new_mesh(mesh, plan, active)
             # compile-ahead's executable for exactly this mesh, if any (every other one is dropped)
             ctx = ElasticContext(self, mesh, plan, active, precompiled=self.precompiler.claim(mesh))
+            self._batch = ctx.batch  # what the step must process on this mesh: the recovery's summary says it
             try:
                 value = train_fn(ctx)
             except Preempted as stop:

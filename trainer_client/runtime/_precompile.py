@@ -40,6 +40,7 @@ from trainer_client.core._planner import plan_mesh
 from trainer_client.core.format._private_files import ensure_private_dir
 from trainer_client.core.protocol import BatchOptions, BatchPlan, MeshSpec
 from trainer_client.errors import PlanningError
+from trainer_client.runtime._fault_classification import pathwaysutils_says_slice_down
 
 _log = logging.getLogger(__name__)
 
@@ -232,7 +233,9 @@ class Precompiler:
             try:
                 executable = hook(mesh, planned)
             except Exception as exc:  # an optimisation only: never let it hurt training
-                _log.warning("precompiling for mesh %s failed: %s", spec.shape, exc)
+                # a slice lost under the compile is part of the elastic event the runner reports: not a warning
+                level = logging.INFO if pathwaysutils_says_slice_down(exc) else logging.WARNING
+                _log.log(level, "precompiling for mesh %s failed: %s", spec.shape, exc)
                 self.failed.append((list(spec.shape), f"{type(exc).__name__}: {exc}"))
                 continue
             with self._lock:

@@ -88,19 +88,21 @@ class SliceManager(Manager):
             super()._check_inactive_slices()
 
 
-class _HandledEventsAtInfo(logging.Filter):
+class _HandledEventsAtDebug(logging.Filter):
     """Manager logs every slice loss it retries as ``Elastic event detected`` at ERROR with the traceback;
-    the runner reports the same event itself (``failure_detected``, with the lost slices), so that record
-    goes on at INFO, without the traceback that made a recovered run look like a crash."""
+    the runner reports the same event itself (``failure_detected``, with the lost slices, and one ``recovered``
+    summary), so that record goes on at DEBUG, without the traceback, and only where DEBUG is asked for (the
+    logger's own level was checked at ERROR before this filter ran)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.getMessage() == "Elastic event detected":
-            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
             record.exc_info, record.exc_text = None, None
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
         return True
 
 
-logging.getLogger(Manager.__module__).addFilter(_HandledEventsAtInfo())
+logging.getLogger(Manager.__module__).addFilter(_HandledEventsAtDebug())
 
 
 __all__ = ["SliceManager"]

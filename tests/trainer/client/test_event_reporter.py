@@ -142,7 +142,7 @@ def test_a_ckptd_that_stays_down_costs_dropped_events_never_time(
     tcp_port: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     reporter = _reporter(url=f"http://127.0.0.1:{tcp_port}", max_buffer=50, initial_backoff_s=0.01)
-    with caplog.at_level(logging.WARNING, logger="trainer_client.client._event_reporter"):
+    with caplog.at_level(logging.INFO, logger="trainer_client.client._event_reporter"):
         assert _report(reporter, 200) < 0.2  # queued, not sent
         assert reporter.pending <= 50 and reporter.dropped >= 150
         started = time.monotonic()
@@ -151,6 +151,21 @@ def test_a_ckptd_that_stays_down_costs_dropped_events_never_time(
         assert reporter.close(0.1) is False
     assert (reporter.dropped, reporter.pending, reporter.sent) == (200, 0, 0)
     assert "the event buffer is full" in caplog.text and "the run ended before ckptd took them" in caplog.text
+    # a run without ckptd is told so, not warned: no ckptd ever answered it
+    assert {r.levelno for r in caplog.records} == {logging.INFO} and "no ckptd answered this run" in caplog.text
+
+
+def test_events_dropped_after_ckptd_took_some_are_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    recorder = Recorder([200] + ["drop"] * 50)  # ckptd answers once, then is gone
+    reporter = _reporter(recorder, initial_backoff_s=0.01)
+    _report(reporter, 1)
+    assert reporter.flush(10) is True
+    with caplog.at_level(logging.INFO, logger="trainer_client.client._event_reporter"):
+        _report(reporter, 2, start=1)
+        assert reporter.close(0.1) is False
+    assert (reporter.sent, reporter.dropped) == (1, 2)
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert "the run ended before ckptd took them" in caplog.text
 
 
 def test_a_hung_ckptd_does_not_hold_the_training_loop() -> None:
