@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter as Multiset
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
@@ -46,6 +47,7 @@ from trainer_client.core.protocol import EVENT_KINDS, JobInfo, StepState, Stored
 JOB_LABEL = "ckpt_job"
 _KNOWN_KINDS = frozenset(EVENT_KINDS)
 _SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+_REPLICA_RUNS = 1024  # trainer runs whose replica counts are remembered (their reports add only what is new)
 _STALL = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -113,10 +115,13 @@ class Metrics:
         # the replica snapshot tier of the job's trainer, as its last save or recovery event reported it
         self.replica_age = Gauge("ckptd_replica_snapshot_age_seconds", "age of the trainer's held replica snapshot "
                                  "when it last reported", [JOB_LABEL], registry=r)
-        self.replica_skips = Gauge("ckptd_replica_snapshot_skips", "replica snapshots skipped (one in flight) in "
-                                   "the trainer's run, as last reported", [JOB_LABEL], registry=r)
-        self.replica_failures = Gauge("ckptd_replica_snapshot_failures", "replica snapshots dropped mid-copy in the "
-                                      "trainer's run, as last reported", [JOB_LABEL], registry=r)
+        # counters: a trainer reports its run's counts so far, and each report adds what is new since the run's
+        # previous one (``_count_replica_losses``)
+        self.replica_skips = Counter("ckptd_replica_snapshot_skips", "replica snapshots the job's trainers skipped "
+                                     "(the previous copy still in flight)", [JOB_LABEL], registry=r)
+        self.replica_failures = Counter("ckptd_replica_snapshot_failures", "replica snapshots the job's trainers "
+                                        "dropped mid-copy (a slice lost during the copy)", [JOB_LABEL], registry=r)
+        self._replica_runs: OrderedDict[tuple[str, str | None], tuple[int, int]] = OrderedDict()
         self.replica_bytes = Gauge("ckptd_replica_snapshot_bytes", "bytes of the trainer host's held replica "
                                    "snapshot, as last reported", [JOB_LABEL], registry=r)
         # the replica tier's pacing (docs/concepts.md, "Pacing the replica tier"), as last reported
@@ -163,10 +168,27 @@ class Metrics:
             elif e.kind == "checkpoint_started" and e.blocked_seconds is not None:
                 self.save_stall.labels(job).observe(e.blocked_seconds)
             self._replica_gauges(job, e)
+            self._count_replica_losses(job, e)
+
+    def _count_replica_losses(self, job: str, e: StoredEvent) -> None:
+        """Add to the skip and failure counters what ``e`` reports beyond its run's previous report (a trainer
+        reports its run's counts so far; a run not seen before counts from zero). The runs remembered are
+        bounded: the oldest is forgotten first."""
+        if e.replica_skips is None and e.replica_failures is None:
+            return
+        with self._history_lock:
+            skips, failures = self._replica_runs.pop((job, e.run), (0, 0))
+            new = (max(skips, e.replica_skips or 0), max(failures, e.replica_failures or 0))
+            self._replica_runs[(job, e.run)] = new
+            while len(self._replica_runs) > _REPLICA_RUNS:
+                self._replica_runs.popitem(last=False)
+        if new[0] > skips:
+            self.replica_skips.labels(job).inc(new[0] - skips)
+        if new[1] > failures:
+            self.replica_failures.labels(job).inc(new[1] - failures)
 
     def _replica_gauges(self, job: str, e: StoredEvent) -> None:
-        for gauge, value in ((self.replica_age, e.replica_age_seconds), (self.replica_skips, e.replica_skips),
-                             (self.replica_failures, e.replica_failures), (self.replica_bytes, e.replica_bytes_held),
+        for gauge, value in ((self.replica_age, e.replica_age_seconds), (self.replica_bytes, e.replica_bytes_held),
                              (self.replica_period, e.replica_period), (self.replica_copy_rate,
                                                                         e.replica_copy_bytes_per_second),
                              (self.replica_expected_lost, e.replica_expected_lost_steps),
@@ -243,6 +265,8 @@ class Metrics:
         with self._history_lock:  # a job that comes back has its history loaded again
             self._loaded &= jobs
             self._live = {job: stats for job, stats in self._live.items() if job in jobs}
+            for key in [key for key in self._replica_runs if key[0] not in jobs]:
+                del self._replica_runs[key]
 
 
 def _replay(histogram: Histogram, stored: Stat, live: Stat) -> None:
