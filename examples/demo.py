@@ -103,18 +103,18 @@ def start_ckptd(root: Path | str, state_dir: Path, shm_dir: Path, port: int, log
     raise RuntimeError("ckptd did not become ready within 30 s")
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a == "--hosts" or a.startswith("--hosts=") for a in argv):  # a multi-controller job: its own demo
-        from examples.multihost_demo import main as multihost_main
-
-        return multihost_main(argv)
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's options (``--hosts N``: the multi-controller demo's own, ``main`` hands it those)."""
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--hosts", type=int, metavar="N",
+                        help="a multi-controller job of N hosts instead, one trainer process and one ckptd each "
+                        "(its own options: --hosts 2 --help)")
     parser.add_argument("--out", default="demo-output", help="directory for checkpoints and the report")
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=400, help="steps to train (default 400)")
     parser.add_argument("--fail-at", type=int, default=150, help="step at which slice 2 goes down")
     parser.add_argument("--down-for", type=float, default=3.0, help="seconds until the slice returns")
-    parser.add_argument("--policy", choices=["pause", "resize"], default="resize")
+    parser.add_argument("--policy", choices=["pause", "resize"], default="resize",
+                        help="resize: go on on the slices left (default); pause: wait for slice 2 to return")
     parser.add_argument("--no-memory-tier", action="store_true", help="save to storage only, through Orbax")
     parser.add_argument("--no-replicas", action="store_true",
                         help="no replica snapshots in the hosts' pinned memory: recover from shared memory or storage")
@@ -122,7 +122,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="hot spare slices: the mesh uses 4 - N slices, a spare takes a lost slice's place")
     parser.add_argument("--fault", choices=["boundary", "in-jax"], default="boundary",
                         help="where slice 2's loss surfaces: at a step boundary, or inside a JAX operation mid-step")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--hosts" or a.startswith("--hosts=") for a in argv):  # a multi-controller job: its own demo
+        from examples.multihost_demo import main as multihost_main
+
+        return multihost_main(argv)
+    args = build_parser().parse_args(argv)
 
     out = Path(args.out).resolve()
     shutil.rmtree(out, ignore_errors=True)

@@ -231,9 +231,10 @@ def validate_deep(root: Path | str, env: dict[str, str] | None = None) -> dict[s
     return answer
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The multi-controller demo's options."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--hosts", type=int, default=2)
+    parser.add_argument("--hosts", type=int, default=2, help="hosts of the job, one trainer process and one ckptd each")
     parser.add_argument("--out", default="demo-output", help="directory for checkpoints, logs and the report")
     parser.add_argument("--lose-host-memory", default=None, metavar="K[,J...]",
                         help="wipe these hosts' shared memory before the restart (replaced nodes): a wiped host gets "
@@ -245,18 +246,23 @@ def main(argv: list[str] | None = None) -> int:
                         "(CKPTD_PEER_REFILL=false): the agreement's fetch path")
     parser.add_argument("--no-peers", action="store_true",
                         help="sidecars without the peer channel: a wiped host sends every host to storage")
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=100, help="steps to train (default 100)")
     parser.add_argument("--checkpoint-period", type=int, default=30, help="steps between saves to storage")
     parser.add_argument("--memory-period", type=int, default=10, help="steps between memory-only saves")
     parser.add_argument("--kill-after", type=int, default=50,
                         help="host --kill-host dies after its memory save of this step")
-    parser.add_argument("--kill-host", type=int, default=1)
-    parser.add_argument("--step-time-s", type=float, default=0.03)
+    parser.add_argument("--kill-host", type=int, default=1, help="the host whose trainer is SIGKILLed (default 1)")
+    parser.add_argument("--step-time-s", type=float, default=0.03, help="seconds each step sleeps (default 0.03)")
     parser.add_argument("--heartbeat-s", type=int, default=10, help="jax.distributed heartbeat timeout")
     parser.add_argument("--no-kill", action="store_true", help="the same run without a failure (for comparison)")
     parser.add_argument("--root", default=None, metavar="URL",
                         help="the storage root, empty (default: OUT/checkpoints): a directory or gs://BUCKET/PREFIX "
                         "(its credentials, or an emulator's variables, in the environment)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         args.lost = sorted({int(k) for k in (args.lose_host_memory or "").split(",") if k.strip()})

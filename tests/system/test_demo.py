@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,9 @@ def _demo(out: Path, *args: str) -> dict[str, Any]:
     run = subprocess.run([sys.executable, "-m", "examples.demo", "--out", str(out), "--steps", "60", *args],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    # an expected slice loss is no warning: a successful run's console has no WARNING or ERROR line
+    loud = [line for line in (run.stdout + run.stderr).splitlines() if re.match(r"(WARNING|ERROR|CRITICAL)\b", line)]
+    assert loud == [], loud
     report: dict[str, Any] = json.loads((out / "report.json").read_text())
     assert report["pid_before"] == report["pid_after"]
     assert report["last_step_on_storage"] == 60
@@ -58,3 +62,14 @@ def test_without_replicas_the_newest_shared_memory_snapshot_is_restored(tmp_path
     assert report["replicas"] is False
     assert down["restored_from"].startswith("memory: ") and down["restored_step"] == 30  # every 5 steps
     assert down["lost_steps"] == 2
+
+
+@pytest.mark.parametrize("module", ["examples.demo", "examples.multihost_demo"])
+def test_every_option_of_the_demo_has_help_and_hosts_is_one(module: str) -> None:
+    import argparse
+    import importlib
+
+    parser: argparse.ArgumentParser = importlib.import_module(module).build_parser()
+    options = {a.option_strings[0]: a.help for a in parser._actions if a.option_strings and a.dest != "help"}
+    assert "--hosts" in options and "--hosts" in parser.format_help()
+    assert [name for name, text in options.items() if not text] == []
