@@ -80,9 +80,9 @@ def _rates(state: PyTree) -> dict[str, Any]:
     return out
 
 
-def run(size_name: str) -> dict[str, Any]:
+def run(size_name: str, schedule: tuple[int, int, int] | None = None) -> dict[str, Any]:
     size = SIZES[size_name]
-    off_steps, on_steps, repeats = SCHEDULE.get(size_name, SCHEDULE["toy"])
+    off_steps, on_steps, repeats = schedule or SCHEDULE.get(size_name, SCHEDULE["toy"])
     devices = jax.devices()
     mesh = mesh_of(devices, 1)
     step_fn = make_step(size)
@@ -104,15 +104,18 @@ def run(size_name: str) -> dict[str, Any]:
         times = []
         for i in range(first, first + n):
             t = time.perf_counter()
+            took = False
             if replicas is not None:
                 replicas.boundary(i)
                 if replicas.due(i):
-                    replicas.snapshot(i, state, i, None)
+                    took = replicas.snapshot(i, state, i, None)
             state, loss = step_fn(state, batches[i % 4])
             loss.block_until_ready()
             times.append((time.perf_counter() - t, replicas is not None and replicas.choice is not None))
+            trace.append((round(times[-1][0], 4), took))
         return times
 
+    trace: list[tuple[float, bool]] = []  # the last arm with the tier: each step's seconds, a snapshot taken
     steps(3, None, 1)
     off: list[float] = []
     on_steady: list[float] = []
@@ -131,7 +134,9 @@ def run(size_name: str) -> dict[str, Any]:
                 replicas.close()
             replicas = RunnerReplicas(ReplicaOptions(), {0: devices})
             replicas.prepare(state)
+            trace.clear()
             timed = steps(on_steps, replicas, step)
+            on_trace = list(trace)
             step += on_steps
             on_whole.extend(s for s, _ in timed)
             on_steady.extend(s for s, paced in timed if paced)
@@ -147,6 +152,7 @@ def run(size_name: str) -> dict[str, Any]:
     out["replica_overhead_ratio_whole"] = round(statistics.mean(on_whole) / base, 4)
     out["replica_steady_steps"] = len(on_steady)
     out["replica_runs"] = runs
+    out["replica_trace"] = on_trace  # each step of the last arm with the tier: seconds, a snapshot dispatched
     assert replicas is not None and replicas.tier is not None
     replicas.tier.wait()
     held = replicas.tier.held()
@@ -176,8 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="chip" if jax.devices()[0].platform != "cpu" else "toy",
                         choices=sorted(SIZES))
     parser.add_argument("--out", default=None, help="also write the JSON document here")
+    parser.add_argument("--schedule", default=None,
+                        help="OFF,ON,REPEATS: steps without the tier and with it per arm, and repeats")
     args = parser.parse_args(argv)
-    result = run(args.size)
+    schedule = tuple(int(x) for x in args.schedule.split(",")) if args.schedule else None
+    if schedule is not None and len(schedule) != 3:
+        parser.error("--schedule takes three numbers: OFF,ON,REPEATS")
+    result = run(args.size, schedule)
     text = json.dumps(result, indent=1, default=str)
     print(text)
     if args.out:

@@ -1,23 +1,22 @@
 """How often the replica tier snapshots, and into which host memory: chosen from what the run measures.
 
 Why it exists: a snapshot's cost is a fact of the hardware (docs/concepts.md, "Pacing the replica tier"). On a
-TPU v5e chip a 5.22 GB state crosses to pinned host memory in ~5.6 s while a step takes 0.27 s, so a snapshot
-after every step cannot be held (at most one copy is in flight) and must not be waited for. What a snapshot
-costs the loop is:
+TPU v5e chip a 5.22 GB state crosses to pinned host memory in ~6 s while a step takes 0.27 s, so a snapshot
+after every step cannot be held (at most one copy is in flight) and must not be waited for. Two numbers decide
+the period:
 
-* ``blocking_s``: the extra time of the step right after a snapshot (the on-device copy it is queued behind,
-  the dispatch);
-* ``interference``: the fraction by which steps run slower while a copy to the host is in flight (the copy
-  shares the chip's memory system and the host's);
+* ``cost_s``: the loop time one snapshot costs, all told: how much longer than an idle step every step took
+  from the snapshot's dispatch until the step after its copy landed (the on-device copy the next step is
+  queued behind, the dispatch, steps slowed while the copy runs, the host memory taken and given back). It is
+  measured, not modelled: on the chip the dispatch alone blocked 16 ms while a whole cycle cost ~0.25 s;
 * ``copy_s``: how long the copy to the host takes (it must end before the next snapshot is due).
 
-For a period of ``p`` steps of ``step_s`` seconds the loop's overhead is
-``(blocking_s + interference * min(copy_s, p * step_s)) / (p * step_s)``; the pacer picks the smallest ``p``
-that keeps it within the budget (2% by default) and leaves the copy time to finish (``p * step_s >= copy_s``
-with a margin). A failure then loses on average ``p / 2`` steps plus the steps a copy takes to land
-(``expected_lost_steps``). Where the memory kind is not configured, the first snapshot is copied to each kind
-(pinned and unpinned host memory), and the kind with the least expected time lost per failure (the steps
-lost, plus the restore at that kind's host-to-device rate) is kept.
+For a period of ``p`` steps of ``step_s`` seconds the loop's overhead is ``cost_s / (p * step_s)``; the pacer
+picks the smallest ``p`` that keeps it within the budget (2% by default) and leaves the copy time to finish
+(``p * step_s >= copy_s`` with a margin). A failure then loses on average ``p / 2`` steps plus the steps a copy
+takes to land (``expected_lost_steps``). Where the memory kind is not configured, a snapshot is copied to each
+kind (pinned, then unpinned host memory), and the kind with the least expected time lost per failure (the steps
+lost, plus the restore at that kind's host-to-device rate where measured) is kept.
 
 Everything here is plain arithmetic on measured numbers (no jax): the tier and the runner gather them
 (``PaceMeter``), ``choose`` decides, and a new choice replaces the current one only when it differs by more
@@ -46,7 +45,7 @@ class KindCosts:
 
     kind: str
     copy_s: float  # device -> host, the whole snapshot
-    interference: float  # steps' slowdown while the copy is in flight (0.02 = 2% slower)
+    cost_s: float  # the loop time one snapshot costs, all told (see the module's docstring)
     restore_Bps: float | None = None  # host -> device, bytes per second (None: not measured)
 
 
@@ -57,10 +56,9 @@ class PaceChoice:
     period: int
     kind: str
     step_s: float
-    blocking_s: float
+    cost_s: float
     copy_s: float
     copy_Bps: float
-    interference: float
     overhead: float  # the loop's expected overhead at this period
     expected_lost_steps: float  # steps a failure loses on average
     reason: str
@@ -74,10 +72,9 @@ class PaceChoice:
                 "replica_expected_lost_steps": round(self.expected_lost_steps, 2)}
 
 
-def overhead(period: int, step_s: float, blocking_s: float, copy_s: float, interference: float) -> float:
+def overhead(period: int, step_s: float, cost_s: float) -> float:
     """The loop's overhead with a snapshot every ``period`` steps (fraction of the step time)."""
-    cycle = period * step_s
-    return (blocking_s + interference * min(copy_s, cycle)) / cycle
+    return cost_s / (period * step_s)
 
 
 def expected_lost_steps(period: int, step_s: float, copy_s: float) -> float:
@@ -86,20 +83,15 @@ def expected_lost_steps(period: int, step_s: float, copy_s: float) -> float:
     return period / 2 + copy_s / step_s
 
 
-def smallest_period(step_s: float, blocking_s: float, copy_s: float, interference: float,
-                    budget: float = DEFAULT_BUDGET) -> int:
+def smallest_period(step_s: float, cost_s: float, copy_s: float, budget: float = DEFAULT_BUDGET) -> int:
     """The smallest period within ``budget`` that leaves a copy time to finish (``MAX_PERIOD`` at most)."""
     if step_s <= 0 or not math.isfinite(step_s):
         return 1
-    floor = max(1, math.ceil(COPY_MARGIN * copy_s / step_s))  # p * step_s >= copy_s: min(copy_s, cycle) = copy_s
-    period = min(MAX_PERIOD, max(floor, math.ceil((blocking_s + interference * copy_s) / (budget * step_s))))
-    while period < MAX_PERIOD and overhead(period, step_s, blocking_s, copy_s, interference) > budget * 1.0001:
-        period += 1  # rounding only: the bound above is exact
-    return min(period, MAX_PERIOD)
+    floor = max(1, math.ceil(COPY_MARGIN * copy_s / step_s))
+    return min(MAX_PERIOD, max(floor, math.ceil(cost_s / (budget * step_s) - 1e-9)))
 
 
-def choose(step_s: float, blocking_s: float, kinds: list[KindCosts], nbytes: int,
-           budget: float = DEFAULT_BUDGET) -> PaceChoice:
+def choose(step_s: float, kinds: list[KindCosts], nbytes: int, budget: float = DEFAULT_BUDGET) -> PaceChoice:
     """The period and kind with the least expected time lost per failure (steps lost at the chosen period,
     plus the restore at the kind's measured host-to-device rate), each kind's period the smallest within
     ``budget``."""
@@ -107,20 +99,19 @@ def choose(step_s: float, blocking_s: float, kinds: list[KindCosts], nbytes: int
         raise ValueError("no memory kind measured")
     best: tuple[float, PaceChoice] | None = None
     for k in kinds:
-        period = smallest_period(step_s, blocking_s, k.copy_s, k.interference, budget)
+        period = smallest_period(step_s, k.cost_s, k.copy_s, budget)
         lost = expected_lost_steps(period, step_s, k.copy_s)
         restore_s = nbytes / k.restore_Bps if k.restore_Bps else 0.0
         cost = lost * step_s + restore_s
         others = ", ".join(f"{o.kind} {o.copy_s:.2f}s" for o in kinds if o is not k)
         choice = PaceChoice(
-            period=period, kind=k.kind, step_s=step_s, blocking_s=blocking_s, copy_s=k.copy_s,
-            copy_Bps=nbytes / k.copy_s if k.copy_s > 0 else 0.0, interference=k.interference,
-            overhead=overhead(period, step_s, blocking_s, k.copy_s, k.interference),
-            expected_lost_steps=lost,
-            reason=(f"step {step_s * 1e3:.1f} ms, snapshot blocks {blocking_s * 1e3:.1f} ms, copy to {k.kind} "
-                    f"{k.copy_s:.2f} s ({nbytes / max(k.copy_s, 1e-9) / 1e9:.2f} GB/s, steps {k.interference:+.1%} "
-                    f"while it runs){'; measured beside ' + others if others else ''}: every {period} step(s) "
-                    f"keeps the loop within {budget:.0%}; a failure loses ~{lost:.1f} step(s)"))
+            period=period, kind=k.kind, step_s=step_s, cost_s=k.cost_s, copy_s=k.copy_s,
+            copy_Bps=nbytes / k.copy_s if k.copy_s > 0 else 0.0,
+            overhead=overhead(period, step_s, k.cost_s), expected_lost_steps=lost,
+            reason=(f"step {step_s * 1e3:.1f} ms, a snapshot costs the loop {k.cost_s * 1e3:.1f} ms, its copy to "
+                    f"{k.kind} {k.copy_s:.2f} s ({nbytes / max(k.copy_s, 1e-9) / 1e9:.2f} GB/s)"
+                    f"{'; measured beside ' + others if others else ''}: every {period} step(s) keeps the loop "
+                    f"within {budget:.0%}; a failure loses ~{lost:.1f} step(s)"))
         if best is None or cost < best[0]:
             best = (cost, choice)
     assert best is not None
@@ -132,7 +123,7 @@ def worth_changing(current: PaceChoice | None, new: PaceChoice, budget: float = 
     budget on the new measurements, or the period moved by more than ``HYSTERESIS``."""
     if current is None or current.kind != new.kind:
         return True
-    if overhead(current.period, new.step_s, new.blocking_s, new.copy_s, new.interference) > budget * 1.0001:
+    if overhead(current.period, new.step_s, new.cost_s) > budget * 1.0001:
         return True
     if current.period * new.step_s < new.copy_s:  # copies would no longer finish before the next is due
         return True
@@ -140,103 +131,110 @@ def worth_changing(current: PaceChoice | None, new: PaceChoice, budget: float = 
 
 
 @dataclass
-class _Window:
+class _Cycle:
+    """One snapshot, from its dispatch until the boundary after its copy landed: the step intervals it touched."""
+
     kind: str
     start: float
     end: float | None = None
+    intervals: list[float] = field(default_factory=list)
 
 
 @dataclass
 class PaceMeter:
-    """Measurements the pacer chooses from: the loop's step boundaries (``boundary``), the snapshots it
-    dispatched (``dispatched``) and the tier's copies to the host (``copy_started`` / ``copy_done``), on one
-    clock. Thread-safe: the tier's worker reports copies while the loop reports boundaries."""
+    """Measurements the pacer chooses from: the loop's step boundaries (``boundary``) and the tier's copies to
+    the host (``copy_started`` at a snapshot's dispatch, ``copy_done`` when it landed or failed), on one clock.
+    Thread-safe: the tier's worker reports copies while the loop reports boundaries."""
 
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _last: float | None = None
-    _after_dispatch: bool = False
-    _idle: deque[float] = field(default_factory=lambda: deque(maxlen=_WINDOW))  # step intervals, nothing in flight
-    _blocking: deque[float] = field(default_factory=lambda: deque(maxlen=_WINDOW))  # the interval after a dispatch
-    _during: dict[str, deque[float]] = field(default_factory=dict)  # intervals inside a copy, by kind
+    _idle: deque[float] = field(default_factory=lambda: deque(maxlen=_WINDOW))  # step intervals, no snapshot
+    _open: list[_Cycle] = field(default_factory=list)
+    _cycles: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)  # closed: (sum of intervals, count)
     _copies: dict[str, deque[float]] = field(default_factory=dict)  # copy durations, by kind
     _restore: dict[str, float] = field(default_factory=dict)  # host -> device bytes per second, by kind
-    _windows: list[_Window] = field(default_factory=list)
     steps: int = 0
 
     def boundary(self, now: float) -> None:
-        """A step boundary at ``now``: the interval since the last one is classified."""
+        """A step boundary at ``now``: the interval since the last one is an idle step's, or part of the cycle of
+        each snapshot it overlaps; a cycle whose copy has landed closes here."""
         with self._lock:
             if self._last is not None:
                 interval = now - self._last
                 self.steps += 1
-                inside = [w for w in self._windows if w.start <= self._last and (w.end is None or w.end >= now)]
-                touching = [w for w in self._windows if w.start < now and (w.end is None or w.end > self._last)]
-                if self._after_dispatch:
-                    self._blocking.append(interval)
-                elif inside:
-                    self._during.setdefault(inside[0].kind, deque(maxlen=_WINDOW)).append(interval)
-                elif not touching:
+                touching = [c for c in self._open if c.start < now]
+                for c in touching:
+                    c.intervals.append(interval)
+                if not touching:
                     self._idle.append(interval)
+            still: list[_Cycle] = []
+            for c in self._open:
+                if c.end is not None and c.end <= now:
+                    if c.intervals:
+                        self._cycles.setdefault(c.kind, deque(maxlen=_WINDOW)).append(
+                            (sum(c.intervals), len(c.intervals)))
+                else:
+                    still.append(c)
+            self._open = still
             self._last = now
-            self._after_dispatch = False
-            self._windows = [w for w in self._windows if w.end is None or w.end > now]
-
-    def dispatched(self) -> None:
-        """A snapshot was dispatched at the boundary just reported: the next interval carries its blocking."""
-        with self._lock:
-            self._after_dispatch = True
 
     def copy_started(self, kind: str, now: float) -> None:
+        """A snapshot into ``kind`` dispatched at ``now`` (its cycle opens)."""
         with self._lock:
-            self._windows.append(_Window(kind, now))
+            self._open.append(_Cycle(kind, now))
 
-    def copy_done(self, kind: str, started: float, now: float) -> None:
+    def copy_done(self, kind: str, started: float, now: float, *, landed: bool = True,
+                  settled: float | None = None) -> None:
+        """The copy dispatched at ``started`` ended at ``now`` (``landed``: whole; else it failed); its cycle
+        ends at ``settled`` (default ``now``): once what the tier does after a copy (holding it, letting the
+        previous snapshot's memory go) is done too."""
         with self._lock:
-            for w in self._windows:
-                if w.kind == kind and w.start == started and w.end is None:
-                    w.end = now
-            self._copies.setdefault(kind, deque(maxlen=_WINDOW)).append(now - started)
+            for c in self._open:
+                if c.kind == kind and c.start == started and c.end is None:
+                    c.end = now if settled is None else settled
+            if landed:
+                self._copies.setdefault(kind, deque(maxlen=_WINDOW)).append(now - started)
 
     def restore_rate(self, kind: str, bytes_per_s: float) -> None:
         with self._lock:
             self._restore[kind] = bytes_per_s
 
     def reset_steps(self) -> None:
-        """A new attempt (another mesh, another step): forget the step times, keep the copies' costs."""
+        """A new attempt (another mesh, another step): forget the step times and the open cycles, keep the
+        copies' costs."""
         with self._lock:
             self._idle.clear()
-            self._blocking.clear()
-            self._during.clear()
+            self._open.clear()
             self._last = None
-            self._after_dispatch = False
 
     # ---- what is known ------------------------------------------------------------------------------
 
     def step_s(self) -> float | None:
-        """The median step interval with nothing in flight; None before ``WARMUP_STEPS`` of them."""
+        """The median step interval with no snapshot under way; None before ``WARMUP_STEPS`` of them."""
         with self._lock:
             return statistics.median(self._idle) if len(self._idle) >= WARMUP_STEPS else None
 
     def kinds_measured(self) -> list[str]:
+        """The kinds with a whole cycle measured: a copy that landed and the boundary after it."""
         with self._lock:
-            return [k for k, v in self._copies.items() if v]
+            return [k for k, v in self._copies.items() if v and self._cycles.get(k)]
 
-    def costs(self, nbytes: int, budget: float = DEFAULT_BUDGET) -> tuple[float, float, list[KindCosts]] | None:
-        """``(step_s, blocking_s, kinds)`` from the medians measured so far; None before a step time and a copy
-        are known."""
+    def costs(self, nbytes: int) -> tuple[float, list[KindCosts]] | None:
+        """``(step_s, kinds)`` from the medians measured so far; None before a step time and a cycle are known."""
         step = self.step_s()
         with self._lock:
-            if step is None or not any(self._copies.values()):
+            if step is None:
                 return None
-            blocking = max(0.0, statistics.median(self._blocking) - step) if self._blocking else 0.0
             kinds = []
             for kind, durations in self._copies.items():
-                if not durations:
+                cycles = self._cycles.get(kind)
+                if not durations or not cycles:
                     continue
-                during = self._during.get(kind)
-                interference = max(0.0, statistics.median(during) / step - 1) if during else 0.0
-                kinds.append(KindCosts(kind, statistics.median(durations), interference, self._restore.get(kind)))
-        return step, blocking, kinds
+                # the mean, not the median: the overhead is an average, and a few costly cycles (a host allocation
+                # that held the interpreter's lock) are what a median would hide
+                cost = statistics.fmean(max(0.0, total - count * step) for total, count in cycles)
+                kinds.append(KindCosts(kind, statistics.median(durations), cost, self._restore.get(kind)))
+        return (step, kinds) if kinds else None
 
 
 __all__ = ["DEFAULT_BUDGET", "HYSTERESIS", "WARMUP_STEPS", "KindCosts", "PaceChoice", "PaceMeter", "choose",

@@ -103,14 +103,14 @@ class RunnerReplicas:
         """Choose the period and kind again from the measurements (hysteresis: ``worth_changing``)."""
         if self._measuring() is not None or not self._nbytes:
             return
-        costs = self.meter.costs(self._nbytes, self.options.overhead_budget)
+        costs = self.meter.costs(self._nbytes)
         if costs is None:
             return
-        step_s, blocking_s, kinds = costs
+        step_s, kinds = costs
         kinds = [k for k in kinds if k.kind in self._kinds]
         if not kinds:
             return
-        new = choose(step_s, blocking_s, kinds, self._nbytes, self.options.overhead_budget)
+        new = choose(step_s, kinds, self._nbytes, self.options.overhead_budget)
         if not worth_changing(self.choice, new, self.options.overhead_budget):
             return
         old, self.choice = self.choice, new
@@ -133,7 +133,6 @@ class RunnerReplicas:
         self.tier.memory_kind = kind
         if not self.tier.snapshot(step, state, data_position=data_position, iterator_state=iterator_state):
             return False
-        self.meter.dispatched()
         self._last_snapshot = step
         self._dispatched += 1
         self._number_of[step] = self._dispatched

@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -204,25 +205,25 @@ class ReplicaTier:
         the held replicas share their buffers, and a failed attempt's clean-up deletes every live array the tier
         does not hold (``held_arrays``), which would take the replicas' buffers with them."""
         try:
-            hosts = dispatch_to_host(job.sources, job.kind, job.shardings) if job.staged else job.sources
+            # leaf by leaf: each call allocates its host buffer holding the interpreter's lock, and the training
+            # thread must be able to take that lock between them (one call for all 31 leaves of a 5.22 GB state
+            # stalled a step on a TPU v5e by up to 0.8 s: docs/benchmarks.md, "Device profile")
+            hosts = [dispatch_to_host([src], job.kind, [sharding])[0]
+                     for src, sharding in zip(job.sources, job.shardings, strict=True)] if job.staged else job.sources
             job.sources = []  # the staged device copies go as soon as their host copies are done
             jax.block_until_ready(hosts)
             done = self._clock()
-            if self.meter is not None:
-                self.meter.copy_done(job.kind, job.taken_at, done)
             self.last_copy_s = done - job.taken_at
             snap = self._hold(job, hosts)
             del hosts
         except Exception as exc:  # e.g. DATA_LOSS: a slice lost mid-copy; the held snapshot stays
             job.sources = []
-            if self.meter is not None:
-                self.meter.copy_done(job.kind, job.taken_at, self._clock())
             _log.log(logging.INFO if "DATA_LOSS" in str(exc) else logging.WARNING,  # a lost slice's: expected
                      "replica snapshot of step %d dropped, step %s still held: %s", job.step,
                      self._held.step if self._held is not None else None, exc)
-            self._finished(None, exc)
+            self._finished(None, exc, (job.kind, job.taken_at, self._clock()))
         else:
-            self._finished(snap, None)
+            self._finished(snap, None, (job.kind, job.taken_at, done))
 
     def _hold(self, job: Copy, hosts: list[jax.Array]) -> Snapshot:
         arrays = iter(hold_pinned(name, host, self.replica_axis, key)
@@ -231,16 +232,24 @@ class ReplicaTier:
         nbytes = sum(leaf.nbytes for leaf in held if isinstance(leaf, HeldArray))
         return Snapshot(job.step, job.treedef, held, job.data_position, job.iterator_state, job.taken_at, nbytes)
 
-    def _finished(self, snap: Snapshot | None, error: BaseException | None) -> None:
+    def _finished(self, snap: Snapshot | None, error: BaseException | None,
+                  timing: tuple[str, float, float] | None = None) -> None:
+        """A copy is over: ``snap`` held (the previous snapshot's memory goes back) or ``error`` counted; the
+        meter told of ``timing`` (kind, dispatched, copied) before the tier is free for the next snapshot."""
+        previous: Snapshot | None = None
         with self._lock:
             if snap is not None:
-                self._held = snap
+                previous, self._held = self._held, snap
                 self.snapshots += 1
             if error is not None:
                 self.failures += 1
                 self.last_error = error
+            if timing is not None and self.meter is not None:
+                kind, started, done = timing
+                self.meter.copy_done(kind, started, done, landed=error is None, settled=self._clock())
             self._in_flight = False
             self._lock.notify_all()
+        _let_go(previous)
 
     @property
     def busy(self) -> bool:
@@ -379,6 +388,18 @@ class ReplicaTier:
         with self._lock:
             self._held = Snapshot(snap.step, snap.treedef, leaves, snap.data_position, snap.iterator_state,
                                    snap.taken_at, nbytes)
+
+
+def _let_go(snap: Snapshot | None) -> None:
+    """Drop a snapshot no longer held, one array at a time: its host memory goes back as each is freed, and
+    each free holds the interpreter's lock only for that array (all at once stalled a training step). Only
+    when nothing else refers to it: a reader that took it before it was replaced (``held``, ``stats``) keeps it
+    whole, and it is freed when that reader lets it go."""
+    # the caller's name, the argument and getrefcount's own: nothing else (CPython's reference count)
+    if snap is None or sys.getrefcount(snap) > 3:
+        return
+    while snap.leaves:
+        snap.leaves.pop()
 
 
 __all__ = ["Held", "ReplicaStats", "ReplicaTier", "Restored", "check_budget", "required_bytes"]

@@ -345,3 +345,22 @@ def test_a_staged_tier_reserves_nothing_and_copies_from_an_on_device_copy(monkey
         _assert_equal(tier.restore(mesh).state, want)
     finally:
         tier.close()
+
+
+def test_a_replaced_snapshot_is_let_go_array_by_array_unless_a_reader_still_has_it(tier: ReplicaTier) -> None:
+    mesh = _mesh(jax.devices(), 2)
+    assert tier.snapshot(1, _state(mesh, seed=1), data_position=1) and tier.wait(10)
+    first = tier._held
+    assert first is not None and first.leaves
+    reader = first  # as ``held`` or ``stats`` would have it, taken before the next snapshot replaced it
+    assert tier.snapshot(2, _state(mesh, seed=2), data_position=2) and tier.wait(10)
+    assert tier.held()[0] == 2 and reader.leaves  # a reader's snapshot is left whole
+    alone = tier._held
+    del reader, first
+    assert tier.snapshot(3, _state(mesh, seed=3), data_position=3) and tier.wait(10)
+    assert alone is not None and alone.leaves  # still ours here: whole
+    kept = alone.leaves
+    del alone
+    snap = _replica_tier.Snapshot(9, None, list(kept), 0, None, 0.0, 0)
+    _replica_tier._let_go(snap)
+    assert snap.leaves == []  # nothing else held it: emptied array by array
