@@ -131,7 +131,8 @@ class Settings(BaseSettings):
     )
     revalidate_after_s: float = Field(
         default=30.0, gt=0,
-        description="a good step is quick-validated again before it is named once its last check is this old",
+        description="a good step is quick-validated again in full before it is named once its last check is this "
+        "old (the size of each of its files is checked on every answer)",
     )
     keep_last: int | None = Field(default=None, ge=1, description="retention: keep the newest N good steps")
     keep_every: int | None = Field(default=None, ge=1, description="retention: keep steps that are multiples of K")

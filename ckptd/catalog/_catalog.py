@@ -38,7 +38,7 @@ from ckptd.catalog._lease import LeaseBoard
 from ckptd.catalog._step_table import FINAL_STATES, StepTable
 from trainer_client.core._errors import StorageError
 from trainer_client.core._storage import Entry, Storage, join_path, mtime_of
-from trainer_client.core._validation import validate_step
+from trainer_client.core._validation import extent_problems, validate_step
 from trainer_client.core.format._files import CKPTD_MANIFEST, COMMIT_MARKER, QUARANTINE_FILE
 from trainer_client.core.format._manifest import Manifest, training_summary
 from trainer_client.core.format._records import record_location, side_dir, side_job_dir, side_records
@@ -286,11 +286,14 @@ class Catalog:
             self._reinspect(job, info)
 
     def _still_good(self, info: CheckpointInfo) -> bool:
-        """Checked on storage before a step is named: still committed, not quarantined by anyone, and
-        still passing quick validation (a file deleted or truncated since is caught here, and the
-        step quarantined). Cached listings of the step are dropped first: on ``gs://`` a quarantine
-        record or a manifest another process wrote since would otherwise be invisible (or read with
-        its old size)."""
+        """Checked on storage before a step is named: still committed, not quarantined by anyone, and every
+        file its manifest lists present with its size (and, on an object store, its CRC32C): a file deleted,
+        truncated or grown since is caught here however recently the step was verified, and the step
+        quarantined (docs/concepts.md, "Good"). That is one listing of the step against the manifest kept in
+        memory; the full quick validation (the manifest read again when it changed, the training metadata
+        compared) when the last one is older than ``revalidate_after_s`` or the manifest is not kept. Cached
+        listings of the step are dropped first: on ``gs://`` a quarantine record or a manifest another process
+        wrote since would otherwise be invisible (or read with its old size)."""
         self.storage.invalidate(info.path)
         if not self.storage.exists(join_path(info.path, COMMIT_MARKER)):
             return False
@@ -301,9 +304,14 @@ class Catalog:
             if self.storage.exists(join_path(side_dir(info.path), QUARANTINE_FILE)):
                 return False
         checked = self._validated_at.get(info.path)
-        if checked is not None and time.monotonic() - checked < self.revalidate_after_s:
-            return True
-        return self.revalidate(info)
+        kept = self._manifests.get(info.path)
+        if checked is None or kept is None or time.monotonic() - checked >= self.revalidate_after_s:
+            return self.revalidate(info)
+        problems = extent_problems(self.storage, info.path, kept[1])
+        if problems:
+            self._failed(info, problems)
+            return False
+        return True
 
     def revalidate(self, info: CheckpointInfo) -> bool:
         """Quick validation of a verified step now; a step that fails is quarantined, one rewritten under the
@@ -320,10 +328,8 @@ class Catalog:
         kept = self._manifests.get(info.path)
         known = kept[1] if kept is not None and key is not None and kept[0] == key else None
         result = validate_step(self.storage, info.path, "quick", manifest=known)
-        if not result.ok:  # a follower leaves the verdict to the leader (not served meanwhile)
-            if self.writes(posixpath.basename(posixpath.dirname(info.path.rstrip("/")))):  # the step's job
-                quarantine(self.storage, info.path, "quick validation failed: " + "; ".join(result.problems[:5]),
-                           result.problems, read_only=self._read_only_at(info.path))
+        if not result.ok:
+            self._failed(info, result.problems)
             return False
         if result.manifest is not None and key is not None:
             self._keep(self._manifests, info.path, (key, result.manifest))
@@ -331,6 +337,13 @@ class Catalog:
             return False  # re-inspected by the caller: the catalogued metadata belongs to an older write
         self._validated_at[info.path] = time.monotonic()
         return True
+
+    def _failed(self, info: CheckpointInfo, problems: list[str]) -> None:
+        """A verified step failed a check on storage: quarantined (a follower leaves the verdict to the leader;
+        the step is not served meanwhile either way)."""
+        if self.writes(posixpath.basename(posixpath.dirname(info.path.rstrip("/")))):  # the step's job
+            quarantine(self.storage, info.path, "quick validation failed: " + "; ".join(problems[:5]),
+                       problems, read_only=self._read_only_at(info.path))
 
     def revalidate_latest(self) -> None:
         """Quick-validate each job's newest good step when its last check is 80% of the way to due, and load

@@ -150,15 +150,8 @@ def validate_step(
     except StorageError as exc:
         problems.append(f"cannot list the step: {exc}")
         return result
-    for rel, entry in sorted(expected.items()):
-        listed = present.get(rel)
-        if listed is None:
-            problems.append(f"{rel}: missing")
-        elif listed.size != entry.size:
-            problems.append(f"{rel}: {listed.size} bytes, manifest says {entry.size}")
-        elif listed.crc32c is not None and listed.crc32c != entry.crc32c:
-            problems.append(f"{rel}: object CRC32C {listed.crc32c}, manifest says {entry.crc32c}")
-        result.files_checked += 1
+    problems.extend(listing_problems(manifest, present))
+    result.files_checked += len(expected)
     _check_training(storage, step_path, manifest, problems, recorded_training)
     if level == "deep" and not problems:
         for rel, entry in sorted(expected.items()):
@@ -171,6 +164,31 @@ def validate_step(
         if not problems and decode_arrays is not None:
             problems.extend(decode_arrays(storage.url_of(step_path)))
     return result
+
+
+def listing_problems(manifest: Manifest, present: dict[str, Listed]) -> list[str]:
+    """What a listing of the step (``list_files``) shows against its manifest: each file it names missing, of
+    another size, or (on an object store) of another CRC32C."""
+    problems = []
+    for rel, entry in sorted(manifest.expected_files().items()):
+        listed = present.get(rel)
+        if listed is None:
+            problems.append(f"{rel}: missing")
+        elif listed.size != entry.size:
+            problems.append(f"{rel}: {listed.size} bytes, manifest says {entry.size}")
+        elif listed.crc32c is not None and listed.crc32c != entry.crc32c:
+            problems.append(f"{rel}: object CRC32C {listed.crc32c}, manifest says {entry.crc32c}")
+    return problems
+
+
+def extent_problems(storage: Storage, step_path: str, manifest: Manifest) -> list[str]:
+    """``listing_problems`` of the step as listed now: one listing (a ``scandir`` per directory on a local disk,
+    a recursive listing on an object store), nothing read. What ckptd checks before it names a step it verified
+    against ``manifest`` (docs/concepts.md, "Good")."""
+    try:
+        return listing_problems(manifest, list_files(storage, step_path.rstrip("/")))
+    except StorageError as exc:
+        return [f"cannot list the step: {exc}"]
 
 
 def latest_good_on_storage(
@@ -197,5 +215,5 @@ def latest_good_on_storage(
     return None
 
 
-__all__ = ["Level", "ValidationResult", "latest_good_on_storage", "parse_quarantine", "read_quarantine",
-           "validate_step"]
+__all__ = ["Level", "ValidationResult", "extent_problems", "latest_good_on_storage", "listing_problems",
+           "parse_quarantine", "read_quarantine", "validate_step"]
