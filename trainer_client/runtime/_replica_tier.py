@@ -92,6 +92,7 @@ class ReplicaTier:
         self.replica_axis = replica_axis
         self.memory_kind = memory_kind  # where the next snapshot's copy goes (the runner's pacer may change it)
         self.staging = staging  # copy through an on-device copy: None decides at the first snapshot (room for it)
+        self._staging_given = staging  # None: decided again for each attempt (``prepare``): a new mesh, new room
         self.staging_reason: str | None = None
         self.meter = meter  # told of each copy's start and end (the pacer's measurements)
         self.last_copy_s: float | None = None
@@ -116,20 +117,25 @@ class ReplicaTier:
     # ---- snapshots ------------------------------------------------------------------------------
 
     def prepare(self, state: PyTree) -> int:
-        """Make the host ready for the first snapshot of ``state`` (arrays, or ``ShapeDtypeStruct``s with
-        shardings) and return the bytes reserved: its footprint checked against the budget (``MemoryTierFull``),
-        then two throwaway copies of its layout made in pinned host memory — the held snapshot and the next, in
-        flight — which fault the pages in and are kept until the first snapshot's dispatch lets them go for its
-        copy to take. Nothing is reserved once a snapshot is held or in flight (its memory is in use already)."""
+        """Make the tier ready for an attempt's first snapshot of ``state`` (arrays, or ``ShapeDtypeStruct``s
+        with shardings) and return the host bytes it needs: its footprint checked against the budget
+        (``MemoryTierFull``); whether copies are staged on the device decided afresh (unless configured: a new
+        mesh changes each device's share); when staged, the on-device copy compiled now rather than in the first
+        snapshot's dispatch. When not staged (the step waits for each copy), two throwaway copies of the state's
+        layout are made in host memory — the held snapshot and the next, in flight — which fault the pages in and
+        are kept until the first snapshot's dispatch lets them go for its copy to take; nothing is reserved once
+        a snapshot is held or in flight (its memory is in use already)."""
         need = check_budget(state, self.budget_bytes)
+        if self._staging_given is None:
+            self.staging = None
+        if self._stages(state):  # the copy runs beside the loop: its first-time costs are not the loop's
+            arrays = [x for x in jax.tree_util.tree_leaves(state) if isinstance(x, jax.Array)]
+            if arrays:
+                jax.block_until_ready(stage(arrays)[0])
+            return need
         with self._lock:
             if self._held is not None or self._in_flight:
                 return 0
-        if self._stages(state):  # the copy runs beside the loop: its first-time costs are not the loop's
-            arrays = [x for x in jax.tree_util.tree_leaves(state) if isinstance(x, jax.Array)]
-            if arrays:  # the on-device copy compiled now, not in the first snapshot's dispatch (the loop's)
-                jax.block_until_ready(stage(arrays)[0])
-            return need
         self._reserve = touch_copies(state, self.replica_axis, 2, self.memory_kind)
         return need
 
