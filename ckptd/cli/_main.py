@@ -23,7 +23,7 @@ from ckptd.cli import _observe as observe
 from ckptd.cli import _plan as plan
 from ckptd.cli import _serve as serve
 from ckptd.cli._reach import Unreachable
-from ckptd.cli._support import add_read_only, open_catalog, open_job, root_or_default
+from ckptd.cli._support import add_json, add_read_only, open_catalog, open_job, root_or_default
 from trainer_client.core._errors import MissingExtra, StorageError
 
 EXIT_OK = 0
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", help="list the jobs of a root", description="List the jobs of a checkpoint root and "
                         "their newest and newest good steps. A directory that holds no job is refused.")
     ls.add_argument("root", nargs="?", metavar="ROOT", help="the root (default: CKPTD_ROOT)")
-    ls.add_argument("--json", action="store_true")
+    add_json(ls)
     add_read_only(ls)
     ls.set_defaults(func=_cmd_ls)
 
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                           description="List a job's steps, their states and data positions; exit 0 when it has a "
                           "good step.")
     show.add_argument("target", metavar="[ROOT/]JOB", help="the job (JOB alone: under CKPTD_ROOT)")
-    show.add_argument("--json", action="store_true")
+    add_json(show)
     add_read_only(show)
     show.set_defaults(func=_cmd_show)
 

@@ -24,7 +24,16 @@ from tqdm import tqdm
 from ckptd.catalog._integrity import quarantine, validate_and_quarantine
 from ckptd.catalog._lease import held_lease, lease_directory
 from ckptd.catalog._retention import RetentionPolicy, checked_decisions, collect
-from ckptd.cli._support import EXIT_BAD, EXIT_OK, add_read_only, open_job, open_storage, split_job
+from ckptd.cli._support import (
+    EXIT_BAD,
+    EXIT_OK,
+    TARGET_HELP,
+    add_json,
+    add_read_only,
+    open_job,
+    open_storage,
+    split_job,
+)
 from trainer_client.core._errors import ArrayIndexError, StoredFormatError
 from trainer_client.core._validation import validate_step
 from trainer_client.core.format._array_index import decode_all_arrays
@@ -169,25 +178,33 @@ def add_force(parser: Any) -> None:
 
 
 def add_parsers(sub: Any) -> None:
-    validate = sub.add_parser("validate", help="check a job's steps against their manifests (exit 0: all good)")
-    validate.add_argument("target", metavar="[ROOT/]JOB")
+    validate = sub.add_parser(
+        "validate", help="check a job's steps against their manifests (exit 0: all good)",
+        description="Check a job's committed steps against their manifests (every file present, with its size; "
+        "--deep: every checksum and array). A bad step is quarantined on storage, never deleted. Exit 0 when every "
+        "step checked is good.")
+    validate.add_argument("target", metavar="[ROOT/]JOB", help=TARGET_HELP)
     validate.add_argument("step", nargs="?", type=int, help="only this step")
     validate.add_argument("--deep", action="store_true", help="read every byte back and decode every array")
     validate.add_argument("--no-quarantine", action="store_true",
                           help="report bad steps without recording them as quarantined on storage")
-    validate.add_argument("--json", action="store_true")
+    add_json(validate)
     add_read_only(validate)
     add_force(validate)
     validate.set_defaults(func=_cmd_validate)
 
-    gc = sub.add_parser("gc", help="delete steps that retention does not keep (never the newest good step)")
-    gc.add_argument("target", metavar="[ROOT/]JOB")
+    gc = sub.add_parser(
+        "gc", help="delete steps that retention does not keep (never the newest good step)",
+        description="Delete the good steps that no retention rule keeps, and abandoned saves. Never the newest good "
+        "step, a step being written or a bad (quarantined) step. With no rule given every good step is kept. Exit 0 "
+        "when it ran.")
+    gc.add_argument("target", metavar="[ROOT/]JOB", help=TARGET_HELP)
     gc.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
-    gc.add_argument("--keep-last", type=int, metavar="N")
-    gc.add_argument("--keep-every", type=int, metavar="K")
+    gc.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N good steps")
+    gc.add_argument("--keep-every", type=int, metavar="K", help="keep every step whose number is a multiple of K")
     gc.add_argument("--keep-newer-than", type=parse_duration, metavar="DURATION", help="e.g. 12h, 7d")
     gc.add_argument("--keep-abandoned", action="store_true", help="do not clean abandoned saves")
-    gc.add_argument("--json", action="store_true")
+    add_json(gc)
     add_read_only(gc)
     add_force(gc)
     gc.set_defaults(func=_cmd_gc)

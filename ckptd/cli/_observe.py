@@ -24,6 +24,8 @@ from ckptd.catalog._events import EventStore
 from ckptd.cli._support import (
     EXIT_BAD,
     EXIT_OK,
+    TARGET_HELP,
+    add_json,
     add_read_only,
     job_target,
     misplaced,
@@ -138,23 +140,29 @@ def _positive(text: str) -> float:
 
 
 def add_parsers(sub: Any) -> None:
-    events = sub.add_parser("events", help="a job's elastic events, read from storage (exit 0: it has some)")
-    events.add_argument("target", metavar="[ROOT/]JOB")
+    events = sub.add_parser(
+        "events", help="a job's elastic events, read from storage (exit 0: it has some)",
+        description="Print a job's elastic events (failures, waits, restores, recoveries, saves) as the trainer "
+        "reported them to ckptd, read from storage. Exit 0 when the job has some.")
+    events.add_argument("target", metavar="[ROOT/]JOB", help=TARGET_HELP)
     events.add_argument("--since", type=float, metavar="UNIX_TIME", help="only events at or after this time")
     events.add_argument("--kind", action="append", help="only events of this kind (repeatable)")
     events.add_argument("--limit", type=int, default=0, help="only the newest N")
     events.add_argument("--all", action="store_true",
                         help=f"also the kinds the table leaves out by default ({', '.join(sorted(NOISY_KINDS))})")
-    events.add_argument("--json", action="store_true")
+    add_json(events)
     add_read_only(events)
     events.set_defaults(func=_cmd_events)
 
-    goodput = sub.add_parser("goodput", help="a job's goodput and badput by cause, from its events on storage")
-    goodput.add_argument("target", metavar="[ROOT/]JOB")
+    goodput = sub.add_parser(
+        "goodput", help="a job's goodput and badput by cause, from its events on storage",
+        description="Print the share of a job's time spent on steps that count, and where the rest went (saves, "
+        "waits for slices, restores, recompiles, lost steps), from its events on storage. Exit 0 when it has events.")
+    goodput.add_argument("target", metavar="[ROOT/]JOB", help=TARGET_HELP)
     goodput.add_argument("--step-time", type=_positive, metavar="SECONDS",
                          help="a normal step's time (default: measured from the events, else the checkpoints)")
     goodput.add_argument("--since", type=float, metavar="UNIX_TIME", help="only the window from this time on")
-    goodput.add_argument("--json", action="store_true")
+    add_json(goodput)
     add_read_only(goodput)
     goodput.set_defaults(func=_cmd_goodput)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ckptd.cli._support import EXIT_BAD, EXIT_OK, EXIT_USAGE, add_read_only, open_job
+from ckptd.cli._support import EXIT_BAD, EXIT_OK, EXIT_USAGE, TARGET_HELP, add_json, add_read_only, open_job
 from trainer_client.core._errors import PlanningError
 from trainer_client.core._planner import format_bytes
 from trainer_client.core._step_plan import plan_for_step
@@ -129,23 +129,32 @@ def _render_plan(plan: ResumePlan) -> str:
 
 def add_parser(sub: Any) -> None:
     """``ckptd plan`` on the CLI's subcommand parsers."""
-    plan = sub.add_parser("plan", help="print the resume plan for the devices given")
-    plan.add_argument("target", metavar="ROOT/JOB")
-    plan.add_argument("--devices", type=int, required=True)
+    plan = sub.add_parser(
+        "plan", help="print the resume plan for the devices given",
+        description="Print the plan a trainer of the job would get now if it resumed on the devices given: the step "
+        "and where it comes from, the mesh, the data position, the batch (microbatches and learning-rate scale) and "
+        "each array's layout. Read from storage, with the same planner as the server. Exit 0 when there is a plan.")
+    plan.add_argument("target", metavar="[ROOT/]JOB", help=TARGET_HELP)
+    plan.add_argument("--devices", type=int, required=True, metavar="N", help="devices alive (required)")
     plan.add_argument("--slices", type=_parse_slices, help="alive slices as INDEX:DEVICES,... e.g. 0:2,1:2,3:2")
-    plan.add_argument("--policy", choices=["pause", "resize"], default="resize")
-    plan.add_argument("--step", type=int)
+    plan.add_argument("--policy", choices=["pause", "resize"], default="resize",
+                      help="pause: wait for every slice, same mesh; resize: the largest mesh the devices allow "
+                      "(default)")
+    plan.add_argument("--step", type=int, help="plan for this step (default: the newest good step)")
     plan.add_argument("--device-memory", type=_parse_bytes, help="memory of one device, e.g. 16GiB")
     plan.add_argument("--headroom", type=_parse_bytes, help="per-device memory to keep free, e.g. 2GiB")
-    plan.add_argument("--batch-mode", choices=["keep_global_batch", "scale_batch"], default="keep_global_batch")
-    plan.add_argument("--lr-scaling", choices=["none", "linear", "sqrt"], default="linear")
+    plan.add_argument("--batch-mode", choices=["keep_global_batch", "scale_batch"], default="keep_global_batch",
+                      help="keep the job's global batch by microbatches (default), or keep the per-device batch")
+    plan.add_argument("--lr-scaling", choices=["none", "linear", "sqrt"], default="linear",
+                      help="how the learning rate follows a changed global batch (default linear)")
     plan.add_argument("--run-id", help="plan as this run asks (docs/protocol.md, Identity): another run's step is "
                       "refused unless --allow-foreign-run")
     plan.add_argument("--process-count", type=int, help="plan for this many JAX processes (another count's step is "
                       "refused unless --allow-foreign-topology)")
-    plan.add_argument("--allow-foreign-run", action="store_true")
-    plan.add_argument("--allow-foreign-topology", action="store_true")
-    plan.add_argument("--json", action="store_true")
+    plan.add_argument("--allow-foreign-run", action="store_true", help="accept a step another run saved")
+    plan.add_argument("--allow-foreign-topology", action="store_true",
+                      help="accept a step saved by another number of JAX processes")
+    add_json(plan)
     add_read_only(plan)
     plan.set_defaults(func=run)
 

@@ -122,6 +122,14 @@ READ_ONLY_HELP = ("write nothing into step directories: ckptd's records go to RO
                   "deleted (what CKPTD_READ_ONLY does for the server)")
 
 
+TARGET_HELP = "the job: ROOT/JOB, or JOB alone under CKPTD_ROOT"
+
+
+def add_json(parser: Any) -> None:
+    """``--json``: every command's machine-readable form of its answer."""
+    parser.add_argument("--json", action="store_true", help="print the answer as JSON instead of a table")
+
+
 def add_read_only(parser: Any) -> None:
     """``--read-only``: the option of every command that settles steps (docs/protocol.md, "Read-only adoption")."""
     parser.add_argument("--read-only", action="store_true", help=READ_ONLY_HELP)

@@ -102,6 +102,19 @@ def test_help_has_no_markup_and_no_module_paths() -> None:
         assert not modules, (command, modules)
 
 
+def test_every_command_has_a_description_and_every_option_says_what_it_does() -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, command in sub.choices.items():
+        assert command.description, f"ckptd {name} --help has no description"
+        silent = [a.option_strings or [a.dest] for a in command._actions if not a.help]
+        assert silent == [], f"ckptd {name}: {silent} have no help"
+    plan = _helps()["ckptd plan"]
+    for option in ("--devices", "--step", "--json", "--policy"):
+        assert option in plan
+    assert "--keep-last N" in _helps()["ckptd gc"] and "newest N good steps" in _helps()["ckptd gc"]
+
+
 @pytest.mark.parametrize("argv", [["plan", "{root}/llm", "--devices", "4"], ["ls", "{root}"],
                                   ["show", "{root}/llm", "--json"]])
 def test_a_reader_that_stops_reading_gets_no_traceback(root: Path, argv: list[str]) -> None:
