@@ -138,8 +138,8 @@ def add_parser(sub: Any) -> None:
     plan.add_argument("--devices", type=int, required=True, metavar="N", help="devices alive (required)")
     plan.add_argument("--slices", type=_parse_slices, help="alive slices as INDEX:DEVICES,... e.g. 0:2,1:2,3:2")
     plan.add_argument("--policy", choices=["pause", "resize"], default="resize",
-                      help="pause: wait for every slice, same mesh; resize: the largest mesh the devices allow "
-                      "(default)")
+                      help="pause: the saved mesh (refused with fewer devices); resize: the largest mesh the "
+                      "devices allow (default)")
     plan.add_argument("--step", type=int, help="plan for this step (default: the newest good step)")
     plan.add_argument("--device-memory", type=_parse_bytes, help="memory of one device, e.g. 16GiB")
     plan.add_argument("--headroom", type=_parse_bytes, help="per-device memory to keep free, e.g. 2GiB")
