@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Figure, Profile, Results, alternate, evict_from_page_cache, free_gib
+from bench.common import Figure, Profile, Results, alternate, evict_from_page_cache, free_gib, rmtree, stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 KEY = "multihost_restart_speedup_memory_vs_storage"
@@ -146,8 +146,9 @@ def run_multihost(profile: Profile, results: Results, base: Path, shm: Path) -> 
     try:
         _measure(profile, results, base, shms, shape, timeout_s, f"http://127.0.0.1:{port}", last_step_on_storage)
     finally:
-        sidecar.terminate()
-        sidecar.wait(timeout=120)
+        stop_process(sidecar, 120)
+        for path in [*shms, str(base / "sidecar-shm")]:  # the hosts' parts: freed before the persist key makes its own
+            rmtree(path)
     _persist_key(profile, results, base, shm)
 
 

@@ -129,6 +129,14 @@ def run_multihost_persist(profile: Profile, results: Results, base: Path, shm: P
     base.mkdir(parents=True, exist_ok=True)
     shm_dir = shm / "multihost_persist"
     ensure_private_dir(shm_dir)
+    try:
+        _measure(profile, results, base, shm_dir)
+    finally:  # the whole snapshot and its two parts: twice the state in shared memory, freed here
+        rmtree(shm_dir)
+        rmtree(base)
+
+
+def _measure(profile: Profile, results: Results, base: Path, shm_dir: Path) -> None:
     whole = _snapshot(profile, shm_dir / "single")
     parts = split_into_parts(whole, shm_dir)
     storage = Storage(str(base / "root"))

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Figure, Profile, Results, alternate, evict_from_page_cache
+from bench.common import Figure, Profile, Results, alternate, evict_from_page_cache, stop_process
 from bench.multihost import REPO, _env, _free_port, _job
 
 KEY = "multihost_restart_speedup_peer_vs_storage"
@@ -60,22 +60,28 @@ def _sidecars(base: Path, shms: list[str], peers: bool) -> list[subprocess.Popen
     ports = [_free_port() for _ in shms]
     peer_ports = [_free_port() for _ in shms]
     static = ",".join(f"{k}=127.0.0.1:{p}" for k, p in enumerate(peer_ports))
-    out = []
-    for k, shm in enumerate(shms):
-        extra = {"CKPTD_PEER_PORT": str(peer_ports[k]), "CKPTD_PEER_SECRET": SECRET, "CKPTD_PEERS": static,
-                 "CKPTD_LEASE_TTL_S": "3"} if peers else {"CKPTD_LEASE_TTL_S": "3"}
-        Path(shm).mkdir(mode=0o700, exist_ok=True)
-        out.append(start_ckptd(base / "root", base / f"ckptd-state-{k}", Path(shm), ports[k],
-                               base / f"ckptd-{k}.log", extra))
-        out[-1].url = f"http://127.0.0.1:{ports[k]}"  # type: ignore[attr-defined]
+    out: list[subprocess.Popen[bytes]] = []
+    try:
+        for k, shm in enumerate(shms):
+            extra = {"CKPTD_PEER_PORT": str(peer_ports[k]), "CKPTD_PEER_SECRET": SECRET, "CKPTD_PEERS": static,
+                     "CKPTD_LEASE_TTL_S": "3"} if peers else {"CKPTD_LEASE_TTL_S": "3"}
+            Path(shm).mkdir(mode=0o700, exist_ok=True)
+            out.append(start_ckptd(base / "root", base / f"ckptd-state-{k}", Path(shm), ports[k],
+                                   base / f"ckptd-{k}.log", extra))
+            out[-1].url = f"http://127.0.0.1:{ports[k]}"  # type: ignore[attr-defined]
+    except BaseException:  # the second failed to start, or the run was interrupted: the first stops too
+        _stop(out)
+        raise
     return out
 
 
 def _stop(sidecars: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM every sidecar at once, then wait for each (SIGKILL past two minutes)."""
     for proc in sidecars:
-        proc.terminate()
+        if proc.poll() is None:
+            proc.terminate()
     for proc in sidecars:
-        proc.wait(timeout=120)
+        stop_process(proc, 120)
 
 
 def run_peers(profile: Profile, results: Results, base: Path, shm: Path) -> None:
@@ -90,6 +96,8 @@ def run_peers(profile: Profile, results: Results, base: Path, shm: Path) -> None
         _restart_key(profile, results, base, shms, shape, timeout_s, sidecars[0].url)  # type: ignore[attr-defined]
     finally:
         _stop(sidecars)
+        for path in shms:  # each host's part and its peer's copy: freed before the copy-cost runs
+            shutil.rmtree(path, ignore_errors=True)
     _copy_cost(profile, results, base, shm, state_bytes)
 
 
@@ -219,10 +227,10 @@ def _loop_beside_copies(work: Path, shm: Path, tag: str, peers: bool, cols: int,
         stop.set()
         thread.join()
         _stop(sidecars)
-        counts[f"copies_sent_{label}"] += (work / "ckptd-0.log").read_text(errors="replace").count(") held by host 1")
-        counts[f"parts_written_{label}"] += writes[0]
         for path in shms:
             shutil.rmtree(path, ignore_errors=True)
+        counts[f"copies_sent_{label}"] += (work / "ckptd-0.log").read_text(errors="replace").count(") held by host 1")
+        counts[f"parts_written_{label}"] += writes[0]
     return times
 
 

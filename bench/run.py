@@ -17,7 +17,11 @@ there: bench/multihost.py), ``peers`` (the same job's restart with one host's pa
 from storage, and what the copies cost training: bench/peers.py), ``first_sight`` (ms per step of 1,000
 arrays seen without records: bench/first_sight.py). Work files go to a fresh
 directory under ``--workdir`` (default: the system temp directory) and a shared-memory directory under
-``--shm`` (default /dev/shm); both are removed at the end.
+``--shm`` (default /dev/shm), both named ``ckptd-bench-<pid>-<random>``; each family works in its own
+subdirectory of each, removed when the family ends (as are the processes it started that still run), and
+both are removed at the end. A run that is interrupted (SIGINT, SIGTERM, SIGHUP) cleans up the same way; one
+that is killed outright is cleaned up by its reaper, and failing that by the next run's start-up sweep
+(bench/lifetime.py).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
+from bench import lifetime
 from bench.common import Profile, Results, free_gib, profile_from_env, rmtree, write_json
 from bench.report import write_report
 
@@ -65,6 +70,16 @@ def _merge(previous: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def _end_family(family: str, work: Path, shm: Path, token: str) -> None:
+    """Stop what ``family`` started that still runs (its own ``finally`` should have) and remove its
+    directories, on disk and in shared memory."""
+    left = lifetime.stop_marked(token)
+    if left:
+        print(f"  {family}: stopped {len(left)} process(es) it left running: {left}", flush=True)
+    rmtree(work)
+    rmtree(shm)
+
+
 def run(profile: Profile, families: tuple[str, ...], out: Path, docs: Path | None, workdir: str | None,
         shm: str, merge: bool = False) -> dict[str, Any]:
     started = time.time()
@@ -76,23 +91,31 @@ def run(profile: Profile, families: tuple[str, ...], out: Path, docs: Path | Non
         write_json(out, _merge(previous, so_far) if previous else so_far)
 
     results.on_progress = write_so_far
-    base = Path(tempfile.mkdtemp(prefix="ckptd-bench-", dir=workdir))
-    shm_base = Path(tempfile.mkdtemp(prefix="ckptd-bench-", dir=shm if Path(shm).is_dir() else None))
+    work_parent = Path(workdir) if workdir else Path(tempfile.gettempdir())
+    shm_parent = Path(shm) if Path(shm).is_dir() else Path(tempfile.gettempdir())
+    lifetime.sweep_stale({work_parent, shm_parent})  # what killed runs left behind
+    token = lifetime.new_token()
+    base = lifetime.make_run_dir(work_parent, token)
+    shm_base = lifetime.make_run_dir(shm_parent, token)
+    reaper = lifetime.start_reaper(token, [base, shm_base])
+    os.environ[lifetime.TOKEN_ENV] = token  # every process the families start carries it
     print(f"bench profile {profile.name}: families {', '.join(families)}; work {base}; shm {shm_base}; "
-          f"{free_gib():.1f} GiB available", flush=True)
+          f"reaper {reaper.pid}; {free_gib():.1f} GiB available", flush=True)
     try:
         for family in families:
             print(f"\n== {family} ==", flush=True)
             t0 = time.perf_counter()
+            family_shm = shm_base / family
+            family_shm.mkdir(mode=0o700)
             try:
                 if family == "io":
                     from bench.io import run_io
 
-                    run_io(profile, results, base / "io", shm_base)
+                    run_io(profile, results, base / "io", family_shm)
                 elif family == "interference":
                     from bench.interference import run_interference
 
-                    run_interference(profile, results, base / "interference", shm_base)
+                    run_interference(profile, results, base / "interference", family_shm)
                 elif family == "service":
                     from bench.service import run_service
 
@@ -100,11 +123,11 @@ def run(profile: Profile, families: tuple[str, ...], out: Path, docs: Path | Non
                 elif family == "recovery":
                     from bench.recovery import run_recovery
 
-                    run_recovery(profile, results, base / "recovery", shm_base)
+                    run_recovery(profile, results, base / "recovery", family_shm)
                 elif family == "replicas":
                     from bench.replicas import run_replicas
 
-                    run_replicas(profile, results, base / "replicas", shm_base)
+                    run_replicas(profile, results, base / "replicas", family_shm)
                 elif family == "first_sight":
                     from bench.first_sight import run_first_sight
 
@@ -112,21 +135,25 @@ def run(profile: Profile, families: tuple[str, ...], out: Path, docs: Path | Non
                 elif family == "multihost":
                     from bench.multihost import run_multihost
 
-                    run_multihost(profile, results, base / "multihost", shm_base)
+                    run_multihost(profile, results, base / "multihost", family_shm)
                 elif family == "peers":
                     from bench.peers import run_peers
 
-                    run_peers(profile, results, base / "peers", shm_base)
+                    run_peers(profile, results, base / "peers", family_shm)
                 else:
                     raise ValueError(f"unknown family {family!r}")
             except Exception as exc:  # one family failing must not lose the others' numbers
                 traceback.print_exc()
                 results.errors[family] = f"{type(exc).__name__}: {exc}"
+            finally:  # the next family starts with nothing of this one's running or in memory
+                _end_family(family, base / family, family_shm, token)
             results.context[f"{family}_seconds"] = round(time.perf_counter() - t0, 1)
             write_so_far()
     finally:
+        lifetime.stop_marked(token)
         rmtree(base)
         rmtree(shm_base)
+        os.environ.pop(lifetime.TOKEN_ENV, None)
     payload = results.to_json(started, time.time())
     if previous:
         payload = _merge(previous, payload)
@@ -178,4 +205,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    lifetime.raise_on_termination()  # SIGTERM and SIGHUP unwind the run like Ctrl-C: every finally runs
     raise SystemExit(main())
