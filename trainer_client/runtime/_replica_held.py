@@ -10,6 +10,7 @@ behaviour alone.
 from __future__ import annotations
 
 import copy
+import sys
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -105,4 +106,16 @@ def copy_value(leaf: HeldArray | Value) -> Any:
     return copy.deepcopy(leaf.value)
 
 
-__all__ = ["Copy", "Held", "ReplicaStats", "Restored", "Snapshot", "Value", "copy_value", "kind_of"]
+def let_go(snap: Snapshot | None) -> None:
+    """Drop a snapshot no longer held, one array at a time: its host memory goes back as each is freed, and
+    each free holds the interpreter's lock only for that array (all at once stalled a training step). Only
+    when nothing else refers to it: a reader that took it before it was replaced (``held``, ``stats``) keeps it
+    whole, and it is freed when that reader lets it go."""
+    # the caller's name, the argument and getrefcount's own: nothing else (CPython's reference count)
+    if snap is None or sys.getrefcount(snap) > 3:
+        return
+    while snap.leaves:
+        snap.leaves.pop()
+
+
+__all__ = ["Copy", "Held", "ReplicaStats", "Restored", "Snapshot", "Value", "copy_value", "kind_of", "let_go"]

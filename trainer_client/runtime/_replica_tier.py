@@ -32,7 +32,6 @@ from __future__ import annotations
 import copy
 import logging
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -51,6 +50,7 @@ from trainer_client.runtime._replica_held import (
     Value,
     copy_value,
     kind_of,
+    let_go,
 )
 from trainer_client.runtime._replica_leaves import (
     PINNED,
@@ -255,7 +255,7 @@ class ReplicaTier:
                 self.meter.copy_done(kind, started, done, landed=error is None, settled=self._clock())
             self._in_flight = False
             self._lock.notify_all()
-        _let_go(previous)
+        let_go(previous)
 
     @property
     def busy(self) -> bool:
@@ -394,18 +394,6 @@ class ReplicaTier:
         with self._lock:
             self._held = Snapshot(snap.step, snap.treedef, leaves, snap.data_position, snap.iterator_state,
                                    snap.taken_at, nbytes)
-
-
-def _let_go(snap: Snapshot | None) -> None:
-    """Drop a snapshot no longer held, one array at a time: its host memory goes back as each is freed, and
-    each free holds the interpreter's lock only for that array (all at once stalled a training step). Only
-    when nothing else refers to it: a reader that took it before it was replaced (``held``, ``stats``) keeps it
-    whole, and it is freed when that reader lets it go."""
-    # the caller's name, the argument and getrefcount's own: nothing else (CPython's reference count)
-    if snap is None or sys.getrefcount(snap) > 3:
-        return
-    while snap.leaves:
-        snap.leaves.pop()
 
 
 __all__ = ["Held", "ReplicaStats", "ReplicaTier", "Restored", "check_budget", "required_bytes"]

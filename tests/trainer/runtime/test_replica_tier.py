@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from trainer_client.errors import CkptdError, MemoryTierFull, NoWholeReplica
 from trainer_client.runtime import _replica_tier
 from trainer_client.runtime._jax_faults import InJaxFaults
+from trainer_client.runtime._replica_held import Snapshot, let_go
 from trainer_client.runtime._replica_tier import ReplicaTier, required_bytes
 from trainer_client.runtime._slices import SimulatedSlices
 
@@ -361,6 +362,6 @@ def test_a_replaced_snapshot_is_let_go_array_by_array_unless_a_reader_still_has_
     assert alone is not None and alone.leaves  # still ours here: whole
     kept = alone.leaves
     del alone
-    snap = _replica_tier.Snapshot(9, None, list(kept), 0, None, 0.0, 0)
-    _replica_tier._let_go(snap)
+    snap = Snapshot(9, None, list(kept), 0, None, 0.0, 0)
+    let_go(snap)
     assert snap.leaves == []  # nothing else held it: emptied array by array
