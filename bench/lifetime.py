@@ -1,8 +1,9 @@
 """What a benchmark run leaves behind: nothing, however it ends.
 
-A run (``python -m bench.run``) owns two directories, one on disk and one in shared memory, each named
-``ckptd-bench-<token>`` and each holding an owner record (``.ckptd-bench-owner.json``: the run's pid, that
-process's start time and the token). Every process the run starts, and every process those start, carries
+A run (``python -m bench.run``) owns two directories, one on disk and one in shared memory, named
+``ckptd-bench-<token>-work`` and ``ckptd-bench-<token>-shm`` (the token: the run's pid and a random part),
+each holding an owner record (``.ckptd-bench-owner.json``: the run's pid, that process's start time and the
+token). Every process the run starts, and every process those start, carries
 ``BENCH_RUN_TOKEN=<token>`` in its environment (set in ``os.environ`` before any family runs; the families hand
 their children this environment, never a clean one, and ckptd hands it to its persist worker), so what the run
 started can be found in ``/proc`` without knowing who started it or who its parent is now.
@@ -73,10 +74,11 @@ def owner_alive(record: dict[str, Any]) -> bool:
     return now is not None and (ticks is None or now == ticks)
 
 
-def make_run_dir(parent: Path, token: str) -> Path:
-    """``parent/ckptd-bench-<token>``, private to this user, with this process's owner record in it."""
+def make_run_dir(parent: Path, token: str, kind: str) -> Path:
+    """``parent/ckptd-bench-<token>-<kind>``, private to this user, with this process's owner record in it
+    (``kind``: ``work`` or ``shm``, so that both may share a parent)."""
     parent.mkdir(parents=True, exist_ok=True)
-    path = parent / f"{PREFIX}{token}"
+    path = parent / f"{PREFIX}{token}-{kind}"
     path.mkdir(mode=0o700)
     record = {"pid": os.getpid(), "start_ticks": start_ticks(os.getpid()), "token": token}
     tmp = path / f"{OWNER}.tmp"

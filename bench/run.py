@@ -17,7 +17,7 @@ there: bench/multihost.py), ``peers`` (the same job's restart with one host's pa
 from storage, and what the copies cost training: bench/peers.py), ``first_sight`` (ms per step of 1,000
 arrays seen without records: bench/first_sight.py). Work files go to a fresh
 directory under ``--workdir`` (default: the system temp directory) and a shared-memory directory under
-``--shm`` (default /dev/shm), both named ``ckptd-bench-<pid>-<random>``; each family works in its own
+``--shm`` (default /dev/shm), named ``ckptd-bench-<pid>-<random>-work`` and ``-shm``; each family works in its own
 subdirectory of each, removed when the family ends (as are the processes it started that still run), and
 both are removed at the end. A run that is interrupted (SIGINT, SIGTERM, SIGHUP) cleans up the same way; one
 that is killed outright is cleaned up by its reaper, and failing that by the next run's start-up sweep
@@ -95,8 +95,8 @@ def run(profile: Profile, families: tuple[str, ...], out: Path, docs: Path | Non
     shm_parent = Path(shm) if Path(shm).is_dir() else Path(tempfile.gettempdir())
     lifetime.sweep_stale({work_parent, shm_parent})  # what killed runs left behind
     token = lifetime.new_token()
-    base = lifetime.make_run_dir(work_parent, token)
-    shm_base = lifetime.make_run_dir(shm_parent, token)
+    base = lifetime.make_run_dir(work_parent, token, "work")
+    shm_base = lifetime.make_run_dir(shm_parent, token, "shm")
     reaper = lifetime.start_reaper(token, [base, shm_base])
     os.environ[lifetime.TOKEN_ENV] = token  # every process the families start carries it
     print(f"bench profile {profile.name}: families {', '.join(families)}; work {base}; shm {shm_base}; "

@@ -41,7 +41,7 @@ class Run:
 
     @property
     def token(self) -> str:
-        return self.shm.name.removeprefix(lifetime.PREFIX)
+        return self.shm.name.removeprefix(lifetime.PREFIX).removesuffix("-shm")
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
