@@ -25,6 +25,7 @@ from ckptd.cli import _serve as serve
 from ckptd.cli._reach import Unreachable
 from ckptd.cli._support import add_json, add_read_only, open_catalog, open_job, root_or_default
 from trainer_client.core._errors import MissingExtra, StorageError
+from trainer_client.core.format._aside import aside_state, aside_steps
 
 EXIT_OK = 0
 EXIT_BAD = 1
@@ -41,13 +42,17 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     # ROOT/JOB given by mistake: exit 2 with the command that fits
     cat = open_catalog(root_or_default(args.root), read_only=args.read_only)
     jobs = cat.jobs()
+    aside = {j.name: len(aside_steps(cat.storage, cat.storage.join(j.name))) for j in jobs}
     if args.json:
-        print(json.dumps([j.model_dump(mode="json") for j in jobs], indent=2))
+        print(json.dumps([{**j.model_dump(mode="json"), "moved_aside": aside[j.name]} for j in jobs], indent=2))
     else:
         print(f"{'JOB':<32} {'STEPS':>6} {'LATEST':>8} {'LATEST-GOOD':>12}")
         for j in jobs:
             latest, good = (("-" if n is None else n) for n in (j.latest_step, j.latest_good_step))
             print(f"{j.name:<32} {j.steps:>6} {latest:>8} {good:>12}")
+    for name, count in aside.items():  # beside the table: bad or unfinished steps a save kept when it took their number
+        if count:
+            print(f"{name}: {count} step(s) moved aside (ckptd show {name})", file=sys.stderr)
     return EXIT_OK
 
 
@@ -64,6 +69,9 @@ def _cmd_show(args: argparse.Namespace) -> int:
         for c in checkpoints:
             pos = c.training.data_position if c.training else "-"
             print(f"{c.step:>10} {c.state.value:<10} {pos!s:>10} {c.reason or ''}")
+    for aside in aside_steps(cat.storage, cat.storage.join(job)):  # kept when a save took their number
+        print(f"moved aside: {aside.name} (step {aside.step}, {aside_state(cat.storage, aside.path)})",
+              file=sys.stderr if args.json else sys.stdout)
     good = cat.latest_good(job)
     print(f"latest-good: {good.step if good else 'none'}", file=sys.stderr)
     return EXIT_OK if good is not None else EXIT_BAD
@@ -76,16 +84,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve.add_parser(sub)  # ckptd serve: the HTTP API (ckptd/cli/_serve.py)
 
-    ls = sub.add_parser("ls", help="list the jobs of a root", description="List the jobs of a checkpoint root and "
-                        "their newest and newest good steps. A directory that holds no job is refused.")
+    ls = sub.add_parser("ls", help="list the jobs of a root", description="List the jobs of a checkpoint root, "
+                        "their newest and newest good steps, and how many steps were moved aside (a bad or unfinished "
+                        "step kept when a new save took its number). A directory that holds no job is refused.")
     ls.add_argument("root", nargs="?", metavar="ROOT", help="the root (default: CKPTD_ROOT)")
     add_json(ls)
     add_read_only(ls)
     ls.set_defaults(func=_cmd_ls)
 
     show = sub.add_parser("show", help="list a job's steps and their states",
-                          description="List a job's steps, their states and data positions; exit 0 when it has a "
-                          "good step.")
+                          description="List a job's steps, their states and data positions, then the steps moved "
+                          "aside; exit 0 when it has a good step.")
     show.add_argument("target", metavar="[ROOT/]JOB", help="the job (JOB alone: under CKPTD_ROOT)")
     add_json(show)
     add_read_only(show)

@@ -56,7 +56,7 @@ from trainer_client.core._durability import sync_tree
 from trainer_client.core._storage import join_path
 from trainer_client.core.format._files import CKPTD_MANIFEST, TMP_DIR_SUFFIX
 from trainer_client.core.format._manifest import build_manifest, write_manifest
-from trainer_client.core.format._steps import CUSTOM_METADATA_KEY
+from trainer_client.core.format._steps import CUSTOM_METADATA_KEY, DEFAULT_SAVE_TIMEOUT_S
 from trainer_client.core.protocol import TrainingMetadata
 from trainer_client.runtime._good_steps import GoodSteps, GoodStepsOnly
 from trainer_client.runtime._manager_retention import ManagerRetention, conflicts, orbax_policy, without_retention
@@ -68,6 +68,7 @@ from trainer_client.runtime._manager_saves import (
     memory_save,
     training_for,
 )
+from trainer_client.runtime._step_aside import clear_for_save
 
 _log = logging.getLogger(__name__)
 
@@ -152,6 +153,7 @@ class CheckpointManager(AbstractCheckpointManager):
         global_batch: int | None = None,
         data_position: Callable[[int], SupportsIndex] | None = None,
         persist_timeout_s: float = 600.0,
+        save_timeout_s: float = DEFAULT_SAVE_TIMEOUT_S,
     ) -> None:
         """As ``orbax.checkpoint.CheckpointManager`` (``item_names``, ``item_handlers``, ``options``,
         ``metadata``, ``logger``, ``handler_registry``). ``ckptd``: the client of the ckptd serving the root
@@ -164,7 +166,10 @@ class CheckpointManager(AbstractCheckpointManager):
         ``global_batch``: the samples of one step; with it every save records ckptd's training metadata, at the
         data position ``data_position(step)`` (by default ``step * global_batch``), and goes to the host-memory
         tier when ``ClientSettings.shm_dir`` names one and the save fits it. ``persist_timeout_s``: how long
-        ``wait_until_finished`` waits for ckptd to persist this manager's memory-tier saves."""
+        ``wait_until_finished`` waits for ckptd to persist this manager's memory-tier saves. ``save_timeout_s``: an
+        uncommitted step written more recently holds its number (another writer may still be saving it: a save of
+        that step raises Orbax's ``StepAlreadyExistsError`` saying so); an older one, or a quarantined one, is
+        moved aside before the save (``trainer_client.runtime._step_aside``)."""
         if checkpointers is not None:
             raise ValueError("CheckpointManager(checkpointers=...) is Orbax's legacy API and is not supported: "
                              "pass item_names=/item_handlers= and save with args=")
@@ -192,6 +197,8 @@ class CheckpointManager(AbstractCheckpointManager):
         # written before its commit
         self._default_item = item_names is None and not isinstance(item_handlers, Mapping)  # unnamed args: "default"
         self._persist_timeout_s = persist_timeout_s
+        self._save_timeout_s = save_timeout_s
+        self._read_only = options.read_only
         async_options = options.async_options
         self._user_callback = async_options.post_finalization_callback if async_options else None
         if self._async:  # Orbax refuses the callback without its asynchronous checkpointer
@@ -240,6 +247,11 @@ class CheckpointManager(AbstractCheckpointManager):
         if not force and not self._manager.should_save(step):
             return False
         self._retention.apply()  # what the saves before this one left (committed by now, or judged next time)
+        if not self._read_only:
+            in_the_way = clear_for_save(self._storage, self._good.job, step, good=self._good.all,
+                                        save_timeout_s=self._save_timeout_s, mover=jax.process_index() == 0)
+            if in_the_way:
+                self._good.renew(step)
         started = time.perf_counter()
         found = array_item(args, self._default_item) if items is None else None
         meta = training_for(step, found[1], self._training) if found is not None else None

@@ -55,6 +55,12 @@ class GoodSteps:
         self.storage = Storage(root)
         self.job_path = self.storage.join(self.job)
         self.client = client
+        self.renewed: set[int] = set()  # steps saved anew after what held their number was moved aside
+
+    def renew(self, step: int) -> None:
+        """``step`` is a new directory (what held the number was moved aside): ckptd's verdict on the old one
+        no longer counts; this manager judges it from storage from now on."""
+        self.renewed.add(step)
 
     def latest(self) -> int | None:
         """The newest good step: ckptd's latest-good (confirmed on storage by ckptd before it answers), or a
@@ -74,8 +80,8 @@ class GoodSteps:
         names = self._names()
         if listing is None:
             return sorted(self._judge(names))
-        verified = {s for s, state in listing.items() if state is p.StepState.VERIFIED}
-        unjudged = [s for s in names if s not in verified and listing.get(s) not in _REFUSED]
+        verified = {s for s, state in listing.items() if state is p.StepState.VERIFIED and s not in self.renewed}
+        unjudged = [s for s in names if s not in verified and (s in self.renewed or listing.get(s) not in _REFUSED)]
         return sorted(verified.intersection(names) | self._judge(unjudged))
 
     def _names(self) -> list[int]:
