@@ -37,7 +37,7 @@ from examples.elastic_mlp import TrainLog, make_train_fn
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.runtime._elastic import ElasticConfig, ElasticContext, ElasticResult, ElasticRunner
-from trainer_client.runtime._elastic_config import ElasticOptions, HealthOptions, MemoryTierOptions
+from trainer_client.runtime._elastic_config import ElasticOptions, HealthOptions, MemoryTierOptions, ReplicaOptions
 from trainer_client.runtime._jax_faults import InJaxFaults
 from trainer_client.runtime._recovery import give_back_host_memory
 from trainer_client.runtime._slices import SimulatedSlices
@@ -288,7 +288,10 @@ class Soak:
             job=job, mesh_axes=("replica", "data"), mesh_shape=mesh, global_batch=BATCH, checkpoint_period=10,
             elastic=ElasticOptions(policy=policy, elastic_timeout_s=60),
             health=HealthOptions(poll_interval_s=0.05, scale_up_check_interval_s=0.0, monitor_interval_s=0.2),
-            memory_tier=MemoryTierOptions(shm_dir=shm, memory_period=5 if memory_tier else None, max_snapshots=4),
+            # a replica snapshot of every step, the loop waiting for a copy in flight: each trial knows which step
+            # the tier holds (the runner's default paces snapshots from measured costs: on this CPU state, rarely)
+            memory_tier=MemoryTierOptions(shm_dir=shm, memory_period=5 if memory_tier else None, max_snapshots=4,
+                                          replicas=ReplicaOptions(period=1, when_busy="wait")),
         )
         client = CkptdClient(ClientSettings(url=self.ckptd.url, timeout_s=2.0, resume_deadline_s=3.0, shm_dir=shm,
                                             events_flush_timeout_s=5.0), root=str(self.root))

@@ -13,8 +13,8 @@ Phases (``PHASES``), each with a random slice, step and down time from the trial
   before the restore, or in the first step after it);
 - ``slice_returns`` (``resize``): the lost slice returns mid-recovery; the run shrinks, then grows back;
 - ``ckptd_restart``: ckptd SIGKILLed when the failure is detected and restarted in the background;
-- ``replica_copy``: a slice lost during the replica tier's copy into pinned host memory: inside the dispatch
-  (the one ``device_put`` of ``copy_to_host``) or while the tier's worker waits for the copy; the copy is
+- ``replica_copy``: a slice lost during the replica tier's copy into host memory: inside the copy's dispatch
+  (the tier's worker copies the staged on-device copy to the host) or while the worker waits for the copy; the copy is
   dropped and the run restores from the replicas of the step held before (or a newer step in memory);
 - ``two_slices`` (mesh 2 x 4: two replicas, each on two slices): two slices lost at once, one of each replica
   (no whole replica left: the restore falls back to the shared-memory tier or storage) or both of one replica
@@ -92,7 +92,7 @@ class _Scenario:
         self.held_at_plan: list[int | None] = []  # the step the replica tier held when each plan came
         if self.phase == "replica_copy":
             trial.variant = rng.choice(["dispatch", "wait"])
-            self.nth = 1  # the state's arrays go to the host in one device_put (copy_to_host), every slice involved
+            self.nth = 1  # the first array's copy to the host that involves the lost slice
         elif self.phase == "two_slices":
             trial.variant = rng.choice(["across_replicas", "one_replica"])
             if trial.variant == "across_replicas":  # replica r lives on slices 2r and 2r + 1
@@ -142,9 +142,9 @@ class _Scenario:
         injector = self.soak.injector
         if self.phase == "replica_copy" and step == self.at and not self.armed_first:
             self.armed_first = True
-            if self.trial.variant == "dispatch":  # the next snapshot's dispatch
+            if self.trial.variant == "dispatch":  # the next snapshot's copy to the host, dispatched by the worker
                 injector.fail_during("to_device", self.lost, nth=self.nth, down_for_s=self.down,
-                                     inside="copy_to_host")
+                                     inside="ReplicaTier._complete")
             else:  # the tier's worker waiting for a copy
                 injector.fail_during("block", self.lost, down_for_s=self.down, inside="ReplicaTier._complete_copies")
         elif self.phase == "two_slices" and step == self.at and not self.armed_first:
