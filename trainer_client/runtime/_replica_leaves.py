@@ -127,20 +127,26 @@ def device_bytes(arrays: Sequence[Any]) -> dict[int, int]:
     return per
 
 
-def staging_room(arrays: Sequence[Any]) -> tuple[bool, str]:
+def staging_room(arrays: Sequence[Any], staged_before: dict[int, int] | None = None,
+                 stats_of: Callable[[int], dict[str, Any] | None] | None = None) -> tuple[bool, str]:
     """Whether every device has room for a staged copy of ``arrays`` beside the step's peak: its memory limit
     less its peak use so far (what the step and restores needed) less ``HBM_MARGIN`` of the limit, from the
-    device's own statistics. Devices without statistics (CPU) have room: their memory is the host's, which the
-    tier's budget counts. Returns the answer and why."""
+    device's own statistics. ``staged_before``: the bytes per device of the staged copies this tier made
+    already, which lived beside the steps and so are in that peak (not counted twice). Devices without
+    statistics (CPU) have room: their memory is the host's, which the tier's budget counts. ``stats_of``: a
+    device id's statistics (default: the device's own ``memory_stats``). Returns the answer and why."""
     need = device_bytes(arrays)
+    before = staged_before or {}
     by_id = {d.id: d for d in jax.local_devices()}
     tightest: tuple[float, str] | None = None
     for device_id, size in need.items():
-        stats = by_id[device_id].memory_stats() if device_id in by_id else None
+        stats = stats_of(device_id) if stats_of is not None else \
+            by_id[device_id].memory_stats() if device_id in by_id else None
         if not stats or "bytes_limit" not in stats:
             continue
         limit = int(stats["bytes_limit"])
         peak = int(stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0)))
+        peak = max(0, peak - before.get(device_id, 0))
         free = limit * (1 - HBM_MARGIN) - peak
         line = (f"device {device_id}: staging {size / 2**30:.2f} GiB beside a peak of {peak / 2**30:.2f} GiB "
                 f"of {limit / 2**30:.2f} GiB")

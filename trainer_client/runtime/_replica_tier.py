@@ -1,16 +1,14 @@
 """The replica snapshot tier: the train state copied into the accelerator hosts' memory, restored from the
 replicas that survive a slice loss (docs/concepts.md, "Three tiers").
 
-``ReplicaTier.snapshot`` dispatches an asynchronous copy of the state into ``pinned_host`` memory on the same
-shardings, split into the replicas along the replica axis (``trainer_client.runtime._replica_leaves``); the
-caller is blocked only for the dispatch. At most one copy is in flight: a snapshot asked for while one is
-is skipped and counted. A background thread waits for the copy; only when all of it is done does the
-snapshot become the *held* one, with its step, data position, iterator state and the state's leaves that are
-not arrays — all of the same step. A copy that fails (a slice lost mid-copy: ``DATA_LOSS``) is dropped and the
-previous held snapshot stays, whole. ``restore`` rebuilds each array from the replicas on the slices left and
-lays it out on the new mesh (shrunk, or the same shape on a hot spare); when some array has no whole copy
-left it raises ``NoWholeReplica`` naming those arrays, and the caller resumes from the shared-memory tier or
-storage.
+``ReplicaTier.snapshot`` dispatches an on-device copy of the state (which the next step does not donate);
+its worker copies that into host memory on the same shardings, split into the replicas along the replica axis
+(``trainer_client.runtime._replica_leaves``). At most one copy is in flight: another is skipped and counted.
+Only when all of the copy is done does the snapshot become the *held* one, with its step, data position,
+iterator state and non-array leaves, all of one step; a copy that fails (a slice lost: ``DATA_LOSS``) is
+dropped and the previous held snapshot stays, whole. ``restore`` rebuilds each array from the replicas on
+the slices left and lays it out on the new mesh (shrunk, or the same shape on a hot spare); when some array
+has no whole copy left it raises ``NoWholeReplica`` naming them, and the caller resumes from another tier.
 
 Orbax 0.12.8 has this design as ``Snapshotter`` (its Pathways training module, under ``_src``, not public
 API), and this tier follows it: the same pinned-host copy, pathwaysutils' split and concatenation by mesh
@@ -21,10 +19,8 @@ told which slices were lost (it only probes, and on CPU without ``InJaxFaults`` 
 read), concatenates whatever replicas survive — so an array sharded along the replica axis comes back with
 the wrong shape instead of an error — and neither accounts for host memory nor reports age or bytes.
 
-Host memory: each host holds one copy of its share of the state (every replica its devices hold), two while
-a copy is in flight (``required_bytes``); the constructor (given the state) and ``prepare`` refuse a budget
-that cannot hold that (``MemoryTierFull``). ``prepare``, before the first snapshot, faults those pages in, so
-that the first copy costs what later ones do (sizing: docs/deploy.md).
+Host memory: one copy of each host's share of the state, two while a copy is in flight (``required_bytes``);
+the constructor and ``prepare`` refuse a budget that cannot hold that (``MemoryTierFull``; docs/deploy.md).
 """
 
 from __future__ import annotations
@@ -57,6 +53,7 @@ from trainer_client.runtime._replica_leaves import (
     HeldArray,
     ReplicaAxis,
     check_budget,
+    device_bytes,
     dispatch_to_host,
     hold_pinned,
     host_bytes,
@@ -93,6 +90,7 @@ class ReplicaTier:
         self.memory_kind = memory_kind  # where the next snapshot's copy goes (the runner's pacer may change it)
         self.staging = staging  # copy through an on-device copy: None decides at the first snapshot (room for it)
         self._staging_given = staging  # None: decided again for each attempt (``prepare``): a new mesh, new room
+        self._staged_bytes: dict[int, int] = {}  # per device, the staged copy's bytes once staging was chosen
         self.staging_reason: str | None = None
         self.meter = meter  # told of each copy's start and end (the pacer's measurements)
         self.last_copy_s: float | None = None
@@ -144,7 +142,9 @@ class ReplicaTier:
         room for one (``staging_room``)."""
         if self.staging is None:
             arrays = [x for x in jax.tree_util.tree_leaves(state) if isinstance(x, jax.Array | jax.ShapeDtypeStruct)]
-            self.staging, self.staging_reason = staging_room(arrays)
+            self.staging, self.staging_reason = staging_room(arrays, self._staged_bytes)
+            if self.staging:
+                self._staged_bytes = device_bytes(arrays)
             _log.info("replica snapshots %s: %s", "staged on the device" if self.staging else "copied directly "
                       "(the step waits for each copy to read its buffers)", self.staging_reason)
         return self.staging

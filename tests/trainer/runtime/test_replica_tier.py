@@ -23,6 +23,7 @@ from trainer_client.errors import CkptdError, MemoryTierFull, NoWholeReplica
 from trainer_client.runtime import _replica_tier
 from trainer_client.runtime._jax_faults import InJaxFaults
 from trainer_client.runtime._replica_held import Snapshot, let_go
+from trainer_client.runtime._replica_leaves import device_bytes, staging_room
 from trainer_client.runtime._replica_tier import ReplicaTier, required_bytes
 from trainer_client.runtime._slices import SimulatedSlices
 
@@ -365,3 +366,26 @@ def test_a_replaced_snapshot_is_let_go_array_by_array_unless_a_reader_still_has_
     snap = Snapshot(9, None, list(kept), 0, None, 0.0, 0)
     let_go(snap)
     assert snap.leaves == []  # nothing else held it: emptied array by array
+
+
+def test_staging_needs_room_beside_the_peak_and_counts_its_own_copy_once() -> None:
+    """A device's room for a staged copy: its limit less the peak so far less 5%; the tier's own earlier staged
+    copy, part of that peak, is not counted twice (after a recovery the tier decides again)."""
+    mesh = _mesh(jax.devices(), 2)
+    state = _state(mesh)
+    arrays = [x for x in jax.tree_util.tree_leaves(state) if isinstance(x, jax.Array)]
+    per_device = device_bytes(arrays)
+    size = max(per_device.values())
+    limit = 100 * size
+
+    def stats(peak: int) -> Any:
+        return lambda _: {"bytes_limit": limit, "peak_bytes_in_use": peak}
+
+    fits, why = staging_room(arrays, stats_of=stats(limit * 95 // 100 - size))
+    assert fits and "fits" in why
+    fits, why = staging_room(arrays, stats_of=stats(limit * 95 // 100 - size + 1))
+    assert not fits and "does not fit" in why
+    # the same peak, reached with this tier's own staged copy beside the step: room still
+    fits, _ = staging_room(arrays, per_device, stats_of=stats(limit * 95 // 100))
+    assert fits
+    assert staging_room(arrays, stats_of=lambda _: None) == (True, "no device memory statistics: host memory")
