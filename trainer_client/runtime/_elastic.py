@@ -56,7 +56,12 @@ from trainer_client.runtime._precompile import (
     enable_persistent_cache,
     ensure_compilation_cache,
 )
-from trainer_client.runtime._recovery import ArraysBefore, release_failed_attempt
+from trainer_client.runtime._recovery import (
+    ArraysBefore,
+    collect_failed_attempt,
+    hold_collection,
+    release_failed_attempt,
+)
 from trainer_client.runtime._replica_pacing import PaceChoice
 from trainer_client.runtime._replica_snapshots import RunnerReplicas
 from trainer_client.runtime._run_record import ElasticResult, Event, Recovery, restored_from
@@ -146,6 +151,10 @@ class ElasticRunner:
         self.recoveries: list[Recovery] = []
         self._lost: frozenset[int] = frozenset()  # the slices the last event took
         self._batch: BatchPlan | None = None  # the current attempt's batch plan
+        # a failed attempt's Python objects wait for the garbage collector until the next first step (``_held``:
+        # the objects alive at the event are frozen meanwhile: runtime/_recovery.py)
+        self._collect_pending = False
+        self._held = False
         self._t0 = time.monotonic()
 
     def emit(self, kind: str, step: int | None = None, detail: str = "", **fields: Any) -> None:
@@ -164,8 +173,20 @@ class ElasticRunner:
                   **choice.fields())
 
     def first_step_done(self, step: int) -> None:
-        """The attempt's first step is done (``ElasticContext.step_boundary``): ends the open recovery."""
+        """The attempt's first step is done (``ElasticContext.step_boundary``): ends the open recovery, then
+        collects what the failed attempts before it left (``_recovery.collect_failed_attempt``)."""
         self.emit("first_step_done", step)
+        try:
+            self._end_recovery(step)
+        finally:
+            self._collect_failed()
+
+    def _collect_failed(self) -> None:
+        if self._collect_pending:
+            held, self._collect_pending, self._held = self._held, False, False
+            collect_failed_attempt(held)
+
+    def _end_recovery(self, step: int) -> None:
         if not self.recoveries or self.recoveries[-1].seconds is not None:
             return
         rec = self.recoveries[-1]
@@ -204,6 +225,7 @@ class ElasticRunner:
             # in one)
             self.precompiler.stop(wait=True)
             self.precompiler.release()
+            self._collect_failed()  # a run that ended before the first step after its last event
             self.saver.close()
             if self.replicas is not None:
                 self.replicas.close()
@@ -243,6 +265,9 @@ class ElasticRunner:
             with self.manager.device_work:  # not while the monitor's health check runs on arrays of its own
                 release_failed_attempt(callers_arrays, also_keep=held)
             del held
+            # the exception holds the failed attempt's frames until the retry: collected after the next first step
+            self._collect_pending = True
+            self._held = hold_collection(self._held)
             self.emit("waiting_for_slices", None, f"policy {options.policy} needs {needed} of {total} slices")
 
         def ready() -> None:  # after Manager's wait, before the attempt: which healthy slices the mesh uses

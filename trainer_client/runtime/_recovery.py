@@ -18,9 +18,18 @@ training). After every elastic event the runner:
   attempt. The next attempt needs none of them: it restores from storage or from the memory tier, whose
   snapshots are files;
 
-- gives the host memory freed by all this back to the OS (glibc's ``malloc_trim``): the allocator otherwise
-  keeps freed pages, and the RSS of a process that recovered many times creeps up in steps that are free
-  memory, not live data (the recovery soak measured +76 MiB over 16 trials untrimmed, +11 MiB trimmed);
+- once the next attempt has completed its first step (``collect_failed_attempt``), collects the failed
+  attempt's Python objects and gives the host memory freed by all this back to the OS (glibc's
+  ``malloc_trim``): the allocator otherwise keeps freed pages, and the RSS of a process that recovered many
+  times creeps up in steps that are free memory, not live data (the recovery soak measured +76 MiB over 16
+  trials untrimmed, +11 MiB trimmed). Not before: during the event the exception's traceback still holds the
+  failed attempt's frames, so a collection there frees little of it and costs the recovery a full garbage
+  collection of the process (the largest part of the time from the failure to the first step on the demo
+  model); after the first step those frames are gone and the collection frees them. Until then every object
+  alive at the event is kept out of the collector's scans (``hold_collection``: ``gc.freeze``), so that an
+  automatic full collection set off by the restore's allocations does not scan the whole process in the
+  recovery's place. The device memory does not wait for any of this: the arrays were deleted before the next
+  attempt began;
 
 and ``Manager.elastic_retry`` runs the next attempt under ``jax.default_device`` on a device of a live
 slice, so nothing without an explicit sharding lands on a dead slice 0.
@@ -55,8 +64,9 @@ class ArraysBefore:
 
 def release_failed_attempt(keep: ArraysBefore, also_keep: Iterable[jax.Array] = ()) -> int:
     """Clear JAX's caches and delete every live array not in ``keep`` nor in ``also_keep`` (the replica
-    tier's held snapshot, which the next attempt may restore from); returns how many were deleted."""
-    gc.collect()  # what nothing references any more goes the ordinary way first
+    tier's held snapshot, which the next attempt may restore from); returns how many were deleted. Every live
+    array is deleted whether or not something still references it, so no garbage collection is needed first;
+    the failed attempt's Python objects are collected later (``collect_failed_attempt``)."""
     jax.clear_caches()
     kept = {id(a) for a in also_keep}
     deleted = 0
@@ -68,11 +78,32 @@ def release_failed_attempt(keep: ArraysBefore, also_keep: Iterable[jax.Array] = 
             deleted += 1
         except Exception as exc:  # already deleted by its owner meanwhile, or its runtime is gone
             _log.debug("could not delete an array of the failed attempt: %s", exc)
-    gc.collect()
-    give_back_host_memory()
     if deleted:
         _log.info("elastic event: %d array(s) of the failed attempt deleted, JAX caches cleared", deleted)
     return deleted
+
+
+def hold_collection(held: bool) -> bool:
+    """Keep the garbage collector off every object alive now until ``collect_failed_attempt`` (``gc.freeze``):
+    an automatic full collection, which allocations during the restore and the first step set off, then scans
+    only what the next attempt creates, not the whole process (JAX, the model, the failed attempt's frames).
+    ``held``: this runner froze them already (an event before the last one's first step). Nothing when the
+    collector is off or something else froze objects (that freeze is not ours to undo). True when held."""
+    if not held and (not gc.isenabled() or gc.get_freeze_count()):
+        return False
+    gc.freeze()
+    return True
+
+
+def collect_failed_attempt(held: bool) -> int:
+    """Collect what the failed attempt left to the garbage collector (its frames, once the exception that held
+    them is gone) and give the freed host memory back to the OS; ``held``: ``hold_collection`` froze the
+    objects, given back to the collector first. Returns what ``gc.collect`` found."""
+    if held:
+        gc.unfreeze()
+    found = gc.collect()
+    give_back_host_memory()
+    return found
 
 
 @functools.cache
@@ -95,4 +126,5 @@ def give_back_host_memory() -> bool:
     return True
 
 
-__all__ = ["ArraysBefore", "give_back_host_memory", "release_failed_attempt"]
+__all__ = ["ArraysBefore", "collect_failed_attempt", "give_back_host_memory", "hold_collection",
+           "release_failed_attempt"]
