@@ -1,4 +1,4 @@
-"""In-process recovery against a relaunch, on the demo model (examples/elastic_mlp.py).
+"""In-process recovery against a relaunch, on the demo model (examples/elastic_mlp.py), phase by phase.
 
 A real ckptd (``python -m ckptd serve`` with the host-memory tier on) serves a root on 127.0.0.1. Every
 run is a fresh child process (so no run inherits another's in-memory compile cache) on 8 fake CPU
@@ -6,17 +6,23 @@ devices in 4 slices, mesh ``(replica, data) = (4, 2)``, memory snapshots every 5
 persistent compilation cache on (one directory shared by every run, warmed by a first run):
 
 * ``inprocess``: the ElasticRunner trains, slice 2 goes down at step ``FAIL_AT`` (for good), the runner
-  recovers in the same process onto ``(3, 2)``; the figure is its ``Recovery.seconds`` (exception caught ->
-  first completed step on the new mesh). Variants: background precompilation of the likely next meshes on
-  (it is given time to finish before the failure; the attempt after it gets the executable compiled for its
+  recovers in the same process onto ``(3, 2)``; the figure is the time from the raise of the slice-loss error
+  to the first completed step on the new mesh (``Recovery.seconds``, which starts once the loss is confirmed,
+  is recorded beside it). Its phases (``INPROCESS_PHASES``, from the runner's events): ``detect`` (the error
+  classified, the slices' health checked), ``release`` (compile-ahead stopped, JAX's caches cleared, the failed
+  attempt's arrays deleted), ``slices`` (pathwaysutils' wait: a health check of every slice), ``plan`` (ckptd's
+  resume plan), ``restore`` and ``first_step``. Variants: background precompilation of the likely next meshes
+  on (it is given time to finish before the failure; the attempt after it gets the executable compiled for its
   mesh, ``ctx.precompiled``, and runs its first step with it: no trace, recorded as ``handed_over``), off with
   the persistent cache warm, and off with an empty cache (the compile is on the critical path).
-* ``relaunch``: a new process with slice 2 already down imports jax and the trainer code, initialises,
-  asks ckptd, compiles (persistent cache warm) and restores from the same tier (the memory snapshot the
-  resume plan names), and runs one step on ``(3, 2)``; timed from just before the spawn to that first step.
-  Killing the old process and rescheduling are not counted, so this is the relaunch at its best.
+* ``relaunch``: what a user pays for a new process with slice 2 already down: the interpreter starts, imports
+  jax and the trainer code, initialises JAX's devices, builds the runner, waits for the slices (their health
+  check), asks ckptd, restores from the same tier (the memory snapshot the resume plan names), traces and
+  compiles the step and runs it once on ``(3, 2)``; timed from just before the spawn to that first step, in the
+  phases ``RELAUNCH_PHASES``. With the persistent cache warm (the relaunch at its best: the figure) and empty
+  (a relaunch onto a mesh it never compiled for). Killing the old process and rescheduling are not counted.
 
-``inprocess_recovery_speedup_vs_relaunch`` = relaunch / in-process (precompile on), per repeat.
+``inprocess_recovery_speedup_vs_relaunch`` = relaunch (cache warm) / in-process (precompile on), per repeat.
 """
 
 from __future__ import annotations
@@ -38,6 +44,44 @@ FAIL_AT = 12
 MEMORY_PERIOD = 5
 RESULT_PREFIX = "BENCH_RESULT "
 
+# (phase, from mark, to mark): the marks are the runner's events (wall times), and the bench's own
+INPROCESS_PHASES = (
+    ("detect", "raised", "failure_detected"),  # classified as a slice loss, confirmed by a health check
+    ("release", "failure_detected", "waiting_for_slices"),  # compile-ahead stopped, caches cleared, arrays deleted
+    ("slices", "waiting_for_slices", "slices_ready"),  # pathwaysutils' wait: every slice health-checked
+    ("plan", "slices_ready", "plan_received"),  # ckptd's resume plan
+    ("restore", "plan_received", "restored"),
+    ("first_step", "restored", "first_step_done"),
+)
+RELAUNCH_PHASES = (
+    ("interpreter", "spawned", "started"),  # the process and Python up, the bench module imported
+    ("imports", "started", "imported"),  # jax, the trainer code, the demo model
+    ("devices", "imported", "devices"),  # JAX's backend and devices initialised
+    ("runner", "devices", "start"),  # ElasticRunner built (compilation cache, slices, tiers), client
+    ("slices", "start", "slices_ready"),  # pathwaysutils' wait: every slice health-checked
+    ("plan", "slices_ready", "plan_received"),
+    ("restore", "plan_received", "restored"),
+    ("first_step", "restored", "first_step_done"),  # the step traced, compiled (or loaded from the cache), run
+)
+
+
+def split_phases(marks: dict[str, float], spec: tuple[tuple[str, str, str], ...]) -> dict[str, float]:
+    """Seconds per phase of ``spec`` from the wall times in ``marks``; the phases are consecutive, so they sum
+    to the time from the first mark to the last. A mark missing (an event that did not come) is an error."""
+    missing = [m for _, a, b in spec for m in (a, b) if m not in marks]
+    if missing:
+        raise ValueError(f"no mark {sorted(set(missing))} (have {sorted(marks)})")
+    return {name: marks[b] - marks[a] for name, a, b in spec}
+
+
+def event_marks(timeline: list[tuple[str, float]], after: float) -> dict[str, float]:
+    """The first wall time of each event kind at or after ``after``."""
+    marks: dict[str, float] = {}
+    for kind, wall in timeline:
+        if wall >= after:
+            marks.setdefault(kind, wall)
+    return marks
+
 
 # ---- the children (run as ``python -m bench.recovery MODE ...``) --------------------------------------
 
@@ -47,6 +91,7 @@ class _Stop(Exception):
 
 
 def _child(argv: list[str]) -> int:
+    started = time.time()
     import argparse
 
     parser = argparse.ArgumentParser()
@@ -76,6 +121,8 @@ def _child(argv: list[str]) -> int:
     from trainer_client.runtime._slices import SimulatedSlices, SliceFault
 
     imported = time.time()
+    devices = jax.device_count()  # the backend's initialisation
+    devices_up = time.time()
     precompile = bool(args.precompile)
     config = ElasticConfig(
         job=args.job, mesh_axes=("replica", "data"), mesh_shape=(4, 2), global_batch=48, checkpoint_period=0,
@@ -86,11 +133,26 @@ def _child(argv: list[str]) -> int:
     )
     client = CkptdClient(ClientSettings(url=args.url, shm_dir=args.shm, report_events=False), root=args.root)
     events: list[Event] = []
-    out: dict[str, Any] = {"mode": args.mode, "precompile": precompile, "imported_wall": imported,
-                           "devices": jax.device_count()}
+    out: dict[str, Any] = {"mode": args.mode, "precompile": precompile, "started_wall": started,
+                           "imported_wall": imported, "devices_wall": devices_up, "devices": devices}
     slices: Any
     if args.mode == "inprocess":
-        slices = SimulatedSlices(num_slices=4, faults=[SliceFault(2, FAIL_AT, None)])
+
+        class TimedSlices(SimulatedSlices):
+            """Records when the slice-loss error is raised: where the recovery's time starts."""
+
+            raised_wall: float | None = None
+
+            def at_step_boundary(self, step: int, active: Any) -> None:
+                try:
+                    super().at_step_boundary(step, active)
+                except jax.errors.JaxRuntimeError:
+                    if self.raised_wall is None:
+                        self.raised_wall = time.time()
+                    raise
+
+        timed = TimedSlices(num_slices=4, faults=[SliceFault(2, FAIL_AT, None)])
+        slices = timed
         runner: ElasticRunner | None = None
 
         def hook(step: int) -> None:
@@ -109,7 +171,12 @@ def _child(argv: list[str]) -> int:
         result = runner.run(train)
         rec = result.recoveries[0]
         restored = next((e for e in result.events if e.kind == "restored" and e.t > rec.detected_t), None)
-        out.update(seconds=rec.seconds, restored_step=rec.restored_step, lost_steps=rec.lost_steps,
+        raised = timed.raised_wall if timed.raised_wall is not None else result.events[0].wall_time
+        marks = event_marks([(e.kind, e.wall_time) for e in result.events], raised)
+        marks["raised"] = raised
+        phases = split_phases(marks, INPROCESS_PHASES)
+        out.update(seconds=marks["first_step_done"] - raised, recovery_seconds=rec.seconds, phases=phases,
+                   restored_step=rec.restored_step, lost_steps=rec.lost_steps,
                    mesh_before=rec.mesh_before, mesh_after=rec.mesh_after,
                    restored_from=restored.detail if restored else None,
                    precompiled=[[shape, round(s, 3)] for shape, s in runner.precompiler.compiled],
@@ -132,7 +199,9 @@ def _child(argv: list[str]) -> int:
             runner.run(make_train_fn(10**9, TrainLog(), use_precompile=False))
         first = next(e for e in events if e.kind == "first_step_done")
         restored = next((e for e in events if e.kind == "restored"), None)
-        out.update(first_step_wall=first.wall_time, restored_from=restored.detail if restored else None,
+        marks = event_marks([(e.kind, e.wall_time) for e in events], 0.0)
+        marks.update(started=started, imported=imported, devices=devices_up)
+        out.update(marks=marks, first_step_wall=first.wall_time, restored_from=restored.detail if restored else None,
                    restored_step=restored.step if restored else None,
                    timeline=[[e.kind, round(e.wall_time, 4)] for e in events])
     print(RESULT_PREFIX + json.dumps(out), flush=True)
@@ -163,8 +232,19 @@ def _spawn(mode: str, *, job: str, root: Path, shm: Path, url: str, cache: Path,
     out["spawned_wall"] = spawned
     if mode == "relaunch":
         out["seconds"] = out["first_step_wall"] - spawned
-        out["import_s"] = out["imported_wall"] - spawned
+        out["import_s"] = out["imported_wall"] - spawned  # the interpreter's start and the imports
+        out["phases"] = split_phases({**out.pop("marks"), "spawned": spawned}, RELAUNCH_PHASES)
     return out
+
+
+def _phases_line(phases: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v * 1000:.0f}" for k, v in phases.items()) + " ms"
+
+
+def _median_phases(runs: list[dict[str, float]]) -> dict[str, float]:
+    import statistics
+
+    return {k: round(statistics.median(r[k] for r in runs), 4) for k in runs[0]} if runs else {}
 
 
 def _wait_committed(root: Path, job: str, step: int, timeout: float = 120.0) -> bool:
@@ -226,30 +306,40 @@ def run_recovery(profile: Profile, results: Results, workdir: Path, shm_dir: Pat
         warm = spawn("inprocess", "warmup")  # fills the persistent compilation cache
         spawn("relaunch", "warmup")
         print(f"  warm-up run: in-process recovery {warm['seconds']:.3f}s", flush=True)
-        s: dict[str, list[float]] = {"inprocess_precompile": [], "inprocess_no_precompile_warm_cache": [],
-                                     "inprocess_no_precompile_cold_cache": [], "relaunch": [],
-                                     "relaunch_import": []}
+        arms = ("inprocess_precompile", "inprocess_no_precompile_warm_cache", "inprocess_no_precompile_cold_cache",
+                "relaunch", "relaunch_cold_cache")
+        s: dict[str, list[float]] = {k: [] for k in (*arms, "relaunch_import", "inprocess_recovery_seconds")}
+        phases: dict[str, list[dict[str, float]]] = {k: [] for k in arms}
         last: dict[str, dict[str, Any]] = {}
+
+        def record(arm: str, out: dict[str, Any]) -> None:
+            last[arm] = out
+            s[arm].append(out["seconds"])
+            phases[arm].append(out["phases"])
+
         for r in range(profile.recovery_repeats):
             job = f"rec{r}"
 
             def pre(job: str = job) -> None:
-                last["inprocess_precompile"] = spawn("inprocess", job)
-                s["inprocess_precompile"].append(last["inprocess_precompile"]["seconds"])
-                last["relaunch"] = spawn("relaunch", job)  # the same tier, the same job
-                s["relaunch"].append(last["relaunch"]["seconds"])
-                s["relaunch_import"].append(last["relaunch"]["import_s"])
+                out = spawn("inprocess", job)
+                record("inprocess_precompile", out)
+                s["inprocess_recovery_seconds"].append(out["recovery_seconds"])
+                out = spawn("relaunch", job)  # the same tier, the same job
+                record("relaunch", out)
+                s["relaunch_import"].append(out["import_s"])
 
             def nopre_warm(r: int = r) -> None:
-                out = spawn("inprocess", f"nopre{r}", precompile=False)
-                s["inprocess_no_precompile_warm_cache"].append(out["seconds"])
-                last["inprocess_no_precompile_warm_cache"] = out
+                record("inprocess_no_precompile_warm_cache", spawn("inprocess", f"nopre{r}", precompile=False))
 
             def nopre_cold(r: int = r) -> None:
                 empty = workdir / f"empty-cache-{r}"
-                out = spawn("inprocess", f"cold{r}", precompile=False, cache_dir=empty)
-                s["inprocess_no_precompile_cold_cache"].append(out["seconds"])
-                last["inprocess_no_precompile_cold_cache"] = out
+                record("inprocess_no_precompile_cold_cache",
+                       spawn("inprocess", f"cold{r}", precompile=False, cache_dir=empty))
+                rmtree(empty)
+
+            def relaunch_cold(r: int = r) -> None:  # from the step nopre_warm left in the memory tier
+                empty = workdir / f"empty-relaunch-cache-{r}"
+                record("relaunch_cold_cache", spawn("relaunch", f"nopre{r}", cache_dir=empty))
                 rmtree(empty)
 
             order: list[Callable[[], None]] = [pre, nopre_warm, nopre_cold]
@@ -257,29 +347,44 @@ def run_recovery(profile: Profile, results: Results, workdir: Path, shm_dir: Pat
                 order.reverse()
             for fn in order:
                 fn()
+            relaunch_cold()
             print(f"  repeat {r + 1}/{profile.recovery_repeats}: in-process {s['inprocess_precompile'][-1]:.3f}s "
                   f"(no precompile: warm cache {s['inprocess_no_precompile_warm_cache'][-1]:.3f}s, empty cache "
                   f"{s['inprocess_no_precompile_cold_cache'][-1]:.3f}s); relaunch {s['relaunch'][-1]:.3f}s "
-                  f"(imports {s['relaunch_import'][-1]:.3f}s)", flush=True)
+                  f"(empty cache {s['relaunch_cold_cache'][-1]:.3f}s); ratio "
+                  f"{s['relaunch'][-1] / s['inprocess_precompile'][-1]:.2f}x", flush=True)
+            print(f"    in-process phases: {_phases_line(phases['inprocess_precompile'][-1])}", flush=True)
+            print(f"    relaunch phases:   {_phases_line(phases['relaunch'][-1])}", flush=True)
+        medians = {k: _median_phases(v) for k, v in phases.items()}
+        print("  phases, median of the repeats (ms):", flush=True)
+        for arm in arms:
+            print(f"    {arm}: {_phases_line(medians[arm])}", flush=True)
         for k, v in s.items():
             results.measure(f"recovery.{k}_s", v, "s")
         speedup = [a / b for a, b in zip(s["relaunch"], s["inprocess_precompile"], strict=True)]
         nopre = [a / b for a, b in zip(s["relaunch"], s["inprocess_no_precompile_warm_cache"], strict=True)]
+        cold = [a / b for a, b in zip(s["relaunch_cold_cache"], s["inprocess_precompile"], strict=True)]
         results.measure("recovery.speedup_no_precompile_warm_cache", nopre, "x")
+        results.measure("recovery.speedup_vs_relaunch_cold_cache", cold, "x")
         results.context["recovery"] = {"fail_at_step": FAIL_AT, "memory_period": MEMORY_PERIOD,
-                                       "child_runs": runs, "last": last}
+                                       "child_runs": runs, "phases_median_s": medians, "last": last}
+        m = results.measurements
         results.figure(Figure(
             "inprocess_recovery_speedup_vs_relaunch", speedup, ">=", 5.0, "x",
-            "relaunch (spawn -> import -> init -> compile (persistent cache warm) -> restore -> first step) / "
-            "in-process Recovery.seconds (exception -> first step on the new mesh), precompilation on",
-            {"inprocess_precompile_s_median": results.measurements["recovery.inprocess_precompile_s"]["median"],
+            "relaunch (spawn -> interpreter -> imports -> devices -> runner -> slices -> plan -> restore -> first "
+            "step, persistent cache warm) / in-process (slice-loss error raised -> first step on the new mesh), "
+            "precompilation on, per repeat",
+            {"inprocess_precompile_s_median": m["recovery.inprocess_precompile_s"]["median"],
              "inprocess_no_precompile_warm_cache_s_median":
-                 results.measurements["recovery.inprocess_no_precompile_warm_cache_s"]["median"],
+                 m["recovery.inprocess_no_precompile_warm_cache_s"]["median"],
              "inprocess_no_precompile_cold_cache_s_median":
-                 results.measurements["recovery.inprocess_no_precompile_cold_cache_s"]["median"],
-             "relaunch_s_median": results.measurements["recovery.relaunch_s"]["median"],
-             "speedup_without_precompile_median": results.measurements[
-                 "recovery.speedup_no_precompile_warm_cache"]["median"],
+                 m["recovery.inprocess_no_precompile_cold_cache_s"]["median"],
+             "relaunch_s_median": m["recovery.relaunch_s"]["median"],
+             "relaunch_cold_cache_s_median": m["recovery.relaunch_cold_cache_s"]["median"],
+             "speedup_without_precompile_median": m["recovery.speedup_no_precompile_warm_cache"]["median"],
+             "speedup_vs_relaunch_cold_cache_median": m["recovery.speedup_vs_relaunch_cold_cache"]["median"],
+             "inprocess_phases_median_s": medians["inprocess_precompile"],
+             "relaunch_phases_median_s": medians["relaunch"],
              "restored_from": {k: v.get("restored_from") for k, v in last.items()}},
         ))
     finally:
