@@ -33,8 +33,8 @@ from trainer_client.core._errors import StorageError, UnsafePathError
 from trainer_client.core._storage import Storage, join_path
 from trainer_client.core.format._files import COMMIT_MARKER
 from trainer_client.core.format._private_files import check_private_dir, ensure_private_dir, is_real_dir
-from trainer_client.core.format._snapshot import (
-    SnapshotMeta,
+from trainer_client.core.format._snapshot import SnapshotMeta, problems, read_meta
+from trainer_client.core.format._snapshot_dirs import (
     complete_snapshots,
     drop_leftovers,
     evict,
@@ -42,8 +42,6 @@ from trainer_client.core.format._snapshot import (
     is_persisted,
     job_dir,
     mark_persisted,
-    problems,
-    read_meta,
 )
 from trainer_client.core.protocol import is_valid_job_name
 

@@ -3,9 +3,9 @@ so a host whose memory was wiped gets its part back from a peer instead of from 
 "Peer copies").
 
 ``PeerService`` is what the composition root (``ckptd/_sidecar.py``) builds from ``Settings`` when
-``CKPTD_PEER_PORT`` is set: the listener (``_server``), the copier and the fetcher (``_copier``), over one
-``PartStore`` of the host's shared-memory directory and one ``PeerDirectory`` of addresses. The bytes travel on
-this channel, never on the JSON control API.
+``CKPTD_PEER_PORT`` is set: the listener (``_server``), the copier and the fetcher (``_copier``; the tasks they
+run, ``_tasks``; the requests they send, ``_requests``), over one ``PartStore`` of the host's shared-memory
+directory and one ``PeerDirectory`` of addresses. The bytes travel on this channel, never on the JSON control API.
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ Every peer operation has a deadline: a request without a body ``timeout_s`` in a
 handshake included), a copy that plus twice its bytes at the channel's rate, a fetch that plus its bytes at
 ``fetch_floor_bytes_s`` (a peer slower than that loses to storage: the fetch is given up, the trainer told, and
 it restores from storage). Each copy to a holder, each fetch, each refill and the discovery run as tasks of their
-own (``_Tasks``: at most one per job and holder, or per job and step), so a slow job or peer holds up only
-itself, never another job's copies or a trainer's fetch.
+own (``Tasks``, ``ckptd/peers/_tasks.py``: at most one per job and holder, or per job and step), so a slow job
+or peer holds up only itself, never another job's copies or a trainer's fetch. What each request sends and checks
+in its answer is ``ckptd/peers/_requests.py``; this module decides what is sent, to whom, and when.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,12 +36,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from ckptd.peers._directory import PeerDirectory, holders_of
-from ckptd.peers._protocol import Channel, PeerError, RateLimit, connect, header_int, lower_this_thread
-from ckptd.peers._server import MAX_JOBS_LISTED, MAX_PART_BYTES
+from ckptd.peers._protocol import Channel, PeerError, RateLimit, connect, lower_this_thread
+from ckptd.peers._requests import ask_part, jobs_kept, newest_copy, offer_part, refuse_own, send_part, tell_held
 from ckptd.peers._store import PartStore
+from ckptd.peers._tasks import Tasks
 from trainer_client.core._errors import UnsafePathError
 from trainer_client.core.format._peer_copies import answer_fetch, pending_fetches
-from trainer_client.core.format._snapshot import MAX_META_BYTES, SnapshotMeta, complete_snapshots, problems, read_meta
+from trainer_client.core.format._snapshot import SnapshotMeta, problems, read_meta
+from trainer_client.core.format._snapshot_dirs import complete_snapshots
 from trainer_client.core.protocol import is_valid_job_name
 
 _log = logging.getLogger(__name__)
@@ -50,7 +52,6 @@ DISCOVER_FIRST_S = 2.0  # a sidecar that knows its host index asks its holders f
 DISCOVER_MAX_S = 60.0  # doubling up to this, for as long as its memory holds no part of its own
 MAX_DISCOVER_JOBS = 64  # jobs on the storage root whose registry is read to find the holders' addresses
 FETCH_FLOOR_BYTES_S = 64 << 20  # a fetch slower than this is given up: storage would bring the part back sooner
-MAX_TASKS = 32  # copies, fetches and refills in flight at once (the channel's rate bounds their bytes together)
 
 
 @dataclass
@@ -84,46 +85,6 @@ class PeerOptions:
     fetch_floor_bytes_s: float = FETCH_FLOOR_BYTES_S
 
 
-class _Tasks:
-    """Work on threads of its own, at most one per key and ``limit`` at once: one slow task holds up no other."""
-
-    def __init__(self, name: str, limit: int = MAX_TASKS) -> None:
-        self.name = name
-        self.limit = limit
-        self._running: dict[Hashable, threading.Thread] = {}
-        self._lock = threading.Lock()
-
-    def start(self, key: Hashable, work: Callable[[], object]) -> bool:
-        """Run ``work`` unless a task of ``key`` runs or ``limit`` do; whether it was started."""
-        with self._lock:
-            if key in self._running or len(self._running) >= self.limit:
-                return False
-            thread = threading.Thread(target=self._run, args=(key, work), name=self.name, daemon=True)
-            self._running[key] = thread
-        thread.start()
-        return True
-
-    def _run(self, key: Hashable, work: Callable[[], object]) -> None:
-        try:
-            work()
-        except Exception:  # a task never takes the worker down
-            _log.exception("peer channel task %s failed", key)
-        finally:
-            with self._lock:
-                self._running.pop(key, None)
-
-    def busy(self, key: Hashable) -> bool:
-        with self._lock:
-            return key in self._running
-
-    def join(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            threads = list(self._running.values())
-        for thread in threads:
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
-
-
 class PeerCopier:
     """Copies this host's parts out and brings them back (one per sidecar)."""
 
@@ -144,8 +105,8 @@ class PeerCopier:
         self._refill_at: dict[str, float] = {}  # job -> when to try bringing its part back again
         self._discover = (0.0, DISCOVER_FIRST_S)  # (not before, the wait after the next try): while no part is seen
         self._stop = threading.Event()
-        self._copies = _Tasks("ckptd-peer-copy")  # started from the copier's lowered thread: they inherit its nice
-        self._fetches = _Tasks("ckptd-peer-fetch")
+        self._copies = Tasks("ckptd-peer-copy")  # started from the copier's lowered thread: they inherit its nice
+        self._fetches = Tasks("ckptd-peer-fetch")
         self._step_locks: dict[tuple[str, int], threading.Lock] = {}  # (job, step) -> held while it is fetched
         self._locks_lock = threading.Lock()
         self._threads = [threading.Thread(target=self._loop, args=(self.copy_pass, True), name="ckptd-peer-copier",
@@ -258,12 +219,6 @@ class PeerCopier:
                             "lands on its origin")
         return address
 
-    def _not_own(self, answer: dict[str, Any], job: str, holder: int) -> None:
-        """``PeerError`` when the listener that answered is this sidecar's own (reached by another address)."""
-        if self.instance and answer.get("holder") == self.instance:
-            raise PeerError(f"host {holder}'s listener for {job} is this sidecar's own: a copy never lands on its "
-                            "origin")
-
     def _connect(self, address: str, deadline_s: float | None = None) -> Channel:
         """A connection to ``address`` whose whole request has ``deadline_s`` (default ``timeout_s``)."""
         return connect(address, self.secret, self.options.timeout_s,
@@ -271,27 +226,20 @@ class PeerCopier:
 
     def _tell_held(self, job: str, holder: int, meta: SnapshotMeta, held: tuple[int, ...]) -> None:
         with self._connect(self._address(job, holder)) as chan:
-            chan.send_header({"op": "held", "job": job, "origin": meta.process_index, "count": meta.process_count,
-                               "held": list(held), "sender": self.instance})
-            self._not_own(chan.expect_ok(), job, holder)
+            refuse_own(tell_held(chan, job, meta, held, self.instance), self.instance, job, holder)
 
     def _send(self, job: str, holder: int, path: Path, held: tuple[int, ...]) -> None:
         raw, meta, data = self.store.open_part(path)
         rate = self.rate.rate or self.options.fetch_floor_bytes_s  # the copy's bytes at the channel's rate, twice
         address = self._address(job, holder)
         with data, self._connect(address, self.options.timeout_s + 2 * meta.nbytes / rate) as chan:
-            chan.send_header({"op": "put", "job": job, "origin": meta.process_index, "count": meta.process_count,
-                               "step": meta.step, "held": list(held), "meta": len(raw), "data": meta.nbytes,
-                               "sender": self.instance})
-            answer = chan.expect_ok()
-            self._not_own(answer, job, holder)
+            answer = offer_part(chan, job, meta, len(raw), held, self.instance)
+            refuse_own(answer, self.instance, job, holder)
             if answer.get("have"):
                 self.stats.holders.setdefault(job, {})[holder] = address
                 return
             started = time.monotonic()
-            chan.send_bytes(raw)
-            chan.send_file(data, meta.nbytes, self.rate)
-            chan.expect_ok()
+            send_part(chan, raw, data, meta.nbytes, self.rate)
         self.stats.copies_sent += 1
         self.stats.bytes_sent += meta.nbytes
         self.stats.last_copy_at[job] = time.time()
@@ -345,11 +293,7 @@ class PeerCopier:
         for address in self._holder_addresses(index, count):
             try:
                 with self._connect(address) as chan:
-                    chan.send_header({"op": "jobs", "origin": index, "count": count})
-                    jobs = chan.expect_ok().get("jobs")
-                if not isinstance(jobs, list):
-                    raise PeerError("jobs: not a list")
-                found += [job for job in jobs[:MAX_JOBS_LISTED] if isinstance(job, str) and is_valid_job_name(job)]
+                    found += jobs_kept(chan, index, count)
             except (PeerError, OSError) as exc:
                 _log.debug("asking %s which jobs it keeps host %d's part of failed: %s", address, index, exc)
         new = sorted(job for job in set(found) if job not in self._known)
@@ -380,11 +324,10 @@ class PeerCopier:
         for holder in holders_of(index, count, self.options.k, self.options.stride, self.options.explicit):
             try:
                 with self._connect(self._address(job, holder)) as chan:
-                    chan.send_header({"op": "list", "job": job, "origin": index, "count": count})
-                    listed = chan.expect_ok().get("copies")
-                if not isinstance(listed, list) or not listed:
+                    newest = newest_copy(chan, job, index, count)
+                if newest is None:
                     continue
-                step, save_id = max((header_int({"s": s}, "s", 0, 2**63 - 1), str(k)) for s, k in listed[-16:])
+                step, save_id = newest
                 path = self.fetch(job, step, source=holder, origin=index, count=count, save_id=save_id)
                 self.stats.fetched += 1
                 return path
@@ -411,11 +354,7 @@ class PeerCopier:
             return own
         started = time.monotonic()
         with self._connect(self._address(job, source)) as chan:
-            chan.send_header({"op": "get", "job": job, "origin": origin, "count": count, "step": step,
-                               "save_id": save_id})
-            answer = chan.expect_ok()
-            meta_bytes = header_int(answer, "meta", 1, MAX_META_BYTES)
-            data_bytes = header_int(answer, "data", 0, MAX_PART_BYTES)
+            meta_bytes, data_bytes = ask_part(chan, job, step, origin=origin, count=count, save_id=save_id)
             # the bytes at the slowest rate that still beats storage: a slower peer is given up on
             chan.until(time.monotonic() + self.options.timeout_s + data_bytes / self.options.fetch_floor_bytes_s)
             with self.store.reserve(meta_bytes + data_bytes, copy=False):

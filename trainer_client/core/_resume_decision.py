@@ -27,7 +27,8 @@ from trainer_client.core._batching import initial_batch, plan_batch
 from trainer_client.core._errors import PlanningError
 from trainer_client.core._identity import identity_notes
 from trainer_client.core._planner import plan_mesh
-from trainer_client.core.format._snapshot import SnapshotMeta, newest_whole
+from trainer_client.core.format._snapshot import SnapshotMeta
+from trainer_client.core.format._snapshot_dirs import newest_whole
 from trainer_client.core.protocol import (
     ArraySpec,
     BatchOptions,

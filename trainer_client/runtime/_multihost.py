@@ -41,7 +41,8 @@ from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.core._errors import UnsafePathError
 from trainer_client.core._resume_decision import memory_snapshot_plan
 from trainer_client.core.format._peer_copies import brought_from, held_copies, request_fetch, wait_fetch
-from trainer_client.core.format._snapshot import SnapshotMeta, complete_snapshots, problems, read_meta
+from trainer_client.core.format._snapshot import SnapshotMeta, problems, read_meta
+from trainer_client.core.format._snapshot_dirs import complete_snapshots
 from trainer_client.core.protocol import ResumePlan, ResumeRequest
 from trainer_client.errors import CkptdRequestError, NoCheckpointError
 from trainer_client.runtime._job_store import KeyValueStore, job_store

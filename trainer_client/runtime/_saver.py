@@ -30,7 +30,8 @@ from trainer_client.core.protocol import ResumePlan, TrainingMetadata
 from trainer_client.errors import MemoryTierFull
 from trainer_client.runtime._checkpointing import restore
 from trainer_client.runtime._job_store import job_incarnation
-from trainer_client.runtime._memory_tier import MemoryTier, restore_snapshot
+from trainer_client.runtime._memory_restore import restore_snapshot
+from trainer_client.runtime._memory_tier import MemoryTier
 from trainer_client.runtime._save_route import SaveRoute
 
 _log = logging.getLogger(__name__)

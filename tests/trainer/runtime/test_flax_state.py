@@ -30,7 +30,8 @@ from trainer_client.core import protocol as p
 from trainer_client.core._step_plan import plan_for_step
 from trainer_client.core._storage import Storage
 from trainer_client.runtime._checkpointing import Checkpointer, restore, spec_from_json, training_metadata
-from trainer_client.runtime._memory_tier import MemoryTier, restore_snapshot
+from trainer_client.runtime._memory_restore import restore_snapshot
+from trainer_client.runtime._memory_tier import MemoryTier
 
 HIDDEN = 16
 KINDS = ["linen", "nnx"]

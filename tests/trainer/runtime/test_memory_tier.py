@@ -36,8 +36,9 @@ from trainer_client.runtime._checkpointing import Checkpointer, leaf_name, train
 from trainer_client.runtime._direct_restore import restore_direct
 from trainer_client.runtime._elastic import ElasticConfig, ElasticRunner
 from trainer_client.runtime._elastic_config import ElasticOptions, HealthOptions, MemoryTierOptions, ReplicaOptions
+from trainer_client.runtime._memory_restore import restore_snapshot
 from trainer_client.runtime._memory_spare import make_spare, snapshot_bytes
-from trainer_client.runtime._memory_tier import MemoryTier, restore_snapshot
+from trainer_client.runtime._memory_tier import MemoryTier
 from trainer_client.runtime._slices import SimulatedSlices, SliceFault
 
 
@@ -206,7 +207,7 @@ def test_prepare_touches_the_first_saves_file_before_it_and_evicts_nothing(shm_p
 
 
 def test_what_dead_trainers_left_in_shared_memory_is_dropped(tmp_path: Path) -> None:
-    from trainer_client.core.format._snapshot import drop_leftovers
+    from trainer_client.core.format._snapshot_dirs import drop_leftovers
 
     job = tmp_path / "job"
     job.mkdir()

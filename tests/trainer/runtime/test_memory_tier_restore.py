@@ -22,11 +22,12 @@ from tests.trainer.runtime import test_direct_restore as direct_cases
 from trainer_client.core._errors import StoredFormatError
 from trainer_client.core.format._files import SNAPSHOT_DATA_FILE
 from trainer_client.core.format._snapshot import read_meta
-from trainer_client.runtime import _direct_restore, _memory_tier
+from trainer_client.runtime import _direct_restore, _memory_restore
 from trainer_client.runtime._checkpointing import leaf_name, training_metadata
 from trainer_client.runtime._direct_restore import restore_direct
 from trainer_client.runtime._host_pipeline import stream_to_devices
-from trainer_client.runtime._memory_tier import MemoryTier, restore_snapshot
+from trainer_client.runtime._memory_restore import restore_snapshot
+from trainer_client.runtime._memory_tier import MemoryTier
 
 
 def _mesh(n: int = 8) -> Mesh:
@@ -73,7 +74,7 @@ def test_one_corrupted_byte_anywhere_is_refused_and_no_array_is_handed_back(
     name, k, shard = {"first": shards[0], "middle": shards[len(shards) // 2], "last": shards[-1]}[where]
     _flip(path, shard.offset + (shard.nbytes - 1 if where == "last" else shard.nbytes // 2))
     if views:  # the path of accelerators (transfers read the map), run on CPU devices
-        monkeypatch.setattr(_memory_tier, "_on_cpu", lambda leaves: False)
+        monkeypatch.setattr(_memory_restore, "_on_cpu", lambda leaves: False)
     built: list[jax.Array] = []
     make = jax.make_array_from_callback
 
@@ -94,7 +95,7 @@ def test_one_corrupted_byte_anywhere_is_refused_and_no_array_is_handed_back(
 def test_the_accelerator_path_restores_exactly_and_outlives_the_snapshot(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mesh_size: int) -> None:
     path, state, _ = _save(tmp_path)
-    monkeypatch.setattr(_memory_tier, "_on_cpu", lambda leaves: False)
+    monkeypatch.setattr(_memory_restore, "_on_cpu", lambda leaves: False)
     restored = restore_snapshot(path, _target(state, None if mesh_size == 8 else _mesh(mesh_size)), threads=2,
                                 host_bytes=64)
     (path / SNAPSHOT_DATA_FILE).unlink()  # evicted: the map, where it is still viewed, keeps its pages
@@ -107,7 +108,7 @@ def test_the_cpu_path_copies_every_shard_the_accelerator_path_views_the_map(tmp_
     path, state, _ = _save(tmp_path)
     meta = read_meta(path)
     name = meta.leaf_names[0]
-    shards = _memory_tier._Shards(path, meta, copy=False)
+    shards = _memory_restore._Shards(path, meta, copy=False)
     assert shards.data is not None
     lo, hi = shards.data.ctypes.data, shards.data.ctypes.data + len(shards.data)
     views = shards.checked(name, meta.arrays[name])
@@ -118,7 +119,7 @@ def test_the_cpu_path_copies_every_shard_the_accelerator_path_views_the_map(tmp_
     assert [v.tobytes() for v in views] == [np.asarray(s.data).tobytes() for s in state[name].addressable_shards
                                             if s.replica_id == 0]
     path, state, _ = _save(tmp_path / "again")
-    copies = _memory_tier._Shards(path, meta, copy=True)
+    copies = _memory_restore._Shards(path, meta, copy=True)
     owned = copies.checked(name, meta.arrays[name])
     copies.close()
     assert all(v.flags.writeable and v.ctypes.data % 64 == 0 for v in owned)  # buffers of the restore's own

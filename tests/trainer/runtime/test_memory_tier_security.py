@@ -25,10 +25,12 @@ from ckptd.catalog._snapshots import SnapshotKeeper
 from trainer_client.core._errors import StoredFormatError, UnsafePathError
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._files import SNAPSHOT_DATA_FILE, SNAPSHOT_PERSISTED_FILE, SNAPSHOT_SPARE_PREFIX
-from trainer_client.core.format._snapshot import mark_persisted, newest_whole, problems, read_meta
+from trainer_client.core.format._snapshot import problems, read_meta
+from trainer_client.core.format._snapshot_dirs import mark_persisted, newest_whole
 from trainer_client.core.format._tree_paths import TreeEntry, rebuild
 from trainer_client.runtime._checkpointing import Checkpointer, training_metadata
-from trainer_client.runtime._memory_tier import MemoryTier, restore_snapshot
+from trainer_client.runtime._memory_restore import restore_snapshot
+from trainer_client.runtime._memory_tier import MemoryTier
 
 
 def _mesh() -> Mesh:

@@ -35,7 +35,8 @@ from trainer_client.core._storage import Storage
 from trainer_client.core._validation import latest_good_on_storage, validate_step
 from trainer_client.core.format._array_index import decode_all_arrays
 from trainer_client.core.format._parts import make_claim, part_problems, read_part
-from trainer_client.core.format._snapshot import is_persisted, newest_whole, problems, read_meta
+from trainer_client.core.format._snapshot import problems, read_meta
+from trainer_client.core.format._snapshot_dirs import is_persisted, newest_whole
 
 _HOST = PREAMBLE + """
 from trainer_client.runtime._saver import Saver

@@ -19,7 +19,8 @@ from tests.support.kv_store import InProcessKeyValueStore
 from trainer_client.core._errors import UnsafePathError
 from trainer_client.core._storage import Storage
 from trainer_client.core._validation import latest_good_on_storage
-from trainer_client.core.format._snapshot import complete_snapshots, read_meta
+from trainer_client.core.format._snapshot import read_meta
+from trainer_client.core.format._snapshot_dirs import complete_snapshots
 from trainer_client.runtime._save_route import SaveRoute
 from trainer_client.runtime._saver import Saver
 

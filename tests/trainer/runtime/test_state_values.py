@@ -25,7 +25,8 @@ from trainer_client.core._step_plan import plan_for_step
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._snapshot import SNAPSHOT_META_FILE, problems, read_meta
 from trainer_client.runtime._checkpointing import Checkpointer, restore, training_metadata
-from trainer_client.runtime._memory_tier import MemoryTier, restore_snapshot
+from trainer_client.runtime._memory_restore import restore_snapshot
+from trainer_client.runtime._memory_tier import MemoryTier
 
 VALUES: dict[str, Any] = {"epoch": 3, "big": 2**40, "lr": 2.5e-4, "inf": -math.inf, "name": "run-é",
                           "done": True, "f32": np.float32(1.1), "i8": np.int8(-7), "flag": np.bool_(True)}

@@ -35,7 +35,8 @@ from trainer_client.core.format._private_files import (
     read_private,
     write_private,
 )
-from trainer_client.core.format._snapshot import SnapshotMeta, check_job_dir, problems, read_meta
+from trainer_client.core.format._snapshot import SnapshotMeta, problems, read_meta
+from trainer_client.core.format._snapshot_dirs import check_job_dir
 
 COPY_PREFIX = ".peer-"
 FETCH_PREFIX = ".peer-fetch-"

@@ -1,4 +1,5 @@
-"""The host-memory snapshot format, shared by the trainer (writer) and ckptd (reader, persister).
+"""The host-memory snapshot format, shared by the trainer (writer) and ckptd (reader, persister): what one
+snapshot records, whether it is intact, and its bytes read in place.
 
 A snapshot is a directory in host shared memory (``<shm_dir>/<job>/<step>/``, where ``shm_dir`` is
 ``/dev/shm/...`` or any tmpfs both containers of a pod mount):
@@ -21,18 +22,16 @@ from a snapshot is unpickled or followed through a link, and the directories are
 trainer and ckptd run as (``private_files``; docs/operations.md, "Security"). Reading needs numpy only (no
 jax): ckptd's persist worker hands the shards to Orbax straight from a memory map (``ShardReader``,
 ``shard_grid``), and a restore maps it instead of reading disk.
+
+A job's snapshots together (which are finished, the newest whole one, persisted marks, eviction, leftovers of
+writers that are gone) are ``trainer_client/core/format/_snapshot_dirs.py``.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import math
 import mmap
 import os
-import re
-import shutil
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal, Protocol, TypeVar
@@ -42,31 +41,20 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, model_validator
 
 from trainer_client.core._dtypes import np_dtype
-from trainer_client.core._errors import UnsafePathError
 from trainer_client.core.format._files import (
     DEFAULT_ITEM,
     ITEM_NAME_PATTERN,
     SNAPSHOT_DATA_FILE,
     SNAPSHOT_META_FILE,
-    SNAPSHOT_PERSISTED_FILE,
-    SNAPSHOT_SPARE_PREFIX,
 )
-from trainer_client.core.format._private_files import (
-    check_private_dir,
-    is_real_dir,
-    open_private,
-    read_private,
-    write_private,
-)
+from trainer_client.core.format._private_files import check_private_dir, open_private, read_private
 from trainer_client.core.format._tree_paths import TreeEntry
 from trainer_client.core.protocol import TrainingMetadata
 
-_log = logging.getLogger(__name__)
 SNAPSHOT_FORMAT = "ckptd-snapshot/2"
 MAX_META_BYTES = 64 << 20  # snapshot.json: ~100 bytes per shard; a bigger one is not read
 # Where each shard starts in data.bin: at a multiple of this (XLA's CPU buffers take a view of it as is).
 SHARD_ALIGN = 64
-_STEP_DIR = re.compile(r"^[0-9]{1,19}$")
 
 
 class _Model(BaseModel):
@@ -152,10 +140,6 @@ class SnapshotMeta(_Model):
         return self.process_count > 1
 
 
-def job_dir(shm_dir: str | os.PathLike[str], job: str) -> Path:
-    return Path(shm_dir) / job
-
-
 def read_meta(path: str | os.PathLike[str]) -> SnapshotMeta:
     """The snapshot's ``snapshot.json``: a private regular file (no link), at most ``MAX_META_BYTES``."""
     return SnapshotMeta.model_validate_json(read_private(Path(path, SNAPSHOT_META_FILE), max_bytes=MAX_META_BYTES))
@@ -199,137 +183,6 @@ def problems(path: str | os.PathLike[str]) -> list[str]:
         if (covered > total) if meta.is_part else (covered != total):
             out.append(f"{name}: shards cover {covered} of {total} elements")
     return out
-
-
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-_UNFINISHED = re.compile(r"^[0-9]{1,19}\.tmp-([0-9]+)$")  # a snapshot its writer (that pid) had not finished
-
-
-def drop_leftovers(base: str | os.PathLike[str], *, older_than_s: float | None = None) -> int:
-    """Delete what writers that are gone left in a job's snapshot directory ``base``: their spare files and
-    the snapshots they were still writing (``<step>.tmp-<pid>``). Gone means: the process no longer exists
-    (judged in this PID namespace), or, with ``older_than_s``, the entry was not renewed for that long
-    (ckptd's view: a sidecar need not see the trainer's PIDs; a live writer loses at most its spare's head
-    start). Returns how many entries were deleted."""
-    dropped = 0
-    try:
-        entries = list(Path(base).iterdir())
-    except OSError:
-        return 0
-    now = time.time()
-    for path in entries:
-        unfinished = _UNFINISHED.match(path.name)
-        if unfinished:
-            pid = unfinished.group(1)
-        elif path.name.startswith(SNAPSHOT_SPARE_PREFIX):
-            pid = path.name[len(SNAPSHOT_SPARE_PREFIX):].removesuffix(".part")
-        else:
-            continue
-        try:
-            if older_than_s is not None:
-                gone = now - path.stat().st_mtime > older_than_s
-            else:
-                gone = pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid))
-            if not gone:
-                continue
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-            dropped += 1
-        except OSError:
-            continue
-    return dropped
-
-
-def check_job_dir(shm_dir: str | os.PathLike[str], job: str) -> Path | None:
-    """The job's snapshot directory after checking it and ``shm_dir`` are private (``UnsafePathError``
-    otherwise); None when either does not exist."""
-    base = job_dir(shm_dir, job)
-    try:
-        check_private_dir(shm_dir)
-        check_private_dir(base)
-    except FileNotFoundError:
-        return None
-    return base
-
-
-def complete_snapshots(shm_dir: str | os.PathLike[str], job: str) -> list[Path]:
-    """Snapshot directories of a job named by a step (finished writing), oldest step first. Links are never
-    snapshots; ``UnsafePathError`` when the shm or job directory is not private (``check_job_dir``)."""
-    base = check_job_dir(shm_dir, job)
-    if base is None:
-        return []
-    dirs = [p for p in base.iterdir() if _STEP_DIR.match(p.name) and is_real_dir(p)]
-    return sorted(dirs, key=lambda p: int(p.name))
-
-
-def newest_whole(
-    shm_dir: str | os.PathLike[str] | None, job: str, *, at_most: int | None = None
-) -> tuple[Path, SnapshotMeta] | None:
-    """The newest snapshot of ``job`` that is whole (and not beyond ``at_most``), with its metadata."""
-    if shm_dir is None:
-        return None
-    try:
-        held = complete_snapshots(shm_dir, job)
-    except UnsafePathError as exc:  # never resume from what someone else could have written
-        _log.warning("not using the memory tier of %s: %s", job, exc)
-        return None
-    for path in reversed(held):
-        if at_most is not None and int(path.name) > at_most:
-            continue
-        if not problems(path):
-            meta = read_meta(path)
-            if not meta.is_part:  # one host's part is whole only if every host's is (docs/multihost.md)
-                return path, meta
-    return None
-
-
-def is_persisted(path: str | os.PathLike[str]) -> bool:
-    return Path(path, SNAPSHOT_PERSISTED_FILE).is_file()
-
-
-def mark_persisted(path: str | os.PathLike[str], step_url: str) -> None:
-    record = json.dumps({"path": step_url, "persisted_at": time.time()}).encode()
-    write_private(Path(path, SNAPSHOT_PERSISTED_FILE), record)
-
-
-def evictable(path: Path) -> bool:
-    """A snapshot may be dropped once nothing still needs it from memory alone."""
-    try:
-        meta = read_meta(path)
-    except (OSError, ValueError, ValidationError):
-        return True
-    return not meta.persist or is_persisted(path)
-
-
-def evict(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def evict_oldest(held: list[Path], keep_at_most: int, *, never: Path | None = None) -> int:
-    """Evict the oldest evictable snapshots of ``held`` (oldest first; they leave the list too) until at most
-    ``keep_at_most`` remain or none may go; ``never`` is never evicted. Returns how many were evicted."""
-    evicted = 0
-    while len(held) > keep_at_most:
-        victim = next((p for p in held if p != never and evictable(p)), None)
-        if victim is None:
-            break
-        evict(victim)
-        held.remove(victim)
-        evicted += 1
-    return evicted
 
 
 def map_data(path: str | os.PathLike[str], meta: SnapshotMeta, *, private: bool = False,
@@ -388,18 +241,8 @@ __all__ = [
     "DataIteratorRecord",
     "ShardRecord",
     "SnapshotMeta",
-    "check_job_dir",
-    "complete_snapshots",
     "damaged_shards",
-    "drop_leftovers",
-    "evict",
-    "evict_oldest",
-    "evictable",
-    "is_persisted",
-    "job_dir",
     "map_data",
-    "mark_persisted",
-    "newest_whole",
     "problems",
     "process_in_range",
     "read_meta",
