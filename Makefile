@@ -10,7 +10,7 @@ export JAX_PLATFORMS ?= cpu
 # hundreds of Python processes, each of which would otherwise compile the project's modules again (~0.3 s)
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: venv venv-run demo test test-all lint typecheck check clean bench chaos soak
+.PHONY: venv venv-run demo test test-device test-all lint typecheck check clean bench chaos soak
 
 # The virtual environment, created when it is missing and installed again when pyproject.toml changes. What
 # runs the project (`make demo`, `make soak`) needs its server and trainer roles only, `.[server,trainer]`
@@ -46,6 +46,18 @@ bench: venv
 TEST_WORKERS ?= 2
 test: venv
 	$(PY) -m pytest -q -m "not slow" $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
+# The tests on one real accelerator (docs/operations.md, "Tests on an accelerator"): the runtime and checkpoint_io
+# tests, the device benchmark's and any test marked `device`, in one process at a time (one process may hold the
+# chip), the platform found by jax (JAX_PLATFORMS and XLA_FLAGS unset), CKPTD_TEST_DEVICE=1: ckptd and its clients
+# on unix sockets, tests that need TCP or more devices than the chip has skipped with the reason. No venv is made:
+# DEVICE_PY is the venv's Python where there is one, else python3 (the chip's deps are on PYTHONPATH).
+DEVICE_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+DEVICE_TESTS := tests/trainer/runtime tests/trainer/checkpoint_io tests/bench/test_bench_device.py
+test-device:
+	env -u JAX_PLATFORMS -u XLA_FLAGS CKPTD_TEST_DEVICE=1 $(DEVICE_PY) -m pytest -q -p no:cacheprovider -m "not slow" $(DEVICE_TESTS)
+	env -u JAX_PLATFORMS -u XLA_FLAGS CKPTD_TEST_DEVICE=1 $(DEVICE_PY) -m pytest -q -p no:cacheprovider -m device \
+		$(addprefix --ignore=,$(DEVICE_TESTS)) tests || [ $$? -eq 5 ]  # 5: no test marked device elsewhere
 
 test-all: venv
 	$(PY) -m pytest -q

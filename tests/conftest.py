@@ -1,7 +1,9 @@
-"""Fixtures shared by every test: a real ckptd server in a thread, and a free TCP port.
+"""Fixtures shared by every test: a real ckptd server in a thread, and a free TCP port; the markers that skip a test
+this run cannot hold (``needs_devices(n)``, ``needs_tcp``).
 
 The environment lines come first, before anything can import jax: every test process (and every
-subprocess started from it) sees 8 fake CPU devices. Plain helpers live in ``tests/support/``.
+subprocess started from it) sees 8 fake CPU devices, unless the environment already says otherwise
+(``make test-device`` leaves the platform to jax: one real chip). Plain helpers live in ``tests/support/``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,22 @@ import pytest
 from tests.support.gcs_emulator import gcs_emulator
 from tests.support.helpers import free_port
 from tests.support.server import ServerHandle, StartServer, start_server
+from tests.support.sockets import no_tcp_reason
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip, before its fixtures run, a test marked ``needs_devices(n)`` where jax has fewer than ``n`` devices, and
+    one marked ``needs_tcp`` where the tests run on unix sockets only."""
+    wanted = [int(mark.args[0]) for mark in item.iter_markers("needs_devices")]
+    if wanted:
+        import jax  # only for marked tests: the others may never import it
+
+        have = jax.device_count()
+        if have < max(wanted):
+            pytest.skip(f"needs {max(wanted)} devices, this run has {have}")
+    if item.get_closest_marker("needs_tcp") is not None and (reason := no_tcp_reason()) is not None:
+        pytest.skip(reason)
 
 
 @pytest.fixture

@@ -56,9 +56,10 @@ class SteppingClock:
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """The current environment without any CKPTD_* variable, plus ``extra``; 8 fake CPU devices; the
-    repository importable (``tests.support`` included)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
+    """The current environment without any CKPTD_* variable (but the tests' own ``CKPTD_TEST_DEVICE``: a child
+    runs on unix sockets too), plus ``extra``; 8 fake CPU devices; the repository importable (``tests.support``
+    included)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_") or k == "CKPTD_TEST_DEVICE"}
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)

@@ -3,16 +3,20 @@ child process (``serve_process``: for what needs a process of its own, a SIGTERM
 
 Either may listen on a unix socket instead (``start_server(..., uds=PATH)``, ``serve_process(..., uds=PATH)``; its
 URL is then ``unix:///PATH``), in a directory of ``socket_dir()``: short, so the path fits a socket's, and private.
+Where the tests run on unix sockets only (``tests.support.sockets``: device mode, or a machine without TCP) both
+listen on a unix socket in a new private directory of their own unless told otherwise.
 """
 
 from __future__ import annotations
 
+import atexit
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,6 +33,7 @@ from ckptd.api._connections import server_config
 from ckptd.cli._unix_listener import bind_unix
 from ckptd.config import Settings
 from tests.support.helpers import REPO, clean_env, free_port, make_settings, wait_until
+from tests.support.sockets import unix_sockets_only
 from trainer_client.core._ckptd_url import parse_ckptd_url, unix_url
 
 
@@ -40,6 +45,7 @@ class ServerHandle:
     settings: Settings
     server: uvicorn.Server
     thread: threading.Thread
+    socket_dir: Path | None = None  # made for this server (unix sockets only): removed when it stops
     _stopped: bool = field(default=False, repr=False)
 
     def client(self, **kwargs: Any) -> httpx.Client:
@@ -52,6 +58,8 @@ class ServerHandle:
         self.server.should_exit = True
         self.thread.join(timeout=15)
         assert not self.thread.is_alive(), "uvicorn server thread did not stop"
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
 class StartServer(Protocol):
@@ -85,20 +93,38 @@ def answers_ready(url: str) -> bool:
         return False
 
 
+def new_socket_dir() -> Path:
+    """A new private (0700) directory for a unix socket, with a path short enough for one (pytest's ``tmp_path``
+    may not be); the caller removes it."""
+    return Path(tempfile.mkdtemp(prefix="ckptd-", dir="/tmp" if Path("/tmp").is_dir() else None))
+
+
 @contextmanager
 def socket_dir() -> Iterator[Path]:
-    """A new private (0700) directory for a unix socket, with a path short enough for one (pytest's ``tmp_path``
-    may not be), removed at the end."""
-    path = Path(tempfile.mkdtemp(prefix="ckptd-", dir="/tmp" if Path("/tmp").is_dir() else None))
+    """``new_socket_dir()``, removed at the end."""
+    path = new_socket_dir()
     try:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def unreachable_url() -> str:
+    """The URL of a ckptd that is not there (nothing listens): a free TCP port on 127.0.0.1, or, where the tests
+    run on unix sockets only, a socket path that does not exist."""
+    if unix_sockets_only():
+        return unix_url(str(Path(tempfile.gettempdir()) / f"ckptd-absent-{uuid.uuid4().hex[:16]}.sock"))
+    return f"http://127.0.0.1:{free_port()}"
+
+
 def start_server(root: str | Path, state_dir: Path, **overrides: Any) -> ServerHandle:
     """The app over ``root`` served in a thread, once ``/readyz`` answers 200: on 127.0.0.1 (a free port), or on
-    the unix socket ``uds=PATH`` (bound as ``ckptd serve --uds`` binds it)."""
+    the unix socket ``uds=PATH`` (bound as ``ckptd serve --uds`` binds it) — one in a new directory of its own
+    where the tests run on unix sockets only."""
+    own_dir = None
+    if not overrides.get("uds") and unix_sockets_only():
+        own_dir = new_socket_dir()
+        overrides["uds"] = str(own_dir / "ckptd.sock")
     if overrides.get("uds"):
         settings = make_settings(root, state_dir, **overrides)
         assert settings.uds is not None
@@ -117,7 +143,7 @@ def start_server(root: str | Path, state_dir: Path, **overrides: Any) -> ServerH
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="ckptd-test-server",
                               daemon=True)
     thread.start()
-    handle = ServerHandle(url, settings, server, thread)
+    handle = ServerHandle(url, settings, server, thread, socket_dir=own_dir)
     try:
         wait_until(lambda: server.started or not thread.is_alive(), timeout=15, what="uvicorn to start")
         if not server.started:
@@ -133,10 +159,15 @@ def start_server(root: str | Path, state_dir: Path, **overrides: Any) -> ServerH
 
 def serve_process(root: str | Path, log: Path, *args: str, uds: Path | None = None,
                   **env: str) -> tuple[subprocess.Popen[bytes], str]:
-    """``python -m ckptd serve --root ROOT`` on 127.0.0.1 (a free port), or on the unix socket ``uds``, with
-    ``args``, the ``CKPTD_*`` variables ``env`` (nothing else of the caller's) and its output in ``log``; returns
-    once ``/readyz`` answers 200: the process and its URL (failing the test, with the log's end, when it exits
+    """``python -m ckptd serve --root ROOT`` on 127.0.0.1 (a free port), or on the unix socket ``uds`` (where the
+    tests run on unix sockets only: one in a new directory, removed when this process exits), with ``args``, the
+    ``CKPTD_*`` variables ``env`` (nothing else of the caller's) and its output in ``log``; returns once
+    ``/readyz`` answers 200: the process and its URL (failing the test, with the log's end, when it exits
     first)."""
+    if uds is None and unix_sockets_only():
+        own_dir = new_socket_dir()
+        atexit.register(shutil.rmtree, own_dir, ignore_errors=True)
+        uds = own_dir / "ckptd.sock"
     if uds is None:
         port = free_port()
         listen, url = ["--host", "127.0.0.1", "--port", str(port)], f"http://127.0.0.1:{port}"
@@ -155,5 +186,5 @@ def serve_process(root: str | Path, log: Path, *args: str, uds: Path | None = No
     return proc, url
 
 
-__all__ = ["ServerHandle", "StartServer", "answers_ready", "app_over", "http_client", "serve_process", "socket_dir",
-           "start_server"]
+__all__ = ["ServerHandle", "StartServer", "answers_ready", "app_over", "http_client", "new_socket_dir", "serve_process",
+           "socket_dir", "start_server", "unreachable_url"]

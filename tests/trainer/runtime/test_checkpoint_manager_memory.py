@@ -53,6 +53,7 @@ def _custom(job: Path, step: int) -> dict[str, Any]:
     return dict(json.loads((job / str(step) / "_CHECKPOINT_METADATA").read_text())["custom_metadata"])
 
 
+@pytest.mark.needs_devices(8)
 def test_saves_go_through_the_memory_tier_and_ckptd_persists_good_orbax_steps(
     tmp_path: Path, ckptd_server: StartServer
 ) -> None:
@@ -108,6 +109,7 @@ def test_saves_go_through_the_memory_tier_and_ckptd_persists_good_orbax_steps(
     assert all(e["blocked_seconds"] >= 0 for e in saves)
 
 
+@pytest.mark.needs_devices(8)
 def test_training_metadata_is_recorded_with_storage_saves(tmp_path: Path) -> None:
     """No tier configured: the save goes to Orbax with ckptd's metadata in its custom metadata and manifest, at
     the data position the loop gives; the loop's own custom metadata stays."""
@@ -123,6 +125,7 @@ def test_training_metadata_is_recorded_with_storage_saves(tmp_path: Path) -> Non
     assert result.manifest.training.data_position == 4 * BATCH
 
 
+@pytest.mark.needs_devices(8)
 def test_without_the_global_batch_no_metadata_is_made_up(tmp_path: Path) -> None:
     job = tmp_path / "checkpoints"
     with CheckpointManager(job) as mgr:
@@ -132,6 +135,7 @@ def test_without_the_global_batch_no_metadata_is_made_up(tmp_path: Path) -> None
         CheckpointManager(job, data_position=lambda step: step)
 
 
+@pytest.mark.needs_devices(8)
 def test_what_the_tier_cannot_hold_goes_to_storage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A JSON item beside the state, and a state of numpy arrays (no mesh: no metadata either), go to storage;
     a state the tier holds goes to shared memory (no ckptd runs here: it waits there)."""
@@ -151,6 +155,7 @@ def test_what_the_tier_cannot_hold_goes_to_storage(tmp_path: Path, monkeypatch: 
     assert _custom(job, 1)["ckptd"]["global_batch"] == BATCH and "ckptd" not in _custom(job, 2)
 
 
+@pytest.mark.needs_devices(8)
 def test_a_full_tier_sends_the_save_to_storage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No ckptd persists the snapshots: after the tier's two, the next save goes to Orbax."""
     shm, job = tmp_path / "shm", tmp_path / "checkpoints"
@@ -165,6 +170,7 @@ def test_a_full_tier_sends_the_save_to_storage(tmp_path: Path, monkeypatch: pyte
     assert _custom(job, 3)["ckptd"]["step"] == 3
 
 
+@pytest.mark.needs_devices(8)
 def test_which_save_arguments_the_tier_holds() -> None:
     state = _state(1)
     chunked = ocp.args.PyTreeSave(state, save_args=jax.tree_util.tree_map(

@@ -81,6 +81,7 @@ TARGETS = {
 
 
 @pytest.mark.parametrize("case", sorted(TARGETS))
+@pytest.mark.needs_devices(8)
 def test_direct_restore_matches_orbax_shard_for_shard(saved: tuple[Path, dict[str, np.ndarray]], case: str) -> None:
     step_dir, values = saved
     mesh_shape, names, specs = TARGETS[case]
@@ -97,6 +98,7 @@ def test_direct_restore_matches_orbax_shard_for_shard(saved: tuple[Path, dict[st
             assert np.array_equal(np.asarray(mine.data), np.asarray(theirs.data)), (name, mine.index)
 
 
+@pytest.mark.needs_devices(8)
 def test_arrays_read_a_batch_at_a_time_are_the_same(saved: tuple[Path, dict[str, np.ndarray]]) -> None:
     # on accelerators the host holds a bounded batch of buffers at once; one byte forces one array per batch
     step_dir, values = saved
@@ -106,6 +108,7 @@ def test_arrays_read_a_batch_at_a_time_are_the_same(saved: tuple[Path, dict[str,
         assert np.array_equal(np.asarray(got), values[leaf_name(path).split(".")[-1]])
 
 
+@pytest.mark.needs_devices(8)
 def test_restore_takes_the_direct_path_for_a_ckptd_checkpoint(
     saved: tuple[Path, dict[str, np.ndarray]], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -116,6 +119,7 @@ def test_restore_takes_the_direct_path_for_a_ckptd_checkpoint(
     assert np.array_equal(np.asarray(out["params"]["w"]), values["w"])
 
 
+@pytest.mark.needs_devices(8)
 def test_a_restored_buffer_donated_to_a_step_leaves_the_others_intact(
     saved: tuple[Path, dict[str, np.ndarray]],
 ) -> None:
@@ -128,6 +132,7 @@ def test_a_restored_buffer_donated_to_a_step_leaves_the_others_intact(
     assert np.array_equal(np.asarray(again["params"]["emb"]), values["emb"])
 
 
+@pytest.mark.needs_devices(8)
 def test_compressed_chunks_and_casting_targets_are_left_to_orbax(
     tmp_path: Path, saved: tuple[Path, dict[str, np.ndarray]], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -149,6 +154,7 @@ def test_compressed_chunks_and_casting_targets_are_left_to_orbax(
     assert np.allclose(np.asarray(out["params"]["w"], np.float32), values["w"], rtol=1e-2)
 
 
+@pytest.mark.needs_devices(8)
 def test_a_damaged_index_or_data_file_is_refused_before_any_array_is_built(tmp_path: Path) -> None:
     _save(tmp_path / "job")
     item = tmp_path / "job" / "3" / "default"
@@ -232,6 +238,7 @@ def test_a_data_file_path_that_leaves_the_database_is_refused(tmp_path: Path) ->
         OcdbtIndex(tmp_path)
 
 
+@pytest.mark.needs_tcp
 def test_a_step_saved_by_two_processes_is_read_back_by_each(tmp_path: Path) -> None:
     # Two JAX processes (4 CPU devices each) save one step together — Orbax writes a database per process
     # and merges them under one manifest — then each reads the shards it holds onto another mesh. The step

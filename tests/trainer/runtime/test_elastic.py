@@ -37,6 +37,7 @@ _leaves = leaves
 
 
 @pytest.mark.parametrize("replicas", [True, False], ids=["replicas", "no-replicas"])
+@pytest.mark.needs_devices(8)
 def test_pause_policy_is_bitwise_equal_to_a_run_without_failures(tmp_path: Path, ckptd_server: Any,
                                                                  replicas: bool) -> None:
     clean_root, failing_root = tmp_path / "clean", tmp_path / "failing"
@@ -71,6 +72,7 @@ def test_pause_policy_is_bitwise_equal_to_a_run_without_failures(tmp_path: Path,
     assert log.losses[39] < log.losses[0]
 
 
+@pytest.mark.needs_devices(8)
 def test_resize_continues_from_the_restored_values_then_grows_back(tmp_path: Path, ckptd_server: Any) -> None:
     server = ckptd_server(tmp_path)
     log = TrainLog()
@@ -124,6 +126,7 @@ def test_resize_continues_from_the_restored_values_then_grows_back(tmp_path: Pat
     assert log.losses[59] < log.losses[0]
 
 
+@pytest.mark.needs_devices(8)
 def test_scale_up_restores_the_state_it_saved(tmp_path: Path, ckptd_server: Any) -> None:
     server = ckptd_server(tmp_path)
     runner = _runner(tmp_path, server.url, "resize", [SliceFault(0, at_step=12, down_for_s=None)])
@@ -147,6 +150,7 @@ def test_scale_up_restores_the_state_it_saved(tmp_path: Path, ckptd_server: Any)
     assert [log.samples[s] for s in range(30)] == [(s * BATCH, (s + 1) * BATCH) for s in range(30)]
 
 
+@pytest.mark.needs_devices(8)
 def test_scale_up_with_a_full_memory_tier_saves_its_step_to_storage(
     tmp_path: Path, ckptd_server: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -183,6 +187,7 @@ def test_scale_up_with_a_full_memory_tier_saves_its_step_to_storage(
     assert [log.samples[s] for s in range(30)] == [(s * BATCH, (s + 1) * BATCH) for s in range(30)]
 
 
+@pytest.mark.needs_devices(8)
 def test_too_many_failures_exhaust_the_retries(tmp_path: Path, ckptd_server: Any) -> None:
     server = ckptd_server(tmp_path)
     faults = [SliceFault(1, at_step=5, down_for_s=0.5), SliceFault(2, at_step=7, down_for_s=0.5)]
@@ -191,6 +196,7 @@ def test_too_many_failures_exhaust_the_retries(tmp_path: Path, ckptd_server: Any
         _run(runner, make_train_fn(20, TrainLog()))
 
 
+@pytest.mark.needs_devices(8)
 def test_errors_that_are_not_slice_loss_propagate(tmp_path: Path, ckptd_server: Any) -> None:
     server = ckptd_server(tmp_path)
 
@@ -202,6 +208,7 @@ def test_errors_that_are_not_slice_loss_propagate(tmp_path: Path, ckptd_server: 
         _run(_runner(tmp_path, server.url, "resize", []), make_train_fn(10, TrainLog(), step_hook=hook))
 
 
+@pytest.mark.needs_devices(8)
 def test_recovery_falls_back_to_a_storage_scan_when_ckptd_is_down(tmp_path: Path, ckptd_server: Any) -> None:
     server = ckptd_server(tmp_path)
     _run(_runner(tmp_path, server.url, "resize", []), make_train_fn(20, TrainLog()))
@@ -237,6 +244,7 @@ def test_train_step_is_deterministic_on_one_mesh() -> None:
 
 
 @pytest.mark.parametrize("mode", ["keep_global_batch", "scale_batch"])
+@pytest.mark.needs_devices(8)
 def test_every_sample_is_consumed_exactly_once_across_a_shrink_and_a_regrow(
     tmp_path: Path, ckptd_server: Any, mode: str
 ) -> None:

@@ -19,6 +19,8 @@ from examples.elastic_mlp import TrainLog, make_train_fn
 from tests.support.elastic_runs import elastic_runner, run_to_end
 from trainer_client.runtime._slices import SimulatedSlices
 
+pytestmark = pytest.mark.needs_devices(8)
+
 COMPILER_BUG = ("INTERNAL: RET_CHECK failure (external/xla/xla/service/hlo_verifier.cc:1520) "
                 "ShapeUtil::Compatible(...) Expected instruction to have shape equal to f32[48,128]")
 ALLOCATION = "INTERNAL: Failed to allocate 17179869184 bytes for new constant: out of memory"

@@ -57,6 +57,7 @@ def _plan(root: Path, step: int) -> p.ResumePlan:
 
 
 @pytest.mark.parametrize("kind", sorted(PIPELINES))
+@pytest.mark.needs_devices(8)
 def test_the_state_goes_with_a_direct_save_a_snapshot_and_its_persist(tmp_path: Path, kind: str) -> None:
     from ckptd.catalog._persist_worker import persist
 
@@ -110,6 +111,7 @@ def test_a_maxtext_step_resumes_its_grain_iterator_exactly(tmp_path: Path) -> No
     assert all(np.array_equal(next(fresh), batch) for batch in expected)
 
 
+@pytest.mark.needs_devices(8)
 def test_a_step_without_iterator_state_leaves_the_iterator_and_bad_state_is_refused(tmp_path: Path) -> None:
     mesh = jax.make_mesh((4, 2), ("replica", "data"))
     state = _state(mesh)
@@ -173,6 +175,7 @@ def _grain_train_fn(total: int, make: Callable[[], Any], seen: dict[int, np.ndar
 
 
 @pytest.mark.parametrize("tier", ["storage", "memory", "memory_evicted", "replicas"])
+@pytest.mark.needs_devices(8)
 def test_an_elastic_run_reads_every_batch_an_uninterrupted_iterator_gives(
     tmp_path: Path, ckptd_server: Any, tier: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -237,6 +240,7 @@ def test_an_elastic_run_reads_every_batch_an_uninterrupted_iterator_gives(
     assert json.loads(state_file.read_text()) == (json.loads(want) if isinstance(want, bytes) else want)
 
 
+@pytest.mark.needs_devices(8)
 def test_an_elastic_iterator_resumes_at_its_global_index_with_another_batch_or_shard_count(tmp_path: Path) -> None:
     """Grain's ElasticIterator (for a global batch that changes, or another process count): the state saved
     after 10 batches of 48 resumes at sample 480 with a global batch of 36, and on 2 shards, which read the

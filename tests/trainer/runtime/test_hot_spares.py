@@ -56,6 +56,7 @@ def clean_state(tmp_path_factory: pytest.TempPathFactory) -> Any:
                               **SPARE)
 
 
+@pytest.mark.needs_devices(8)
 def test_a_spare_takes_the_place_of_a_slice_lost_for_good(tmp_path: Path, ckptd_server: Any, faults: InJaxFaults,
                                                         clean_state: Any) -> None:
     server = ckptd_server(tmp_path)
@@ -87,6 +88,7 @@ def test_a_spare_takes_the_place_of_a_slice_lost_for_good(tmp_path: Path, ckptd_
     assert every_sample_once(log, STEPS)
 
 
+@pytest.mark.needs_devices(8)
 def test_the_lost_slice_returns_as_a_spare_and_takes_the_next_loss(
     tmp_path: Path, ckptd_server: Any, faults: InJaxFaults, clean_state: Any
 ) -> None:
@@ -116,6 +118,7 @@ def test_the_lost_slice_returns_as_a_spare_and_takes_the_next_loss(
     assert every_sample_once(log, STEPS)
 
 
+@pytest.mark.needs_devices(8)
 def test_with_no_healthy_spare_resize_shrinks_then_grows_back_to_the_mesh(
     tmp_path: Path, ckptd_server: Any, faults: InJaxFaults
 ) -> None:
@@ -159,6 +162,7 @@ def test_take_slices_keeps_the_slices_in_use_and_fills_from_the_spares() -> None
     assert manager.slices_to_grow(frozenset({1, 2})) == {0, 3}
 
 
+@pytest.mark.needs_devices(8)
 def test_compile_ahead_covers_a_spare_in_place_of_each_slice() -> None:
     import jax
 

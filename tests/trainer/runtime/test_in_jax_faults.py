@@ -32,6 +32,8 @@ from trainer_client.core.protocol import BatchPlan
 from trainer_client.runtime._elastic import Event
 from trainer_client.runtime._jax_faults import Fired, InJaxFaults
 
+pytestmark = pytest.mark.needs_devices(8)
+
 STEPS = 40
 
 

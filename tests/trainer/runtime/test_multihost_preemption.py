@@ -17,6 +17,8 @@ import pytest
 
 from tests.support.helpers import REPO, clean_env, free_port
 
+pytestmark = pytest.mark.needs_tcp
+
 _WORKER = """
 import json, sys, time
 import jax

@@ -101,6 +101,7 @@ def _assert_same_step(hosts: list[dict[str, Any]], step: int, tier: str) -> None
             assert got == sum(range(start * 4, stop * 4)) + (stop - start) * 4 * step
 
 
+@pytest.mark.needs_tcp
 def test_every_host_restores_the_newest_step_all_hold_in_memory(saved: Path, tmp_path: Path) -> None:
     hosts = _restart(saved, tmp_path)
     _assert_same_step(hosts, 20, "memory")
@@ -110,6 +111,7 @@ def test_every_host_restores_the_newest_step_all_hold_in_memory(saved: Path, tmp
     assert hosts[0]["agreed"] == hosts[1]["agreed"] and hosts[0]["agreed"]["storage"]["step"] == 5
 
 
+@pytest.mark.needs_tcp
 def test_a_host_whose_memory_was_wiped_sends_every_host_to_storage(saved: Path, tmp_path: Path) -> None:
     hosts = _restart(saved, tmp_path, lambda base: shutil.rmtree(base / "shm1"))
     _assert_same_step(hosts, 5, "storage")
@@ -117,6 +119,7 @@ def test_a_host_whose_memory_was_wiped_sends_every_host_to_storage(saved: Path, 
     assert [h["source"] for h in hosts] == ["storage_scan", "storage_scan"]  # no sidecar up: process 0 scanned
 
 
+@pytest.mark.needs_tcp
 def test_with_ckptd_up_every_host_restores_the_step_process_0s_sidecar_names(
         saved: Path, tmp_path: Path, ckptd_server: Any) -> None:
     hosts = _restart(saved, tmp_path, lambda base: shutil.rmtree(base / "shm1"), ckptd_server)
@@ -124,11 +127,13 @@ def test_with_ckptd_up_every_host_restores_the_step_process_0s_sidecar_names(
     assert [h["source"] for h in hosts] == ["ckptd", "ckptd"]  # ckptd adopted the plain Orbax step: one answer
 
 
+@pytest.mark.needs_tcp
 def test_hosts_holding_different_newest_steps_agree_on_the_newest_common_one(saved: Path, tmp_path: Path) -> None:
     hosts = _restart(saved, tmp_path, lambda base: shutil.rmtree(base / "shm1" / "job" / "20"))
     _assert_same_step(hosts, 10, "memory")  # host 0 holds 20 and 10, host 1 only 10
 
 
+@pytest.mark.needs_tcp
 def test_parts_of_one_step_from_different_saves_are_not_a_whole(saved: Path, tmp_path: Path) -> None:
     def other_save(base: Path) -> None:  # host 1's step 20 as if saved by another incarnation of the job
         meta = base / "shm1" / "job" / "20" / "snapshot.json"
@@ -142,6 +147,7 @@ def test_parts_of_one_step_from_different_saves_are_not_a_whole(saved: Path, tmp
     _assert_same_step(hosts, 10, "memory")
 
 
+@pytest.mark.needs_tcp
 def test_a_part_found_damaged_at_restore_sends_every_host_to_storage(saved: Path, tmp_path: Path) -> None:
     def damage(base: Path) -> None:  # intact in size (offered), wrong in bytes (found by the restore's checksums)
         data = base / "shm1" / "job" / "20" / "data.bin"
@@ -189,6 +195,7 @@ print(json.dumps({"first": result.value[0], "sum": result.value[1], "pid": resul
 """
 
 
+@pytest.mark.needs_tcp
 def test_the_elastic_runner_of_every_process_resumes_the_agreed_step(tmp_path: Path) -> None:
     """``ElasticRunner`` in each process of a 2-process job: memory snapshots at steps 5 and 10 of a run to 12;
     the restarted job's runners agree on step 10 and restore it, each from its own host's part."""

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -22,6 +23,8 @@ from tests.support.helpers import clean_env
 from trainer_client.core.format._files import DEFAULT_ITEM, SHARDING_FILE
 from trainer_client.runtime._checkpointing import leaf_name, spec_to_json, training_metadata
 from trainer_client.runtime._memory_tier import MemoryTier
+
+pytestmark = pytest.mark.needs_devices(8)
 
 # Plain Orbax in its own interpreter: restore step 21 without a target, then onto a (3, 2) mesh of 6 devices.
 _RESTORE = r"""

@@ -24,6 +24,8 @@ from trainer_client.runtime._elastic_config import CompilationOptions, ElasticOp
 from trainer_client.runtime._precompile import likely_next
 from trainer_client.runtime._slices import SimulatedSlices, SliceFault
 
+pytestmark = pytest.mark.needs_devices(8)
+
 FULL = MeshSpec(axis_names=["replica", "data"], shape=[4, 2])
 
 

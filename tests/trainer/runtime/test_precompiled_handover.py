@@ -56,6 +56,7 @@ def _compiled_ahead() -> tuple[Precompiler, dict[tuple[int, ...], weakref.ref[_E
     return precompiler, made
 
 
+@pytest.mark.needs_devices(8)
 def test_the_event_keeps_only_the_new_meshs_executable() -> None:
     precompiler, made = _compiled_ahead()
     assert sorted(made) == [(0, 1, 2), (0, 1, 3), (0, 2, 3), (1, 2, 3)]
@@ -74,6 +75,7 @@ def test_the_event_keeps_only_the_new_meshs_executable() -> None:
     assert precompiler.kept() == [] and precompiler.claim(mesh) is None  # handed over once
 
 
+@pytest.mark.needs_devices(8)
 def test_a_mesh_on_other_devices_gets_nothing_and_frees_the_rest() -> None:
     precompiler, made = _compiled_ahead()
     precompiler.forget()  # a scale-up: no slice lost, every executable waits for the new mesh
@@ -87,6 +89,7 @@ def test_a_mesh_on_other_devices_gets_nothing_and_frees_the_rest() -> None:
     assert precompiler.kept() == []
 
 
+@pytest.mark.needs_devices(8)
 def test_a_context_never_takes_an_executable_built_for_other_devices() -> None:
     slices = _slices()
     built_for = build_mesh(SMALL, [0, 1, 3], slices)
@@ -138,6 +141,7 @@ def traces(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
 
 
 @pytest.mark.parametrize("recovery_mesh_compiled", [True, False])
+@pytest.mark.needs_devices(8)
 def test_the_first_step_after_a_recovery_runs_the_precompiled_executable(
     tmp_path: Path, ckptd_server: Any, traces: list[str], recovery_mesh_compiled: bool
 ) -> None:

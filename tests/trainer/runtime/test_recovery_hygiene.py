@@ -31,6 +31,7 @@ def faults() -> Iterator[InJaxFaults]:
     yield from in_jax_faults()
 
 
+@pytest.mark.needs_devices(8)
 def test_live_arrays_and_executables_do_not_grow_over_recoveries(
     tmp_path: Path, ckptd_server: Any, faults: InJaxFaults
 ) -> None:
@@ -87,6 +88,7 @@ def test_live_arrays_and_executables_do_not_grow_over_recoveries(
                for x in jax.tree_util.tree_leaves(state)), "a failed attempt's arrays are still alive"
 
 
+@pytest.mark.needs_devices(8)
 def test_the_next_attempt_computes_on_a_live_slice_when_slice_0_is_lost(
     tmp_path: Path, ckptd_server: Any, faults: InJaxFaults
 ) -> None:
@@ -118,6 +120,7 @@ def _runner(tmp_path: Path) -> ElasticRunner:
                          checkpoint_dir=str(tmp_path / "job"))
 
 
+@pytest.mark.needs_devices(8)
 def test_pathwaysutils_is_initialised_on_pathways_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
     monkeypatch.setattr(pathwaysutils, "initialize", lambda: calls.append("initialize"))

@@ -41,6 +41,8 @@ from trainer_client.runtime._memory_spare import snapshot_bytes
 from trainer_client.runtime._replica_tier import required_bytes
 from trainer_client.runtime._slices import SliceFault
 
+pytestmark = pytest.mark.needs_devices(8)
+
 STEPS = 40
 TWO_REPLICAS = {"mesh_shape": (2, 4)}  # replica 0 on slices 0 and 1, replica 1 on slices 2 and 3
 

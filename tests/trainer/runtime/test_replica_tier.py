@@ -77,6 +77,7 @@ def tier(slices: SimulatedSlices) -> Iterator[ReplicaTier]:
     t.close()
 
 
+@pytest.mark.needs_devices(8)
 def test_restore_after_losing_one_of_two_slices_is_exact(slices: SimulatedSlices, tier: ReplicaTier) -> None:
     devices = jax.devices()
     state = _state(_mesh(devices, 2))
@@ -96,6 +97,7 @@ def test_restore_after_losing_one_of_two_slices_is_exact(slices: SimulatedSlices
     assert tier.held() == (5, frozenset({0}), (frozenset({0}),))  # the tier now holds the restored step on the new mesh
 
 
+@pytest.mark.needs_devices(8)
 def test_restore_onto_a_hot_spare_keeps_the_shape() -> None:
     slices = SimulatedSlices(num_slices=4)  # slices of 2 devices: the job on 0 and 1, 2 and 3 spares
     by_slice = slices.slice_to_devices
@@ -116,6 +118,7 @@ def test_restore_onto_a_hot_spare_keeps_the_shape() -> None:
         tier.close()
 
 
+@pytest.mark.needs_devices(8)
 def test_keys_iterator_state_and_values_come_back_with_their_step(tier: ReplicaTier) -> None:
     mesh = _mesh(jax.devices(), 2)
     first = _state(mesh, seed=1)
@@ -131,6 +134,7 @@ def test_keys_iterator_state_and_values_come_back_with_their_step(tier: ReplicaT
                               np.asarray(jax.random.key_data(first["rng"])))
 
 
+@pytest.mark.needs_devices(8)
 def test_a_busy_tier_skips_and_counts(tier: ReplicaTier, monkeypatch: pytest.MonkeyPatch) -> None:
     mesh = _mesh(jax.devices(), 2)
     gate = threading.Event()
@@ -162,6 +166,7 @@ def test_a_busy_tier_skips_and_counts(tier: ReplicaTier, monkeypatch: pytest.Mon
     ("block", "ReplicaTier._complete_copies", False),
     ("to_device", "ReplicaTier.snapshot", False),  # direct: the copy to the host is dispatched by the loop
 ])
+@pytest.mark.needs_devices(8)
 def test_a_failure_during_the_copy_leaves_the_previous_snapshot_whole(
         slices: SimulatedSlices, tier: ReplicaTier, op: Any, inside: str, staging: bool) -> None:
     tier.staging = staging
@@ -183,6 +188,7 @@ def test_a_failure_during_the_copy_leaves_the_previous_snapshot_whole(
     _assert_equal(out.state, want)
 
 
+@pytest.mark.needs_devices(8)
 def test_state_sharded_across_the_slices_has_no_whole_replica(tier: ReplicaTier) -> None:
     mesh = _mesh(jax.devices(), 2)
     state = _state(mesh, w_spec=P("replica", "model"))  # half of w on each slice
@@ -203,6 +209,7 @@ def test_state_sharded_across_the_slices_has_no_whole_replica(tier: ReplicaTier)
     _assert_equal(tier.restore(mesh).state, want)
 
 
+@pytest.mark.needs_devices(8)
 def test_donated_buffers_do_not_corrupt_the_snapshot(tier: ReplicaTier) -> None:
     mesh = _mesh(jax.devices(), 2)
 
@@ -229,6 +236,7 @@ def test_donated_buffers_do_not_corrupt_the_snapshot(tier: ReplicaTier) -> None:
             np.testing.assert_array_equal(np.asarray(again.state[k]), v)
 
 
+@pytest.mark.needs_devices(8)
 def test_host_memory_is_accounted_and_checked_against_the_budget() -> None:
     mesh = _mesh(jax.devices(), 2)
     state = _state(mesh)
@@ -259,6 +267,7 @@ def _trim_heap() -> None:
 
 
 @pytest.mark.parametrize("form", ["arrays", "abstract"])
+@pytest.mark.needs_devices(8)
 def test_prepare_faults_in_two_copies_and_lets_them_go_at_the_first_snapshot(form: str) -> None:
     mesh = _mesh(jax.devices(), 2)
     big = jax.jit(lambda: jnp.ones((512, 4096), jnp.float32),  # 8 MiB, a quarter on each device of a replica
@@ -285,6 +294,7 @@ def test_prepare_faults_in_two_copies_and_lets_them_go_at_the_first_snapshot(for
         tier.close()
 
 
+@pytest.mark.needs_devices(8)
 def test_prepare_refuses_a_budget_too_small_before_touching_anything() -> None:
     mesh = _mesh(jax.devices(), 2)
     state = _state(mesh)
@@ -302,6 +312,7 @@ def test_prepare_refuses_a_budget_too_small_before_touching_anything() -> None:
     assert roomy.reserved_bytes == 0
 
 
+@pytest.mark.needs_devices(8)
 def test_prepares_copies_are_left_alone_by_a_failed_attempts_clean_up_until_the_first_snapshot() -> None:
     mesh = _mesh(jax.devices(), 2)
     state = _state(mesh)
@@ -318,6 +329,7 @@ def test_prepares_copies_are_left_alone_by_a_failed_attempts_clean_up_until_the_
 
 
 
+@pytest.mark.needs_devices(8)
 def test_a_staged_tier_reserves_nothing_and_copies_from_an_on_device_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     """Staged (room on the devices): ``prepare`` checks the budget and touches nothing (the copies run beside
     the loop); a snapshot copies to the host from an on-device copy of the state, never from the state's own
@@ -349,6 +361,7 @@ def test_a_staged_tier_reserves_nothing_and_copies_from_an_on_device_copy(monkey
         tier.close()
 
 
+@pytest.mark.needs_devices(8)
 def test_a_replaced_snapshot_is_let_go_array_by_array_unless_a_reader_still_has_it(tier: ReplicaTier) -> None:
     mesh = _mesh(jax.devices(), 2)
     assert tier.snapshot(1, _state(mesh, seed=1), data_position=1) and tier.wait(10)

@@ -18,6 +18,8 @@ from trainer_client.core.format._steps import latest_committed
 from trainer_client.core.protocol import ResumeRequest
 from trainer_client.runtime._checkpointing import Checkpointer, restore, spec_from_json
 
+pytestmark = pytest.mark.needs_devices(8)
+
 SPECS = {
     "a": P("replica", "data"),  # (8, 6): 8 does not divide by 3 or 7
     "b": P("replica", None),  # (12, 4): divides by 2, 3, 4 but not 7 or 8

@@ -51,6 +51,7 @@ def _extra(result: dict[str, object]) -> int:
     return peak - LAYOUT.state_bytes
 
 
+@pytest.mark.needs_devices(8)
 def test_capped_restore_through_orbax_is_exact_and_bounded(steps: tuple[Path, Path, str]) -> None:
     _, zstd, want = steps
     # the cap from the environment (ClientSettings), as a user sets it

@@ -19,6 +19,8 @@ from tests.support.helpers import wait_until
 from trainer_client.errors import ElasticRetriesExhausted
 from trainer_client.runtime._slices import SimulatedSlices, SliceFault
 
+pytestmark = pytest.mark.needs_devices(8)
+
 
 def test_a_scale_up_uses_no_retry_and_the_loss_past_the_limit_ends_the_run(
         tmp_path: Path, ckptd_server: Any) -> None:

@@ -124,6 +124,7 @@ class _NothingSaved:
 
 
 @pytest.mark.parametrize("guard", [CkptdError, Exception])
+@pytest.mark.needs_devices(8)
 def test_a_preemption_is_not_swallowed_by_the_training_functions_except(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, guard: type[BaseException]
 ) -> None:
@@ -140,6 +141,7 @@ def test_a_preemption_is_not_swallowed_by_the_training_functions_except(
     assert (tmp_path / "job" / "5").is_dir()
 
 
+@pytest.mark.needs_devices(8)
 def test_a_run_id_given_in_code_is_recorded_with_the_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CKPTD_RUN_ID", raising=False)
     settings = ClientSettings(url="http://127.0.0.1:9", report_events=False, run_id="run-in-code")

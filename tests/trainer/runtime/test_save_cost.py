@@ -8,11 +8,14 @@ from typing import Any
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from examples.elastic_mlp import init_state, partition_specs
 from trainer_client.runtime._checkpointing import Checkpointer, training_metadata
+
+pytestmark = pytest.mark.needs_devices(8)
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax.monitoring: one per XLA compile
 
