@@ -22,6 +22,7 @@ from tests.support.helpers import REPO, clean_env
 from tests.support.orbax_steps import _MAXTEXT_WRITER, MAXTEXT_MESH_AXES, MAXTEXT_MESH_SHAPE
 from tests.support.server import StartServer
 from trainer_client import CheckpointManager, CkptdClient, ClientSettings
+from trainer_client.core._ckptd_url import parse_ckptd_url
 from trainer_client.core._storage import Storage
 from trainer_client.core._validation import validate_step
 from trainer_client.core.format._files import CKPTD_MANIFEST, COMMIT_MARKER
@@ -144,8 +145,8 @@ def test_a_new_process_without_ckptd_names_and_restores_the_newest_good_step(dam
 
 
 class _Counting(httpx.HTTPTransport):
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, url: str) -> None:
+        super().__init__(uds=parse_ckptd_url(url).uds)  # TCP, or the server's unix socket
         self.paths: list[str] = []
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
@@ -157,7 +158,7 @@ def test_a_fresh_manager_asking_ckptd_names_and_restores_the_newest_good_step(
     damaged: Path, ckptd_server: StartServer
 ) -> None:
     server = ckptd_server(damaged.parent)
-    transport = _Counting()
+    transport = _Counting(server.url)
     client = CkptdClient(ClientSettings(url=server.url), root=str(damaged.parent), transport=transport)
     with CheckpointManager(str(damaged), item_names=("state", "extra"), ckptd=client) as mgr:
         assert mgr.latest_step() == 2
@@ -166,8 +167,8 @@ def test_a_fresh_manager_asking_ckptd_names_and_restores_the_newest_good_step(
     np.testing.assert_array_equal(np.asarray(got.state["w"]), np.arange(8.0) * 2)
     assert any(path.endswith("/latest-good") for path in transport.paths)
     assert any(path.endswith("/checkpoints") for path in transport.paths)
-    states = {c["step"]: c["state"] for c in httpx.get(f"{server.url}/v1/jobs/checkpoints/checkpoints").json()[
-        "checkpoints"]}
+    with server.client() as http:
+        states = {c["step"]: c["state"] for c in http.get("/v1/jobs/checkpoints/checkpoints").json()["checkpoints"]}
     assert states[4] == "quarantined" and states[6] in ("writing", "abandoned") and states[2] == "verified"
     # a new process with only the import swapped, told where ckptd is by CKPTD_URL, resumes the same
     again = _run(RESUME, str(damaged), CKPTD_URL=server.url)
@@ -269,7 +270,8 @@ def test_ckptd_named_by_the_environment_is_asked_and_told_of_every_save(
                                                    extra=ocp.args.JsonSave({"lr": 1.0})))
         mgr.wait_until_finished()
         assert mgr.latest_step() == 3
-    events = httpx.get(f"{server.url}/v1/jobs/checkpoints/events").json()["events"]
+    with server.client() as http:
+        events = http.get("/v1/jobs/checkpoints/events").json()["events"]
     saves = [e for e in events if e["kind"] == "checkpoint_started"]
     assert [e["step"] for e in saves] == [3] and saves[0]["tier"] == "storage"
 

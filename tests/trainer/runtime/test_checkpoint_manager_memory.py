@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import grain
-import httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,7 +101,8 @@ def test_saves_go_through_the_memory_tier_and_ckptd_persists_good_orbax_steps(
         restored = plain.restore(2, args=ocp.args.Composite(state=ocp.args.StandardRestore(_target())))
     np.testing.assert_array_equal(np.asarray(restored.state["b"]), np.full(4, 2))
     assert int(restored.state["count"]) == 2
-    events = httpx.get(f"{server.url}/v1/jobs/checkpoints/events").json()["events"]
+    with server.client() as http:
+        events = http.get("/v1/jobs/checkpoints/events").json()["events"]
     saves = [e for e in events if e["kind"] == "checkpoint_started"]
     assert [(e["step"], e["tier"]) for e in saves] == [(0, "memory+persist"), (2, "memory+persist"),
                                                       (4, "memory+persist")]

@@ -381,6 +381,7 @@ def test_a_replaced_snapshot_is_let_go_array_by_array_unless_a_reader_still_has_
     assert snap.leaves == []  # nothing else held it: emptied array by array
 
 
+@pytest.mark.needs_devices(8)
 def test_staging_needs_room_beside_the_peak_and_counts_its_own_copy_once() -> None:
     """A device's room for a staged copy: its limit less the peak so far less 5%; the tier's own earlier staged
     copy, part of that peak, is not counted twice (after a recovery the tier decides again)."""
