@@ -1,28 +1,19 @@
 """The elastic runner: survive slice failures inside the running process (same PID, no relaunch).
 
 ``ElasticRunner.run(train_fn)`` calls the user's training function with an ``ElasticContext``, through
-pathwaysutils' ``Manager.elastic_retry`` (runtime/_slice_manager.py): Manager waits for the slices the policy
-needs (``pause``: all of them, ``resize``: at least ``min_slices``), runs the attempt under
-``jax.default_device`` on a live slice, retries it after a slice loss or a ``ScaleUpSignalError``, and its
-monitor thread health-checks the slices not in use. ckptd's part rides in the attempt and the callbacks: when
-a slice dies the JAX operation that touches it raises (``JaxRuntimeError`` with ``DATA_LOSS``); only what
-pathwaysutils classifies as a slice loss *and* a health check confirms reaches Manager
-(``fault_classification``; anything else is re-raised at once, unchanged). After the event the failed attempt
-is freed (JAX's caches cleared, its arrays deleted: ``recovery``; compile-ahead's executable for exactly the
-new mesh is kept: ``ctx.precompiled``); the next attempt asks ckptd for the resume plan (or scans storage when
-ckptd cannot answer), rebuilds the mesh from it and restores onto it through ``ctx.restore_or_init``. Under
-``resize`` a slice that Manager's monitor finds healthy again is noticed at a step boundary: the current state
-is saved first, so growing back loses no steps. With hot spares (``spare_slices``) the mesh uses fewer slices
-than the allocation holds; a healthy idle slice takes a lost one's place (same mesh shape, no resize, no wait
-for a replacement: ``SliceManager.take_slices``), and a lost slice that returns becomes a spare; with no
-healthy spare left the policy (``pause`` or ``resize``) decides. On Pathways the runner calls
-``pathwaysutils.initialize()``. In a multi-controller job (one process per host, ``jax.process_count() > 1``)
-a lost process ends them all and the job restarts them: each runs one attempt and all restore the step they
-agree on (``multihost.ResumeAgreement``, docs/multihost.md); a SIGTERM (a preemption notice there, not an end)
-makes every process save the step they agree on and return (``ElasticResult.preempted``).
-
-Options mirror MaxText's elastic flags (``checkpoint_period``, ``ElasticOptions``: ``policy``,
-``elastic_timeout_s``, ``elastic_max_retries``; docs/maxtext.md).
+pathwaysutils' ``Manager.elastic_retry`` (runtime/_slice_manager.py), which waits for the slices the policy
+needs (``pause``: all, ``resize``: at least ``min_slices``), retries an attempt after a slice loss or a
+``ScaleUpSignalError``, and health-checks the slices not in use. When a slice dies the JAX operation that
+touches it raises (``JaxRuntimeError``, ``DATA_LOSS``); only what pathwaysutils classifies as a slice loss *and*
+a health check confirms reaches Manager (``fault_classification``; anything else is re-raised unchanged). The
+failed attempt is then freed (``recovery``; compile-ahead's executable for the new mesh is kept); the next
+asks ckptd for the resume plan (or scans storage), rebuilds the mesh and restores onto it
+(``ctx.restore_or_init``). Under ``resize`` a slice back is noticed at a step boundary and the state saved
+before growing. Hot spares (``spare_slices``) take a lost slice's place with the same mesh
+(``SliceManager.take_slices``). In a multi-controller job (``jax.process_count() > 1``) each process runs one
+attempt and all restore the step they agree on (``multihost.ResumeAgreement``, docs/multihost.md); a SIGTERM
+makes them save that step and return (``ElasticResult.preempted``). Options mirror MaxText's elastic flags
+(docs/maxtext.md).
 """
 from __future__ import annotations
 
@@ -62,9 +53,8 @@ from trainer_client.runtime._recovery import (
     hold_collection,
     release_failed_attempt,
 )
-from trainer_client.runtime._replica_pacing import PaceChoice
 from trainer_client.runtime._replica_snapshots import RunnerReplicas
-from trainer_client.runtime._run_record import ElasticResult, Event, Recovery, restored_from
+from trainer_client.runtime._run_record import ElasticResult, Event, Recovery
 from trainer_client.runtime._saver import HealthWatch, Saver
 from trainer_client.runtime._slice_manager import SliceManager
 from trainer_client.runtime._slices import SimulatedSlices, SliceProvider, initialize_pathways
@@ -145,7 +135,8 @@ class ElasticRunner:
         if tier.replicas.enabled and self.agreement is None:
             self.replicas = RunnerReplicas(tier.replicas, slices.slice_to_devices,
                                            on_off=lambda why: self.emit("replicas_off", None, why[:1900]),
-                                           on_paced=self._replicas_paced)
+                                           on_paced=lambda step, new, old: self.emit(
+                                               "replica_paced", step, new.describe(old)[:1900], **new.fields()))
         self.on_event = on_event
         self.events: list[Event] = []
         self.recoveries: list[Recovery] = []
@@ -166,12 +157,6 @@ class ElasticRunner:
         if self.on_event is not None:
             self.on_event(event)
 
-    def _replicas_paced(self, step: int, choice: PaceChoice, before: PaceChoice | None) -> None:
-        """The replica tier's period or memory kind changed (docs/concepts.md, "Pacing the replica tier")."""
-        was = f" (was every {before.period} to {before.kind})" if before is not None else ""
-        self.emit("replica_paced", step, f"every {choice.period} step(s) to {choice.kind}{was}: {choice.reason}"[:1900],
-                  **choice.fields())
-
     def first_step_done(self, step: int) -> None:
         """The attempt's first step is done (``ElasticContext.step_boundary``): ends the open recovery, then
         collects what the failed attempts before it left (``_recovery.collect_failed_attempt``)."""
@@ -191,10 +176,7 @@ class ElasticRunner:
             return
         rec = self.recoveries[-1]
         rec.seconds = self.events[-1].t - rec.detected_t
-        spare = f", spare slice(s) {rec.spares_used} in" if rec.spares_used else ""
-        detail = (f"{rec.kind} at step {rec.failed_at_step}: {rec.seconds:.2f}s to the first step, "
-                  f"{rec.lost_steps} step(s) lost{spare}, restored from {rec.restored_from or 'nothing'}"
-                  + (f"; {describe_batch(self._batch)}" if self._batch is not None else ""))
+        detail = rec.summary() + (f"; {describe_batch(self._batch)}" if self._batch is not None else "")
         self.emit("recovered", step, detail, recovery_seconds=rec.seconds, lost_steps=rec.lost_steps,
                   restored_step=rec.restored_step, mesh_before=rec.mesh_before, mesh_after=rec.mesh_after,
                   spares_used=rec.spares_used or None, restored_from=rec.restored_from or "none",
@@ -204,10 +186,8 @@ class ElasticRunner:
         """The attempt restored ``plan`` (after any fallback; None: it started afresh, no tier held a step): the
         open recovery's step, tier and path."""
         if self.recoveries and self.recoveries[-1].seconds is None:
-            rec = self.recoveries[-1]
-            rec.restored_step = plan.step if plan is not None else 0
-            rec.lost_steps = rec.failed_at_step - rec.restored_step
-            rec.restored_from = restored_from(plan.tier, plan.path) if plan is not None else None
+            self.recoveries[-1].restored(plan.step if plan else None, plan.tier if plan else None,
+                                        plan.path if plan else "")
 
     # ---- the loop around the user's function ---------------------------------------------------
 
@@ -346,13 +326,8 @@ class ElasticRunner:
         if not self.recoveries or self.recoveries[-1].mesh_after:
             return
         rec = self.recoveries[-1]
-        rec.mesh_after = [int(s) for s in mesh.devices.shape]
-        rec.slices_after = sorted(active)
-        same_mesh = rec.mesh_after == rec.mesh_before
-        if rec.kind == "slice_down" and self.config.elastic.spare_slices and same_mesh:
-            rec.spares_used = sorted(active - set(rec.slices_before))
-        rec.restored_step = plan.step if plan else 0
-        rec.lost_steps = rec.failed_at_step - rec.restored_step
+        rec.on_mesh([int(s) for s in mesh.devices.shape], sorted(active), bool(self.config.elastic.spare_slices))
+        rec.restored(plan.step if plan else 0)
 
     def _record(self, kind: Literal["slice_down", "scale_up"], ctx: ElasticContext, detail: str,
                 lost: frozenset[int] = frozenset()) -> None:

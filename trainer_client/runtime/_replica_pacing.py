@@ -63,6 +63,11 @@ class PaceChoice:
     expected_lost_steps: float  # steps a failure loses on average
     reason: str
 
+    def describe(self, before: PaceChoice | None = None) -> str:
+        """The choice in one line, with the one it replaces (the ``replica_paced`` event's detail)."""
+        was = f" (was every {before.period} to {before.kind})" if before is not None else ""
+        return f"every {self.period} step(s) to {self.kind}{was}: {self.reason}"
+
     def fields(self) -> dict[str, object]:
         """As event fields (``ElasticEvent.replica_*``)."""
         return {"replica_period": self.period, "replica_memory_kind": self.kind,

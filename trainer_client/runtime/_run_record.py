@@ -37,6 +37,26 @@ class Recovery:
     seconds: float | None = None
     restored_from: str | None = None  # ``restored_from(tier, path)`` of the step restored
 
+    def restored(self, step: int | None, tier: str | None = None, path: str = "") -> None:
+        """The step the recovery restored (None: it started afresh) and, when known, from which tier."""
+        self.restored_step = step if step is not None else 0
+        self.lost_steps = self.failed_at_step - self.restored_step
+        if tier is not None or step is None:
+            self.restored_from = restored_from(tier, path) if tier is not None else None
+
+    def on_mesh(self, shape: list[int], slices: list[int], spares: bool) -> None:
+        """The mesh and slices after the event; with hot spares (``spares``) and the same mesh shape, the spare
+        slices that took lost ones' places."""
+        self.mesh_after, self.slices_after = shape, slices
+        if self.kind == "slice_down" and spares and self.mesh_after == self.mesh_before:
+            self.spares_used = sorted(set(slices) - set(self.slices_before))
+
+    def summary(self) -> str:
+        """One line: what was lost, how long to the first step, where the state came from."""
+        spare = f", spare slice(s) {self.spares_used} in" if self.spares_used else ""
+        return (f"{self.kind} at step {self.failed_at_step}: {self.seconds or 0.0:.2f}s to the first step, "
+                f"{self.lost_steps} step(s) lost{spare}, restored from {self.restored_from or 'nothing'}")
+
 
 @dataclass
 class ElasticResult(Generic[T]):
