@@ -82,7 +82,8 @@ def test_a_quarantined_and_an_abandoned_step_are_moved_aside_before_a_save_takes
     server = ckptd_server(root)
 
     def states() -> dict[int, str] | None:
-        listed = httpx.get(f"{server.url}/v1/jobs/checkpoints/checkpoints").json().get("checkpoints", [])
+        with server.client() as http:  # TCP or, where there is none, a unix socket
+            listed = http.get("/v1/jobs/checkpoints/checkpoints").json().get("checkpoints", [])
         found = {c["step"]: c["state"] for c in listed}
         return found if found.get(30) == "quarantined" else None
 

@@ -122,6 +122,7 @@ def _on_host(state: Any) -> Any:
     return jax.tree_util.tree_map(lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, state)
 
 
+@pytest.mark.needs_devices(8)
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_flax_state_saved_by_ckptd_restores_onto_fewer_devices(tmp_path: Path, kind: str) -> None:
     from ckptd.catalog._persist_worker import persist
@@ -146,6 +147,7 @@ def test_a_flax_state_saved_by_ckptd_restores_onto_fewer_devices(tmp_path: Path,
     _assert_exact(restore_snapshot(snapshot, _target(in_memory, plan)), in_memory, kind, graph)
 
 
+@pytest.mark.needs_devices(8)
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_flax_step_written_by_plain_flax_is_listed_validated_planned_and_restored(
     tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]

@@ -63,6 +63,7 @@ def _leaves(tree: Any) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
 
 
+@pytest.mark.needs_devices(8)
 def test_a_snapshot_restores_exactly_onto_a_smaller_mesh(tmp_path: Path) -> None:
     mesh = _mesh()
     state = _state(mesh, seed=3)
@@ -88,6 +89,7 @@ def _snapshots(job: Path) -> list[str]:
     return sorted(p.name for p in job.iterdir() if p.is_dir())
 
 
+@pytest.mark.needs_devices(8)
 def test_the_next_snapshot_is_written_into_pages_allocated_ahead(tmp_path: Path) -> None:
     mesh = _mesh()
     state = _state(mesh, seed=1)
@@ -169,6 +171,7 @@ def test_a_touched_spare_has_its_pages_faulted_in_and_an_allocated_one_not(shm_p
     assert (tmp_path / "touched").read_bytes() == bytes(nbytes)
 
 
+@pytest.mark.needs_devices(8)
 def test_prepare_touches_the_first_saves_file_before_it_and_evicts_nothing(shm_path: Path) -> None:
     tmp_path = shm_path
     mesh = _mesh()
@@ -232,6 +235,7 @@ def test_what_dead_trainers_left_in_shared_memory_is_dropped(tmp_path: Path) -> 
     assert not alive_spare.exists() and not alive_unfinished.exists() and (job / "6").exists()
 
 
+@pytest.mark.needs_devices(8)
 def test_memory_is_bounded_with_a_clear_error(tmp_path: Path) -> None:
     mesh = _mesh()
     state = _state(mesh)
@@ -253,6 +257,7 @@ def test_memory_is_bounded_with_a_clear_error(tmp_path: Path) -> None:
     assert not (tmp_path / "other" / "1").exists()
 
 
+@pytest.mark.needs_devices(8)
 def test_ckptd_never_evicts_the_newest_snapshot_in_place_of_older_ones_awaiting_persist(tmp_path: Path) -> None:
     """ckptd keeps fewer snapshots than the trainer (2 against 4 here) and the two oldest wait to be persisted:
     the newest, memory-only one is the one a resume takes next (a regrow may be restoring it right now), so
@@ -289,6 +294,7 @@ import time; time.sleep(120)
 """
 
 
+@pytest.mark.needs_devices(8)
 def test_ckptd_persists_a_snapshot_of_a_trainer_killed_right_after_save(
     tmp_path: Path, ckptd_server: Any
 ) -> None:
@@ -342,6 +348,7 @@ def leaf_sharding(state: Any, name: str) -> Any:
                 if leaf_name(path) == name)
 
 
+@pytest.mark.needs_devices(8)
 def test_the_persist_worker_hands_orbax_the_saved_shards_without_a_copy(tmp_path: Path) -> None:
     import tensorstore as ts
 
@@ -387,6 +394,7 @@ def test_the_persist_worker_hands_orbax_the_saved_shards_without_a_copy(tmp_path
     assert tuple(stored.chunk_layout.read_chunk.shape) == leaf.sharding.shard_shape(leaf.shape)
 
 
+@pytest.mark.needs_devices(8)
 def test_a_restore_from_memory_never_shares_memory_with_the_snapshot(tmp_path: Path) -> None:
     mesh = _mesh()
     state = _state(mesh, seed=9)
@@ -429,6 +437,7 @@ def _tiers(tmp_path: Path, ckptd_server: Any, *, stored: int, in_memory: int) ->
     return CkptdClient(ClientSettings(url=server.url, shm_dir=str(shm)), root=str(root)), shm
 
 
+@pytest.mark.needs_devices(8)
 def test_plans_prefer_a_whole_memory_snapshot(tmp_path: Path, ckptd_server: Any) -> None:
     client, shm = _tiers(tmp_path, ckptd_server, stored=10, in_memory=15)
     request = ResumeRequest(policy="resize", alive_devices=6)
@@ -444,6 +453,7 @@ def test_plans_prefer_a_whole_memory_snapshot(tmp_path: Path, ckptd_server: Any)
         assert client.resume("job", request).tier == "storage"
 
 
+@pytest.mark.needs_devices(8)
 def test_at_equal_steps_ckptd_and_the_fallback_both_restore_from_memory(tmp_path: Path, ckptd_server: Any) -> None:
     """The one decision (docs/protocol.md, "Resume"): a step held both in memory and verified on storage is
     restored from memory, by ckptd and by the client's storage fallback alike, asked for or not."""
@@ -461,6 +471,7 @@ def test_at_equal_steps_ckptd_and_the_fallback_both_restore_from_memory(tmp_path
             assert fallback.model_dump(exclude={"source"}) == plan.model_dump(exclude={"source"})
 
 
+@pytest.mark.needs_devices(8)
 def test_the_runner_recovers_from_memory_and_persists_through_ckptd(tmp_path: Path, ckptd_server: Any) -> None:
     shm, root = tmp_path / "shm", tmp_path / "root"
     (root / "job").mkdir(parents=True)
@@ -491,6 +502,7 @@ def test_the_runner_recovers_from_memory_and_persists_through_ckptd(tmp_path: Pa
         assert (root / "job" / str(step) / "commit_success.txt").exists()
 
 
+@pytest.mark.needs_devices(8)
 def test_a_save_costs_the_loop_the_copy_whether_or_not_ckptd_answers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -64,6 +64,7 @@ def _flip(path: Path, at: int) -> None:
         f.write(bytes([byte[0] ^ 0x01]))
 
 
+@pytest.mark.needs_devices(8)
 @pytest.mark.parametrize("views", [False, True], ids=["cpu-copies", "accelerator-views"])
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 def test_one_corrupted_byte_anywhere_is_refused_and_no_array_is_handed_back(
@@ -91,6 +92,7 @@ def test_one_corrupted_byte_anywhere_is_refused_and_no_array_is_handed_back(
     assert len(built) < len(state)  # the damaged array itself was never built
 
 
+@pytest.mark.needs_devices(8)
 @pytest.mark.parametrize("mesh_size", [8, 4, 2])
 def test_the_accelerator_path_restores_exactly_and_outlives_the_snapshot(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mesh_size: int) -> None:
@@ -104,6 +106,7 @@ def test_the_accelerator_path_restores_exactly_and_outlives_the_snapshot(
         assert np.array_equal(np.asarray(restored[key]), np.asarray(array))
 
 
+@pytest.mark.needs_devices(8)
 def test_the_cpu_path_copies_every_shard_the_accelerator_path_views_the_map(tmp_path: Path) -> None:
     path, state, _ = _save(tmp_path)
     meta = read_meta(path)
@@ -184,6 +187,7 @@ def test_a_failed_check_drops_what_was_built_and_raises_the_first_failure() -> N
     assert log == [] and built and all(t.deleted for t in built) and len(built) <= 3
 
 
+@pytest.mark.needs_devices(8)
 @pytest.mark.parametrize("case", sorted(direct_cases.TARGETS))
 def test_the_direct_readers_accelerator_path_reads_the_mapped_files_exactly(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:

@@ -58,6 +58,7 @@ def _mode(path: Path) -> int:
     return stat.S_IMODE(os.lstat(path).st_mode)
 
 
+@pytest.mark.needs_devices(8)
 def test_a_snapshot_is_private_and_holds_no_pickle(tmp_path: Path) -> None:
     shm = tmp_path / "shm"
     path, _ = _save(shm)
@@ -73,6 +74,7 @@ class _Boom:
     marker = ""
 
 
+@pytest.mark.needs_devices(8)
 def test_the_persist_worker_never_unpickles_what_it_finds(tmp_path: Path) -> None:
     path, state = _save(tmp_path / "shm")
     _Boom.marker = str(tmp_path / "pwned")
@@ -111,6 +113,7 @@ def test_a_forged_tree_description_is_a_format_error(entries: list[dict[str, Any
         rebuild(tree, [np.zeros(1)] * len(tree))
 
 
+@pytest.mark.needs_devices(8)
 def test_a_directory_others_may_write_is_refused_by_trainer_ckptd_and_resume(tmp_path: Path) -> None:
     shm = tmp_path / "shm"
     _save(shm)
@@ -128,6 +131,7 @@ def test_a_directory_others_may_write_is_refused_by_trainer_ckptd_and_resume(tmp
     assert newest_whole(str(shm), "job") is not None
 
 
+@pytest.mark.needs_devices(8)
 def test_a_directory_of_another_user_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     shm = tmp_path / "shm"
     _save(shm)
@@ -137,6 +141,7 @@ def test_a_directory_of_another_user_is_refused(tmp_path: Path, monkeypatch: pyt
     assert newest_whole(str(shm), "job") is None
 
 
+@pytest.mark.needs_devices(8)
 def test_links_are_never_followed(tmp_path: Path) -> None:
     shm = tmp_path / "shm"
     path, _ = _save(shm)
@@ -164,6 +169,7 @@ def test_links_are_never_followed(tmp_path: Path) -> None:
     assert any("data.bin" in p for p in problems(path))
 
 
+@pytest.mark.needs_devices(8)
 def test_a_snapshot_whose_bytes_changed_is_neither_persisted_nor_restored(tmp_path: Path) -> None:
     path, state = _save(tmp_path / "shm")
     meta = read_meta(path)

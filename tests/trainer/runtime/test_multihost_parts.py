@@ -69,6 +69,10 @@ jax.distributed.shutdown()
 """
 
 
+# every test joins processes with jax.distributed, which needs TCP on 127.0.0.1
+pytestmark = pytest.mark.needs_tcp
+
+
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str], list[Path]]:
     """A 2-process job: step 5 snapshotted (marked persist) by both processes, each into its own host's

@@ -62,6 +62,7 @@ def _recovering_run(tmp_path: Path, url: str, trace: list[str], at_step: Callabl
     return run_to_end(runner, train)
 
 
+@pytest.mark.needs_devices(4)
 def test_no_garbage_collection_between_the_failure_and_the_first_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -91,6 +92,7 @@ def test_no_garbage_collection_between_the_failure_and_the_first_step(
     assert after_first == [(True, 0)], "the failed attempt's garbage outlived the first step, or stayed frozen"
 
 
+@pytest.mark.needs_devices(4)
 def test_the_objects_alive_at_the_event_are_frozen_until_the_first_step(
     tmp_path: Path
 ) -> None:
@@ -110,6 +112,7 @@ def test_the_objects_alive_at_the_event_are_frozen_until_the_first_step(
     assert gc.get_freeze_count() == 0
 
 
+@pytest.mark.needs_devices(4)
 def test_a_freeze_that_is_not_the_runners_is_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A process that froze its own objects (a pre-fork server does) keeps them frozen: the runner neither
     freezes more nor unfreezes theirs."""

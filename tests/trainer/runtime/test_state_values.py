@@ -67,6 +67,7 @@ def _assert_exact(restored: dict[str, Any], shift: int = 0) -> None:
     assert restored["nothing"] is None
 
 
+@pytest.mark.needs_devices(8)
 def test_values_survive_direct_memory_persist_and_a_restore_onto_fewer_devices(tmp_path: Path) -> None:
     from ckptd.catalog._persist_worker import persist
 
@@ -123,6 +124,7 @@ def test_values_survive_direct_memory_persist_and_a_restore_onto_fewer_devices(t
     assert persisted["epoch"][2] == "4" and persisted["f32"][:2] == ["ndarray", "float32"]
 
 
+@pytest.mark.needs_devices(8)
 @pytest.mark.parametrize("value", [{"type": "int", "value": 300, "dtype": "int8"},
                                    {"type": "float", "value": "not a float"},
                                    {"type": "str", "value": 5},
