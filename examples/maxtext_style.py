@@ -128,11 +128,11 @@ def elastic_config(cfg: MaxTextConfig, **groups: Any) -> ElasticConfig:
 
 
 def replica_options(cfg: MaxTextConfig, given: ReplicaOptions | None = None) -> ReplicaOptions:
-    """MaxText's ``elastic_backup_kind``: ``snapshot`` is ckptd's replica tier (a snapshot of the state every
-    step in the hosts' memory, restored from the replicas a slice loss spares, along ``data``: one replica per
-    slice); ``checkpoint`` turns it off (a resume reads the shared-memory tier or storage). Any other kind is
-    refused, as MaxText's config refuses it. ``given``: the options MaxText has no flag for (``period``,
-    ``host_budget_bytes``) are kept from it."""
+    """MaxText's ``elastic_backup_kind``: ``snapshot`` is ckptd's replica tier (snapshots of the state in the
+    hosts' memory, paced unless ``given`` sets a period, restored from the replicas a slice loss spares, along
+    ``data``: one replica per slice); ``checkpoint`` turns it off (a resume reads the shared-memory tier or
+    storage). Any other kind is refused, as MaxText's config refuses it. ``given``: the options MaxText has no
+    flag for (``period``, ``host_budget_bytes``) are kept from it."""
     if cfg.elastic_backup_kind not in ("snapshot", "checkpoint"):
         raise ValueError(f"elastic_backup_kind must be one of 'snapshot' or 'checkpoint', got "
                          f"{cfg.elastic_backup_kind!r}")
@@ -292,8 +292,12 @@ def main(argv: list[str] | None = None) -> int:
         if event.kind != "checkpoint_started":
             print(f"  [{event.t:7.2f}s] {event.kind:<18} {step_label(event.step):<10} {event.detail}", flush=True)
 
-    tier = (MemoryTierOptions(shm_dir=str(shm_dir), memory_period=args.memory_period, max_snapshots=8)
-            if args.memory_period else MemoryTierOptions(max_snapshots=8))
+    # every step held, the loop waiting for a copy in flight: this CPU state is small, and the run's loss costs
+    # one step (the default paces snapshots from measured costs: docs/concepts.md, "Pacing the replica tier")
+    every_step = ReplicaOptions(period=1, when_busy="wait")
+    tier = (MemoryTierOptions(shm_dir=str(shm_dir), memory_period=args.memory_period, max_snapshots=8,
+                              replicas=every_step)
+            if args.memory_period else MemoryTierOptions(max_snapshots=8, replicas=every_step))
     slices = SimulatedSlices(num_slices=cfg.dcn_data_parallelism, faults=[SliceFault(2, args.fail_at, None)])
 
     def bring_back(step: int) -> None:

@@ -76,10 +76,10 @@ def test_the_maxtext_style_example_resumes_grain_exactly_and_maxtext_restores_it
 
 
 def test_maxtexts_elastic_backup_kind_maps_onto_the_replica_tier() -> None:
-    """``snapshot`` (MaxText's default): the replica tier every step along ``data`` (a replica per slice);
+    """``snapshot`` (MaxText's default): the replica tier, paced, along ``data`` (a replica per slice);
     ``checkpoint``, or elastic training off: no replica tier; any other kind refused as MaxText refuses it."""
     assert elastic_config(MaxTextConfig()).memory_tier.replicas == ReplicaOptions(
-        enabled=True, period=1, replica_axis="data")
+        enabled=True, period=None, replica_axis="data")
     assert not replica_options(MaxTextConfig(elastic_backup_kind="checkpoint")).enabled
     assert not elastic_config(MaxTextConfig(elastic_enabled=False)).memory_tier.replicas.enabled
     given = MemoryTierOptions(shm_dir="/dev/shm/x", replicas=ReplicaOptions(period=5, host_budget_bytes=1 << 30))
