@@ -27,6 +27,18 @@ FAIL_AT = 12
 NO_CKPTD = "http://127.0.0.1:9"
 
 
+@pytest.fixture(autouse=True)
+def _no_freeze_of_others() -> Any:
+    """Start with nothing frozen: an earlier test in this worker may have served a ckptd, whose catalog freezes
+    what it built and never unfreezes it (the runner then leaves the collector alone, as it must). Their freeze
+    is given back afterwards."""
+    frozen = gc.get_freeze_count()
+    gc.unfreeze()
+    yield
+    if frozen:
+        gc.freeze()
+
+
 class _Cycle:
     """An object in a reference cycle: only the garbage collector frees it."""
 
