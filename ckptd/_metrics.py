@@ -292,6 +292,8 @@ _PEER_COUNTERS = (
      "peer requests refused (no secret, a hostile or malformed header, no room)"),
     ("ckptd_peer_fetched", "fetched", "this host's parts brought back from a peer"),
     ("ckptd_peer_fetch_failures", "fetch_failures", "parts that could not be brought back (damaged, holder gone)"),
+    ("ckptd_peer_refills", "refills",
+     "times this host, holding none of its parts of a job any more, asked their holders for the newest"),
 )
 
 

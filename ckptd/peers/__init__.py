@@ -56,6 +56,7 @@ class PeerService:
         now = time.time()
         return {"address": self.address, "copies_sent": c.copies_sent, "bytes_sent": c.bytes_sent,
                 "copy_failures": c.copy_failures, "fetched": c.fetched, "fetch_failures": c.fetch_failures,
+                "refills": c.refills,
                 "copy_age_s": {job: round(now - at, 3) for job, at in c.last_copy_at.items()},
                 "last_copy_step": dict(c.last_copy_step),
                 "copy_holders": {job: sorted(held.values()) for job, held in c.holders.items() if held},

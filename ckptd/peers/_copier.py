@@ -63,6 +63,7 @@ class CopierStats:
     copy_failures: int = 0
     fetched: int = 0
     fetch_failures: int = 0
+    refills: int = 0  # refills finished (found a copy or not): this host held parts of a job and holds none now
     last_copy_at: dict[str, float] = field(default_factory=dict)  # job -> when its newest part was last copied
     last_copy_step: dict[str, int] = field(default_factory=dict)
     holders: dict[str, dict[int, str]] = field(default_factory=dict)  # job -> {host: address} holding its copy
@@ -321,6 +322,12 @@ class PeerCopier:
     def refill(self, job: str, index: int, count: int) -> Path | None:
         """This host held parts of ``job`` and holds none now (its memory was wiped): bring the newest copy of
         its part back from the hosts that keep them, before its trainer asks (it restarts meanwhile)."""
+        try:
+            return self._refill(job, index, count)
+        finally:
+            self.stats.refills += 1
+
+    def _refill(self, job: str, index: int, count: int) -> Path | None:
         for holder in holders_of(index, count, self.options.k, self.options.stride, self.options.explicit):
             try:
                 with self._connect(self._address(job, holder)) as chan:

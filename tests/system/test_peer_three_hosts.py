@@ -9,11 +9,14 @@ host 1 from host 2's copy and hosts 0 and 2 from their memory, one step, no stor
 from __future__ import annotations
 
 import json
-import time
+import os
+import re
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.support.helpers import wait_until
@@ -22,7 +25,6 @@ from tests.system.test_multihost_demo import SHORT, _demo
 from trainer_client.core.format._files import SNAPSHOT_DATA_FILE
 
 JOB = "peerjob"
-REFILL_S = 2.0  # how often a sidecar whose host's parts are gone asks its holders again
 
 
 @pytest.fixture
@@ -50,14 +52,35 @@ def test_three_sidecars_pass_each_part_to_the_next_host_and_bring_a_wiped_host_s
     wait_until(lambda: (back / "from_peer.json").is_file(), timeout=30, what="host 1's part brought back")
     assert json.loads((back / "from_peer.json").read_text()) == {"host": 2}
     assert (back / SNAPSHOT_DATA_FILE).read_bytes() == data[1]
-    hosts.wipe(1)  # now a host and the holder of its part: host 2's own part comes back from host 0
-    hosts.wipe(2)
+    # Now a host and the holder of its part: host 2's own part comes back from host 0. Host 1's sidecar is paused
+    # across both wipes, else a refill of its own between them could bring its part back from host 2 first.
+    paused = hosts.procs[1]
+    assert paused is not None
+    os.kill(paused.pid, signal.SIGSTOP)
+    try:
+        hosts.wipe(1)
+        hosts.wipe(2)
+    finally:
+        os.kill(paused.pid, signal.SIGCONT)
     again = hosts.shm[2] / JOB / "10"
     wait_until(lambda: (again / "from_peer.json").is_file(), timeout=30, what="host 2's part brought back")
     assert json.loads((again / "from_peer.json").read_text()) == {"host": 0}
     assert (again / SNAPSHOT_DATA_FILE).read_bytes() == data[2]
-    time.sleep(3 * REFILL_S)  # host 1's sidecar asks host 2 again every REFILL_S: it holds nothing of host 1's
+    # Host 1's sidecar asks host 2 again every 2 s, and host 2 holds nothing of host 1's any more: two more of its
+    # refills finished (the second begun after this look, so after host 2's wipe) however long they take, and
+    # nothing came back. Counted, not slept: a loaded machine could have run none in a fixed wait.
+    refills = _peer_counter(hosts, 1, "refills")
+    wait_until(lambda: _peer_counter(hosts, 1, "refills") >= refills + 2, timeout=60,
+               what="two more refills on host 1")
     assert not back.exists(), "host 1's part is nowhere: nothing comes back"
+
+
+def _peer_counter(hosts: PeerSidecars, k: int, name: str) -> float:
+    """Host ``k``'s sidecar's ``ckptd_peer_<name>_total`` on its /metrics."""
+    text = httpx.get(f"http://127.0.0.1:{hosts.ports[k]}/metrics", timeout=30).text
+    found = re.search(rf"^ckptd_peer_{name}_total (\S+)$", text, re.M)
+    assert found, f"no ckptd_peer_{name}_total on host {k}'s /metrics"
+    return float(found.group(1))
 
 
 def _three_hosts(out: Path, *extra: str) -> dict[str, Any]:
