@@ -208,15 +208,28 @@ class Interrupted(SystemExit):
     """SIGTERM or SIGHUP of the run: unwinds it like Ctrl-C does, so every family's ``finally`` runs."""
 
 
+_interrupted: list[int] = []  # the exit status a signal asked for, once one came
+
+
+def check_interrupted() -> None:
+    """Raise the ``Interrupted`` a signal asked for, if one came: the handler's own raise can be swallowed when
+    the signal lands inside a callback whose exceptions Python ignores (a garbage-collection callback of
+    jax's did so), and the run must still end at its next check."""
+    if _interrupted:
+        raise Interrupted(_interrupted[0])
+
+
 def raise_on_termination() -> None:
     """SIGTERM, SIGHUP and SIGINT end the run through its ``finally`` blocks (exit status 128 + the signal);
-    while it cleans up, further ones are ignored (the reaper finishes what an impatient kill cuts short)."""
+    while it cleans up, further ones are ignored (the reaper finishes what an impatient kill cuts short). The
+    status is also kept for ``check_interrupted``."""
 
     def handler(signum: int, _frame: FrameType | None) -> None:
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
         print(f"\n{signal.Signals(signum).name}: stopping the run's processes and removing its directories",
               flush=True)
+        _interrupted.append(128 + signum)
         raise Interrupted(128 + signum)
 
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):

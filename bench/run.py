@@ -89,6 +89,7 @@ def run(profile: Profile, families: tuple[str, ...], out: Path, docs: Path | Non
     def write_so_far() -> None:  # what is measured so far survives a kill
         so_far = results.to_json(started, time.time())
         write_json(out, _merge(previous, so_far) if previous else so_far)
+        lifetime.check_interrupted()  # a signal whose raise was swallowed ends the run here
 
     results.on_progress = write_so_far
     work_parent = Path(workdir) if workdir else Path(tempfile.gettempdir())
@@ -201,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     report = PUBLISHED_DOCS if args.publish else OUTPUT / "benchmarks.md"
     docs = None if str(args.docs) == "none" else args.docs or report
     payload = run(profile, families, out, docs, args.workdir, args.shm, merge=args.merge)
+    lifetime.check_interrupted()
     return 1 if payload["errors"] else 0
 
 
