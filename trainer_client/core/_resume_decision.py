@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
-from typing import Generic, Literal, TypeVar
+from typing import Generic, TypeVar
 
 from trainer_client.core._batching import initial_batch, plan_batch
 from trainer_client.core._errors import PlanningError
@@ -38,14 +38,13 @@ from trainer_client.core.protocol import (
     ResumePlan,
     ResumeRequest,
     SliceAlive,
+    Tier,
     TrainingMetadata,
 )
 
-REPLICAS = "replicas"  # the trainer's replica snapshot tier, told by the request (docs/concepts.md)
-MEMORY = "memory"  # a whole snapshot in this host's shared memory (docs/concepts.md)
-STORAGE = "storage"  # a committed step on the checkpoint root
-# At equal steps the first of these wins: the tier a step is restored from fastest.
-TIERS_FASTEST_FIRST: tuple[str, ...] = (REPLICAS, MEMORY, STORAGE)
+REPLICAS, MEMORY, STORAGE = Tier.REPLICAS, Tier.MEMORY, Tier.STORAGE
+# At equal steps the first of these wins: the tier a step is restored from fastest (``Tier``'s own order).
+TIERS_FASTEST_FIRST: tuple[Tier, ...] = tuple(Tier)
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -68,7 +67,7 @@ class Candidate(Generic[T]):
     """A step one tier holds: ``lay_out`` makes its plan (called only for the step chosen), or ``refused``
     says why the tier holds it but will not serve it (committed and still being verified, or not good)."""
 
-    source: str  # one of TIERS_FASTEST_FIRST
+    source: Tier
     step: int
     lay_out: Callable[[], T] | None = None
     refused: Refusal | None = None
@@ -170,7 +169,7 @@ def with_replicas(
 
         def lay_out_own() -> T:
             plan = resume_plan(job=job, step=step, path="", request=request, training=own,
-                               saved_layout=(own.mesh, dict(own.arrays)), source=source, tier="replicas")
+                               saved_layout=(own.mesh, dict(own.arrays)), source=source, tier=Tier.REPLICAS)
             return dump(plan.model_copy(update={"notes": [*plan.notes, note]}))
 
         return [*held, Candidate(REPLICAS, step, lay_out_own)]
@@ -245,7 +244,7 @@ def resume_plan(
     training: TrainingMetadata | None,
     saved_layout: tuple[MeshSpec | None, dict[str, ArraySpec]],
     source: str = "ckptd",
-    tier: Literal["replicas", "memory", "storage"] = "storage",
+    tier: Tier = Tier.STORAGE,
     items: Mapping[str, list[str]] | None = None,
 ) -> ResumePlan:
     """The whole answer to a resume request for one chosen step (pure).
@@ -318,7 +317,7 @@ def memory_snapshot_plan(
     path, meta = snapshot
     return resume_plan(
         job=job, step=meta.step, path=str(path), request=request, training=meta.training,
-        saved_layout=(meta.training.mesh, dict(meta.training.arrays)), source=source, tier="memory",
+        saved_layout=(meta.training.mesh, dict(meta.training.arrays)), source=source, tier=Tier.MEMORY,
     )
 
 

@@ -39,7 +39,7 @@ import jax
 from trainer_client.checkpoint_io._iterator_state import ITER_ITEM, read_step_state, state_text
 from trainer_client.core._storage import Storage, join_path
 from trainer_client.core.format._snapshot import DataIteratorRecord, read_meta
-from trainer_client.core.protocol import ResumePlan
+from trainer_client.core.protocol import ResumePlan, Tier
 
 _log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def planned_state(plan: ResumePlan) -> DataIteratorRecord | None:
     """The iterator state saved with the plan's step, for this process: from the memory snapshot, or from the
     step's ``iter`` item on storage; None when the step has none."""
     index, count = jax.process_index(), jax.process_count()
-    if plan.tier == "memory":
+    if plan.tier == Tier.MEMORY:
         record = read_meta(Path(plan.path)).data_iterator
         if record is not None and (record.process_index, record.process_count) != (index, count):
             raise ValueError(f"the snapshot {plan.path} holds the iterator state of process {record.process_index} "

@@ -32,7 +32,7 @@ from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.client._event_reporter import EventReporter
 from trainer_client.core._batching import describe_batch
 from trainer_client.core._planner import plan_mesh
-from trainer_client.core.protocol import BatchPlan, MeshSpec, ResumePlan, ResumeRequest, SliceAlive
+from trainer_client.core.protocol import BatchPlan, MeshSpec, ResumePlan, ResumeRequest, SliceAlive, Tier
 from trainer_client.errors import ElasticRetriesExhausted, ElasticTimeoutError, NoCheckpointError
 from trainer_client.runtime._checkpointing import Checkpointer
 from trainer_client.runtime._elastic_config import ElasticConfig
@@ -376,7 +376,7 @@ class ElasticRunner:
         if plan is None:
             return None
         batch = plan.batch
-        position = ("held with the replicas" if plan.tier == "replicas" and plan.data_position is None
+        position = ("held with the replicas" if plan.tier == Tier.REPLICAS and plan.data_position is None
                     else plan.data_position)
         detail = (f"mesh {plan.mesh.shape} on slices {plan.slices_used} from {plan.source}, tier {plan.tier}, "
                   f"data position {position}")

@@ -27,7 +27,7 @@ from pathwaysutils.elastic.manager import ScaleUpSignalError
 from trainer_client.config import ClientSettings
 from trainer_client.core._batching import initial_batch
 from trainer_client.core.format._snapshot import DataIteratorRecord
-from trainer_client.core.protocol import BatchPlan, ResumePlan, TrainingMetadata
+from trainer_client.core.protocol import BatchPlan, ResumePlan, Tier, TrainingMetadata
 from trainer_client.errors import NoWholeReplica
 from trainer_client.runtime._checkpointing import mesh_spec, target_shardings, training_metadata
 from trainer_client.runtime._data_iterator import (
@@ -171,7 +171,7 @@ class ElasticContext:
         self._data_iterator = data_iterator
         abstract = jax.eval_shape(init_fn)
         specs = specs_fn(abstract)
-        if self.plan is not None and self.plan.tier == "replicas":
+        if self.plan is not None and self.plan.tier == Tier.REPLICAS:
             restored = self._from_replicas(self.plan, abstract, specs)
             if restored is not None:
                 return restored
@@ -188,7 +188,7 @@ class ElasticContext:
             # a memory snapshot's iterator state is read before its arrays: ckptd may evict the snapshot once
             # the restore has mapped it
             held = None
-            if data_iterator is not None and planned.tier == "memory":
+            if data_iterator is not None and planned.tier == Tier.MEMORY:
                 with contextlib.suppress(OSError, ValueError):  # gone or unusable: the restore falls back
                     held = planned_state(planned)
             target_for = lambda plan: target_shardings(abstract, self.mesh, specs, plan.arrays)  # noqa: E731
@@ -210,7 +210,7 @@ class ElasticContext:
                 detail += ", data iterator restored" if restore_iterator(
                     plan, data_iterator, held if plan is planned and held is not None else None) else (
                     ", no data iterator state saved with the step: the iterator starts where it is")
-            self.runner.emit("restored", plan.step, detail, tier=plan.tier)
+            self.runner.emit("restored", plan.step, detail, tier=Tier(plan.tier).value)
             self.runner.note_restored(plan)
         # host pages touched before the first snapshot of each tier, so that it costs what a later one does
         if self.runner.replicas is not None:
@@ -251,7 +251,7 @@ class ElasticContext:
                 detail += ", no data iterator state held with the step: the iterator starts where it is"
         self.plan = plan.model_copy(update={"data_position": position})
         replicas.restored_as(restored.step, self._training_at(restored.step, restored.state, position))
-        self.runner.emit("restored", restored.step, detail, tier="replicas")
+        self.runner.emit("restored", restored.step, detail, tier=Tier.REPLICAS.value)
         self.runner.note_restored(self.plan)
         self.last_step = self.start_step
         return restored.state, self.start_step, position
@@ -340,7 +340,7 @@ class ElasticContext:
 
     def _stop_for_preemption(self, step: int, state: PyTree, data_position: int) -> None:
         plan = self.plan
-        restored_from_storage = step == self.start_step and plan is not None and plan.tier != "memory"
+        restored_from_storage = step == self.start_step and plan is not None and plan.tier != Tier.MEMORY
         if step not in self._persisted and not restored_from_storage:
             self.save(step, state, data_position, persist=True)
         self.runner.saver.wait()

@@ -43,7 +43,7 @@ from trainer_client.core._resume_decision import memory_snapshot_plan
 from trainer_client.core.format._peer_copies import brought_from, held_copies, request_fetch, wait_fetch
 from trainer_client.core.format._snapshot import SnapshotMeta, problems, read_meta
 from trainer_client.core.format._snapshot_dirs import complete_snapshots
-from trainer_client.core.protocol import ResumePlan, ResumeRequest
+from trainer_client.core.protocol import ResumePlan, ResumeRequest, Tier
 from trainer_client.errors import CkptdRequestError, NoCheckpointError
 from trainer_client.runtime._job_store import KeyValueStore, job_store
 from trainer_client.runtime._saver import restore_from_plan
@@ -135,9 +135,9 @@ def decide(offers: list[list[list[Any]]], storage_step: int | None,
     common = set.intersection(*_reachable(offers, copies)) if offers else set()
     memory = max(common, default=None)
     if memory is not None and (storage_step is None or memory[0] >= storage_step):
-        return "memory", memory[0], memory[1]
+        return Tier.MEMORY, memory[0], memory[1]
     if storage_step is not None:
-        return "storage", storage_step, None
+        return Tier.STORAGE, storage_step, None
     return "none", None, None
 
 
@@ -196,7 +196,7 @@ class ResumeAgreement:
         self.storage_plan = (ResumePlan.model_validate(decision["storage"])
                              if decision.get("storage") is not None else None)
         self.timings["agreement_s"] = time.perf_counter() - start
-        if decision["tier"] == "memory":
+        if decision["tier"] == Tier.MEMORY:
             source = decision.get("sources", {}).get(str(self.index))
             if source is not None:  # this host's memory lacks its part: its sidecar brings it back from a peer
                 parts = self._fetch(decision["step"], decision["save"], int(source), request)
@@ -280,17 +280,17 @@ class ResumeAgreement:
         offers, held = [o["parts"] for o in offered], [o.get("copies", []) for o in offered]
         self.timings["offers_wait_s"] = time.perf_counter() - waited - self.timings["storage_wait_s"]
         tier, step, save = decide(offers, storage.step if storage is not None else None, held)
-        sources = peer_sources(offers, held, step, save) if tier == "memory" and step is not None and save else {}
+        sources = peer_sources(offers, held, step, save) if tier == Tier.MEMORY and step is not None and save else {}
         # restored onto the same global mesh only: each process holds just its own regions (any part of the step
         # here tells its mesh; with none here, a host that fetched its part finds a mismatch at its restore)
         mine = next((p for p in [*parts, *copies] if (p.step, p.save) == (step, save)), None)
-        if tier == "memory" and mine is not None:
+        if tier == Tier.MEMORY and mine is not None:
             planned = memory_snapshot_plan(job=self.job, request=request, snapshot=(mine.path, mine.meta))
             if planned.mesh.shape != mine.meta.training.mesh.shape:
                 _log.warning("step %s is in every host's memory, but the devices alive ask for mesh %s, not the "
                              "saved %s: restoring from storage", step, planned.mesh.shape,
                              mine.meta.training.mesh.shape)
-                tier, step, save = ("storage", storage.step, None) if storage is not None else ("none", None, None)
+                tier, step, save = (Tier.STORAGE, storage.step, None) if storage is not None else ("none", None, None)
                 sources = {}
             elif mine in parts:
                 self._planned = planned
@@ -320,7 +320,7 @@ class ResumeAgreement:
         failed = [f"process {k}: {o}" for k, o in enumerate(outcomes) if o != "ok"]
         if not failed:
             return state, plan
-        if plan.tier != "memory" and self._fetch_error is None:
+        if plan.tier != Tier.MEMORY and self._fetch_error is None:
             raise error if error is not None else RuntimeError(f"restore of step {plan.step} failed in {failed}")
         self.peer_source = None
         _log.error("restoring step %s from memory failed (%s); every process restores from storage instead",

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
+from trainer_client.core.protocol import Tier
+
 T = TypeVar("T")
 
 
@@ -72,7 +74,7 @@ class ElasticResult(Generic[T]):
 
 def restored_from(tier: str, path: str) -> str:
     """Where a recovery restored from, as the report says it: ``replicas``, ``memory: PATH``, ``storage: PATH``."""
-    return tier if tier == "replicas" or not path else f"{tier}: {path}"
+    return tier if tier == Tier.REPLICAS or not path else f"{tier}: {path}"
 
 
 __all__ = ["ElasticResult", "Event", "Recovery", "restored_from"]

@@ -26,7 +26,7 @@ from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.core._errors import CkptdError, StoredFormatError
 from trainer_client.core.format._snapshot import DataIteratorRecord
-from trainer_client.core.protocol import ResumePlan, TrainingMetadata
+from trainer_client.core.protocol import ResumePlan, Tier, TrainingMetadata
 from trainer_client.errors import MemoryTierFull
 from trainer_client.runtime._checkpointing import restore
 from trainer_client.runtime._job_store import job_incarnation
@@ -176,7 +176,7 @@ class Saver:
 def restore_from_plan(plan: ResumePlan, target: PyTree, host_bytes: int | None = None) -> PyTree:
     """The plan's step onto ``target``'s shardings, from host memory or from storage (holding at most
     ``host_bytes`` of host memory at once: ``ClientSettings.restore_host_bytes``)."""
-    if plan.tier == "memory":
+    if plan.tier == Tier.MEMORY:
         return restore_snapshot(plan.path, target)
     return restore(plan.path, target, host_bytes=host_bytes)
 
@@ -191,7 +191,7 @@ def restore_plan(plan: ResumePlan, target_for: Callable[[ResumePlan], PyTree],
     try:
         return restore_from_plan(plan, target_for(plan), host_bytes), plan
     except (StoredFormatError, FileNotFoundError) as exc:
-        if plan.tier != "memory":
+        if plan.tier != Tier.MEMORY:
             raise
         _log.error("%s; restoring from storage instead", exc)
         fallback = storage_plan()

@@ -46,6 +46,15 @@ def is_valid_job_name(name: str) -> bool:
     return bool(_JOB_NAME_RE.fullmatch(name))
 
 
+class Tier(StrEnum):
+    """Where a step's state is restored from, fastest first (the order a tie between equal steps is broken by:
+    docs/concepts.md, "Three tiers"). On the wire each is its value."""
+
+    REPLICAS = "replicas"  # the trainer's replica snapshots in the accelerator hosts' memory
+    MEMORY = "memory"  # a whole snapshot in host shared memory (ckptd's memory tier)
+    STORAGE = "storage"  # a committed Orbax step on the checkpoint root
+
+
 class ErrorCode(StrEnum):
     """Stable error codes; each maps to one HTTP status (see ``ERROR_STATUS``)."""
 
@@ -249,8 +258,8 @@ class ResumePlan(_Model):
         default="ckptd", description="who made the plan: ckptd; the client from storage (`storage_scan`: ckptd did "
         "not answer); or the processes of a multi-controller job from their hosts' memory (`memory_agreement`)",
     )
-    tier: Literal["replicas", "memory", "storage"] = Field(
-        default="storage", description="replicas: the trainer's replica snapshot tier (`path` empty); memory: "
+    tier: Tier = Field(
+        default=Tier.STORAGE, description="replicas: the trainer's replica snapshot tier (`path` empty); memory: "
         "`path` is a host-memory snapshot; storage: an Orbax step",
     )
     notes: list[str] = Field(default_factory=list)
@@ -287,5 +296,6 @@ __all__ = [
     "ResumePlan",
     "ResumeRequest",
     "SliceAlive",
+    "Tier",
     "is_valid_job_name",
 ]
