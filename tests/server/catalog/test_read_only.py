@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import stat
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from ckptd.api._app import create_app
 from ckptd.catalog._catalog import Catalog
 from ckptd.catalog._retention import prune
 from ckptd.cli._main import main as ckptd_main
-from tests.support.helpers import make_settings
+from tests.support.helpers import make_settings, wait_until
 from tests.support.orbax_steps import training_metadata, write_orbax_jobs
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
@@ -241,7 +240,16 @@ def test_a_real_server_in_read_only_mode_and_the_client_s_fallback_give_one_plan
     settings = ClientSettings(url=server.url, resume_deadline_s=1.0, timeout_s=0.5)
     with CkptdClient(settings, root=str(read_only)) as client:
         served = client.resume("llama", request)
-        time.sleep(1.0)  # several refresh and retention passes (every 0.2 s) over the read-only root
+        # Five more refresh passes over the read-only root, each followed by a retention pass (both every 0.2 s):
+        # counted however long a loaded machine takes (a 1 s sleep could have seen none).
+        catalog = server.server.config.app.state.catalog
+        seen = {catalog.last_refresh}
+
+        def passes() -> bool:
+            seen.add(catalog.last_refresh)
+            return len(seen) > 5
+
+        wait_until(passes, timeout=60, interval=0.01, what="five more refresh and retention passes")
         server.stop()
         fallback = client.resume("llama", request)
     assert served.source == "ckptd" and fallback.source == "storage_scan" and served.step == 300
