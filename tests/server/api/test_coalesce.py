@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -218,7 +217,13 @@ def test_lists_are_built_once_per_catalog_change_and_never_stale(ckptd_server: A
     def settled() -> bool:  # the first passes settle (adopt) the plain-Orbax steps: wait for both, then quiet
         version = catalog.version
         adopted = all(getattr(catalog.step("train", s), "state", None) is p.StepState.VERIFIED for s in (10, 20))
-        time.sleep(0.6)  # three refresh intervals
+        seen = {catalog.last_refresh}
+
+        def three_passes() -> bool:  # counted, however long a loaded machine takes (not 0.6 s slept)
+            seen.add(catalog.last_refresh)
+            return len(seen) > 3
+
+        wait_until(three_passes, timeout=30, interval=0.01, what="three more refresh passes")
         return adopted and bool(catalog.version == version)
 
     wait_until(settled, timeout=20, what="the catalog to stop changing")
