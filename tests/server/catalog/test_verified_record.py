@@ -4,6 +4,7 @@ resume plans are made once per (step, request) and shared by concurrent askers."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -15,9 +16,11 @@ from typing import Any
 import pytest
 
 import ckptd.catalog._catalog as catalog_module
+from ckptd.api import _plan_cache
 from ckptd.api._plan_cache import PlanCache
 from ckptd.catalog._catalog import Catalog
 from tests.support.golden import copy_root
+from tests.support.helpers import wait_until
 from tests.support.orbax_steps import training_metadata, write_orbax_jobs
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._files import CHECKPOINT_METADATA, VERIFIED_FILE
@@ -135,14 +138,26 @@ def test_the_refresher_pass_checks_each_jobs_newest_good_step_ahead_of_answers(r
 # ---- the plan cache ------------------------------------------------------------------------------------
 
 
-def test_concurrent_askers_share_one_plan() -> None:
+def test_concurrent_askers_share_one_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     cache = PlanCache(size=4)
     calls: list[int] = []
     gate = threading.Event()
+    waiting: list[int] = []
+
+    class CountedWait(threading.Event):  # the askers waiting on a plan being made, counted
+        def wait(self, timeout: float | None = None) -> bool:
+            waiting.append(1)
+            return super().wait(timeout)
+
+    @dataclasses.dataclass
+    class Entry(_plan_cache._Entry):
+        ready: threading.Event = dataclasses.field(default_factory=CountedWait)
+
+    monkeypatch.setattr(_plan_cache, "_Entry", Entry)
 
     def plan() -> bytes:
         calls.append(1)
-        gate.wait(5)
+        gate.wait(60)
         return b'{"step": 30}'
 
     source = object()
@@ -151,7 +166,9 @@ def test_concurrent_askers_share_one_plan() -> None:
                for _ in range(16)]
     for t in threads:
         t.start()
-    time.sleep(0.2)
+    # the plan is let go only once the other 15 wait on it (counted: a 0.2 s sleep let a loaded machine start
+    # them after it was made, when they would have found it kept instead)
+    wait_until(lambda: len(waiting) == 15, timeout=30, interval=0.01, what="15 askers waiting on the plan")
     gate.set()
     for t in threads:
         t.join(10)
