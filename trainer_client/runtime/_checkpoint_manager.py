@@ -57,7 +57,7 @@ from trainer_client.core._storage import join_path
 from trainer_client.core.format._files import CKPTD_MANIFEST, TMP_DIR_SUFFIX
 from trainer_client.core.format._manifest import build_manifest, write_manifest
 from trainer_client.core.format._steps import CUSTOM_METADATA_KEY, DEFAULT_SAVE_TIMEOUT_S
-from trainer_client.core.protocol import TrainingMetadata
+from trainer_client.core.protocol import Tier, TrainingMetadata
 from trainer_client.runtime._good_steps import GoodSteps, GoodStepsOnly
 from trainer_client.runtime._manager_retention import ManagerRetention, conflicts, orbax_policy, without_retention
 from trainer_client.runtime._manager_saves import (
@@ -264,7 +264,7 @@ class CheckpointManager(AbstractCheckpointManager):
             if self._memory is not None and meta is not None:
                 _log.info("step %s goes to storage, not the memory tier: %s", step,
                           taken if isinstance(taken, str) else "Orbax's metrics or custom metadata are given")
-            tier, saved = "storage", store(meta)
+            tier, saved = Tier.STORAGE, store(meta)
         self._retention.due |= saved
         if saved and self._reporter is not None:
             blocked = time.perf_counter() - started

@@ -37,7 +37,7 @@ from trainer_client.config import ClientSettings
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._files import COMMIT_MARKER, DEFAULT_ITEM, ITER_ITEM
 from trainer_client.core.format._snapshot import DataIteratorRecord
-from trainer_client.core.protocol import TrainingMetadata
+from trainer_client.core.protocol import Tier, TrainingMetadata
 from trainer_client.runtime._data_iterator import DataIterator, state_record
 from trainer_client.runtime._memory_tier import MemoryTier
 from trainer_client.runtime._saver import HealthWatch, Saver
@@ -200,7 +200,7 @@ class MemoryRoute:
             tier = self.saver.save(step, taken.state, meta, persist=True, data_iterator=taken.data_iterator)
         finally:
             self.writer.store = None
-        if tier == "storage":
+        if tier == Tier.STORAGE:
             return tier, all(stored)
         self.in_memory.add(step)
         self.manager._add_checkpoint_info(step, None)  # Orbax's own decisions count the step as saved

@@ -107,7 +107,7 @@ class Saver:
         failure of the snapshot still answers the route (``full``) before it propagates, so the other
         processes go on to Orbax instead of waiting out the route's timeout for an answer that never comes.
         """
-        tier = "storage"
+        tier: str = Tier.STORAGE
         # In a multi-process job each host's ckptd persists its own part and the leader commits the step once
         # every part is durable (docs/multihost.md, section 5). A full tier sends a persistent save to Orbax
         # directly: every process must then take that path alike (one multi-process Orbax save), so the
@@ -118,7 +118,7 @@ class Saver:
             try:
                 self.memory.save(step, state, meta, persist=persist, data_iterator=data_iterator,
                                  item=self.checkpointer.item)
-                tier = "memory+persist" if persist else "memory"
+                tier = f"{Tier.MEMORY}+persist" if persist else Tier.MEMORY
                 self.last_blocked_s = self.memory.last_blocked_s
                 away = persist and self.health is not None and not self.health.ok
                 if away and not self._said_away:  # once per outage, not once per save
@@ -142,10 +142,10 @@ class Saver:
             if persist and self.route is not None:
                 in_memory, busy = self.route.agree(step, full is None, self.checkpointer.is_saving())
                 if not in_memory:
-                    tier = "storage"  # another host's tier (or this one's) is full: every process saves to storage
+                    tier = Tier.STORAGE  # another host's tier (or this one's) is full: every process saves to storage
             if full is not None:
                 _log.warning("memory tier full, saving step %s through Orbax: %s", step, full)
-        if tier == "storage":
+        if tier == Tier.STORAGE:
             if busy is None:  # no memory tier: every save goes to storage; a multi-process job agrees on the skip
                 busy = (self.route.agree(step, False, self.checkpointer.is_saving())[1] if self.route is not None
                         else self.checkpointer.is_saving())
