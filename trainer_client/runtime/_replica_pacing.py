@@ -159,6 +159,7 @@ class PaceMeter:
     _copies: dict[str, deque[float]] = field(default_factory=dict)  # copy durations, by kind
     _restore: dict[str, float] = field(default_factory=dict)  # host -> device bytes per second, by kind
     steps: int = 0
+    cycles_closed: int = 0  # snapshots whose whole cost is known: a choice needs revising only after a new one
 
     def boundary(self, now: float) -> None:
         """A step boundary at ``now``: the interval since the last one is an idle step's, or part of the cycle of
@@ -178,6 +179,7 @@ class PaceMeter:
                     if c.intervals:
                         self._cycles.setdefault(c.kind, deque(maxlen=_WINDOW)).append(
                             (sum(c.intervals), len(c.intervals)))
+                        self.cycles_closed += 1
                 else:
                     still.append(c)
             self._open = still

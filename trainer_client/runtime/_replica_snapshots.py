@@ -50,6 +50,7 @@ class RunnerReplicas:
         self._kinds = self._kinds_to_measure()
         self._last_snapshot: int | None = None  # the step of the last snapshot dispatched
         self._nbytes = 0  # this host's bytes of one snapshot
+        self._paced_after = -1  # ``meter.cycles_closed`` when the choice was last revised
         self.tier: ReplicaTier | None = None
         self.off_reason: str | None = None  # the tier turned itself off: the host cannot hold it
         # each slice lost, with how many snapshots had been dispatched then: while the held snapshot is one of
@@ -100,12 +101,14 @@ class RunnerReplicas:
         return next((k for k in self._kinds if k not in measured), None)
 
     def _repace(self, step: int) -> None:
-        """Choose the period and kind again from the measurements (hysteresis: ``worth_changing``)."""
-        if self._measuring() is not None or not self._nbytes:
+        """Choose the period and kind again from the measurements (hysteresis: ``worth_changing``), once per
+        snapshot whose cost became known: not at every step boundary (the loop's hot path)."""
+        if self._measuring() is not None or not self._nbytes or self.meter.cycles_closed == self._paced_after:
             return
         costs = self.meter.costs(self._nbytes)
         if costs is None:
             return
+        self._paced_after = self.meter.cycles_closed
         step_s, kinds = costs
         kinds = [k for k in kinds if k.kind in self._kinds]
         if not kinds:
