@@ -16,6 +16,11 @@ of at the step boundary. ``--no-replicas`` turns the replica snapshot tier off: 
 newest snapshot in shared memory (up to 5 steps lost), as before that tier existed. Each recovery in the report
 says where it restored from (``restored_from``: ``replicas``, ``memory: PATH`` or ``storage: PATH``).
 
+On one accelerator chip (the single-slice pause form: the run waits for its one slice and restores onto it, in
+the same PID): ``JAX_PLATFORMS=tpu python -m examples.demo --slices 1 --policy pause --fault in-jax --uds``
+(``--uds``: ckptd on a unix socket, for a machine that allows no TCP; without ``JAX_PLATFORMS`` the demo runs on
+8 fake CPU devices).
+
 ``--hosts 2 [--lose-host-memory K]``: a multi-controller job instead (a trainer process and a ckptd per host, one
 lost and every trainer restarted): examples/multihost_demo.py.
 """
@@ -57,6 +62,7 @@ from trainer_client import (
     SimulatedSlices,
     SliceFault,
 )
+from trainer_client.core._ckptd_url import parse_ckptd_url, unix_url
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._manifest import read_verified_record
 from trainer_client.core.format._steps import inspect_step, step_entries
@@ -77,28 +83,37 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_ckptd(root: Path | str, state_dir: Path, shm_dir: Path, port: int, log: Path,
+def ckptd_url(listen: int | Path) -> str:
+    """The URL a client reaches a ckptd of ``start_ckptd`` at: a TCP port on 127.0.0.1, or a unix socket's path."""
+    return unix_url(listen) if isinstance(listen, Path) else f"http://127.0.0.1:{listen}"
+
+
+def start_ckptd(root: Path | str, state_dir: Path, shm_dir: Path, listen: int | Path, log: Path,
                 extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """``ckptd serve`` in its own process, its log (and its persist worker's) in ``log``: a pipe nobody
-    reads would fill up and stall it. ``extra_env``: more ckptd settings."""
+    """``ckptd serve`` in its own process, on 127.0.0.1 at the port ``listen`` or on the unix socket at the path
+    ``listen`` (where a machine allows no TCP: docs/deploy.md, "Over a unix socket"), its log (and its persist
+    worker's) in ``log``: a pipe nobody reads would fill up and stall it. ``extra_env``: more ckptd settings."""
     env = {**os.environ, "CKPTD_REFRESH_INTERVAL_S": "0.5", "CKPTD_MAX_SNAPSHOTS": "8",
            "CKPTD_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S), **(extra_env or {})}
+    where = ["--uds", str(listen)] if isinstance(listen, Path) else ["--host", "127.0.0.1", "--port", str(listen)]
     with log.open("ab") as sink:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ckptd", "serve", "--root", str(root), "--host", "127.0.0.1",
-             "--port", str(port), "--state-dir", str(state_dir), "--shm-dir", str(shm_dir)],
+            [sys.executable, "-m", "ckptd", "serve", "--root", str(root), *where,
+             "--state-dir", str(state_dir), "--shm-dir", str(shm_dir)],
             env=env, stdout=sink, stderr=subprocess.STDOUT,
         )
+    address = parse_ckptd_url(ckptd_url(listen))
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"ckptd exited: {log.read_text(errors='replace')[-4000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=0.5).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
+    with httpx.Client(base_url=address.base_url, transport=httpx.HTTPTransport(uds=address.uds), timeout=0.5) as http:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"ckptd exited: {log.read_text(errors='replace')[-4000:]}")
+            try:
+                if http.get("/readyz").status_code == 200:
+                    return proc
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
     proc.kill()
     raise RuntimeError("ckptd did not become ready within 30 s")
 
@@ -111,17 +126,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "(its own options: --hosts 2 --help)")
     parser.add_argument("--out", default="demo-output", help="directory for checkpoints and the report")
     parser.add_argument("--steps", type=int, default=400, help="steps to train (default 400)")
-    parser.add_argument("--fail-at", type=int, default=150, help="step at which slice 2 goes down")
+    parser.add_argument("--fail-at", type=int, default=150, help="step at which the slice goes down")
     parser.add_argument("--down-for", type=float, default=3.0, help="seconds until the slice returns")
     parser.add_argument("--policy", choices=["pause", "resize"], default="resize",
-                        help="resize: go on on the slices left (default); pause: wait for slice 2 to return")
+                        help="resize: go on on the slices left (default); pause: wait for the slice to return")
+    parser.add_argument("--slices", type=int, default=4,
+                        help="slices the devices are grouped into (default 4; 1 on one chip, with --policy pause)")
+    parser.add_argument("--lose-slice", type=int, default=None,
+                        help="the slice that goes down (default 2, or the last slice when there are fewer)")
+    parser.add_argument("--uds", action="store_true",
+                        help="ckptd on a unix socket instead of a TCP port (where the machine allows no TCP)")
     parser.add_argument("--no-memory-tier", action="store_true", help="save to storage only, through Orbax")
     parser.add_argument("--no-replicas", action="store_true",
                         help="no replica snapshots in the hosts' pinned memory: recover from shared memory or storage")
     parser.add_argument("--spares", type=int, choices=[0, 1, 2], default=0,
-                        help="hot spare slices: the mesh uses 4 - N slices, a spare takes a lost slice's place")
+                        help="hot spare slices: the mesh uses all slices but N, a spare takes a lost slice's place")
     parser.add_argument("--fault", choices=["boundary", "in-jax"], default="boundary",
-                        help="where slice 2's loss surfaces: at a step boundary, or inside a JAX operation mid-step")
+                        help="where the slice's loss surfaces: at a step boundary, or inside a JAX operation mid-step")
     return parser
 
 
@@ -131,7 +152,16 @@ def main(argv: list[str] | None = None) -> int:
         from examples.multihost_demo import main as multihost_main
 
         return multihost_main(argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    devices = jax.device_count()
+    lost = min(2, args.slices - 1) if args.lose_slice is None else args.lose_slice
+    if args.slices < 1 or devices % args.slices:
+        parser.error(f"--slices {args.slices}: the {devices} device(s) do not split into that many equal slices")
+    if not 0 <= lost < args.slices or args.spares >= args.slices:
+        parser.error(f"--lose-slice {lost} / --spares {args.spares}: the job has slices 0..{args.slices - 1}")
+    if args.policy == "resize" and args.slices - args.spares < 2:
+        parser.error("--policy resize needs a slice to go on on: with one slice, use --policy pause")
 
     out = Path(args.out).resolve()
     shutil.rmtree(out, ignore_errors=True)
@@ -139,13 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     (root / JOB).mkdir(parents=True)
     shm_base = Path("/dev/shm") if Path("/dev/shm").is_dir() else out
     shm_dir = Path(tempfile.mkdtemp(prefix="ckptd-demo-", dir=shm_base))
-    port = free_port()
-    server = start_ckptd(root, state_dir, shm_dir, port, out / "ckptd.log")
-    print(f"ckptd serving {root} on http://127.0.0.1:{port} (pid {server.pid}); memory tier in {shm_dir}; "
-          f"log {out / 'ckptd.log'}")
-    print(f"trainer pid {os.getpid()}, {jax.device_count()} devices in 4 slices, policy {args.policy}"
-          + (f", {args.spares} hot spare(s)" if args.spares else "") + f", slice loss {args.fault}"
-          + ("" if args.no_replicas else ", replica snapshots every step"))
+    # a unix socket's path must be short (sun_path): its own directory under the temp directory
+    listen: int | Path = Path(tempfile.mkdtemp(prefix="ckptd-demo-")) / "ckptd.sock" if args.uds else free_port()
+    url = ckptd_url(listen)
+    server = start_ckptd(root, state_dir, shm_dir, listen, out / "ckptd.log")
+    print(f"ckptd serving {root} on {url} (pid {server.pid}); memory tier in {shm_dir}; log {out / 'ckptd.log'}")
+    print(f"trainer pid {os.getpid()}, {devices} {jax.devices()[0].platform} device(s) in {args.slices} slice(s), "
+          f"policy {args.policy}" + (f", {args.spares} hot spare(s)" if args.spares else "")
+          + f", slice {lost} lost {args.fault}" + ("" if args.no_replicas else ", replica snapshots every step"))
 
     previous = [0.0]
 
@@ -157,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet = {"checkpoint_started"}
     config = ElasticConfig(
-        job=JOB, mesh_axes=("replica", "data"), mesh_shape=(4 - args.spares, 2), global_batch=48,
+        job=JOB, mesh_axes=("replica", "data"), mesh_shape=(args.slices - args.spares, devices // args.slices),
+        global_batch=48,
         checkpoint_period=50,
         elastic=ElasticOptions(policy=args.policy, elastic_timeout_s=60, elastic_max_retries=5,
                                spare_slices=args.spares),
@@ -172,17 +204,18 @@ def main(argv: list[str] | None = None) -> int:
                                                               when_busy="wait")),
     )
     in_jax = args.fault == "in-jax"
-    slices = SimulatedSlices(num_slices=4, faults=[] if in_jax else [SliceFault(2, args.fail_at, args.down_for)])
+    slices = SimulatedSlices(num_slices=args.slices,
+                             faults=[] if in_jax else [SliceFault(lost, args.fail_at, args.down_for)])
     injector = InJaxFaults(slices)
 
     def lose_inside_jax(step: int) -> None:  # the step's loss, read to the host, meets the dead slice
         if in_jax and step == args.fail_at and not injector.fired and not injector.armed:
-            injector.fail_during("to_host", 2, down_for_s=args.down_for)
+            injector.fail_during("to_host", lost, down_for_s=args.down_for)
 
     log = TrainLog()
     pid_before = os.getpid()
     try:
-        client = CkptdClient(ClientSettings(url=f"http://127.0.0.1:{port}", shm_dir=str(shm_dir)), root=str(root))
+        client = CkptdClient(ClientSettings(url=url, shm_dir=str(shm_dir)), root=str(root))
         runner = ElasticRunner(config, slices=slices, client=client, checkpoint_dir=str(root / JOB),
                                on_event=lambda e: None if e.kind in quiet else show(e))
         with injector if in_jax else contextlib.nullcontext():
@@ -194,12 +227,17 @@ def main(argv: list[str] | None = None) -> int:
         server.terminate()
         server.wait(timeout=DRAIN_TIMEOUT_S + 30)
         shutil.rmtree(shm_dir, ignore_errors=True)
+        if isinstance(listen, Path):
+            shutil.rmtree(listen.parent, ignore_errors=True)
     on_storage = last_step_on_storage(root)
     first, last = min(log.losses), max(log.losses)
     report = {
         "pid_before": pid_before,
         "pid_after": result.pid,
         "policy": args.policy,
+        "platform": jax.devices()[0].platform,
+        "slices": args.slices,
+        "ckptd_url": url,
         "spares": args.spares,
         "fault": args.fault,
         "replicas": not args.no_replicas,

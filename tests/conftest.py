@@ -57,7 +57,10 @@ def ckptd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartServ
 
 @pytest.fixture
 def tcp_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    """A TCP port on 127.0.0.1 that nothing listens on right now; the test is skipped, with the reason, where the
+    run has no TCP (a test needing TCP need not be marked to be skipped cleanly there)."""
+    if (reason := no_tcp_reason()) is not None:
+        pytest.skip(reason)
     return free_port()
 
 

@@ -28,6 +28,7 @@ import httpx
 import pytest
 
 from tests.support.helpers import free_port, stop_process
+from tests.support.sockets import no_tcp_reason
 
 DEFAULT_BUCKET = "ckptd-test"
 
@@ -170,7 +171,9 @@ def fake_gcs(bucket: str = DEFAULT_BUCKET, *, workdir: Path | None = None) -> It
 
 @pytest.fixture(scope="session")
 def gcs_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsEmulator]:
-    """A fake GCS on 127.0.0.1 with bucket ``ckptd-test`` for the whole session."""
+    """A fake GCS on 127.0.0.1 with bucket ``ckptd-test`` for the whole session (skipped where the run has no TCP)."""
+    if (reason := no_tcp_reason()) is not None:
+        pytest.skip(reason)
     with fake_gcs(DEFAULT_BUCKET, workdir=tmp_path_factory.mktemp("fake-gcs")) as emulator:
         yield emulator
 

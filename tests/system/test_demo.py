@@ -20,8 +20,8 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _demo(out: Path, *args: str) -> dict[str, Any]:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+def _demo(out: Path, *args: str, devices: int = 8) -> dict[str, Any]:
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
     run = subprocess.run([sys.executable, "-m", "examples.demo", "--out", str(out), "--steps", "60", *args],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
@@ -53,6 +53,20 @@ def test_a_slice_loss_is_restored_from_the_replicas(tmp_path: Path, args: tuple[
         assert down["mesh_after"] == [3, 2]
     restored = [e for e in report["events"] if e["kind"] == "restored"]
     assert restored and "from replicas" in restored[0]["detail"]
+
+
+def test_one_slice_on_one_device_waits_for_it_and_goes_on_over_a_unix_socket(tmp_path: Path) -> None:
+    """The form the demo takes on one accelerator chip: ckptd on a unix socket, the only slice lost inside JAX,
+    the run waits for it and restores onto it in the same PID. The replicas lived on that slice's hosts, so the
+    newest shared-memory snapshot (every 5 steps) is what survives."""
+    report = _demo(tmp_path / "out", "--slices", "1", "--policy", "pause", "--fault", "in-jax", "--uds",
+                   "--fail-at", "32", "--down-for", "1", devices=1)
+    assert report["ckptd_url"].startswith("unix:///") and report["slices"] == 1
+    assert [f["slice_index"] for f in report["in_jax_faults"]] == [0]
+    (down,) = report["recoveries"]
+    assert down["kind"] == "slice_down" and down["mesh_before"] == down["mesh_after"] == [1, 1]
+    assert down["restored_from"].startswith("memory: ") and down["restored_step"] == 30
+    assert down["lost_steps"] == 2
 
 
 @pytest.mark.slow
