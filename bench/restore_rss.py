@@ -48,6 +48,15 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5\n")
 
 
+def peak_reset_problem() -> str | None:
+    """Why this machine cannot reset the peak RSS (a sandbox such as gVisor refuses ``clear_refs``), or None."""
+    try:
+        reset_peak()
+    except OSError as e:
+        return f"this kernel does not let a process reset its peak RSS (/proc/self/clear_refs: {e.strerror})"
+    return None
+
+
 def peak_bytes() -> int:
     return _status_kib("VmHWM") * 1024
 

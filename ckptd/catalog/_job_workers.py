@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -60,26 +61,37 @@ class DaemonPool:
             self._tasks.put(None)
 
 
-class JobWorkers:
-    """Each job's pass on a ``DaemonPool`` of ``workers`` threads, one pass per job at a time."""
+SLOW_PASS_WARN_S = 60.0  # a job's pass that overlaps its next one is normal on a loaded machine; this long, not
 
-    def __init__(self, workers: int, name: str = "ckptd-job") -> None:
+
+class JobWorkers:
+    """Each job's pass on a ``DaemonPool`` of ``workers`` threads, one pass per job at a time. A job whose pass has
+    run ``warn_after_s`` when its next one is due is logged once as a warning (until a pass of it ends); a pass
+    that merely overlaps the next one, as on a busy or slow machine, is a debug line."""
+
+    def __init__(self, workers: int, name: str = "ckptd-job", *, warn_after_s: float = SLOW_PASS_WARN_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._pool = DaemonPool(workers, name)
         self._lock = threading.Lock()
-        self._running: dict[str, Future[None]] = {}
-        self._said_busy: set[str] = set()  # jobs whose skipped pass was logged (once until one finishes)
+        self._running: dict[str, tuple[Future[None], float]] = {}  # the pass and when it was submitted
+        self._said_busy: set[str] = set()  # jobs whose long pass was logged (once until one finishes)
+        self._warn_after_s = warn_after_s
+        self._clock = clock
 
     def submit(self, job: str, work: Callable[[], object]) -> Future[None] | None:
         """Start ``work`` (``job``'s pass) unless that job's last pass is still running or queued: then None."""
         with self._lock:
             if job in self._running:
-                if job not in self._said_busy:
+                running_s = self._clock() - self._running[job][1]
+                if running_s < self._warn_after_s:
+                    _log.debug("job %r: its last scan is still running; its next one waits for it", job)
+                elif job not in self._said_busy:
                     self._said_busy.add(job)
-                    _log.warning("job %r: its last scan is still running; its next one waits for it (the other "
-                                 "jobs go on)", job)
+                    _log.warning("job %r: its last scan is still running after %.0f s; its next one waits for it "
+                                 "(the other jobs go on)", job, running_s)
                 return None
             future = self._pool.submit(self._run, job, work)
-            self._running[job] = future
+            self._running[job] = (future, self._clock())
         return future
 
     def _run(self, job: str, work: Callable[[], object]) -> None:

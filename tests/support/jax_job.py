@@ -23,10 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from examples.multihost_demo import Trainer as DemoTrainer
 from tests.support.chaos_support import CkptdProcess
 from tests.support.helpers import REPO, clean_env, free_port
+from tests.support.sockets import no_tcp_reason
 
 FOUR_DEVICES = "--xla_force_host_platform_device_count=4"
 PREAMBLE = """
@@ -45,6 +47,8 @@ mesh = Mesh(np.array(jax.devices()).reshape(len(jax.devices())), ("data",))
 def run_job(script: str, base: Path, *extra: str, processes: int = 2, timeout_s: float = 120) -> list[str]:
     """Run ``script`` as every process of one job (process k's shared memory: ``base/shm<k>``, the storage
     root: ``base/root``; ``extra``: more arguments, from ``sys.argv[6]``); each process's last stdout line."""
+    if (reason := no_tcp_reason()) is not None:  # jax.distributed's coordinator listens on TCP
+        pytest.skip(reason)
     port = str(free_port())
     env = clean_env(XLA_FLAGS=FOUR_DEVICES)
     procs = [subprocess.Popen([sys.executable, "-c", script, port, str(k), str(base / f"shm{k}"), str(base / "root"),
