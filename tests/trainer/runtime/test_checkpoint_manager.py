@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -85,7 +86,13 @@ _STEP_2 = {"w": [2.0 * i for i in range(8)], "b": [[2] * 3] * 2, "step": 2, "lr"
 
 
 def _restore_args() -> ocp.args.Composite:
-    return ocp.args.Composite(state=ocp.args.StandardRestore(), extra=ocp.args.JsonRestore())
+    """Restore what ORBAX_LOOP saved onto this process's first device. The steps were written by a child on CPU;
+    without a target Orbax places each array on the device its metadata names (``cpu:0``), which a process on an
+    accelerator does not have (``make test-device``)."""
+    on = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {"w": jax.ShapeDtypeStruct((8,), np.float32, sharding=on),
+              "b": jax.ShapeDtypeStruct((2, 3), np.int32, sharding=on), "step": 0}
+    return ocp.args.Composite(state=ocp.args.StandardRestore(target), extra=ocp.args.JsonRestore())
 
 
 def _damage(job: Path) -> None:
