@@ -37,6 +37,9 @@ demo: venv-run
 
 # Benchmarks against Orbax, the disk and a relaunch (BENCH_QUICK=1: the short form). Results go to bench-output/
 # (untracked); BENCH_PUBLISH=1 writes the tracked bench/results*.json and the table in docs/benchmarks.md instead.
+# BENCH_DEVICE=tpu (or JAX_PLATFORMS naming an accelerator, or jax finding one): the device profile instead, on one
+# chip, into bench-output/results-device.json (docs/benchmarks.md, "The device profile of bench.run"); on the lent
+# chip, which has no package index for the venv, `BENCH_DEVICE=tpu python3 -m bench.run` runs it directly.
 bench: venv
 	$(PY) -m bench.run
 

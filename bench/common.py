@@ -30,7 +30,7 @@ class Profile:
     """How big and how often. ``full`` is what ``make bench`` runs; ``quick`` (BENCH_QUICK=1) measures every
     figure on a smaller state with fewer repeats; ``toy`` only proves the harness runs (the smoke test)."""
 
-    name: Literal["full", "quick", "toy"]
+    name: Literal["full", "quick", "toy", "device"]
     arrays: int  # the save/persist/restore state: ``arrays`` float32 arrays of rows x cols
     rows: int  # divisible by 8 and by 6 (sharded by rows over 8 devices, resharded onto 6)
     cols: int
@@ -47,6 +47,10 @@ class Profile:
     oneshot_repeats: int | None = None  # repeats that also time the one-shot persist CLI (None: every repeat)
     interference_repeats: int | None = None  # repeats of the interference family (None: ``repeats``)
     multihost_rows: int | None = None  # the multi-host families' state: ``arrays`` x multihost_rows x cols
+    # the device profile (bench/device_profile.py): bench/decoder.py's size, and bench/device.py's replica schedule
+    # (steps without the tier and with it per arm, repeats); ``repeats``: of the restores and the save stall
+    decoder: str | None = None
+    replica_schedule: tuple[int, int, int] | None = None
 
     @property
     def multihost_shape(self) -> tuple[int, int, int]:
@@ -77,6 +81,15 @@ PROFILES: dict[str, Profile] = {
                      interference_repeats=3, multihost_rows=3072),
     # The smoke test: proves the harness runs (the persist worker runs in-process, not as a child).
     "toy": Profile("toy", 4, 48, 32, 1, 12, 10, 20, 1, 1, 1, False, persist_child=False, rss_capped=False),
+}
+
+
+# The device profile, by bench/decoder.py's size: "chip" fits the run in ~8 minutes on one TPU v5e chip (the replica
+# tier's arms ~2 min of it); "toy" runs in seconds on CPU devices (tests/bench/test_bench_device.py)
+DEVICE_PROFILES: dict[str, Profile] = {
+    size: Profile("device", 0, 0, 0, repeats, 0, 0, 0, 0, 0, 1, False, persist_child=False, rss_capped=False,
+                  decoder=size, replica_schedule=schedule)
+    for size, repeats, schedule in (("chip", 2, (40, 180, 1)), ("chip-small", 2, (40, 160, 1)), ("toy", 1, (4, 60, 1)))
 }
 
 

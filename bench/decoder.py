@@ -133,14 +133,21 @@ def optimizer() -> optax.GradientTransformation:
     return optax.adamw(1e-4, weight_decay=0.01)
 
 
-def make_state(size: DecoderSize, mesh: Mesh, seed: int = 0) -> PyTree:
-    """``{"params", "opt"}`` on ``mesh``, every array replicated (one copy per device)."""
-    replicated = NamedSharding(mesh, P())
+def init_fn(size: DecoderSize, seed: int = 0) -> Callable[[], PyTree]:
+    """The state's initialiser, ``() -> {"params", "opt"}``: what ``make_state`` runs, and what an elastic
+    runner's ``restore_or_init`` takes (bench/device_recovery.py)."""
 
     def init() -> PyTree:
         params = _init_params(size, jax.random.key(seed))
         return {"params": params, "opt": optimizer().init(params)}
 
+    return init
+
+
+def make_state(size: DecoderSize, mesh: Mesh, seed: int = 0) -> PyTree:
+    """``{"params", "opt"}`` on ``mesh``, every array replicated (one copy per device)."""
+    replicated = NamedSharding(mesh, P())
+    init = init_fn(size, seed)
     shapes = jax.eval_shape(init)
     return jax.jit(init, out_shardings=jax.tree.map(lambda _: replicated, shapes))()
 
@@ -172,5 +179,5 @@ def tree_bytes(state: PyTree) -> int:
     return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(state) if isinstance(x, jax.Array))
 
 
-__all__ = ["AXES", "SIZES", "DecoderSize", "batch_sharding", "make_batch", "make_state", "make_step", "mesh_of",
-           "tree_bytes"]
+__all__ = ["AXES", "SIZES", "DecoderSize", "batch_sharding", "init_fn", "make_batch", "make_state", "make_step",
+           "mesh_of", "tree_bytes"]

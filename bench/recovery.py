@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -86,8 +85,8 @@ def event_marks(timeline: list[tuple[str, float]], after: float) -> dict[str, fl
 # ---- the children (run as ``python -m bench.recovery MODE ...``) --------------------------------------
 
 
-class _Stop(Exception):
-    """Raised from the event callback once a relaunch has completed its first step."""
+class StopRun(Exception):
+    """Raised from the event callback once the step a child waits for is done (a relaunch's first step)."""
 
 
 def _child(argv: list[str]) -> int:
@@ -191,11 +190,11 @@ def _child(argv: list[str]) -> int:
         def on_event(event: Event) -> None:
             events.append(event)
             if event.kind == "first_step_done":
-                raise _Stop
+                raise StopRun
 
         runner = ElasticRunner(config, slices=slices, client=client, checkpoint_dir=f"{args.root}/{args.job}",
                                on_event=on_event)
-        with contextlib.suppress(_Stop):
+        with contextlib.suppress(StopRun):
             runner.run(make_train_fn(10**9, TrainLog(), use_precompile=False))
         first = next(e for e in events if e.kind == "first_step_done")
         restored = next((e for e in events if e.kind == "restored"), None)
@@ -219,15 +218,16 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _spawn(mode: str, *, job: str, root: Path, shm: Path, url: str, cache: Path, precompile: bool) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "bench.recovery", mode, "--job", job, "--root", str(root), "--shm", str(shm),
-           "--url", url, "--cache", str(cache), "--precompile", str(int(precompile))]
+def spawn_child(module: str, mode: str, args: list[str], env: dict[str, str], timeout_s: float = 600) -> dict[str, Any]:
+    """``python -m MODULE MODE ARGS`` in ``env`` (bench/recovery.py's children, bench/device_recovery.py's): what it
+    printed after ``RESULT_PREFIX``; a relaunch's ``seconds`` (spawn -> first step), ``import_s`` and ``phases``
+    (``RELAUNCH_PHASES``) from its marks and the spawn's wall time."""
     spawned = time.time()
-    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600, check=False,
-                          cwd=Path(__file__).resolve().parent.parent)
+    done = subprocess.run([sys.executable, "-m", module, mode, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout_s, check=False, cwd=Path(__file__).resolve().parent.parent)
     line = next((x for x in done.stdout.splitlines() if x.startswith(RESULT_PREFIX)), None)
     if line is None:
-        raise RuntimeError(f"recovery child {mode} failed (rc {done.returncode}): {done.stderr[-3000:]}")
+        raise RuntimeError(f"{module} {mode} failed (rc {done.returncode}): {done.stderr[-3000:]}")
     out: dict[str, Any] = json.loads(line[len(RESULT_PREFIX):])
     out["spawned_wall"] = spawned
     if mode == "relaunch":
@@ -237,11 +237,16 @@ def _spawn(mode: str, *, job: str, root: Path, shm: Path, url: str, cache: Path,
     return out
 
 
-def _phases_line(phases: dict[str, float]) -> str:
+def _spawn(mode: str, *, job: str, root: Path, shm: Path, url: str, cache: Path, precompile: bool) -> dict[str, Any]:
+    return spawn_child("bench.recovery", mode, ["--job", job, "--root", str(root), "--shm", str(shm), "--url", url,
+                                                "--cache", str(cache), "--precompile", str(int(precompile))], _env())
+
+
+def phases_line(phases: dict[str, float]) -> str:
     return ", ".join(f"{k} {v * 1000:.0f}" for k, v in phases.items()) + " ms"
 
 
-def _median_phases(runs: list[dict[str, float]]) -> dict[str, float]:
+def median_phases(runs: list[dict[str, float]]) -> dict[str, float]:
     import statistics
 
     return {k: round(statistics.median(r[k] for r in runs), 4) for k in runs[0]} if runs else {}
@@ -259,37 +264,14 @@ def _wait_committed(root: Path, job: str, step: int, timeout: float = 120.0) -> 
     return False
 
 
-def _start_ckptd(root: Path, state: Path, shm: Path) -> tuple[subprocess.Popen[bytes], str]:
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ckptd", "serve", "--root", str(root), "--host", "127.0.0.1", "--port", str(port),
-         "--state-dir", str(state), "--shm-dir", str(shm)], env=_env(), stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"ckptd exited: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("ckptd did not become ready in 60 s")
-
-
 def run_recovery(profile: Profile, results: Results, workdir: Path, shm_dir: Path) -> None:
 
     root, state, cache, shm = workdir / "root", workdir / "state", workdir / "jax-cache", shm_dir / "recovery"
     for d in (root, state, cache, shm):
         d.mkdir(parents=True, exist_ok=True)
-    proc, url = _start_ckptd(root, state, shm)
+    from bench.sidecar import start_ckptd  # not at the top: the children import this module (their start is timed)
+
+    proc, url = start_ckptd(root, state, shm, _env(), workdir / "ckptd.log")
     runs = 0
 
     def spawn(mode: str, job: str, precompile: bool = True, cache_dir: Path = cache) -> dict[str, Any]:
@@ -353,12 +335,12 @@ def run_recovery(profile: Profile, results: Results, workdir: Path, shm_dir: Pat
                   f"{s['inprocess_no_precompile_cold_cache'][-1]:.3f}s); relaunch {s['relaunch'][-1]:.3f}s "
                   f"(empty cache {s['relaunch_cold_cache'][-1]:.3f}s); ratio "
                   f"{s['relaunch'][-1] / s['inprocess_precompile'][-1]:.2f}x", flush=True)
-            print(f"    in-process phases: {_phases_line(phases['inprocess_precompile'][-1])}", flush=True)
-            print(f"    relaunch phases:   {_phases_line(phases['relaunch'][-1])}", flush=True)
-        medians = {k: _median_phases(v) for k, v in phases.items()}
+            print(f"    in-process phases: {phases_line(phases['inprocess_precompile'][-1])}", flush=True)
+            print(f"    relaunch phases:   {phases_line(phases['relaunch'][-1])}", flush=True)
+        medians = {k: median_phases(v) for k, v in phases.items()}
         print("  phases, median of the repeats (ms):", flush=True)
         for arm in arms:
-            print(f"    {arm}: {_phases_line(medians[arm])}", flush=True)
+            print(f"    {arm}: {phases_line(medians[arm])}", flush=True)
         for k, v in s.items():
             results.measure(f"recovery.{k}_s", v, "s")
         speedup = [a / b for a, b in zip(s["relaunch"], s["inprocess_precompile"], strict=True)]

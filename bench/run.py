@@ -15,7 +15,15 @@ replicas against one from the shared-memory tier: bench/replicas.py), ``multihos
 restart from memory against from storage, and the multi-host persist when bench/multihost_persist.py is
 there: bench/multihost.py), ``peers`` (the same job's restart with one host's part from a peer's copy against
 from storage, and what the copies cost training: bench/peers.py), ``first_sight`` (ms per step of 1,000
-arrays seen without records: bench/first_sight.py). Work files go to a fresh
+arrays seen without records: bench/first_sight.py).
+
+The device profile (``--profile device``; ``BENCH_DEVICE=tpu``; or found from the platform: bench/device_profile.py's
+``choose``, decided here before anything loads jax) runs on whatever device jax has instead of 8 fake CPU
+devices: families ``device`` (the replica tier's step overhead and chosen period, rates per memory kind, each
+tier's restore and first step, the shm tier's save stall: bench/device_tiers.py) and ``device_recovery`` (recovery
+in the same PID against a relaunch on one slice, ckptd on a unix socket: bench/device_recovery.py), at
+``--size`` (bench/decoder.py's: ``chip`` on an accelerator, ``toy`` on CPU), into ``results-device.json`` and the
+table of docs/benchmarks.md's "Device profile". Work files go to a fresh
 directory under ``--workdir`` (default: the system temp directory) and a shared-memory directory under
 ``--shm`` (default /dev/shm), named ``ckptd-bench-<pid>-<random>-work`` and ``-shm``; each family works in its own
 subdirectory of each, removed when the family ends (as are the processes it started that still run), and
@@ -26,13 +34,9 @@ that is killed outright is cleaned up by its reaper, and failing that by the nex
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 import argparse
 import json
+import os
 import tempfile
 import time
 import traceback
@@ -41,11 +45,12 @@ from pathlib import Path
 from typing import Any
 
 from bench import lifetime
-from bench.common import Profile, Results, free_gib, profile_from_env, rmtree, write_json
+from bench.common import DEVICE_PROFILES, Profile, Results, free_gib, profile_from_env, rmtree, write_json
 from bench.report import write_report
 
 FAMILIES = ("io", "interference", "recovery", "replicas", "multihost", "peers", "first_sight",
             "service")  # the longest (service) last
+DEVICE_FAMILIES = ("device", "device_recovery")  # the device profile's (bench/device_profile.py)
 ROOT = Path(__file__).resolve().parent.parent
 PUBLISHED = ROOT / "bench"  # the tracked results (--publish), and the tracked report beside them
 PUBLISHED_DOCS = ROOT / "docs" / "benchmarks.md"
@@ -55,7 +60,7 @@ OUTPUT = Path("bench-output")  # a run's results unless it publishes (relative t
 def _merge(previous: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
     """``payload`` over an earlier run's results of the same profile: keys, measurements and context of
     the families not run this time are kept, and ``key_runs`` says which run measured each key."""
-    if previous.get("profile", {}).get("name") != payload["profile"]["name"]:
+    if any(previous.get("profile", {}).get(k) != payload["profile"].get(k) for k in ("name", "decoder")):
         return payload
     merged = dict(payload)
     for part in ("keys", "measurements", "context", "notes"):
@@ -141,6 +146,14 @@ def run(profile: Profile, families: tuple[str, ...], out: Path, docs: Path | Non
                     from bench.peers import run_peers
 
                     run_peers(profile, results, base / "peers", family_shm)
+                elif family == "device":
+                    from bench.device_profile import run_device
+
+                    run_device(profile, results, base / "device", family_shm)
+                elif family == "device_recovery":
+                    from bench.device_profile import run_device_recovery
+
+                    run_device_recovery(profile, results, base / "device_recovery", family_shm)
                 else:
                     raise ValueError(f"unknown family {family!r}")
             except Exception as exc:  # one family failing must not lose the others' numbers
@@ -171,12 +184,19 @@ def run(profile: Profile, families: tuple[str, ...], out: Path, docs: Path | Non
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--profile", choices=["full", "quick", "toy"], default=None,
-                        help="default: quick when BENCH_QUICK=1, else full")
-    parser.add_argument("--only", default=",".join(FAMILIES), help="comma-separated families")
+    parser.add_argument("--profile", choices=["full", "quick", "toy", "device"], default=None,
+                        help="default: device when BENCH_DEVICE is set or jax's platform is not cpu "
+                        "(bench/device_profile.py), else quick when BENCH_QUICK=1, else full")
+    parser.add_argument("--only", default=None, help="comma-separated families (default: all of the profile's: "
+                        f"{','.join(FAMILIES)}; the device profile's: {','.join(DEVICE_FAMILIES)})")
+    parser.add_argument("--size", choices=sorted(DEVICE_PROFILES), default=None,
+                        help="the device profile's model size (bench/decoder.py; BENCH_DEVICE_SIZE): default chip on "
+                        "an accelerator, toy on CPU")
+    parser.add_argument("--schedule", default=None, metavar="OFF,ON,REPEATS",
+                        help="the device profile's replica arms (bench/device.py's --schedule; default by --size)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="default: results.json (full), results-quick.json (quick), results-toy.json (toy) in "
-                        f"{OUTPUT}/ (with --publish: in bench/)")
+                        help="default: results.json (full), results-quick.json (quick), results-toy.json (toy), "
+                        f"results-device.json (device) in {OUTPUT}/ (with --publish: in bench/)")
     parser.add_argument("--docs", type=Path, default=None,
                         help=f"the Markdown report to (re)write; 'none' to skip (default: {OUTPUT}/benchmarks.md, "
                         "with --publish: docs/benchmarks.md)")
@@ -190,13 +210,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--merge", action="store_true",
                         help="keep the other families' figures from an earlier run of the same profile in --out")
     args = parser.parse_args(argv)
-    profile = profile_from_env(args.profile)
+    from bench.device_profile import choose, device_size
+
+    chosen, platform = choose(args.profile, os.environ)
+    if platform is None:  # the CPU profiles: 8 fake CPU devices, unless the environment says otherwise
+        if args.size or args.schedule:
+            parser.error("--size and --schedule are the device profile's")
+        os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        profile = profile_from_env(chosen)
+    else:  # every child of the device profile runs on this platform
+        os.environ["JAX_PLATFORMS"] = platform
+        profile = DEVICE_PROFILES[device_size(platform, args.size, os.environ)]
+        if args.schedule:
+            try:
+                off, on, arms = (int(x) for x in args.schedule.split(","))
+            except ValueError:
+                parser.error("--schedule takes three numbers: OFF,ON,REPEATS")
+            profile = replace(profile, replica_schedule=(off, on, arms))
     for item in args.set:
         name, _, value = item.partition("=")
-        if name not in {f.name for f in fields(Profile)} or name == "name":
-            parser.error(f"--set: no profile field {name!r}")
+        if name not in {f.name for f in fields(Profile)} or not isinstance(getattr(profile, name), int):
+            parser.error(f"--set: no integer profile field {name!r}")
         profile = replace(profile, **{name: type(getattr(profile, name))(int(value))})
-    families = tuple(f for f in args.only.split(",") if f)
+    known = DEVICE_FAMILIES if profile.name == "device" else FAMILIES
+    families = tuple(f for f in (args.only if args.only is not None else ",".join(known)).split(",") if f)
+    if set(families) - set(known):
+        parser.error(f"the {profile.name} profile's families are {', '.join(known)}")
     where = PUBLISHED if args.publish else OUTPUT
     out = args.out or where / ("results.json" if profile.name == "full" else f"results-{profile.name}.json")
     report = PUBLISHED_DOCS if args.publish else OUTPUT / "benchmarks.md"

@@ -16,6 +16,8 @@ tmpfs beside the snapshot so both read from memory). Then, ``--repeats`` times i
   ``transfer_from_map_s`` (``device_put`` of views of the map after its checks).
 
 Prints one JSON line (medians, with every repeat's figures under ``runs``) and writes it to ``--out`` if given.
+``measure_restores`` is the measurement itself, on any state: the device profile (bench/device_tiers.py) runs it
+on the decoder's train state, with Orbax's own reader as a fourth arm and a training step after each restore.
 Runs in one process on one chip with ``JAX_PLATFORMS`` unset (no sockets, no ckptd), or on CPU devices:
 ``JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m bench.tier_restore --gb 0.25``.
 The device's memory holds the state at most twice at a time (measured, then deleted).
@@ -38,6 +40,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -53,6 +56,7 @@ from trainer_client.core.format._snapshot_shards import index_bounds
 from trainer_client.runtime._checkpointing import Checkpointer, restore, training_metadata
 from trainer_client.runtime._memory_tier import MemoryTier, restore_snapshot
 
+PyTree = Any
 # relative sizes of the leaves: a decoder's stacked layer weights (large) and norms/biases/embeddings (small)
 _WEIGHTS = (8, 8, 4, 4, 2, 1, 1, 0.5, 0.25, 0.1)
 
@@ -126,6 +130,90 @@ def _transfer_from_map(path: Path, target: dict[str, Any]) -> float:
     return seconds
 
 
+ARMS = ("numpy", "shm", "direct", "plain")
+
+
+def measure_restores(state: PyTree, shm_dir: Path, work: Path, *, repeats: int, threads: int,
+                     arms: tuple[str, ...] = ARMS[:3], diagnostics: bool = True,
+                     after: Callable[[str, PyTree], float] | None = None) -> dict[str, Any]:
+    """Save ``state`` once into a memory tier under ``shm_dir`` and (for ``direct`` and ``plain``) once as an Orbax
+    step under ``work``, keep a host copy, delete ``state`` from the devices, then restore it ``repeats`` times by
+    each of ``arms`` in alternating order, each restore checked against the host copy in the first repeat:
+    ``numpy`` (``jax.device_put`` of the host copy), ``shm`` (``restore_snapshot``), ``direct`` (``restore``: the
+    direct Orbax reader), ``plain`` (``restore(direct=False)``: Orbax's own ``PyTreeCheckpointer``).
+
+    ``after(arm, restored)``: called with each restore's arrays, which it owns (deletes or donates); returns
+    seconds recorded as ``<arm>_first_step_s`` (the device profile runs a training step from them). Without it the
+    arrays are deleted. ``diagnostics``: the shm restore's parts alone per repeat (``checksum_s``,
+    ``checksum_lazy_map_s``, ``transfer_from_map_s``; a flat dict of arrays only). Returns ``runs`` (seconds per
+    measurement, every repeat), ``state_bytes``, ``leaves`` and ``shm_save_s``."""
+    leaves = [x for x in jax.tree_util.tree_leaves(state) if isinstance(x, jax.Array)]
+    nbytes = sum(int(a.nbytes) for a in leaves)
+    mesh = leaves[0].sharding.mesh  # type: ignore[attr-defined]  # a NamedSharding's
+    target = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+    runs: dict[str, list[float]] = {}
+    meta = training_metadata(1, state, data_position=0, global_batch=1, mesh=mesh, slices=[0])
+    tier = MemoryTier(str(shm_dir), "bench", max_snapshots=1, preallocate=False)
+    started = time.perf_counter()
+    snapshot = tier.save(1, state, meta, persist=False)
+    save_s = time.perf_counter() - started
+    step_dir = None
+    if {"direct", "plain"} & set(arms):
+        ck = Checkpointer(str(work / "bench"))
+        ck.save(1, state, data_position=0, global_batch=1, mesh=mesh, slices=[0])
+        ck.wait()
+        ck.close()
+        step_dir = str(work / "bench" / "1")
+    host = jax.tree_util.tree_map(np.asarray, state)  # ordinary memory, touched
+    _drop(state)
+    del state, leaves
+    shardings = jax.tree_util.tree_map(lambda t: t.sharding, target)
+    restores: dict[str, Callable[[], PyTree]] = {
+        "numpy": lambda: jax.device_put(host, shardings),
+        "shm": lambda: restore_snapshot(snapshot, target, threads=threads),
+        "direct": lambda: restore(str(step_dir), target),
+        "plain": lambda: restore(str(step_dir), target, direct=False),
+    }
+    names = {"numpy": "numpy_to_device_s", "shm": "shm_restore_s", "direct": "direct_restore_s",
+             "plain": "plain_orbax_restore_s"}
+    for repeat in range(repeats):
+        for arm in arms if repeat % 2 == 0 else arms[::-1]:
+            seconds, out = _timed(restores[arm])
+            runs.setdefault(names[arm], []).append(seconds)
+            if repeat == 0:
+                for want, got in zip(jax.tree_util.tree_leaves(host), jax.tree_util.tree_leaves(out), strict=True):
+                    if not np.array_equal(np.asarray(got), want):
+                        raise AssertionError(f"{arm}: the restored state differs from the state saved")
+            if after is not None:
+                runs.setdefault(f"{arm}_first_step_s", []).append(after(arm, out))
+            else:
+                _drop(out)
+            del out
+        if diagnostics:
+            runs.setdefault("checksum_s", []).append(_checksums(snapshot, threads, populate=True))
+            runs.setdefault("checksum_lazy_map_s", []).append(_checksums(snapshot, threads, populate=False))
+            runs.setdefault("transfer_from_map_s", []).append(_transfer_from_map(snapshot, target))
+    return {"runs": runs, "state_bytes": nbytes, "leaves": len(jax.tree_util.tree_leaves(target)),
+            "shm_save_s": save_s}
+
+
+def summarize(measured: dict[str, Any]) -> dict[str, Any]:
+    """Medians of ``measure_restores``' runs, the rates, and each reader's rate against numpy -> device's."""
+    runs, nbytes = measured["runs"], measured["state_bytes"]
+    med = {k: statistics.median(v) for k, v in runs.items() if v}
+    out: dict[str, Any] = {"state_bytes": nbytes, "leaves": measured["leaves"],
+                           "shm_save_s": round(measured["shm_save_s"], 4), **{k: round(v, 4) for k, v in med.items()},
+                           "numpy_to_device_GBps": round(nbytes / med["numpy_to_device_s"] / 1e9, 3)}
+    readers = (("shm", "shm_restore_s"), ("direct", "direct_restore_s"), ("plain_orbax", "plain_orbax_restore_s"))
+    for name, key in readers:
+        if key in med:
+            out[f"{name}_restore_GBps"] = round(nbytes / med[key] / 1e9, 3)
+            out[f"{name}_ratio"] = round(med["numpy_to_device_s"] / med[key], 3)
+    out["shm_ratio_target"] = 0.5
+    out["runs"] = {k: [round(x, 6) for x in v] for k, v in runs.items()}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gb", type=float, default=float(os.environ.get("TIER_RESTORE_GB", "0.25")),
@@ -144,69 +232,16 @@ def main(argv: list[str] | None = None) -> int:
     specs = _state_specs(int(args.gb * 1e9), args.leaves, len(devices))
     shm_base = Path(tempfile.mkdtemp(prefix="ckptd-tier-restore-", dir=args.shm if Path(args.shm).is_dir() else None))
     work = Path(tempfile.mkdtemp(prefix="ckptd-tier-restore-", dir=args.workdir or shm_base))
-    runs: dict[str, list[float]] = {k: [] for k in (
-        "numpy_to_device_s", "shm_restore_s", "direct_restore_s", "checksum_s", "checksum_lazy_map_s",
-        "transfer_from_map_s")}
     try:
-        state = _make_state(specs, mesh)
-        nbytes = sum(a.nbytes for a in state.values())
-        target = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for k, a in state.items()}
-        meta = training_metadata(1, state, data_position=0, global_batch=1, mesh=mesh, slices=[0])
-        tier = MemoryTier(str(shm_base), "bench", max_snapshots=1, preallocate=False)
-        started = time.perf_counter()
-        snapshot = tier.save(1, state, meta, persist=False)
-        save_s = time.perf_counter() - started
-        step_dir = None
-        if not args.no_direct:
-            ck = Checkpointer(str(work / "bench"))
-            ck.save(1, state, data_position=0, global_batch=1, mesh=mesh, slices=[0])
-            ck.wait()
-            ck.close()
-            step_dir = str(work / "bench" / "1")
-        host = {k: np.asarray(a) for k, a in state.items()}  # ordinary memory, touched
-        _drop(state)
-        del state
-        shardings = {k: t.sharding for k, t in target.items()}
-        for repeat in range(args.repeats):
-            order = ["numpy", "shm", "direct"] if repeat % 2 == 0 else ["direct", "shm", "numpy"]
-            for arm in order:
-                if arm == "numpy":
-                    seconds, out = _timed(lambda: jax.device_put(host, shardings))
-                    runs["numpy_to_device_s"].append(seconds)
-                elif arm == "shm":
-                    seconds, out = _timed(lambda: restore_snapshot(snapshot, target, threads=threads))
-                    runs["shm_restore_s"].append(seconds)
-                elif step_dir is not None:
-                    seconds, out = _timed(lambda: restore(step_dir, target))
-                    runs["direct_restore_s"].append(seconds)
-                else:
-                    continue
-                for k, array in out.items():
-                    if repeat == 0 and not np.array_equal(np.asarray(array), host[k]):
-                        raise AssertionError(f"{arm}: {k} differs from the state saved")
-                _drop(out)
-                del out
-            runs["checksum_s"].append(_checksums(snapshot, threads, populate=True))
-            runs["checksum_lazy_map_s"].append(_checksums(snapshot, threads, populate=False))
-            runs["transfer_from_map_s"].append(_transfer_from_map(snapshot, target))
+        measured = measure_restores(_make_state(specs, mesh), shm_base, work, repeats=args.repeats, threads=threads,
+                                    arms=("numpy", "shm") if args.no_direct else ("numpy", "shm", "direct"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm_base, ignore_errors=True)
-    med = {k: statistics.median(v) for k, v in runs.items() if v}
-    rate = nbytes / med["numpy_to_device_s"]
     result: dict[str, Any] = {
         "bench": "tier_restore", "platform": devices[0].platform, "device_kind": devices[0].device_kind,
-        "devices": len(devices), "state_bytes": nbytes, "leaves": len(specs), "threads": threads,
-        "cores": os.cpu_count(), "repeats": args.repeats, "shm_save_s": round(save_s, 4),
-        **{k: round(v, 4) for k, v in med.items()},
-        "numpy_to_device_GBps": round(rate / 1e9, 3),
-        "shm_restore_GBps": round(nbytes / med["shm_restore_s"] / 1e9, 3),
-        "shm_ratio": round(med["numpy_to_device_s"] / med["shm_restore_s"], 3), "shm_ratio_target": 0.5,
-        "runs": {k: [round(x, 4) for x in v] for k, v in runs.items() if v},
-    }
-    if "direct_restore_s" in med:
-        result["direct_restore_GBps"] = round(nbytes / med["direct_restore_s"] / 1e9, 3)
-        result["direct_ratio"] = round(med["numpy_to_device_s"] / med["direct_restore_s"], 3)
+        "devices": len(devices), "threads": threads, "cores": os.cpu_count(), "repeats": args.repeats,
+        **summarize(measured)}
     line = json.dumps(result)
     print(line, flush=True)
     if args.out:
