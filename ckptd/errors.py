@@ -7,10 +7,10 @@ CkptdError                                root (trainer_client/core/_errors.py):
     ├── InvalidRequest (ValueError)       the request's values do not make sense together
     ├── InvalidJobName (ValueError)       not one safe path segment
     ├── JobNotFound (LookupError)         no such job under the root
-    ├── StepNotFound (LookupError)        the job has no such step
-    ├── NoGoodCheckpoint (LookupError)    the job has no verified step yet
-    ├── StepNotGood                       the asked step is not verified (corrupt, quarantined, ...)
-    ├── NotReady                          the catalog is being built, or committed steps are being verified
+    ├── Refused                           a resume's or latest-good's refusal (no good step, no such step,
+    │                                     not verified yet, not good, not laid out): code, words and
+    │                                     Retry-After from the one refusal table (trainer_client/core/_refusals.py)
+    ├── NotReady                          the catalog is being built
     ├── MissingInputs (ValueError)        the advisor lacks inputs the job's history does not give
     ├── Busy                              too much work now (the advisor's slots are taken, an answer timed out)
     └── JobLimitReached                   a new job past the ``max_jobs`` setting
@@ -22,6 +22,8 @@ each code comes from the wire contract's ``ERROR_STATUS`` table, shared with the
 from __future__ import annotations
 
 from trainer_client.core._errors import CkptdError, PlanningError, StorageError, StoredFormatError
+from trainer_client.core._refusals import refusal_kind, refusal_message
+from trainer_client.core._resume_decision import Refusal
 from trainer_client.core.protocol import ErrorCode
 
 
@@ -58,29 +60,26 @@ class JobNotFound(ServiceError, LookupError):
         super().__init__(f"no job named {job!r} under the checkpoint root" + (f": {why}" if why else ""))
 
 
-class StepNotFound(ServiceError, LookupError):
-    code = ErrorCode.STEP_NOT_FOUND
+class Refused(ServiceError):
+    """A refusal of the resume decision, or of latest-good, as the one refusal table says it
+    (``trainer_client/core/_refusals.py``, which the client reads too): its code (answered with that code's
+    status), its words, and ``Retry-After`` where the table gives one (steps committed, still being verified:
+    "no checkpoint" must mean none, never "not checked yet")."""
 
-    def __init__(self, job: str, step: int) -> None:
-        super().__init__(f"job {job!r} has no step {step}")
+    def __init__(self, code: ErrorCode, message: str, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retry_after_s = retry_after_s
 
-
-class NoGoodCheckpoint(ServiceError, LookupError):
-    code = ErrorCode.NO_GOOD_CHECKPOINT
-
-    def __init__(self, job: str) -> None:
-        super().__init__(
-            f"job {job!r} has no verified checkpoint yet (partial, corrupt and quarantined steps are never served)"
-        )
-
-
-class StepNotGood(ServiceError):
-    code = ErrorCode.STEP_NOT_GOOD
+    @classmethod
+    def of(cls, why: Refusal, job: str) -> Refused:
+        """The error ckptd answers ``why`` with, for ``job``."""
+        return cls(why.code, refusal_message(job, why), refusal_kind(why.code).retry_after_s)
 
 
 class NotReady(ServiceError):
-    """Not answerable yet, but soon: the catalog is being built, or the steps that would answer are committed
-    and still being verified. "No checkpoint" must mean none, so this is 503 with ``Retry-After``."""
+    """Not answerable yet, but soon: the catalog is being built. 503 with ``Retry-After`` (steps committed and
+    still being verified are the table's ``NOT_READY`` refusal: ``Refused``)."""
 
     code = ErrorCode.NOT_READY
 
@@ -129,12 +128,10 @@ __all__ = [
     "JobLimitReached",
     "JobNotFound",
     "MissingInputs",
-    "NoGoodCheckpoint",
     "NotReady",
     "PlanningError",
+    "Refused",
     "ServiceError",
-    "StepNotFound",
-    "StepNotGood",
     "StorageError",
     "StoredFormatError",
 ]

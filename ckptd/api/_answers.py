@@ -16,32 +16,24 @@ from ckptd.api._conditional import Tagged, tag
 from ckptd.api._listing import Listing
 from ckptd.api._services import Services
 from ckptd.catalog._layouts import ANSWER_WAIT_S
-from ckptd.errors import NoGoodCheckpoint, NotReady, ServiceError, StepNotFound, StepNotGood
+from ckptd.errors import Refused, ServiceError
 from trainer_client.core import protocol as p
 from trainer_client.core._errors import PlanningError
-from trainer_client.core._resume_decision import (
-    STORAGE,
-    Candidate,
-    Refusal,
-    decide,
-    memory_candidate,
-    with_replicas,
-)
+from trainer_client.core._resume_candidates import resume_candidates
+from trainer_client.core._resume_decision import Refusal, decide
 from trainer_client.core._step_plan import plan_for_step
 
 # Refusals that name no catalogued job: not counted per job (a label per unknown name would grow without bound).
 _NOT_A_JOB = frozenset({p.ErrorCode.INVALID_JOB_NAME, p.ErrorCode.JOB_NOT_FOUND, p.ErrorCode.NOT_READY})
 
 
-def _none_yet(svc: Services, job: str) -> ServiceError:
+def _none_yet(svc: Services, job: str) -> Refused:
     """Why a job has no good step: none at all (404), or committed steps still being verified (503 with
-    Retry-After: "no checkpoint" must mean none, never "not checked yet")."""
+    Retry-After: "no checkpoint" must mean none, never "not checked yet"); as the refusal table says them."""
     pending = svc.catalog.newest(job, p.StepState.COMMITTED)
-    return NoGoodCheckpoint(job) if pending is None else _pending(job, pending.step)
-
-
-def _pending(job: str, step: int) -> NotReady:
-    return NotReady(f"step {step} of job {job!r} is committed and still being verified; retry shortly")
+    why = (Refusal(p.ErrorCode.NO_GOOD_CHECKPOINT) if pending is None
+           else Refusal(p.ErrorCode.NOT_READY, step=pending.step))
+    return Refused.of(why, job)
 
 
 class JobAnswers:
@@ -104,71 +96,45 @@ class JobAnswers:
         return tag(self._plan(job, request), "resume", job, asked)
 
     def _plan(self, job: str, request: p.ResumeRequest) -> bytes:
-        """The resume plan's bytes, from checks made now: what each tier holds, handed to the one decision
-        (trainer_client/core/_resume_decision.py) that the client's storage fallback makes too."""
+        """The resume plan's bytes, from checks made now: what each tier holds, gathered as the client's storage
+        fallback gathers it (trainer_client/core/_resume_candidates.py) and handed to the one decision."""
         self.svc.check_job(job)
         self.cat.refresh_job(job, quick=True)  # the newest committed step, even if the last periodic scan missed it
-        held: list[Candidate[bytes]] = []
-        memory = memory_candidate(self.svc.settings.shm_dir, job, request)
-        if memory is not None:
-            held.append(memory.then(_plan_bytes))
-        stored = self._stored(job, request)
-        if stored is not None:
-            held.append(stored)
-        decided = decide(with_replicas(held, request, load=p.ResumePlan.model_validate_json, dump=_plan_bytes,
-                                       job=job), request)
+        held = resume_candidates(job, request, stored=lambda: self._stored(job, request),
+                                 lay_out_stored=lambda good: self._lay_out(job, request, good),
+                                 shm_dir=self.svc.settings.shm_dir, load=p.ResumePlan.model_validate_json,
+                                 dump=_plan_bytes)
+        decided = decide(held, request)
         if isinstance(decided, Refusal):
-            raise _refused(job, decided)
+            raise Refused.of(decided, job)
         return decided
 
-    def _stored(self, job: str, request: p.ResumeRequest) -> Candidate[bytes] | None:
-        """The storage tier's candidate: the newest verified step (or the step asked for, in whatever state
-        the catalog holds it), confirmed on storage; or, with none verified, the newest one committed and
-        still being verified."""
+    def _stored(self, job: str, request: p.ResumeRequest) -> p.CheckpointInfo | None:
+        """The storage tier's step as the catalog sees it: the newest verified step (or the step asked for, in
+        whatever state the catalog holds it), confirmed on storage; or, with none verified, the newest one
+        committed and still being verified."""
         cat = self.cat
         info = cat.confirmed_latest_good(job) if request.step is None else cat.confirmed_step(job, request.step)
         if info is None and request.step is None:
             info = cat.newest(job, p.StepState.COMMITTED)
-        if info is None:
-            return None
-        if info.state is p.StepState.COMMITTED:
-            return Candidate(STORAGE, info.step, refused=Refusal(p.ErrorCode.NOT_READY, step=info.step))
-        if info.state is not p.StepState.VERIFIED:
-            return Candidate(STORAGE, info.step, refused=Refusal(
-                p.ErrorCode.STEP_NOT_GOOD, f"step {request.step} of job {job!r} is {info.state.value}: {info.reason}",
-                info.step))
-        good = info
+        return info
 
-        def lay_out() -> bytes:
-            # the step's read_step_layout, read once and kept; a read already running is waited for briefly,
-            # then 503 BUSY (ckptd/catalog/_layouts.py)
-            layout = cat.layout(good, wait_s=ANSWER_WAIT_S)
-            return self.svc.plans.answer(  # planned once per (step, request): ckptd/api/_plan_cache.py
-                good.path, request.model_dump_json(), layout,
-                # the one planner `ckptd plan` and the client's fallback call too (trainer_client/core/_step_plan.py)
-                lambda: plan_for_step(cat.storage, good.path, request, job=job, step=good.step,
-                                      layout=layout).model_dump_json().encode(),
-            )
-
-        return Candidate(STORAGE, good.step, lay_out)
+    def _lay_out(self, job: str, request: p.ResumeRequest, good: p.CheckpointInfo) -> bytes:
+        """The plan of a good step on storage, as bytes."""
+        cat = self.cat
+        # the step's read_step_layout, read once and kept; a read already running is waited for briefly, then
+        # 503 BUSY (ckptd/catalog/_layouts.py)
+        layout = cat.layout(good, wait_s=ANSWER_WAIT_S)
+        return self.svc.plans.answer(  # planned once per (step, request): ckptd/api/_plan_cache.py
+            good.path, request.model_dump_json(), layout,
+            # the one planner `ckptd plan` and the client's fallback call too (trainer_client/core/_step_plan.py)
+            lambda: plan_for_step(cat.storage, good.path, request, job=job, step=good.step,
+                                  layout=layout).model_dump_json().encode(),
+        )
 
 
 def _plan_bytes(plan: p.ResumePlan) -> bytes:
     return plan.model_dump_json().encode()
-
-
-def _refused(job: str, why: Refusal) -> ServiceError | PlanningError:
-    """The error the API answers for the decision's refusal (its status: ckptd/api/_errors.py)."""
-    code = why.code
-    if code is p.ErrorCode.NO_GOOD_CHECKPOINT:
-        return NoGoodCheckpoint(job)
-    if code is p.ErrorCode.STEP_NOT_FOUND and why.step is not None:
-        return StepNotFound(job, why.step)
-    if code is p.ErrorCode.NOT_READY and why.step is not None:
-        return _pending(job, why.step)
-    if code is p.ErrorCode.STEP_NOT_GOOD:
-        return StepNotGood(why.message)
-    return PlanningError(code, why.message)
 
 
 __all__ = ["JobAnswers"]

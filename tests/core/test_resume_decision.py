@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from trainer_client.core._errors import PlanningError
+from trainer_client.core._resume_candidates import as_is, whole_replica, with_replicas
 from trainer_client.core._resume_decision import (
     MEMORY,
     REPLICAS,
@@ -14,10 +15,7 @@ from trainer_client.core._resume_decision import (
     TIERS_FASTEST_FIRST,
     Candidate,
     Refusal,
-    as_is,
     decide,
-    whole_replica,
-    with_replicas,
 )
 from trainer_client.core.protocol import (
     ArraySpec,

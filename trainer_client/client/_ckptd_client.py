@@ -21,15 +21,9 @@ from trainer_client.client._http import ckptd_http
 from trainer_client.client._retry import RetryPolicy, retry
 from trainer_client.config import ClientSettings
 from trainer_client.core import protocol as p
-from trainer_client.core._resume_decision import (
-    STORAGE,
-    Candidate,
-    Refusal,
-    as_is,
-    decide,
-    memory_candidate,
-    with_replicas,
-)
+from trainer_client.core._refusals import refusal_kind, refusal_message, refusal_status
+from trainer_client.core._resume_candidates import StoredStep, as_is, resume_candidates
+from trainer_client.core._resume_decision import Refusal, decide
 from trainer_client.core._step_plan import plan_for_step
 from trainer_client.core._storage import Storage
 from trainer_client.core._validation import latest_good_on_storage
@@ -39,8 +33,6 @@ _log = logging.getLogger(__name__)
 
 # Answers that mean "ckptd cannot answer right now", worth a retry and then the fallback.
 _UNAVAILABLE_STATUSES = {502, 503, 504}
-# Refusals that mean "no step to resume from": NoCheckpointError (once storage agrees), not CkptdRequestError.
-_NO_CHECKPOINT = frozenset({p.ErrorCode.NO_GOOD_CHECKPOINT.value, p.ErrorCode.JOB_NOT_FOUND.value})
 
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -145,7 +137,7 @@ class CkptdClient:
         try:
             return self._request("GET", p.ROUTE_LATEST_GOOD.format(job=job), p.CheckpointInfo, conditional=True)
         except CkptdRequestError as exc:
-            if exc.code in (p.ErrorCode.NO_GOOD_CHECKPOINT.value, p.ErrorCode.JOB_NOT_FOUND.value):
+            if refusal_kind(exc.code).nothing_to_resume:  # the refusal table (trainer_client/core/_refusals.py)
                 return None
             raise
 
@@ -165,7 +157,7 @@ class CkptdClient:
             return self._request("POST", p.ROUTE_RESUME.format(job=job), p.ResumePlan,
                                  json=request.model_dump(mode="json"))
         except CkptdRequestError as exc:
-            if exc.code not in _NO_CHECKPOINT:
+            if not refusal_kind(exc.code).nothing_to_resume:
                 raise
             # Before a job starts over, make sure storage agrees: ckptd may have no good step because it
             # cannot verify them (read-only or full storage), while committed steps are there.
@@ -182,7 +174,7 @@ class CkptdClient:
                     _log.warning("ckptd has no good step of %r but storage has step %s: resuming from it (%s)",
                                  job, plan.step, exc.message)
                     return plan
-            raise _refusal(exc.code, exc.status, f"job {job!r}: {exc.message}") from exc
+            raise refusal_error(exc.code, exc.status, f"job {job!r}: {exc.message}") from exc
         except CkptdUnavailable as exc:
             if self.root is None:
                 raise
@@ -194,40 +186,40 @@ class CkptdClient:
 
     def resume_from_storage(self, job: str, request: p.ResumeRequest) -> p.ResumePlan:
         """The same plan ckptd would give, computed here (the fallback): what storage, this host's memory
-        tier and the request's replicas hold, handed to the one decision ckptd makes too
-        (trainer_client/core/_resume_decision.py). A refusal raises what ckptd's answer with that code raises
-        (``_refusal``)."""
+        tier and the request's replicas hold, gathered as ckptd gathers them
+        (trainer_client/core/_resume_candidates.py) and handed to the one decision ckptd makes too. A refusal
+        raises what ckptd's answer with that code raises (``refusal_error``)."""
         if self.root is None:
             raise CkptdUnavailable("no storage root configured for the fallback scan")
         storage = Storage(self.root)
         job_path = storage.join(job)
-        try:
+
+        def scanned() -> StoredStep | None:
             found = latest_good_on_storage(storage, job_path, at_most=request.step)
+            return None if found is None else StoredStep(found.step, found.path)
+
+        def lay_out(good: StoredStep) -> p.ResumePlan:  # the one planner of a step on storage
+            return plan_for_step(storage, good.path, request, job=job, step=good.step, source="storage_scan")
+
+        try:
+            held = resume_candidates(job, request, stored=scanned, lay_out_stored=lay_out,
+                                     shm_dir=self.settings.shm_dir, load=as_is, dump=as_is, source="storage_scan")
         except StorageError as exc:
             raise CkptdUnavailable(f"neither ckptd nor storage answered: {exc}") from exc
-        held: list[Candidate[p.ResumePlan]] = []
-        memory = memory_candidate(self.settings.shm_dir, job, request, source="storage_scan")
-        if memory is not None:
-            held.append(memory)
-        if found is not None:
-            step_path, step = found.path, found.step
-            held.append(Candidate(STORAGE, step, lambda: plan_for_step(  # the one planner of a step on storage
-                storage, step_path, request, job=job, step=step, source="storage_scan")))
-        decided = decide(with_replicas(held, request, load=as_is, dump=as_is, job=job, source="storage_scan"),
-                         request)
+        decided = decide(held, request)
         if not isinstance(decided, Refusal):
             return decided
-        which = "" if decided.step is None else f" {decided.step}"
-        raise _refusal(decided.code.value, p.ERROR_STATUS[decided.code],
-                       decided.message or f"job {job!r} has no good step{which} in {storage.url_of(job_path)}")
+        raise refusal_error(decided.code.value, refusal_status(decided.code),
+                            refusal_message(job, decided, where=storage.url_of(job_path)))
 
 
-def _refusal(code: str, status: int, message: str) -> CkptdError:
-    """What ``resume`` raises for a refusal with ``code``, whether ckptd answered it or the fallback found it:
-    ``NoCheckpointError`` when there is no step to resume from, otherwise ``CkptdRequestError``."""
-    if code in _NO_CHECKPOINT:
+def refusal_error(code: str, status: int, message: str) -> CkptdError:
+    """What ``resume`` raises for a refusal with ``code``, whether ckptd answered it or the fallback found it
+    (the refusal table, trainer_client/core/_refusals.py): ``NoCheckpointError`` when there is no step to
+    resume from, otherwise ``CkptdRequestError``."""
+    if refusal_kind(code).nothing_to_resume:
         return NoCheckpointError(message)
     return CkptdRequestError(status, code, message)
 
 
-__all__ = ["CkptdClient"]
+__all__ = ["CkptdClient", "refusal_error"]

@@ -1,15 +1,16 @@
 """The one resume decision: which step, from which tier, laid out how — or why none.
 
 A resume may restore a step from several tiers: the trainer's replica snapshots in the accelerator hosts'
-memory, a whole snapshot in host memory, a committed step on storage (and, as they come, peer copies). The
-server's ``POST /resume`` (``ckptd/api/_answers.py``) and the client's storage-scan fallback
-(``trainer_client/client/_ckptd_client.py``) gather what each tier holds in their own way (the catalog and
-its checks; a scan of storage; the request's replicas, ``with_replicas``) and hand it here as
-``Candidate``s; ``decide`` applies the one rule (docs/protocol.md, "Resume": the newest good step,
-and at equal steps the tier restored from fastest) and lays out the chosen step. What comes back is the
-plan or a ``Refusal``: a wire-contract code, never an HTTP status nor an exception; the API turns it into
-its error (``ckptd/api/_errors.py`` gives the status), the client into the exception a user gets for the
-same answer from ckptd. A new tier is a new ``source`` in ``TIERS_FASTEST_FIRST`` and candidates of it.
+memory, a whole snapshot in host memory, a committed step on storage (and, as they come, peer copies). What
+each tier holds is gathered in one place (``trainer_client/core/_resume_candidates.py``), which the server's
+``POST /resume`` (``ckptd/api/_answers.py``) and the client's storage-scan fallback
+(``trainer_client/client/_ckptd_client.py``) both call, each with what it sees; a multi-controller job's
+agreement (``trainer_client/runtime/_multihost.py``) hands its hosts' offers here too. ``decide`` applies the
+one rule (docs/protocol.md, "Resume": the newest good step, and at equal steps the tier restored from fastest)
+and lays out the chosen step. What comes back is the plan or a ``Refusal``: a wire-contract code, never an HTTP
+status nor an exception; the one refusal table (``trainer_client/core/_refusals.py``) says what each side
+makes of it: the API its error and status, the client the exception a user gets for the same answer from
+ckptd. A new tier is a new ``source`` in ``TIERS_FASTEST_FIRST`` and candidates of it.
 
 The plan of one chosen step (``resume_plan``: mesh, batch, slices, identity notes) is assembled here too,
 from the mesh planner (``trainer_client/core/_planner.py``). Pure; no jax here.
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from os import PathLike
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -28,7 +28,6 @@ from trainer_client.core._errors import PlanningError
 from trainer_client.core._identity import identity_notes
 from trainer_client.core._planner import plan_mesh
 from trainer_client.core.format._snapshot import SnapshotMeta
-from trainer_client.core.format._snapshot_dirs import newest_whole
 from trainer_client.core.protocol import (
     ArraySpec,
     BatchOptions,
@@ -54,8 +53,9 @@ U = TypeVar("U")
 class Refusal:
     """Why there is no plan, in the wire contract's terms (``code``; its HTTP status is the API's business).
 
-    ``NO_GOOD_CHECKPOINT`` and ``STEP_NOT_FOUND`` come with an empty ``message``: each side says them in its
-    own words (where it looked). Otherwise ``message`` is the tier's or the planner's."""
+    ``NO_GOOD_CHECKPOINT``, ``STEP_NOT_FOUND`` and ``NOT_READY`` come with an empty ``message``: the refusal
+    table words them (``trainer_client/core/_refusals.py``: where each side looked). Otherwise ``message`` is
+    the tier's or the planner's."""
 
     code: ErrorCode
     message: str = ""
@@ -89,16 +89,22 @@ def _rank(candidate: Candidate[T]) -> tuple[int, int]:
     return candidate.step, -TIERS_FASTEST_FIRST.index(candidate.source)
 
 
-def decide(candidates: Iterable[Candidate[T]], request: ResumeRequest) -> T | Refusal:
-    """The plan of the newest step a tier holds good (the step asked for, when ``request.step`` is set); of
-    equal steps, the one of the fastest tier. With none: the refusal of the newest step held but refused,
-    else ``NO_GOOD_CHECKPOINT`` (``STEP_NOT_FOUND`` for a step asked for). A ``PlanningError`` laying the
-    step out (devices, memory, identity) is its refusal too: a slower tier's older step is never tried
-    instead."""
-    asked = [c for c in candidates if request.step is None or c.step == request.step]
+def best(candidates: Iterable[Candidate[T]]) -> Candidate[T]:
+    """The newest of ``candidates`` (not empty); of equal steps, the one of the fastest tier."""
+    return max(candidates, key=_rank)
+
+
+def decide(candidates: Iterable[Candidate[T]], request: ResumeRequest | None = None) -> T | Refusal:
+    """The plan of the newest step a tier holds good (the step asked for, when ``request.step`` is set; None:
+    no step asked for); of equal steps, the one of the fastest tier. With none: the refusal of the newest step
+    held but refused, else ``NO_GOOD_CHECKPOINT`` (``STEP_NOT_FOUND`` for a step asked for). A ``PlanningError``
+    laying the step out (devices, memory, identity) is its refusal too: a slower tier's older step is never
+    tried instead."""
+    wanted = None if request is None else request.step
+    asked = [c for c in candidates if wanted is None or c.step == wanted]
     good = [c for c in asked if c.lay_out is not None]
     if good:
-        chosen = max(good, key=_rank)
+        chosen = best(good)
         assert chosen.lay_out is not None
         try:
             return chosen.lay_out()
@@ -106,92 +112,12 @@ def decide(candidates: Iterable[Candidate[T]], request: ResumeRequest) -> T | Re
             return Refusal(exc.code, exc.message, chosen.step)
     refused = [c for c in asked if c.refused is not None]
     if refused:
-        why = max(refused, key=_rank).refused
+        why = best(refused).refused
         assert why is not None
         return why
-    if request.step is None:
+    if wanted is None:
         return Refusal(ErrorCode.NO_GOOD_CHECKPOINT)
-    return Refusal(ErrorCode.STEP_NOT_FOUND, step=request.step)
-
-
-def memory_candidate(
-    shm_dir: str | PathLike[str] | None, job: str, request: ResumeRequest, *, source: str = "ckptd"
-) -> Candidate[ResumePlan] | None:
-    """The memory tier's candidate: the newest whole snapshot of ``job`` (not past ``request.step``), unless
-    the request leaves the memory tier out. ``source``: who plans (the plan's ``source`` field)."""
-    held = newest_whole(shm_dir, job, at_most=request.step) if request.use_memory_tier else None
-    if held is None:
-        return None
-    return Candidate(MEMORY, held[1].step,
-                     lambda: memory_snapshot_plan(job=job, request=request, snapshot=held, source=source))
-
-
-def whole_replica(request: ResumeRequest) -> list[int] | None:
-    """The slices of a replica the request's alive slices hold whole, or None (docs/protocol.md, "Resume").
-
-    What the core can check from the request alone: ``request.replicas`` names each replica's slices, and a
-    replica is whole when every one of them is among the slices ``slices_alive`` names (listed with devices).
-    Without a slice list it names (no ``slices``, or ones that do not hold ``alive_devices``), which slices
-    survived is unknown and no replica is whole. Whether each device of a listed slice still holds its copy is
-    the trainer's to check when it restores (a replica that does not read back: it asks again without
-    ``replicas``)."""
-    held = request.replicas
-    slices = slices_alive(request)[0]
-    if held is None or slices is None:
-        return None
-    alive = {s.index for s in slices if s.devices > 0}
-    return next((sorted(set(replica)) for replica in held.slices if set(replica) <= alive), None)
-
-
-def with_replicas(
-    candidates: Iterable[Candidate[T]], request: ResumeRequest,
-    *, load: Callable[[T], ResumePlan], dump: Callable[[ResumePlan], T], job: str, source: str = "ckptd",
-) -> list[Candidate[T]]:
-    """``candidates`` and the replica tier's, when the request says the trainer holds a step whose replica
-    survives whole (``whole_replica``): what ckptd's ``POST /resume`` and the client's fallback both decide on.
-
-    The replicas' plan (``tier: "replicas"``, no ``path``) is laid out from the held step's own training
-    metadata when the request carries it (``ReplicasHeld.training``: its mesh, arrays, batch and data
-    position), as a step on storage is from its own. A request without it (the replicas carry the state, not
-    its layout) gets the plan of the newest step another tier holds good, laid out for the alive devices as
-    that tier would, then named for the replicas' step (no ``data_position``: the tier keeps it with its
-    arrays); with no other good step there is then no replica candidate. ``load``/``dump``: a candidate's
-    plan to a ``ResumePlan`` and back (the server's candidates give bytes); ``job``, ``source``: the plan's."""
-    held = list(candidates)
-    replica = whole_replica(request)
-    if replica is None or request.replicas is None:
-        return held
-    step = request.replicas.step
-    note = f"restored from the replicas of step {step} in the hosts' memory (slices {replica} hold one whole)"
-    training = request.replicas.training
-    if training is not None:
-        own = training
-
-        def lay_out_own() -> T:
-            plan = resume_plan(job=job, step=step, path="", request=request, training=own,
-                               saved_layout=(own.mesh, dict(own.arrays)), source=source, tier=Tier.REPLICAS)
-            return dump(plan.model_copy(update={"notes": [*plan.notes, note]}))
-
-        return [*held, Candidate(REPLICAS, step, lay_out_own)]
-    donors = [c for c in held if c.lay_out is not None]
-    if not donors:
-        return held
-    donor = max(donors, key=_rank)
-    assert donor.lay_out is not None
-    lay_donor = donor.lay_out
-
-    def lay_out() -> T:
-        plan = load(lay_donor())
-        laid = f"{note}; laid out as step {plan.step} on {donor.source}"
-        return dump(plan.model_copy(update={
-            "step": step, "path": "", "tier": REPLICAS, "data_position": None, "notes": [*plan.notes, laid]}))
-
-    return [*held, Candidate(REPLICAS, step, lay_out)]
-
-
-def as_is(plan: ResumePlan) -> ResumePlan:
-    """``with_replicas``' ``load`` and ``dump`` where candidates give plans."""
-    return plan
+    return Refusal(ErrorCode.STEP_NOT_FOUND, step=wanted)
 
 
 def slices_alive(request: ResumeRequest) -> tuple[list[SliceAlive] | None, list[str]]:
@@ -328,13 +254,10 @@ __all__ = [
     "TIERS_FASTEST_FIRST",
     "Candidate",
     "Refusal",
-    "as_is",
     "assign_slices",
+    "best",
     "decide",
-    "memory_candidate",
     "memory_snapshot_plan",
     "resume_plan",
     "slices_alive",
-    "whole_replica",
-    "with_replicas",
 ]
