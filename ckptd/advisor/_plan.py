@@ -1,5 +1,6 @@
 """The set-up of the advisor's sweeps: the simulator's job model from the resolved inputs, the first-order periods
-(Young/Daly) and the failure process every simulated run of one answer shares (``Plan``).
+(Young/Daly per tier, from the period model the runner's autopilot uses: ``trainer_client.core.planning``) and the
+failure process every simulated run of one answer shares (``Plan``).
 
 Apart from ``ckptd.advisor._advisor`` (the sweeps and the answer) and ``ckptd.advisor._advice_text`` (the words):
 both read a ``Plan``, and neither imports the other for it.
@@ -10,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckptd.advisor._budget import WorkBudget
-from ckptd.advisor._closed_forms import daly, young_daly
 from ckptd.advisor._failures import PoissonFailures
 from ckptd.advisor._sim_model import DAY, JobModel, Policy, Schedule, SimResult
 from ckptd.advisor._simulator import simulate
+from trainer_client.core.planning import PlanInputs, TierCosts, choose
 from trainer_client.core.protocol import AdviceInput, YoungDaly
 
 
@@ -75,33 +76,37 @@ class Plan:
                         seed=self.seed, budget=self.budget)
 
 
+def first_order(model: JobModel, step: float, mtbf: float, memory_tier: bool) -> YoungDaly:
+    """The first-order periods of the period model (``trainer_client.core.planning``, the one the runner's autopilot
+    uses): with a memory tier, snapshots serve the failures that keep host memory and persistent saves (nested in
+    them, costing only the persist's overhead, at least a persist time apart) serve the rest; without one, every
+    save is persisted and costs its stall and the overhead."""
+    tiers: tuple[TierCosts, ...]
+    if memory_tier:
+        tiers = (TierCosts("memory", block_s=model.save_stall, survives=1.0 - model.host_loss_fraction),
+                 TierCosts("storage", block_s=model.persist_overhead, copy_s=model.persist_time, nested=True))
+    else:
+        tiers = (TierCosts("storage", block_s=model.save_stall + model.persist_overhead, copy_s=model.persist_time),)
+    # the first-order periods are read in seconds: the sweeps put them in whole steps (``Plan.snap``)
+    plan = choose(PlanInputs(step_s=step, tiers=tiers, mtbf_s=mtbf))
+    fastest = plan.blocks[0]
+    # Young/Daly as the formula gives it for the fastest tier; a persist time longer than that bounds the persistent
+    # period, and so the one period of a job without a memory tier is reported unbounded (the reasoning says why a
+    # persist slower than the period costs more)
+    return YoungDaly(mtbf_s=mtbf, save_cost_s=fastest.save_cost_s, period_s=fastest.young_daly_s,
+                     daly_period_s=fastest.daly_s,
+                     persistent_period_s=plan.block("storage").period_s if memory_tier else None)
+
+
 def make_plan(inputs: dict[str, AdviceInput], budget: WorkBudget | None = None) -> Plan:
     """First-order periods (Young/Daly) and the simulation set-up for the resolved inputs."""
     model = job_model(inputs)
     v = {k: float(x.value) for k, x in inputs.items()}
     mtbf = v["mtbf_hours"] * 3600.0
-    q = model.host_loss_fraction
-    tier = bool(inputs["memory_tier"].value) and q < 1.0
-    if tier:
-        # Memory snapshots serve the failures that keep host memory: MTBF / (1 - q) between them.
-        cost, period = model.save_stall, young_daly(model.save_stall, mtbf / (1.0 - q))
-        dal = daly(model.save_stall, mtbf / (1.0 - q))
-        # A persistent save costs only its overhead (its stall is the snapshot's), and cannot start before
-        # the previous one is written: at least one persist time apart.
-        first = young_daly(model.persist_overhead, mtbf / q) if q > 0 and model.persist_overhead > 0 else 0.0
-        if q == 0.0:
-            first = 64.0 * period
-        persistent: float | None = max(first, model.persist_time, period)
-        if persistent == period:  # every snapshot is persisted: every failure rolls back to the newest save
-            cost, period, dal = model.save_stall, young_daly(model.save_stall, mtbf), daly(model.save_stall, mtbf)
-            persistent = max(first, model.persist_time, period)
-    else:
-        cost = model.save_stall + model.persist_overhead
-        period, dal, persistent = young_daly(cost, mtbf), daly(cost, mtbf), None
-    yd = YoungDaly(mtbf_s=mtbf, save_cost_s=cost, period_s=period, daly_period_s=dal,
-                   persistent_period_s=persistent)
+    tier = bool(inputs["memory_tier"].value) and model.host_loss_fraction < 1.0
+    yd = first_order(model, v["step_time_s"], mtbf, tier)
     horizon = max(v["horizon_days"] * DAY, v["min_failures"] * mtbf)
     return Plan(model, v["step_time_s"], mtbf, tier, yd, horizon, int(v["seed"]), budget or WorkBudget())
 
 
-__all__ = ["Plan", "job_model", "make_plan"]
+__all__ = ["Plan", "first_order", "job_model", "make_plan"]

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from ckptd.advisor._advisor import fit_optimum
-from ckptd.advisor._closed_forms import daly, young_daly
 from ckptd.advisor._failures import PoissonFailures, TraceFailures
 from ckptd.advisor._sim_model import CAUSES, DAY, POLICIES, JobModel, Policy, Schedule, SimResult
 from ckptd.advisor._simulator import simulate
+from trainer_client.core.planning import daly, young_daly
 
 
 def free_job(**overrides: float) -> JobModel:

@@ -1,0 +1,120 @@
+"""The failure estimate (trainer_client/core/planning/_failures.py: a Gamma-Poisson posterior from a prior, each
+failure discounting what came before it) and the autopilot's hysteresis (trainer_client/core/planning/_autopilot.py):
+a new choice replaces the periods in force only when it is worth more than the threshold or they break a
+constraint."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from trainer_client.core.planning import Autopilot, FailureHistory, FailurePrior, TierCosts, choose
+
+H = 3600.0
+STEP = 0.25
+TIERS = (TierCosts("replicas", block_s=0.02, copy_s=5.0, restore_s=0.4, first_step_s=0.3),
+         TierCosts("memory", block_s=5.0, copy_s=5.0, restore_s=1.7, first_step_s=0.3),
+         TierCosts("storage", block_s=0.5, copy_s=10.0, restore_s=1.2, first_step_s=14.0, nested=True))
+SHARES = (0.7, 0.2, 0.1)
+
+
+def history(mtbf_h: float = 8.0, weight: float = 1.0) -> FailureHistory:
+    return FailureHistory(FailurePrior(mtbf_s=mtbf_h * H, weight=weight, shares=SHARES))
+
+
+def test_the_prior_is_the_estimate_until_failures_are_seen() -> None:
+    h = history(8.0)
+    e = h.estimate()
+    assert e.mtbf_s == pytest.approx(8 * H) and e.failures == 0 and e.source == "prior"
+    assert e.survives == pytest.approx((0.7, 0.9, 1.0))
+
+
+def test_a_failure_updates_the_gamma_poisson_posterior() -> None:
+    h = history(8.0, weight=2.0)
+    h.ran(2 * H)
+    h.failed(tier=1)
+    e = h.estimate()
+    # prior: 2 failures in 16 h, discounted by 0.75; then 1 failure in 2 h
+    assert e.mtbf_s == pytest.approx((0.75 * 16 * H + 2 * H) / (0.75 * 2 + 1))
+    assert e.prior_part == pytest.approx(1.5 / 2.5) and e.source == "prior"
+    # shares: the prior's worth 4 failures, plus the one recovered from memory
+    assert e.shares == pytest.approx(((4 * 0.7) / 5, (4 * 0.2 + 1) / 5, (4 * 0.1) / 5))
+
+
+def test_steady_failures_bring_the_estimate_to_their_rate_from_a_wrong_prior() -> None:
+    h = history(24.0)
+    for _ in range(20):
+        h.ran(3 * H)
+        h.failed()
+    e = h.estimate()
+    assert e.mtbf_s == pytest.approx(3 * H, rel=0.01) and e.source == "history"
+
+
+def test_the_estimate_follows_a_falling_mtbf_within_a_few_failures() -> None:
+    h = history(8.0)
+    for _ in range(20):
+        h.ran(8 * H)
+        h.failed()
+    seen = []
+    for _ in range(8):
+        h.ran(1 * H)
+        h.failed()
+        seen.append(h.estimate().mtbf_s / H)
+    assert seen == sorted(seen, reverse=True)
+    assert seen[3] < 4.0 and seen[7] < 2.0  # halfway down after 4 failures, within 2x after 8
+
+
+def test_a_quiet_spell_lengthens_the_estimate_at_once() -> None:
+    h = history(8.0)
+    for _ in range(10):
+        h.ran(1 * H)
+        h.failed()
+    short = h.estimate().mtbf_s
+    h.ran(24 * H)
+    assert h.estimate().mtbf_s > short + 24 * H / 4.5
+
+
+def test_the_first_decision_is_taken_and_the_same_inputs_keep_it() -> None:
+    pilot = Autopilot(history(4.0))
+    first = pilot.decide(STEP, TIERS, detect_s=60.0)
+    assert first.changed and first.before is None and first.reason == "the first choice"
+    assert first.plan.periods == choose(first.inputs).periods == pilot.periods
+    again = pilot.decide(STEP, TIERS, detect_s=60.0)
+    assert not again.changed and again.plan.periods == first.plan.periods
+    assert again.goodput_before == pytest.approx(again.goodput_after)
+
+
+def test_a_small_change_is_not_worth_a_change_and_a_large_one_is() -> None:
+    h = history(4.0)
+    pilot = Autopilot(h)
+    pilot.decide(STEP, TIERS, detect_s=60.0)
+    h.ran(5 * H)  # a quiet spell: the estimate grows a little; the best periods move, not worth 0.1 point
+    small = pilot.decide(STEP, TIERS, detect_s=60.0)
+    assert not small.changed and small.best.periods != small.plan.periods
+    assert "not more than the 0.1 a change needs" in small.reason
+    for _ in range(6):  # the MTBF falls to half an hour
+        h.ran(0.5 * H)
+        h.failed(tier=0)
+    big = pilot.decide(STEP, TIERS, detect_s=60.0)
+    assert big.changed and big.goodput_before is not None
+    assert big.goodput_after > big.goodput_before + 0.001
+    assert all(a <= b for a, b in zip(big.plan.periods, small.plan.periods, strict=True)
+               if a is not None and b is not None)
+    fields = big.fields()
+    assert fields["autopilot_goodput_before"] == round(big.goodput_before, 5)
+    assert fields["autopilot_replicas_period"] == big.plan.periods[0]
+    assert fields["autopilot_mtbf_source"] == "history" and fields["autopilot_failures_seen"] == 6
+    assert "was replicas every" in big.describe()
+
+
+def test_periods_that_break_a_constraint_are_replaced_whatever_the_gain() -> None:
+    pilot = Autopilot(history(4.0), min_gain=1.0)  # no gain is ever enough
+    first = pilot.decide(STEP, TIERS)
+    replicas = first.plan.periods[0]
+    assert replicas is not None
+    slower = (replace(TIERS[0], copy_s=2 * replicas * STEP), *TIERS[1:])  # the copy no longer fits its period
+    after = pilot.decide(STEP, slower)
+    assert after.changed and after.reason.startswith("the periods in force break a constraint: replicas every")
+    assert after.before is not None and not after.before.feasible and after.plan.feasible
+    assert after.plan.periods[0] is not None and after.plan.periods[0] >= 2 * replicas

@@ -1,0 +1,126 @@
+"""The live choice of every tier's period: the period model re-run as costs and failures are measured, and a new
+choice put in force only when it is worth the change.
+
+Why it exists: the runner measures each tier's costs as it saves and sees each failure as it recovers; the best
+periods move with both. Recomputing them is cheap (``choose`` is closed-form arithmetic), but changing a period
+is not free (a pacer's measurements start again, the operator sees the run change its mind) and first-order
+estimates are noisy. So the choice has hysteresis: the periods in force are re-evaluated on the new inputs, and
+replaced only when the best choice is expected to gain more than ``min_gain`` of goodput (0.1 point by default) or
+when the periods in force break a constraint (a copy no longer fits its period, a bound on steps lost). Each
+decision carries its inputs and the expected goodput before and after, for the event that reports it. jax-free:
+the runner calls it at step boundaries, and a trace harness replays failure traces through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from trainer_client.core.planning._failures import FailureEstimate, FailureHistory
+from trainer_client.core.planning._inputs import Constraints, PlanInputs, TierCosts
+from trainer_client.core.planning._periods import Plan, choose, evaluate
+
+DEFAULT_MIN_GAIN = 0.001  # expected goodput (a fraction): 0.1 point
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One decision: the plan in force after it (``plan``), the model's best for these inputs (``best``), the
+    periods in force before evaluated on the same inputs (``before``; None at the first decision)."""
+
+    plan: Plan
+    best: Plan
+    before: Plan | None
+    changed: bool
+    reason: str
+    inputs: PlanInputs
+    failures: FailureEstimate
+
+    @property
+    def goodput_before(self) -> float | None:
+        return None if self.before is None else self.before.expected.goodput
+
+    @property
+    def goodput_after(self) -> float:
+        return self.plan.expected.goodput
+
+    def describe(self) -> str:
+        was = f" (was {self.before.describe()})" if self.before is not None and self.changed else ""
+        return f"{self.plan.describe()}{was}: {self.reason}; {self.failures.describe()}"
+
+    def fields(self) -> dict[str, object]:
+        """The decision as flat event fields: its periods, its inputs and the expected goodput before and after."""
+        out: dict[str, object] = {
+            "autopilot_changed": self.changed,
+            "autopilot_reason": self.reason,
+            "autopilot_goodput_before": None if self.goodput_before is None else round(self.goodput_before, 5),
+            "autopilot_goodput_after": round(self.goodput_after, 5),
+            "autopilot_mtbf_s": round(self.inputs.mtbf_s, 1),
+            "autopilot_mtbf_source": self.failures.source,
+            "autopilot_failures_seen": self.failures.failures,
+            "autopilot_step_s": self.inputs.step_s,
+            "autopilot_lost_steps": round(self.plan.expected.lost_steps, 2),
+        }
+        for tier, costs in zip(self.plan.tiers, self.inputs.tiers, strict=True):
+            out[f"autopilot_{tier.name}_period"] = tier.period_steps
+            out[f"autopilot_{tier.name}_block_s"] = round(costs.block_s, 4)
+            out[f"autopilot_{tier.name}_copy_s"] = round(costs.copy_s, 4)
+            out[f"autopilot_{tier.name}_recovery_s"] = round(costs.recovery_s, 4)
+            out[f"autopilot_{tier.name}_survives"] = round(costs.survives, 4)
+        return out
+
+
+class Autopilot:
+    """Holds the periods in force; ``decide`` re-chooses them from the latest costs and the failure estimate of
+    ``history`` (which the caller keeps up to date: ``ran``, ``failed``)."""
+
+    def __init__(self, history: FailureHistory, *, min_gain: float = DEFAULT_MIN_GAIN) -> None:
+        if not min_gain >= 0:
+            raise ValueError(f"min_gain must be >= 0, got {min_gain!r}")
+        self.history = history
+        self.min_gain = min_gain
+        self.current: Plan | None = None
+
+    @property
+    def periods(self) -> tuple[int | None, ...] | None:
+        return None if self.current is None else self.current.periods
+
+    def inputs(self, step_s: float, tiers: Sequence[TierCosts], *, detect_s: float = 0.0,
+               constraints: Constraints | None = None) -> tuple[PlanInputs, FailureEstimate]:
+        """The model's inputs: the costs given, the MTBF and the shares of failures by tier from ``history``
+        (where the prior gives shares; else each tier's own ``survives``)."""
+        estimate = self.history.estimate()
+        survives = estimate.survives
+        if survives is not None:
+            if len(survives) != len(tiers):
+                raise ValueError(f"the prior has shares for {len(survives)} tiers, the costs {len(tiers)}")
+            tiers = [replace(t, survives=s) for t, s in zip(tiers, survives, strict=True)]
+        return PlanInputs(step_s=step_s, tiers=tuple(tiers), mtbf_s=estimate.mtbf_s, detect_s=detect_s,
+                          constraints=constraints or Constraints()), estimate
+
+    def decide(self, step_s: float, tiers: Sequence[TierCosts], *, detect_s: float = 0.0,
+               constraints: Constraints | None = None) -> Decision:
+        """Choose again; the periods in force change only when the best is worth ``min_gain`` more, or when they
+        break a constraint the best does not."""
+        inputs, estimate = self.inputs(step_s, tiers, detect_s=detect_s, constraints=constraints)
+        best = choose(inputs)
+        before = None if self.current is None else evaluate(inputs, self.current.periods)
+        if before is None:
+            changed, reason = True, "the first choice"
+        elif best.periods == before.periods:
+            changed, reason = False, "the best periods are the ones in force"
+        elif before.problems and (best.feasible or len(best.problems) < len(before.problems)):
+            changed, reason = True, "the periods in force break a constraint: " + "; ".join(before.problems)
+        else:
+            gain = best.expected.goodput - before.expected.goodput
+            changed = gain > self.min_gain
+            reason = (f"{'+' if gain >= 0 else ''}{100 * gain:.2f} points of expected goodput "
+                      f"({'more' if changed else 'not more'} than the {100 * self.min_gain:.2g} a change needs)")
+        if changed:
+            self.current = best
+        plan = best if changed or before is None else replace(before, blocks=best.blocks)
+        return Decision(plan=plan, best=best, before=before, changed=changed, reason=reason, inputs=inputs,
+                        failures=estimate)
+
+
+__all__ = ["DEFAULT_MIN_GAIN", "Autopilot", "Decision"]
