@@ -11,10 +11,12 @@ exists; the store lives in process 0 and starts empty with every incarnation of 
 2. process 0 asks for the storage answer (its sidecar's resume plan with the memory tier off, or the
    client's storage scan when the sidecar cannot answer) on a thread of its own as soon as it enters the
    round, so that call overlaps the listing of its own parts and the wait for the others' offers; it waits
-   for all offers and for that answer and decides: the newest step every host can get from its own memory
-   or from a peer's copy (the same save in every part), unless the storage step is newer; a host whose part
-   is nowhere (its memory and its peers' wiped) makes the job take storage. It publishes the decision with
-   the storage plan and, per host that must fetch its part, the host holding the copy (``decision``);
+   for all offers and for that answer and hands them to the one resume decision as candidates
+   (``candidates``: the newest step every host can get from its own memory or from a peer's copy, the same
+   save in every part; the storage step), which ckptd and the client's fallback make too
+   (``trainer_client/core/_resume_decision.py``: the newest, memory at a tie); a host whose part is nowhere
+   (its memory and its peers' wiped) leaves storage the only candidate. It publishes the decision with the
+   storage plan and, per host that must fetch its part, the host holding the copy (``decision``);
 3. every process plans from the decision (a memory plan of its own part, brought back first by its sidecar
    from the peer the decision names when its memory lacks it, or the one storage plan) and restores; then
    all exchange how it went (``restored/<k>``): if any memory restore failed (a checksum found wrong, a part
@@ -39,7 +41,9 @@ from pydantic import ValidationError
 
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.core._errors import UnsafePathError
-from trainer_client.core._resume_decision import memory_snapshot_plan
+from trainer_client.core._refusals import refusal_kind, refusal_message, refusal_status
+from trainer_client.core._resume_decision import Candidate, Refusal, memory_snapshot_plan
+from trainer_client.core._resume_decision import decide as decide_resume
 from trainer_client.core.format._peer_copies import brought_from, held_copies, request_fetch, wait_fetch
 from trainer_client.core.format._snapshot import SnapshotMeta, problems, read_meta
 from trainer_client.core.format._snapshot_dirs import complete_snapshots
@@ -126,19 +130,36 @@ def peer_sources(offers: list[list[list[Any]]], copies: list[list[list[Any]]], s
     return out
 
 
-def decide(offers: list[list[list[Any]]], storage_step: int | None,
-           copies: list[list[list[Any]]] | None = None) -> tuple[str, int | None, str | None]:
-    """``(tier, step, save)``: the newest ``[step, save]`` every process offered, or can get from a peer's copy
-    (``copies[j]``: the ``[origin, step, save]`` host j holds) (``memory``), unless the storage step is newer
-    (``storage``; memory wins a tie: it is the faster restore); ``("none", None, None)`` when neither has a
-    step."""
+def candidates(offers: list[list[list[Any]]], storage_step: int | None,
+               copies: list[list[list[Any]]] | None = None) -> list[Candidate[tuple[Tier, int, str | None]]]:
+    """What the hosts' offers and the storage answer hold, as the core decision's candidates, each laid out as
+    ``(tier, step, save)``: every ``[step, save]`` every process offered, or can get from a peer's copy
+    (``copies[j]``: the ``[origin, step, save]`` host j holds) (``memory``; of two saves of one step, the
+    greater first: the one the decision takes), and the storage step (``storage``)."""
     common = set.intersection(*_reachable(offers, copies)) if offers else set()
-    memory = max(common, default=None)
-    if memory is not None and (storage_step is None or memory[0] >= storage_step):
-        return Tier.MEMORY, memory[0], memory[1]
+
+    def memory(step: int, save: str) -> Candidate[tuple[Tier, int, str | None]]:
+        return Candidate(Tier.MEMORY, step, lambda: (Tier.MEMORY, step, save))
+
+    held = [memory(step, save) for step, save in sorted(common, reverse=True)]
     if storage_step is not None:
-        return Tier.STORAGE, storage_step, None
-    return "none", None, None
+        stored = storage_step
+        held.append(Candidate(Tier.STORAGE, stored, lambda: (Tier.STORAGE, stored, None)))
+    return held
+
+
+def decide(offers: list[list[list[Any]]], storage_step: int | None, copies: list[list[list[Any]]] | None = None,
+           request: ResumeRequest | None = None) -> tuple[str, int | None, str | None] | Refusal:
+    """``(tier, step, save)`` by the one resume decision (``trainer_client/core/_resume_decision.py``) over the
+    ``candidates`` of the offers and the storage step: the newest, memory at a tie (the faster restore), the step
+    ``request`` asks for when it asks for one; ``("none", None, None)`` when no tier holds a step, the refusal
+    when the decision refuses otherwise (a step asked for that no tier holds)."""
+    decided = decide_resume(candidates(offers, storage_step, copies), request)
+    if not isinstance(decided, Refusal):
+        return decided
+    if refusal_kind(decided.code).nothing_to_resume:
+        return "none", None, None
+    return decided
 
 
 class ResumeAgreement:
@@ -279,7 +300,18 @@ class ResumeAgreement:
                    for k in range(self.count)]
         offers, held = [o["parts"] for o in offered], [o.get("copies", []) for o in offered]
         self.timings["offers_wait_s"] = time.perf_counter() - waited - self.timings["storage_wait_s"]
-        tier, step, save = decide(offers, storage.step if storage is not None else None, held)
+        storage_step = storage.step if storage is not None else None
+
+        def settled(decided: tuple[str, int | None, str | None] | Refusal) -> tuple[str, int | None, str | None]:
+            nonlocal refused  # a refusal of the decision's own reaches every process as ckptd's would
+            if not isinstance(decided, Refusal):
+                return decided
+            if refused is None:
+                refused = [refusal_status(decided.code), decided.code.value,
+                           refusal_message(self.job, decided, where="every host's memory and storage")]
+            return "none", None, None
+
+        tier, step, save = settled(decide(offers, storage_step, held, request))
         sources = peer_sources(offers, held, step, save) if tier == Tier.MEMORY and step is not None and save else {}
         # restored onto the same global mesh only: each process holds just its own regions (any part of the step
         # here tells its mesh; with none here, a host that fetched its part finds a mismatch at its restore)
@@ -290,13 +322,13 @@ class ResumeAgreement:
                 _log.warning("step %s is in every host's memory, but the devices alive ask for mesh %s, not the "
                              "saved %s: restoring from storage", step, planned.mesh.shape,
                              mine.meta.training.mesh.shape)
-                tier, step, save = (Tier.STORAGE, storage.step, None) if storage is not None else ("none", None, None)
+                tier, step, save = settled(decide([], storage_step, request=request))  # the decision without memory
                 sources = {}
             elif mine in parts:
                 self._planned = planned
         _log.info("resume agreed by %d processes: %s step %s (offers: %s; peer copies: %s; from peers: %s; "
                   "storage: %s)", self.count, tier, step, [[s for s, _ in offer] for offer in offers],
-                  [[(o, s) for o, s, _ in h] for h in held], sources, storage.step if storage is not None else None)
+                  [[(o, s) for o, s, _ in h] for h in held], sources, storage_step)
         self.store.key_value_set(self._key("decision"), json.dumps({
             "tier": tier, "step": step, "save": save, "refused": refused,
             "sources": {str(k): j for k, j in sources.items()},
@@ -333,4 +365,4 @@ class ResumeAgreement:
         return restore_from_plan(fallback, target_for(fallback), budget), fallback
 
 
-__all__ = ["Part", "ResumeAgreement", "copy_parts", "decide", "own_parts", "peer_sources"]
+__all__ = ["Part", "ResumeAgreement", "candidates", "copy_parts", "decide", "own_parts", "peer_sources"]

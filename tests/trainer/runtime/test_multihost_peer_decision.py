@@ -7,8 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.support.peer_parts import write_part
+from trainer_client.core import _resume_decision as decision
 from trainer_client.core.format._peer_copies import copies_dir
-from trainer_client.runtime._multihost import copy_parts, decide, peer_sources
+from trainer_client.core.protocol import ErrorCode, ResumeRequest
+from trainer_client.runtime._multihost import candidates, copy_parts, decide, peer_sources
 
 
 def test_a_wiped_host_takes_its_part_from_the_peer_holding_a_copy() -> None:
@@ -49,3 +51,17 @@ def test_the_copies_offered_are_intact_parts_of_the_job_s_process_count(tmp_path
     write_part(tmp_path / "three", "job", 60, index=1, count=4).rename(held / "60")  # another process count
     assert [(p.meta.process_index, p.step) for p in copy_parts(str(shm), "job", 2)] == [(1, 50)]
     assert copy_parts(str(shm), "job", 2, at_most=45) == []
+
+
+def test_the_agreement_hands_its_candidates_to_the_one_resume_decision() -> None:
+    """Every step all hosts can get from memory and the storage step are candidates of the core decision ckptd and
+    the client's fallback make (``trainer_client/core/_resume_decision.py``): its tie rule, its step asked for."""
+    offers = [[[20, "a"], [10, "b"]], [[20, "a"], [10, "b"], [5, "c"]]]
+    held = candidates(offers, 20)
+    assert [(c.source, c.step) for c in held] == [("memory", 20), ("memory", 10), ("storage", 20)]
+    assert decide(offers, 20) == decision.decide(held) == ("memory", 20, "a")  # a tie: the faster tier
+    assert decide(offers, 20, request=ResumeRequest(alive_devices=8, step=10)) == ("memory", 10, "b")
+    assert decide(offers, 15, request=ResumeRequest(alive_devices=8, step=15)) == ("storage", 15, None)
+    why = decide(offers, None, request=ResumeRequest(alive_devices=8, step=12))  # nowhere: refused as ckptd would
+    assert isinstance(why, decision.Refusal) and (why.code, why.step) == (ErrorCode.STEP_NOT_FOUND, 12)
+    assert decide([[], []], None, request=ResumeRequest(alive_devices=8)) == ("none", None, None)  # a fresh start
