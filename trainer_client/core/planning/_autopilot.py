@@ -8,7 +8,7 @@ estimates are noisy. So the choice has hysteresis: the periods in force are re-e
 replaced only when the best choice is expected to gain more than ``min_gain`` of goodput (0.1 point by default) or
 when the periods in force break a constraint (a copy no longer fits its period, a bound on steps lost). Each
 decision carries its inputs and the expected goodput before and after, for the event that reports it. jax-free:
-the runner calls it at step boundaries, and a trace harness replays failure traces through it.
+the runner calls it at step boundaries, the trace harness (bench/autopilot.py) replays failure traces through it.
 """
 
 from __future__ import annotations
