@@ -41,8 +41,10 @@ from trainer_client.runtime._elastic_config import ElasticConfig
 from trainer_client.runtime._job_store import preemption_reached
 from trainer_client.runtime._multihost import ResumeAgreement
 from trainer_client.runtime._precompile import Precompiled, PrecompileHook, Precompiler
+from trainer_client.runtime._replica_held import Restored
 from trainer_client.runtime._replica_snapshots import RunnerReplicas
-from trainer_client.runtime._saver import Saver, restore_plan
+from trainer_client.runtime._restore_loop import restore_by_plan, restore_from_plan
+from trainer_client.runtime._saver import Saver
 from trainer_client.runtime._slices import SliceProvider
 
 PyTree = Any
@@ -171,11 +173,10 @@ class ElasticContext:
         self._data_iterator = data_iterator
         abstract = jax.eval_shape(init_fn)
         specs = specs_fn(abstract)
-        if self.plan is not None and self.plan.tier == Tier.REPLICAS:
-            restored = self._from_replicas(self.plan, abstract, specs)
-            if restored is not None:
-                return restored
-        if self.plan is None:
+        restored = self._restore(abstract, specs) if self.plan is not None else None
+        if isinstance(restored, Restored):  # the tier goes on from the state it restored
+            return self._from_replicas(restored)
+        if restored is None:
             shardings = jax.tree_util.tree_map(
                 lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
             )
@@ -184,31 +185,14 @@ class ElasticContext:
             self.runner.emit("initialized", 0, f"fresh state on mesh {list(self.mesh.devices.shape)}")
             self.runner.note_restored(None)
         else:
-            planned = self.plan
-            # a memory snapshot's iterator state is read before its arrays: ckptd may evict the snapshot once
-            # the restore has mapped it
-            held = None
-            if data_iterator is not None and planned.tier == Tier.MEMORY:
-                with contextlib.suppress(OSError, ValueError):  # gone or unusable: the restore falls back
-                    held = planned_state(planned)
-            target_for = lambda plan: target_shardings(abstract, self.mesh, specs, plan.arrays)  # noqa: E731
-            agreement = self.runner.agreement
-            if agreement is not None:
-                state, self.plan = agreement.restore(self.plan, target_for)
-            else:
-                runner, active = self.runner, self.active_slices
-                state, self.plan = restore_plan(
-                    self.plan, target_for, lambda: runner.resume_plan(active, use_memory_tier=False,
-                                                                      use_replicas=False),
-                    runner.settings.restore_host_bytes)
-            jax.block_until_ready(state)
-            self.start_step = self.plan.step
-            position = self.plan.data_position or 0
+            state, held = restored
             plan = self.plan
+            assert plan is not None
+            self.start_step = plan.step
+            position = plan.data_position or 0
             detail = f"from {plan.tier}: {plan.path}"
             if data_iterator is not None:  # from the step actually restored (the plan may have fallen back)
-                detail += ", data iterator restored" if restore_iterator(
-                    plan, data_iterator, held if plan is planned and held is not None else None) else (
+                detail += ", data iterator restored" if restore_iterator(plan, data_iterator, held) else (
                     ", no data iterator state saved with the step: the iterator starts where it is")
             self.runner.emit("restored", plan.step, detail, tier=Tier(plan.tier).value)
             self.runner.note_restored(plan)
@@ -220,25 +204,61 @@ class ElasticContext:
         self.last_step = self.start_step
         return state, self.start_step, position
 
-    def _from_replicas(self, plan: ResumePlan, abstract: PyTree, specs: PyTree) -> tuple[PyTree, int, int] | None:
-        """The plan's step from the replicas on the slices left (``replica_snapshots``), with the data position
-        and iterator state held with it; None when no whole replica survives (none reads back whole): then
-        ``self.plan`` is ckptd's answer without the replica tier (the shared-memory tier or storage; None when
-        neither holds a step: a fresh start), and the event ``replicas_unusable`` says why."""
+    def _restore(self, abstract: PyTree, specs: PyTree) -> Restored | tuple[PyTree, Any] | None:
+        """The plan's step through the one restore loop (``trainer_client/runtime/_restore_loop.py``; agreed by
+        every process of a multi-controller job): the replicas' restore, or ``(state, the data iterator's state
+        read with a memory snapshot)``; None when the replicas did not read back and no other tier holds a
+        step (a fresh start). ``self.plan`` becomes the plan restored."""
+        runner, active, plan = self.runner, self.active_slices, self.plan
+        assert plan is not None
+        target_for = lambda chosen: target_shardings(abstract, self.mesh, specs, chosen.arrays)  # noqa: E731
+        held: list[tuple[ResumePlan, Any]] = []  # a memory snapshot's iterator state, read before its arrays
+
+        def read_held(chosen: ResumePlan) -> None:  # ckptd may evict the snapshot once its arrays are mapped
+            if self._data_iterator is not None and chosen.tier == Tier.MEMORY:
+                with contextlib.suppress(OSError, ValueError):  # gone or unusable: the restore falls back
+                    held.append((chosen, planned_state(chosen)))
+
+        def restore_step(chosen: ResumePlan) -> Any:
+            if chosen.tier == Tier.REPLICAS:
+                return self._replicas_restore(chosen, target_for(chosen))
+            read_held(chosen)
+            return restore_from_plan(chosen, target_for(chosen), runner.settings.restore_host_bytes)
+
+        def without(excluded: frozenset[Tier]) -> ResumePlan | None:  # the next plan: ckptd asked again
+            return runner.resume_plan(active, use_memory_tier=Tier.MEMORY not in excluded,
+                                      use_replicas=Tier.REPLICAS not in excluded)
+
+        done: tuple[Any, ResumePlan] | None
+        if runner.agreement is not None:
+            read_held(plan)
+            done = runner.agreement.restore(plan, target_for)
+        else:
+            done = restore_by_plan(plan, restore_step, without)
+        self.plan = None if done is None else done[1]
+        if done is None or isinstance(done[0], Restored):
+            return None if done is None else done[0]
+        jax.block_until_ready(done[0])
+        return done[0], next((state for read, state in held if read is done[1]), None)
+
+    def _replicas_restore(self, plan: ResumePlan, target: PyTree) -> Restored:
+        """The plan's step from the replicas on the slices left (``replica_snapshots``); ``NoWholeReplica`` when
+        no whole replica survives (none reads back whole), told as the event ``replicas_unusable``."""
         replicas = self.runner.replicas
-        devices = list(self.mesh.devices.flat)
         try:
             if replicas is None:
                 raise NoWholeReplica("this run has no replica snapshot tier")
-            restored = replicas.restore(target_shardings(abstract, self.mesh, specs, plan.arrays), devices)
+            return replicas.restore(target, list(self.mesh.devices.flat))
         except NoWholeReplica as exc:  # a slice lost during the restore itself is a slice loss: raised on
             self.runner.emit("replicas_unusable", plan.step,
                              f"{type(exc).__name__}: {exc}"[:500] + "; asking for another tier")
-            self.plan = self.runner.resume_plan(self.active_slices, use_replicas=False)
-            if self.plan is not None and self.plan.mesh != plan.mesh:
-                _log.warning("step %s of %s is laid out on mesh %s, the attempt's mesh is %s: restored onto the "
-                             "attempt's", self.plan.step, self.plan.tier, self.plan.mesh.shape, plan.mesh.shape)
-            return None
+            raise
+
+    def _from_replicas(self, restored: Restored) -> tuple[PyTree, int, int]:
+        """The replicas' step restored, with the data position and iterator state held with it."""
+        plan = self.plan
+        replicas = self.runner.replicas
+        assert plan is not None and replicas is not None
         self.start_step = restored.step
         position = restored.data_position
         detail = f"from replicas in host memory (step {restored.step})"

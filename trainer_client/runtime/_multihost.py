@@ -50,7 +50,7 @@ from trainer_client.core.format._snapshot_dirs import complete_snapshots
 from trainer_client.core.protocol import ResumePlan, ResumeRequest, Tier
 from trainer_client.errors import CkptdRequestError, NoCheckpointError
 from trainer_client.runtime._job_store import KeyValueStore, job_store
-from trainer_client.runtime._saver import restore_from_plan
+from trainer_client.runtime._restore_loop import restore_by_plan, restore_from_plan
 
 _log = logging.getLogger(__name__)
 PyTree = Any
@@ -336,13 +336,36 @@ class ResumeAgreement:
 
     def restore(self, plan: ResumePlan, target_for: Callable[[ResumePlan], PyTree]) -> tuple[PyTree, ResumePlan]:
         """``(state, plan restored)``: the agreed plan's step onto ``target_for(plan)`` in every process, or
-        the storage step in every process when any process's memory restore failed."""
+        the storage step in every process when any process's memory restore failed (the one restore loop,
+        ``trainer_client/runtime/_restore_loop.py``, with a memory failure agreed across the processes)."""
+        budget = self.client.settings.restore_host_bytes
+        agreed_memory = self._fetch_error is not None or plan.tier == Tier.MEMORY
+
+        def restore_step(chosen: ResumePlan) -> PyTree:
+            if chosen is plan:  # the agreed step: every process tells the others how it went
+                return self._restore_agreed(plan, target_for(plan), budget)
+            return restore_from_plan(chosen, target_for(chosen), budget)  # storage, after memory failed somewhere
+
+        def failed_tier(chosen: ResumePlan, error: Exception) -> Tier | None:
+            return Tier.MEMORY if chosen is plan and agreed_memory else None  # any failure, in any process
+
+        def storage(excluded: frozenset[Tier]) -> ResumePlan | None:
+            self.peer_source = None
+            return self.storage_plan
+
+        done = restore_by_plan(plan, restore_step, storage, failed_tier=failed_tier)
+        assert done is not None  # a memory failure with no storage plan stands (FAILOVER)
+        return done
+
+    def _restore_agreed(self, plan: ResumePlan, target: PyTree, host_bytes: int | None) -> PyTree:
+        """This process's restore of the agreed plan, then every process's outcome (``restored/<k>``): the state,
+        or the error (this process's own, else one naming the processes that failed)."""
         state: PyTree = None
         error: Exception | None = None
         try:
             if self._fetch_error is not None:  # this host's part is nowhere here: the job takes storage
                 raise self._fetch_error
-            state = restore_from_plan(plan, target_for(plan), self.client.settings.restore_host_bytes)
+            state = restore_from_plan(plan, target, host_bytes)
         except Exception as exc:  # told to the others first: they must not wait for this process in vain
             error = exc
         self.store.key_value_set(self._key(f"restored/{self.index}"),
@@ -350,19 +373,11 @@ class ResumeAgreement:
         outcomes = [self.store.blocking_key_value_get(self._key(f"restored/{k}"), RESTORE_TIMEOUT_MS)
                     for k in range(self.count)]
         failed = [f"process {k}: {o}" for k, o in enumerate(outcomes) if o != "ok"]
-        if not failed:
-            return state, plan
-        if plan.tier != Tier.MEMORY and self._fetch_error is None:
-            raise error if error is not None else RuntimeError(f"restore of step {plan.step} failed in {failed}")
-        self.peer_source = None
-        _log.error("restoring step %s from memory failed (%s); every process restores from storage instead",
-                   plan.step, "; ".join(failed))
-        fallback = self.storage_plan
-        if fallback is None or fallback.mesh != plan.mesh:
-            raise error if error is not None else RuntimeError(
-                f"step {plan.step} failed to restore from memory in {failed} and storage has no step on its mesh")
-        budget = self.client.settings.restore_host_bytes
-        return restore_from_plan(fallback, target_for(fallback), budget), fallback
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(f"restore of step {plan.step} from {plan.tier} failed in {'; '.join(failed)}")
+        return state
 
 
 __all__ = ["Part", "ResumeAgreement", "candidates", "copy_parts", "decide", "own_parts", "peer_sources"]

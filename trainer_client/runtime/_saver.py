@@ -10,27 +10,24 @@ earlier direct save still being written is skipped) — training never waits on 
 stops saving because of it. In a multi-process job that route is agreed (``save_route.SaveRoute``): if any
 host's tier is full, every process saves through Orbax (a multi-process Orbax save is collective).
 
-``restore_from_plan`` reads a plan's step from whichever tier the plan names.
+Restores are the one restore loop's (``trainer_client/runtime/_restore_loop.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 import jax
 
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
-from trainer_client.core._errors import CkptdError, StoredFormatError
+from trainer_client.core._errors import CkptdError
 from trainer_client.core.format._snapshot import DataIteratorRecord
-from trainer_client.core.protocol import ResumePlan, Tier, TrainingMetadata
+from trainer_client.core.protocol import Tier, TrainingMetadata
 from trainer_client.errors import MemoryTierFull
-from trainer_client.runtime._checkpointing import restore
 from trainer_client.runtime._job_store import job_incarnation
-from trainer_client.runtime._memory_restore import restore_snapshot
 from trainer_client.runtime._memory_tier import MemoryTier
 from trainer_client.runtime._save_route import SaveRoute
 
@@ -173,31 +170,4 @@ class Saver:
             self.memory.close()
 
 
-def restore_from_plan(plan: ResumePlan, target: PyTree, host_bytes: int | None = None) -> PyTree:
-    """The plan's step onto ``target``'s shardings, from host memory or from storage (holding at most
-    ``host_bytes`` of host memory at once: ``ClientSettings.restore_host_bytes``)."""
-    if plan.tier == Tier.MEMORY:
-        return restore_snapshot(plan.path, target)
-    return restore(plan.path, target, host_bytes=host_bytes)
-
-
-def restore_plan(plan: ResumePlan, target_for: Callable[[ResumePlan], PyTree],
-                 storage_plan: Callable[[], ResumePlan | None],
-                 host_bytes: int | None = None) -> tuple[PyTree, ResumePlan]:
-    """``(state, plan restored)``: the plan's step onto ``target_for(plan)``. A memory snapshot whose bytes
-    no longer match their checksums, or that is gone by the time it is read (evicted after the plan named it),
-    is never resumed from: the step ``storage_plan()`` names instead (when it keeps the mesh; otherwise the
-    error stands)."""
-    try:
-        return restore_from_plan(plan, target_for(plan), host_bytes), plan
-    except (StoredFormatError, FileNotFoundError) as exc:
-        if plan.tier != Tier.MEMORY:
-            raise
-        _log.error("%s; restoring from storage instead", exc)
-        fallback = storage_plan()
-        if fallback is None or fallback.mesh != plan.mesh:
-            raise
-        return restore_from_plan(fallback, target_for(fallback), host_bytes), fallback
-
-
-__all__ = ["HealthWatch", "Saver", "StorageWriter", "restore_from_plan", "restore_plan"]
+__all__ = ["HealthWatch", "Saver", "StorageWriter"]

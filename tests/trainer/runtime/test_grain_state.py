@@ -29,7 +29,7 @@ from trainer_client.core import protocol as p
 from trainer_client.core._step_plan import plan_for_step
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._snapshot import SNAPSHOT_META_FILE, problems
-from trainer_client.runtime import _saver
+from trainer_client.runtime import _restore_loop
 from trainer_client.runtime._checkpointing import Checkpointer, training_metadata
 from trainer_client.runtime._data_iterator import planned_state, restore_iterator, state_record
 from trainer_client.runtime._elastic import ElasticContext
@@ -188,7 +188,7 @@ def test_an_elastic_run_reads_every_batch_an_uninterrupted_iterator_gives(
     12 when 13's copy met the loss); the other variants run without that tier."""
     if tier == "memory_evicted":
         tier = "memory"
-        restore, evicted = _saver.restore_snapshot, []
+        restore, evicted = _restore_loop.restore_snapshot, []
 
         def restore_then_evict(path: str, target: Any) -> Any:
             arrays = restore(path, target)
@@ -197,7 +197,7 @@ def test_an_elastic_run_reads_every_batch_an_uninterrupted_iterator_gives(
                 (Path(path) / SNAPSHOT_META_FILE).unlink()
             return arrays
 
-        monkeypatch.setattr(_saver, "restore_snapshot", restore_then_evict)
+        monkeypatch.setattr(_restore_loop, "restore_snapshot", restore_then_evict)
     kind = "data_loader" if tier in ("storage", "replicas") else "dataset"
 
     def make() -> Any:
