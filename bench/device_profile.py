@@ -241,6 +241,9 @@ def run_device_recovery(profile: Profile, results: Results, workdir: Path, shm_d
                   f"({relaunch['restored_from']})", flush=True)
             print(f"    in-process phases: {phases_line(inproc['phases'])}", flush=True)
             print(f"    relaunch phases:   {phases_line(relaunch['phases'])}", flush=True)
+            print(f"    compiles after the restore: in-process {_compiles_after_restore(inproc)}, relaunch "
+                  f"{_compiles_after_restore(relaunch)}; leaves whose key changed in-process: "
+                  f"{inproc.get('state_changed') or 'none'}", flush=True)
         for k, v in s.items():
             results.measure(f"device_recovery.{k}_s", v, "s")
         medians = {k: median_phases(v) for k, v in phases.items()}
@@ -264,6 +267,17 @@ def run_device_recovery(profile: Profile, results: Results, workdir: Path, shm_d
         stop_process(proc, 15)
         if sockets != workdir:
             rmtree(sockets)
+
+
+def _compiles_after_restore(child: dict[str, Any]) -> str:
+    """A recovery child's JAX compile events after its ``restored`` event: did the first step load its executable
+    from the persistent cache or compile it again (bench/device_recovery.py, ``watch_compiles``)."""
+    restored = [wall for kind, wall in child.get("timeline", []) if kind == "restored"]
+    if not restored:
+        return "no restore"
+    after = [f"{what}{'' if seconds is None else f' {seconds:.2f}s'}"
+             for wall, what, seconds in child.get("compiles", []) if wall >= restored[-1]]
+    return ", ".join(after) or "none"
 
 
 __all__ = ["accelerator_plugin", "choose", "device_size", "probe_platform", "run_device",

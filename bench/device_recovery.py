@@ -42,6 +42,43 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def watch_compiles() -> list[list[Any]]:
+    """JAX's compile events as they happen, ``[wall time, what, seconds]``: each persistent-cache hit or miss and
+    each backend compile, so a recovery's first step says whether it compiled again or loaded its executable."""
+    import jax.monitoring
+
+    seen: list[list[Any]] = []
+    wanted = {"/jax/compilation_cache/cache_hits": "cache hit", "/jax/compilation_cache/cache_misses": "cache miss"}
+
+    def on_event(event: str, **_: str | int) -> None:
+        if event in wanted:
+            seen.append([round(time.time(), 4), wanted[event], None])
+
+    def on_duration(event: str, duration_secs: float, **_: str | int) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append([round(time.time(), 4), "backend compile", round(duration_secs, 3)])
+
+    jax.monitoring.register_event_listener(on_event)
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    return seen
+
+
+def describe(state: Any) -> list[str]:
+    """Each array leaf of ``state`` as an executable's key sees it: dtype, shape, weak type, sharding (its memory
+    kind included) and layout where jax reports one."""
+    import jax
+
+    return [f"{a.dtype}{list(a.shape)} weak={a.weak_type} {a.sharding} {getattr(a, 'format', '')}"
+            for a in jax.tree_util.tree_leaves(state) if isinstance(a, jax.Array)]
+
+
+def state_changes(attempts: list[list[str]]) -> list[list[str]]:
+    """Where the first attempt's state and a later one's differ, leaf by leaf (at most 5): ``[first, later]``."""
+    if len(attempts) < 2:
+        return []
+    return [[a, b] for a, b in zip(attempts[0], attempts[-1], strict=False) if a != b][:5]
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.time()
     args = _parser().parse_args(argv)
@@ -96,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     def train(ctx: ElasticContext) -> Any:
         state, step, position = ctx.restore_or_init(
             init_fn(size), lambda abstract: jax.tree_util.tree_map(lambda _: PartitionSpec(), abstract))
+        attempts.append(describe(state))
         while step < args.fail_at + 50:  # a bound: the event callback ends the run long before
             ctx.step_boundary(step, state, position)
             if inprocess and step == args.fail_at and not faults.fired and not faults.armed:
@@ -107,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         return state
 
     events: list[Event] = []
+    attempts: list[list[str]] = []  # each attempt's state as the step sees it: what its executable is keyed on
+    compiles = watch_compiles()
 
     def on_event(event: Event) -> None:
         events.append(event)
@@ -121,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     timeline = [(e.kind, e.wall_time) for e in events]
     out: dict[str, Any] = {"mode": args.mode, "devices": len(devices), "platform": devices[0].platform,
                            "started_wall": started, "imported_wall": imported, "devices_wall": devices_up,
-                           "timeline": [[kind, round(wall, 4)] for kind, wall in timeline]}
+                           "timeline": [[kind, round(wall, 4)] for kind, wall in timeline],
+                           "compiles": compiles, "state_changed": state_changes(attempts)}
     if inprocess:
         raised = faults.raised_wall
         if raised is None:
