@@ -24,6 +24,7 @@ from etils import epath
 
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.core import protocol as p
+from trainer_client.core._refusals import refusal_kind
 from trainer_client.core._storage import Storage
 from trainer_client.core._validation import latest_good_on_storage
 from trainer_client.core.format._steps import step_entries
@@ -122,7 +123,7 @@ class GoodSteps:
         try:
             listing = client.checkpoints(self.job)
         except CkptdRequestError as exc:
-            if exc.code != p.ErrorCode.JOB_NOT_FOUND.value:
+            if not refusal_kind(exc.code).nothing_to_resume:  # no such job: no step (trainer_client/core/_refusals.py)
                 raise
             return {}
         return {info.step: info.state for info in listing.checkpoints}
