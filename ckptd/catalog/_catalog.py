@@ -1,39 +1,39 @@
 """The catalog: a SQLite cache of what storage holds, rebuilt from storage at start and kept fresh.
 
-Storage is the source of truth (docs/architecture.md, invariant 1): the catalog only remembers what a scan
-found, so that answering ``latest-good`` or ``resume`` does not re-read every step's metadata; killing ckptd
-loses nothing (the next start scans again). A refresh lists each job directory and inspects only the steps
-it has not yet settled (verified or quarantined: ``ckptd.catalog._integrity``); a step gone from storage
-leaves the catalog. A step some ckptd already verified carries a verified record (``ckptd_verified.json``)
-and is catalogued from that small file alone (10,000 small reads at a start, not gigabytes of per-array
-metadata). Rows keep the training metadata without its per-array part, read when a plan needs it. The rows,
-and every SQL statement, are the catalog's ``StepTable`` (``ckptd/catalog/_step_table.py``); which jobs it takes,
-its ``JobAdmission`` (``ckptd/catalog/_job_admission.py``).
+Storage is the source of truth (docs/architecture.md, invariant 1): the catalog only remembers what a scan found, so
+that answering ``latest-good`` or ``resume`` does not re-read every step's metadata; killing ckptd loses nothing
+(the next start scans again). A refresh lists each job directory and inspects only the steps it has not yet settled
+(verified or quarantined: ``ckptd.catalog._integrity``), and a settled one again only when its content changed
+(``ckptd/catalog/_identity.py``); a step gone from storage leaves the catalog. A step some ckptd already verified
+carries a verified record (``ckptd_verified.json``) and is catalogued from that small file alone (10,000 small reads
+at a start, not gigabytes of per-array metadata). Rows keep the training metadata without its per-array part, read
+when a plan needs it. The rows, and every SQL statement, are the catalog's ``StepTable``
+(``ckptd/catalog/_step_table.py``); which jobs it takes, its ``JobAdmission`` (``ckptd/catalog/_job_admission.py``).
 
-Before a step is named in an answer its commit marker is checked and the absence of a quarantine record;
-quick validation against its manifest when the last one is older than ``revalidate_after_s`` (the refresher
-re-checks each job's newest good step ahead of that). A job watched read-only (``read_only``, ``read_only_jobs``)
-gets its records on the side prefix ``<root>/.ckptd/<job>/`` (``trainer_client/core/format/_records.py``). With
-a lease (``ckptd/catalog/_lease.py``) only the job's leader writes records; the others serve what it wrote.
+Before a step is named in an answer its commit marker is checked, the absence of a quarantine record, and that it
+still holds the content its verdict is about (its identity: ``ckptd/catalog/_identity.py``; a step saved again
+under its number is judged again); quick validation against its manifest when the last one is older than
+``revalidate_after_s`` (the refresher re-checks each job's newest good step ahead of that). A job watched read-only
+(``read_only``, ``read_only_jobs``) gets its records on the side prefix ``<root>/.ckptd/<job>/``
+(``trainer_client/core/format/_records.py``). With a lease (``ckptd/catalog/_lease.py``) only the job's leader
+writes records; the others serve what it wrote.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import posixpath
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TypeVar
 
+from ckptd.catalog._identity import Judged, directory_time_ns, identity_of, looked_again, same_content
 from ckptd.catalog._integrity import each_step, from_verified_record, quarantine, settle
 from ckptd.catalog._job_admission import JobAdmission
 from ckptd.catalog._job_lock import lock_troubles
-from ckptd.catalog._layouts import Layouts
+from ckptd.catalog._layouts import Layouts, Recent
 from ckptd.catalog._lease import LeaseBoard
 from ckptd.catalog._step_table import FINAL_STATES, StepTable
 from trainer_client.core._errors import StorageError
@@ -43,7 +43,7 @@ from trainer_client.core.format._files import CKPTD_MANIFEST, COMMIT_MARKER, QUA
 from trainer_client.core.format._manifest import Manifest, training_summary
 from trainer_client.core.format._records import record_location, side_dir, side_job_dir, side_records
 from trainer_client.core.format._saved_layout import StepLayout, read_step_layout
-from trainer_client.core.format._steps import StepInspection, inspect_step, step_entries
+from trainer_client.core.format._steps import inspect_step, step_entries
 from trainer_client.core.protocol import CheckpointInfo, JobInfo, StepState, is_valid_job_name
 
 _log = logging.getLogger(__name__)
@@ -51,7 +51,6 @@ _log = logging.getLogger(__name__)
 _LAYOUTS_KEPT = 8  # saved layouts and manifests (all arrays of a step) kept in memory, most recently used first
 
 Layout = StepLayout  # what a plan is made from: trainer_client/core/_step_plan.py
-_V = TypeVar("_V")
 
 
 class Catalog:
@@ -82,8 +81,7 @@ class Catalog:
         self._scanned_mtime: dict[str, int] = {}
         self._validated_at: dict[str, float] = {}  # step path -> when quick validation last passed (monotonic)
         self._layouts = Layouts(_LAYOUTS_KEPT)  # one load per step at a time (ckptd/catalog/_layouts.py)
-        self._manifests: OrderedDict[str, tuple[tuple[int, float], Manifest]] = OrderedDict()  # (size, mtime)
-        self._kept_lock = threading.Lock()
+        self._manifests: Recent[tuple[tuple[int, float], Manifest]] = Recent(_LAYOUTS_KEPT)  # (size, mtime)
         self.ready = threading.Event()
         self.last_refresh: float | None = None
         self.last_error: str | None = None
@@ -188,12 +186,13 @@ class Catalog:
         return [entry.name for entry in job_entries if entry.name in names]
 
     def refresh_job(self, job: str, *, quick: bool = False) -> None:
-        """Rescan one job directory; inspects (and settles) only steps not yet verified or quarantined.
+        """Rescan one job directory; inspects (and settles) the steps not yet verified or quarantined, and those
+        settled whose content is no longer the one judged (``looked_again``: a new save under the step's name).
 
         ``quick`` (what a resume does): on a local disk, when the job directory has not changed since the
         last scan, only the steps not yet settled are looked at again — no listing of thousands of steps."""
         job_path = self.storage.join(job)
-        dir_mtime = self._dir_mtime_ns(job_path)
+        dir_mtime = directory_time_ns(self.storage, job_path)
         self.storage.invalidate(job_path)
         self.storage.invalidate(side_job_dir(self.storage, job))  # records another ckptd put on the side since
         if not self.storage.is_dir(job_path) or self.admission.refuse(job, self.admission.refusal(job)):
@@ -217,8 +216,14 @@ class Catalog:
             else:
                 self._scanned_mtime.pop(job, None)
         now = time.time()
-        found: list[tuple[str, StepInspection]] = []
+        found: list[tuple[str, Judged]] = []
         todo = [entry for _, entry in entries if known.get(entry.name) not in FINAL_STATES]
+        if not unchanged and not (quick and self.storage.is_remote):  # settled steps whose directory changed, or
+            # (on an object store, at a full pass) quarantined ones: ckptd/catalog/_identity.py
+            settled = [entry for _, entry in entries if known.get(entry.name) in FINAL_STATES]
+            resaved, kept = looked_again(self.storage, settled, self.table.settledness(job), quick=quick)
+            todo += resaved
+            self.table.keep_listed(job, kept)
         side = side_records(self.storage, job) if todo else {}  # records on the side prefix, listed once
         if side:
             self._side_jobs.add(job)
@@ -247,30 +252,28 @@ class Catalog:
         self.last_error = f"{entry.path}: {exc}"
         _log.warning("cannot inspect %s: %s", entry.path, exc)
 
-    def _inspect(self, job: str, entry: Entry, now: float | None = None) -> StepInspection | None:
-        """The commit rule and structural checks; a committed step is then verified or quarantined."""
+    def _inspect(self, job: str, entry: Entry, now: float | None = None) -> Judged | None:
+        """The commit rule and structural checks; a committed step is then verified or quarantined, and its
+        verdict's identity kept with it (of a quarantined step: its top level listed now)."""
         inspection = inspect_step(self.storage, entry, save_timeout_s=self.save_timeout_s, now=now)
-        if inspection is not None and inspection.state is StepState.COMMITTED:
-            settled = settle(self.storage, inspection, adopt_after_s=self.adopt_after_s,
-                             read_only=self.read_only_for(job), write=self.writes(job))
-            inspection = replace(inspection, state=settled.state, reason=settled.reason)
-            if settled.state is StepState.VERIFIED:
-                self._validated_at[self.storage.url_of(inspection.path)] = time.monotonic()
-        return inspection
+        if inspection is None or inspection.state is not StepState.COMMITTED:
+            return None if inspection is None else Judged(inspection)
+        settled = settle(self.storage, inspection, adopt_after_s=self.adopt_after_s,
+                         read_only=self.read_only_for(job), write=self.writes(job))
+        inspection = replace(inspection, state=settled.state, reason=settled.reason)
+        identity = settled.identity
+        if settled.state is StepState.VERIFIED:
+            self._validated_at[self.storage.url_of(inspection.path)] = time.monotonic()
+        if settled.state.value in FINAL_STATES and identity is None:
+            self.storage.invalidate(inspection.path)
+            identity = identity_of(self.storage.list_dir(inspection.path))
+        return Judged(inspection, identity)
 
     def _forget(self, path: str) -> None:
         """Drop what is kept in memory about a step (it is being inspected again)."""
         self._validated_at.pop(path, None)
         self._layouts.forget(path)
-        self._manifests.pop(path, None)
-
-    def _dir_mtime_ns(self, path: str) -> int | None:
-        if self.storage.is_remote:
-            return None  # object stores have no directory times: always list
-        try:
-            return os.stat(path).st_mtime_ns
-        except OSError:
-            return None
+        self._manifests.pop(path)
 
     # ---- answering ------------------------------------------------------------------------------
 
@@ -286,7 +289,8 @@ class Catalog:
             self._reinspect(job, info)
 
     def _still_good(self, info: CheckpointInfo) -> bool:
-        """Checked on storage before a step is named: still committed, not quarantined by anyone, and every
+        """Checked on storage before a step is named: still committed, not quarantined by anyone, still the content
+        its verdict is about (another save under its name is judged again, not against this one's manifest), every
         file its manifest lists present with its size (and, on an object store, its CRC32C): a file deleted,
         truncated or grown since is caught here however recently the step was verified, and the step
         quarantined (docs/concepts.md, "Good"). That is one listing of the step against the manifest kept in
@@ -295,10 +299,13 @@ class Catalog:
         listings of the step are dropped first: on ``gs://`` a quarantine record or a manifest another process
         wrote since would otherwise be invisible (or read with its old size)."""
         self.storage.invalidate(info.path)
-        if not self.storage.exists(join_path(info.path, COMMIT_MARKER)):
+        listed = self.storage.list_dir(info.path)  # one listing: the marker, no quarantine record, the identity
+        names = {entry.name for entry in listed}
+        if COMMIT_MARKER not in names or QUARANTINE_FILE in names:
             return False
-        if self.storage.exists(join_path(info.path, QUARANTINE_FILE)):
-            return False
+        job = posixpath.basename(posixpath.dirname(info.path.rstrip("/")))
+        if not same_content(self.table.identity(job, info.path), listed):
+            return False  # saved again since its verdict: judged again by the caller, not against the old manifest
         if self._has_side(info.path):  # one more request only where side records may be
             self.storage.invalidate(side_dir(info.path))
             if self.storage.exists(join_path(side_dir(info.path), QUARANTINE_FILE)):
@@ -332,7 +339,7 @@ class Catalog:
             self._failed(info, result.problems)
             return False
         if result.manifest is not None and key is not None:
-            self._keep(self._manifests, info.path, (key, result.manifest))
+            self._manifests.put(info.path, (key, result.manifest))
         if result.manifest is not None and training_summary(result.manifest.training) != info.training:
             return False  # re-inspected by the caller: the catalogued metadata belongs to an older write
         self._validated_at[info.path] = time.monotonic()
@@ -367,14 +374,6 @@ class Catalog:
         ``_LAYOUTS_KEPT`` steps planned most recently (a step re-inspected is dropped); a read by another caller is
         waited for, at most ``wait_s`` seconds, then ``Busy`` (``ckptd/catalog/_layouts.py``)."""
         return self._layouts.get(info.path, lambda: read_step_layout(self.storage, info.path), wait_s)
-
-    def _keep(self, cache: OrderedDict[str, _V], path: str, value: _V) -> None:
-        """Remember ``value`` for ``path`` among the ``_LAYOUTS_KEPT`` most recent (a manifest can be megabytes)."""
-        with self._kept_lock:
-            cache[path] = value
-            cache.move_to_end(path)
-            while len(cache) > _LAYOUTS_KEPT:
-                cache.popitem(last=False)
 
     def confirmed_step(self, job: str, step: int) -> CheckpointInfo | None:
         """``step``, with a committed answer checked against storage like ``confirmed_latest_good``."""

@@ -9,7 +9,8 @@ For every newly committed step ckptd
   files are never deleted, the record is on storage so every ckptd sees it after any restart;
 * seals the manifest with the two files Orbax finished after it (``_CHECKPOINT_METADATA``, the marker);
 * records the verdict (``ckptd_verified.json``), so a later start catalogues the step from that small file
-  (``from_verified_record``);
+  (``from_verified_record``); the verdict's identity (the fingerprints the record keeps) goes with the step's row,
+  so the catalog can tell when a new save took the step's name (``ckptd/catalog/_identity.py``);
 * on a local disk, fsyncs the commit marker, the final metadata, ckptd's files and the directory entries
   (the step directory and the job directory that received the rename) before reporting the step good —
   all at once from a few threads (one journal commit for all of them, not one each), then the sealed
@@ -23,11 +24,13 @@ retried at the next refresh.
 
 With ``read_only`` (a job or root watched read-only, docs/protocol.md "Read-only adoption") the same records
 are written to the side prefix ``<root>/.ckptd/<job>/<step>/`` (``trainer_client/core/format/_records.py``)
-and nothing is written or synced inside the step: quarantine is a record there, the step stays as it is.
+and nothing is written or synced inside the step: quarantine is a record there, the step stays as it is. Side
+records made for an earlier save of the step are moved aside first (``ckptd/catalog/_side_records.py``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import posixpath
@@ -39,7 +42,9 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ckptd.catalog._identity import Judged, identity_of
 from ckptd.catalog._job_workers import DaemonPool
+from ckptd.catalog._side_records import METADATA_CRC, metadata_crc, move_side_records_aside, of_an_earlier_save
 from trainer_client.core._durability import sync_paths
 from trainer_client.core._errors import StorageError
 from trainer_client.core._storage import Entry, Storage, join_path
@@ -80,13 +85,17 @@ FOLLOWER_REASON = "not verified yet: another ckptd leads this job and writes its
 class Settled:
     state: StepState
     reason: str | None
+    identity: str | None = None  # of a verified step: the fingerprints its verified record keeps
 
 
 def quarantine(storage: Storage, step_path: str, reason: str, problems: list[str], *, read_only: bool = False) -> None:
-    """Record on storage that a step is bad (on the side prefix when ``read_only``). Its files stay where
-    they are."""
+    """Record on storage that a step is bad (on the side prefix when ``read_only``), with the CRC32C of the
+    ``_CHECKPOINT_METADATA`` of the save it is about. Its files stay where they are."""
+    record = json.loads(quarantine_record(storage.url_of(step_path), reason, problems))
+    if (crc := metadata_crc(storage, step_path)) is not None:
+        record[METADATA_CRC] = crc
     write_json_file(storage, RecordPlace(step_path, read_only).write_path(QUARANTINE_FILE),
-                    quarantine_record(storage.url_of(step_path), reason, problems))
+                    json.dumps(record, indent=1))
     _log.warning("quarantined %s: %s (%s)", storage.url_of(step_path), reason, "; ".join(problems[:5]))
 
 
@@ -240,6 +249,10 @@ def settle(storage: Storage, inspection: StepInspection, *, adopt_after_s: float
     step stays committed, never served, until the leader's verified or quarantine record is there."""
     path = inspection.path
     try:
+        if read_only and of_an_earlier_save(storage, path):  # the old save's records: not this save's verdict
+            if not write:
+                return Settled(StepState.COMMITTED, FOLLOWER_REASON)
+            move_side_records_aside(storage, path)
         quarantine_raw, manifest_raw = _read_records(storage, path, manifest=write)
         if quarantine_raw is not None:
             record = parse_quarantine(quarantine_raw)
@@ -275,12 +288,14 @@ def settle(storage: Storage, inspection: StepInspection, *, adopt_after_s: float
             local = not read_only and not storage.is_remote
             verified = seal_manifest(storage, path, verified, read_only=read_only, listed=result.listed,
                                      sync=(lambda tmp: _durable(path, tmp)) if local else None)
+        identity = None
         if verified is not None:  # the verdict, for every later start: one small file instead of a re-check
-            write_verified_record(storage, path, verified, inspection.committed_at, read_only=read_only)
+            kept = write_verified_record(storage, path, verified, inspection.committed_at, read_only=read_only)
+            identity = identity_of(kept.fingerprints)
     except (OSError, StorageError, ValueError) as exc:
         return Settled(StepState.COMMITTED, f"not verified yet: {type(exc).__name__}: {exc}")
     writer = result.manifest.writer if result.manifest else None
-    return Settled(StepState.VERIFIED, "adopted: manifest written by ckptd" if writer == "adopted" else None)
+    return Settled(StepState.VERIFIED, "adopted: manifest written by ckptd" if writer == "adopted" else None, identity)
 
 
 def validate_and_quarantine(
@@ -294,10 +309,10 @@ def validate_and_quarantine(
     return result
 
 
-def from_verified_record(storage: Storage, entry: Entry, side: set[str]) -> StepInspection | None:
+def from_verified_record(storage: Storage, entry: Entry, side: set[str]) -> Judged | None:
     """A step some ckptd verified before, from its verified record alone: committed (marker there),
-    manifest there, no quarantine record (in the step, or in ``side``: its records on the side prefix).
-    None sends the step down the full inspection."""
+    manifest there, no quarantine record (in the step, or in ``side``: its records on the side prefix), and its
+    top-level files those the record fingerprints (its identity). None sends the step down the full inspection."""
     parsed = parse_step_name(entry.name)
     if parsed is None or parsed.is_tmp or not entry.is_dir:
         return None
@@ -311,8 +326,8 @@ def from_verified_record(storage: Storage, entry: Entry, side: set[str]) -> Step
     if record is None or record.step != parsed.step or record.fingerprints != fingerprints(children):
         return None  # no usable verdict, or a file changed since it: verify again
     reason = "adopted: manifest written by ckptd" if record.writer == "adopted" else None
-    return StepInspection(parsed.step, entry.path, StepState.VERIFIED, reason, record.committed_at,
-                          record.training)
+    return Judged(StepInspection(parsed.step, entry.path, StepState.VERIFIED, reason, record.committed_at,
+                                 record.training), identity_of(children), entry.mtime)
 
 
 __all__ = ["FOLLOWER_REASON", "Settled", "each_step", "from_verified_record", "quarantine", "settle",

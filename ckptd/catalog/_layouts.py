@@ -6,7 +6,8 @@ defends") — and several ask for it at once: the refresher and every resume of 
 step runs at a time; others asking meanwhile wait for it, an answer
 at most ``wait_s`` (then ``Busy``: ``503`` with ``Retry-After``, the load goes on), so a slow step holds up
 neither other steps nor the handler threads. The ``kept`` most recently used stay in memory (a layout holds
-every array of a step: megabytes for a large model); a step re-inspected is forgotten.
+every array of a step: megabytes for a large model); a step re-inspected is forgotten. ``Recent`` keeps other
+per-step values the same bounded way (the catalog's manifests).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
 from ckptd.errors import Busy
 from trainer_client.core.format._saved_layout import StepLayout
@@ -21,6 +23,7 @@ from trainer_client.core.format._saved_layout import StepLayout
 LAYOUTS_KEPT = 8
 ANSWER_WAIT_S = 1.5  # what an answer waits for another caller's read (a client's request times out at 2 s)
 RETRY_AFTER_S = 5
+_V = TypeVar("_V")
 
 
 class Layouts:
@@ -66,4 +69,28 @@ class Layouts:
             self._layouts.pop(path, None)
 
 
-__all__ = ["ANSWER_WAIT_S", "LAYOUTS_KEPT", "Layouts"]
+class Recent(Generic[_V]):
+    """Step path -> a value, the ``kept`` most recently put (a manifest can be megabytes); safe across threads."""
+
+    def __init__(self, kept: int = LAYOUTS_KEPT) -> None:
+        self.kept = kept
+        self._lock = threading.Lock()
+        self._values: OrderedDict[str, _V] = OrderedDict()
+
+    def get(self, path: str) -> _V | None:
+        with self._lock:
+            return self._values.get(path)
+
+    def put(self, path: str, value: _V) -> None:
+        with self._lock:
+            self._values[path] = value
+            self._values.move_to_end(path)
+            while len(self._values) > self.kept:
+                self._values.popitem(last=False)
+
+    def pop(self, path: str) -> None:
+        with self._lock:
+            self._values.pop(path, None)
+
+
+__all__ = ["ANSWER_WAIT_S", "LAYOUTS_KEPT", "Layouts", "Recent"]

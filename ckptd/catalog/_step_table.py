@@ -4,7 +4,8 @@ scans make. The one module of the catalog that holds SQL.
 A cache of storage (docs/architecture.md, invariant 1): dropped and rebuilt at every start, written only
 by the catalog's scans (``ckptd/catalog/_catalog.py``) and ``ckptd validate`` (``mark``). ``version`` is bumped
 after every write that changes a step's state or reason, or drops a step or a job, so answers cached per
-version are never older than the rows they came from.
+version are never older than the rows they came from. A settled step's row keeps the identity of the content its
+verdict is about, and its directory's time as last listed (``ckptd/catalog/_identity.py``).
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+from ckptd.catalog._identity import Judged, Settledness
 from trainer_client.core.format._manifest import training_summary
-from trainer_client.core.format._steps import StepInspection
 from trainer_client.core.protocol import MAX_STEP, CheckpointInfo, JobInfo, StepState, TrainingMetadata
 
-# Verified and quarantined steps are settled: looked at once (answers re-check the marker). Corrupt and
-# unverified ones are looked at again on every refresh (a directory copied in by a tool may show its
-# marker before its metadata; a failed write of a manifest is retried).
+# Verified and quarantined steps are settled: looked at once, and again only when their content changed (answers
+# re-check the marker and the identity: ckptd/catalog/_identity.py). Corrupt and unverified ones are looked at again
+# on every refresh (a directory copied in by a tool may show its marker before its metadata; a failed write of a
+# manifest is retried).
 FINAL_STATES = (StepState.VERIFIED.value, StepState.QUARANTINED.value)
 # The others, named: ``state IN (...)`` searches the (job, state, step) index; ``NOT IN`` read every row of the job.
 UNSETTLED_STATES = tuple(s.value for s in StepState if s.value not in FINAL_STATES)
@@ -42,6 +44,8 @@ CREATE TABLE IF NOT EXISTS steps (
     reason TEXT,
     committed_at REAL,
     training TEXT,
+    identity TEXT,
+    listed_mtime REAL,
     PRIMARY KEY (job, dirname)
 );
 CREATE INDEX IF NOT EXISTS steps_by_state ON steps (job, state, step);
@@ -63,6 +67,8 @@ class StepTable:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=OFF")  # a cache: storage is the truth
         self._db.executescript(_SCHEMA)
+        if "identity" not in {row[1] for row in self._db.execute("PRAGMA table_info(steps)")}:
+            self.reset()  # a file an older ckptd left: rows without identities (every start scans again anyway)
 
     def reset(self) -> None:
         """Forget every job and step (a start scans storage again)."""
@@ -176,7 +182,28 @@ class StepTable:
                 rows = self._db.execute("SELECT dirname, state, reason FROM steps WHERE job = ?", (job,))
             return {str(row[0]): (str(row[1]), row[2]) for row in rows}
 
+    def settledness(self, job: str) -> dict[str, Settledness]:
+        """Directory name -> what the row of each settled step of ``job`` says of its verdict's content."""
+        marks = ", ".join("?" * len(FINAL_STATES))
+        with self._lock:
+            rows = self._db.execute(f"SELECT dirname, state, identity, listed_mtime FROM steps WHERE job = ? AND "
+                                    f"state IN ({marks})", (job, *FINAL_STATES)).fetchall()
+        return {str(d): Settledness(str(s), i, float(m) if m is not None else None) for d, s, i, m in rows}
+
+    def identity(self, job: str, path: str) -> str | None:
+        """The identity of the content the verdict of the step stored at ``path`` is about (None: not known)."""
+        with self._lock:
+            row = self._db.execute("SELECT identity FROM steps WHERE job = ? AND path = ?", (job, path)).fetchone()
+        return str(row[0]) if row and row[0] is not None else None
+
     # ---- what scans (and ckptd validate) write ------------------------------------------------------
+
+    def keep_listed(self, job: str, listed: Mapping[str, float]) -> None:
+        """Steps looked at again and found unchanged: their directories' times as listed now (no state changes)."""
+        if listed:
+            with self._tx() as db:
+                db.executemany("UPDATE steps SET listed_mtime = ? WHERE job = ? AND dirname = ?",
+                               [(mtime, job, dirname) for dirname, mtime in listed.items()])
 
     def keep_jobs(self, names: Iterable[str]) -> None:
         """Drop every job (and its steps) not in ``names``."""
@@ -197,9 +224,10 @@ class StepTable:
             self.version += 1
 
     def record_scan(self, job: str, job_url: str, scanned_at: float, *, seen: Mapping[str, Row], gone: Iterable[str],
-                    found: Iterable[tuple[str, StepInspection]], url_of: Callable[[str], str]) -> None:
+                    found: Iterable[tuple[str, Judged]], url_of: Callable[[str], str]) -> None:
         """One scan of ``job``: the steps ``gone`` from its directory leave, those ``found`` (directory name,
-        inspection) are written; ``seen`` is what the scan started from (``scanned``), to tell a change."""
+        inspection with its identity) are written; ``seen`` is what the scan started from (``scanned``), to tell a
+        change."""
         gone, found = list(gone), list(found)
         with self._tx() as db:
             db.execute(
@@ -209,14 +237,17 @@ class StepTable:
             )
             for dirname in gone:
                 db.execute("DELETE FROM steps WHERE job = ? AND dirname = ?", (job, dirname))
-            for dirname, ins in found:
+            for dirname, judged in found:
+                ins = judged.inspection
                 db.execute(
-                    "INSERT OR REPLACE INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT OR REPLACE INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (job, dirname, ins.step, ins.state.value, url_of(ins.path), ins.reason, ins.committed_at,
-                     _summary_json(ins)),
+                     _summary_json(judged), judged.identity, judged.listed_mtime),
                 )
-        # after the commit: a reader that sees the new version reads the new rows (answers are cached per version)
-        if gone or any(seen.get(dirname) != (ins.state.value, ins.reason) for dirname, ins in found):
+        # after the commit: a reader that sees the new version reads the new rows (answers are cached per version);
+        # a settled step found again is a new save under its name: its metadata may differ whatever its state
+        if gone or any(seen.get(dirname) != (j.inspection.state.value, j.inspection.reason)
+                       or seen[dirname][0] in FINAL_STATES for dirname, j in found):
             self.version += 1
 
     def mark(self, job: str, step: int, state: StepState, reason: str | None) -> None:
@@ -226,24 +257,25 @@ class StepTable:
                        (state.value, reason, job, step, GOOD))
         self.version += 1
 
-    def record_step(self, job: str, dirname: str, inspection: StepInspection | None) -> None:
-        """One step inspected again: its new state, or gone (``None``)."""
+    def record_step(self, job: str, dirname: str, judged: Judged | None) -> None:
+        """One step inspected again: its new state and identity, or gone (``None``)."""
         with self._tx() as db:
-            if inspection is None:
+            if judged is None:
                 db.execute("DELETE FROM steps WHERE job = ? AND dirname = ?", (job, dirname))
             else:
+                ins = judged.inspection
                 db.execute(
-                    "UPDATE steps SET state = ?, reason = ?, committed_at = ?, training = ? "
-                    "WHERE job = ? AND dirname = ?",
-                    (inspection.state.value, inspection.reason, inspection.committed_at, _summary_json(inspection),
-                     job, dirname),
+                    "UPDATE steps SET state = ?, reason = ?, committed_at = ?, training = ?, identity = ?, "
+                    "listed_mtime = ? WHERE job = ? AND dirname = ?",
+                    (ins.state.value, ins.reason, ins.committed_at, _summary_json(judged), judged.identity,
+                     judged.listed_mtime, job, dirname),
                 )
         self.version += 1
 
 
-def _summary_json(inspection: StepInspection) -> str | None:
+def _summary_json(judged: Judged) -> str | None:
     """The training metadata a row keeps: without its per-array part (read from the step when a plan needs it)."""
-    summary = training_summary(inspection.training)
+    summary = training_summary(judged.inspection.training)
     return summary.model_dump_json() if summary is not None else None
 
 

@@ -174,14 +174,17 @@ def test_refresh_sees_new_vanished_and_finalized_steps(catalog: Catalog, root: P
 
 def test_a_corrupt_step_is_looked_at_again_but_a_committed_one_is_not(catalog: Catalog, root: Path) -> None:
     catalog.rebuild()
+    catalog.refresh()  # the first listing after a step's verdict notes its directory's time
     alpha = root / "alpha"
     # A tool copying a step in may show the marker before the metadata: corrupt, then whole.
     shutil.copy2(alpha / "3" / CHECKPOINT_METADATA, alpha / "5" / CHECKPOINT_METADATA)
-    # A committed step is immutable for the catalog: it is not read again until a rebuild.
+    # A settled step is not read again by refreshes while its directory stays as it was: a file rewritten in place
+    # is found before the step is named (its identity: ckptd/catalog/_identity.py), or by a rebuild.
     (alpha / "1" / CHECKPOINT_METADATA).write_text("{garbled")
     catalog.refresh()
     assert _states(catalog, "alpha")["5"] == (5, StepState.VERIFIED)
     assert _states(catalog, "alpha")["1"] == (1, StepState.VERIFIED)
+    assert catalog.confirmed_step("alpha", 1).state is StepState.CORRUPT  # type: ignore[union-attr]
     catalog.rebuild()
     assert _states(catalog, "alpha")["1"] == (1, StepState.CORRUPT)
 
