@@ -3,7 +3,8 @@
 ``validate`` settles every step the way the server does (adopting, sealing, quarantining), then with
 ``--deep`` reads every byte back and decodes every array; bad steps (and structurally corrupt ones) are
 quarantined on storage unless ``--no-quarantine``. It exits 0 only when every checked step is good.
-``gc`` prints what retention would delete and why, and deletes it unless ``--dry-run``.
+``gc`` prints what retention would delete and why, and deletes it unless ``--dry-run``; it lists the steps a save
+moved aside too, and deletes them only when told to (``ckptd/cli/_gc_aside.py``).
 
 Both settle the job's steps first (adoption writes manifests and records) and then write or delete, so on a root
 where sidecars hold the job's leadership lease (docs/multihost.md, section 7) they refuse, naming the holder,
@@ -24,6 +25,7 @@ from tqdm import tqdm
 from ckptd.catalog._integrity import quarantine, validate_and_quarantine
 from ckptd.catalog._lease import held_lease, lease_directory
 from ckptd.catalog._retention import RetentionPolicy, checked_decisions, collect
+from ckptd.cli._gc_aside import OPTION, STATE, decide_aside, delete_aside
 from ckptd.cli._support import (
     EXIT_BAD,
     EXIT_OK,
@@ -155,11 +157,14 @@ def _cmd_gc(args: argparse.Namespace) -> int:
                              keep_newer_than_s=args.keep_newer_than, clean_abandoned=not args.keep_abandoned)
     decisions = checked_decisions(cat, job, policy)
     deleted = collect(cat.storage, decisions, dry_run=args.dry_run)
+    asides = decide_aside(cat.storage, cat.storage.join(job), older_than_s=args.delete_aside_older_than,
+                          read_only=cat.read_only_for(job))
+    asides_deleted = delete_aside(cat.storage, asides, dry_run=args.dry_run)
+    verb = "would delete" if args.dry_run else "deleted"
     if args.json:
         print(json.dumps([{"step": d.step, "path": d.path, "state": d.state.value, "action": d.action,
-                           "reasons": d.reasons} for d in decisions], indent=2))
+                           "reasons": d.reasons} for d in decisions] + [a.as_json() for a in asides], indent=2))
     else:
-        verb = "would delete" if args.dry_run else "deleted"
         print(f"policy: {policy.describe()}")
         print(f"{'STEP':>10} {'STATE':<12} {'ACTION':<13} WHY")
         done = {id(d) for d in deleted}
@@ -168,7 +173,13 @@ def _cmd_gc(args: argparse.Namespace) -> int:
             action = "keep" if d.action != "delete" else verb if id(d) in done else "left"
             why = "; ".join(d.reasons) + ("" if action != "left" else "; a multi-host save's: its cleanup decides")
             print(f"{d.step:>10} {d.state.value:<12} {action:<13} {why}")
+        for a in asides:  # kept unless told otherwise: the evidence of a bad step or a save cut short
+            action = verb if a.action == "delete" else "keep"
+            print(f"{a.aside.step:>10} {STATE:<12} {action:<13} {a.aside.name} ({a.was}): {a.reason}")
         print(f"{len(deleted)} step(s) {verb}", file=sys.stderr)
+    if asides:
+        print(f"{len(asides_deleted)} moved-aside step(s) {verb}, {len(asides) - len(asides_deleted)} kept",
+              file=sys.stderr)
     return EXIT_OK
 
 
@@ -196,14 +207,19 @@ def add_parsers(sub: Any) -> None:
     gc = sub.add_parser(
         "gc", help="delete steps that retention does not keep (never the newest good step)",
         description="Delete the good steps that no retention rule keeps, and abandoned saves. Never the newest good "
-        "step, a step being written or a bad (quarantined) step. With no rule given every good step is kept. Exit 0 "
-        "when it ran.")
+        "step, a step being written or a bad (quarantined) step. With no rule given every good step is kept. Steps a "
+        "save moved aside (<step>.ckptd-aside-<UTC time>: a quarantined step or a save cut short, kept as evidence) "
+        f"are listed and never deleted by a rule: only with {OPTION}, once moved longer ago than that, and never in "
+        "a read-only job. Exit 0 when it ran.")
     gc.add_argument("target", metavar="[ROOT/]JOB", help=TARGET_HELP)
     gc.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
     gc.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N good steps")
     gc.add_argument("--keep-every", type=int, metavar="K", help="keep every step whose number is a multiple of K")
     gc.add_argument("--keep-newer-than", type=parse_duration, metavar="DURATION", help="e.g. 12h, 7d")
     gc.add_argument("--keep-abandoned", action="store_true", help="do not clean abandoned saves")
+    gc.add_argument(OPTION, type=parse_duration, metavar="DURATION",
+                    help="also delete the steps moved aside longer ago than this (the time in their name), e.g. 30d; "
+                    "without it every moved-aside step is kept")
     add_json(gc)
     add_read_only(gc)
     add_force(gc)
