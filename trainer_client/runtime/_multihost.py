@@ -343,7 +343,7 @@ class ResumeAgreement:
 
         def restore_step(chosen: ResumePlan) -> PyTree:
             if chosen is plan:  # the agreed step: every process tells the others how it went
-                return self._restore_agreed(plan, target_for(plan), budget)
+                return self._restore_agreed(plan, target_for, budget)
             return restore_from_plan(chosen, target_for(chosen), budget)  # storage, after memory failed somewhere
 
         def failed_tier(chosen: ResumePlan, error: Exception) -> Tier | None:
@@ -357,7 +357,8 @@ class ResumeAgreement:
         assert done is not None  # a memory failure with no storage plan stands (FAILOVER)
         return done
 
-    def _restore_agreed(self, plan: ResumePlan, target: PyTree, host_bytes: int | None) -> PyTree:
+    def _restore_agreed(self, plan: ResumePlan, target_for: Callable[[ResumePlan], PyTree],
+                        host_bytes: int | None) -> PyTree:
         """This process's restore of the agreed plan, then every process's outcome (``restored/<k>``): the state,
         or the error (this process's own, else one naming the processes that failed)."""
         state: PyTree = None
@@ -365,7 +366,7 @@ class ResumeAgreement:
         try:
             if self._fetch_error is not None:  # this host's part is nowhere here: the job takes storage
                 raise self._fetch_error
-            state = restore_from_plan(plan, target, host_bytes)
+            state = restore_from_plan(plan, target_for(plan), host_bytes)
         except Exception as exc:  # told to the others first: they must not wait for this process in vain
             error = exc
         self.store.key_value_set(self._key(f"restored/{self.index}"),
