@@ -85,6 +85,34 @@ def test_shorter_periods_than_a_floor_are_reported_as_breaking_it() -> None:
     assert any("storage every 400 steps" in p and "storage bandwidth" in p for p in plan.problems)
 
 
+def test_bounds_on_a_period_hold_and_a_fixed_period_is_kept() -> None:
+    free = choose(PlanInputs(STEP, three_tiers(), mtbf_s=4 * H))
+    r, m, s = free.periods
+    assert r is not None and m is not None and s is not None and r > 8
+    # the replica tier's overhead budget as a floor above its optimum: the period is the floor, named
+    replicas, memory, storage = three_tiers()
+    floored = choose(PlanInputs(STEP, (replace(replicas, min_period_s=4 * r * STEP, min_reason="overhead budget"),
+                                       memory, storage), mtbf_s=4 * H))
+    assert floored.periods[0] == 4 * r and floored.block("replicas").bound == "overhead budget"
+    # a cap below the optimum: the cap
+    capped = choose(PlanInputs(STEP, (replace(replicas, max_period_s=(r // 2) * STEP), memory, storage), mtbf_s=4 * H))
+    assert capped.periods[0] == r // 2 and capped.block("replicas").bound == "bound" and capped.feasible
+    # a fixed memory period (floor and cap at 70 steps): kept; storage, nested, is a multiple of it
+    fixed = choose(PlanInputs(STEP, (replicas, replace(memory, min_period_s=70 * STEP, max_period_s=70 * STEP),
+                                     storage), mtbf_s=4 * H))
+    assert fixed.periods[1] == 70 and fixed.periods[2] is not None and fixed.periods[2] % 70 == 0
+    # a fixed storage period under the memory tier's optimum: the two are saved together at it
+    pinned = choose(PlanInputs(STEP, (replicas, memory, replace(storage, min_period_s=40 * STEP,
+                                                                max_period_s=40 * STEP)), mtbf_s=4 * H))
+    assert pinned.periods[1:] == (40, 40) and pinned.feasible
+    # periods over a cap are a broken constraint
+    over = evaluate(PlanInputs(STEP, (replace(replicas, max_period_s=10 * STEP), memory, storage), mtbf_s=4 * H),
+                    (20, m, s))
+    assert any("replicas every 20 steps" in p and "longer than its bound" in p for p in over.problems)
+    with pytest.raises(ValueError, match="max_period_s"):
+        TierCosts("x", block_s=1.0, max_period_s=0.0)
+
+
 def test_a_host_memory_budget_leaves_an_optional_tier_off() -> None:
     tiers = tuple(t if t.name == "storage" else replace(t, optional=True, host_bytes=10e9) for t in three_tiers())
     free = choose(PlanInputs(STEP, tiers, mtbf_s=4 * H))

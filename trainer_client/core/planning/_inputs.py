@@ -30,7 +30,9 @@ class TierCosts:
     alive); a slower tier survives at least what a faster one does, and the slowest survives every failure.
     ``optional``: the tier may be left off (its host memory does not fit the budget, or it does not pay for itself).
     ``host_bytes``: host memory the tier holds while on; ``write_bytes`` and ``requests``: what one save writes to
-    storage (the bandwidth and request-rate constraints).
+    storage (the bandwidth and request-rate constraints). ``min_period_s`` and ``max_period_s``: bounds the run puts
+    on the period (a user's bounds, a period the user fixed, the replica tier's overhead budget; ``min_reason`` names
+    the lower one in the plan); the lower bound wins where they cross, as the copy's floor does.
     """
 
     name: str
@@ -44,10 +46,16 @@ class TierCosts:
     host_bytes: float = 0.0
     write_bytes: float = 0.0
     requests: float = 0.0
+    min_period_s: float = 0.0
+    max_period_s: float | None = None
+    min_reason: str = "bound"
 
     def __post_init__(self) -> None:
-        for name in ("block_s", "copy_s", "restore_s", "first_step_s", "host_bytes", "write_bytes", "requests"):
+        for name in ("block_s", "copy_s", "restore_s", "first_step_s", "host_bytes", "write_bytes", "requests",
+                     "min_period_s"):
             _check(name, getattr(self, name))
+        if self.max_period_s is not None and not (math.isfinite(self.max_period_s) and self.max_period_s > 0):
+            raise ValueError(f"max_period_s must be finite and > 0, got {self.max_period_s!r}")
         if not 0.0 <= self.survives <= 1.0:
             raise ValueError(f"survives must be in [0, 1], got {self.survives!r}")
 

@@ -135,7 +135,7 @@ def _served(inputs: PlanInputs, on: Sequence[bool]) -> list[float]:
 def _floor(inputs: PlanInputs, t: TierCosts) -> tuple[float, str | None]:
     """The shortest period (seconds) the tier allows, and what sets it."""
     c = inputs.constraints
-    options: list[tuple[float, str | None]] = [(t.copy_s, "copy")]
+    options: list[tuple[float, str | None]] = [(t.copy_s, "copy"), (t.min_period_s, t.min_reason)]
     if c.storage_Bps is not None and t.write_bytes:
         options.append((t.write_bytes / c.storage_Bps, "storage bandwidth"))
     if c.storage_requests_per_s is not None and t.requests:
@@ -147,11 +147,17 @@ def _floor(inputs: PlanInputs, t: TierCosts) -> tuple[float, str | None]:
 # ---- the first-order optimum ------------------------------------------------------------------------------------
 
 
+def _cap(t: TierCosts) -> float:
+    """The longest period the run allows the tier (seconds; inf: no bound)."""
+    return math.inf if t.max_period_s is None else t.max_period_s
+
+
 def _blocks(names: Sequence[str], costs: Sequence[float], served: Sequence[float],
-            floors: Sequence[tuple[float, str | None]], rate: float, step_s: float) -> list[Block]:
+            floors: Sequence[tuple[float, str | None]], caps: Sequence[float], rate: float,
+            step_s: float) -> list[Block]:
     """The periods minimising sum(b/T) + rate x sum(share x T/2) with periods not decreasing from the fastest tier:
-    every split into consecutive blocks, each at its own optimum within its floors, the cheapest whose periods keep
-    the order (ties: more blocks)."""
+    every split into consecutive blocks, each at its own optimum within its floors and caps (a floor wins where they
+    cross), the cheapest whose periods keep the order (ties: more blocks)."""
     best: tuple[float, list[Block]] | None = None
     prev: float | None
     for cuts in itertools.product((True, False), repeat=len(names) - 1):
@@ -166,6 +172,7 @@ def _blocks(names: Sequence[str], costs: Sequence[float], served: Sequence[float
         for g in groups:
             b, phi = sum(costs[k] for k in g), sum(served[k] for k in g)
             floor, why = max((floors[k] for k in g), key=lambda f: f[0])
+            cap = min(caps[k] for k in g)
             lam = rate * phi
             if lam > 0:
                 mtbf = 1.0 / lam
@@ -175,6 +182,8 @@ def _blocks(names: Sequence[str], costs: Sequence[float], served: Sequence[float
                 mtbf = yd = dal = math.inf
                 period = max(floor, IDLE_MULTIPLE * max(prev, step_s)) if prev is not None else math.inf
                 bound = "idle"
+            if period > cap and cap >= floor:
+                period, bound = cap, "bound"
             if prev is not None and period < prev:
                 break
             overhead = 0.0 if b == 0 else b / period if period > 0 else math.inf
@@ -196,9 +205,13 @@ def _steps(inputs: PlanInputs, active: list[tuple[int, TierCosts]], periods_s: S
         low = max(1, math.ceil(_floor(inputs, t)[0] / inputs.step_s - 1e-9))
         n = MAX_PERIOD_STEPS if not math.isfinite(period) else max(low, round(period / inputs.step_s))
         n = min(n, MAX_PERIOD_STEPS)
+        high = max(low, math.floor(_cap(t) / inputs.step_s + 1e-9)) if math.isfinite(_cap(t)) else MAX_PERIOD_STEPS
         if k and t.nested:
             base = out[k - 1]
             n = max(1, round(n / base), math.ceil(low / base)) * base
+            if n > high:  # the largest multiple within the bound; none: the bound (its own snapshot, charged)
+                n = high // base * base if high >= base else high
+        n = min(n, high)
         if k:
             n = max(n, out[k - 1])
         out.append(n)
@@ -242,6 +255,8 @@ def evaluate(inputs: PlanInputs, periods: Sequence[int | None]) -> Plan:
         if period < floor * (1 - 1e-9):
             problems.append(f"{t.name} every {n} steps ({period:.3g} s) is shorter than its {why} allows "
                             f"({floor:.3g} s)")
+        elif period > _cap(t) * (1 + 1e-9):
+            problems.append(f"{t.name} every {n} steps ({period:.3g} s) is longer than its bound ({_cap(t):.3g} s)")
     c = inputs.constraints
     held = sum(t.host_bytes for t, o in zip(tiers, on, strict=True) if o)
     if c.host_memory_bytes is not None and held > c.host_memory_bytes:
@@ -268,7 +283,7 @@ def _plan_at(inputs: PlanInputs, on: Sequence[bool], rate: float) -> tuple[list[
     active = _active(inputs, on)
     served = _served(inputs, on)
     blocks = _blocks([t.name for _, t in active], [t.block_s for _, t in active], [served[i] for i, _ in active],
-                     [_floor(inputs, t) for _, t in active], rate, inputs.step_s)
+                     [_floor(inputs, t) for _, t in active], [_cap(t) for _, t in active], rate, inputs.step_s)
     period_of = {name: b.period_s for b in blocks for name in b.tiers}
     steps = _steps(inputs, active, [period_of[t.name] for _, t in active])
     periods: list[int | None] = [None] * len(inputs.tiers)
