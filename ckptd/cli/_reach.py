@@ -1,7 +1,8 @@
 """The first contact of a ``ckptd`` command with its storage: bounded in time, and said in one line when it fails.
 
-Left to itself, gcsfs retries each request six times, backing off up to 32 s, and ends in tracebacks and a
-misleading "is not a directory" (docs/operations.md, the storage-errors table). Here the root is probed on a thread
+Left to itself, a request retries for half a minute (gcsfs's back-off, or ckptd's in its place:
+``trainer_client/core/_gcs_pacing.py``), and ends in tracebacks and a misleading "is not a directory"
+(docs/operations.md, the storage-errors table). Here the root is probed on a thread
 of its own while the command waits at most ``CKPTD_STORAGE_TIMEOUT_S`` (``ckptd.config.CliSettings``), showing on a
 terminal how long it has waited and the last error retried; then it stops with one line naming the cause
 (``trainer_client.core._storage_causes``: credentials, network, a missing bucket), exit 1. The storage backends'

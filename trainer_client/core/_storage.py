@@ -22,6 +22,7 @@ from typing import Any
 import fsspec
 
 from trainer_client.core._errors import RecordTooLargeError, StorageError, StoredFormatError, UnsafePathError
+from trainer_client.core._gcs_pacing import pace
 from trainer_client.core._said_once import SaidOnce
 from trainer_client.core._storage_causes import failure_cause
 from trainer_client.core.format._files import SIDE_DIR
@@ -140,6 +141,7 @@ class Storage:
         else:
             path = fs._strip_protocol(self.url)
         self.fs: fsspec.AbstractFileSystem = fs
+        pace(fs)  # GCS: 429/503 retried with full jitter, not gcsfs's near-lockstep schedule (core/_gcs_pacing.py)
         self.root: str = path if path.startswith("/") or self.is_remote else os.path.abspath(path)
         self._links_refused: dict[str, dict[str, str]] = {}  # directory -> {child name: where it leads}
         self._read_only: Callable[[str], bool] = lambda _job: False  # job -> ckptd writes nothing under it
