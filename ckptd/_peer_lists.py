@@ -1,8 +1,8 @@
 """The two peer-copy lists a sidecar's settings hold, parsed in one place: ``CKPTD_PEERS`` (where each host's
 sidecar listens) and ``CKPTD_PEER_MAP`` (which hosts hold whose part). ``ckptd.config`` checks them at startup
-and counts the hosts ``CKPTD_PEERS`` names; the peer channel (``ckptd.peers``) reads them to find its holders.
-A leaf module: the peers package imports the settings, so the settings cannot import the peers package
-(docs/multihost.md, "Peer copies")."""
+and counts the hosts ``CKPTD_PEERS`` names (``ckptd/peers/_settings.py``); the peer channel (``ckptd.peers``)
+reads them to find its holders. A leaf module of the shared layer, which the settings and the channel both
+import (docs/multihost.md, "Peer copies")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,10 @@
 """The sidecar's composition root: the catalog and the workers that keep it current, built from ``Settings``
 and started and stopped together.
 
+``Settings`` is read from the environment once, by ``ckptd serve``, and each part gets its own group here (the
+catalog ``storage``, the retention ``retention``, the event store ``events``, the memory tier ``memory_tier``, the
+peer channel ``peer``); none of them reads the environment or the whole ``Settings`` itself.
+
 One place wires the process (docs/architecture.md, "Package map"): ``ckptd serve`` builds a ``Sidecar`` here and
 hands it to ``create_app`` (``ckptd/api/_app.py``), whose lifespan starts it once the server runs and stops it
 at SIGTERM. The HTTP package receives what this module built and wires nothing of its own beyond what its
@@ -19,6 +23,7 @@ from ckptd.catalog._events import EventLimits, EventStore, record_retention
 from ckptd.catalog._lease import LeaseBoard
 from ckptd.catalog._refresher import Refresher
 from ckptd.catalog._retention import RetentionPolicy, prune
+from ckptd.catalog._settings import RetentionSettings, StorageSettings
 from ckptd.catalog._snapshots import SnapshotKeeper
 from ckptd.catalog._worker_client import PersistWorkerClient
 from ckptd.config import Settings
@@ -55,60 +60,61 @@ class Sidecar:
         if self.peers is not None:
             self.peers.stop()
         if self.keeper is not None:  # accepted saves reach storage while the catalog still confirms them
-            self.keeper.stop(self.settings.drain_timeout_s)
+            self.keeper.stop(self.settings.memory_tier.drain_timeout_s)
         self.tracker.stop()
         self.refresher.stop()
         if self.lease is not None:  # last: the other workers are done writing
             self.lease.stop()
 
 
-def open_catalog(settings: Settings) -> Catalog:
-    """The catalog over ``settings.root``, its SQLite cache in ``settings.catalog_path()``."""
-    return Catalog(Storage(settings.root), settings.catalog_path(), save_timeout_s=settings.save_timeout_s,
-                   adopt_after_s=settings.adopt_after_s, revalidate_after_s=settings.revalidate_after_s,
-                   max_jobs=settings.max_jobs, read_only=settings.read_only,
-                   read_only_jobs=settings.read_only_job_names())
+def open_catalog(storage: StorageSettings) -> Catalog:
+    """The catalog over ``storage.root``, its SQLite cache in ``storage.catalog_path()``."""
+    return Catalog(Storage(storage.root), storage.catalog_path(), save_timeout_s=storage.save_timeout_s,
+                   adopt_after_s=storage.adopt_after_s, revalidate_after_s=storage.revalidate_after_s,
+                   max_jobs=storage.max_jobs, read_only=storage.read_only,
+                   read_only_jobs=storage.read_only_job_names())
 
 
-def retention_policy(settings: Settings) -> RetentionPolicy:
+def retention_policy(retention: RetentionSettings) -> RetentionPolicy:
     """What the server's retention keeps (CKPTD_KEEP_*, CKPTD_CLEAN_ABANDONED)."""
-    return RetentionPolicy(keep_last=settings.keep_last, keep_every=settings.keep_every,
-                           keep_newer_than_s=settings.keep_newer_than_s, clean_abandoned=settings.clean_abandoned)
+    return RetentionPolicy(keep_last=retention.keep_last, keep_every=retention.keep_every,
+                           keep_newer_than_s=retention.keep_newer_than_s, clean_abandoned=retention.clean_abandoned)
 
 
 def build_sidecar(settings: Settings, catalog: Catalog | None = None) -> Sidecar:
-    """The catalog over ``settings.root`` (unless given: it then takes ``settings.max_jobs``) and the workers that
-    keep it current, built and not started."""
-    cat = catalog if catalog is not None else open_catalog(settings)
-    cat.max_jobs = settings.max_jobs
-    if settings.lease_ttl_s is not None:  # one writer per job among the sidecars on this root; none leads before
+    """The catalog over the storage root (unless given: it then takes the storage group's ``max_jobs``) and the
+    workers that keep it current, built and not started."""
+    storage, memory, kept = settings.storage, settings.memory_tier, settings.events
+    cat = catalog if catalog is not None else open_catalog(storage)
+    cat.max_jobs = storage.max_jobs
+    if storage.lease_ttl_s is not None:  # one writer per job among the sidecars on this root; none leads before
         # its first scan is done (a start's imports and scan can stall a process for seconds: it would lose the lease)
-        cat.lease = LeaseBoard(cat.storage, settings.lease_ttl_s, read_only=cat.read_only_for,
+        cat.lease = LeaseBoard(cat.storage, storage.lease_ttl_s, read_only=cat.read_only_for,
                                jobs=lambda: [j.name for j in cat.jobs()] if cat.ready.is_set() else [])
     metrics = Metrics()
     events = EventStore(cat.storage, EventLimits(  # <root>/<job>/.ckptd/events/ (ckptd/catalog/_events.py)
-        max_events=settings.events_max_per_job, max_bytes=settings.events_max_bytes_per_job,
-        memory_bytes=settings.events_memory_bytes), read_only=cat.read_only_for,  # a read-only job's: on the side
+        max_events=kept.events_max_per_job, max_bytes=kept.events_max_bytes_per_job,
+        memory_bytes=kept.events_memory_bytes), read_only=cat.read_only_for,  # a read-only job's: on the side
         writes=cat.writes)  # with a lease only the job's leader folds its events (docs/multihost.md, section 7)
-    tracker = CommitTracker(cat, metrics, events, interval_s=settings.refresh_interval_s)
-    policy = retention_policy(settings)
+    tracker = CommitTracker(cat, metrics, events, interval_s=storage.refresh_interval_s)
+    policy = retention_policy(settings.retention)
     keeper = (  # the host-memory tier, when a shared-memory directory is configured (ckptd/catalog/_snapshots.py)
-        SnapshotKeeper(cat.storage, settings.shm_dir, max_snapshots=settings.max_snapshots,
-                       compression=settings.persist_compression, nice=settings.persist_nice,
-                       devices=settings.persist_devices, writes=cat.writes,
+        SnapshotKeeper(cat.storage, memory.shm_dir, max_snapshots=memory.max_snapshots,
+                       compression=memory.persist_compression, nice=memory.persist_nice,
+                       devices=memory.persist_devices, writes=cat.writes,
                        on_persisted=lambda job, _step: cat.refresh_job(job))
-        if settings.shm_dir else None
+        if memory.shm_dir else None
     )
     refresher = Refresher(
-        cat, settings.refresh_interval_s,
+        cat, storage.refresh_interval_s,
         maintenance=(lambda: record_retention(events, prune(cat, policy)))
         if policy.prunes_good_steps or policy.clean_abandoned else None,
-        maintenance_interval_s=settings.gc_interval_s,
+        maintenance_interval_s=settings.retention.gc_interval_s,
         on_refresh=keeper.scan if keeper is not None else None,
         # the leader's commits
-        commit_worker=PersistWorkerClient(nice=settings.persist_nice, devices=settings.persist_devices),
+        commit_worker=PersistWorkerClient(nice=memory.persist_nice, devices=memory.persist_devices),
     )
-    peers = build_peers(settings)
+    peers = build_peers(settings.peer, memory, storage.root)
     if peers is not None:
         metrics.watch_peers(peers.snapshot)  # the channel's numbers on /metrics (docs/operations.md)
     return Sidecar(settings=settings, catalog=cat, metrics=metrics, events=events, tracker=tracker,

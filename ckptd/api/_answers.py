@@ -102,7 +102,7 @@ class JobAnswers:
         self.cat.refresh_job(job, quick=True)  # the newest committed step, even if the last periodic scan missed it
         held = resume_candidates(job, request, stored=lambda: self._stored(job, request),
                                  lay_out_stored=lambda good: self._lay_out(job, request, good),
-                                 shm_dir=self.svc.settings.shm_dir, load=p.ResumePlan.model_validate_json,
+                                 shm_dir=self.svc.settings.memory_tier.shm_dir, load=p.ResumePlan.model_validate_json,
                                  dump=_plan_bytes)
         decided = decide(held, request)
         if isinstance(decided, Refusal):

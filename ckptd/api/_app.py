@@ -39,16 +39,18 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
     """Build the ckptd app for ``settings`` over ``sidecar`` (what ``ckptd serve`` built: ``ckptd/_sidecar.py``).
 
     Without one the composition root builds it here, over ``catalog`` when given (tests), else over a catalog
-    of ``settings.root``. With ``background`` the app's lifespan starts the sidecar's workers (the catalog is
-    rebuilt, then refreshed) and stops them at shutdown.
+    of the storage root (``settings.storage``). With ``background`` the app's lifespan starts the sidecar's
+    workers (the catalog is rebuilt, then refreshed) and stops them at shutdown. The app reads its own groups
+    of ``settings``: ``auth`` and ``limits``.
     """
     if sidecar is not None and (sidecar.settings is not settings or catalog not in (None, sidecar.catalog)):
         raise ValueError("the sidecar given was built for other settings or another catalog")
     svc = build_services(sidecar if sidecar is not None else build_sidecar(settings, catalog))
+    auth, limits = settings.auth, settings.limits
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        limit_worker_threads(settings.worker_threads)
+        limit_worker_threads(limits.worker_threads)
         if background:
             svc.start()
         try:
@@ -82,22 +84,22 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
     app.state.count_request = count_request
 
     def _needs_token(path: str) -> bool:
-        return path.startswith(p.API_PREFIX) or (settings.metrics_require_token and path == p.ROUTE_METRICS)
+        return path.startswith(p.API_PREFIX) or (auth.metrics_require_token and path == p.ROUTE_METRICS)
 
     # Bodies are read within bounds (size, time, memory of all requests together) before routing or parsing
     # see them; and only once the token is checked: the token check is outermost (added last). Innermost
     # (added first): the hot path answers plain latest-good and resume requests below FastAPI's routing.
     answers = JobAnswers(svc)
     app.add_middleware(HotPath, answers=answers)
-    app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s,
-                       max_in_flight=settings.max_body_bytes_in_flight)
-    app.add_middleware(BearerAuth, token=settings.token, needs_token=_needs_token, count=count_request)
+    app.add_middleware(BodySizeLimit, max_body_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s,
+                       max_in_flight=limits.max_body_bytes_in_flight)
+    app.add_middleware(BearerAuth, token=auth.token, needs_token=_needs_token, count=count_request)
 
     for router in (health.router(svc), jobs.router(svc, answers), advice.router(svc), events.router(svc),
                    dashboard.router()):
         app.include_router(router)
     install_docs(app)
-    document_errors(app, metrics_require_token=settings.metrics_require_token)
+    document_errors(app, metrics_require_token=auth.metrics_require_token)
     return app
 
 

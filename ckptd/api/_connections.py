@@ -56,7 +56,7 @@ Count = Callable[[str, int], None]  # (why, status): the request counter's route
 
 @dataclass(frozen=True)
 class Limits:
-    """The connection limits of one server (``Settings`` fields of the same names), and ``count(why, status)``,
+    """The connection limits of one server (``LimitSettings`` fields of the same names), and ``count(why, status)``,
     called per refusal (``why``: ``connection_limit``, ``connection_evicted``, ``header_limit``,
     ``header_timeout``, ``malformed_http``). ``token``: the bearer token, whose requests leave their connection
     in the tier given up last (``ConnectionTable``); ``None``: every request does."""
@@ -70,9 +70,10 @@ class Limits:
 
     @classmethod
     def from_settings(cls, settings: Settings, count: Count | None = None) -> Limits:
-        return cls(max_connections=settings.max_connections, max_header_bytes=settings.max_header_bytes,
-                   max_headers=settings.max_headers, header_timeout_s=settings.header_timeout_s, count=count,
-                   token=settings.token.encode("utf-8") if settings.token else None)
+        limits, token = settings.limits, settings.auth.token
+        return cls(max_connections=limits.max_connections, max_header_bytes=limits.max_header_bytes,
+                   max_headers=limits.max_headers, header_timeout_s=limits.header_timeout_s, count=count,
+                   token=token.encode("utf-8") if token else None)
 
 
 class _GuardedProtocol(HttpToolsProtocol):
@@ -256,8 +257,8 @@ def server_config(app: FastAPI, settings: Settings, **overrides: Any) -> uvicorn
     log level)."""
     count: Count | None = getattr(app.state, "count_request", None)
     options: dict[str, Any] = {
-        "host": settings.host, "port": settings.port, "log_level": settings.log_level, "access_log": False,
-        "timeout_keep_alive": math.ceil(settings.keep_alive_s),
+        "host": settings.serve.host, "port": settings.serve.port, "log_level": settings.serve.log_level,
+        "access_log": False, "timeout_keep_alive": math.ceil(settings.limits.keep_alive_s),
         "http": guarded_protocol(Limits.from_settings(settings, count)),
     }
     return uvicorn.Config(app, **{**options, **overrides})

@@ -91,10 +91,10 @@ class Services:
 
 def build_services(sidecar: Sidecar) -> Services:
     """What the routes of one app share, over ``sidecar``."""
-    settings = sidecar.settings
+    settings = sidecar.settings.advice
     advice = AdviceRunner(settings.advice_workers, timeout_s=settings.advice_timeout_s,
                           max_failures=settings.advice_max_failures)
-    return Services(sidecar=sidecar, advice=advice, pool_watch=PoolWatch(settings.wedged_after_s))
+    return Services(sidecar=sidecar, advice=advice, pool_watch=PoolWatch(sidecar.settings.limits.wedged_after_s))
 
 
 __all__ = ["Services", "build_services"]

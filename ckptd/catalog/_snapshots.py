@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptd.catalog._part_commit import PartSaves
+from ckptd.catalog._settings import DEFAULT_PERSIST_NICE
 from ckptd.catalog._worker_client import PersistWorker, PersistWorkerClient, PersistWorkerError, SnapshotDamaged
-from ckptd.config import DEFAULT_PERSIST_NICE
 from trainer_client.core._errors import StorageError, UnsafePathError
 from trainer_client.core._storage import Storage, join_path
 from trainer_client.core.format._files import COMMIT_MARKER

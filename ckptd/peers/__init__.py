@@ -2,10 +2,11 @@
 so a host whose memory was wiped gets its part back from a peer instead of from storage (docs/multihost.md,
 "Peer copies").
 
-``PeerService`` is what the composition root (``ckptd/_sidecar.py``) builds from ``Settings`` when
-``CKPTD_PEER_PORT`` is set: the listener (``_server``), the copier and the fetcher (``_copier``; the tasks they
-run, ``_tasks``; the requests they send, ``_requests``), over one ``PartStore`` of the host's shared-memory
-directory and one ``PeerDirectory`` of addresses. The bytes travel on this channel, never on the JSON control API.
+``PeerService`` is what the composition root (``ckptd/_sidecar.py``) builds from the ``PeerSettings`` group
+(``_settings``) when ``CKPTD_PEER_PORT`` is set: the listener (``_server``), the copier and the fetcher
+(``_copier``; the tasks they run, ``_tasks``; the requests they send, ``_requests``), over one ``PartStore`` of
+the host's shared-memory directory and one ``PeerDirectory`` of addresses. The bytes travel on this channel,
+never on the JSON control API.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ckptd.config import Settings
+from ckptd.catalog._settings import MemoryTierSettings
 from ckptd.peers._copier import PeerCopier, PeerOptions
 from ckptd.peers._directory import PeerDirectory, parse_map, parse_peers
 from ckptd.peers._protocol import RateLimit
 from ckptd.peers._server import PeerListener
+from ckptd.peers._settings import PeerSettings
 from ckptd.peers._store import PartStore
 from trainer_client.core._storage import Storage
 
@@ -66,33 +68,33 @@ class PeerService:
                 "last_failure": c.last_failure, "listener_failures": list(s.failures)}
 
 
-def build_peers(settings: Settings) -> PeerService | None:
-    """The peer channel ``settings`` ask for (``CKPTD_PEER_PORT`` and a shared-memory directory), not started;
-    None when off."""
+def build_peers(settings: PeerSettings, memory: MemoryTierSettings, root: str) -> PeerService | None:
+    """The peer channel ``settings`` ask for (``CKPTD_PEER_PORT``) over the memory tier's shared-memory directory
+    (``memory.shm_dir``) and the storage ``root``, not started; None when off."""
     if settings.peer_port is None:
         return None
-    if not settings.shm_dir:
+    if not memory.shm_dir:
         _log.warning("CKPTD_PEER_PORT is set but CKPTD_SHM_DIR is not: the peer channel is off (it keeps and "
                      "serves copies of the hosts' parts in shared memory; set CKPTD_SHM_DIR to turn it on)")
         return None
     secret = settings.peer_secret
-    assert secret is not None  # Settings refuses a channel without one
-    store = PartStore(settings.shm_dir, capacity_bytes=settings.peer_capacity_bytes)
+    assert secret is not None  # PeerSettings refuses a channel without one
+    store = PartStore(memory.shm_dir, capacity_bytes=settings.peer_capacity_bytes)
     rate = RateLimit(settings.peer_bandwidth_bytes_s)
     listener = PeerListener(store, secret.encode(), host=settings.peer_host, port=settings.peer_port,
-                            nice=settings.persist_nice)
+                            nice=memory.persist_nice)
     advertised = settings.peer_advertise or (
         f"{socket.getfqdn() if settings.peer_host in ('0.0.0.0', '::') else settings.peer_host}:{listener.port}")
     if settings.host_index is not None and settings.this_host() is None:
         _log.info("this host is host %d; without the host count (CKPTD_HOST_COUNT) it learns its jobs from their "
                   "parts", settings.global_host_index())
     static = parse_peers(settings.peers)
-    directory = PeerDirectory(None if static else Storage(settings.root), static, advertised)
+    directory = PeerDirectory(None if static else Storage(root), static, advertised)
     options = PeerOptions(k=settings.peer_copies, stride=settings.peer_stride,
-                          explicit=parse_map(settings.peer_map) or None, nice=settings.persist_nice,
+                          explicit=parse_map(settings.peer_map) or None, nice=memory.persist_nice,
                           refill=settings.peer_refill, host=settings.this_host())
     return PeerService(listener, PeerCopier(store, directory, secret.encode(), rate, options,
                                             instance=listener.instance))
 
 
-__all__ = ["PeerService", "build_peers"]
+__all__ = ["PeerService", "PeerSettings", "build_peers"]

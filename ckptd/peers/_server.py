@@ -30,8 +30,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptd.config import MAX_HOSTS
 from ckptd.peers._protocol import Channel, PeerError, RateLimit, header_int, listener_handshake, lower_this_thread
+from ckptd.peers._settings import MAX_HOSTS
 from ckptd.peers._store import PartStore, check_job
 from trainer_client.core.format._snapshot import MAX_META_BYTES
 

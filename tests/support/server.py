@@ -127,9 +127,9 @@ def start_server(root: str | Path, state_dir: Path, **overrides: Any) -> ServerH
         overrides["uds"] = str(own_dir / "ckptd.sock")
     if overrides.get("uds"):
         settings = make_settings(root, state_dir, **overrides)
-        assert settings.uds is not None
-        sock = bind_unix(settings.uds, settings.socket_mode())
-        url = unix_url(settings.uds)
+        assert settings.serve.uds is not None
+        sock = bind_unix(settings.serve.uds, settings.serve.socket_mode())
+        url = unix_url(settings.serve.uds)
     else:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -37,6 +37,10 @@ SERVER_FRAMEWORK = ("fastapi", "starlette", "uvicorn", "prometheus_client")
 PERSIST_WORKER = "ckptd.catalog._persist_worker"  # a child process of the sidecar: the one server module with jax
 CHECKPOINT_IO = "trainer_client.checkpoint_io"  # the Orbax writer (jax-bound): the trainer runtime and the worker
 
+# ckptd's settings groups (ckptd/config.py, GROUPS): each module lives beside the part whose settings it holds and
+# belongs to the shared layer, so ckptd.config composes them; they import nothing of the part beside them.
+SETTINGS_GROUPS = ("ckptd._settings_group", "ckptd.api._settings", "ckptd.catalog._settings",
+                   "ckptd.cli._serve_settings", "ckptd.peers._settings")
 # The package map (docs/architecture.md, "Package map"). Every module of both packages is in exactly one part:
 # the part of its longest prefix below, or, for the modules named, that part (``exact``).
 PARTS: dict[str, tuple[str, ...]] = {
@@ -53,7 +57,9 @@ PARTS: dict[str, tuple[str, ...]] = {
 EXACT: dict[str, tuple[str, ...]] = {
     "trainer_client": ("trainer_client", "trainer_client.config", "trainer_client.errors"),  # the public surface
     "ckptd": ("ckptd", "ckptd.config", "ckptd.errors", "ckptd._metrics", "ckptd._process_metrics",
-              "ckptd._event_stats", "ckptd._peer_lists"),  # shared by every part of the sidecar, below all of them
+              "ckptd._event_stats", "ckptd._peer_lists",  # shared by every part of the sidecar, below all of them
+              # the settings groups: each beside the part that uses it, composed by ckptd.config
+              *SETTINGS_GROUPS),
     "ckptd._sidecar": ("ckptd._sidecar",),  # the composition root
     "ckptd.cli": ("ckptd.__main__",),  # python -m ckptd
     "ckptd.persist_worker": (PERSIST_WORKER,),  # the child process (jax on the CPU)

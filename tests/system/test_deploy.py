@@ -470,7 +470,7 @@ def test_one_default_port_everywhere_and_clear_of_the_tpu_runtime() -> None:
     """ckptd's default port, the trainer library's default URL, the image and the manifests name one port,
     and it is none that the TPU runtime uses beside the sidecar."""
     assert p.DEFAULT_PORT not in TPU_PORTS
-    assert Settings.model_fields["port"].default == p.DEFAULT_PORT
+    assert Settings.setting_fields()["port"].default == p.DEFAULT_PORT
     assert ClientSettings.model_fields["url"].default == f"http://127.0.0.1:{p.DEFAULT_PORT}"
     stage = _final_stage()
     assert [a for ins, a in stage if ins == "EXPOSE"] == [str(p.DEFAULT_PORT)]
@@ -492,7 +492,7 @@ def test_sidecar_configuration_comes_from_the_configmap() -> None:
     sidecar = _sidecar(pod)
     assert sidecar["envFrom"] == [{"configMapRef": {"name": config_map["metadata"]["name"]}}]
     # Every key is a real ckptd setting (no typo silently ignored: Settings ignores unknown variables).
-    fields = set(Settings.model_fields)
+    fields = set(Settings.setting_fields())
     for key in config_map["data"]:
         assert key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX):].lower() in fields, f"{key} is not a setting"
     assert f"{ENV_PREFIX}TOKEN" not in config_map["data"], "the token belongs in the Secret"
@@ -523,11 +523,11 @@ def test_configmap_values_are_valid_settings(tmp_path: Path) -> None:
     values: dict[str, Any] = {key[len(ENV_PREFIX):].lower(): value for key, value in _config().items()}
     values.update(token=None, token_file=str(token_file))
     settings = Settings(**values)
-    assert settings.port == _sidecar_port(_pod_spec(_one("JobSet")))["containerPort"]
-    assert settings.token == "t0ken"
+    assert settings.serve.port == _sidecar_port(_pod_spec(_one("JobSet")))["containerPort"]
+    assert settings.auth.token == "t0ken"
     # SIGTERM: ckptd persists what trainers handed over, and is done before Kubernetes would SIGKILL it
     grace = _pod_spec(_one("JobSet"))["terminationGracePeriodSeconds"]
-    assert 0 < settings.drain_timeout_s <= grace - 10
+    assert 0 < settings.memory_tier.drain_timeout_s <= grace - 10
 
 
 def test_probes_hit_readyz_and_healthz_on_the_sidecar_port() -> None:
@@ -768,7 +768,7 @@ def test_dockerfile_runs_ckptd_serve_as_a_non_root_user() -> None:
     env = " ".join(a for ins, a in stage if ins == "ENV")
     assert "CKPTD_HOST=0.0.0.0" in env and f"CKPTD_PORT={p.DEFAULT_PORT}" in env
     for name in re.findall(r"\b(CKPTD_\w+)=", env):
-        assert name[len(ENV_PREFIX):].lower() in Settings.model_fields, name
+        assert name[len(ENV_PREFIX):].lower() in Settings.setting_fields(), name
 
 
 def _healthcheck_command() -> list[str]:
@@ -851,7 +851,7 @@ def test_token_file_turns_on_auth(tmp_path: Path) -> None:
     token_file.write_text("  s3cret-from-file \n")
     (tmp_path / "root").mkdir()
     settings = make_settings(tmp_path / "root", tmp_path / "state", token_file=str(token_file))
-    assert settings.token == "s3cret-from-file"
+    assert settings.auth.token == "s3cret-from-file"
     with TestClient(create_app(settings, background=False)) as client:
         assert client.get("/v1/jobs").status_code == 401
         assert client.get("/v1/jobs", headers={"Authorization": "Bearer s3cret-from-file"}).status_code != 401
@@ -863,7 +863,7 @@ def test_token_file_from_the_environment(tmp_path: Path, monkeypatch: pytest.Mon
     token_file.write_text("env-token\n")
     monkeypatch.delenv("CKPTD_TOKEN", raising=False)
     monkeypatch.setenv("CKPTD_TOKEN_FILE", str(token_file))
-    assert Settings().token == "env-token"
+    assert Settings().auth.token == "env-token"
 
 
 @pytest.mark.parametrize(

@@ -281,7 +281,7 @@ def test_grace_period_covers_ckptd_drain() -> None:
     period must outlast it (with 10 s to spare, as for deploy/k8s)."""
     grace = pod(jobset(), HEAD)["terminationGracePeriodSeconds"]
     settings = Settings(drain_timeout_s=float(_config()["CKPTD_DRAIN_TIMEOUT_S"]), token=None, token_file=None)
-    drain = settings.drain_timeout_s
+    drain = settings.memory_tier.drain_timeout_s
     assert 0 < drain <= grace - 10
 
 

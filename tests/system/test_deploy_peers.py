@@ -71,18 +71,18 @@ def test_every_pod_of_the_jobset_knows_which_host_it_is_and_copies_to_the_other_
     for slice_index in range(slices):
         for pod_index in range(per_slice):
             settings = _settings(tmp_path, monkeypatch, slice_index, pod_index)
-            host = settings.this_host()
+            host = settings.peer.this_host()
             assert host == (slice_index * per_slice + pod_index, slices * per_slice), (slice_index, pod_index, host)
             hosts.add(host[0])
             # the stable DNS name of this pod (enableDNSHostnames), no unexpanded reference left
-            assert settings.peer_advertise == f"llm-train-slice-{slice_index}-{pod_index}.llm-train:9472"
-            assert settings.peer_secret == "0123456789abcdef0123456789abcdef"
+            assert settings.peer.peer_advertise == f"llm-train-slice-{slice_index}-{pod_index}.llm-train:9472"
+            assert settings.peer.peer_secret == "0123456789abcdef0123456789abcdef"
             # the copy goes to the same position on the other slice: another failure domain
-            assert settings.peer_stride == per_slice
+            assert settings.peer.peer_stride == per_slice
     assert hosts == set(range(slices * per_slice)), "two pods would think they are the same host"
     assert jobset["spec"]["network"]["enableDNSHostnames"] is True
     ports = {p["name"]: p["containerPort"] for p in _sidecar(_pod_spec(jobset))["ports"]}
-    assert ports["ckptd-peer"] == int(_settings(tmp_path, monkeypatch, 0, 0).peer_port or 0)
+    assert ports["ckptd-peer"] == int(_settings(tmp_path, monkeypatch, 0, 0).peer.peer_port or 0)
 
 
 def test_the_example_secret_s_peer_placeholder_and_a_host_outside_its_slice_are_refused(

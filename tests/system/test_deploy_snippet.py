@@ -86,7 +86,7 @@ def test_the_sidecar_is_the_shipped_image_as_a_native_sidecar_with_valid_setting
     env = {e["name"]: e["value"] for e in sidecar["env"]}
     assert all(name.startswith("CKPTD_") for name in env)
     settings = Settings(**{name.removeprefix("CKPTD_").lower(): value for name, value in env.items()})
-    assert settings.host == "127.0.0.1" and settings.lease_ttl_s
+    assert settings.serve.host == "127.0.0.1" and settings.storage.lease_ttl_s
     # the trainer needs no setting: its library's default address is where this sidecar listens
     default = urlsplit(ClientSettings.model_fields["url"].default)
-    assert (default.hostname, default.port) == (settings.host, settings.port)
+    assert (default.hostname, default.port) == (settings.serve.host, settings.serve.port)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 
 import pytest
 
@@ -135,10 +136,20 @@ def test_every_exception_of_both_packages_has_one_root() -> None:
                 assert name in doc, f"{errors_module}'s docstring does not show {name} in the tree"
 
 
-def test_every_setting_is_documented() -> None:
+def test_every_setting_is_documented_in_its_group() -> None:
+    """docs/operations.md, "Settings": one section per group of ``ckptd.config.GROUPS``, in their order, each
+    listing its group's variables in the group's order (as ``ckptd serve --help`` does), then the trainer's
+    (``ClientSettings``) and the commands' (``CliSettings``)."""
+    from ckptd.config import GROUPS, CliSettings, env_names
+    from trainer_client.config import ClientSettings
 
-    from ckptd.config import Settings
-
-    doc = (REPO / "docs" / "protocol.md").read_text()
-    missing = [name for name in Settings.model_fields if f"`CKPTD_{name.upper()}`" not in doc]
-    assert not missing, f"docs/protocol.md does not document {missing}"
+    doc = (REPO / "docs" / "operations.md").read_text()
+    start = doc.index("\n## Settings\n")
+    end = doc.find("\n## ", start + 1)
+    sections = doc[start:end if end >= 0 else None].split("\n### ")[1:]
+    found = [(text.split("\n", 1)[0], re.findall(r"^\| `([A-Z_]+)` \|", text, re.MULTILINE)) for text in sections]
+    expected = [(group.replace("_", " "), [env_names(name)[0] for name in cls.model_fields])
+                for group, cls in GROUPS.items()]
+    expected += [("trainer", [f"CKPTD_{name.upper()}" for name in ClientSettings.model_fields]),
+                 ("commands", [f"CKPTD_{name.upper()}" for name in CliSettings.model_fields])]
+    assert found == expected

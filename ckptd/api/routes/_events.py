@@ -76,11 +76,11 @@ def router(svc: Services) -> APIRouter:
         if svc.catalog.has_job(job):
             return
         why = svc.catalog.refused.get(job)
-        if why == JOB_LIMIT_REASON or (why is None and svc.settings.token is not None and svc.catalog.full()):
+        if why == JOB_LIMIT_REASON or (why is None and svc.settings.auth.token is not None and svc.catalog.full()):
             raise JobLimitReached(job, svc.catalog.max_jobs or 0)
         if why is not None:
             raise JobNotFound(job, why)
-        if svc.settings.token is None:
+        if svc.settings.auth.token is None:
             raise JobNotFound(job, _NO_TOKEN)
 
     def _append(job: str, batch: p.EventBatch) -> tuple[list[p.StoredEvent], int]:

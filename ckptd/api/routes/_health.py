@@ -27,7 +27,7 @@ from trainer_client.core import protocol as p
 def router(svc: Services) -> APIRouter:
     api = APIRouter(tags=["health"])
     cat = svc.catalog
-    token = svc.settings.token.encode("utf-8") if svc.settings.token else None
+    token = svc.settings.auth.token.encode("utf-8") if svc.settings.auth.token else None
 
     @api.get(p.ROUTE_HEALTHZ, response_model=p.Health, responses={503: {"model": p.Health}},
              **route_doc("GET", p.ROUTE_HEALTHZ))
@@ -35,7 +35,7 @@ def router(svc: Services) -> APIRouter:
         waited = svc.pool_watch.check()  # never waits: a loaded ckptd is slow, not dead (ckptd/api/_pool_watch.py)
         if waited is not None:
             detail: dict[str, object] = {"handler_pool_waited_s": round(waited, 3),
-                                         "wedged_after_s": svc.settings.wedged_after_s}
+                                         "wedged_after_s": svc.settings.limits.wedged_after_s}
             return JSONResponse(status_code=503, content=p.Health(status="wedged", detail=detail).model_dump())
         return p.Health(status="ok")
 
@@ -44,7 +44,7 @@ def router(svc: Services) -> APIRouter:
     async def readyz(request: Request) -> Any:
         detail: dict[str, object] = {}
         if token is None or BearerAuth.carries_token(request.scope, token):  # the root and errors: the token only
-            detail = {"root": svc.settings.root, "last_refresh": cat.last_refresh}
+            detail = {"root": svc.settings.storage.root, "last_refresh": cat.last_refresh}
             if cat.last_error:
                 detail["last_error"] = cat.last_error
             troubles = cat.lock_troubles()  # refused, or held elsewhere past the bound (ckptd/catalog/_job_lock.py)

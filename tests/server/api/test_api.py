@@ -512,8 +512,8 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path
     monkeypatch.setenv("CKPTD_TOKEN", TOKEN)
     monkeypatch.setenv("CKPTD_STATE_DIR", str(tmp_path / "state"))
     s = Settings()
-    assert (s.root, s.host, s.port, s.token) == (str(tmp_path), "0.0.0.0", 9123, TOKEN)
-    assert s.catalog_path() == tmp_path / "state" / "catalog.sqlite3"
+    assert (s.storage.root, s.serve.host, s.serve.port, s.auth.token) == (str(tmp_path), "0.0.0.0", 9123, TOKEN)
+    assert s.storage.catalog_path() == tmp_path / "state" / "catalog.sqlite3"
     monkeypatch.setenv("CKPTD_PORT", "70000")
     with pytest.raises(ValueError):
         Settings()

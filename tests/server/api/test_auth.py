@@ -169,8 +169,8 @@ def test_trainer_client_sends_the_token_from_its_environment(
 
 
 def test_constant_time_comparison_is_kept() -> None:
-    source = inspect.getsource(ckptd.api._auth.BearerAuth)  # what app.py installs with settings.token
-    assert "hmac.compare_digest(" in source and "BearerAuth, token=settings.token" in inspect.getsource(ckptd.api._app)
+    source = inspect.getsource(ckptd.api._auth.BearerAuth)  # what app.py installs with the auth group's token
+    assert "hmac.compare_digest(" in source and "BearerAuth, token=auth.token" in inspect.getsource(ckptd.api._app)
 
 
 def test_token_never_in_logs(

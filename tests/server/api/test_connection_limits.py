@@ -103,7 +103,7 @@ def test_a_request_without_the_token_is_refused_before_its_body_is_read(guarded:
     """Headers announcing a body just under the size limit, and no body: the 401 comes at once (the old order
     waited to buffer all of it first), and the connection is closed (the body is never read)."""
     head = (f"POST /v1/jobs/meta/resume HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {guarded.settings.max_body_bytes - 1}\r\n\r\n").encode()
+            f"Content-Length: {guarded.settings.limits.max_body_bytes - 1}\r\n\r\n").encode()
     before = _metric(guarded, "auth", 401)
     socks = [_send(guarded, head) for _ in range(32)]
     for sock in socks:
@@ -112,7 +112,7 @@ def test_a_request_without_the_token_is_refused_before_its_body_is_read(guarded:
             _error(status, body, p.ErrorCode.UNAUTHORIZED)
             assert took < 5
     # over the size limit, without the token: the token is checked first, no 413 that would say the route exists
-    with _send(guarded, head.replace(str(guarded.settings.max_body_bytes - 1).encode(), b"99999999999")) as sock:
+    with _send(guarded, head.replace(str(guarded.settings.limits.max_body_bytes - 1).encode(), b"99999999999")) as sock:
         _error(*_answer(sock)[:2], p.ErrorCode.UNAUTHORIZED)
     assert _metric(guarded, "auth", 401) == before + 33
 
@@ -187,7 +187,7 @@ def test_keep_alive_and_pipelining_still_work(guarded: ServerHandle) -> None:
     that waits longer than ``header_timeout_s`` between two requests is still served on the same connection."""
     with httpx.Client(base_url=guarded.url, timeout=10) as http:
         assert http.get("/healthz").status_code == 200
-        time.sleep(guarded.settings.header_timeout_s * 1.5)  # idle between requests, longer than the head deadline
+        time.sleep(guarded.settings.limits.header_timeout_s * 1.5)  # idle between requests, past the head deadline
         assert http.get("/healthz").status_code == 200
         assert http.get("/v1/jobs", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
     one = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"

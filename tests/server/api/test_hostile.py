@@ -330,7 +330,7 @@ def test_hostile_job_names_never_leave_the_root(live: ServerHandle, segment: str
             # Events may come before a job's first step: they are stored under the root, by a valid name, and
             # from then on that job (root/<name>, holding no step) exists; the one outside is never seen.
             assert p.is_valid_job_name(segment), payload
-            assert (Path(live.settings.root) / segment / ".ckptd" / "events").is_dir()
+            assert (Path(live.settings.storage.root) / segment / ".ckptd" / "events").is_dir()
             assert b'"step"' not in payload and b"/secret_job/" not in payload, payload
             continue
         # a name that is not one: 400; one that splits the path: no route; a name not under the root: 404
@@ -443,7 +443,7 @@ def test_deeply_nested_json_is_a_4xx_with_one_short_log_line(asgi_app: Any, capl
 
 
 def test_huge_bodies_get_413_before_they_are_read(live: ServerHandle) -> None:
-    limit = live.settings.max_body_bytes
+    limit = live.settings.limits.max_body_bytes
     host, port = live.url.removeprefix("http://").split(":")
     # Declared too large: answered at once, the body never sent.
     with socket.create_connection((host, int(port)), timeout=30) as s:

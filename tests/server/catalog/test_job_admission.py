@@ -46,7 +46,7 @@ def test_256_empty_directories_do_not_displace_a_real_job(golden_root: Path, tmp
     for i in range(256):
         (root / f"aaa-{i:03d}").mkdir()
     server = ckptd_server(root)
-    assert server.settings.max_jobs == 256
+    assert server.settings.storage.max_jobs == 256
     with server.client() as http:
         status, body = _latest_good(http, "train")
         assert status == 200, body

@@ -121,7 +121,7 @@ def test_a_read_only_root_is_catalogued_and_planned_as_a_writable_one_and_left_u
     answers = {}
     for root, ro in ((normal, False), (read_only, True)):
         settings = make_settings(root, tmp_path / f"state-{ro}", read_only=ro, adopt_after_s=0.0)
-        catalog = Catalog(Storage(str(root)), tmp_path / f"catalog-{ro}.sqlite3", read_only=settings.read_only)
+        catalog = Catalog(Storage(str(root)), tmp_path / f"catalog-{ro}.sqlite3", read_only=settings.storage.read_only)
         catalog.rebuild()
         with TestClient(create_app(settings, catalog, background=False)) as server:
             got = {
@@ -212,9 +212,10 @@ def test_retention_deletes_nothing_in_a_read_only_job(
     # the server's retention skips read-only jobs (CKPTD_READ_ONLY_JOBS names them) and prunes the others
     settings = make_settings(read_only, tmp_path / "state", read_only_jobs="llama", keep_last=1)
     _unlock(read_only / "mlp")  # mlp is not read-only here: ckptd may write and delete there
-    catalog = Catalog(Storage(str(read_only)), tmp_path / "c.sqlite3", read_only_jobs=settings.read_only_job_names())
+    catalog = Catalog(Storage(str(read_only)), tmp_path / "c.sqlite3",
+                      read_only_jobs=settings.storage.read_only_job_names())
     catalog.rebuild()
-    deleted = prune(catalog, retention_policy(settings))
+    deleted = prune(catalog, retention_policy(settings.retention))
     assert [(d.path.rsplit("/", 2)[-2], d.step) for d in deleted] == [("mlp", 10)]
     assert tree_hash(read_only / "llama") == before["llama"]
     assert (read_only / "mlp" / "20" / VERIFIED_FILE).is_file() and not (read_only / SIDE_DIR / "mlp").exists()
@@ -222,7 +223,7 @@ def test_retention_deletes_nothing_in_a_read_only_job(
 
 def test_read_only_jobs_setting_is_parsed_and_checked(tmp_path: Path) -> None:
     settings = make_settings(tmp_path, tmp_path, read_only_jobs=" llama, mlp ,")
-    assert settings.read_only_job_names() == frozenset({"llama", "mlp"}) and not settings.read_only
+    assert settings.storage.read_only_job_names() == frozenset({"llama", "mlp"}) and not settings.storage.read_only
     with pytest.raises(ValueError, match="invalid job names"):
         make_settings(tmp_path, tmp_path, read_only_jobs="ok,../etc")
 

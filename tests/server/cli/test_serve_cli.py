@@ -97,6 +97,30 @@ def test_help_shows_every_flag_with_its_default_and_variable() -> None:
     assert "None (env" not in text, "a flag without a description"
 
 
+def test_help_lists_every_setting_in_its_group() -> None:
+    """Each group of ``ckptd.config.GROUPS`` has its heading, under which stand exactly its settings: a flag's help
+    names its variable (``env CKPTD_...``), a setting only the environment sets has a line of its own
+    (``CKPTD_... (default: ...)``). docs/operations.md, "Settings", groups them the same way
+    (tests/system/test_public_api.py)."""
+    from ckptd.config import GROUPS, env_names
+
+    done = subprocess.run([sys.executable, "-m", "ckptd", "serve", "--help"], env=clean_env(COLUMNS="100"),
+                          capture_output=True, text=True, timeout=60, check=True)
+    headings = {group.replace("_", " ") + ":": group for group in GROUPS}
+    sections: dict[str, list[str]] = {}
+    for line in done.stdout.splitlines():
+        if line in headings:
+            sections[headings[line]] = []
+        elif sections:
+            sections[list(sections)[-1]].append(line)
+    assert list(sections) == list(GROUPS), "one heading per group, in their order"
+    name = r"(?:CKPTD|JOB)_[A-Z_]*[A-Z]"
+    for group, cls in GROUPS.items():
+        text = " ".join(" ".join(sections[group]).split())
+        listed = re.findall(rf"\(env ({name})[;)]", text) + re.findall(rf"({name})(?: or {name})* \(default:", text)
+        assert sorted(listed) == sorted(env_names(field)[0] for field in cls.model_fields), group
+
+
 def test_serve_logs_where_it_serves(tmp_path: Path) -> None:
     """Once it answers, ``ckptd serve`` logs the root, its URL (the port it bound: here 0 was asked for) and the pages
     a person opens there; each of them answers."""

@@ -165,8 +165,8 @@ def test_what_is_at_the_path_or_around_it_can_refuse_the_start(sockets: Path, tm
 def test_the_server_checks_its_socket_path_with_the_clients_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     """A relative ``--uds`` is made absolute (what trainers are given: ``unix:///...``); empty is unset."""
     monkeypatch.chdir("/")
-    assert Settings(uds="run/ckptd.sock").uds == "/run/ckptd.sock"
-    assert Settings(uds="").uds is None
-    assert Settings(uds_mode="660").socket_mode() == 0o660
+    assert Settings(uds="run/ckptd.sock").serve.uds == "/run/ckptd.sock"
+    assert Settings(uds="").serve.uds is None
+    assert Settings(uds_mode="660").serve.socket_mode() == 0o660
     with pytest.raises(ValidationError, match=r"CKPTD_UDS \(--uds\): the socket path is \d+ bytes"):
         Settings(uds="/" + "s" * SUN_PATH_BYTES)

@@ -27,6 +27,11 @@ def settings(tmp: Path, k: int, root: Path, **extra: object) -> Settings:
                     peer_secret=SECRET, **extra)  # type: ignore[arg-type]
 
 
+def peers_of(settings: Settings) -> PeerService | None:
+    """The peer channel the composition root builds for ``settings`` (ckptd/_sidecar.py)."""
+    return build_peers(settings.peer, settings.memory_tier, settings.storage.root)
+
+
 @pytest.fixture
 def pair(tmp_path: Path) -> Iterator[tuple[list[PeerService], list[Path]]]:
     root = tmp_path / "root"
@@ -34,7 +39,7 @@ def pair(tmp_path: Path) -> Iterator[tuple[list[PeerService], list[Path]]]:
     shms = [tmp_path / "shm0", tmp_path / "shm1"]
     for shm in shms:
         shm.mkdir(mode=0o700)
-    services = [build_peers(settings(tmp_path, k, root)) for k in range(2)]
+    services = [peers_of(settings(tmp_path, k, root)) for k in range(2)]
     assert all(s is not None for s in services)
     started = [s for s in services if s is not None]
     for s in started:

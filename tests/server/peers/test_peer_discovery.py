@@ -14,9 +14,9 @@ import pytest
 from pydantic import ValidationError
 
 from ckptd.config import Settings
-from ckptd.peers import PeerService, build_peers
+from ckptd.peers import PeerService
 from ckptd.peers._store import PartStore
-from tests.server.peers.conftest import JOB, settings
+from tests.server.peers.conftest import JOB, peers_of, settings
 from tests.support.helpers import wait_until
 from tests.support.peer_parts import SECRET, write_part
 from trainer_client.core.format._peer_copies import brought_from, copies_dir
@@ -38,7 +38,7 @@ def replace_node_0(pair: tuple[list[PeerService], list[Path]]) -> tuple[Path, by
 
 
 def start_fresh(tmp_path: Path, **extra: object) -> PeerService:
-    service = build_peers(settings(tmp_path, 0, tmp_path / "root", **extra))
+    service = peers_of(settings(tmp_path, 0, tmp_path / "root", **extra))
     assert service is not None
     service.start()
     return service
@@ -80,9 +80,9 @@ def test_a_fresh_sidecar_learns_its_index_from_the_indexed_job_and_the_count_fro
 
 def test_the_host_index_settings_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("JOB_COMPLETION_INDEX", "3")
-    assert Settings().host_index == 3
+    assert Settings().peer.host_index == 3
     monkeypatch.setenv("CKPTD_HOST_INDEX", "1")  # explicit wins
-    assert (Settings().host_index, Settings().host_count) == (1, None)
+    assert (Settings().peer.host_index, Settings().peer.host_count) == (1, None)
     for name, value, message in (("CKPTD_HOST_INDEX", "one", "CKPTD_HOST_INDEX"),
                                  ("CKPTD_HOST_INDEX", "-1", "CKPTD_HOST_INDEX"),
                                  ("CKPTD_HOST_COUNT", "0", "CKPTD_HOST_COUNT")):
@@ -98,10 +98,10 @@ def test_the_host_index_settings_are_checked(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.delenv("JOB_COMPLETION_INDEX")
     # the count from CKPTD_PEERS only when it names hosts 0..N-1; an index outside them is refused
     peers = "0=a:1,1=b:1,2=c:1"
-    assert Settings(host_index=2, peers=peers).this_host() == (2, 3)
-    assert Settings(host_index=2, peers="0=a:1,2=c:1").this_host() is None
-    assert Settings(host_index=2, host_count=4).this_host() == (2, 4)
-    assert Settings(peers=peers).this_host() is None
+    assert Settings(host_index=2, peers=peers).peer.this_host() == (2, 3)
+    assert Settings(host_index=2, peers="0=a:1,2=c:1").peer.this_host() is None
+    assert Settings(host_index=2, host_count=4).peer.this_host() == (2, 4)
+    assert Settings(peers=peers).peer.this_host() is None
     with pytest.raises(ValidationError, match="not below the host count 3"):
         Settings(host_index=3, peers=peers)
     # a malformed list is refused at startup, naming the item (not at the peer channel's start)
@@ -132,7 +132,7 @@ def test_a_holder_names_only_the_jobs_of_as_many_hosts_as_the_asker(tmp_path: Pa
 def test_a_peer_port_without_a_shared_memory_directory_says_the_channel_is_off(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="ckptd.peers"):
-        assert build_peers(Settings(root=str(tmp_path), state_dir=str(tmp_path / "state"), shm_dir=None, peer_port=0,
-                                    peer_secret=SECRET)) is None
+        assert peers_of(Settings(root=str(tmp_path), state_dir=str(tmp_path / "state"), shm_dir=None, peer_port=0,
+                                 peer_secret=SECRET)) is None
     [line] = [r for r in caplog.records if "CKPTD_PEER_PORT" in r.getMessage()]
     assert line.levelno == logging.WARNING and "CKPTD_SHM_DIR" in line.getMessage() and "off" in line.getMessage()

@@ -1,0 +1,144 @@
+"""The catalog's settings groups, beside the code that uses them: the storage root and how it is scanned
+(``StorageSettings``: ``Catalog``, ``Refresher``, ``LeaseBoard``), retention (``RetentionSettings``:
+``_retention.py``), the events kept (``EventSettings``: ``_events.py``) and the host-memory tier
+(``MemoryTierSettings``: ``SnapshotKeeper`` in ``_snapshots.py`` and the persist worker).
+
+``ckptd/config.py`` composes them into ``Settings``; each keeps the ``CKPTD_*`` variable names it always had. This
+module imports nothing of the catalog, so the shared layer can compose it (docs/architecture.md, "Package map").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from ckptd._settings_group import SettingsGroup
+from trainer_client.core import protocol as p
+
+DEFAULT_PERSIST_NICE = 10  # how far below ckptd the persist worker runs, unless CKPTD_PERSIST_NICE says otherwise
+
+
+class StorageSettings(SettingsGroup):
+    """The checkpoint root, the catalog's cache of it, how often it is scanned and what ckptd may write there."""
+
+    root: str = Field(default="./checkpoints", description="checkpoint root: a directory or gs://bucket/prefix")
+    create_root: bool = Field(
+        default=False, description="create a local root that does not exist (without it `serve` refuses to start)"
+    )
+    state_dir: str | None = Field(
+        default=None, description="where the catalog cache lives (default: a per-root dir under ~/.cache)"
+    )
+    read_only: bool = Field(
+        default=False,
+        description="write nothing into any step directory of the root: manifests, verified and quarantine records "
+        "go to <root>/.ckptd/<job>/<step>/, retention deletes nothing",
+    )
+    read_only_jobs: str = Field(
+        default="", description="the same for these jobs only: job names separated by commas (e.g. `llama,maxtext`)",
+    )
+    refresh_interval_s: float = Field(default=2.0, gt=0, description="how often storage is rescanned")
+    save_timeout_s: float = Field(
+        default=3600.0, gt=0, description="a tmp step older than this is reported abandoned"
+    )
+    adopt_after_s: float = Field(
+        default=2.0, ge=0, description="adopt a step without a manifest once its files are unchanged this long"
+    )
+    revalidate_after_s: float = Field(
+        default=30.0, gt=0,
+        description="a good step is quick-validated again in full before it is named once its last check is this "
+        "old (the size of each of its files is checked on every answer)",
+    )
+    max_jobs: int = Field(
+        default=256, ge=1, le=100_000,
+        description="jobs catalogued at most: scans ignore jobs past it (with a warning) and events may not create "
+        "one (409 JOB_LIMIT); directories holding steps are kept before empty ones, then the most recently "
+        "changed",
+    )
+    lease_ttl_s: float | None = Field(
+        default=None, gt=0, le=86400,
+        description="several sidecars on one root (a multi-host job): only the holder of a job's lease on storage "
+        "writes its records and runs its retention, the others serve what it wrote; a follower takes over when the "
+        "leader's heartbeat stopped this long (off: None, every sidecar writes; docs/multihost.md)",
+    )
+
+    @model_validator(mode="after")
+    def _valid_job_names(self) -> StorageSettings:
+        bad = sorted(name for name in self.read_only_job_names() if not p.is_valid_job_name(name))
+        if bad:
+            raise ValueError(f"CKPTD_READ_ONLY_JOBS names invalid job names: {bad}")
+        return self
+
+    def read_only_job_names(self) -> frozenset[str]:
+        """``read_only_jobs`` as a set of names."""
+        return frozenset(name.strip() for name in self.read_only_jobs.split(",") if name.strip())
+
+    def catalog_path(self) -> Path:
+        """The SQLite file of the catalog cache for this root."""
+        if self.state_dir:
+            base = Path(self.state_dir)
+        else:
+            cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+            digest = hashlib.sha256(self.root.encode()).hexdigest()[:16]
+            base = cache / "ckptd" / digest
+        base.mkdir(parents=True, exist_ok=True)
+        return base / "catalog.sqlite3"
+
+
+class RetentionSettings(SettingsGroup):
+    """Which good steps the server's retention keeps, and how often it runs (``ckptd gc`` takes the same rules)."""
+
+    keep_last: int | None = Field(default=None, ge=1, description="retention: keep the newest N good steps")
+    keep_every: int | None = Field(default=None, ge=1, description="retention: keep steps that are multiples of K")
+    keep_newer_than_s: float | None = Field(
+        default=None, gt=0, description="retention: keep steps committed less than this many seconds ago"
+    )
+    clean_abandoned: bool = Field(default=True, description="delete saves abandoned for longer than save_timeout_s")
+    gc_interval_s: float = Field(default=300.0, gt=0, description="how often retention runs in the server")
+
+
+class EventSettings(SettingsGroup):
+    """How many of the trainers' events ckptd keeps, per job on storage and over all jobs in memory."""
+
+    events_max_per_job: int = Field(
+        default=10_000, ge=100, le=10_000_000,
+        description="events kept per job on storage and in memory; older batches are folded into the job's event "
+        "summary (goodput and totals keep counting them) and deleted",
+    )
+    events_max_bytes_per_job: int = Field(
+        default=8 << 20, ge=64 << 10, description="bytes of event files kept per job (folded past it, like the events)",
+    )
+    events_memory_bytes: int = Field(
+        default=64 << 20, ge=1 << 20,
+        description="events held in memory over all jobs (file bytes + 1.5 KiB per event); the jobs used least "
+        "recently are dropped first and read again when asked for",
+    )
+
+
+class MemoryTierSettings(SettingsGroup):
+    """The host-memory tier: the shared-memory directory trainers snapshot into, and how its snapshots are written
+    to storage (the persist worker)."""
+
+    shm_dir: str | None = Field(
+        default=None, description="host-memory tier: the shared-memory directory trainers snapshot into (off: None)"
+    )
+    max_snapshots: int = Field(default=2, ge=1, description="host-memory tier: snapshots kept per job")
+    drain_timeout_s: float = Field(
+        default=20.0, ge=0, le=3600,
+        description="on SIGTERM, how long to keep persisting the memory snapshots trainers asked for (keep it "
+                    "below Kubernetes' terminationGracePeriodSeconds; what is left stays in shared memory)",
+    )
+    persist_compression: bool = Field(default=False, description="zstd when persisting snapshots to storage")
+    persist_devices: int = Field(
+        default=16, ge=1, le=1024,
+        description="fake CPU devices the persist worker writes a snapshot's shards from, in parallel",
+    )
+    persist_nice: int = Field(
+        default=DEFAULT_PERSIST_NICE, ge=0, le=19,
+        description="the persist worker runs this many nice steps below ckptd: the trainer wins the host's cores",
+    )
+
+
+__all__ = ["DEFAULT_PERSIST_NICE", "EventSettings", "MemoryTierSettings", "RetentionSettings", "StorageSettings"]
