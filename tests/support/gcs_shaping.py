@@ -282,6 +282,7 @@ class BucketRules:
                 refusal = Refusal(status, f"{op.kind}_rate")
             if refusal is None:
                 self.stats[f"admitted_{op.kind}s"] += 1
+                self.stats[f"door:{door}:admitted_{op.kind}s"] += 1
                 self.first_at = now if self.first_at is None else self.first_at
                 self.last_at = now
                 return None

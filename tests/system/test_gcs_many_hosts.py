@@ -1,0 +1,81 @@
+"""Many hosts persisting one step to one bucket that behaves like GCS under load (``bench/gcs_hosts.py``, at a few
+hosts here; ``python -m bench.gcs_hosts --hosts 1024`` is the bench): each host's sidecar writes its real part of the
+step through ckptd's part-commit path (``PartSaves.persist_part``: claim, the part's Orbax writes in the persist
+worker's code, the part record) to ``gs://`` through the shaper (``tests/support/gcs_shaper.py``), the leader's commit
+pass commits it. Rates scaled down so that the bucket refuses: no save fails, no part is lost, no object is written
+twice within a second, the refusals are absorbed, and each host asks what its part needs."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from bench.gcs_host_parts import REPLICATED, SHARDED, expected, write_host_parts
+from bench.gcs_hosts import JOB, STEP, persist_step
+from tests.support.gcs_emulator import GcsEmulator
+from tests.support.gcs_shaper import GcsShaper, shaped_env
+from tests.support.gcs_shaping import Limits
+from trainer_client.core._storage import Storage
+
+HOSTS = 12
+ROWS, COLS = 4, 64
+# A host's part, admitted (refused tries aside): its claim's create-only write (one creates it, the others get 412),
+# its OCDBT data file and manifest, its array metadatas (a resumable upload: 2), its part record.
+WRITES_PER_HOST = 6
+READS_PER_HOST_AT_MOST = 40
+
+
+@pytest.fixture
+def shaper(gcs_emulator: GcsEmulator, monkeypatch: pytest.MonkeyPatch) -> Iterator[GcsShaper]:
+    """The shaper, at a twentieth of GCS's starting rates, with a door for the hosts and one for the leader; this
+    process's default gcsfs and tensorstore (the persist worker's code, run in process) go through the hosts'."""
+    with GcsShaper(gcs_emulator.url, Limits().scaled(0.02), doors=("hosts", "leader")) as shaped:
+        for key, value in shaped_env(shaped.urls["hosts"]).items():
+            monkeypatch.setenv(key, value)
+        yield shaped
+
+
+def _client(url: str) -> Any:
+    import gcsfs  # once the emulator's settings are in place (tests/support/gcs_emulator.py)
+
+    return gcsfs.GCSFileSystem(endpoint_url=url, token="anon", skip_instance_cache=True)
+
+
+def test_hosts_persist_one_step_through_a_bucket_that_refuses(shaper: GcsShaper, gcs_emulator: GcsEmulator,
+                                                              tmp_path: Path) -> None:
+    from ckptd.catalog._persist_worker import handle
+    from ckptd.catalog._worker_client import InProcessWorker
+
+    parts = write_host_parts(tmp_path / "shm", JOB, STEP, HOSTS, rows=ROWS, cols=COLS)
+    root = gcs_emulator.gs(f"many-hosts-{uuid.uuid4().hex[:8]}")
+    worker = InProcessWorker(handle)
+    result = persist_step(
+        parts, host_storage=lambda _k: Storage(root, fs=_client(shaper.urls["hosts"])),
+        leader_storage=Storage(root, fs=_client(shaper.urls["leader"])), host_worker=worker, leader_worker=worker,
+        stats=shaper.rules.snapshot, reset=shaper.rules.reset, concurrency=HOSTS, poll_s=0.2, retry_s=1.0,
+        timeout_s=240.0)
+    print(f"[gcs many hosts] {result}")
+    assert result["committed"], result["failures"]
+    assert result["failed_parts"] == [] and result["lost_parts"] == []
+    assert result["failed_tries"] == 0, result["failures"]  # every refusal absorbed by a retry of the request
+    assert result["written_twice"] == 0 and result["refused"].get("object_rate", 0) == 0
+    assert result["refusals"] > 0  # the bucket did refuse: the rates bind
+    assert result["writes_per_host"] == WRITES_PER_HOST
+    assert result["reads_per_host"] <= READS_PER_HOST_AT_MOST
+    # the step holds every host's rows: read back through tensorstore from the emulator itself
+    import tensorstore as ts
+
+    from trainer_client.core._storage import join_path
+
+    item = join_path(root, JOB, str(STEP), "default")
+    for name in (*SHARDED, REPLICATED):
+        spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"{item}/"}, "path": name}
+        got = ts.open(spec, open=True, read=True).result().read().result()
+        want = (expected(name, 0, ROWS, COLS) if name == REPLICATED
+                else np.concatenate([expected(name, k, ROWS, COLS) for k in range(HOSTS)]))
+        assert np.array_equal(got, want), name
