@@ -24,6 +24,7 @@ from tests.support.gcs_emulator import gcs_emulator
 from tests.support.helpers import free_port
 from tests.support.server import ServerHandle, StartServer, start_server
 from tests.support.sockets import no_tcp_reason
+from trainer_client.config import reset_client_settings
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -39,6 +40,15 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             pytest.skip(f"needs {max(wanted)} devices, this run has {have}")
     if item.get_closest_marker("needs_tcp") is not None and (reason := no_tcp_reason()) is not None:
         pytest.skip(reason)
+
+
+@pytest.fixture(autouse=True)
+def _client_settings_per_test() -> Iterator[None]:
+    """The trainer's settings are read once per process (``trainer_client.config.client_settings``); each test reads
+    them from its own environment (``monkeypatch.setenv`` before the first read), not from an earlier test's."""
+    reset_client_settings()
+    yield
+    reset_client_settings()
 
 
 @pytest.fixture

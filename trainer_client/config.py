@@ -12,12 +12,17 @@ a multi-process job waits for another's answer on a persistent save's route: ``t
 ``CKPTD_RESTORE_HOST_BYTES`` (the host memory a
 restore may hold at once: ``trainer_client.runtime._restore_budget``).
 
-Built once per process: ``ElasticRunner`` takes its client's settings (``CkptdClient.settings``, from the
-environment unless given in code) and passes them down to the checkpointer, the save route and the restore;
-a module builds its own only as the default when none are passed.
+Read once per process: ``client_settings()`` reads the environment the first time it is asked and answers the
+same ``ClientSettings`` after that, so every part of a run sees one reading even where the environment changes
+later. ``ElasticRunner`` takes its client's settings (``CkptdClient.settings``: given in code, else
+``client_settings()``) and passes them down to the checkpointer, the save route and the restore; a module that
+is passed none takes ``client_settings()``, never a reading of its own. ``reset_client_settings()`` forgets the
+reading, for tests that change the environment.
 """
 
 from __future__ import annotations
+
+import threading
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -80,4 +85,25 @@ class ClientSettings(BaseSettings):
         return url
 
 
-__all__ = ["ClientSettings"]
+_read: ClientSettings | None = None
+_reading = threading.Lock()
+
+
+def client_settings() -> ClientSettings:
+    """This process's ``ClientSettings``: read from the environment the first time, the same object after that (a
+    value the environment gets wrong raises here, each time, until it is right)."""
+    global _read
+    with _reading:
+        if _read is None:
+            _read = ClientSettings()
+        return _read
+
+
+def reset_client_settings() -> None:
+    """Forget the reading: the next ``client_settings()`` reads the environment again (tests that change it)."""
+    global _read
+    with _reading:
+        _read = None
+
+
+__all__ = ["ClientSettings", "client_settings", "reset_client_settings"]

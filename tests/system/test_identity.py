@@ -22,7 +22,7 @@ from ckptd.cli._main import main as ckptd_main
 from tests.support.helpers import make_settings
 from tests.support.orbax_steps import training_metadata, write_orbax_jobs
 from trainer_client.client._ckptd_client import CkptdClient
-from trainer_client.config import ClientSettings
+from trainer_client.config import ClientSettings, reset_client_settings
 from trainer_client.core import protocol as p
 from trainer_client.core._errors import PlanningError
 from trainer_client.core._identity import identity_notes
@@ -143,8 +143,10 @@ def test_the_cli_and_the_client_s_fallback_apply_the_same_rule(
 def test_the_trainer_records_its_run_and_process_count(monkeypatch: pytest.MonkeyPatch) -> None:
     mesh = Mesh(np.array(jax.devices()[:2]).reshape(2), ("data",))
     monkeypatch.setenv("CKPTD_RUN_ID", RUN)
+    reset_client_settings()  # the environment is read once per process: as a new process would read it
     meta = checkpointing.training_metadata(1, {"w": jax.numpy.zeros(4)}, data_position=0, global_batch=2,
                                            mesh=mesh, slices=[0])
     assert (meta.run_id, meta.process_count) == (RUN, jax.process_count())
     monkeypatch.delenv("CKPTD_RUN_ID")
+    reset_client_settings()
     assert checkpointing.training_metadata(1, {}, data_position=0, global_batch=2, mesh=mesh, slices=[0]).run_id is None

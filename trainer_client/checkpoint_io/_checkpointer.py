@@ -38,7 +38,7 @@ from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 from trainer_client.checkpoint_io._handlers import data_file_bytes, route_data_file_size, standard_handler
 from trainer_client.checkpoint_io._iterator_state import ITER_ITEM, IteratorStateHandler, IteratorStateSave
 from trainer_client.checkpoint_io._state_tree import is_value, leaf_name
-from trainer_client.config import ClientSettings
+from trainer_client.config import client_settings
 from trainer_client.core._durability import sync_tree
 from trainer_client.core._storage import Storage, join_path
 from trainer_client.core._written_crc import ClosedFileSums
@@ -107,7 +107,7 @@ def training_metadata(
     return TrainingMetadata(
         step=step, data_position=data_position, global_batch=global_batch, mesh=mesh_spec(mesh), slices=slices,
         wall_time=time.time(), arrays=array_specs(state), batch=batch,
-        run_id=run_id if run_id is not None else ClientSettings().run_id, process_count=jax.process_count(),
+        run_id=run_id if run_id is not None else client_settings().run_id, process_count=jax.process_count(),
     )
 
 
@@ -124,11 +124,11 @@ class Checkpointer:
         trained weights barely compress (docs/benchmarks.md).
         ``item``: the Orbax item the state is saved as (``default``; MaxText's steps call it ``items``).
         ``run_id``: the run's identity recorded with every ``save`` (docs/protocol.md, Identity); by default
-        ``CKPTD_RUN_ID``, read once, here."""
+        ``CKPTD_RUN_ID``, as this process read it (``client_settings()``)."""
         if item == ITER_ITEM or not item.replace("_", "").replace("-", "").isalnum():
             raise ValueError(f"{item!r} cannot name the state's item")
         self.item = item
-        self.run_id = run_id if run_id is not None else ClientSettings().run_id
+        self.run_id = run_id if run_id is not None else client_settings().run_id
         self.directory = directory
         self.async_save = async_save
         self.atomicity = atomicity

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from trainer_client.client._http import ckptd_http
 from trainer_client.client._retry import RetryPolicy, retry
-from trainer_client.config import ClientSettings
+from trainer_client.config import ClientSettings, client_settings
 from trainer_client.core import protocol as p
 from trainer_client.core._refusals import refusal_kind, refusal_message, refusal_status
 from trainer_client.core._resume_candidates import StoredStep, as_is, resume_candidates
@@ -47,7 +47,7 @@ class CkptdClient:
         root: str | None = None,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        self.settings = settings or ClientSettings()
+        self.settings = settings or client_settings()
         self.root = root
         self._http = ckptd_http(self.settings, transport=transport)  # TCP, or a unix socket (unix:///PATH)
         self._tagged: dict[str, tuple[str, BaseModel]] = {}  # url -> (ETag, the answer it tags): If-None-Match

@@ -51,7 +51,7 @@ from orbax.checkpoint.abstract_checkpoint_manager import AbstractCheckpointManag
 
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.client._event_reporter import EventReporter
-from trainer_client.config import ClientSettings
+from trainer_client.config import client_settings
 from trainer_client.core._durability import sync_tree
 from trainer_client.core._storage import join_path
 from trainer_client.core.format._files import CKPTD_MANIFEST, TMP_DIR_SUFFIX
@@ -178,7 +178,7 @@ class CheckpointManager(AbstractCheckpointManager):
         if problems:
             raise ValueError("; ".join(problems))
         self._own_client: CkptdClient | None = None
-        settings = ckptd.settings if ckptd is not None else ClientSettings()
+        settings = ckptd.settings if ckptd is not None else client_settings()
         if ckptd is None and "url" in settings.model_fields_set:  # CKPTD_URL: the sidecar beside this trainer
             ckptd = self._own_client = CkptdClient(settings)
         if data_position is not None and global_batch is None:

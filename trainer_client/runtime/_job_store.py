@@ -19,7 +19,7 @@ from typing import Protocol
 
 import jax
 
-from trainer_client.config import ClientSettings
+from trainer_client.config import ClientSettings, client_settings
 
 INCARNATION_KEY = "ckptd/incarnation"
 INCARNATION_TIMEOUT_MS = 120_000  # process 0 may start its tier this much later than the others
@@ -42,7 +42,7 @@ def initialize_multihost(coordinator_address: str, num_processes: int, process_i
     SIGTERM is a preemption notice: ``ElasticRunner`` saves at the agreed step and stops; docs/multihost.md,
     section 2). ``cpu_collectives``: the CPU backend's collectives (gloo; None leaves jax's choice)."""
     if heartbeat_timeout_s is None:
-        heartbeat_timeout_s = (settings or ClientSettings()).heartbeat_timeout_s
+        heartbeat_timeout_s = (settings or client_settings()).heartbeat_timeout_s
     if cpu_collectives is not None:
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     jax.config.update("jax_enable_preemption_service", True)

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from trainer_client.client._ckptd_client import CkptdClient
-from trainer_client.config import ClientSettings
+from trainer_client.config import client_settings
 from trainer_client.runtime._checkpoint_manager import CheckpointManager
 from trainer_client.runtime._good_steps import GoodSteps
 
@@ -110,7 +110,7 @@ class MaxTextHooks:
     def _good_steps(self) -> GoodSteps:
         """The directory's good steps, asked of ckptd (the client given, else ``CKPTD_URL``'s) or storage."""
         if self.ckptd is None:
-            settings = ClientSettings()
+            settings = client_settings()
             if "url" in settings.model_fields_set:  # as CheckpointManager finds the sidecar
                 self.ckptd = CkptdClient(settings)
         return GoodSteps(self.checkpoint_dir, self.ckptd)

@@ -27,7 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from trainer_client.checkpoint_io._state_tree import is_value, orbax_restore
-from trainer_client.config import ClientSettings
+from trainer_client.config import client_settings
 from trainer_client.core.format._snapshot_shards import index_bounds
 
 PyTree = Any
@@ -40,7 +40,7 @@ def host_budget(host_bytes: int | None) -> int | None:
         if host_bytes < 1:
             raise ValueError(f"host_bytes must be positive, not {host_bytes}")
         return host_bytes
-    return ClientSettings().restore_host_bytes
+    return client_settings().restore_host_bytes
 
 
 def local_bytes(leaf: Any) -> int:

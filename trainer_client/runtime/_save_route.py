@@ -29,7 +29,7 @@ import logging
 from collections import Counter
 from typing import Literal
 
-from trainer_client.config import ClientSettings
+from trainer_client.config import ClientSettings, client_settings
 from trainer_client.runtime._job_store import KeyValueStore, job_store
 
 _log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class SaveRoute:
         self.index = process_index
         self.count = process_count
         if timeout_ms is None:
-            timeout_ms = max(1, round((settings or ClientSettings()).route_timeout_s * 1000))
+            timeout_ms = max(1, round((settings or client_settings()).route_timeout_s * 1000))
         self.timeout_ms = timeout_ms
         self._store = store
         self._agreed: Counter[int] = Counter()  # agreements per step so far, in this process

@@ -23,6 +23,7 @@ from bench.common import PROFILES
 from bench.io import make_state
 from bench.restore_rss import digest, measure, peak_reset_problem
 from tests.support.helpers import clean_env
+from trainer_client.config import reset_client_settings
 from trainer_client.runtime._checkpointing import Checkpointer
 from trainer_client.runtime._restore_budget import batches, host_budget
 
@@ -86,6 +87,8 @@ def test_host_budget_reads_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CKPTD_RESTORE_HOST_BYTES", raising=False)
     assert host_budget(None) is None
     monkeypatch.setenv("CKPTD_RESTORE_HOST_BYTES", str(1 << 30))
+    assert host_budget(None) is None, "the environment is read once per process"
+    reset_client_settings()  # as a new process would read it
     assert host_budget(None) == 1 << 30
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from tests.support.jax_job import PREAMBLE, run_job
 from tests.support.kv_store import InProcessKeyValueStore
+from trainer_client.config import reset_client_settings
 from trainer_client.core._errors import UnsafePathError
 from trainer_client.core._storage import Storage
 from trainer_client.core._validation import latest_good_on_storage
@@ -137,6 +138,7 @@ def test_a_failed_snapshot_still_answers_the_route(error: BaseException) -> None
 def test_the_route_timeout_is_a_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert SaveRoute("inc", 0, 2, store=InProcessKeyValueStore()).timeout_ms == 600_000
     monkeypatch.setenv("CKPTD_ROUTE_TIMEOUT_S", "2.5")
+    reset_client_settings()  # the environment is read once per process: as a new process would read it
     assert SaveRoute("inc", 0, 2, store=InProcessKeyValueStore()).timeout_ms == 2_500
     assert SaveRoute("inc", 0, 2, store=InProcessKeyValueStore(), timeout_ms=10).timeout_ms == 10
 
