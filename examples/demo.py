@@ -195,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                                spare_slices=args.spares),
         health=HealthOptions(scale_up_check_interval_s=0.5),
         compilation=CompilationOptions(compilation_cache_dir=str(out / "jax-cache")),
-        memory_tier=MemoryTierOptions(shm_dir=None if args.no_memory_tier else str(shm_dir),
-                                      memory_period=None if args.no_memory_tier else 5, max_snapshots=8,
+        # the memory tier snapshots into the client's shared-memory directory (ClientSettings.shm_dir: tier_dir)
+        memory_tier=MemoryTierOptions(memory_period=None if args.no_memory_tier else 5, max_snapshots=8,
                                       # every step; the loop waits for a copy still in flight (the demo's
                                       # state is small): every step is held, a slice loss costs at most one
                                       # step however busy the machine (the default skips a busy snapshot)
@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     log = TrainLog()
     pid_before = os.getpid()
     try:
-        client = CkptdClient(ClientSettings(url=url, shm_dir=str(shm_dir)), root=str(root))
+        tier_dir = None if args.no_memory_tier else str(shm_dir)  # the one shared-memory directory of the run
+        client = CkptdClient(ClientSettings(url=url, shm_dir=tier_dir), root=str(root))
         runner = ElasticRunner(config, slices=slices, client=client, checkpoint_dir=str(root / JOB),
                                on_event=lambda e: None if e.kind in quiet else show(e))
         with injector if in_jax else contextlib.nullcontext():

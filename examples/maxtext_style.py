@@ -295,9 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     # every step held, the loop waiting for a copy in flight: this CPU state is small, and the run's loss costs
     # one step (the default paces snapshots from measured costs: docs/concepts.md, "Pacing the replica tier")
     every_step = ReplicaOptions(period=1, when_busy="wait")
-    tier = (MemoryTierOptions(shm_dir=str(shm_dir), memory_period=args.memory_period, max_snapshots=8,
-                              replicas=every_step)
-            if args.memory_period else MemoryTierOptions(max_snapshots=8, replicas=every_step))
+    # the memory tier's directory is the client's (CKPTD_SHM_DIR, ClientSettings.shm_dir): given with a memory period
+    tier = MemoryTierOptions(memory_period=args.memory_period or None, max_snapshots=8, replicas=every_step)
+    tier_dir = str(shm_dir) if args.memory_period else None
     slices = SimulatedSlices(num_slices=cfg.dcn_data_parallelism, faults=[SliceFault(2, args.fail_at, None)])
 
     def bring_back(step: int) -> None:
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     seen: dict[int, np.ndarray] = {}
     losses: dict[int, float] = {}
     try:
-        client = CkptdClient(ClientSettings(url=f"http://127.0.0.1:{port}", shm_dir=str(shm_dir)), root=str(root))
+        client = CkptdClient(ClientSettings(url=f"http://127.0.0.1:{port}", shm_dir=tier_dir), root=str(root))
         health = HealthOptions(poll_interval_s=0.05, scale_up_check_interval_s=0.0, monitor_interval_s=0.2)
         runner = ElasticRunner(elastic_config(cfg, health=health, memory_tier=tier),
                                slices=slices, client=client, checkpoint_dir=cfg.checkpoint_dir, on_event=show)

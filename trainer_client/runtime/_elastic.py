@@ -81,9 +81,9 @@ def _first_line(error: BaseException) -> str:
 class ElasticRunner:
     """Runs a training function through slice failures, in this process.
 
-    The environment is read once: ``client.settings`` (a ``ClientSettings``, from the environment unless the
-    client was given one) is what every part of the run uses (the run id recorded with each step, the save
-    route's timeout, the restore's host-memory cap)."""
+    The environment is read once: ``client.settings`` (``client_settings()`` unless the client was given some) is
+    what every part of the run uses (the run id of each step, the save route's timeout, the restore's host-memory
+    cap, the memory tier's directory unless ``MemoryTierOptions.shm_dir`` names one)."""
 
     def __init__(
         self,
@@ -95,7 +95,7 @@ class ElasticRunner:
         on_event: Callable[[Event], None] | None = None,
         reporter: EventReporter | None = None,
     ) -> None:
-        self.config = config
+        self.config = config = config.with_shm_dir(client.settings.shm_dir)  # one directory: CKPTD_SHM_DIR's
         self.slices = slices
         self.client = client
         self.settings = settings = client.settings

@@ -17,7 +17,9 @@ jax-free: the runner (``trainer_client.runtime._elastic``) and the attempt's con
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import os
+import warnings
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from trainer_client.core.protocol import BatchOptions, MeshSpec
@@ -107,10 +109,15 @@ class ReplicaOptions:
 
 @dataclass(frozen=True)
 class MemoryTierOptions:
-    """The host-memory tiers: ckptd's shared-memory snapshots (off unless ``shm_dir`` is set) and the replica
-    snapshots in the accelerator hosts' pinned memory (``replicas``; on by default)."""
+    """The host-memory tiers: ckptd's shared-memory snapshots (off unless a directory is set) and the replica
+    snapshots in the accelerator hosts' pinned memory (``replicas``; on by default).
 
-    shm_dir: str | None = None  # host-memory tier: a shared-memory directory ckptd also sees
+    The shared-memory directory is one setting, ``CKPTD_SHM_DIR`` (``ClientSettings.shm_dir``, read once per
+    process), which ckptd is given too: ``shm_dir`` defaults to the runner's client's. Given here it overrides
+    it (``""``: the tier off whatever the client's says); naming another directory than the client's is
+    deprecated (``ElasticConfig.with_shm_dir`` warns)."""
+
+    shm_dir: str | None = None  # host-memory tier: a shared-memory directory ckptd also sees (None: the client's)
     memory_period: int | None = None  # memory-only snapshots every N steps (between persistent saves)
     max_snapshots: int = 2
     preallocate_snapshots: bool = True  # allocate the next snapshot's shm file in the background after a save
@@ -160,6 +167,23 @@ class ElasticConfig:
         if moved:
             raise TypeError("; ".join(_new_spelling(name) for name in moved))
         return super().__new__(cls)
+
+    def with_shm_dir(self, client_dir: str | None) -> ElasticConfig:
+        """This config with its host-memory tier's one directory: ``memory_tier.shm_dir`` when given, else
+        ``client_dir`` (the runner's client's ``ClientSettings.shm_dir``: ``CKPTD_SHM_DIR``). A directory given
+        here apart from the client's is deprecated: the client's own plan from storage, when ckptd is down,
+        looks in the client's, so a snapshot in the tier's would be missed."""
+        given = self.memory_tier.shm_dir
+        if given is None:
+            return self if client_dir is None else replace(self, memory_tier=replace(self.memory_tier,
+                                                                                     shm_dir=client_dir))
+        if given and (client_dir is None or os.path.normpath(given) != os.path.normpath(client_dir)):
+            warnings.warn(f"MemoryTierOptions(shm_dir={given!r}) apart from the client's shared-memory directory "
+                          f"({client_dir!r}: CKPTD_SHM_DIR, ClientSettings.shm_dir) is deprecated: set "
+                          "CKPTD_SHM_DIR (or ClientSettings(shm_dir=...)), the one directory the runner snapshots "
+                          "into and the client's plan from storage reads; MemoryTierOptions.shm_dir defaults to it",
+                          DeprecationWarning, stacklevel=3)
+        return self
 
     @property
     def full_mesh(self) -> MeshSpec:
