@@ -25,14 +25,14 @@ from trainer_client.core._storage import Storage
 HOSTS = 12
 ROWS, COLS = 4, 64
 # A host's part, admitted (refused tries aside): its claim's create-only write (one creates it, the others get 412),
-# its OCDBT data file and manifest, its array metadatas (a resumable upload: 2), its part record.
-WRITES_PER_HOST = 6
+# its OCDBT data file and manifest, its array metadatas, its part record.
+WRITES_PER_HOST = 5
 READS_PER_HOST_AT_MOST = 40
 
 
 @pytest.fixture
 def shaper(gcs_emulator: GcsEmulator, monkeypatch: pytest.MonkeyPatch) -> Iterator[GcsShaper]:
-    """The shaper, at a twentieth of GCS's starting rates, with a door for the hosts and one for the leader; this
+    """The shaper, at a fiftieth of GCS's starting rates, with a door for the hosts and one for the leader; this
     process's default gcsfs and tensorstore (the persist worker's code, run in process) go through the hosts'."""
     with GcsShaper(gcs_emulator.url, Limits().scaled(0.02), doors=("hosts", "leader")) as shaped:
         for key, value in shaped_env(shaped.urls["hosts"]).items():

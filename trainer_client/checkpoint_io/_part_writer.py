@@ -50,10 +50,11 @@ from trainer_client.checkpoint_io._iterator_state import ITER_ITEM, IteratorStat
 from trainer_client.core._dtypes import np_dtype
 from trainer_client.core._durability import sync_paths, sync_tree
 from trainer_client.core._errors import StoredFormatError
-from trainer_client.core._storage import Storage, join_path
+from trainer_client.core._storage import Storage, join_path, storage_errors
 from trainer_client.core.format._files import CHECKPOINT_METADATA, COMMIT_MARKER, ITEM_METADATA
 from trainer_client.core.format._files import STRINGS_FILE as _STRINGS
-from trainer_client.core.format._parts import PartInfo, part_files
+from trainer_client.core.format._part_files import part_files
+from trainer_client.core.format._parts import PartInfo
 from trainer_client.core.format._snapshot import SnapshotMeta, damaged_shards, map_data, problems, read_meta
 from trainer_client.core.format._snapshot_shards import ShardReader
 from trainer_client.core.format._steps import CUSTOM_METADATA_KEY
@@ -160,11 +161,28 @@ async def _write_part_async(snapshot: Path, meta: SnapshotMeta, item_dir: str, c
         await write
     await txn.commit_async()
     store_path = array_metadata_store.PathResolver().get_write_file_path(epath.Path(item_dir), k)
-    store_path.parent.mkdir(parents=True, exist_ok=True)
-    store_path.write_text(array_metadata_store.Serializer().serialize(metadatas))  # whole: a redo rewrites it
-    strings = {name: value for name, value in _value_leaves(meta.tree) if isinstance(value, str)}
+    _write_text(store_path, array_metadata_store.Serializer().serialize(metadatas))  # whole: a redo rewrites it
+    strings = _strings(meta)
     if primary and strings:
-        (epath.Path(item_dir) / _STRINGS).write_text(json.dumps(strings))
+        _write_text(epath.Path(item_dir) / _STRINGS, json.dumps(strings))
+
+
+def _strings(meta: SnapshotMeta) -> dict[str, str]:
+    """The string leaves (``_strings.json``, process 0's part writes them)."""
+    return {name: value for name, value in _value_leaves(meta.tree) if isinstance(value, str)}
+
+
+def _write_text(path: epath.Path, text: str) -> None:
+    """A small file written whole: on an object store one simple upload (a file written through epath, so gcsfs,
+    is a resumable upload: two requests, docs/gcs.md "Many hosts on one bucket"), locally through epath as Orbax
+    writes it (its directory made first)."""
+    storage = Storage(str(path))
+    if storage.is_remote:
+        with storage_errors(f"cannot write {path}"):
+            storage.fs.pipe_file(storage.root, text.encode())
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
 
 
 def write_part(snapshot: Path, step_url: str, *, compression: bool = False) -> dict[str, Any]:
@@ -176,12 +194,13 @@ def write_part(snapshot: Path, step_url: str, *, compression: bool = False) -> d
     remote = Storage(step_url).is_remote
     asyncio.run(_write_part_async(snapshot, meta, item_dir, compression, None if remote else _data_file_bytes(meta)))
     if meta.data_iterator is not None:
-        iter_dir = epath.Path(join_path(step_url, ITER_ITEM))
-        iter_dir.mkdir(parents=True, exist_ok=True)
         record = meta.data_iterator
-        (iter_dir / process_file(record.process_index, record.process_count)).write_text(state_text(record.state))
+        _write_text(epath.Path(join_path(step_url, ITER_ITEM)) / process_file(record.process_index,
+                                                                              record.process_count),
+                    state_text(record.state))
     storage = Storage(step_url)
-    files = part_files(storage, storage.join(), meta.item, meta.process_index, meta.process_count)
+    files = part_files(storage, storage.join(), meta.item, meta.process_index, meta.process_count,
+                       wrote_iter=meta.data_iterator is not None, wrote_strings=bool(_strings(meta)))
     if not remote:  # this part's files and the directories naming them (not the other parts')
         own = {join_path(step_url, f.path) for f in files}
         sync_paths(*sorted(own), *sorted({os.path.dirname(path) for path in own}, key=len, reverse=True),
@@ -252,12 +271,12 @@ def commit_parts(step_url: str, record: dict[str, Any]) -> None:
     asyncio.run(ocdbt_utils.merge_ocdbt_per_process_files(epath.Path(item_dir), _context(), use_zarr3=False,
                                                           enable_validation=True))
     asyncio.run(_write_sharding(item_dir, info.training, set(info.write_shapes)))
-    (epath.Path(item_dir) / ITEM_METADATA).write_text(json.dumps(_tree_metadata(info)))
-    (epath.Path(item_dir) / COMMIT_MARKER).write_text(f"Checkpoint commit was successful to {item_dir}")
+    _write_text(epath.Path(item_dir) / ITEM_METADATA, json.dumps(_tree_metadata(info)))
+    _write_text(epath.Path(item_dir) / COMMIT_MARKER, f"Checkpoint commit was successful to {item_dir}")
     now = time.time_ns()
     standard = ocp.StandardCheckpointHandler.typestr()  # the type strings a plain save records
     handlers = {info.item: standard, **({ITER_ITEM: IteratorStateHandler.typestr()} if info.has_iter else {})}
-    (epath.Path(step_url) / CHECKPOINT_METADATA).write_text(json.dumps({
+    _write_text(epath.Path(step_url) / CHECKPOINT_METADATA, json.dumps({
         "item_handlers": handlers, "metrics": {}, "performance_metrics": {},
         "init_timestamp_nsecs": int(info.written_at * 1e9), "commit_timestamp_nsecs": now,
         "custom_metadata": {CUSTOM_METADATA_KEY: info.training.model_dump(mode="json")}}))

@@ -21,8 +21,9 @@ from typing import Any
 
 import fsspec
 
-from trainer_client.core._errors import RecordTooLargeError, StorageError, StoredFormatError, UnsafePathError
+from trainer_client.core._errors import StorageError, StoredFormatError, UnsafePathError
 from trainer_client.core._gcs_pacing import pace
+from trainer_client.core._object_reads import read_object, too_large
 from trainer_client.core._said_once import SaidOnce
 from trainer_client.core._storage_causes import failure_cause
 from trainer_client.core.format._files import SIDE_DIR
@@ -32,10 +33,6 @@ _links_said = SaidOnce()  # links out of a listed directory already warned about
 
 MAX_RECORD_BYTES = 64 << 20  # the most ``read_bytes`` reads of one file, unless its caller bounds it lower
 _READ_CHUNK = 1 << 16
-
-
-def too_large(name: str, size: int, max_bytes: int) -> RecordTooLargeError:
-    return RecordTooLargeError(f"{name}: {size} bytes, more than the {max_bytes} such a file may have: not read")
 
 
 def read_fd(fd: int, max_bytes: int, name: str) -> bytes:
@@ -306,8 +303,9 @@ class Storage:
         link leading out of the root (such a file is not there, for ckptd). Only files ckptd reads whole pass
         here (records, Orbax's metadata), so the size is checked before a byte is read: past ``max_bytes``,
         ``RecordTooLargeError`` (a ``ValueError``: the record is unreadable), and at most ``max_bytes + 1``
-        bytes are ever read (locally ``read_fd``; on an object store the object's size, then a ranged read).
-        ``StoredFormatError`` for a directory or another file that is not a regular one."""
+        bytes are ever read (locally ``read_fd``; on an object store one ranged read of a small object, its size
+        first past 64 KiB: ``core/_object_reads.py``). ``StoredFormatError`` for a directory or another file that
+        is not a regular one (on an object store a prefix of the name with no object of it is absent)."""
         if not self.inside(path):
             raise FileNotFoundError(f"{path}: a link leading out of the checkpoint root, ignored")
         try:
@@ -317,27 +315,11 @@ class Storage:
                     return read_fd(fd, max_bytes, path)
                 finally:
                     os.close(fd)
-            return self._read_object(path, max_bytes)
+            return read_object(self.fs, path, max_bytes, self.url_of(path))
         except (FileNotFoundError, StoredFormatError):
             raise
         except storage_failures() as exc:
             raise StorageError(f"cannot read {self.url_of(path)}: {exc}") from exc
-
-    def _read_object(self, path: str, max_bytes: int) -> bytes:
-        """``read_bytes`` on an object store: its size from ``info`` (what opening it asked for too), then one
-        ranged read of at most ``max_bytes + 1`` bytes (the object may have been replaced meanwhile)."""
-        info = self.fs.info(path)
-        size = info.get("size")
-        if info.get("type") == "directory":
-            raise StoredFormatError(f"{self.url_of(path)} is not a regular file")
-        if isinstance(size, int | float) and size > max_bytes:
-            raise too_large(self.url_of(path), int(size), max_bytes)
-        if size == 0:  # a range of an empty object is not satisfiable (HTTP 416)
-            return b""
-        data = bytes(self.fs.cat_file(path, start=0, end=max_bytes + 1))
-        if len(data) > max_bytes:
-            raise too_large(self.url_of(path), len(data), max_bytes)
-        return data
 
     def create_new(self, path: str, data: bytes) -> bool:
         """Create ``path`` holding ``data`` only if nothing is there: True when this call created it, False when

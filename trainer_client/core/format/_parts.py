@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import posixpath
 import re
 import time
 from collections.abc import Callable
@@ -34,16 +33,12 @@ from trainer_client.core._storage import Storage, join_path
 from trainer_client.core._whole_files import write_json_file
 from trainer_client.core.format._fates import fate_path, fate_record
 from trainer_client.core.format._files import (
-    ARRAY_METADATAS,
     CLAIMS_DIR,
     COMMIT_MARKER,
     ITEM_NAME_PATTERN,
-    ITER_ITEM,
-    OCDBT_PROCESS_PREFIX,
     PARTS_DIR,
     STAGING_DIR,
 )
-from trainer_client.core.format._manifest import file_entry
 from trainer_client.core.format._snapshot import process_in_range
 from trainer_client.core.format._step_files import Listed
 from trainer_client.core.format._tree_paths import TreeEntry
@@ -310,26 +305,6 @@ def spans(indexes: list[int], most: int = 8) -> str:
             runs.append([k, k])
     text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:most])
     return text + (f" and {len(runs) - most} more" if len(runs) > most else "")
-
-
-def part_files(storage: Storage, step_path: str, item: str, process_index: int, process_count: int) -> list[PartFile]:
-    """Every file host ``process_index``'s part wrote under ``step_path``, with size and CRC32C."""
-    rels: list[str] = []
-    roots = [f"{item}/{OCDBT_PROCESS_PREFIX}{process_index}", f"{item}/{ARRAY_METADATAS}/process_{process_index}",
-             f"{ITER_ITEM}/process_{process_index}-of-{process_count}.json"]
-    if process_index == 0:
-        roots.append(f"{item}/_strings.json")
-    for rel in roots:
-        path = join_path(step_path, rel)
-        if storage.is_dir(path):
-            rels.extend(posixpath.relpath(found, step_path.rstrip("/")) for found in storage.fs.find(path))
-        elif storage.exists(path):
-            rels.append(rel)
-    out = []
-    for rel in sorted(rels):
-        entry = file_entry(storage, join_path(step_path, rel))
-        out.append(PartFile(path=rel, size=entry.size, crc32c=entry.crc32c))
-    return out
 
 
 def part_problems(storage: Storage, step_path: str) -> list[str]:
