@@ -5,7 +5,8 @@ Four kinds of sources, so that a scrape of ``GET /metrics`` stays fast (it reads
 * the catalog, read at scrape time: steps by state, quarantined steps, the latest good step per job, and
   with a lease (CKPTD_LEASE_TTL_S) whether this sidecar leads each job and the newest epoch it saw;
 * the request path: HTTP requests, resume requests and plan latency, and the elastic events trainers
-  report (``POST /v1/jobs/{job}/events``): events by kind, recovery seconds, lost steps, save stalls;
+  report (``POST /v1/jobs/{job}/events``): events by kind, recovery seconds, lost steps, save stalls, and the
+  replica tier's pacing and the autopilot's choice as last reported (periods, estimated MTBF, expected goodput);
 * the background tracker (``ckptd.catalog._commit_tracker``): commits and bytes committed (from the manifests),
   save durations, validation failures, goodput per job — everything that needs storage reads;
 * /proc, read at scrape time (``ckptd._process_metrics``): the memory, CPU, file descriptors and threads of
@@ -47,6 +48,7 @@ from trainer_client.core.protocol import EVENT_KINDS, JobInfo, StepState, Stored
 JOB_LABEL = "ckpt_job"
 _KNOWN_KINDS = frozenset(EVENT_KINDS)
 _SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+_AUTOPILOT_TIERS = ("replicas", "memory", "storage")
 _REPLICA_RUNS = 1024  # trainer runs whose replica counts are remembered (their reports add only what is new)
 _STALL = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -133,6 +135,15 @@ class Metrics:
                                            "average at the chosen period", [JOB_LABEL], registry=r)
         self.replica_overhead = Gauge("ckptd_replica_snapshot_overhead_ratio", "the training loop's expected "
                                       "overhead from replica snapshots at the chosen period", [JOB_LABEL], registry=r)
+        # the trainer's autopilot (docs/planning.md, "Autopilot in a run"), as its last decision reported it
+        self.autopilot_period = Gauge("ckptd_autopilot_period_steps", "a save of the tier every this many steps, as "
+                                      "the trainer's autopilot chose it (a tier that is off has no series)",
+                                      [JOB_LABEL, "tier"], registry=r)
+        self.autopilot_mtbf = Gauge("ckptd_autopilot_mtbf_seconds", "the job's mean time between failures as the "
+                                    "trainer's autopilot estimates it (prior and failures seen)", [JOB_LABEL],
+                                    registry=r)
+        self.autopilot_goodput = Gauge("ckptd_autopilot_expected_goodput_ratio", "the goodput the trainer's autopilot "
+                                       "expects of the periods in force", [JOB_LABEL], registry=r)
         self.goodput = Gauge("ckptd_goodput_ratio", "productive training time over wall time (reported events)",
                              [JOB_LABEL], registry=r)
         self.lease_leader = Gauge("ckptd_lease_leader", "1 when this sidecar leads the job (writes its records; "
@@ -169,6 +180,8 @@ class Metrics:
                 self.save_stall.labels(job).observe(e.blocked_seconds)
             self._replica_gauges(job, e)
             self._count_replica_losses(job, e)
+            if e.kind == "autopilot_decided":
+                self._autopilot_gauges(job, e)
 
     def _count_replica_losses(self, job: str, e: StoredEvent) -> None:
         """Add to the skip and failure counters what ``e`` reports beyond its run's previous report (a trainer
@@ -195,6 +208,18 @@ class Metrics:
                              (self.replica_overhead, e.replica_overhead)):
             if value is not None:
                 gauge.labels(job).set(value)
+
+    def _autopilot_gauges(self, job: str, e: StoredEvent) -> None:
+        for tier in _AUTOPILOT_TIERS:
+            period = getattr(e, f"autopilot_{tier}_period")
+            if period is not None:
+                self.autopilot_period.labels(job, tier).set(period)
+            else:  # off now, or a run without it: no series (removing one that is not there does nothing)
+                self.autopilot_period.remove(job, tier)
+        if e.autopilot_mtbf_s is not None:
+            self.autopilot_mtbf.labels(job).set(e.autopilot_mtbf_s)
+        if e.autopilot_goodput_after is not None:
+            self.autopilot_goodput.labels(job).set(e.autopilot_goodput_after)
 
     def history_loaded(self, job: str) -> bool:
         with self._history_lock:
@@ -255,9 +280,9 @@ class Metrics:
                        self.validation_failures, self.elastic_events, self.recovery_seconds, self.lost_steps,
                        self.recoveries, self.replica_age, self.replica_skips, self.replica_failures,
                        self.replica_bytes, self.replica_period, self.replica_copy_rate, self.replica_expected_lost,
-                       self.replica_overhead):
+                       self.replica_overhead, self.autopilot_period, self.autopilot_mtbf, self.autopilot_goodput):
             names = ((JOB_LABEL, "kind") if metric is self.elastic_events else (JOB_LABEL, "tier")
-                     if metric is self.recoveries else (JOB_LABEL,))
+                     if metric in (self.recoveries, self.autopilot_period) else (JOB_LABEL,))
             stale = {tuple(sample.labels[n] for n in names) for family in metric.collect() for sample in family.samples
                      if JOB_LABEL in sample.labels and sample.labels[JOB_LABEL] not in jobs}
             for labels in stale:

@@ -130,7 +130,13 @@ def scrape(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrape]:
                    "replica_copy_seconds": 5.6, "replica_copy_bytes_per_second": 0.93e9, "replica_overhead": 0.004,
                    "replica_expected_lost_steps": 33.5}
         live = _event(40, "checkpoint_started", step=20, blocked_seconds=0.1, **replica).model_dump(exclude_none=True)
-        assert httpx.post(f"{url}/v1/jobs/{JOB}/events", json={"events": [live]}, timeout=30).status_code == 200
+        # and its autopilot's decision (the chosen periods, the estimated MTBF and the expected goodput are gauges)
+        decided = _event(41, "autopilot_decided", step=20, autopilot_changed=True, autopilot_reason="the first choice",
+                         autopilot_goodput_after=0.97, autopilot_mtbf_s=14400.0, autopilot_mtbf_source="prior",
+                         autopilot_failures_seen=0, autopilot_replicas_period=26, autopilot_memory_period=300,
+                         autopilot_storage_period=900).model_dump(exclude_none=True)
+        assert httpx.post(f"{url}/v1/jobs/{JOB}/events", json={"events": [live, decided]},
+                          timeout=30).status_code == 200
         # Seen while running: a good step committed (a copy without ckptd's files), a bad one (a truncated file).
         shutil.copytree(job / "20", job / "30", ignore=shutil.ignore_patterns("ckptd_*"))
         shutil.copytree(job / "20", job / "40")

@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field
 
+from trainer_client.core.protocol._autopilot_event import AutopilotFields
 from trainer_client.core.protocol._base import _Model, _Request
 from trainer_client.core.protocol._wire import MAX_STEP
 
@@ -15,13 +16,14 @@ EVENT_KINDS = (
     "start", "waiting_for_slices", "slices_ready", "plan_received", "initialized", "restored",
     "first_step_done", "checkpoint_started", "failure_detected", "scale_up_detected", "recovered",
     "finished", "aborted", "retention_deleted", "replicas_unusable", "replicas_off", "replica_paced",
+    "autopilot_decided",
 )
 EVENT_KIND_PATTERN = r"^[a-z][a-z0-9_]{0,63}$"
 MAX_EVENTS_PER_BATCH = 1000
 
 
-class ElasticEvent(_Request):
-    """One event of a training run, as trainer_client reports it (``EventBatch``)."""
+class _EventFields(_Request):
+    """The fields of every kind of event but ``autopilot_decided``'s own (``ElasticEvent``)."""
 
     kind: str = Field(pattern=EVENT_KIND_PATTERN, description="what happened (see EVENT_KINDS)")
     time: Annotated[float, Field(ge=0)] = Field(description="wall-clock time of the event (Unix seconds)")
@@ -75,6 +77,11 @@ class ElasticEvent(_Request):
         default=None, description="the training loop's expected overhead at the chosen period (0.02: 2%)")
     replica_expected_lost_steps: Annotated[float, Field(ge=0)] | None = Field(
         default=None, description="steps a failure loses on average at the chosen period")
+
+
+class ElasticEvent(AutopilotFields, _EventFields):
+    """One event of a training run, as trainer_client reports it (``EventBatch``); an ``autopilot_decided`` event
+    carries the fields of ``AutopilotFields`` too."""
 
 
 class EventBatch(_Request):
