@@ -27,7 +27,7 @@ ROWS, COLS = 4, 64
 # A host's part, admitted (refused tries aside): its claim's create-only write (one creates it, the others get 412),
 # its OCDBT data file and manifest, its array metadatas, its part record.
 WRITES_PER_HOST = 5
-READS_PER_HOST_AT_MOST = 40
+READS_PER_HOST_AT_MOST = 12
 
 
 @pytest.fixture
