@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # the real types for type checkers; at run time each name is 
     from trainer_client.runtime._checkpointing import Checkpointer, restore
     from trainer_client.runtime._elastic import ElasticConfig, ElasticContext, ElasticResult, ElasticRunner, Event
     from trainer_client.runtime._elastic_config import (
+        AutopilotOptions,
         BatchScalingOptions,
         CompilationOptions,
         ElasticOptions,
@@ -69,6 +70,7 @@ _LAZY = {
     "ElasticContext": "trainer_client.runtime._elastic",
     "ElasticRunner": "trainer_client.runtime._elastic",
     "ElasticResult": "trainer_client.runtime._elastic",
+    "AutopilotOptions": "trainer_client.runtime._elastic_config",
     "BatchScalingOptions": "trainer_client.runtime._elastic_config",
     "CompilationOptions": "trainer_client.runtime._elastic_config",
     "ElasticOptions": "trainer_client.runtime._elastic_config",
@@ -105,6 +107,7 @@ _LAZY = {
 
 __all__ = [
     "ArrayIndexError",
+    "AutopilotOptions",
     "BatchScalingOptions",
     "CheckpointManager",
     "Checkpointer",

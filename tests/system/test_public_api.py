@@ -44,7 +44,7 @@ def test_trainer_client_top_level_names() -> None:
         "UnsafePathError", "MissingExtra", "DirectRestoreUnsupported", "NoWholeReplica",
         # ElasticConfig's option groups
         "ElasticOptions", "BatchScalingOptions", "MemoryFitOptions", "HealthOptions", "MemoryTierOptions",
-        "ReplicaOptions", "CompilationOptions", "SaveOptions",
+        "ReplicaOptions", "CompilationOptions", "SaveOptions", "AutopilotOptions",
         # the runtime's functions and the fault injector a test or demo uses
         "restore", "Event", "InJaxFaults", "initialize_multihost",
     }

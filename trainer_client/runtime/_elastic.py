@@ -34,6 +34,7 @@ from trainer_client.core._batching import describe_batch
 from trainer_client.core._planner import plan_mesh
 from trainer_client.core.protocol import BatchPlan, MeshSpec, ResumePlan, ResumeRequest, SliceAlive, Tier
 from trainer_client.errors import ElasticRetriesExhausted, ElasticTimeoutError, NoCheckpointError
+from trainer_client.runtime._autopilot_runner import RunnerAutopilot
 from trainer_client.runtime._checkpointing import Checkpointer
 from trainer_client.runtime._elastic_config import ElasticConfig
 from trainer_client.runtime._elastic_context import ElasticContext, Preempted, RunnerSignal
@@ -137,6 +138,7 @@ class ElasticRunner:
                                            on_off=lambda why: self.emit("replicas_off", None, why[:1900]),
                                            on_paced=lambda step, new, old: self.emit(
                                                "replica_paced", step, new.describe(old)[:1900], **new.fields()))
+        self.autopilot = RunnerAutopilot.for_run(self)  # the periods the config leaves unset, chosen as it runs
         self.on_event = on_event
         self.events: list[Event] = []
         self.recoveries: list[Recovery] = []
@@ -151,6 +153,7 @@ class ElasticRunner:
     def emit(self, kind: str, step: int | None = None, detail: str = "", **fields: Any) -> None:
         event = Event(kind, step, time.monotonic() - self._t0, detail, time.time(), fields)
         self.events.append(event)
+        self.autopilot.observe(kind, step, fields)  # costs and failures: what the periods are chosen from
         _log.info("elastic event %s step=%s %s", kind, step, detail)
         if self.reporter is not None:
             self.reporter.report(kind, time=event.wall_time, step=step, t=event.t, detail=detail, **fields)
@@ -394,6 +397,4 @@ class ElasticRunner:
         return build_mesh(spec, slice_order, self.slices.slice_to_devices)
 
 
-__all__ = [
-    "ElasticConfig", "ElasticContext", "ElasticResult", "ElasticRunner", "Event", "Preempted", "Recovery",
-]
+__all__ = ["ElasticConfig", "ElasticContext", "ElasticResult", "ElasticRunner", "Event", "Preempted", "Recovery"]

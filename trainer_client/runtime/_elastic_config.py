@@ -7,7 +7,8 @@ way Orbax's ``CheckpointManagerOptions`` composes ``AsyncOptions``, ``Multiproce
 ``BatchScalingOptions`` (the batch on a resized mesh), ``MemoryFitOptions`` (the device memory a plan must
 fit), ``HealthOptions`` (the waits and health checks), ``MemoryTierOptions`` (the host-memory tiers: ckptd's
 shared-memory snapshots, and ``ReplicaOptions`` for the replica snapshots in the accelerator hosts' memory),
-``CompilationOptions`` and ``SaveOptions``. docs/maxtext.md maps MaxText's flags onto them. A keyword that
+``CompilationOptions``, ``SaveOptions`` and ``AutopilotOptions`` (the periods the user leaves unset, chosen during
+the run). docs/maxtext.md maps MaxText's flags onto them. A keyword that
 names a group's field on ``ElasticConfig`` itself (``ElasticConfig(shm_dir=...)``) is refused with its
 spelling in the group, never ignored.
 
@@ -79,7 +80,7 @@ class ReplicaOptions:
     enabled: bool = True
     # a snapshot every N steps; None: paced from what the run measures (docs/concepts.md, "Pacing the replica
     # tier"): the smallest period that keeps the loop's overhead within ``overhead_budget`` and lets each copy
-    # finish before the next is due
+    # finish before the next is due, or the autopilot's longer one (``AutopilotOptions``)
     period: int | None = None
     # a snapshot due while the previous copy is still in flight: skipped and counted (the loop never waits),
     # or the loop waits for that copy (every due step is held: with ``period=1`` a loss costs at most one step,
@@ -118,7 +119,8 @@ class MemoryTierOptions:
     deprecated (``ElasticConfig.with_shm_dir`` warns)."""
 
     shm_dir: str | None = None  # host-memory tier: a shared-memory directory ckptd also sees (None: the client's)
-    memory_period: int | None = None  # memory-only snapshots every N steps (between persistent saves)
+    # memory-only snapshots every N steps (between persistent saves); None: chosen by the autopilot (none without it)
+    memory_period: int | None = None
     max_snapshots: int = 2
     preallocate_snapshots: bool = True  # allocate the next snapshot's shm file in the background after a save
     replicas: ReplicaOptions = field(default_factory=ReplicaOptions)
@@ -146,6 +148,44 @@ class SaveOptions:
 
 
 @dataclass(frozen=True)
+class AutopilotOptions:
+    """The autopilot: the periods of the replica snapshots, the shared-memory snapshots and the persistent saves
+    re-chosen during the run from their measured costs and the failures seen (docs/planning.md, "Autopilot in a
+    run"). It chooses only the periods left unset (``ReplicaOptions.period``, ``MemoryTierOptions.memory_period``,
+    ``ElasticConfig.checkpoint_period``); one that is set stays as it is and the others are chosen around it. A
+    single-controller run only (every process of a multi-controller job must save at the same steps)."""
+
+    enabled: bool = True
+    # the job's mean time between failures expected before the run has seen any (the prior, worth one failure);
+    # None: no guess: the periods stay as configured until the run has seen ``min_failures`` failures, whose mean
+    # interval is then the prior
+    mtbf_hours: float | None = None
+    min_failures: int = 3
+    # the most steps a failure may lose on average (every period shortened alike to keep it; None: no bound)
+    max_lost_steps: float | None = None
+    # a new choice replaces the periods in force only when it is expected to gain more goodput than this
+    # (0.001: 0.1 point), or when they break a constraint
+    min_gain: float = 0.001
+    # (at least, at most) steps between saves of each tier (None: no upper bound); a bound the replica tier's
+    # overhead budget or a copy's time exceeds gives way to them
+    replica_bounds: tuple[int, int | None] = (1, None)
+    memory_bounds: tuple[int, int | None] = (1, None)
+    persist_bounds: tuple[int, int | None] = (1, None)
+
+    def __post_init__(self) -> None:
+        if self.mtbf_hours is not None and not 0 < self.mtbf_hours < float("inf"):
+            raise ValueError(f"AutopilotOptions.mtbf_hours={self.mtbf_hours}: hours > 0, or None (learned)")
+        if self.min_failures < 1 or not 0 <= self.min_gain < 1:
+            raise ValueError("AutopilotOptions: min_failures >= 1 and min_gain in [0, 1)")
+        if self.max_lost_steps is not None and not self.max_lost_steps > 0:
+            raise ValueError(f"AutopilotOptions.max_lost_steps={self.max_lost_steps}: > 0, or None")
+        for name in ("replica_bounds", "memory_bounds", "persist_bounds"):
+            low, high = getattr(self, name)
+            if low < 1 or (high is not None and high < low):
+                raise ValueError(f"AutopilotOptions.{name}={(low, high)}: 1 <= at least <= at most")
+
+
+@dataclass(frozen=True)
 class ElasticConfig:
     """What the runner needs to know about the job (MaxText-style elastic options, grouped by concern)."""
 
@@ -153,7 +193,9 @@ class ElasticConfig:
     mesh_axes: tuple[str, ...]
     mesh_shape: tuple[int, ...]
     global_batch: int
-    checkpoint_period: int = 10
+    # a persistent save every N steps (0: none); None: chosen by the autopilot (every 10 steps until it chooses,
+    # and without it)
+    checkpoint_period: int | None = None
     elastic: ElasticOptions = field(default_factory=ElasticOptions)
     batch: BatchScalingOptions = field(default_factory=BatchScalingOptions)
     memory_fit: MemoryFitOptions = field(default_factory=MemoryFitOptions)
@@ -161,6 +203,7 @@ class ElasticConfig:
     memory_tier: MemoryTierOptions = field(default_factory=MemoryTierOptions)
     compilation: CompilationOptions = field(default_factory=CompilationOptions)
     saving: SaveOptions = field(default_factory=SaveOptions)
+    autopilot: AutopilotOptions = field(default_factory=AutopilotOptions)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> ElasticConfig:
         moved = sorted(set(kwargs) & set(_MOVED))
@@ -204,6 +247,7 @@ def _new_spelling(name: str) -> str:
 
 
 __all__ = [
+    "AutopilotOptions",
     "BatchScalingOptions",
     "CompilationOptions",
     "ElasticConfig",

@@ -29,6 +29,7 @@ from trainer_client.core._batching import initial_batch
 from trainer_client.core.format._snapshot import DataIteratorRecord
 from trainer_client.core.protocol import BatchPlan, ResumePlan, Tier, TrainingMetadata
 from trainer_client.errors import NoWholeReplica
+from trainer_client.runtime._autopilot_runner import RunnerAutopilot
 from trainer_client.runtime._checkpointing import mesh_spec, target_shardings, training_metadata
 from trainer_client.runtime._data_iterator import (
     DataIterator,
@@ -90,6 +91,9 @@ class AttemptRunner(Protocol):
 
     @property
     def replicas(self) -> RunnerReplicas | None: ...
+
+    @property
+    def autopilot(self) -> RunnerAutopilot: ...
 
     def emit(self, kind: str, step: int | None = None, detail: str = "", **fields: Any) -> None: ...
 
@@ -314,11 +318,11 @@ class ElasticContext:
     def step_boundary(self, step: int, state: PyTree, data_position: int) -> None:
         """Call before computing ``step`` (``state`` holds ``step`` completed steps).
 
-        Reports the first step done after a recovery, fires injected faults (CPU simulation), saves every
-        ``checkpoint_period`` steps, and under ``resize`` grows back when lost slices have returned. In a
-        multi-controller job, once a preemption notice (SIGTERM to any process) reached the step every process
-        agreed on (``multihost_utils.reached_preemption_sync_point``, asked at every step), saves ``step`` to
-        storage, waits for it and raises ``Preempted``: the runner ends the run cleanly.
+        Reports the first step done after a recovery, fires injected faults (CPU simulation), saves at the
+        periods in force (``runtime/_autopilot_runner.py``), and under ``resize`` grows back when lost slices
+        have returned. In a multi-controller job, once a preemption notice (SIGTERM to any process) reached the
+        step every process agreed on (``multihost_utils.reached_preemption_sync_point``, asked at every step),
+        saves ``step`` to storage, waits for it and raises ``Preempted``: the runner ends the run cleanly.
         """
         if self._preemptible and preemption_reached(step):
             self._stop_for_preemption(step, state, data_position)
@@ -327,12 +331,13 @@ class ElasticContext:
             self._first_step_done = True
             self.runner.first_step_done(step)
         cfg = self.runner.config
-        period, tier = cfg.checkpoint_period, cfg.memory_tier
         self.last_step = step
         later = step > self.start_step
         replicas = self.runner.replicas
         if replicas is not None:
             replicas.boundary(step)  # timed: the pacer's step time
+        live = self.runner.autopilot.at_boundary(step)  # the periods in force: the config's, or chosen as it runs
+        period = live.persist
         if replicas is not None and replicas.due(step) and (later or replicas.held_step() != step):
             # the iterator's state and the metadata gathered only for a snapshot that is due
             iterator = state_record(self._data_iterator) if self._data_iterator is not None else None
@@ -341,7 +346,7 @@ class ElasticContext:
         self.runner.slices.at_step_boundary(step, self.active_slices)
         if later and period > 0 and step % period == 0:
             self.save(step, state, data_position, if_busy=cfg.saving.when_save_busy)
-        elif later and tier.memory_period and step % tier.memory_period == 0 and tier.shm_dir:
+        elif later and live.memory and step % live.memory == 0 and cfg.memory_tier.shm_dir:
             self.save(step, state, data_position, persist=False)
         if not self._precompiling and (period <= 0 or step >= self.start_step + period):
             self._start_precompile()  # no save came first (one in this boundary started it already)

@@ -26,7 +26,7 @@ from trainer_client.core.protocol import ReplicasHeld, TrainingMetadata
 from trainer_client.errors import MemoryTierFull, NoWholeReplica
 from trainer_client.runtime._elastic_config import ReplicaOptions
 from trainer_client.runtime._replica_leaves import HOST_KINDS, PINNED, required_bytes
-from trainer_client.runtime._replica_pacing import PaceChoice, PaceMeter, choose, worth_changing
+from trainer_client.runtime._replica_pacing import KindCosts, PaceChoice, PaceMeter, choose, worth_changing
 from trainer_client.runtime._replica_tier import ReplicaStats, ReplicaTier, Restored
 
 _log = logging.getLogger(__name__)
@@ -47,6 +47,9 @@ class RunnerReplicas:
         self._clock = clock
         self.meter = PaceMeter()
         self.choice: PaceChoice | None = None  # the paced period and memory kind (None: not chosen yet)
+        # the autopilot's period (runtime/_autopilot_runner.py): a paced tier snapshots every
+        # max(choice.period, autopilot_period) steps, so the pacer's overhead budget holds whatever it chose
+        self.autopilot_period: int | None = None
         self._kinds = self._kinds_to_measure()
         self._last_snapshot: int | None = None  # the step of the last snapshot dispatched
         self._nbytes = 0  # this host's bytes of one snapshot
@@ -90,7 +93,7 @@ class RunnerReplicas:
         self._repace(step)
         if self._measuring() is not None:
             return self.tier is None or not self.tier.busy
-        period = self.choice.period if self.choice is not None else 1
+        period = max(self.choice.period if self.choice is not None else 1, self.autopilot_period or 1)
         return self._last_snapshot is None or step - self._last_snapshot >= period
 
     def _measuring(self) -> str | None:
@@ -120,6 +123,21 @@ class RunnerReplicas:
         _log.info("replica snapshots paced at step %d: %s", step, new.reason)
         if self._on_paced is not None:
             self._on_paced(step, new, old)
+
+    @property
+    def cycles_closed(self) -> int:
+        """Snapshots whose whole cost is measured: a choice made from the costs needs revising only after one."""
+        return self.meter.cycles_closed
+
+    def measured(self) -> tuple[float, KindCosts] | None:
+        """The step time and the costs of the memory kind in use (the pacer's choice; with a fixed period, the
+        first measured), as measured now (the pacer's window); None before a snapshot's whole cost is known."""
+        costs = self.meter.costs(self._nbytes) if self._nbytes else None
+        if costs is None:
+            return None
+        step_s, kinds = costs
+        chosen = self.choice.kind if self.choice is not None else None
+        return step_s, next((k for k in kinds if k.kind == chosen), kinds[0])
 
     def snapshot(self, step: int, state: PyTree, data_position: int,
                  iterator_state: DataIteratorRecord | None, training: TrainingMetadata | None = None) -> bool:
