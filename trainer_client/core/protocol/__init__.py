@@ -7,7 +7,8 @@ client parses answers with the same models, so the two cannot drift apart. Split
   and answers of the checkpoint routes (list, latest-good, resume);
 * ``_stored``: what a step records (``TrainingMetadata``, mesh, arrays, batch plan) and its state;
 * ``_advice``: the goodput advisor's query and answer;
-* ``_events``: elastic events and the goodput report.
+* ``_events``: elastic events and the goodput report (``_autopilot_event``: an ``autopilot_decided`` event's
+  fields).
 
 Import from here (``from trainer_client.core import protocol as p``), never from the private modules.
 Nothing here imports jax or the server framework.
