@@ -311,7 +311,7 @@ def table(results: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hosts", default="64", help="comma-separated host counts, one step each")
-    parser.add_argument("--workers", type=int, default=2, help="persist worker children serving the hosts")
+    parser.add_argument("--workers", type=int, default=8, help="persist worker children serving the hosts")
     parser.add_argument("--concurrency", type=int, default=0, help="hosts persisting at once (0: all)")
     parser.add_argument("--rate-scale", type=float, default=1.0, help="GCS's starting rates times this")
     parser.add_argument("--rows", type=int, default=4)
