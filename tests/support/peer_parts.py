@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -97,8 +98,12 @@ class PeerSidecars:
 
     def wipe(self, k: int) -> None:
         """Host ``k``'s shared memory emptied (a replaced node), its sidecar left running."""
+        def gone_meanwhile(_fn: object, _path: str, exc: Any) -> None:  # the sidecar may remove a part first
+            if not isinstance(exc[1], FileNotFoundError):
+                raise exc[1]
+
         for child in self.shm[k].iterdir():
-            shutil.rmtree(child)
+            shutil.rmtree(child, onerror=gone_meanwhile)
 
 
 def flip_a_bit(part: Path) -> None:

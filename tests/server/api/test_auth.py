@@ -27,7 +27,7 @@ from tests.support.helpers import clean_env, wait_until
 from tests.support.orbax_steps import training_metadata, write_orbax_jobs
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.client._event_reporter import EventReporter
-from trainer_client.config import ClientSettings
+from trainer_client.config import ClientSettings, reset_client_settings
 from trainer_client.core import protocol as p
 from trainer_client.core.protocol import ResumeRequest
 from trainer_client.errors import CkptdRequestError
@@ -149,6 +149,7 @@ def test_trainer_client_sends_the_token_from_its_environment(
 ) -> None:
     monkeypatch.setenv("CKPTD_URL", env_server.url)
     monkeypatch.setenv("CKPTD_TOKEN", TOKEN)
+    reset_client_settings()
     with CkptdClient(root=str(root)) as client:  # ClientSettings() from the environment
         assert client.latest_good("meta").step == 10  # type: ignore[union-attr]
         plan = client.resume("meta", ResumeRequest(alive_devices=8))
@@ -163,6 +164,7 @@ def test_trainer_client_sends_the_token_from_its_environment(
     assert any(e.get("detail") == "auth test" for e in events)
 
     monkeypatch.setenv("CKPTD_TOKEN", "not-the-token")
+    reset_client_settings()  # the environment is read once a process: as a new process would read it
     with CkptdClient(root=str(root)) as client, pytest.raises(CkptdRequestError) as refused:
         client.resume("meta", ResumeRequest(alive_devices=8))  # refused: raised, not bypassed via storage
     assert refused.value.code == p.ErrorCode.UNAUTHORIZED.value and TOKEN not in str(refused.value)
