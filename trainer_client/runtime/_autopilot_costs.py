@@ -5,7 +5,7 @@ sees every one of them go by, in its step boundaries and its own events; this mo
 medians of recent windows, jax-free and on an injected clock (the tests script them). The replica tier's costs
 are its pacer's (``RunnerReplicas.measured``: the loop time a snapshot costs all told, and its copy); the rest:
 
-* the step time: the median interval between step boundaries of one attempt;
+* the step time: the median interval between consecutive step boundaries (none across a recovery);
 * a save's block: ``blocked_seconds`` of ``checkpoint_started``, by where the save went (``memory`` and
   ``memory+persist`` are the shared-memory tier's snapshot, ``storage`` Orbax's device-to-host copy);
 * a save's copy (until it is usable): a snapshot is usable when its save returns; a persist by ckptd when ckptd
@@ -112,8 +112,9 @@ class CostMeter:
             if self._failed_at is not None:
                 self._measured(self.detect, now - self._failed_at)
                 self._failed_at = None
-            self._ready_at, self._last = now, None  # a new attempt: its steps are timed afresh
-            self._steps.clear()
+            # a new attempt: the interval across the recovery is no step's; the window goes on (a few slow steps
+            # after a restore move its median little, where a window started afresh would stand on them alone)
+            self._ready_at, self._last = now, None
         elif kind == "restored" and fields.get("tier"):
             tier = str(fields["tier"])
             if self._ready_at is not None:

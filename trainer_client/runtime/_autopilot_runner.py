@@ -10,7 +10,8 @@ measurements, and the estimate ``FailureHistory`` makes of the failure rate from
 the tier it restored from). What the model is given of the run's constraints: a period the user set is fixed (both
 bounds at it: the model chooses the others around it and the runner leaves it alone); ``AutopilotOptions``'
 bounds and bound on steps lost; and the replica tier's overhead budget, whose smallest period (the pacer's 2%
-rule) is the replica tier's floor: the autopilot may snapshot less often than the pacer would, never more.
+rule, its period in force) is the replica tier's floor: the autopilot may snapshot less often than the pacer
+would, never more.
 
 Cheap on the hot path: ``at_boundary`` times the step and compares a count of measurements with the one the last
 choice was made at; the model runs at most once per new measurement (a closed replica cycle, a save timed, a
@@ -32,7 +33,7 @@ from trainer_client.core.format._files import SNAPSHOT_PERSISTED_FILE
 from trainer_client.core.planning import Autopilot, Constraints, Decision, FailureHistory, FailurePrior, TierCosts
 from trainer_client.runtime._autopilot_costs import CostMeter
 from trainer_client.runtime._elastic_config import AutopilotOptions, ElasticConfig, ReplicaOptions
-from trainer_client.runtime._replica_pacing import KindCosts, smallest_period
+from trainer_client.runtime._replica_pacing import KindCosts
 from trainer_client.runtime._saver import Saver
 
 _log = logging.getLogger(__name__)
@@ -50,6 +51,9 @@ class PacedReplicas(Protocol):
 
     @property
     def cycles_closed(self) -> int: ...
+
+    @property
+    def paced_period(self) -> int | None: ...
 
     def measured(self) -> tuple[float, KindCosts] | None: ...
 
@@ -217,16 +221,16 @@ class RunnerAutopilot:
         replicas = self.replicas
         if replicas is not None and replicas.off_reason is None:
             measured = replicas.measured()
-            if measured is None and "replicas" in self.owned:
+            if (measured is None or replicas.paced_period is None) and "replicas" in self.owned:
                 return None
             cost_s = copy_s = 0.0  # a fixed period's costs may never be measured (no step without a copy in flight)
-            floor = (1, "bound")
             if measured is not None:
-                paced_step, kind = measured
-                cost_s, copy_s = kind.cost_s, kind.copy_s
-                floor = (smallest_period(paced_step, cost_s, copy_s, replicas.options.overhead_budget),
-                         "overhead budget")
-            out.append(self._tier("replicas", step_s, cost_s, copy_s, floor))
+                cost_s, copy_s = measured[1].cost_s, measured[1].copy_s
+            # the floor is the pacer's period in force (it moves only with the pacer's own hysteresis), not one
+            # recomputed from each new measurement: a floor that jitters would break the periods in force by turns
+            paced = replicas.paced_period
+            out.append(self._tier("replicas", step_s, cost_s, copy_s,
+                                  (paced, "overhead budget") if paced else (1, "bound")))
         memory = self.meter.block["memory"].median()
         if self._memory_tier:
             if memory is None:

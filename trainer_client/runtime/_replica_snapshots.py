@@ -125,6 +125,11 @@ class RunnerReplicas:
             self._on_paced(step, new, old)
 
     @property
+    def paced_period(self) -> int | None:
+        """The pacer's period in force (the smallest within the overhead budget); None before it chose."""
+        return self.choice.period if self.choice is not None else None
+
+    @property
     def cycles_closed(self) -> int:
         """Snapshots whose whole cost is measured: a choice made from the costs needs revising only after one."""
         return self.meter.cycles_closed

@@ -44,6 +44,10 @@ class Replicas:
         self.cycles_closed = 0
         self.kind = KindCosts("pinned_host", copy_s, cost_s)
 
+    @property
+    def paced_period(self) -> int:  # the pacer's choice: the smallest period within the overhead budget
+        return smallest_period(STEP, self.kind.cost_s, self.kind.copy_s, self.options.overhead_budget)
+
     def measured(self) -> tuple[float, KindCosts] | None:
         return STEP, self.kind
 
