@@ -121,6 +121,8 @@ class RunnerAutopilot:
             self.off_reason = "off: no periodic persistent save (checkpoint_period=0) to plan around"
         elif not self.owned:
             self.off_reason = "off: every period is set"
+        if self.off_reason is not None and options.enabled and self.owned:
+            _log.info("autopilot %s; the periods stay as configured", self.off_reason)
         self.pilot: Autopilot | None = None
         self.decisions: list[Decision] = []
         self._tiers: tuple[str, ...] = ()  # the tiers the failure history counts shares of

@@ -179,6 +179,18 @@ def test_small_changes_do_not_move_the_periods() -> None:
     assert memory is not None and before is not None and memory > before
 
 
+def test_off_the_periods_are_the_configured_ones() -> None:
+    for run in (Run(AutopilotOptions(enabled=False, mtbf_hours=1.0), replicas=Replicas()),
+                Run(AutopilotOptions(mtbf_hours=1.0), replicas=Replicas(), checkpoint_period=0)):
+        assert run.pilot.off_reason is not None and run.pilot.off_reason.startswith("off")
+    run = Run(AutopilotOptions(enabled=False, mtbf_hours=1.0), replicas=Replicas())
+    run.train(600.0)
+    assert run.decided() == [] and run.periods() == (None, None, DEFAULT_CHECKPOINT_PERIOD)
+    multi = RunnerAutopilot(AutopilotOptions(mtbf_hours=1.0), checkpoint_period=None, memory_period=None,
+                            memory_tier=True, replicas=None, meter=CostMeter(), emit=run.emit, single_controller=False)
+    assert multi.off_reason is not None and "multi-controller" in multi.off_reason
+
+
 def test_periods_the_user_set_are_left_alone_and_the_others_chosen_around_them() -> None:
     every = Run(AutopilotOptions(mtbf_hours=4.0), replicas=Replicas(period=1), checkpoint_period=50,
                 memory_period=10)
