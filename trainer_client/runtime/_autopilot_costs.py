@@ -26,6 +26,8 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from trainer_client.core.protocol import MEMORY_AND_PERSIST, Tier
+
 WINDOW = 16  # samples kept of each measure: recent enough to follow a change, enough for a stable median
 STEP_WINDOW = 64
 MIN_STEPS = 3  # step intervals before the step time is known (the first after a start compiles)
@@ -63,8 +65,8 @@ class CostMeter:
         self._storage_busy = storage_busy
         self._steps: deque[float] = deque(maxlen=STEP_WINDOW)
         self._last: float | None = None
-        self.block: dict[str, Samples] = {"memory": Samples(), "storage": Samples()}
-        self.copy: dict[str, Samples] = {"storage": Samples(), "persist": Samples()}
+        self.block: dict[str, Samples] = {Tier.MEMORY: Samples(), Tier.STORAGE: Samples()}
+        self.copy: dict[str, Samples] = {Tier.STORAGE: Samples(), "persist": Samples()}
         self.restore: dict[str, Samples] = {}
         self.first_step: dict[str, Samples] = {}
         self.detect = Samples()
@@ -84,7 +86,7 @@ class CostMeter:
             self._steps.append(now - self._last)
         self._last = now
         if self._writing is not None and self._storage_busy is not None and not self._storage_busy():
-            self._measured(self.copy["storage"], now - self._writing)
+            self._measured(self.copy[Tier.STORAGE], now - self._writing)
             self._writing = None
 
     def step_s(self) -> float | None:
@@ -128,12 +130,12 @@ class CostMeter:
             self._saved(step, fields.get("tier"), fields.get("blocked_seconds"), now)
 
     def _saved(self, step: int | None, tier: object, blocked: object, now: float) -> None:
-        if not isinstance(blocked, (int, float)) or tier not in ("memory", "memory+persist", "storage"):
+        if not isinstance(blocked, (int, float)) or tier not in (Tier.MEMORY, MEMORY_AND_PERSIST, Tier.STORAGE):
             return  # skipped, or a save whose stall was not timed
-        self._measured(self.block["storage" if tier == "storage" else "memory"], float(blocked))
-        if tier == "storage":
+        self._measured(self.block[Tier.STORAGE if tier == Tier.STORAGE else Tier.MEMORY], float(blocked))
+        if tier == Tier.STORAGE:
             self._writing = now - float(blocked)
-        elif tier == "memory+persist" and step is not None:
+        elif tier == MEMORY_AND_PERSIST and step is not None:
             self._persists[step] = self.wall() - float(blocked)
             while len(self._persists) > _PENDING_PERSISTS:
                 del self._persists[min(self._persists)]

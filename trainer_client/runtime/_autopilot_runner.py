@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 from trainer_client.core.format._files import SNAPSHOT_PERSISTED_FILE
 from trainer_client.core.planning import Autopilot, Constraints, Decision, FailureHistory, FailurePrior, TierCosts
+from trainer_client.core.protocol import Tier
 from trainer_client.runtime._autopilot_costs import CostMeter
 from trainer_client.runtime._elastic_config import AutopilotOptions, ElasticConfig, ReplicaOptions
 from trainer_client.runtime._replica_pacing import KindCosts
@@ -39,7 +40,8 @@ from trainer_client.runtime._saver import Saver
 _log = logging.getLogger(__name__)
 DEFAULT_CHECKPOINT_PERIOD = 10  # a persistent save every this many steps until the autopilot chooses (or without it)
 MIN_INTERVAL_S = 10.0  # seconds of the run between two choices, but right after a recovery
-TIERS = ("replicas", "memory", "storage")  # the resume plan's tiers, fastest first (the event's field names)
+BOUNDS = {Tier.REPLICAS: "replica_bounds", Tier.MEMORY: "memory_bounds", Tier.STORAGE: "persist_bounds"}  # options
+TIERS = tuple(Tier)  # the resume plan's tiers, fastest first (their values are the event's field names)
 
 
 class PacedReplicas(Protocol):
@@ -105,12 +107,12 @@ class RunnerAutopilot:
         self.replicas = replicas
         self._emit = emit
         self._memory_tier = memory_tier
-        self._fixed: dict[str, int | None] = {"replicas": replicas.options.period if replicas else None,
-                                              "memory": memory_period, "storage": checkpoint_period}
+        self._fixed: dict[str, int | None] = {Tier.REPLICAS: replicas.options.period if replicas else None,
+                                              Tier.MEMORY: memory_period, Tier.STORAGE: checkpoint_period}
         self.periods = LivePeriods(DEFAULT_CHECKPOINT_PERIOD if checkpoint_period is None else checkpoint_period,
                                    memory_period)
-        owned = {"replicas": replicas is not None and replicas.options.period is None,
-                 "memory": memory_tier and memory_period is None, "storage": checkpoint_period is None}
+        owned = {Tier.REPLICAS: replicas is not None and replicas.options.period is None,
+                 Tier.MEMORY: memory_tier and memory_period is None, Tier.STORAGE: checkpoint_period is None}
         self.owned = frozenset(name for name, mine in owned.items() if mine)
         self.off_reason: str | None = None
         if not options.enabled:
@@ -223,7 +225,7 @@ class RunnerAutopilot:
         replicas = self.replicas
         if replicas is not None and replicas.off_reason is None:
             measured = replicas.measured()
-            if (measured is None or replicas.paced_period is None) and "replicas" in self.owned:
+            if (measured is None or replicas.paced_period is None) and Tier.REPLICAS in self.owned:
                 return None
             cost_s = copy_s = 0.0  # a fixed period's costs may never be measured (no step without a copy in flight)
             if measured is not None:
@@ -231,20 +233,20 @@ class RunnerAutopilot:
             # the floor is the pacer's period in force (it moves only with the pacer's own hysteresis), not one
             # recomputed from each new measurement: a floor that jitters would break the periods in force by turns
             paced = replicas.paced_period
-            out.append(self._tier("replicas", step_s, cost_s, copy_s,
+            out.append(self._tier(Tier.REPLICAS, step_s, cost_s, copy_s,
                                   (paced, "overhead budget") if paced else (1, "bound")))
-        memory = self.meter.block["memory"].median()
+        memory = self.meter.block[Tier.MEMORY].median()
         if self._memory_tier:
             if memory is None:
                 return None
-            out.append(self._tier("memory", step_s, memory, memory))
+            out.append(self._tier(Tier.MEMORY, step_s, memory, memory))
             persist = self.meter.copy["persist"].median() or 0.0  # the persist is ckptd's: it costs the loop nothing
-            out.append(self._tier("storage", step_s, 0.0, persist, nested=True))
+            out.append(self._tier(Tier.STORAGE, step_s, 0.0, persist, nested=True))
         else:
-            storage = self.meter.block["storage"].median()
+            storage = self.meter.block[Tier.STORAGE].median()
             if storage is None:
                 return None
-            out.append(self._tier("storage", step_s, storage, self.meter.copy["storage"].median() or 0.0))
+            out.append(self._tier(Tier.STORAGE, step_s, storage, self.meter.copy[Tier.STORAGE].median() or 0.0))
         return out
 
     def _tier(self, name: str, step_s: float, block_s: float, copy_s: float, floor: tuple[int, str] = (1, "bound"),
@@ -257,8 +259,7 @@ class RunnerAutopilot:
         if fixed:
             low, high, why, copy_s = fixed, fixed, "fixed", min(copy_s, fixed * step_s)
         else:
-            low, high = getattr(self.options, {"replicas": "replica_bounds", "memory": "memory_bounds",
-                                               "storage": "persist_bounds"}[name])
+            low, high = getattr(self.options, BOUNDS[Tier(name)])
             low, why = max((low, "bound"), floor)
         return TierCosts(name, block_s=block_s, copy_s=copy_s, restore_s=restore_s, first_step_s=first_s,
                          nested=nested, min_period_s=low * step_s, min_reason=why,
@@ -284,9 +285,9 @@ class RunnerAutopilot:
         for name, period in zip(self._tiers, decision.plan.periods, strict=True):
             if name not in self.owned or period is None:
                 continue
-            if name == "replicas" and replicas is not None:
+            if name == Tier.REPLICAS and replicas is not None:
                 replicas.autopilot_period = period
-            elif name == "memory":
+            elif name == Tier.MEMORY:
                 self.periods.memory = period
             else:
                 self.periods.persist = period

@@ -214,8 +214,8 @@ class ResumeAgreement:
         self.decision = decision
         if decision.get("refused"):
             raise CkptdRequestError(*decision["refused"])
-        self.storage_plan = (ResumePlan.model_validate(decision["storage"])
-                             if decision.get("storage") is not None else None)
+        self.storage_plan = (ResumePlan.model_validate(decision[Tier.STORAGE])
+                             if decision.get(Tier.STORAGE) is not None else None)
         self.timings["agreement_s"] = time.perf_counter() - start
         if decision["tier"] == Tier.MEMORY:
             source = decision.get("sources", {}).get(str(self.index))
@@ -332,7 +332,7 @@ class ResumeAgreement:
         self.store.key_value_set(self._key("decision"), json.dumps({
             "tier": tier, "step": step, "save": save, "refused": refused,
             "sources": {str(k): j for k, j in sources.items()},
-            "storage": storage.model_dump(mode="json") if storage is not None else None}))
+            Tier.STORAGE: storage.model_dump(mode="json") if storage is not None else None}))
 
     def restore(self, plan: ResumePlan, target_for: Callable[[ResumePlan], PyTree]) -> tuple[PyTree, ResumePlan]:
         """``(state, plan restored)``: the agreed plan's step onto ``target_for(plan)`` in every process, or

@@ -25,7 +25,7 @@ from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.core._errors import CkptdError
 from trainer_client.core.format._snapshot import DataIteratorRecord
-from trainer_client.core.protocol import Tier, TrainingMetadata
+from trainer_client.core.protocol import MEMORY_AND_PERSIST, Tier, TrainingMetadata
 from trainer_client.errors import MemoryTierFull
 from trainer_client.runtime._job_store import job_incarnation
 from trainer_client.runtime._memory_tier import MemoryTier
@@ -115,7 +115,7 @@ class Saver:
             try:
                 self.memory.save(step, state, meta, persist=persist, data_iterator=data_iterator,
                                  item=self.checkpointer.item)
-                tier = f"{Tier.MEMORY}+persist" if persist else Tier.MEMORY
+                tier = MEMORY_AND_PERSIST if persist else Tier.MEMORY
                 self.last_blocked_s = self.memory.last_blocked_s
                 away = persist and self.health is not None and not self.health.ok
                 if away and not self._said_away:  # once per outage, not once per save

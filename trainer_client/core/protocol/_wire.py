@@ -55,6 +55,11 @@ class Tier(StrEnum):
     STORAGE = "storage"  # a committed Orbax step on the checkpoint root
 
 
+# A save's destination beside the tiers: a shared-memory snapshot that ckptd is asked to persist to storage
+# (a checkpoint_started event's ``tier``).
+MEMORY_AND_PERSIST = f"{Tier.MEMORY}+persist"
+
+
 class ErrorCode(StrEnum):
     """Stable error codes; each maps to one HTTP status (see ``ERROR_STATUS``)."""
 
@@ -274,6 +279,7 @@ __all__ = [
     "JOB_NAME_PATTERN",
     "MAX_PAGE_LIMIT",
     "MAX_STEP",
+    "MEMORY_AND_PERSIST",
     "ROUTE_ADVICE",
     "ROUTE_CHECKPOINTS",
     "ROUTE_DASHBOARD",
