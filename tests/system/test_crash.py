@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.helpers import wait_until
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.core._storage import Storage
@@ -60,6 +61,10 @@ def _kill_during_save(job_dir: Path, mode: str) -> None:
                 break
         else:
             pytest.fail(f"trainer ended early: {proc.stderr.read() if proc.stderr else ''}")
+        # the save returned; its directory is made by Orbax's background thread: the kill waits for it (a kill
+        # before it lands finds no step 20 at all, which is not the case this file is about)
+        wait_until(lambda: job_dir.is_dir() and any(p.name.startswith("20") for p in job_dir.iterdir()),
+                   timeout=60, what="step 20's directory")
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(timeout=30) == -signal.SIGKILL
     finally:
