@@ -244,6 +244,9 @@ def run_device_recovery(profile: Profile, results: Results, workdir: Path, shm_d
             print(f"    compiles after the restore: in-process {_compiles_after_restore(inproc)}, relaunch "
                   f"{_compiles_after_restore(relaunch)}; leaves whose key changed in-process: "
                   f"{inproc.get('state_changed') or 'none'}", flush=True)
+            for label, child in (("in-process", inproc), ("relaunch", relaunch)):
+                for samples, thread, stack in child.get("first_step_stacks", [])[:5]:
+                    print(f"    {label} restore -> first step, {samples} samples in {thread}: {stack}", flush=True)
         for k, v in s.items():
             results.measure(f"device_recovery.{k}_s", v, "s")
         medians = {k: median_phases(v) for k, v in phases.items()}

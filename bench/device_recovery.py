@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 from bench.recovery import INPROCESS_PHASES, RESULT_PREFIX, StopRun, event_marks, split_phases
+from bench.stack_sampler import StackSampler
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -147,9 +148,17 @@ def main(argv: list[str] | None = None) -> int:
     events: list[Event] = []
     attempts: list[list[str]] = []  # each attempt's state as the step sees it: what its executable is keyed on
     compiles = watch_compiles()
+    stacks: list[list[Any]] = []
+
+    sampling: list[StackSampler] = []  # from a restore to the first step done: where that time went, by thread
 
     def on_event(event: Event) -> None:
         events.append(event)
+        if event.kind == "restored":
+            sampling[:] = [StackSampler()]
+            sampling[0].start()
+        if event.kind == "first_step_done" and sampling:
+            stacks[:] = sampling.pop().stop()
         if event.kind == ("recovered" if inprocess else "first_step_done"):
             raise StopRun
 
@@ -162,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"mode": args.mode, "devices": len(devices), "platform": devices[0].platform,
                            "started_wall": started, "imported_wall": imported, "devices_wall": devices_up,
                            "timeline": [[kind, round(wall, 4)] for kind, wall in timeline],
-                           "compiles": compiles, "state_changed": state_changes(attempts)}
+                           "compiles": compiles, "state_changed": state_changes(attempts),
+                           "first_step_stacks": stacks}
     if inprocess:
         raised = faults.raised_wall
         if raised is None:

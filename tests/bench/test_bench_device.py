@@ -22,6 +22,7 @@ from bench import device_profile
 from bench.device_profile import choose, device_size
 from bench.report import DEVICE_BEGIN, DEVICE_END
 from tests.support.helpers import REPO, clean_env
+from tests.support.sockets import tcp_allowed
 
 
 def test_the_device_profile_runs_at_its_toy_size(tmp_path: Path) -> None:
@@ -93,7 +94,8 @@ def test_the_device_profile_runs_at_its_toy_size_without_tcp(tmp_path: Path) -> 
     env["PYTHONPATH"] = f"{site}:{env['PYTHONPATH']}"
     tried = subprocess.run([sys.executable, "-c", "import socket; socket.socket().bind(('127.0.0.1', 0))"], env=env,
                            capture_output=True, text=True, timeout=60, check=False)
-    assert tried.returncode != 0 and "the test's guard" in tried.stderr and log.exists()  # the guard is in place
+    assert tried.returncode != 0  # the guard is in place, or the machine has no TCP at all (the lent chip's)
+    assert not tcp_allowed() or ("the test's guard" in tried.stderr and log.exists())
     log.unlink()
     out, docs = tmp_path / "results-device.json", tmp_path / "benchmarks.md"
     proc = subprocess.run(

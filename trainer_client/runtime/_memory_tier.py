@@ -178,10 +178,12 @@ class MemoryTier:
     def prepare(self, state: PyTree) -> None:
         """Make the first save's spare file for ``state`` (arrays or ``ShapeDtypeStruct``s with shardings)
         now, in the background: allocated and touched, so that the first save writes into pages that exist.
-        Nothing without ``preallocate``; a spare that is already big enough is kept."""
-        if not self.preallocate:
+        Nothing without ``preallocate``; a spare that is already big enough is kept. Never waits: a spare still
+        being made (the last save's, its pages being touched: ~10 s for 5 GB on the lent chip's sandbox,
+        docs/benchmarks.md) goes on beside the restore and the first step, and the next save judges its size."""
+        if not self.preallocate or self.making_spare():
             return
-        self.wait_spare()
+        self.wait_spare()  # a finished thread: joined at once
         nbytes = snapshot_bytes(state)
         if nbytes and self._spare_bytes() < nbytes:
             self._start_spare(nbytes, None)
@@ -210,6 +212,10 @@ class MemoryTier:
             return self._spare.stat().st_size
         except FileNotFoundError:  # never made, or dropped by ckptd as stale
             return 0
+
+    def making_spare(self) -> bool:
+        """Whether the background allocation of the next snapshot's file is still running."""
+        return self._spare_thread is not None and self._spare_thread.is_alive()
 
     def wait_spare(self) -> None:
         """Wait until the background allocation of the next snapshot's file (if any) is done."""

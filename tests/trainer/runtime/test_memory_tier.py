@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -221,6 +222,41 @@ def test_prepare_touches_the_first_saves_file_before_it_and_evicts_nothing(shm_p
     full.prepare(abstract)
     full.wait_spare()
     assert not list((tmp_path / "full").glob(".spare-*"))
+
+
+def test_a_new_attempts_prepare_never_waits_for_a_spare_still_being_made(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spare a save starts (its pages touched: seconds for gigabytes on the lent chip's sandbox) goes on beside
+    the next attempt's restore: ``prepare`` returns at once, and the next save waits for it and writes into it."""
+    import trainer_client.runtime._memory_tier as memory_tier
+
+    started, release = threading.Event(), threading.Event()
+    real = memory_tier.make_spare
+
+    def slow_spare(spare: Path, nbytes: int, *, touched: bool) -> None:
+        started.set()
+        release.wait(timeout=60)
+        real(spare, nbytes, touched=touched)
+
+    monkeypatch.setattr(memory_tier, "make_spare", slow_spare)
+    mesh = Mesh(np.array(jax.devices()).reshape(-1, 1), ("replica", "data"))  # whatever devices the run has
+    state = {"w": jax.device_put(jnp.ones((64, 256), jnp.float32), NamedSharding(mesh, P("data"))), "step": 3}
+    abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+                                      if isinstance(a, jax.Array) else a, state)
+    tier = MemoryTier(str(tmp_path), "job", max_snapshots=3)
+    tier.save(1, state, _meta(1, state, mesh), persist=False)  # starts the next save's spare
+    assert started.wait(timeout=30)
+    tier.prepare(abstract)  # a new attempt, restoring step 1: not held up by the spare
+    assert tier.making_spare()
+    release.set()
+    tier.wait_spare()
+    spare = tmp_path / "job" / f".spare-{os.getpid()}"
+    held = os.open(spare, os.O_RDONLY)
+    second = tier.save(2, state, _meta(2, state, mesh), persist=False)
+    assert os.fstat(held).st_ino == (second / SNAPSHOT_DATA_FILE).stat().st_ino  # the save wrote into it
+    os.close(held)
+    assert problems(second) == []
+    tier.close()
 
 
 def test_what_dead_trainers_left_in_shared_memory_is_dropped(tmp_path: Path) -> None:
