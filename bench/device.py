@@ -52,7 +52,8 @@ def _rates(state: PyTree) -> dict[str, Any]:
     leaves = _leaves(state)
     shardings = [x.sharding for x in leaves]
     nbytes = tree_bytes(state)
-    kinds = {m.kind for m in leaves[0].devices().pop().addressable_memories()}
+    # next(iter(...)), never .pop(): devices() is the mesh's own cached set, which every array on it shares
+    kinds = {m.kind for m in next(iter(leaves[0].devices())).addressable_memories()}
     out: dict[str, Any] = {}
 
     def timed(fn: Any) -> float:

@@ -46,6 +46,27 @@ def test_the_device_profile_runs_at_its_toy_size(tmp_path: Path) -> None:
     assert {"pinned_host", "unpinned_host", "numpy"} <= set(result["memory_kinds"])
 
 
+def test_measuring_the_rates_leaves_the_meshs_devices_alone() -> None:
+    """``Array.devices()`` is the mesh's own cached set: emptied once (a ``.pop()``), every array on that mesh had
+    no devices, and Orbax's save of the next state failed on the chip (``'NamedSharding' object has no attribute
+    'addressable_memories'``)."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from bench import device
+    from bench.decoder import mesh_of
+
+    mesh = mesh_of(jax.devices()[:1], 1)
+    state = {"w": jax.device_put(np.ones((8, 8), np.float32), NamedSharding(mesh, P()))}
+    before = set(state["w"].devices())
+    rates = device._rates(state)
+    assert {"pinned_host", "unpinned_host", "numpy"} <= set(rates)
+    assert state["w"].devices() == before and mesh_of(jax.devices()[:1], 1).devices.size == 1
+    assert isinstance(state["w"].device, jax.Device)  # what Orbax's save asks of each shard
+
+
 # ---- the device profile of bench.run (bench/device_profile.py) -------------------------------------------------
 
 # (key, its limit): the contract of results-device.json (bench/device_profile.py's docstring)
