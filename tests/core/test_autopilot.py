@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from trainer_client.core.planning import Autopilot, FailureHistory, FailurePrior, TierCosts, choose
+from trainer_client.core.planning import FLOOR_MARGIN, Autopilot, FailureHistory, FailurePrior, TierCosts, choose
 
 H = 3600.0
 STEP = 0.25
@@ -118,3 +118,19 @@ def test_periods_that_break_a_constraint_are_replaced_whatever_the_gain() -> Non
     assert after.changed and after.reason.startswith("the periods in force break a constraint: replicas every")
     assert after.before is not None and not after.before.feasible and after.plan.feasible
     assert after.plan.periods[0] is not None and after.plan.periods[0] >= 2 * replicas
+
+
+def test_a_period_at_its_floor_holds_through_a_jittery_step_time() -> None:
+    """The replicas' period chosen at its floor (the copy's 15 s, 60 steps of 0.25 s): a step 5% faster puts it 5%
+    under the floor, within ``FLOOR_MARGIN``, and nothing changes (no gain is ever enough here); 20% faster breaks
+    it, and the change is forced."""
+    tiers = (replace(TIERS[0], copy_s=15.0), *TIERS[1:])
+    pilot = Autopilot(history(0.5), min_gain=1.0)
+    first = pilot.decide(STEP, tiers)
+    assert first.plan.periods[0] == 60 and first.plan.feasible  # at the copy's floor
+    jitter = pilot.decide(STEP * 0.95, tiers)
+    assert not jitter.changed and jitter.plan.periods[0] == 60, jitter.reason
+    assert FLOOR_MARGIN > 0.05 and jitter.best.periods[0] == 64  # the strict best moved; the one in force did not
+    faster = pilot.decide(STEP * 0.8, tiers)
+    assert faster.changed and faster.reason.startswith("the periods in force break a constraint: replicas every")
+    assert faster.plan.periods[0] == 75

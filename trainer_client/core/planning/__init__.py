@@ -7,7 +7,7 @@ tier from a ``FailurePrior`` and the failures seen; ``Autopilot`` re-chooses wit
 writes the model down.
 """
 
-from trainer_client.core.planning._autopilot import DEFAULT_MIN_GAIN, Autopilot, Decision
+from trainer_client.core.planning._autopilot import DEFAULT_MIN_GAIN, FLOOR_MARGIN, Autopilot, Decision
 from trainer_client.core.planning._failures import DEFAULT_KEEP, FailureEstimate, FailureHistory, FailurePrior
 from trainer_client.core.planning._inputs import Constraints, PlanInputs, TierCosts
 from trainer_client.core.planning._periods import (
@@ -26,6 +26,7 @@ from trainer_client.core.planning._periods import (
 __all__ = [
     "DEFAULT_KEEP",
     "DEFAULT_MIN_GAIN",
+    "FLOOR_MARGIN",
     "IDLE_MULTIPLE",
     "MAX_PERIOD_STEPS",
     "Autopilot",

@@ -6,7 +6,8 @@ periods move with both. Recomputing them is cheap (``choose`` is closed-form ari
 is not free (a pacer's measurements start again, the operator sees the run change its mind) and first-order
 estimates are noisy. So the choice has hysteresis: the periods in force are re-evaluated on the new inputs, and
 replaced only when the best choice is expected to gain more than ``min_gain`` of goodput (0.1 point by default) or
-when the periods in force break a constraint (a copy no longer fits its period, a bound on steps lost). Each
+when the periods in force break a constraint (a copy no longer fits its period by more than ``FLOOR_MARGIN``, a
+bound on steps lost). Each
 decision carries its inputs and the expected goodput before and after, for the event that reports it. jax-free:
 the runner calls it at step boundaries, the trace harness (bench/autopilot.py) replays failure traces through it.
 """
@@ -21,6 +22,9 @@ from trainer_client.core.planning._inputs import Constraints, PlanInputs, TierCo
 from trainer_client.core.planning._periods import Plan, choose, evaluate
 
 DEFAULT_MIN_GAIN = 0.001  # expected goodput (a fraction): 0.1 point
+# how far below its floor (a copy's time, the pacer's period, a storage limit) a period in force may fall before it
+# counts as broken: a period chosen at its floor flipped with a step time that moved a few percent
+FLOOR_MARGIN = 0.1
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,7 @@ class Autopilot:
         break a constraint the best does not."""
         inputs, estimate = self.inputs(step_s, tiers, detect_s=detect_s, constraints=constraints)
         best = choose(inputs)
-        before = None if self.current is None else evaluate(inputs, self.current.periods)
+        before = None if self.current is None else evaluate(inputs, self.current.periods, floor_margin=FLOOR_MARGIN)
         if before is None:
             changed, reason = True, "the first choice"
         elif best.periods == before.periods:
@@ -123,4 +127,4 @@ class Autopilot:
                         failures=estimate)
 
 
-__all__ = ["DEFAULT_MIN_GAIN", "Autopilot", "Decision"]
+__all__ = ["DEFAULT_MIN_GAIN", "FLOOR_MARGIN", "Autopilot", "Decision"]

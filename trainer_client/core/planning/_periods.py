@@ -227,8 +227,11 @@ def _lost(t: TierCosts, period_s: float) -> float:
     return max(period_s, t.copy_s) / 2.0 + t.copy_s
 
 
-def evaluate(inputs: PlanInputs, periods: Sequence[int | None]) -> Plan:
-    """The expected goodput of ``periods`` (steps per tier, None: off) and the constraints they break."""
+def evaluate(inputs: PlanInputs, periods: Sequence[int | None], *, floor_margin: float = 0.0) -> Plan:
+    """The expected goodput of ``periods`` (steps per tier, None: off) and the constraints they break. A period
+    breaks its floor when shorter than the floor by more than ``floor_margin`` (a fraction; the autopilot's
+    periods in force get one: a period chosen at its floor must not count as broken on the next jitter of the
+    step time). The goodput counts a save that waits for the previous copy whatever the margin."""
     tiers = inputs.tiers
     if len(periods) != len(tiers) or periods[-1] is None:
         raise ValueError("one period per tier, the slowest tier on")
@@ -252,7 +255,7 @@ def evaluate(inputs: PlanInputs, periods: Sequence[int | None]) -> Plan:
         lost_s += served[i] * _lost(t, period)
         recovery_s += served[i] * t.recovery_s
         floor, why = _floor(inputs, t)
-        if period < floor * (1 - 1e-9):
+        if period < floor * (1 - max(floor_margin, 1e-9)):
             problems.append(f"{t.name} every {n} steps ({period:.3g} s) is shorter than its {why} allows "
                             f"({floor:.3g} s)")
         elif period > _cap(t) * (1 + 1e-9):
