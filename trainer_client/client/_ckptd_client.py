@@ -121,6 +121,11 @@ class CkptdClient:
         params = {k: v for k, v in (("limit", limit), ("cursor", cursor)) if v is not None}
         return self._request("GET", p.ROUTE_CHECKPOINTS.format(job=job), p.CheckpointList, params=params or None)
 
+    def goodput(self, job: str) -> p.Goodput:
+        """The job's goodput over its whole history (its events, rotated ones included): wall time, time with no
+        run alive, the recoveries; what the autopilot's prior learns from the job's earlier runs."""
+        return self._request("GET", p.ROUTE_GOODPUT.format(job=job), p.Goodput)
+
     def iter_checkpoints(self, job: str, *, page_size: int = p.DEFAULT_PAGE_LIMIT) -> Iterator[p.CheckpointInfo]:
         """Every step of ``job``, newest first, a page at a time (each step once, even while steps arrive)."""
         cursor: str | None = None

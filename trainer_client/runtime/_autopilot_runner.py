@@ -24,13 +24,22 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from trainer_client.core.format._files import SNAPSHOT_PERSISTED_FILE
-from trainer_client.core.planning import Autopilot, Constraints, Decision, FailureHistory, FailurePrior, TierCosts
+from trainer_client.core.planning import (
+    Autopilot,
+    Constraints,
+    Decision,
+    EarlierRuns,
+    FailureHistory,
+    FailurePrior,
+    TierCosts,
+)
 from trainer_client.core.protocol import Tier
 from trainer_client.runtime._autopilot_costs import CostMeter
 from trainer_client.runtime._elastic_config import AutopilotOptions, ElasticConfig, ReplicaOptions
@@ -64,6 +73,33 @@ class _Writer(Protocol):
     def is_saving(self) -> bool: ...
 
 
+class EarlierRunsAsked:
+    """The job's earlier runs as ckptd's history counts them (``GET /v1/jobs/{job}/goodput``: running time and
+    failures recovered in a run's process), asked once, in the background: a ckptd that is down or slow costs the
+    run nothing, and the autopilot goes without (``value`` stays None)."""
+
+    def __init__(self, client: _History, job: str) -> None:
+        self.value: EarlierRuns | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._ask, args=(client, job), name="ckptd-autopilot-history", daemon=True).start()
+
+    def _ask(self, client: _History, job: str) -> None:
+        try:
+            g = client.goodput(job)
+            self.value = EarlierRuns.from_goodput(g.wall_seconds, g.badput_seconds.down, g.recoveries)
+        except Exception as exc:  # any failure to learn the history leaves the autopilot without it
+            _log.info("autopilot: the job's earlier runs not learned from ckptd: %s", exc)
+        finally:
+            self._done.set()
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._done.wait(timeout_s)
+
+
+class _History(Protocol):
+    def goodput(self, job: str) -> Any: ...  # CkptdClient's: p.Goodput
+
+
 class RunParts(Protocol):
     """What the autopilot is made from of its runner (``ElasticRunner``)."""
 
@@ -81,6 +117,9 @@ class RunParts(Protocol):
 
     @property
     def agreement(self) -> object | None: ...
+
+    @property
+    def client(self) -> _History: ...
 
     def emit(self, kind: str, step: int | None = None, detail: str = "", **fields: Any) -> None: ...
 
@@ -101,7 +140,8 @@ class RunnerAutopilot:
 
     def __init__(self, options: AutopilotOptions, *, checkpoint_period: int | None, memory_period: int | None,
                  memory_tier: bool, replicas: PacedReplicas | None, meter: CostMeter,
-                 emit: Callable[..., None], single_controller: bool = True) -> None:
+                 emit: Callable[..., None], single_controller: bool = True, history: _History | None = None,
+                 job: str = "") -> None:
         self.options = options
         self.meter = meter
         self.replicas = replicas
@@ -125,6 +165,9 @@ class RunnerAutopilot:
             self.off_reason = "off: every period is set"
         if self.off_reason is not None and options.enabled and self.owned:
             _log.info("autopilot %s; the periods stay as configured", self.off_reason)
+        # the job's earlier runs, asked of ckptd where no MTBF is configured: part of the prior (``_history``)
+        self.earlier = (EarlierRunsAsked(history, job) if history is not None and self.off_reason is None
+                        and options.mtbf_hours is None else None)
         self.pilot: Autopilot | None = None
         self.decisions: list[Decision] = []
         self._tiers: tuple[str, ...] = ()  # the tiers the failure history counts shares of
@@ -147,7 +190,7 @@ class RunnerAutopilot:
         return cls(config.autopilot, checkpoint_period=config.checkpoint_period,
                    memory_period=config.memory_tier.memory_period, memory_tier=memory_dir is not None,
                    replicas=runner.replicas, meter=meter, emit=runner.emit,
-                   single_controller=runner.agreement is None)
+                   single_controller=runner.agreement is None, history=runner.client, job=config.job)
 
     # ---- the hot path ------------------------------------------------------------------------------
 
@@ -198,9 +241,10 @@ class RunnerAutopilot:
             self.pilot.history.failed(self._tiers.index(tier) if tier in self._tiers else None)
 
     def _history(self, tiers: tuple[str, ...]) -> Autopilot | None:
-        """The autopilot over ``tiers``: made from the prior once there is one (the config's MTBF, or the run's
-        own first ``min_failures`` failures); made again, from the estimate so far, when the tiers change (the
-        replica tier turned itself off)."""
+        """The autopilot over ``tiers``: made from the prior once there is one (the config's MTBF, or the mean
+        interval of ``min_failures`` failures: the job's earlier runs' as ckptd counts them and this run's own,
+        their running times added); made again, from the estimate so far, when the tiers change (the replica tier
+        turned itself off)."""
         if self.pilot is not None and tiers == self._tiers:
             return self.pilot
         flat = tuple(1.0 / len(tiers) for _ in tiers)
@@ -209,10 +253,15 @@ class RunnerAutopilot:
             prior = FailurePrior(mtbf_s=estimate.mtbf_s, weight=max(estimate.weight, 0.5), shares=flat)
         elif self.options.mtbf_hours is not None:
             prior = FailurePrior(mtbf_s=self.options.mtbf_hours * 3600.0, shares=flat)
-        elif self._failures >= self.options.min_failures and self._exposure > 0:
-            prior = FailurePrior(mtbf_s=self._exposure / self._failures, shares=flat)
         else:
-            return None
+            earlier = (self.earlier.value if self.earlier else None) or EarlierRuns(running_s=0.0, failures=0)
+            failures, exposure = self._failures + earlier.failures, self._exposure + earlier.running_s
+            if failures < self.options.min_failures or exposure <= 0:
+                return None
+            prior = FailurePrior(mtbf_s=exposure / failures, shares=flat)
+            if earlier.failures:
+                _log.info("autopilot: prior MTBF %.3g h from %s and %d of this run's", prior.mtbf_s / 3600,
+                          earlier.describe(), self._failures)
         self.pilot = Autopilot(FailureHistory(prior), min_gain=self.options.min_gain)
         self._tiers = tiers
         return self.pilot

@@ -157,8 +157,8 @@ class AutopilotOptions:
 
     enabled: bool = True
     # the job's mean time between failures expected before the run has seen any (the prior, worth one failure);
-    # None: no guess: the periods stay as configured until the run has seen ``min_failures`` failures, whose mean
-    # interval is then the prior
+    # None: no guess: the periods stay as configured until ``min_failures`` failures are known (the job's earlier
+    # runs' as ckptd counts them, and this run's), whose mean interval is then the prior
     mtbf_hours: float | None = None
     min_failures: int = 3
     # the most steps a failure may lose on average (every period shortened alike to keep it; None: no bound)

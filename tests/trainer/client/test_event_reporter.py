@@ -25,6 +25,7 @@ from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.client._event_reporter import EventReporter
 from trainer_client.config import ClientSettings
 from trainer_client.core import protocol as p
+from trainer_client.runtime._autopilot_runner import EarlierRunsAsked
 from trainer_client.runtime._elastic import ElasticConfig, ElasticRunner
 from trainer_client.runtime._elastic_config import (
     CompilationOptions,
@@ -253,3 +254,11 @@ def test_the_elastic_runner_reports_a_recovery_that_ckptd_turns_into_goodput(
         assert metrics[("ckptd_elastic_events_total", (("ckpt_job", "mlp"), ("kind", "recovered")))] == 1
         assert metrics[("ckptd_lost_steps_total", (("ckpt_job", "mlp"),))] == 2
         assert metrics[("ckptd_save_stall_seconds_count", (("ckpt_job", "mlp"),))] == len(saves)
+
+    # the job's next run learns from ckptd what this one saw: its autopilot's prior (docs/planning.md)
+    with CkptdClient(ClientSettings(url=server.url, timeout_s=2.0)) as again:
+        asked = EarlierRunsAsked(again, "mlp")
+        assert asked.wait(30) and asked.value is not None
+        assert asked.value.failures == 1
+        assert asked.value.running_s == pytest.approx(goodput.wall_seconds - goodput.badput_seconds.down)
+        assert asked.value.running_s > 0

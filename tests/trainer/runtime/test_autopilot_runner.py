@@ -57,7 +57,8 @@ class Run:
     runner's events report them), failures recovered from a given tier."""
 
     def __init__(self, options: AutopilotOptions, *, replicas: Replicas | None = None, memory_tier: bool = True,
-                 checkpoint_period: int | None = None, memory_period: int | None = None) -> None:
+                 checkpoint_period: int | None = None, memory_period: int | None = None,
+                 history: Any = None) -> None:
         self.clock = Clock()
         self.persisted: dict[int, float] = {}
         self.events: list[tuple[str, int | None, dict[str, Any]]] = []
@@ -66,7 +67,10 @@ class Run:
         meter = CostMeter(clock=self.clock, wall=self.clock, persisted_at=self.persisted.get,
                           storage_busy=lambda: False)
         self.pilot = RunnerAutopilot(options, checkpoint_period=checkpoint_period, memory_period=memory_period,
-                                     memory_tier=memory_tier, replicas=replicas, meter=meter, emit=self.emit)
+                                     memory_tier=memory_tier, replicas=replicas, meter=meter, emit=self.emit,
+                                     history=history, job="job")
+        if self.pilot.earlier is not None:
+            assert self.pilot.earlier.wait(10)  # asked in the background: answered before the scripted run goes on
         self.step = 0
         self.stall = STALL
 
@@ -140,6 +144,57 @@ def test_without_a_prior_the_run_waits_for_its_own_failures() -> None:
     (first,) = run.decided()  # at the first boundary after the recovery: the two failures' mean interval
     assert first["autopilot_mtbf_s"] == pytest.approx((second - start) / 2, abs=STEP)
     assert first["autopilot_mtbf_source"] == "prior"
+
+
+class History:
+    """ckptd's answer to ``GET /v1/jobs/{job}/goodput`` (or its failure to answer)."""
+
+    def __init__(self, wall_s: float = 0.0, down_s: float = 0.0, recoveries: int = 0,
+                 error: Exception | None = None) -> None:
+        zero = p.GoodputCauses(checkpoint=0, waiting=0, restore=0, recompile=0, lost=0, startup=0, down=0)
+        self.answer = p.Goodput(job="job", goodput=None, wall_seconds=wall_s, productive_seconds=0.0,
+                                badput_seconds=zero.model_copy(update={"down": down_s}), badput=zero,
+                                recoveries=recoveries)
+        self.error = error
+        self.asked: list[str] = []
+
+    def goodput(self, job: str) -> p.Goodput:
+        self.asked.append(job)
+        if self.error is not None:
+            raise self.error
+        return self.answer
+
+
+def test_the_jobs_earlier_runs_in_ckptd_are_the_prior_until_the_run_sees_its_own() -> None:
+    """Earlier runs of the job: 10 h of wall time, 1 h of it with no run alive, 3 failures recovered. With
+    ``min_failures=3`` the first choice needs no failure of this run: its prior is 9 h / 3 (this run's running time
+    added, no failure yet); a configured MTBF asks nothing; a ckptd that cannot answer leaves the run waiting for
+    its own failures, as without history."""
+    history = History(wall_s=10 * H, down_s=1 * H, recoveries=3)
+    run = Run(AutopilotOptions(min_failures=3), replicas=Replicas(), history=history)
+    assert history.asked == ["job"]
+    start = run.clock.now
+    run.train(600.0)
+    first = run.decided()[0]
+    assert first["autopilot_mtbf_source"] == "prior"
+    assert first["autopilot_mtbf_s"] == pytest.approx((9 * H + (run.clock.now - start)) / 3, rel=0.02)
+
+    fewer = Run(AutopilotOptions(min_failures=4), replicas=Replicas(), history=History(10 * H, 1 * H, 3))
+    fewer.train(600.0)
+    assert fewer.decided() == []  # 3 earlier failures are not the 4 asked for
+    fewer.fail()
+    fewer.train(60.0)
+    (chosen,) = fewer.decided()  # the run's own first failure makes 4
+    assert chosen["autopilot_mtbf_s"] < 9 * H / 3
+
+    configured = History(10 * H, 1 * H, 3)
+    Run(AutopilotOptions(mtbf_hours=8.0), replicas=Replicas(), history=configured)
+    assert configured.asked == []
+
+    down = Run(AutopilotOptions(min_failures=3), replicas=Replicas(),
+               history=History(error=OSError("ckptd at unix:///x did not answer")))
+    down.train(600.0)
+    assert down.decided() == [] and down.pilot.earlier is not None and down.pilot.earlier.value is None
 
 
 def test_periods_shorten_when_failures_come_more_often_and_lengthen_in_a_quiet_spell() -> None:

@@ -8,7 +8,13 @@ writes the model down.
 """
 
 from trainer_client.core.planning._autopilot import DEFAULT_MIN_GAIN, FLOOR_MARGIN, Autopilot, Decision
-from trainer_client.core.planning._failures import DEFAULT_KEEP, FailureEstimate, FailureHistory, FailurePrior
+from trainer_client.core.planning._failures import (
+    DEFAULT_KEEP,
+    EarlierRuns,
+    FailureEstimate,
+    FailureHistory,
+    FailurePrior,
+)
 from trainer_client.core.planning._inputs import Constraints, PlanInputs, TierCosts
 from trainer_client.core.planning._periods import (
     IDLE_MULTIPLE,
@@ -33,6 +39,7 @@ __all__ = [
     "Block",
     "Constraints",
     "Decision",
+    "EarlierRuns",
     "Expected",
     "FailureEstimate",
     "FailureHistory",

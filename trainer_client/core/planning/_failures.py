@@ -40,6 +40,23 @@ class FailurePrior:
 
 
 @dataclass(frozen=True)
+class EarlierRuns:
+    """What the job's earlier runs saw, as ckptd's history of its events tells it (``GET .../goodput``): the
+    seconds some run of the job was alive, and the failures recovered in a run's process. A run that ended
+    (a crash, a relaunch) is not counted a failure: its events cannot tell one from a planned stop."""
+
+    running_s: float
+    failures: int
+
+    @classmethod
+    def from_goodput(cls, wall_s: float, down_s: float, recoveries: int) -> EarlierRuns:
+        return cls(running_s=max(0.0, wall_s - down_s), failures=max(0, recoveries))
+
+    def describe(self) -> str:
+        return f"{self.failures} failure(s) in {self.running_s / 3600:.3g} h of the job's earlier runs (ckptd)"
+
+
+@dataclass(frozen=True)
 class FailureEstimate:
     """The current estimate: the MTBF, the failures seen, how much of the estimate is still the prior, and per tier
     the share of failures it is the fastest survivor of (``survives``: cumulative, what ``TierCosts`` takes)."""
@@ -117,4 +134,4 @@ class FailureHistory:
                                prior_part=self._prior_weight / weight, shares=shares)
 
 
-__all__ = ["DEFAULT_KEEP", "FailureEstimate", "FailureHistory", "FailurePrior"]
+__all__ = ["DEFAULT_KEEP", "EarlierRuns", "FailureEstimate", "FailureHistory", "FailurePrior"]
