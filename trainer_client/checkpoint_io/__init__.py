@@ -13,4 +13,29 @@ imports it, and it imports nothing of ``trainer_client.runtime`` (docs/architect
 What a step records names stable identifiers, never a module path of these packages: the iterator handler's
 Orbax type string is ``ckptd.IteratorStateHandler`` (``iterator_state``), and the module path earlier releases
 recorded is still read.
+
+Its public face: the names below, what the persist worker imports; each is imported from its private module on
+first use (``trainer_client/core/_faces.py``), so importing this package loads neither jax nor Orbax.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from trainer_client.core._faces import exported, lazy_face
+
+if TYPE_CHECKING:  # the real types for type checkers (``X as X``: re-exported); at run time, on first use
+    from trainer_client.checkpoint_io._checkpointer import Checkpointer as Checkpointer
+    from trainer_client.checkpoint_io._checkpointer import spec_from_json as spec_from_json
+    from trainer_client.checkpoint_io._part_writer import commit_parts as commit_parts
+    from trainer_client.checkpoint_io._part_writer import write_part as write_part
+
+_EXPORTS = {
+    "trainer_client.checkpoint_io._checkpointer": ("Checkpointer", "spec_from_json"),
+    "trainer_client.checkpoint_io._part_writer": ("commit_parts", "write_part"),
+}
+
+__all__ = exported(_EXPORTS)
+
+if not TYPE_CHECKING:
+    __getattr__, __dir__ = lazy_face(__name__, _EXPORTS)
