@@ -34,7 +34,7 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'ckptd' has no attribute {name!r}")
     if name != "create_app":
         return getattr(importlib.import_module(module), name)
-    from trainer_client.core._extras import needs_extra
+    from trainer_client.core import needs_extra
 
     with needs_extra("server", "ckptd.create_app"):
         return getattr(importlib.import_module(module), name)

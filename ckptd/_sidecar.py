@@ -28,7 +28,7 @@ from ckptd.catalog._snapshots import SnapshotKeeper
 from ckptd.catalog._worker_client import PersistWorkerClient
 from ckptd.config import Settings
 from ckptd.peers import PeerService, build_peers
-from trainer_client.core._storage import Storage
+from trainer_client.core import Storage
 
 
 @dataclass

@@ -21,9 +21,15 @@ each code comes from the wire contract's ``ERROR_STATUS`` table, shared with the
 
 from __future__ import annotations
 
-from trainer_client.core._errors import CkptdError, PlanningError, StorageError, StoredFormatError
-from trainer_client.core._refusals import refusal_kind, refusal_message
-from trainer_client.core._resume_decision import Refusal
+from trainer_client.core import (
+    CkptdError,
+    PlanningError,
+    Refusal,
+    StorageError,
+    StoredFormatError,
+    refusal_kind,
+    refusal_message,
+)
 from trainer_client.core.protocol import ErrorCode
 
 

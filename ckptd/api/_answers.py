@@ -17,11 +17,8 @@ from ckptd.api._listing import Listing
 from ckptd.api._services import Services
 from ckptd.catalog._layouts import ANSWER_WAIT_S
 from ckptd.errors import Refused, ServiceError
+from trainer_client.core import PlanningError, Refusal, decide, plan_for_step, resume_candidates
 from trainer_client.core import protocol as p
-from trainer_client.core._errors import PlanningError
-from trainer_client.core._resume_candidates import resume_candidates
-from trainer_client.core._resume_decision import Refusal, decide
-from trainer_client.core._step_plan import plan_for_step
 
 # Refusals that name no catalogued job: not counted per job (a label per unknown name would grow without bound).
 _NOT_A_JOB = frozenset({p.ErrorCode.INVALID_JOB_NAME, p.ErrorCode.JOB_NOT_FOUND, p.ErrorCode.NOT_READY})

@@ -20,8 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ckptd.api._openapi import methods_of_path
 from ckptd.errors import ServiceError
+from trainer_client.core import PlanningError, StorageError
 from trainer_client.core import protocol as p
-from trainer_client.core._errors import PlanningError, StorageError
 
 _log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ def openapi_schema() -> dict[str, Any]:
     from ckptd.api._app import create_app
     from ckptd.catalog._catalog import Catalog
     from ckptd.config import Settings
-    from trainer_client.core._storage import Storage
+    from trainer_client.core import Storage
 
     with tempfile.TemporaryDirectory() as root:
         settings = Settings(root=root, state_dir=root, token=None, token_file=None)

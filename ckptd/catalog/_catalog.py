@@ -36,14 +36,22 @@ from ckptd.catalog._job_lock import lock_troubles
 from ckptd.catalog._layouts import Layouts, Recent
 from ckptd.catalog._lease import LeaseBoard
 from ckptd.catalog._step_table import FINAL_STATES, StepTable
-from trainer_client.core._errors import StorageError
-from trainer_client.core._storage import Entry, Storage, join_path, mtime_of
-from trainer_client.core._validation import extent_problems, validate_step
-from trainer_client.core.format._files import CKPTD_MANIFEST, COMMIT_MARKER, QUARANTINE_FILE
-from trainer_client.core.format._manifest import Manifest, training_summary
-from trainer_client.core.format._records import record_location, side_dir, side_job_dir, side_records
-from trainer_client.core.format._saved_layout import StepLayout, read_step_layout
-from trainer_client.core.format._steps import inspect_step, step_entries
+from trainer_client.core import Entry, Storage, StorageError, extent_problems, join_path, mtime_of, validate_step
+from trainer_client.core.format import (
+    CKPTD_MANIFEST,
+    COMMIT_MARKER,
+    QUARANTINE_FILE,
+    Manifest,
+    StepLayout,
+    inspect_step,
+    read_step_layout,
+    record_location,
+    side_dir,
+    side_job_dir,
+    side_records,
+    step_entries,
+    training_summary,
+)
 from trainer_client.core.protocol import CheckpointInfo, JobInfo, StepState, is_valid_job_name
 
 _log = logging.getLogger(__name__)

@@ -27,10 +27,8 @@ from collections.abc import Callable, Iterable
 
 from ckptd.catalog._part_commit import JOB_BUDGET_S, PartSaves
 from ckptd.catalog._worker_client import PersistWorker, PersistWorkerClient
-from trainer_client.core._errors import StorageError
-from trainer_client.core._storage import Storage
-from trainer_client.core.format._parts import CLAIMS_DIR
-from trainer_client.core.format._steps import DEFAULT_SAVE_TIMEOUT_S
+from trainer_client.core import Storage, StorageError
+from trainer_client.core.format import CLAIMS_DIR, DEFAULT_SAVE_TIMEOUT_S
 
 _log = logging.getLogger(__name__)
 STOP_WAIT_S = 5.0  # a stop waits this long for a commit in progress, then as long for its last pass

@@ -36,7 +36,7 @@ from ckptd.catalog._goodput_fold import (
     kept_for_summary,
     lead_stalls,
 )
-from trainer_client.core.format._files import EVENTS_SUMMARY_FILE as SUMMARY_FILE
+from trainer_client.core.format import EVENTS_SUMMARY_FILE as SUMMARY_FILE
 from trainer_client.core.protocol import CheckpointInfo, Goodput, StoredEvent
 
 SUMMARY_FORMAT = "ckptd-events-summary/1"

@@ -44,11 +44,8 @@ from ckptd._event_stats import EventStats
 from ckptd.catalog._event_summary import SUMMARY_FILE, EventSummary, fold, history_goodput
 from ckptd.catalog._event_window import EventLimits, JobWindow
 from ckptd.catalog._retention import Decision
-from trainer_client.core._errors import StorageError
-from trainer_client.core._storage import Storage, join_path, storage_failures
-from trainer_client.core._whole_files import write_json_file
-from trainer_client.core.format._files import EVENTS_DIR
-from trainer_client.core.format._records import SIDE_EVENTS_DIR
+from trainer_client.core import Storage, StorageError, join_path, storage_failures, write_json_file
+from trainer_client.core.format import EVENTS_DIR, SIDE_EVENTS_DIR
 from trainer_client.core.protocol import CheckpointInfo, ElasticEvent, Goodput, StoredEvent
 
 _log = logging.getLogger(__name__)

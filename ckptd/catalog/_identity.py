@@ -23,10 +23,8 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from trainer_client.core._errors import StorageError
-from trainer_client.core._storage import Entry, Storage
-from trainer_client.core.format._manifest import fingerprints
-from trainer_client.core.format._steps import StepInspection
+from trainer_client.core import Entry, Storage, StorageError
+from trainer_client.core.format import StepInspection, fingerprints
 from trainer_client.core.protocol import StepState
 
 

@@ -45,31 +45,40 @@ from typing import Any, TypeVar
 from ckptd.catalog._identity import Judged, identity_of
 from ckptd.catalog._job_workers import DaemonPool
 from ckptd.catalog._side_records import METADATA_CRC, metadata_crc, move_side_records_aside, of_an_earlier_save
-from trainer_client.core._durability import sync_paths
-from trainer_client.core._errors import StorageError
-from trainer_client.core._storage import Entry, Storage, join_path
-from trainer_client.core._validation import Level, ValidationResult, parse_quarantine, read_quarantine, validate_step
-from trainer_client.core._whole_files import write_json_file
-from trainer_client.core.format._files import (
+from trainer_client.core import (
+    Entry,
+    Level,
+    Storage,
+    StorageError,
+    ValidationResult,
+    join_path,
+    parse_quarantine,
+    read_quarantine,
+    sync_paths,
+    validate_step,
+    write_json_file,
+)
+from trainer_client.core.format import (
     CHECKPOINT_METADATA,
     CKPTD_MANIFEST,
     COMMIT_MARKER,
     QUARANTINE_FILE,
     VERIFIED_FILE,
-)
-from trainer_client.core.format._manifest import (
+    RecordPlace,
+    StepInspection,
     build_manifest,
+    contradiction_summary,
     fingerprints,
     newest_file_time,
+    parse_step_name,
     quarantine_record,
     read_verified_record,
+    record_paths,
     seal_manifest,
+    stored_contradictions,
     write_manifest,
     write_verified_record,
 )
-from trainer_client.core.format._records import RecordPlace, record_paths
-from trainer_client.core.format._steps import StepInspection, parse_step_name
-from trainer_client.core.format._stored_extents import contradiction_summary, stored_contradictions
 from trainer_client.core.protocol import StepState
 
 _log = logging.getLogger(__name__)

@@ -30,9 +30,8 @@ import time
 from collections.abc import Iterable
 
 from ckptd.catalog._step_table import StepTable
-from trainer_client.core._storage import Storage
-from trainer_client.core.format._files import EVENTS_DIR, SIDE_DIR
-from trainer_client.core.format._steps import parse_step_name
+from trainer_client.core import Storage
+from trainer_client.core.format import EVENTS_DIR, SIDE_DIR, parse_step_name
 from trainer_client.core.protocol import is_valid_job_name
 
 _log = logging.getLogger(__name__)

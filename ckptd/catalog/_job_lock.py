@@ -38,10 +38,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
-from trainer_client.core._errors import CkptdError, UnsafePathError
-from trainer_client.core._said_once import SaidOnce
-from trainer_client.core._storage import Storage
-from trainer_client.core.format._files import JOB_LOCK
+from trainer_client.core import CkptdError, SaidOnce, Storage, UnsafePathError
+from trainer_client.core.format import JOB_LOCK
 
 LOCK_WAIT_S = 10.0  # how long a commit or a cleanup waits for another process holding the job's lock
 LOCK_REPORT_S = 60.0  # a job's lock held elsewhere this long (tries failing all along) is reported

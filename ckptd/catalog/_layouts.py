@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from ckptd.errors import Busy
-from trainer_client.core.format._saved_layout import StepLayout
+from trainer_client.core.format import StepLayout
 
 LAYOUTS_KEPT = 8
 ANSWER_WAIT_S = 1.5  # what an answer waits for another caller's read (a client's request times out at 2 s)

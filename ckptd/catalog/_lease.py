@@ -56,9 +56,7 @@ from ckptd.catalog._lease_records import (
     read_record,
     released_name,
 )
-from trainer_client.core._errors import StorageError, StoredFormatError
-from trainer_client.core._storage import Storage, join_path
-from trainer_client.core._whole_files import write_json_file
+from trainer_client.core import Storage, StorageError, StoredFormatError, join_path, write_json_file
 
 _log = logging.getLogger(__name__)
 

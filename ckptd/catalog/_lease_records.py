@@ -26,10 +26,8 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from trainer_client.core._errors import StorageError, StoredFormatError
-from trainer_client.core._storage import Entry, Storage, join_path
-from trainer_client.core.format._files import LEASE_DIR, SIDE_DIR
-from trainer_client.core.format._records import side_job_dir
+from trainer_client.core import Entry, Storage, StorageError, StoredFormatError, join_path
+from trainer_client.core.format import LEASE_DIR, SIDE_DIR, side_job_dir
 
 MAX_EPOCH = 10**12  # the highest epoch ckptd writes or believes (the names keep 20 digits)
 MAX_LEASE_RECORD_BYTES = 4096  # an epoch, beat or release record is ~100 bytes

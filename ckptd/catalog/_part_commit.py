@@ -30,24 +30,30 @@ from typing import Literal
 from ckptd.catalog._job_lock import job_lock
 from ckptd.catalog._lease_records import default_holder
 from ckptd.catalog._worker_client import PersistWorker, PersistWorkerError
-from trainer_client.core._durability import sync_paths
-from trainer_client.core._errors import StorageError
-from trainer_client.core._identity import step_identity
-from trainer_client.core._storage import Storage
-from trainer_client.core.format._fates import Fate, decide_fate, read_fate, read_fate_record
-from trainer_client.core.format._files import COMMIT_MARKER
-from trainer_client.core.format._manifest import UNMANIFESTED, FileEntry, Manifest, file_entry, write_manifest
-from trainer_client.core.format._parts import (
+from trainer_client.core import Storage, StorageError, step_identity, sync_paths
+from trainer_client.core.format import (
     CLAIMS_DIR,
+    COMMIT_MARKER,
+    DEFAULT_SAVE_TIMEOUT_S,
+    UNMANIFESTED,
     Claim,
+    Fate,
+    FileEntry,
+    Manifest,
     PartInfo,
     SaveParts,
+    SnapshotMeta,
     changed_files,
     claimed_steps,
+    decide_fate,
+    file_entry,
     incarnation_of,
+    list_files,
     listed_parts,
     make_claim,
     read_claim,
+    read_fate,
+    read_fate_record,
     read_part,
     record_bytes,
     record_path,
@@ -57,10 +63,8 @@ from trainer_client.core.format._parts import (
     staged_saves,
     step_path_for,
     take_over_claim,
+    write_manifest,
 )
-from trainer_client.core.format._snapshot import SnapshotMeta
-from trainer_client.core.format._step_files import list_files
-from trainer_client.core.format._steps import DEFAULT_SAVE_TIMEOUT_S
 
 _log = logging.getLogger(__name__)
 

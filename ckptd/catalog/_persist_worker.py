@@ -48,20 +48,20 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from pydantic import ValidationError
 
 from ckptd.catalog._worker_client import CommitParts, WorkerAnswer, WorkerRequest, WritePart, parse_request
-from trainer_client.checkpoint_io._checkpointer import Checkpointer, spec_from_json
-from trainer_client.checkpoint_io._part_writer import commit_parts, write_part
-from trainer_client.core._errors import StoredFormatError
-from trainer_client.core._storage import join_path
-from trainer_client.core.format._snapshot import (
+from trainer_client.checkpoint_io import Checkpointer, commit_parts, spec_from_json, write_part
+from trainer_client.core import StoredFormatError, join_path
+from trainer_client.core.format import (
     ArrayRecord,
+    ShardReader,
     SnapshotMeta,
     damaged_shards,
+    index_bounds,
     map_data,
     problems,
     read_meta,
+    rebuild,
+    shard_grid,
 )
-from trainer_client.core.format._snapshot_shards import ShardReader, index_bounds, shard_grid
-from trainer_client.core.format._tree_paths import rebuild
 from trainer_client.core.protocol import ArraySpec, TrainingMetadata
 
 _log = logging.getLogger(__name__)

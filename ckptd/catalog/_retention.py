@@ -23,9 +23,8 @@ from typing import TYPE_CHECKING, Literal
 from ckptd.catalog._job_lock import job_lock
 from ckptd.catalog._part_commit import JOB_BUDGET_S, PartSaves
 from ckptd.catalog._worker_client import InProcessWorker
-from trainer_client.core._storage import Storage, join_path, storage_errors
-from trainer_client.core.format._files import CLAIMS_DIR, PARTS_DIR
-from trainer_client.core.format._parts import spans, step_path_for
+from trainer_client.core import Storage, join_path, storage_errors
+from trainer_client.core.format import CLAIMS_DIR, PARTS_DIR, spans, step_path_for
 from trainer_client.core.protocol import CheckpointInfo, StepState
 
 if TYPE_CHECKING:

@@ -20,14 +20,17 @@ from __future__ import annotations
 import logging
 import posixpath
 
-from trainer_client.core._errors import StorageError
-from trainer_client.core._storage import Storage, join_path, storage_errors
-from trainer_client.core._validation import parse_quarantine
-from trainer_client.core.format._aside import aside_name
-from trainer_client.core.format._files import CHECKPOINT_METADATA, CKPTD_MANIFEST, QUARANTINE_FILE
-from trainer_client.core.format._manifest import file_entry, parse_manifest
-from trainer_client.core.format._records import side_dir
-from trainer_client.core.format._steps import parse_step_name
+from trainer_client.core import Storage, StorageError, join_path, parse_quarantine, storage_errors
+from trainer_client.core.format import (
+    CHECKPOINT_METADATA,
+    CKPTD_MANIFEST,
+    QUARANTINE_FILE,
+    aside_name,
+    file_entry,
+    parse_manifest,
+    parse_step_name,
+    side_dir,
+)
 
 _log = logging.getLogger(__name__)
 

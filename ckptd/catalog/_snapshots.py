@@ -29,19 +29,22 @@ from pathlib import Path
 from ckptd.catalog._part_commit import PartSaves
 from ckptd.catalog._settings import DEFAULT_PERSIST_NICE
 from ckptd.catalog._worker_client import PersistWorker, PersistWorkerClient, PersistWorkerError, SnapshotDamaged
-from trainer_client.core._errors import StorageError, UnsafePathError
-from trainer_client.core._storage import Storage, join_path
-from trainer_client.core.format._files import COMMIT_MARKER
-from trainer_client.core.format._private_files import check_private_dir, ensure_private_dir, is_real_dir
-from trainer_client.core.format._snapshot import SnapshotMeta, problems, read_meta
-from trainer_client.core.format._snapshot_dirs import (
+from trainer_client.core import Storage, StorageError, UnsafePathError, join_path
+from trainer_client.core.format import (
+    COMMIT_MARKER,
+    SnapshotMeta,
+    check_private_dir,
     complete_snapshots,
     drop_leftovers,
+    ensure_private_dir,
     evict,
     evict_oldest,
     is_persisted,
+    is_real_dir,
     job_dir,
     mark_persisted,
+    problems,
+    read_meta,
 )
 from trainer_client.core.protocol import is_valid_job_name
 

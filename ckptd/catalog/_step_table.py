@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ckptd.catalog._identity import Judged, Settledness
-from trainer_client.core.format._manifest import training_summary
+from trainer_client.core.format import training_summary
 from trainer_client.core.protocol import MAX_STEP, CheckpointInfo, JobInfo, StepState, TrainingMetadata
 
 # Verified and quarantined steps are settled: looked at once, and again only when their content changed (answers

@@ -32,7 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from ckptd.catalog._settings import DEFAULT_PERSIST_NICE
-from trainer_client.core._errors import CkptdError
+from trainer_client.core import CkptdError
 
 WORKER_MODULE = "ckptd.catalog._persist_worker"
 

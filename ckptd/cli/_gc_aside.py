@@ -15,9 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from trainer_client.core._storage import Storage, storage_errors
-from trainer_client.core.format._aside import AsideStep, aside_state, aside_steps
-from trainer_client.core.format._records import side_dir
+from trainer_client.core import Storage, storage_errors
+from trainer_client.core.format import AsideStep, aside_state, aside_steps, side_dir
 
 STATE = "moved_aside"  # what a moved-aside step's row says in the STATE column and in --json
 OPTION = "--delete-aside-older-than"

@@ -24,8 +24,8 @@ from ckptd.cli import _plan as plan
 from ckptd.cli import _serve as serve
 from ckptd.cli._reach import Unreachable
 from ckptd.cli._support import add_json, add_read_only, open_catalog, open_job, root_or_default
-from trainer_client.core._errors import MissingExtra, StorageError
-from trainer_client.core.format._aside import aside_state, aside_steps
+from trainer_client.core import MissingExtra, StorageError
+from trainer_client.core.format import aside_state, aside_steps
 
 EXIT_OK = 0
 EXIT_BAD = 1

@@ -36,10 +36,8 @@ from ckptd.cli._support import (
     open_storage,
     split_job,
 )
-from trainer_client.core._errors import ArrayIndexError, StoredFormatError
-from trainer_client.core._validation import validate_step
-from trainer_client.core.format._array_index import decode_all_arrays
-from trainer_client.core.format._manifest import read_manifest
+from trainer_client.core import ArrayIndexError, StoredFormatError, validate_step
+from trainer_client.core.format import decode_all_arrays, read_manifest
 from trainer_client.core.protocol import StepState, is_valid_job_name
 
 _FINALIZED = (StepState.VERIFIED, StepState.COMMITTED, StepState.QUARANTINED, StepState.CORRUPT)

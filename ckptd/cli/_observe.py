@@ -33,7 +33,7 @@ from ckptd.cli._support import (
     split_job,
     usage_error,
 )
-from trainer_client.core._storage import Storage
+from trainer_client.core import Storage
 from trainer_client.core.protocol import EventList, Goodput, StoredEvent, is_valid_job_name
 
 NOISY_KINDS = frozenset({"checkpoint_started"})  # one per save: hidden from the table unless asked for

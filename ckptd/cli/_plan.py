@@ -15,9 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ckptd.cli._support import EXIT_BAD, EXIT_OK, EXIT_USAGE, TARGET_HELP, add_json, add_read_only, open_job
-from trainer_client.core._errors import PlanningError
-from trainer_client.core._planner import format_bytes
-from trainer_client.core._step_plan import plan_for_step
+from trainer_client.core import PlanningError, format_bytes, plan_for_step
 from trainer_client.core.protocol import BatchOptions, ResumePlan, ResumeRequest, SliceAlive, StepState
 
 # ResumeRequest's fields (and BatchOptions', under ``batch``) -> the flag that sets them

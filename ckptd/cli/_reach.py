@@ -21,9 +21,7 @@ from dataclasses import dataclass
 import fsspec
 from tqdm import tqdm
 
-from trainer_client.core._errors import StorageError
-from trainer_client.core._storage import Storage
-from trainer_client.core._storage_causes import failure_cause
+from trainer_client.core import Storage, StorageError, failure_cause
 
 BACKEND_LOGGERS = ("gcsfs", "fsspec", "google", "aiohttp")  # what storage libraries log through
 _PREFIXES = ("retrying after exception:", "out of retries on exception:", "non-retriable exception:")

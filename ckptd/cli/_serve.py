@@ -32,8 +32,7 @@ from ckptd.catalog._settings import StorageSettings
 from ckptd.cli._serve_settings import ServeSettings
 from ckptd.cli._unix_listener import bind_unix, identity, release
 from ckptd.config import GROUPS, Settings, env_names
-from trainer_client.core._ckptd_url import UDS_BASE_URL, unix_url
-from trainer_client.core._extras import needs_extra
+from trainer_client.core import UDS_BASE_URL, needs_extra, unix_url
 
 EXIT_OK = 0
 EXIT_BAD = 1

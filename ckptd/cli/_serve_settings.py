@@ -13,7 +13,7 @@ from pydantic import Field, model_validator
 
 from ckptd._settings_group import SettingsGroup
 from trainer_client.core import protocol as p
-from trainer_client.core._ckptd_url import socket_path_problem
+from trainer_client.core import socket_path_problem
 
 UDS_MODES = ("0600", "0660")  # of ckptd's unix socket: the owner only, or the owner and the socket's group
 

@@ -21,9 +21,8 @@ from tqdm import tqdm
 from ckptd.catalog._catalog import Catalog
 from ckptd.cli._reach import reach
 from ckptd.config import CliSettings
-from trainer_client.core._storage import Storage
-from trainer_client.core.format._files import CHECKPOINT_METADATA, COMMIT_MARKER, SIDE_DIR
-from trainer_client.core.format._steps import parse_step_name, step_entries
+from trainer_client.core import Storage
+from trainer_client.core.format import CHECKPOINT_METADATA, COMMIT_MARKER, SIDE_DIR, parse_step_name, step_entries
 from trainer_client.core.protocol import is_valid_job_name
 
 EXIT_OK = 0

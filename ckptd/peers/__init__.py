@@ -24,7 +24,7 @@ from ckptd.peers._protocol import RateLimit
 from ckptd.peers._server import PeerListener
 from ckptd.peers._settings import PeerSettings
 from ckptd.peers._store import PartStore
-from trainer_client.core._storage import Storage
+from trainer_client.core import Storage
 
 _log = logging.getLogger(__name__)
 

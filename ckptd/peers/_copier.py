@@ -40,10 +40,15 @@ from ckptd.peers._protocol import Channel, PeerError, RateLimit, connect, lower_
 from ckptd.peers._requests import ask_part, jobs_kept, newest_copy, offer_part, refuse_own, send_part, tell_held
 from ckptd.peers._store import PartStore
 from ckptd.peers._tasks import Tasks
-from trainer_client.core._errors import UnsafePathError
-from trainer_client.core.format._peer_copies import answer_fetch, pending_fetches
-from trainer_client.core.format._snapshot import SnapshotMeta, problems, read_meta
-from trainer_client.core.format._snapshot_dirs import complete_snapshots
+from trainer_client.core import UnsafePathError
+from trainer_client.core.format import (
+    SnapshotMeta,
+    answer_fetch,
+    complete_snapshots,
+    pending_fetches,
+    problems,
+    read_meta,
+)
 from trainer_client.core.protocol import is_valid_job_name
 
 _log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ import posixpath
 import time
 
 from ckptd._peer_lists import ADDRESS, parse_map, parse_peers
-from trainer_client.core._storage import Storage
+from trainer_client.core import Storage
 
 _log = logging.getLogger(__name__)
 MAX_RECORD_BYTES = 4096

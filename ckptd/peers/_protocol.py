@@ -42,7 +42,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-from trainer_client.core._errors import CkptdError
+from trainer_client.core import CkptdError
 
 MAGIC = b"CKPTDP2\n"
 MAGIC_FAMILY = b"CKPTDP"  # any version of this channel

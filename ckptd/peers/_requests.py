@@ -14,7 +14,7 @@ from typing import Any, BinaryIO
 
 from ckptd.peers._protocol import Channel, PeerError, RateLimit, header_int
 from ckptd.peers._server import MAX_JOBS_LISTED, MAX_PART_BYTES, MAX_STEP
-from trainer_client.core.format._snapshot import MAX_META_BYTES, SnapshotMeta
+from trainer_client.core.format import MAX_META_BYTES, SnapshotMeta
 from trainer_client.core.protocol import is_valid_job_name
 
 NEWEST_LISTED = 16  # of a holder's listing, the newest copy is looked for among its last entries only

@@ -33,7 +33,7 @@ from typing import Any
 from ckptd.peers._protocol import Channel, PeerError, RateLimit, header_int, listener_handshake, lower_this_thread
 from ckptd.peers._settings import MAX_HOSTS
 from ckptd.peers._store import PartStore, check_job
-from trainer_client.core.format._snapshot import MAX_META_BYTES
+from trainer_client.core.format import MAX_META_BYTES
 
 _log = logging.getLogger(__name__)
 MAX_STEP = 2**63 - 1

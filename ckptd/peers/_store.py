@@ -29,18 +29,24 @@ from typing import BinaryIO
 from pydantic import ValidationError
 
 from ckptd.peers._protocol import Channel, PeerError
-from trainer_client.core.format._files import SNAPSHOT_DATA_FILE, SNAPSHOT_META_FILE
-from trainer_client.core.format._peer_copies import FROM_PEER_FILE, copies_dir
-from trainer_client.core.format._private_files import (
+from trainer_client.core.format import (
+    FROM_PEER_FILE,
+    MAX_META_BYTES,
+    SNAPSHOT_DATA_FILE,
+    SNAPSHOT_META_FILE,
+    SnapshotMeta,
     check_private_dir,
+    copies_dir,
+    damaged_shards,
     ensure_private_dir,
     is_real_dir,
     make_private_dir,
+    map_data,
     open_private,
+    problems,
     read_private,
     write_private,
 )
-from trainer_client.core.format._snapshot import MAX_META_BYTES, SnapshotMeta, damaged_shards, map_data, problems
 from trainer_client.core.protocol import is_valid_job_name
 
 RESERVE_BYTES = 256 << 20  # what a received copy must leave free in shared memory (the trainer's next save)

@@ -21,8 +21,8 @@ from ckptd.api._openapi import route_doc
 from ckptd.api._services import Services
 from ckptd.catalog._job_admission import JOB_LIMIT_REASON
 from ckptd.errors import InvalidJobName, JobLimitReached, JobNotFound
+from trainer_client.core import StorageError, UnsafePathError
 from trainer_client.core import protocol as p
-from trainer_client.core._errors import StorageError, UnsafePathError
 
 _log = logging.getLogger(__name__)
 _ERRORS: dict[int | str, dict[str, object]] = {
