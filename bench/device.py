@@ -35,8 +35,8 @@ import jax
 import numpy as np
 
 from bench.decoder import SIZES, make_batch, make_state, make_step, mesh_of, tree_bytes
-from trainer_client.runtime._elastic_config import ReplicaOptions
-from trainer_client.runtime._replica_snapshots import RunnerReplicas
+from trainer_client.runtime.elastic._elastic_config import ReplicaOptions
+from trainer_client.runtime.replicas._replica_snapshots import RunnerReplicas
 
 PyTree = Any
 # per size: (steps without the tier per arm, steps with it per arm, repeats)

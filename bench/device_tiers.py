@@ -35,9 +35,9 @@ from bench import device
 from bench.common import alternate
 from bench.decoder import SIZES, DecoderSize, make_batch, make_state, make_step, mesh_of
 from bench.tier_restore import ARMS, measure_restores, summarize
-from trainer_client.runtime._checkpointing import training_metadata
-from trainer_client.runtime._memory_tier import MemoryTier
-from trainer_client.runtime._precompile import enable_persistent_cache
+from trainer_client.runtime.compilation._precompile import enable_persistent_cache
+from trainer_client.runtime.memory._memory_tier import MemoryTier
+from trainer_client.runtime.saving._checkpointing import training_metadata
 
 PyTree = Any
 

@@ -1,6 +1,6 @@
 """Storage requests per restore and per persist on GCS: ckptd against plain Orbax, counted at a proxy.
 
-``gcs_requests_per_restore_ratio_vs_orbax``: requests that ``trainer_client.runtime._checkpointing.restore``
+``gcs_requests_per_restore_ratio_vs_orbax``: requests that ``trainer_client.runtime.saving._checkpointing.restore``
 makes for one step on ``gs://`` ÷ those of plain ``ocp.CheckpointManager(job).restore(step)`` of the same
 step onto the same target. ``gcs_requests_per_persist_ratio_vs_orbax``: requests of a ``Checkpointer`` save
 until committed (what ckptd's persist worker runs for every snapshot, manifest and commit included) ÷
@@ -105,7 +105,7 @@ def _savers(arrays: int, rows: int, cols: int) -> tuple[Callable[[str], None], C
     import orbax.checkpoint as ocp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from trainer_client.runtime._checkpointing import Checkpointer
+    from trainer_client.runtime.saving._checkpointing import Checkpointer
 
     mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
     sharding = NamedSharding(mesh, PartitionSpec("data", None))
@@ -135,7 +135,7 @@ def _child(arrays: int, repeats: int) -> dict[str, Any]:
         import jax
         import orbax.checkpoint as ocp
 
-        from trainer_client.runtime._checkpointing import restore
+        from trainer_client.runtime.saving._checkpointing import restore
 
         ckptd_save, orbax_save, state = _savers(arrays, ROWS, COLS)
         target = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)

@@ -31,8 +31,8 @@ from jax.sharding import Mesh
 
 from bench.common import Profile, Results, rmtree
 from bench.io import ServeWorker, make_state, orbax_manager
-from trainer_client.runtime._checkpointing import Checkpointer, training_metadata
-from trainer_client.runtime._memory_tier import MemoryTier
+from trainer_client.runtime.memory._memory_tier import MemoryTier
+from trainer_client.runtime.saving._checkpointing import Checkpointer, training_metadata
 
 JOB = "bench-interference"
 ALONE_STEPS = 40

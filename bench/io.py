@@ -48,8 +48,8 @@ from bench.gcs_requests import run_gcs_requests
 from bench.io_restore import SPEC, run_restores
 from bench.persist_phases import ServeWorker
 from ckptd.config import DEFAULT_PERSIST_NICE
-from trainer_client.runtime._checkpointing import Checkpointer, standard_handler, training_metadata
-from trainer_client.runtime._memory_tier import MemoryTier
+from trainer_client.runtime.memory._memory_tier import MemoryTier
+from trainer_client.runtime.saving._checkpointing import Checkpointer, standard_handler, training_metadata
 
 PyTree = Any
 JOB = "bench-io"

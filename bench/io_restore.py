@@ -4,7 +4,7 @@ side by side; and the host memory each restore holds.
 Figures (the state and step come from ``bench.io``'s save repeats):
 
 * ``restore_time_ratio_vs_orbax`` / ``reshard_restore_time_ratio_vs_orbax``: ``trainer_client.runtime
-  .checkpointing.restore`` (which reads the chunks itself: ``trainer_client.runtime._direct_restore``) against
+  .checkpointing.restore`` (which reads the chunks itself: ``trainer_client.runtime.restore._direct_restore``) against
   plain ``ocp.CheckpointManager.restore`` of the same step, onto the same 8-device mesh and onto 6 devices,
   the step's files evicted from the page cache before each (cold), order alternating; warm (files in the
   page cache) beside it.
@@ -34,8 +34,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bench import disk_limit, restore_rss
 from bench.common import Figure, Profile, Results, alternate, evict_from_page_cache, free_gib, timed
-from trainer_client.runtime._checkpointing import restore
-from trainer_client.runtime._memory_tier import restore_snapshot
+from trainer_client.runtime.memory._memory_tier import restore_snapshot
+from trainer_client.runtime.saving._checkpointing import restore
 
 PyTree = Any
 SPEC = PartitionSpec("data", None)
@@ -160,9 +160,9 @@ def run_restores(profile: Profile, results: Results, step_dir: Path, snapshot: P
     results.measure("io.ratio.restore_warm_vs_orbax", warm_vs_orbax, "ratio",
                     "as restore_time_ratio_vs_orbax, with the step's files in the page cache")
     results.figure(Figure("restore_time_ratio_vs_orbax", same, "<=", 1.0, "ratio",
-                          "ckptd restore (trainer_client.runtime._checkpointing.restore: chunks read directly, "
-                          "trainer_client.runtime._direct_restore) / plain Orbax CheckpointManager.restore, same step, "
-                          "same 8-device mesh, cold cache, alternating order",
+                          "ckptd restore (trainer_client.runtime.saving._checkpointing.restore: chunks read directly, "
+                          "trainer_client.runtime.restore._direct_restore) / plain Orbax "
+                          "CheckpointManager.restore, same step, same 8-device mesh, cold cache, alternating order",
                           {"cold_files_evicted": cold, "warm_cache_ratio_median": results.measurements[
                               "io.ratio.restore_warm_vs_orbax"]["median"]}))
     results.figure(Figure("reshard_restore_time_ratio_vs_orbax", reshard, "<=", 1.0, "ratio",

@@ -48,10 +48,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.core.protocol import ResumeRequest
-from trainer_client.runtime._checkpointing import Checkpointer, target_shardings, training_metadata
-from trainer_client.runtime._job_store import initialize_multihost
-from trainer_client.runtime._memory_tier import MemoryTier
-from trainer_client.runtime._multihost import ResumeAgreement
+from trainer_client.runtime.saving._checkpointing import Checkpointer, target_shardings, training_metadata
+from trainer_client.runtime.multihost._job_store import initialize_multihost
+from trainer_client.runtime.memory._memory_tier import MemoryTier
+from trainer_client.runtime.multihost._multihost import ResumeAgreement
 jax.config.update("jax_compilation_cache_dir", root + "/../jax-cache")  # as a restarted trainer reuses its cache
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 initialize_multihost(f"127.0.0.1:{port}", 2, index, heartbeat_timeout_s=10, initialization_timeout_s=120)

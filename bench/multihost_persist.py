@@ -46,8 +46,8 @@ _SNAPSHOT = r"""
 import sys
 import jax, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from trainer_client.runtime._checkpointing import training_metadata
-from trainer_client.runtime._memory_tier import MemoryTier
+from trainer_client.runtime.saving._checkpointing import training_metadata
+from trainer_client.runtime.memory._memory_tier import MemoryTier
 shm, rows, cols, arrays = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
 def leaf(i):

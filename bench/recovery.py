@@ -110,14 +110,14 @@ def _child(argv: list[str]) -> int:
     from examples.elastic_mlp import TrainLog, make_train_fn
     from trainer_client.client._ckptd_client import CkptdClient
     from trainer_client.config import ClientSettings
-    from trainer_client.runtime._elastic import ElasticConfig, ElasticRunner, Event
-    from trainer_client.runtime._elastic_config import (
+    from trainer_client.runtime.elastic._elastic import ElasticConfig, ElasticRunner, Event
+    from trainer_client.runtime.elastic._elastic_config import (
         CompilationOptions,
         ElasticOptions,
         HealthOptions,
         MemoryTierOptions,
     )
-    from trainer_client.runtime._slices import SimulatedSlices, SliceFault
+    from trainer_client.runtime.slices._slices import SimulatedSlices, SliceFault
 
     imported = time.time()
     devices = jax.device_count()  # the backend's initialisation

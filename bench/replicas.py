@@ -33,9 +33,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from bench.common import Figure, Profile, Results, alternate, rmtree
-from trainer_client.runtime._checkpointing import training_metadata
-from trainer_client.runtime._memory_tier import MemoryTier, restore_snapshot
-from trainer_client.runtime._replica_tier import ReplicaTier, required_bytes
+from trainer_client.runtime.memory._memory_tier import MemoryTier, restore_snapshot
+from trainer_client.runtime.replicas._replica_tier import ReplicaTier, required_bytes
+from trainer_client.runtime.saving._checkpointing import training_metadata
 
 PyTree = Any
 AXES = ("replica", "data")

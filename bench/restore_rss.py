@@ -81,7 +81,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     import orbax.checkpoint as ocp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from trainer_client.runtime._checkpointing import restore
+    from trainer_client.runtime.saving._checkpointing import restore
 
     mesh = Mesh(np.array(jax.devices()[: args.devices]), ("data",))
     sharding = NamedSharding(mesh, PartitionSpec("data", None))

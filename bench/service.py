@@ -54,7 +54,7 @@ def _template_step(profile: Profile, directory: Path) -> Path:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from trainer_client.runtime._checkpointing import Checkpointer
+    from trainer_client.runtime.saving._checkpointing import Checkpointer
 
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("replica", "data"))
     sharding = NamedSharding(mesh, PartitionSpec(None, "data"))

@@ -53,8 +53,8 @@ from jax.sharding import PartitionSpec as P
 
 from trainer_client.core.format._snapshot import map_data, read_meta
 from trainer_client.core.format._snapshot_shards import index_bounds
-from trainer_client.runtime._checkpointing import Checkpointer, restore, training_metadata
-from trainer_client.runtime._memory_tier import MemoryTier, restore_snapshot
+from trainer_client.runtime.memory._memory_tier import MemoryTier, restore_snapshot
+from trainer_client.runtime.saving._checkpointing import Checkpointer, restore, training_metadata
 
 PyTree = Any
 # relative sizes of the leaves: a decoder's stacked layer weights (large) and norms/biases/embeddings (small)

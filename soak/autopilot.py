@@ -39,15 +39,15 @@ from examples.demo import free_port, start_ckptd
 from examples.elastic_mlp import TrainLog, make_train_fn
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
-from trainer_client.runtime._elastic import ElasticConfig, ElasticResult, ElasticRunner, Event
-from trainer_client.runtime._elastic_config import (
+from trainer_client.runtime.elastic._elastic import ElasticConfig, ElasticResult, ElasticRunner, Event
+from trainer_client.runtime.elastic._elastic_config import (
     AutopilotOptions,
     ElasticOptions,
     HealthOptions,
     MemoryTierOptions,
     ReplicaOptions,
 )
-from trainer_client.runtime._slices import SimulatedSlices, SliceFault
+from trainer_client.runtime.slices._slices import SimulatedSlices, SliceFault
 
 JOB = "autopilot"
 TIERS = ("replicas", "memory", "storage")

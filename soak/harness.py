@@ -36,11 +36,16 @@ from examples.demo import free_port, start_ckptd
 from examples.elastic_mlp import TrainLog, make_train_fn
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
-from trainer_client.runtime._elastic import ElasticConfig, ElasticContext, ElasticResult, ElasticRunner
-from trainer_client.runtime._elastic_config import ElasticOptions, HealthOptions, MemoryTierOptions, ReplicaOptions
-from trainer_client.runtime._jax_faults import InJaxFaults
-from trainer_client.runtime._recovery import give_back_host_memory
-from trainer_client.runtime._slices import SimulatedSlices
+from trainer_client.runtime.elastic._elastic import ElasticConfig, ElasticContext, ElasticResult, ElasticRunner
+from trainer_client.runtime.elastic._elastic_config import (
+    ElasticOptions,
+    HealthOptions,
+    MemoryTierOptions,
+    ReplicaOptions,
+)
+from trainer_client.runtime.elastic._recovery import give_back_host_memory
+from trainer_client.runtime.slices._jax_faults import InJaxFaults
+from trainer_client.runtime.slices._slices import SimulatedSlices
 
 STEPS = 30  # steps of one trial; saves every 10 (persistent) and every 5 (memory tier)
 BATCH = 48

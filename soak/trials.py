@@ -44,7 +44,7 @@ import numpy as np
 
 from examples.elastic_mlp import TrainLog
 from soak.harness import BATCH, MESH, SLICES, STEPS, TWO_REPLICAS, Policy, Soak, StateRecord
-from trainer_client.runtime._elastic import ElasticResult, ElasticRunner, Event
+from trainer_client.runtime.elastic._elastic import ElasticResult, ElasticRunner, Event
 
 PHASES = ("mid_step", "snapshot", "persist", "restore", "precompile", "second_failure", "slice_returns",
           "ckptd_restart", "replica_copy", "two_slices", "after_scale_up")

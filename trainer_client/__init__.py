@@ -38,10 +38,14 @@ if TYPE_CHECKING:  # the real types for type checkers; at run time each name is 
         StoredFormatError,
         UnsafePathError,
     )
-    from trainer_client.runtime._checkpoint_manager import CheckpointManager
-    from trainer_client.runtime._checkpointing import Checkpointer, restore
-    from trainer_client.runtime._elastic import ElasticConfig, ElasticContext, ElasticResult, ElasticRunner, Event
-    from trainer_client.runtime._elastic_config import (
+    from trainer_client.runtime.elastic._elastic import (
+        ElasticConfig,
+        ElasticContext,
+        ElasticResult,
+        ElasticRunner,
+        Event,
+    )
+    from trainer_client.runtime.elastic._elastic_config import (
         AutopilotOptions,
         BatchScalingOptions,
         CompilationOptions,
@@ -52,39 +56,41 @@ if TYPE_CHECKING:  # the real types for type checkers; at run time each name is 
         ReplicaOptions,
         SaveOptions,
     )
-    from trainer_client.runtime._jax_faults import InJaxFaults
-    from trainer_client.runtime._job_store import initialize_multihost
-    from trainer_client.runtime._maxtext import MaxTextHooks
-    from trainer_client.runtime._slices import PathwaysSlices, SimulatedSlices, SliceFault
+    from trainer_client.runtime.multihost._job_store import initialize_multihost
+    from trainer_client.runtime.orbax_compat._checkpoint_manager import CheckpointManager
+    from trainer_client.runtime.orbax_compat._maxtext import MaxTextHooks
+    from trainer_client.runtime.saving._checkpointing import Checkpointer, restore
+    from trainer_client.runtime.slices._jax_faults import InJaxFaults
+    from trainer_client.runtime.slices._slices import PathwaysSlices, SimulatedSlices, SliceFault
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "restore": "trainer_client.runtime._checkpointing",
-    "Event": "trainer_client.runtime._elastic",
-    "InJaxFaults": "trainer_client.runtime._jax_faults",
-    "initialize_multihost": "trainer_client.runtime._job_store",
+    "restore": "trainer_client.runtime.saving._checkpointing",
+    "Event": "trainer_client.runtime.elastic._elastic",
+    "InJaxFaults": "trainer_client.runtime.slices._jax_faults",
+    "initialize_multihost": "trainer_client.runtime.multihost._job_store",
     "CkptdClient": "trainer_client.client._ckptd_client",
     "ClientSettings": "trainer_client.config",
-    "ElasticConfig": "trainer_client.runtime._elastic",
-    "ElasticContext": "trainer_client.runtime._elastic",
-    "ElasticRunner": "trainer_client.runtime._elastic",
-    "ElasticResult": "trainer_client.runtime._elastic",
-    "AutopilotOptions": "trainer_client.runtime._elastic_config",
-    "BatchScalingOptions": "trainer_client.runtime._elastic_config",
-    "CompilationOptions": "trainer_client.runtime._elastic_config",
-    "ElasticOptions": "trainer_client.runtime._elastic_config",
-    "HealthOptions": "trainer_client.runtime._elastic_config",
-    "MemoryFitOptions": "trainer_client.runtime._elastic_config",
-    "MemoryTierOptions": "trainer_client.runtime._elastic_config",
-    "ReplicaOptions": "trainer_client.runtime._elastic_config",
-    "SaveOptions": "trainer_client.runtime._elastic_config",
-    "Checkpointer": "trainer_client.runtime._checkpointing",
-    "CheckpointManager": "trainer_client.runtime._checkpoint_manager",
-    "MaxTextHooks": "trainer_client.runtime._maxtext",
-    "SimulatedSlices": "trainer_client.runtime._slices",
-    "PathwaysSlices": "trainer_client.runtime._slices",
-    "SliceFault": "trainer_client.runtime._slices",
+    "ElasticConfig": "trainer_client.runtime.elastic._elastic",
+    "ElasticContext": "trainer_client.runtime.elastic._elastic",
+    "ElasticRunner": "trainer_client.runtime.elastic._elastic",
+    "ElasticResult": "trainer_client.runtime.elastic._elastic",
+    "AutopilotOptions": "trainer_client.runtime.elastic._elastic_config",
+    "BatchScalingOptions": "trainer_client.runtime.elastic._elastic_config",
+    "CompilationOptions": "trainer_client.runtime.elastic._elastic_config",
+    "ElasticOptions": "trainer_client.runtime.elastic._elastic_config",
+    "HealthOptions": "trainer_client.runtime.elastic._elastic_config",
+    "MemoryFitOptions": "trainer_client.runtime.elastic._elastic_config",
+    "MemoryTierOptions": "trainer_client.runtime.elastic._elastic_config",
+    "ReplicaOptions": "trainer_client.runtime.elastic._elastic_config",
+    "SaveOptions": "trainer_client.runtime.elastic._elastic_config",
+    "Checkpointer": "trainer_client.runtime.saving._checkpointing",
+    "CheckpointManager": "trainer_client.runtime.orbax_compat._checkpoint_manager",
+    "MaxTextHooks": "trainer_client.runtime.orbax_compat._maxtext",
+    "SimulatedSlices": "trainer_client.runtime.slices._slices",
+    "PathwaysSlices": "trainer_client.runtime.slices._slices",
+    "SliceFault": "trainer_client.runtime.slices._slices",
     "CkptdError": "trainer_client.errors",
     "CkptdUnavailable": "trainer_client.errors",
     "CkptdRequestError": "trainer_client.errors",

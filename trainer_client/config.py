@@ -7,10 +7,11 @@ wait for the sidecar before the client scans storage itself), ``CKPTD_REPORT_EVE
 ``CKPTD_EVENTS_FLUSH_TIMEOUT_S`` (the background event reporter, ``trainer_client.client._event_reporter``),
 ``CKPTD_RUN_ID`` (the run's identity, recorded with every step and sent with every resume),
 ``CKPTD_HEARTBEAT_TIMEOUT_S`` (a multi-controller job's ``jax.distributed`` heartbeat timeout:
-``trainer_client.runtime._job_store.initialize_multihost``), ``CKPTD_ROUTE_TIMEOUT_S`` (how long a process of
-a multi-process job waits for another's answer on a persistent save's route: ``trainer_client.runtime._save_route``),
+``trainer_client.runtime.multihost._job_store.initialize_multihost``), ``CKPTD_ROUTE_TIMEOUT_S`` (how long a process of
+a multi-process job waits for another's answer on a persistent save's route:
+``trainer_client.runtime.saving._save_route``),
 ``CKPTD_RESTORE_HOST_BYTES`` (the host memory a
-restore may hold at once: ``trainer_client.runtime._restore_budget``).
+restore may hold at once: ``trainer_client.runtime.restore._restore_budget``).
 
 Read once per process: ``client_settings()`` reads the environment the first time it is asked and answers the
 same ``ClientSettings`` after that, so every part of a run sees one reading even where the environment changes
@@ -66,14 +67,14 @@ class ClientSettings(BaseSettings):
     route_timeout_s: float = Field(
         default=600.0, gt=0,
         description="multi-process jobs: how long a process waits for each other process's answer on a persistent "
-        "save's route (memory or Orbax, trainer_client.runtime._save_route) before it fails; a process whose "
+        "save's route (memory or Orbax, trainer_client.runtime.saving._save_route) before it fails; a process whose "
         "snapshot fails still answers, so only a dead process is waited for (and a dead process ends the job)",
     )
     restore_host_bytes: int | None = Field(
         default=None, gt=0,
         description="host memory a restore may hold at once, in bytes: a larger state is restored in batches "
-        "(trainer_client.runtime._restore_budget); unset: no cap (on accelerators the direct reader still batches "
-        "at 4 GiB)",
+        "(trainer_client.runtime.restore._restore_budget); unset: no cap (on accelerators the direct reader "
+        "still batches at 4 GiB)",
     )
 
     @field_validator("url")

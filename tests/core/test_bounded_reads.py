@@ -78,7 +78,7 @@ def test_a_sparse_gibibyte_record_is_refused_before_a_byte_is_read(tmp_path: Pat
 
 def test_a_sparse_item_metadata_is_refused_by_the_trainers_direct_restore(tmp_path: Path) -> None:
     _sparse(tmp_path / "default" / "_METADATA", GIB)
-    result = peak_growth("from trainer_client.runtime._direct_restore import restore_direct",
+    result = peak_growth("from trainer_client.runtime.restore._direct_restore import restore_direct",
                          "try:\n    restore_direct(args['item'], {}, str)\nexcept Exception as exc:\n"
                          "    outcomes.append(f'{type(exc).__name__}: {exc}')", {"item": str(tmp_path / "default")})
     assert result["outcomes"][0].startswith("DirectRestoreUnsupported") and "more than" in result["outcomes"][0]

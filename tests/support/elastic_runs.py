@@ -20,10 +20,10 @@ import numpy as np
 from examples.elastic_mlp import TrainLog, make_train_fn
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
-from trainer_client.runtime._elastic import ElasticConfig, ElasticContext, ElasticResult, ElasticRunner, Event
-from trainer_client.runtime._elastic_config import ReplicaOptions
-from trainer_client.runtime._jax_faults import InJaxFaults
-from trainer_client.runtime._slices import SimulatedSlices, SliceFault
+from trainer_client.runtime.elastic._elastic import ElasticConfig, ElasticContext, ElasticResult, ElasticRunner, Event
+from trainer_client.runtime.elastic._elastic_config import ReplicaOptions
+from trainer_client.runtime.slices._jax_faults import InJaxFaults
+from trainer_client.runtime.slices._slices import SimulatedSlices, SliceFault
 
 JOB = "mlp"
 BATCH = 48

@@ -1,5 +1,5 @@
 """JAX's coordination-service key-value store, in one process, for unit tests of what the processes of a job
-agree through it (``trainer_client.runtime._job_store.KeyValueStore``): create-only sets, blocking gets."""
+agree through it (``trainer_client.runtime.multihost._job_store.KeyValueStore``): create-only sets, blocking gets."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 Usage: ``python tests/support/multiprocess_worker.py PROCESS_ID PORT ROOT``. The processes join through JAX's
 distributed runtime (coordinator on 127.0.0.1:PORT; the CPU collectives bound to 127.0.0.1 as well), save
-one step with ``trainer_client.runtime._checkpointing.Checkpointer`` across their 8 devices (4 each), then read it
-back with the direct restore onto a 4x2 mesh and check every shard they hold. Prints ``PROCESS_ID ok``.
+one step with ``trainer_client.runtime.saving._checkpointing.Checkpointer`` across their 8 devices (4 each), then read
+it back with the direct restore onto a 4x2 mesh and check every shard they hold. Prints ``PROCESS_ID ok``.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ xla_bridge._jax.make_gloo_tcp_collectives = _loopback_gloo
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
                            coordinator_bind_address=f"127.0.0.1:{port}", initialization_timeout=60)
 
-from trainer_client.runtime._checkpointing import Checkpointer, leaf_name  # noqa: E402
-from trainer_client.runtime._direct_restore import restore_direct  # noqa: E402
+from trainer_client.runtime.restore._direct_restore import restore_direct  # noqa: E402
+from trainer_client.runtime.saving._checkpointing import Checkpointer, leaf_name  # noqa: E402
 
 full = {f"w{i}": np.arange(256 * 64, dtype=np.float32).reshape(256, 64) * (i + 1) for i in range(3)}
 mesh = Mesh(np.array(jax.devices()).reshape(8), ("data",))

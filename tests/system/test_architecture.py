@@ -193,7 +193,7 @@ def test_the_graph_is_read(graph: list[Import]) -> None:
     edges = {(i.importer, i.target) for i in graph}
     assert ("ckptd.api._app", "ckptd.api.routes._jobs") in edges
     assert ("ckptd.api._app", "ckptd._sidecar") in edges and ("ckptd._sidecar", "ckptd.catalog._catalog") in edges
-    assert ("trainer_client.runtime._elastic", "jax") in edges
+    assert ("trainer_client.runtime.elastic._elastic", "jax") in edges
     assert any(i.importer == "trainer_client.core.format._item_keys" and i.target == "tensorstore" and i.lazy
                for i in graph)
     assert not any(i.importer == "trainer_client" and _under(i.target, "trainer_client.runtime") for i in graph), \
@@ -246,7 +246,7 @@ def test_the_map_keeps_the_layers_apart() -> None:
             assert not {p for p in allowed if p.split(".")[0] == "ckptd"}, part
     assert ALLOWED["trainer_client.core"] == frozenset()
     assert part_of("ckptd.catalog._persist_worker") == "ckptd.persist_worker"
-    assert part_of("trainer_client.runtime._elastic") == "trainer_client.runtime"
+    assert part_of("trainer_client.runtime.elastic._elastic") == "trainer_client.runtime"
     assert part_of("ckptd.config") == "ckptd" and part_of("ckptd._sidecar") == "ckptd._sidecar"
 
 

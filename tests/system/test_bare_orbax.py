@@ -32,7 +32,7 @@ from trainer_client.core._storage import Storage
 from trainer_client.core._validation import latest_good_on_storage
 from trainer_client.core.format._array_index import decode_all_arrays
 from trainer_client.core.format._files import COMMIT_MARKER, ROOT_ITEM
-from trainer_client.runtime._checkpointing import restore, spec_from_json
+from trainer_client.runtime.saving._checkpointing import restore, spec_from_json
 
 ARRAYS = ["opt.mu", "params.b", "params.w"]
 # job -> [(step directory name, checkpointer kind, step)]

@@ -53,10 +53,10 @@ from trainer_client.core.format._array_index import decode_all_arrays
 from trainer_client.core.format._files import COMMIT_MARKER, TMP_DIR_SUFFIX
 from trainer_client.core.format._steps import parse_step_name
 from trainer_client.core.protocol import ROUTE_RESUME, ResumeRequest, StepState
-from trainer_client.runtime._checkpointing import restore
-from trainer_client.runtime._elastic import ElasticConfig, ElasticRunner
-from trainer_client.runtime._elastic_config import ElasticOptions, HealthOptions
-from trainer_client.runtime._slices import SimulatedSlices
+from trainer_client.runtime.elastic._elastic import ElasticConfig, ElasticRunner
+from trainer_client.runtime.elastic._elastic_config import ElasticOptions, HealthOptions
+from trainer_client.runtime.saving._checkpointing import restore
+from trainer_client.runtime.slices._slices import SimulatedSlices
 
 pytestmark = pytest.mark.integration
 
@@ -155,7 +155,7 @@ import sys
 import jax, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tests.support.chaos_support import BATCH, state_for_step
-from trainer_client.runtime._checkpointing import Checkpointer, restore
+from trainer_client.runtime.saving._checkpointing import Checkpointer, restore
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.errors import NoCheckpointError
@@ -658,7 +658,7 @@ import sys, time
 import jax, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tests.support.chaos_support import BATCH, state_for_step
-from trainer_client.runtime._checkpointing import Checkpointer, restore
+from trainer_client.runtime.saving._checkpointing import Checkpointer, restore
 
 job_url, steps = sys.argv[1], int(sys.argv[2])
 mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("replica", "data"))

@@ -29,7 +29,7 @@ _TRAINER = r"""
 import sys, time
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from trainer_client.runtime._checkpointing import Checkpointer
+from trainer_client.runtime.saving._checkpointing import Checkpointer
 
 job_dir, mode = sys.argv[1], sys.argv[2]
 ck = Checkpointer(job_dir, atomicity=None if mode == "default" else mode)

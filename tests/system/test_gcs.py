@@ -51,7 +51,7 @@ import json, sys, time
 import fsspec
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from trainer_client.runtime._checkpointing import Checkpointer, restore, target_shardings
+from trainer_client.runtime.saving._checkpointing import Checkpointer, restore, target_shardings
 from trainer_client.core.protocol import ResumePlan
 
 job = sys.argv[1]

@@ -54,7 +54,7 @@ from trainer_client.core.format._files import (
 )
 from trainer_client.core.format._manifest import Listed, list_files, read_manifest, read_verified_record
 from trainer_client.core.protocol import StepState
-from trainer_client.runtime._checkpointing import Checkpointer
+from trainer_client.runtime.saving._checkpointing import Checkpointer
 
 pytestmark = pytest.mark.integration
 

@@ -15,8 +15,8 @@ from trainer_client.checkpoint_io._iterator_state import ITER_ITEM
 from trainer_client.core import protocol as p
 from trainer_client.core._step_plan import plan_for_step
 from trainer_client.core._storage import Storage, join_path
-from trainer_client.runtime._checkpointing import Checkpointer, restore
-from trainer_client.runtime._data_iterator import restore_iterator, state_record
+from trainer_client.runtime.saving._checkpointing import Checkpointer, restore
+from trainer_client.runtime.saving._data_iterator import restore_iterator, state_record
 
 
 def test_grain_state_and_values_round_trip_on_gcs(gcs_emulator: GcsEmulator) -> None:

@@ -87,7 +87,7 @@ def test_the_base_install_says_which_extra_the_rest_needs(tmp_path: Path) -> Non
     assert done.returncode == 0, done.stderr
     for role, statement, what, module in (
         ("base", "from trainer_client import ElasticRunner", "trainer_client.runtime", "jax"),
-        ("base", "import trainer_client.runtime._elastic", "trainer_client.runtime", "jax"),
+        ("base", "import trainer_client.runtime.elastic._elastic", "trainer_client.runtime", "jax"),
         ("server", "from trainer_client import ElasticRunner", "trainer_client.ElasticRunner", "pathwaysutils"),
     ):
         done = _run(role, tmp_path, "-c", statement)

@@ -26,7 +26,7 @@ from trainer_client.core._step_plan import plan_for_step
 from trainer_client.core._storage import Storage
 from trainer_client.core._validation import latest_good_on_storage, validate_step
 from trainer_client.core.format._array_index import decode_all_arrays
-from trainer_client.runtime._checkpointing import restore, spec_from_json
+from trainer_client.runtime.saving._checkpointing import restore, spec_from_json
 
 STEPS = (100, 200)
 

@@ -20,8 +20,8 @@ from tests.support import maxtext_loop
 from tests.support.elastic_runs import in_jax_faults
 from tests.support.helpers import REPO
 from trainer_client import CkptdClient, ClientSettings, MaxTextHooks
-from trainer_client.runtime._jax_faults import Fired, InJaxFaults
-from trainer_client.runtime._slice_manager import SliceManager
+from trainer_client.runtime.slices._jax_faults import Fired, InJaxFaults
+from trainer_client.runtime.slices._slice_manager import SliceManager
 
 PATCH = REPO / "integrations" / "maxtext" / "ckptd.patch"
 STEPS, PERIOD = 12, 3
@@ -35,7 +35,7 @@ def faults() -> Iterator[InJaxFaults]:
 @pytest.fixture
 def slice_manager(faults: InJaxFaults) -> Iterator[SliceManager]:
     """MaxText's ``elastic_utils.elastic_manager``, over the fake slices (pathwaysutils' Manager subclassed
-    only for CPU devices without ``slice_index``: runtime/_slice_manager.py)."""
+    only for CPU devices without ``slice_index``: runtime/slices/_slice_manager.py)."""
     maxtext_loop.elastic_manager = SliceManager(faults.slices.slice_to_devices, monitor_interval_s=0.2)
     yield maxtext_loop.elastic_manager
     maxtext_loop.elastic_manager = None

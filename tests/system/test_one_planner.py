@@ -30,8 +30,8 @@ from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.core import protocol as p
 from trainer_client.core._storage import Storage
-from trainer_client.runtime._checkpointing import Checkpointer, training_metadata
-from trainer_client.runtime._memory_tier import MemoryTier
+from trainer_client.runtime.memory._memory_tier import MemoryTier
+from trainer_client.runtime.saving._checkpointing import Checkpointer, training_metadata
 
 DEVICES = (8, 6, 3)
 

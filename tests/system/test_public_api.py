@@ -116,7 +116,7 @@ def test_every_exception_of_both_packages_has_one_root() -> None:
     import inspect
 
     from trainer_client.core._errors import CkptdError
-    from trainer_client.runtime._elastic_context import RunnerSignal
+    from trainer_client.runtime.elastic._elastic_context import RunnerSignal
 
     stray = []
     for name in PUBLIC_MODULES:

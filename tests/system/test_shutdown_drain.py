@@ -17,8 +17,8 @@ from tests.support.server import serve_process
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._files import COMMIT_MARKER
 from trainer_client.core.format._manifest import read_verified_record
-from trainer_client.runtime._checkpointing import training_metadata
-from trainer_client.runtime._memory_tier import MemoryTier
+from trainer_client.runtime.memory._memory_tier import MemoryTier
+from trainer_client.runtime.saving._checkpointing import training_metadata
 
 
 def _serve(root: Path, shm: Path, tmp: Path, drain_s: float) -> tuple[subprocess.Popen[bytes], Path]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from soak.autopilot import faults, in_force, verdicts
-from trainer_client.runtime._run_record import ElasticResult, Event, Recovery
+from trainer_client.runtime.elastic._run_record import ElasticResult, Event, Recovery
 
 
 def _decided(step: int, memory: int, storage: int, lost: float) -> Event:

@@ -7,7 +7,7 @@ MaxText's ``GrainCheckpointHandler`` subclasses it) writes one process's iterato
 recorded as data at the step boundary (``DataIteratorRecord``: nothing is ever pickled), both when the trainer
 saves and when ckptd's persist worker writes a memory snapshot to storage; reading goes through
 ``read_step_state`` (untrusted input: bounded, JSON only). Taking the state from a live iterator and giving
-it back is the trainer runtime's part (``trainer_client.runtime._data_iterator``).
+it back is the trainer runtime's part (``trainer_client.runtime.saving._data_iterator``).
 
 The step's ``_CHECKPOINT_METADATA`` names the handler of each item by the handler's Orbax type string; this
 one's is the fixed ``ITER_HANDLER_TYPESTR`` (``ckptd.IteratorStateHandler``), which no module move changes.

@@ -5,7 +5,7 @@ memory, a whole snapshot in host memory, a committed step on storage (and, as th
 each tier holds is gathered in one place (``trainer_client/core/_resume_candidates.py``), which the server's
 ``POST /resume`` (``ckptd/api/_answers.py``) and the client's storage-scan fallback
 (``trainer_client/client/_ckptd_client.py``) both call, each with what it sees; a multi-controller job's
-agreement (``trainer_client/runtime/_multihost.py``) hands its hosts' offers here too. ``decide`` applies the
+agreement (``trainer_client/runtime/multihost/_multihost.py``) hands its hosts' offers here too. ``decide`` applies the
 one rule (docs/protocol.md, "Resume": the newest good step, and at equal steps the tier restored from fastest)
 and lays out the chosen step. What comes back is the plan or a ``Refusal``: a wire-contract code, never an HTTP
 status nor an exception; the one refusal table (``trainer_client/core/_refusals.py``) says what each side

@@ -1,8 +1,9 @@
 """The trainer runtime: the only part of ckptd that imports jax (and Orbax, pathwaysutils).
 
-Elastic same-PID recovery (``elastic``), slice health (``slices``), saving and restoring through Orbax
-(``checkpointing``, ``direct_restore``), the host-memory tier (``memory_tier``), the save router
-(``saver``) and compile-ahead of the next meshes (``precompile``)."""
+One room per concept (docs/architecture.md, the package map): the elastic runner (``elastic``), slice health and
+simulated faults (``slices``), a multi-controller job's agreement (``multihost``), the tiers (``replicas``,
+``memory``), saving (``saving``) and restoring (``restore``), Orbax-compatible faces (``orbax_compat``), the
+periods chosen as the run goes (``autopilot``) and compile-ahead of the next meshes (``compilation``)."""
 
 from trainer_client.core._extras import needs_extra
 

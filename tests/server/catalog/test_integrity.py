@@ -37,7 +37,7 @@ from trainer_client.core.format._files import (
 )
 from trainer_client.core.format._manifest import read_manifest, write_manifest
 from trainer_client.core.protocol import ResumeRequest, StepState
-from trainer_client.runtime._checkpointing import Checkpointer
+from trainer_client.runtime.saving._checkpointing import Checkpointer
 
 N_STEPS = 60
 

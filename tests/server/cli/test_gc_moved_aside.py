@@ -2,7 +2,7 @@
 quarantined step or of a save cut short, kept under ``<step>.ckptd-aside-<UTC time>``. Retention never deletes
 one; ``gc`` lists each, with what it was and when it was moved, and deletes one only when told to with
 ``--delete-aside-older-than`` and it was moved longer ago than that, never in a read-only job. The steps are real
-Orbax steps, moved aside by the drop-in manager's own mover (``trainer_client/runtime/_step_aside.py``)."""
+Orbax steps, moved aside by the drop-in manager's own mover (``trainer_client/runtime/saving/_step_aside.py``)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from tests.support.golden import copy_root, golden_fixture
 from tests.support.orbax_steps import training_metadata, write_orbax_jobs
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._files import COMMIT_MARKER, TMP_DIR_SUFFIX
-from trainer_client.runtime._step_aside import clear_for_save
+from trainer_client.runtime.saving._step_aside import clear_for_save
 
 STEPS = [10, 20, 30]
 DAY = 86400.0

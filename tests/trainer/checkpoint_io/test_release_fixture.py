@@ -23,8 +23,8 @@ from trainer_client.core._step_plan import plan_for_step
 from trainer_client.core._storage import Storage
 from trainer_client.core._validation import validate_step
 from trainer_client.core.format._snapshot import DataIteratorRecord
-from trainer_client.runtime._checkpointing import Checkpointer, restore
-from trainer_client.runtime._data_iterator import planned_state
+from trainer_client.runtime.saving._checkpointing import Checkpointer, restore
+from trainer_client.runtime.saving._data_iterator import planned_state
 
 FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "release_0_1_0"
 W = np.arange(8, dtype=np.float32).reshape(4, 2)

@@ -133,7 +133,7 @@ def test_no_good_step_at_ckptd_but_a_committed_one_on_storage_is_not_a_fresh_sta
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from trainer_client.runtime._checkpointing import Checkpointer
+    from trainer_client.runtime.saving._checkpointing import Checkpointer
 
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("replica", "data"))
     ck = Checkpointer(str(tmp_path / "job"))

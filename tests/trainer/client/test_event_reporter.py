@@ -25,16 +25,16 @@ from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.client._event_reporter import EventReporter
 from trainer_client.config import ClientSettings
 from trainer_client.core import protocol as p
-from trainer_client.runtime._autopilot_runner import EarlierRunsAsked
-from trainer_client.runtime._elastic import ElasticConfig, ElasticRunner
-from trainer_client.runtime._elastic_config import (
+from trainer_client.runtime.autopilot._autopilot_runner import EarlierRunsAsked
+from trainer_client.runtime.elastic._elastic import ElasticConfig, ElasticRunner
+from trainer_client.runtime.elastic._elastic_config import (
     CompilationOptions,
     ElasticOptions,
     HealthOptions,
     MemoryTierOptions,
     ReplicaOptions,
 )
-from trainer_client.runtime._slices import SimulatedSlices, SliceFault
+from trainer_client.runtime.slices._slices import SimulatedSlices, SliceFault
 
 
 class Recorder:

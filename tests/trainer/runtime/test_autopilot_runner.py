@@ -1,5 +1,5 @@
-"""The runner's autopilot (trainer_client/runtime/_autopilot_runner.py) on scripted costs and failures, on a clock
-the test moves: the periods it owns shorten when failures come more often and lengthen in a quiet spell, small
+"""The runner's autopilot (trainer_client/runtime/autopilot/_autopilot_runner.py) on scripted costs and failures, on a
+clock the test moves: the periods it owns shorten when failures come more often and lengthen in a quiet spell, small
 changes do not move them (hysteresis), a period the user set is left alone and the others are chosen around it,
 the replica pacer's overhead budget stays a floor, each change is an ``autopilot_decided`` event, and ``ckptd
 advise`` given the same inputs answers with the same first-order periods (one model)."""
@@ -13,10 +13,14 @@ import pytest
 
 from ckptd.advisor._advisor import advise
 from trainer_client.core import protocol as p
-from trainer_client.runtime._autopilot_costs import CostMeter
-from trainer_client.runtime._autopilot_runner import DEFAULT_CHECKPOINT_PERIOD, MIN_INTERVAL_S, RunnerAutopilot
-from trainer_client.runtime._elastic_config import AutopilotOptions, ReplicaOptions
-from trainer_client.runtime._replica_pacing import KindCosts, smallest_period
+from trainer_client.runtime.autopilot._autopilot_costs import CostMeter
+from trainer_client.runtime.autopilot._autopilot_runner import (
+    DEFAULT_CHECKPOINT_PERIOD,
+    MIN_INTERVAL_S,
+    RunnerAutopilot,
+)
+from trainer_client.runtime.elastic._elastic_config import AutopilotOptions, ReplicaOptions
+from trainer_client.runtime.replicas._replica_pacing import KindCosts, smallest_period
 
 STEP = 2.0  # seconds a step
 STALL = 3.0  # a shared-memory snapshot blocks the loop this long

@@ -291,7 +291,7 @@ def test_a_host_memory_tier_configured_for_ckptd_is_said_to_be_unused(
     the tier's directory."""
     shm = tmp_path / "shm"
     monkeypatch.setenv("CKPTD_SHM_DIR", str(shm))
-    with (caplog.at_level("WARNING", logger="trainer_client.runtime._checkpoint_manager"),
+    with (caplog.at_level("WARNING", logger="trainer_client.runtime.orbax_compat._checkpoint_manager"),
           CheckpointManager(tmp_path / "checkpoints") as mgr):
         mgr.save(1, args=ocp.args.StandardSave({"a": np.arange(3.0)}))
     assert any("host-memory tier" in r.getMessage() and str(shm) in r.getMessage() for r in caplog.records)

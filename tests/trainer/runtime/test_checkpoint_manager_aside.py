@@ -90,7 +90,7 @@ def test_a_quarantined_and_an_abandoned_step_are_moved_aside_before_a_save_takes
     assert wait_until(states, timeout=60, what="step 30 quarantined")[40] == "abandoned"
     assert (job / "30" / QUARANTINE_FILE).is_file()
     client = CkptdClient(ClientSettings(url=server.url), root=str(root))
-    with (caplog.at_level(logging.WARNING, logger="trainer_client.runtime._step_aside"),
+    with (caplog.at_level(logging.WARNING, logger="trainer_client.runtime.saving._step_aside"),
           CheckpointManager(str(job), ckptd=client) as mgr):
         assert list(mgr.all_steps()) == [10, 20]
         _save(mgr, (30, 40))  # the resumed loop saves 30 and 40 again

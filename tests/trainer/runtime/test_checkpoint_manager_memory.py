@@ -25,7 +25,7 @@ from trainer_client.core._storage import Storage
 from trainer_client.core._validation import validate_step
 from trainer_client.core.format._files import COMMIT_MARKER
 from trainer_client.core.format._steps import read_training
-from trainer_client.runtime._manager_saves import MemorySave, TrainingInfo, memory_save
+from trainer_client.runtime.orbax_compat._manager_saves import MemorySave, TrainingInfo, memory_save
 
 BATCH = 32
 

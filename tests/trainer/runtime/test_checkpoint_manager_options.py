@@ -15,7 +15,7 @@ from orbax.checkpoint._src.path import atomicity
 
 from trainer_client import CheckpointManager
 from trainer_client.core.format._files import CKPTD_MANIFEST
-from trainer_client.runtime._checkpoint_manager import HONOURED, REFUSED
+from trainer_client.runtime.orbax_compat._checkpoint_manager import HONOURED, REFUSED
 
 
 @pytest.fixture(autouse=True)

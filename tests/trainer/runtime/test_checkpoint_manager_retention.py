@@ -89,7 +89,7 @@ def test_retention_never_deletes_a_bad_step_nor_counts_it(tmp_path: Path, caplog
         _save_steps(mgr, range(5))
     for step in (3, 4):
         (job / str(step) / COMMIT_MARKER).unlink()
-    with (caplog.at_level(logging.INFO, logger="trainer_client.runtime._manager_retention"),
+    with (caplog.at_level(logging.INFO, logger="trainer_client.runtime.orbax_compat._manager_retention"),
           CheckpointManager(job, options=ocp.CheckpointManagerOptions(max_to_keep=2)) as mgr):
         mgr.save(7, args=ocp.args.StandardSave({"w": np.full(2, 7.0)}))
         mgr.wait_until_finished()

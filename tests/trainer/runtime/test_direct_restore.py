@@ -26,8 +26,8 @@ from trainer_client.core._storage import Storage
 from trainer_client.core._validation import validate_step
 from trainer_client.core.format._ocdbt_index import OcdbtIndex
 from trainer_client.errors import DirectRestoreUnsupported, OcdbtFormatError
-from trainer_client.runtime._checkpointing import Checkpointer, leaf_name, restore
-from trainer_client.runtime._direct_restore import restore_direct
+from trainer_client.runtime.restore._direct_restore import restore_direct
+from trainer_client.runtime.saving._checkpointing import Checkpointer, leaf_name, restore
 
 SHAPES = {"w": (240, 40), "b": (120,), "emb": (96, 3), "step": ()}
 DTYPES = {"w": np.float32, "b": jnp.bfloat16, "emb": np.float32, "step": np.int32}
@@ -113,7 +113,7 @@ def test_restore_takes_the_direct_path_for_a_ckptd_checkpoint(
     saved: tuple[Path, dict[str, np.ndarray]], caplog: pytest.LogCaptureFixture
 ) -> None:
     step_dir, values = saved
-    with caplog.at_level(logging.INFO, logger="trainer_client.runtime._checkpointing"):
+    with caplog.at_level(logging.INFO, logger="trainer_client.runtime.saving._checkpointing"):
         out = restore(str(step_dir), _target(_mesh((8,), ("data",)), {"w": P("data")}))
     assert "through Orbax" not in caplog.text
     assert np.array_equal(np.asarray(out["params"]["w"]), values["w"])
@@ -140,7 +140,7 @@ def test_compressed_chunks_and_casting_targets_are_left_to_orbax(
     target = _target(_mesh((8,), ("data",)), {"w": P("data")})
     with pytest.raises(DirectRestoreUnsupported, match="compressor"):
         restore_direct(tmp_path / "zstd" / "3" / "default", target, leaf_name)
-    with caplog.at_level(logging.INFO, logger="trainer_client.runtime._checkpointing"):
+    with caplog.at_level(logging.INFO, logger="trainer_client.runtime.saving._checkpointing"):
         out = restore(str(tmp_path / "zstd" / "3"), target)
     assert "through Orbax" in caplog.text
     assert np.array_equal(np.asarray(out["params"]["w"]), values["w"])

@@ -23,9 +23,9 @@ from tests.support.helpers import wait_until
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.errors import ElasticRetriesExhausted
-from trainer_client.runtime._elastic import ElasticContext, ElasticRunner
-from trainer_client.runtime._memory_tier import MemoryTier, MemoryTierFull
-from trainer_client.runtime._slices import SimulatedSlices, SliceFault
+from trainer_client.runtime.elastic._elastic import ElasticContext, ElasticRunner
+from trainer_client.runtime.memory._memory_tier import MemoryTier, MemoryTierFull
+from trainer_client.runtime.slices._slices import SimulatedSlices, SliceFault
 
 
 def _runner(root: Path, url: str, policy: str, faults: list[SliceFault], **config: Any) -> ElasticRunner:

@@ -17,7 +17,7 @@ import pytest
 
 from examples.elastic_mlp import TrainLog, make_train_fn
 from tests.support.elastic_runs import elastic_runner, run_to_end
-from trainer_client.runtime._slices import SimulatedSlices
+from trainer_client.runtime.slices._slices import SimulatedSlices
 
 pytestmark = pytest.mark.needs_devices(8)
 
@@ -103,7 +103,7 @@ def test_a_data_loss_with_a_slice_down_is_recovered(tmp_path: Path, ckptd_server
 
 
 def test_classification_needs_pathwaysutils_and_the_health_check_to_agree() -> None:
-    from trainer_client.runtime._fault_classification import SliceLoss, classify_failure
+    from trainer_client.runtime.elastic._fault_classification import SliceLoss, classify_failure
 
     slices = SimulatedSlices(num_slices=4)
     active = frozenset({0, 1, 2, 3})

@@ -29,9 +29,9 @@ from trainer_client.checkpoint_io._state_tree import is_value, leaf_name
 from trainer_client.core import protocol as p
 from trainer_client.core._step_plan import plan_for_step
 from trainer_client.core._storage import Storage
-from trainer_client.runtime._checkpointing import Checkpointer, restore, spec_from_json, training_metadata
-from trainer_client.runtime._memory_restore import restore_snapshot
-from trainer_client.runtime._memory_tier import MemoryTier
+from trainer_client.runtime.memory._memory_restore import restore_snapshot
+from trainer_client.runtime.memory._memory_tier import MemoryTier
+from trainer_client.runtime.saving._checkpointing import Checkpointer, restore, spec_from_json, training_metadata
 
 HIDDEN = 16
 KINDS = ["linen", "nnx"]

@@ -35,10 +35,10 @@ from tests.support.elastic_runs import (
 from tests.support.helpers import wait_until
 from trainer_client.core._storage import Storage
 from trainer_client.core.protocol import MeshSpec
-from trainer_client.runtime._elastic import ElasticRunner
-from trainer_client.runtime._jax_faults import InJaxFaults
-from trainer_client.runtime._precompile import likely_next
-from trainer_client.runtime._slice_manager import SliceManager
+from trainer_client.runtime.compilation._precompile import likely_next
+from trainer_client.runtime.elastic._elastic import ElasticRunner
+from trainer_client.runtime.slices._jax_faults import InJaxFaults
+from trainer_client.runtime.slices._slice_manager import SliceManager
 
 STEPS = 40
 SPARE = {"mesh_shape": (3, 2), "spare_slices": 1}

@@ -1,6 +1,6 @@
 """Slice failures raised from inside JAX operations, where a lost Pathways slice shows up, at each phase.
 
-``InJaxFaults`` (trainer_client/runtime/_jax_faults.py) takes a fake slice down *inside* a JAX call — reading
+``InJaxFaults`` (trainer_client/runtime/slices/_jax_faults.py) takes a fake slice down *inside* a JAX call — reading
 a step's result, a shard's copy into the memory tier, a restore's transfer to the devices, a background
 compile — and that call raises ``DATA_LOSS``, as on Pathways. Each run recovers in this process, restores
 the right step, and (``pause``) ends bitwise equal to a run without failures.
@@ -29,8 +29,8 @@ from tests.support.elastic_runs import (
     run_to_end,
 )
 from trainer_client.core.protocol import BatchPlan
-from trainer_client.runtime._elastic import Event
-from trainer_client.runtime._jax_faults import Fired, InJaxFaults
+from trainer_client.runtime.elastic._elastic import Event
+from trainer_client.runtime.slices._jax_faults import Fired, InJaxFaults
 
 pytestmark = pytest.mark.needs_devices(8)
 

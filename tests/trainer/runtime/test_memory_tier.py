@@ -33,14 +33,19 @@ from trainer_client.core.format._files import SNAPSHOT_DATA_FILE, SNAPSHOT_PERSI
 from trainer_client.core.format._snapshot import problems, read_meta
 from trainer_client.core.protocol import ResumeRequest
 from trainer_client.errors import MemoryTierFull
-from trainer_client.runtime._checkpointing import Checkpointer, leaf_name, training_metadata
-from trainer_client.runtime._direct_restore import restore_direct
-from trainer_client.runtime._elastic import ElasticConfig, ElasticRunner
-from trainer_client.runtime._elastic_config import ElasticOptions, HealthOptions, MemoryTierOptions, ReplicaOptions
-from trainer_client.runtime._memory_restore import restore_snapshot
-from trainer_client.runtime._memory_spare import make_spare, snapshot_bytes
-from trainer_client.runtime._memory_tier import MemoryTier
-from trainer_client.runtime._slices import SimulatedSlices, SliceFault
+from trainer_client.runtime.elastic._elastic import ElasticConfig, ElasticRunner
+from trainer_client.runtime.elastic._elastic_config import (
+    ElasticOptions,
+    HealthOptions,
+    MemoryTierOptions,
+    ReplicaOptions,
+)
+from trainer_client.runtime.memory._memory_restore import restore_snapshot
+from trainer_client.runtime.memory._memory_spare import make_spare, snapshot_bytes
+from trainer_client.runtime.memory._memory_tier import MemoryTier
+from trainer_client.runtime.restore._direct_restore import restore_direct
+from trainer_client.runtime.saving._checkpointing import Checkpointer, leaf_name, training_metadata
+from trainer_client.runtime.slices._slices import SimulatedSlices, SliceFault
 
 
 def _mesh(n: int = 8) -> Mesh:
@@ -228,7 +233,7 @@ def test_a_new_attempts_prepare_never_waits_for_a_spare_still_being_made(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The spare a save starts (its pages touched: seconds for gigabytes on the lent chip's sandbox) goes on beside
     the next attempt's restore: ``prepare`` returns at once, and the next save waits for it and writes into it."""
-    import trainer_client.runtime._memory_tier as memory_tier
+    import trainer_client.runtime.memory._memory_tier as memory_tier
 
     started, release = threading.Event(), threading.Event()
     real = memory_tier.make_spare
@@ -335,7 +340,7 @@ import jax, numpy as np
 from jax.sharding import Mesh
 sys.path.insert(0, sys.argv[3])
 from tests.trainer.runtime.test_memory_tier import _meta, _state
-from trainer_client.runtime._memory_tier import MemoryTier
+from trainer_client.runtime.memory._memory_tier import MemoryTier
 mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("replica", "data"))
 state = _state(mesh, seed=11)
 MemoryTier(sys.argv[1], sys.argv[2]).save(10, state, _meta(10, state, mesh), persist=True)
@@ -556,7 +561,7 @@ def test_the_runner_recovers_from_memory_and_persists_through_ckptd(tmp_path: Pa
 def test_a_save_costs_the_loop_the_copy_whether_or_not_ckptd_answers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from trainer_client.runtime._saver import Saver
+    from trainer_client.runtime.saving._saver import Saver
 
     class CkptdAway:
         ok = False

@@ -28,9 +28,9 @@ from trainer_client.core.format._files import SNAPSHOT_DATA_FILE, SNAPSHOT_PERSI
 from trainer_client.core.format._snapshot import problems, read_meta
 from trainer_client.core.format._snapshot_dirs import mark_persisted, newest_whole
 from trainer_client.core.format._tree_paths import TreeEntry, rebuild
-from trainer_client.runtime._checkpointing import Checkpointer, training_metadata
-from trainer_client.runtime._memory_restore import restore_snapshot
-from trainer_client.runtime._memory_tier import MemoryTier
+from trainer_client.runtime.memory._memory_restore import restore_snapshot
+from trainer_client.runtime.memory._memory_tier import MemoryTier
+from trainer_client.runtime.saving._checkpointing import Checkpointer, training_metadata
 
 
 def _mesh() -> Mesh:

@@ -39,9 +39,9 @@ from trainer_client.core.format._snapshot import problems, read_meta
 from trainer_client.core.format._snapshot_dirs import is_persisted, newest_whole
 
 _HOST = PREAMBLE + """
-from trainer_client.runtime._saver import Saver
-from trainer_client.runtime._checkpointing import Checkpointer, training_metadata
-from trainer_client.runtime._memory_tier import MemoryTier
+from trainer_client.runtime.saving._saver import Saver
+from trainer_client.runtime.saving._checkpointing import Checkpointer, training_metadata
+from trainer_client.runtime.memory._memory_tier import MemoryTier
 state = {
     "w": jax.make_array_from_callback((16, 4), NamedSharding(mesh, P("data")),
                                       lambda i: np.arange(64, dtype=np.float32).reshape(16, 4)[i]),

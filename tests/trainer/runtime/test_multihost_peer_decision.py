@@ -10,7 +10,7 @@ from tests.support.peer_parts import write_part
 from trainer_client.core import _resume_decision as decision
 from trainer_client.core.format._peer_copies import copies_dir
 from trainer_client.core.protocol import ErrorCode, ResumeRequest
-from trainer_client.runtime._multihost import candidates, copy_parts, decide, peer_sources
+from trainer_client.runtime.multihost._multihost import candidates, copy_parts, decide, peer_sources
 
 
 def test_a_wiped_host_takes_its_part_from_the_peer_holding_a_copy() -> None:

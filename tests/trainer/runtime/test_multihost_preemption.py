@@ -23,14 +23,14 @@ _WORKER = """
 import json, sys, time
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
-from trainer_client.runtime._job_store import initialize_multihost
+from trainer_client.runtime.multihost._job_store import initialize_multihost
 port, index, root, url = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 initialize_multihost(f"127.0.0.1:{port}", 2, index, heartbeat_timeout_s=10, initialization_timeout_s=60)
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
-from trainer_client.runtime._elastic import ElasticConfig, ElasticRunner
-from trainer_client.runtime._elastic_config import CompilationOptions, ElasticOptions
-from trainer_client.runtime._slices import SimulatedSlices
+from trainer_client.runtime.elastic._elastic import ElasticConfig, ElasticRunner
+from trainer_client.runtime.elastic._elastic_config import CompilationOptions, ElasticOptions
+from trainer_client.runtime.slices._slices import SimulatedSlices
 cfg = ElasticConfig(job="job", mesh_axes=("replica", "data"), mesh_shape=(1, 8), global_batch=8, checkpoint_period=0,
                     elastic=ElasticOptions(policy="pause"), compilation=CompilationOptions(precompile=False))
 client = CkptdClient(ClientSettings(url=url, timeout_s=2, resume_deadline_s=5, report_events=False), root=root)

@@ -23,10 +23,10 @@ from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.core.protocol import ResumePlan, ResumeRequest
 from trainer_client.errors import NoCheckpointError
 from trainer_client.runtime import _multihost as multihost
-from trainer_client.runtime._multihost import Part, ResumeAgreement, decide
+from trainer_client.runtime.multihost._multihost import Part, ResumeAgreement, decide
 
 _COMMON = PREAMBLE + """
-from trainer_client.runtime._checkpointing import Checkpointer, training_metadata
+from trainer_client.runtime.saving._checkpointing import Checkpointer, training_metadata
 specs = {"w": P("data"), "b": P()}
 def state_of(step):
     w = np.arange(64, dtype=np.float32).reshape(16, 4) + step
@@ -38,7 +38,7 @@ def meta_of(step, state):
 """
 
 _BEFORE = _COMMON + """
-from trainer_client.runtime._memory_tier import MemoryTier
+from trainer_client.runtime.memory._memory_tier import MemoryTier
 checkpointer = Checkpointer(root + "/job")
 checkpointer.save_with_metadata(5, state_of(5), meta_of(5, state_of(5)))
 checkpointer.wait()
@@ -52,8 +52,8 @@ _AFTER = _COMMON + """
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.core.protocol import ResumeRequest
-from trainer_client.runtime._checkpointing import target_shardings
-from trainer_client.runtime._multihost import ResumeAgreement
+from trainer_client.runtime.saving._checkpointing import target_shardings
+from trainer_client.runtime.multihost._multihost import ResumeAgreement
 client = CkptdClient(ClientSettings(url=sys.argv[6], resume_deadline_s=5, timeout_s=2,
                                     report_events=False), root=root)
 agreement = ResumeAgreement("job", shm, client, process_index=index, process_count=2)
@@ -172,9 +172,9 @@ def test_the_decision_takes_the_newest_step_every_process_offered() -> None:
 _RUNNER = PREAMBLE + """
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
-from trainer_client.runtime._elastic import ElasticConfig, ElasticRunner
-from trainer_client.runtime._elastic_config import CompilationOptions, ElasticOptions, MemoryTierOptions
-from trainer_client.runtime._slices import SimulatedSlices
+from trainer_client.runtime.elastic._elastic import ElasticConfig, ElasticRunner
+from trainer_client.runtime.elastic._elastic_config import CompilationOptions, ElasticOptions, MemoryTierOptions
+from trainer_client.runtime.slices._slices import SimulatedSlices
 stop = int(sys.argv[7])
 cfg = ElasticConfig(job="job", mesh_axes=("replica", "data"), mesh_shape=(1, 8), global_batch=8, checkpoint_period=0,
                     elastic=ElasticOptions(policy="pause"), compilation=CompilationOptions(precompile=False),

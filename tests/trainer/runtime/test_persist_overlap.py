@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from trainer_client.core._written_crc import ClosedFileSums
 from trainer_client.core.format._checksum import file_crc32c
 from trainer_client.core.format._files import CKPTD_MANIFEST, TMP_DIR_SUFFIX
-from trainer_client.runtime._checkpointing import Checkpointer, training_metadata
+from trainer_client.runtime.saving._checkpointing import Checkpointer, training_metadata
 
 
 def _state() -> dict[str, jax.Array]:

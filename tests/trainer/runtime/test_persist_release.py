@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 import ckptd.catalog._persist_worker as worker
 from trainer_client.core.format._files import SNAPSHOT_DATA_FILE
-from trainer_client.runtime._checkpointing import training_metadata
-from trainer_client.runtime._memory_tier import MemoryTier
+from trainer_client.runtime.memory._memory_tier import MemoryTier
+from trainer_client.runtime.saving._checkpointing import training_metadata
 
 
 def _snapshot(tmp_path: Path, step: int) -> Path:

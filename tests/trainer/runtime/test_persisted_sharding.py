@@ -21,8 +21,8 @@ from jax.sharding import PartitionSpec as P
 from examples.elastic_mlp import init_state, partition_specs
 from tests.support.helpers import clean_env
 from trainer_client.core.format._files import DEFAULT_ITEM, SHARDING_FILE
-from trainer_client.runtime._checkpointing import leaf_name, spec_to_json, training_metadata
-from trainer_client.runtime._memory_tier import MemoryTier
+from trainer_client.runtime.memory._memory_tier import MemoryTier
+from trainer_client.runtime.saving._checkpointing import leaf_name, spec_to_json, training_metadata
 
 pytestmark = pytest.mark.needs_devices(8)
 

@@ -19,9 +19,9 @@ import examples.elastic_mlp as mlp
 from tests.support.elastic_runs import elastic_runner, run_to_end
 from trainer_client.core._batching import initial_batch
 from trainer_client.core.protocol import BatchOptions, BatchPlan, MeshSpec
-from trainer_client.runtime._elastic import ElasticContext, Event
-from trainer_client.runtime._precompile import Precompiled, Precompiler, build_mesh, mesh_key
-from trainer_client.runtime._slices import SliceFault
+from trainer_client.runtime.compilation._precompile import Precompiled, Precompiler, build_mesh, mesh_key
+from trainer_client.runtime.elastic._elastic import ElasticContext, Event
+from trainer_client.runtime.slices._slices import SliceFault
 
 FULL = MeshSpec(axis_names=["replica", "data"], shape=[4, 2])
 SMALL = MeshSpec(axis_names=["replica", "data"], shape=[3, 2])

@@ -18,8 +18,8 @@ import pytest
 
 from examples.elastic_mlp import TrainLog, make_train_fn
 from tests.support.elastic_runs import elastic_runner, run_to_end
-from trainer_client.runtime._elastic import ElasticContext, Event
-from trainer_client.runtime._slices import SliceFault
+from trainer_client.runtime.elastic._elastic import ElasticContext, Event
+from trainer_client.runtime.slices._slices import SliceFault
 
 FAIL_AT = 12
 # no ckptd: the plan comes from the client's scan of storage (a ckptd served from this process would freeze

@@ -22,9 +22,9 @@ from tests.support.elastic_runs import elastic_runner, in_jax_faults, run_to_end
 from tests.support.helpers import wait_until
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
-from trainer_client.runtime._elastic import ElasticConfig, ElasticContext, ElasticRunner, Event
-from trainer_client.runtime._jax_faults import InJaxFaults
-from trainer_client.runtime._slices import SimulatedSlices
+from trainer_client.runtime.elastic._elastic import ElasticConfig, ElasticContext, ElasticRunner, Event
+from trainer_client.runtime.slices._jax_faults import InJaxFaults
+from trainer_client.runtime.slices._slices import SimulatedSlices
 
 
 @pytest.fixture
@@ -149,7 +149,7 @@ def test_the_monitors_health_check_and_the_deletion_of_arrays_never_overlap(monk
 
     from pathwaysutils.elastic import elastic as pw_elastic
 
-    from trainer_client.runtime._slice_manager import SliceManager
+    from trainer_client.runtime.slices._slice_manager import SliceManager
 
     devices = jax.devices()
     manager = SliceManager({0: devices[:4], 1: devices[4:8]}, monitor_interval_s=0.05)

@@ -13,7 +13,7 @@ import pytest
 
 from examples.elastic_mlp import TrainLog, make_train_fn
 from tests.support.elastic_runs import elastic_runner, run_to_end
-from trainer_client.runtime._slices import SliceFault
+from trainer_client.runtime.slices._slices import SliceFault
 
 pytestmark = pytest.mark.needs_devices(8)
 

@@ -1,5 +1,5 @@
 """The replica tier's pacing: the period and memory kind chosen from measured step and copy times
-(trainer_client/runtime/_replica_pacing.py), and the runner's use of it on a real (CPU) tier."""
+(trainer_client/runtime/replicas/_replica_pacing.py), and the runner's use of it on a real (CPU) tier."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 import jax
 import pytest
 
-from trainer_client.runtime._elastic_config import ReplicaOptions
-from trainer_client.runtime._replica_pacing import (
+from trainer_client.runtime.elastic._elastic_config import ReplicaOptions
+from trainer_client.runtime.replicas._replica_pacing import (
     WARMUP_STEPS,
     KindCosts,
     PaceMeter,
@@ -20,7 +20,7 @@ from trainer_client.runtime._replica_pacing import (
     smallest_period,
     worth_changing,
 )
-from trainer_client.runtime._replica_snapshots import RunnerReplicas
+from trainer_client.runtime.replicas._replica_snapshots import RunnerReplicas
 
 # measured on a TPU v5e chip (docs/benchmarks.md, "Device profile"): a 5.22 GB state, 0.275 s a step, a snapshot's
 # whole cost to the loop ~0.25 s, its copy to pinned host memory 6.3 s, to unpinned host memory 2.1 s

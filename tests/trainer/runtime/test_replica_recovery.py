@@ -34,12 +34,12 @@ from tests.support.elastic_runs import (
 )
 from trainer_client.errors import MemoryTierFull
 from trainer_client.runtime import _replica_leaves
-from trainer_client.runtime._elastic import ElasticContext, Event
-from trainer_client.runtime._elastic_config import ReplicaOptions
-from trainer_client.runtime._jax_faults import InJaxFaults
-from trainer_client.runtime._memory_spare import snapshot_bytes
-from trainer_client.runtime._replica_tier import required_bytes
-from trainer_client.runtime._slices import SliceFault
+from trainer_client.runtime.elastic._elastic import ElasticContext, Event
+from trainer_client.runtime.elastic._elastic_config import ReplicaOptions
+from trainer_client.runtime.memory._memory_spare import snapshot_bytes
+from trainer_client.runtime.replicas._replica_tier import required_bytes
+from trainer_client.runtime.slices._jax_faults import InJaxFaults
+from trainer_client.runtime.slices._slices import SliceFault
 
 pytestmark = pytest.mark.needs_devices(8)
 

@@ -21,11 +21,11 @@ from jax.sharding import PartitionSpec as P
 
 from trainer_client.errors import CkptdError, MemoryTierFull, NoWholeReplica
 from trainer_client.runtime import _replica_tier
-from trainer_client.runtime._jax_faults import InJaxFaults
-from trainer_client.runtime._replica_held import Snapshot, let_go
-from trainer_client.runtime._replica_leaves import device_bytes, staging_room
-from trainer_client.runtime._replica_tier import ReplicaTier, required_bytes
-from trainer_client.runtime._slices import SimulatedSlices
+from trainer_client.runtime.replicas._replica_held import Snapshot, let_go
+from trainer_client.runtime.replicas._replica_leaves import device_bytes, staging_room
+from trainer_client.runtime.replicas._replica_tier import ReplicaTier, required_bytes
+from trainer_client.runtime.slices._jax_faults import InJaxFaults
+from trainer_client.runtime.slices._slices import SimulatedSlices
 
 AXES = ("replica", "model")
 

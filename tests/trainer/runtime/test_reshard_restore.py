@@ -16,7 +16,7 @@ from trainer_client.core._resume_decision import resume_plan
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._steps import latest_committed
 from trainer_client.core.protocol import ResumeRequest
-from trainer_client.runtime._checkpointing import Checkpointer, restore, spec_from_json
+from trainer_client.runtime.saving._checkpointing import Checkpointer, restore, spec_from_json
 
 pytestmark = pytest.mark.needs_devices(8)
 

@@ -24,8 +24,8 @@ from bench.io import make_state
 from bench.restore_rss import digest, measure, peak_reset_problem
 from tests.support.helpers import clean_env
 from trainer_client.config import reset_client_settings
-from trainer_client.runtime._checkpointing import Checkpointer
-from trainer_client.runtime._restore_budget import batches, host_budget
+from trainer_client.runtime.restore._restore_budget import batches, host_budget
+from trainer_client.runtime.saving._checkpointing import Checkpointer
 
 LAYOUT = replace(PROFILES["toy"], arrays=8, rows=1536, cols=2816)  # 8 arrays of 16.5 MiB = 132 MiB
 CAP = 16 << 20
@@ -98,8 +98,8 @@ def test_batched_orbax_restore_keeps_values_and_every_array(tmp_path: Path, monk
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    import trainer_client.runtime._checkpointing as checkpointing
-    from trainer_client.runtime._checkpointing import restore
+    import trainer_client.runtime.saving._checkpointing as checkpointing
+    from trainer_client.runtime.saving._checkpointing import restore
 
     calls: list[int] = []
     batched = checkpointing.orbax_restore_batched

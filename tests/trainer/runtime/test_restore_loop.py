@@ -1,4 +1,4 @@
-"""The one restore loop (``trainer_client/runtime/_restore_loop.py``): a plan's step is restored; when its tier
+"""The one restore loop (``trainer_client/runtime/restore/_restore_loop.py``): a plan's step is restored; when its tier
 cannot give it, the next plan without that tier (and every faster one) is asked for and tried, each tier once.
 Replicas with no whole copy go on to memory or storage (or start afresh when no tier holds a step); a memory
 snapshot whose bytes no longer match, or that is gone by the time it is read, goes on to storage (when the
@@ -13,7 +13,7 @@ import pytest
 from trainer_client.core._errors import NoWholeReplica, StoredFormatError
 from trainer_client.core.protocol import MeshSpec, ResumePlan, Tier
 from trainer_client.runtime import _restore_loop
-from trainer_client.runtime._restore_loop import restore_by_plan, restore_from_plan
+from trainer_client.runtime.restore._restore_loop import restore_by_plan, restore_from_plan
 
 REPLICAS, MEMORY, STORAGE = Tier.REPLICAS, Tier.MEMORY, Tier.STORAGE
 

@@ -17,7 +17,7 @@ from examples.elastic_mlp import TrainLog, make_train_fn
 from tests.support.elastic_runs import elastic_runner, run_to_end
 from tests.support.helpers import wait_until
 from trainer_client.errors import ElasticRetriesExhausted
-from trainer_client.runtime._slices import SimulatedSlices, SliceFault
+from trainer_client.runtime.slices._slices import SimulatedSlices, SliceFault
 
 pytestmark = pytest.mark.needs_devices(8)
 

@@ -24,16 +24,16 @@ from trainer_client.core._errors import CkptdError
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._manifest import read_manifest
 from trainer_client.runtime import _elastic_context as elastic_context
-from trainer_client.runtime._elastic import ElasticConfig, ElasticContext, ElasticRunner
-from trainer_client.runtime._elastic_config import (
+from trainer_client.runtime.elastic._elastic import ElasticConfig, ElasticContext, ElasticRunner
+from trainer_client.runtime.elastic._elastic_config import (
     CompilationOptions,
     ElasticOptions,
     HealthOptions,
     MemoryTierOptions,
     SaveOptions,
 )
-from trainer_client.runtime._elastic_context import Preempted
-from trainer_client.runtime._slices import SimulatedSlices
+from trainer_client.runtime.elastic._elastic_context import Preempted
+from trainer_client.runtime.slices._slices import SimulatedSlices
 
 MESH: dict[str, Any] = {"job": "job", "mesh_axes": ("replica", "data"), "mesh_shape": (4, 2), "global_batch": 8}
 
@@ -93,7 +93,7 @@ def test_the_attempts_context_does_not_import_the_runner() -> None:
     its runner through ``AttemptRunner``."""
     tree = ast.parse(inspect.getsource(elastic_context))
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert "trainer_client.runtime._elastic" not in imported
+    assert "trainer_client.runtime.elastic._elastic" not in imported
     private = [node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr.startswith("_")
                and ast.unparse(node.value).endswith("runner")]
     assert private == [], f"the context reaches into the runner's private {private}"

@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from examples.elastic_mlp import init_state, partition_specs
-from trainer_client.runtime._checkpointing import Checkpointer, training_metadata
+from trainer_client.runtime.saving._checkpointing import Checkpointer, training_metadata
 
 pytestmark = pytest.mark.needs_devices(8)
 

@@ -22,13 +22,13 @@ from trainer_client.core._storage import Storage
 from trainer_client.core._validation import latest_good_on_storage
 from trainer_client.core.format._snapshot import read_meta
 from trainer_client.core.format._snapshot_dirs import complete_snapshots
-from trainer_client.runtime._save_route import SaveRoute
-from trainer_client.runtime._saver import Saver
+from trainer_client.runtime.saving._save_route import SaveRoute
+from trainer_client.runtime.saving._saver import Saver
 
 _HOST = PREAMBLE + """
-from trainer_client.runtime._saver import Saver
-from trainer_client.runtime._checkpointing import Checkpointer, training_metadata
-from trainer_client.runtime._memory_tier import MemoryTier
+from trainer_client.runtime.saving._saver import Saver
+from trainer_client.runtime.saving._checkpointing import Checkpointer, training_metadata
+from trainer_client.runtime.memory._memory_tier import MemoryTier
 state = {"w": jax.make_array_from_callback((16, 4), NamedSharding(mesh, P("data")),
                                            lambda i: np.arange(64, dtype=np.float32).reshape(16, 4)[i])}
 meta = lambda step: training_metadata(step, state, data_position=8 * step, global_batch=8, mesh=mesh, slices=[0])

@@ -24,9 +24,9 @@ from trainer_client.core import protocol as p
 from trainer_client.core._step_plan import plan_for_step
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._snapshot import SNAPSHOT_META_FILE, problems, read_meta
-from trainer_client.runtime._checkpointing import Checkpointer, restore, training_metadata
-from trainer_client.runtime._memory_restore import restore_snapshot
-from trainer_client.runtime._memory_tier import MemoryTier
+from trainer_client.runtime.memory._memory_restore import restore_snapshot
+from trainer_client.runtime.memory._memory_tier import MemoryTier
+from trainer_client.runtime.saving._checkpointing import Checkpointer, restore, training_metadata
 
 VALUES: dict[str, Any] = {"epoch": 3, "big": 2**40, "lr": 2.5e-4, "inf": -math.inf, "name": "run-é",
                           "done": True, "f32": np.float32(1.1), "i8": np.int8(-7), "flag": np.bool_(True)}

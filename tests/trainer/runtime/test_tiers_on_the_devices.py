@@ -18,11 +18,11 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trainer_client.runtime._checkpointing import Checkpointer, restore, training_metadata
-from trainer_client.runtime._elastic_config import ReplicaOptions
-from trainer_client.runtime._memory_restore import restore_snapshot
-from trainer_client.runtime._memory_tier import MemoryTier
-from trainer_client.runtime._replica_snapshots import RunnerReplicas
+from trainer_client.runtime.elastic._elastic_config import ReplicaOptions
+from trainer_client.runtime.memory._memory_restore import restore_snapshot
+from trainer_client.runtime.memory._memory_tier import MemoryTier
+from trainer_client.runtime.replicas._replica_snapshots import RunnerReplicas
+from trainer_client.runtime.saving._checkpointing import Checkpointer, restore, training_metadata
 
 MemoryKind = Literal["auto", "pinned_host", "unpinned_host"]
 

@@ -3,7 +3,7 @@
 
 When a writer saves a step whose number is held by a step that is not good — quarantined, found corrupt, or
 uncommitted (a save cut short) — it moves that step to ``<step>.ckptd-aside-<UTC time>[-<n>]`` beside the steps
-before writing, so the evidence is kept, never replaced (the runtime's ``trainer_client.runtime._step_aside``).
+before writing, so the evidence is kept, never replaced (the runtime's ``trainer_client.runtime.saving._step_aside``).
 Such a name is never a step to Orbax (its step names are ``[<prefix>_]<digits>``, its temporary ones carry
 ``.orbax-checkpoint-tmp``, which its cleanup deletes) nor to ckptd's commit rule (``_steps.parse_step_name``):
 neither serves, counts, retains nor cleans it. ``ckptd ls`` counts a job's moved-aside steps and ``ckptd show``

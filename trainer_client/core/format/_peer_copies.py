@@ -2,7 +2,7 @@
 back from a peer (docs/multihost.md, "Peer copies").
 
 Both sides read these names: ckptd's data channel (``ckptd/peers``) writes the copies and answers the requests,
-the trainer's resume agreement (``trainer_client/runtime/_multihost.py``) offers the copies its host holds and
+the trainer's resume agreement (``trainer_client/runtime/multihost/_multihost.py``) offers the copies its host holds and
 asks for its part when its memory was wiped. Everything lives under the job's directory of the host's shared
 memory, under the memory tier's rules (``_private_files``: owned by the one user, 0700/0600, no links):
 

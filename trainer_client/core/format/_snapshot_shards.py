@@ -1,6 +1,6 @@
 """Reading a snapshot's shards: regions of its arrays cut from the memory map of ``data.bin``.
 
-Shared by the trainer's restore from memory (``trainer_client/runtime/_memory_restore.py``), ckptd's persist
+Shared by the trainer's restore from memory (``trainer_client/runtime/memory/_memory_restore.py``), ckptd's persist
 worker (which hands the shards to Orbax) and the direct restore (``aligned_empty``, ``index_bounds``). The
 format itself is ``_snapshot.py``.
 """

@@ -1,0 +1,1 @@
+"""Compilation: JAX's persistent cache and the compile-ahead of the meshes a recovery would need next."""
