@@ -1,0 +1,155 @@
+"""What each checkpoint tier costs the run, as the run measures it: the autopilot's inputs besides the failures.
+
+Why it exists: the period model (``trainer_client.core.planning``) chooses from costs, and the runner already
+sees every one of them go by, in its step boundaries and its own events; this module keeps them, per tier, as
+medians of recent windows, jax-free and on an injected clock (the tests script them). The replica tier's costs
+are its pacer's (``RunnerReplicas.measured``: the loop time a snapshot costs all told, and its copy); the rest:
+
+* the step time: the median interval between consecutive step boundaries (none across a recovery);
+* a save's block: ``blocked_seconds`` of ``checkpoint_started``, by where the save went (``memory`` and
+  ``memory+persist`` are the shared-memory tier's snapshot, ``storage`` Orbax's device-to-host copy);
+* a save's copy (until it is usable): a snapshot is usable when its save returns; a persist by ckptd when ckptd
+  marks the snapshot persisted (``persisted_at``: its ``persisted.json``), timed from the save's wall time; an
+  Orbax save when the writer is no longer busy (``storage_busy``), looked at the step boundaries after it;
+* a recovery: detection (``failure_detected`` until ``slices_ready``), the restore (``slices_ready`` until
+  ``restored``, by the tier it names) and the first step after it (until ``first_step_done``, less a step).
+
+``version`` counts the measurements: a choice needs revising only after a new one (the hot path compares two
+integers).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from trainer_client.core.protocol import MEMORY_AND_PERSIST, Tier
+
+WINDOW = 16  # samples kept of each measure: recent enough to follow a change, enough for a stable median
+STEP_WINDOW = 64
+MIN_STEPS = 3  # step intervals before the step time is known (the first after a start compiles)
+_PENDING_PERSISTS = 8  # persists waited for at once (a snapshot evicted before it was seen persisted is forgotten)
+
+
+class Samples:
+    """A window of one measure; ``median`` is None while it is empty."""
+
+    def __init__(self, size: int = WINDOW) -> None:
+        self._values: deque[float] = deque(maxlen=size)
+
+    def add(self, value: float) -> None:
+        self._values.append(max(0.0, value))
+
+    def median(self) -> float | None:
+        return statistics.median(self._values) if self._values else None
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
+class CostMeter:
+    """The costs of the run's tiers, from its step boundaries (``boundary``) and its events (``observe``).
+
+    ``persisted_at(step)``: when ckptd marked the shared-memory snapshot of ``step`` persisted (wall time), None
+    while it is not; ``storage_busy()``: whether an Orbax save is still being written. ``clock``: monotonic
+    seconds; ``wall``: the wall clock the snapshots' persist marks are on."""
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+                 persisted_at: Callable[[int], float | None] | None = None,
+                 storage_busy: Callable[[], bool] | None = None) -> None:
+        self.clock, self.wall = clock, wall
+        self._persisted_at = persisted_at
+        self._storage_busy = storage_busy
+        self._steps: deque[float] = deque(maxlen=STEP_WINDOW)
+        self._last: float | None = None
+        self.block: dict[str, Samples] = {Tier.MEMORY: Samples(), Tier.STORAGE: Samples()}
+        self.copy: dict[str, Samples] = {Tier.STORAGE: Samples(), "persist": Samples()}
+        self.restore: dict[str, Samples] = {}
+        self.first_step: dict[str, Samples] = {}
+        self.detect = Samples()
+        self.version = 0
+        self._failed_at: float | None = None
+        self._ready_at: float | None = None
+        self._restored: tuple[str, float] | None = None  # the tier restored from and when
+        self._persists: dict[int, float] = {}  # step -> wall time of its save (a persist by ckptd waited for)
+        self._writing: float | None = None  # when the Orbax save being written started
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def boundary(self) -> None:
+        """A step boundary now: the step interval since the last one, and an Orbax save seen finished."""
+        now = self.clock()
+        if self._last is not None:
+            self._steps.append(now - self._last)
+        self._last = now
+        if self._writing is not None and self._storage_busy is not None and not self._storage_busy():
+            self._measured(self.copy[Tier.STORAGE], now - self._writing)
+            self._writing = None
+
+    def step_s(self) -> float | None:
+        return statistics.median(self._steps) if len(self._steps) >= MIN_STEPS else None
+
+    def poll_persists(self) -> None:
+        """Look for the persists waited for (a file read each): called when a choice is about to be made, not at
+        every boundary."""
+        if self._persisted_at is None:
+            return
+        for step, saved in list(self._persists.items()):
+            done = self._persisted_at(step)
+            if done is not None:
+                del self._persists[step]
+                self._measured(self.copy["persist"], done - saved)
+
+    # ---- the runner's events ---------------------------------------------------------------------
+
+    def observe(self, kind: str, step: int | None, fields: Mapping[str, Any]) -> None:
+        now = self.clock()
+        if kind == "failure_detected" or kind == "scale_up_detected":
+            self._failed_at = now if kind == "failure_detected" else None
+            self._writing = None  # an Orbax save in flight is reset with the attempt
+        elif kind == "slices_ready":
+            if self._failed_at is not None:
+                self._measured(self.detect, now - self._failed_at)
+                self._failed_at = None
+            # a new attempt: the interval across the recovery is no step's; the window goes on (a few slow steps
+            # after a restore move its median little, where a window started afresh would stand on them alone)
+            self._ready_at, self._last = now, None
+        elif kind == "restored" and fields.get("tier"):
+            tier = str(fields["tier"])
+            if self._ready_at is not None:
+                self._measured(self.restore.setdefault(tier, Samples()), now - self._ready_at)
+            self._ready_at, self._restored = None, (tier, now)
+        elif kind == "first_step_done" and self._restored is not None:
+            tier, at = self._restored
+            self._restored = None
+            self._measured(self.first_step.setdefault(tier, Samples()), now - at - (self.step_s() or 0.0))
+        elif kind == "checkpoint_started":
+            self._saved(step, fields.get("tier"), fields.get("blocked_seconds"), now)
+
+    def _saved(self, step: int | None, tier: object, blocked: object, now: float) -> None:
+        if not isinstance(blocked, (int, float)) or tier not in (Tier.MEMORY, MEMORY_AND_PERSIST, Tier.STORAGE):
+            return  # skipped, or a save whose stall was not timed
+        self._measured(self.block[Tier.STORAGE if tier == Tier.STORAGE else Tier.MEMORY], float(blocked))
+        if tier == Tier.STORAGE:
+            self._writing = now - float(blocked)
+        elif tier == MEMORY_AND_PERSIST and step is not None:
+            self._persists[step] = self.wall() - float(blocked)
+            while len(self._persists) > _PENDING_PERSISTS:
+                del self._persists[min(self._persists)]
+
+    def _measured(self, samples: Samples, value: float) -> None:
+        samples.add(value)
+        self.version += 1
+
+    # ---- what is known ---------------------------------------------------------------------------
+
+    def recovery(self, tier: str) -> tuple[float, float]:
+        """A recovery from ``tier``: its restore and its first step (0 for what was not measured yet)."""
+        restore, first = self.restore.get(tier), self.first_step.get(tier)
+        return ((restore.median() or 0.0) if restore else 0.0, (first.median() or 0.0) if first else 0.0)
+
+
+__all__ = ["CostMeter", "Samples"]
