@@ -2,7 +2,7 @@
 
 Before the drop-in manager saves a step whose number is held by a step that is not good — quarantined, found
 corrupt, or a save cut short — it moves that step to ``<step>.ckptd-aside-<UTC time>`` (``trainer_client/runtime/
-_step_aside.py``): the evidence of what went wrong, kept. No retention rule deletes one, and ckptd never deletes
+saving/_step_aside.py``): the evidence of what went wrong, kept. No retention rule deletes one, and ckptd never deletes
 one on its own. ``gc`` lists each (what it was, when it was moved: the time in its name) and deletes one only
 when told to with ``--delete-aside-older-than DURATION`` and it was moved longer ago than that; never in a
 read-only job. Its records on the side prefix (a read-only ckptd's, moved with it) go with it.

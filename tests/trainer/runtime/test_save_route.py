@@ -1,5 +1,5 @@
 """A persistent save's route agreed by every process of a multi-process job (``trainer_client/runtime/
-save_route.py``): two real JAX processes, host 1's memory tier full (its one snapshot marked persist, no ckptd
+saving/_save_route.py``): two real JAX processes, host 1's memory tier full (its one snapshot marked persist, no ckptd
 to persist it), host 0's with room. Host 0 takes its snapshot, host 1 cannot; both then save the step through
 Orbax — one multi-process Orbax save, committed — instead of host 1 waiting alone in Orbax's barrier. A host
 whose snapshot fails otherwise still answers the route (threads over ``tests/support/kv_store.py``), and the
