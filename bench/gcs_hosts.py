@@ -308,6 +308,60 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+# ---- the family of bench.run -------------------------------------------------------------------------------
+
+# by profile: the host counts, persist worker children, the fraction of GCS's starting rates (docs/gcs.md, "Many
+# hosts on one bucket": this machine drives ~500 requests/s in all, so GCS's own rates would measure the machine)
+FAMILY_RUNS: dict[str, tuple[tuple[int, ...], int, float]] = {
+    "full": ((64, 256, 1024), 8, 0.05), "quick": ((64, 256), 8, 0.05), "toy": ((4,), 2, 0.05)}
+COMMIT_BOUND = 1.2  # the commit within this much of the time the bucket's rates allow for the requests
+
+
+def run_gcs_hosts(profile: Any, results: Any) -> None:
+    """The ``gcs_hosts`` family of ``bench.run``: a step of N simulated hosts persisted to the shaped bucket at each
+    of the profile's host counts. Keys, at the largest count: ``gcs_commit_over_rate_bound`` (the commit's time over
+    what the rates allow for the admitted requests, writes and reads overlapping; the phased bound's beside it)
+    and ``gcs_lost_or_failed_parts`` and ``gcs_objects_written_twice`` (both 0). Measurements per count: the
+    commit, the bound, requests per host, refusals absorbed."""
+    from bench.common import Figure
+
+    counts, workers, scale = FAMILY_RUNS.get(profile.name, FAMILY_RUNS["toy"])
+    timeout_s = 900.0
+    runs = run(list(counts), workers=workers, concurrency=0, rate_scale=scale, rows=4, cols=256, poll_s=0.5,
+               retry_s=PART_RETRY_S, timeout_s=timeout_s)
+    for r in runs:
+        n = r["hosts"]
+        if r["commit_s"] is not None:
+            results.measure(f"gcs_hosts.{n}.commit_s", [r["commit_s"]], "s",
+                            f"{n} hosts' step committed, from the start of every host's persist")
+        results.measure(f"gcs_hosts.{n}.bound_s", [r["bound_s"]], "s",
+                        "the admitted requests at the bucket's rates, writes and reads overlapping")
+        results.measure(f"gcs_hosts.{n}.requests_per_host", [r["requests_per_host"]], "requests",
+                        "admitted requests a host makes for its part of a step (writes + reads)")
+        results.measure(f"gcs_hosts.{n}.refusals_absorbed", [float(r["refusals"])], "requests",
+                        "429/503 answers the hosts and the leader backed off from and tried again")
+    last = runs[-1]
+    where = (f"{last['hosts']} simulated hosts, one step, the GCS emulator behind tests/support/gcs_shaper.py at "
+             f"{scale:g}x GCS's starting rates ({last['write_per_s']:g} writes/s, {last['read_per_s']:g} reads/s), "
+             f"{workers} persist worker children (bench/gcs_hosts.py)")
+    details = {f"{r['hosts']}_hosts": {k: r[k] for k in ("commit_s", "parts_s", "bound_s", "phased_bound_s",
+                                                            "commit_over_bound", "commit_over_phased_bound",
+                                                            "requests_per_host", "writes_per_host", "reads_per_host",
+                                                            "leader_requests", "refusals")} for r in runs}
+    ratio = last["commit_over_bound"]
+    if ratio is None:  # never committed: it took at least the timeout
+        ratio = timeout_s / last["bound_s"] if last["bound_s"] > 0 else timeout_s
+    results.figure(Figure("gcs_commit_over_rate_bound", [ratio], "<=",
+                          COMMIT_BOUND, "ratio", f"the commit's time / the bucket's rate bound: {where}", details))
+    lost = len(last["lost_parts"]) + len(last["failed_parts"]) + (0 if last["committed"] else last["hosts"])
+    results.figure(Figure("gcs_lost_or_failed_parts", [float(lost)], "<=", 0, "parts",
+                          f"parts lost from the committed step or never written, all of them if never committed: "
+                          f"{where}", {"failed_tries": last["failed_tries"], "failures": last["failures"][:5]}))
+    results.figure(Figure("gcs_objects_written_twice", [float(last["written_twice"])], "<=", 0, "objects",
+                          f"objects written twice within a second (GCS allows one write a second a name): {where}",
+                          {"twice": last["twice"], "most_writes_of_one_name": last["most_writes_of_one_name"]}))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hosts", default="64", help="comma-separated host counts, one step each")
@@ -330,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["JOB", "STEP", "DoorWorker", "MarkedWorker", "WorkerPool", "lost_parts", "persist_step", "with_bound"]
+__all__ = ["JOB", "STEP", "DoorWorker", "MarkedWorker", "WorkerPool", "lost_parts", "persist_step", "run_gcs_hosts",
+           "with_bound"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

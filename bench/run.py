@@ -48,7 +48,7 @@ from bench import lifetime
 from bench.common import DEVICE_PROFILES, Profile, Results, free_gib, profile_from_env, rmtree, write_json
 from bench.report import write_report
 
-FAMILIES = ("io", "interference", "recovery", "replicas", "multihost", "peers", "first_sight",
+FAMILIES = ("io", "interference", "recovery", "replicas", "multihost", "peers", "first_sight", "gcs_hosts",
             "service")  # the longest (service) last
 DEVICE_FAMILIES = ("device", "device_recovery")  # the device profile's (bench/device_profile.py)
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,6 +142,10 @@ def run(profile: Profile, families: tuple[str, ...], out: Path, docs: Path | Non
                     from bench.multihost import run_multihost
 
                     run_multihost(profile, results, base / "multihost", family_shm)
+                elif family == "gcs_hosts":
+                    from bench.gcs_hosts import run_gcs_hosts
+
+                    run_gcs_hosts(profile, results)
                 elif family == "peers":
                     from bench.peers import run_peers
 

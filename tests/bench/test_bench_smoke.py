@@ -29,6 +29,7 @@ IO_KEYS = {
 }
 SERVICE_KEYS = {"resume_p99_ms", "resume_burst64_makespan_ms", "catalog_rebuild_s_10k_steps", "load64_rps",
                 "load64_p99_ms", "first_sight_ms_per_step"}
+GCS_HOSTS_KEYS = {"gcs_commit_over_rate_bound", "gcs_lost_or_failed_parts", "gcs_objects_written_twice"}
 
 
 def test_bench_harness_writes_valid_results(tmp_path: Path) -> None:
@@ -41,7 +42,7 @@ def test_bench_harness_writes_valid_results(tmp_path: Path) -> None:
             "--profile",
             "toy",
             "--only",
-            "io,interference,first_sight,service",
+            "io,interference,first_sight,gcs_hosts,service",
             "--out",
             str(out),
             "--docs",
@@ -62,7 +63,11 @@ def test_bench_harness_writes_valid_results(tmp_path: Path) -> None:
     payload = json.loads(out.read_text())
     assert payload["schema"] == "ckptd-bench/1" and payload["profile"]["name"] == "toy"
     assert payload["errors"] == {}
-    assert set(payload["keys"]) >= IO_KEYS | SERVICE_KEYS  # and whatever keys newer families add
+    assert set(payload["keys"]) >= IO_KEYS | SERVICE_KEYS | GCS_HOSTS_KEYS  # and whatever newer families add
+    # a step of 4 simulated hosts through the shaped bucket: committed, every part there, nothing written twice
+    assert payload["keys"]["gcs_lost_or_failed_parts"]["value"] == 0
+    assert payload["keys"]["gcs_objects_written_twice"]["value"] == 0
+    assert payload["measurements"]["gcs_hosts.4.requests_per_host"]["median"] > 0
     for key, fig in payload["keys"].items():
         assert fig["n"] >= 1 and len(fig["samples"]) == fig["n"], key
         assert fig["min"] <= fig["median"] <= fig["max"], key
