@@ -22,7 +22,7 @@ from ckptd.catalog._commit_tracker import CommitTracker
 from ckptd.catalog._events import EventLimits, EventStore, record_retention
 from ckptd.catalog._lease import LeaseBoard
 from ckptd.catalog._refresher import Refresher
-from ckptd.catalog._retention import RetentionPolicy, prune
+from ckptd.catalog._retention import Decision, RetentionPolicy, prune
 from ckptd.catalog._settings import RetentionSettings, StorageSettings
 from ckptd.catalog._snapshots import SnapshotKeeper
 from ckptd.catalog._worker_client import PersistWorkerClient
@@ -81,6 +81,13 @@ def retention_policy(retention: RetentionSettings) -> RetentionPolicy:
                            keep_newer_than_s=retention.keep_newer_than_s, clean_abandoned=retention.clean_abandoned)
 
 
+def _prune_and_record(catalog: Catalog, policy: RetentionPolicy, events: EventStore) -> int:
+    """One retention pass, its deletions and its refused deletions recorded as the jobs' events."""
+    refused: list[Decision] = []
+    deleted = prune(catalog, policy, refused=refused)
+    return record_retention(events, deleted, refused)
+
+
 def build_sidecar(settings: Settings, catalog: Catalog | None = None) -> Sidecar:
     """The catalog over the storage root (unless given: it then takes the storage group's ``max_jobs``) and the
     workers that keep it current, built and not started."""
@@ -107,7 +114,7 @@ def build_sidecar(settings: Settings, catalog: Catalog | None = None) -> Sidecar
     )
     refresher = Refresher(
         cat, storage.refresh_interval_s,
-        maintenance=(lambda: record_retention(events, prune(cat, policy)))
+        maintenance=(lambda: _prune_and_record(cat, policy, events))
         if policy.prunes_good_steps or policy.clean_abandoned else None,
         maintenance_interval_s=settings.retention.gc_interval_s,
         on_refresh=keeper.scan if keeper is not None else None,

@@ -153,6 +153,10 @@ class Catalog:
         """Whether this ckptd writes ``job``'s records (any when no lease is on; else only while it leads)."""
         return self.lease is None or self.lease.leads(job)
 
+    def writes_confirmed(self, job: str) -> bool:
+        """``writes``, with the lease asked of storage too (``LeaseBoard.confirms``): before retention's deletions."""
+        return self.lease is None or self.lease.confirms(job)
+
     def lock_troubles(self) -> list[dict[str, str | float]]:
         """The jobs of this root whose lock a commit, cleanup or retention could not take: refused (not a plain
         file), or held by another process past the bound (``ckptd/catalog/_job_lock.py``): /readyz, /metrics."""

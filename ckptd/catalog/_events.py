@@ -370,25 +370,29 @@ class EventStore:
                 self._resident.pop(job, None)
 
 
-def record_retention(store: EventStore, deleted: Iterable[Decision]) -> int:
+def record_retention(store: EventStore, deleted: Iterable[Decision], refused: Iterable[Decision] = ()) -> int:
     """Record the steps retention deleted as ``retention_deleted`` events of their jobs (the steps are
-    gone from storage; the events keep them on the dashboard). Ids are derived from the step
-    directory, so several sidecars deleting the same step record it once. Returns the events stored."""
+    gone from storage; the events keep them on the dashboard), and the deletions it refused (on ``gs://``, a
+    step changed since it was decided: docs/gcs.md, "Fencing on gs://") as ``retention_refused``. Ids of
+    deletions are derived from the step directory, so several sidecars deleting the same step record it once;
+    a refusal's from the directory and its time (each refusal is one). Returns the events stored."""
     by_job: dict[str, list[ElasticEvent]] = {}
     now = time.time()
-    for d in deleted:
-        step_dir = d.path.rstrip("/")
-        job, dirname = posixpath.basename(posixpath.dirname(step_dir)), posixpath.basename(step_dir)
-        by_job.setdefault(job, []).append(ElasticEvent(
-            kind="retention_deleted", time=now, step=d.step, id=f"ckptd:retention_deleted:{dirname}",
-            detail=f"{d.state.value} step deleted by retention: {'; '.join(d.reasons)}"[:2000],
-        ))
+    for kind, decisions, verb in (("retention_deleted", deleted, "deleted"), ("retention_refused", refused, "kept")):
+        for d in decisions:
+            step_dir = d.path.rstrip("/")
+            job, dirname = posixpath.basename(posixpath.dirname(step_dir)), posixpath.basename(step_dir)
+            unique = dirname if kind == "retention_deleted" else f"{dirname}:{now:.6f}"
+            by_job.setdefault(job, []).append(ElasticEvent(
+                kind=kind, time=now, step=d.step, id=f"ckptd:{kind}:{unique}",
+                detail=f"{d.state.value} step {verb} by retention: {'; '.join(d.reasons)}"[:2000],
+            ))
     stored = 0
     for job, events in by_job.items():
         try:
             stored += len(store.append(job, events, source="ckptd", now=now)[0])
-        except (OSError, StorageError) as exc:  # the deletion happened; only its record is missing
-            _log.warning("could not record retention deletions of %s: %s", job, exc)
+        except (OSError, StorageError) as exc:  # the deletion happened (or was refused); only its record is missing
+            _log.warning("could not record retention's deletions of %s: %s", job, exc)
     return stored
 
 

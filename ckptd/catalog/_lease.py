@@ -112,6 +112,24 @@ class Lease:
         return (self.epoch is not None and self._renewed_at is not None
                 and self.clock() - self._renewed_at < self.ttl_s * FENCE)
 
+    def confirmed(self) -> bool:
+        """``leads``, and storage agrees now: no epoch newer than ours is listed (asked of storage, not of the last
+        tick). What a leader asks right before an act a newer leader must not see done twice, such as retention's
+        deletions on ``gs://`` (docs/gcs.md, "Fencing on gs://"): a follower that took over early (a shorter
+        ``ttl_s`` than ours, set by mistake) is seen here before our own fence would stop us."""
+        with self._lock:
+            ours = self.epoch if self._fresh() else None
+        if ours is None:
+            return False
+        self.storage.invalidate(self.directory)
+        epochs = self._listing().epochs
+        newest = epochs[-1] if epochs else None
+        if newest != ours:
+            _log.warning("lease %s: epoch %s is the newest on storage, not ours (%d): acting as leader refused",
+                         self.directory, newest, ours)
+            return False
+        return self.leads()
+
     def view(self) -> LeaseView:
         with self._lock:
             leading = self._fresh()
@@ -298,6 +316,12 @@ class LeaseBoard:
         with self._lock:
             found = self._leases.get(job)
         return found is not None and found.leads()
+
+    def confirms(self, job: str) -> bool:
+        """Whether this sidecar leads ``job`` and storage lists no newer epoch (``Lease.confirmed``)."""
+        with self._lock:
+            found = self._leases.get(job)
+        return found is not None and found.confirmed()
 
     def views(self) -> dict[str, LeaseView]:
         with self._lock:

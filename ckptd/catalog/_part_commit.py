@@ -30,7 +30,15 @@ from typing import Literal
 from ckptd.catalog._job_lock import job_lock
 from ckptd.catalog._lease_records import default_holder
 from ckptd.catalog._worker_client import PersistWorker, PersistWorkerError
-from trainer_client.core import Storage, StorageError, step_identity, sync_paths
+from trainer_client.core import (
+    ListedGenerations,
+    Storage,
+    StorageError,
+    delete_as_listed,
+    listed_generations,
+    step_identity,
+    sync_paths,
+)
 from trainer_client.core.format import (
     CLAIMS_DIR,
     COMMIT_MARKER,
@@ -361,12 +369,35 @@ class PartSaves:
             where = step_path_for(self.storage, found.job, found.step, found.save_id)
             if self.storage.exists(posixpath.join(where, COMMIT_MARKER)):
                 return False
+            claim_file = self.storage.join(found.job, CLAIMS_DIR, f"{found.step}.json")
+            # gs://: the save's files and its claim as they are now, checked; only these are deleted below
+            listed = [(where, listed_generations(self.storage, where)),
+                      (claim_file, listed_generations(self.storage, claim_file))] if self.storage.is_remote else None
             if not self._decide(found.job, found.step, found.save_id, "retire"):
                 return False  # decided otherwise, or retired by another party that may still be deleting
+            if listed is not None:
+                return self._delete_listed(found, listed)
             if self.storage.exists(where):
                 self.storage.remove(where, recursive=True)
-            self.storage.remove(self.storage.join(found.job, CLAIMS_DIR, f"{found.step}.json"))
+            self.storage.remove(claim_file)
             self.storage.invalidate(self.storage.join(found.job))
+        _log.warning("deleted abandoned save %s of step %s of %s (parts missing: %s)", found.save_id, found.step,
+                     found.job, spans(found.missing))
+        return True
+
+    def _delete_listed(self, found: Abandoned, listed: list[tuple[str, ListedGenerations]]) -> bool:
+        """On ``gs://``: delete the abandoned save's in-place files, then its claim, each object only while it holds
+        the generation listed when the save was checked (docs/gcs.md, "Fencing on gs://"). A decider paused past
+        the save timeout after its decision is redone by the next leader, and the step number may have passed to a
+        new save, committed since: its objects are other objects (or other generations), so nothing of it goes."""
+        for prefix, objects in listed:
+            done = delete_as_listed(self.storage, prefix, objects)
+            if done.refused is not None:
+                _log.warning("step %s of %s: the cleanup of abandoned save %s refused: %s", found.step, found.job,
+                             found.save_id, done.refused)
+                self.storage.invalidate(self.storage.join(found.job))
+                return False
+        self.storage.invalidate(self.storage.join(found.job))
         _log.warning("deleted abandoned save %s of step %s of %s (parts missing: %s)", found.save_id, found.step,
                      found.job, spans(found.missing))
         return True

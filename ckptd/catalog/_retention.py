@@ -17,14 +17,21 @@ import logging
 import posixpath
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 from ckptd.catalog._job_lock import job_lock
 from ckptd.catalog._part_commit import JOB_BUDGET_S, PartSaves
 from ckptd.catalog._worker_client import InProcessWorker
-from trainer_client.core import Storage, join_path, storage_errors
-from trainer_client.core.format import CLAIMS_DIR, PARTS_DIR, spans, step_path_for
+from trainer_client.core import (
+    ListedGenerations,
+    Storage,
+    delete_as_listed,
+    join_path,
+    listed_generations,
+    storage_errors,
+)
+from trainer_client.core.format import CLAIMS_DIR, COMMIT_MARKER, PARTS_DIR, spans, step_path_for
 from trainer_client.core.protocol import CheckpointInfo, StepState
 
 if TYPE_CHECKING:
@@ -105,16 +112,21 @@ def decide(checkpoints: Iterable[CheckpointInfo], policy: RetentionPolicy, now: 
 
 
 def collect(storage: Storage, decisions: Iterable[Decision], *, dry_run: bool = False, job: str | None = None,
-            writes: Callable[[str], bool] | None = None) -> list[Decision]:
+            writes: Callable[[str], bool] | None = None, save_timeout_s: float | None = None,
+            refused: list[Decision] | None = None) -> list[Decision]:
     """Delete what ``decide`` said to delete (unless ``dry_run``); returns the deleted decisions. With ``job``
     and ``writes`` (a sidecar's retention): each deletion under the job's lock, and only while ``writes(job)``
     (this sidecar still leads) holds under it, so a leader paused past its decision deletes nothing once a newer
-    one leads, nor while that one commits (docs/multihost.md, section 5, "Fenced writers")."""
+    one leads, nor while that one commits (docs/multihost.md, section 5, "Fenced writers").
+
+    On ``gs://`` a step is deleted only as it was listed before those checks (``_delete_fenced``: docs/gcs.md,
+    "Fencing on gs://"); one found changed is kept, logged and appended to ``refused`` (its reason last)."""
     deleted = []
     for d in decisions:
         if d.action != "delete":
             continue
         if not dry_run:
+            listed = listed_generations(storage, d.path) if storage.is_remote else None
             with contextlib.ExitStack() as held:
                 if job is not None and writes is not None and not (held.enter_context(job_lock(storage, job))
                                                                     and writes(job)):
@@ -125,13 +137,43 @@ def collect(storage: Storage, decisions: Iterable[Decision], *, dry_run: bool = 
                     _log.info("retention of step %s: %s is a multi-host save's, written in place; its claim's cleanup "
                               "decides its fate", d.step, d.path)
                     continue
-                with storage_errors(f"cannot delete {d.path}"):
-                    storage.remove(d.path, recursive=True)
+                if listed is None:
+                    with storage_errors(f"cannot delete {d.path}"):
+                        storage.remove(d.path, recursive=True)
+                else:
+                    why = _delete_fenced(storage, d, listed, save_timeout_s)
+                    if why is not None:
+                        _log.warning("retention of step %s refused: %s; the step is kept", d.step, why)
+                        if refused is not None:
+                            refused.append(replace(d, reasons=[*d.reasons, why]))
+                        continue
             _log.info("retention deleted step %s (%s): %s", d.step, d.path, "; ".join(d.reasons))
         deleted.append(d)
     if deleted and not dry_run:
         storage.invalidate()
     return deleted
+
+
+def _delete_fenced(storage: Storage, d: Decision, listed: ListedGenerations, save_timeout_s: float | None
+                   ) -> str | None:
+    """Delete step ``d`` on ``gs://`` only if it is still what ``decide`` judged and what was ``listed`` (every
+    object with its generation) before the lock and lease checks: a good step still holds its commit marker,
+    which goes first; an uncommitted one still holds none, and no object younger than ``save_timeout_s`` (a save
+    started again in place since the catalog judged it abandoned). Then ``delete_as_listed``: listed again, each
+    object deleted with its generation as precondition. None when deleted; else why nothing (more) was."""
+    marker = join_path(str(storage.fs._strip_protocol(d.path)), COMMIT_MARKER)
+    if (marker in listed) != (d.state is StepState.VERIFIED):
+        return (f"{d.path} was {d.state.value} when decided and "
+                f"{'holds' if marker in listed else 'lacks'} {COMMIT_MARKER} now (saved again, or deleted, since)")
+    if d.state is not StepState.VERIFIED and save_timeout_s is not None:
+        now = time.time()
+        young = sorted(name for name, obj in listed.items()
+                       if obj.written_at is not None and now - obj.written_at < save_timeout_s)[:3]
+        if young:
+            return f"{d.path} has objects written less than {save_timeout_s:g}s ago ({', '.join(young)}): a save again"
+    done = delete_as_listed(storage, d.path, listed, first=marker)
+    return None if done.refused is None else done.refused + (f"; {done.deleted} object(s) deleted before"
+                                                              if done.deleted else "")
 
 
 def _saved_in_place(storage: Storage, d: Decision) -> bool:
@@ -196,8 +238,9 @@ def clean_abandoned_parts(storage: Storage, job: str, older_than_s: float, *, bu
     return out
 
 
-def prune(catalog: Catalog, policy: RetentionPolicy) -> list[Decision]:
-    """Apply ``policy`` to every job of a catalog (what the server runs every ``gc_interval_s``)."""
+def prune(catalog: Catalog, policy: RetentionPolicy, *, refused: list[Decision] | None = None) -> list[Decision]:
+    """Apply ``policy`` to every job of a catalog (what the server runs every ``gc_interval_s``); the deletions
+    refused on ``gs://`` (``collect``) are appended to ``refused``."""
     deleted: list[Decision] = []
     for job in catalog.jobs():
         if catalog.read_only_for(job.name) or not catalog.writes(job.name):
@@ -205,7 +248,8 @@ def prune(catalog: Catalog, policy: RetentionPolicy) -> list[Decision]:
         catalog.refresh_job(job.name)
         decisions = checked_decisions(catalog, job.name, policy)
         if catalog.writes(job.name):  # asked again: the checks take time, the lease may have passed on meanwhile
-            deleted += collect(catalog.storage, decisions, job=job.name, writes=catalog.writes)
+            deleted += collect(catalog.storage, decisions, job=job.name, writes=catalog.writes_confirmed,
+                               save_timeout_s=catalog.save_timeout_s, refused=refused)
             if policy.clean_abandoned:  # saves from host parts never completed (docs/multihost.md, section 5)
                 deleted += clean_abandoned_parts(catalog.storage, job.name, catalog.save_timeout_s,
                                                  writes=catalog.writes)

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from ckptd.catalog._integrity import quarantine, validate_and_quarantine
 from ckptd.catalog._lease import held_lease, lease_directory
-from ckptd.catalog._retention import RetentionPolicy, checked_decisions, collect
+from ckptd.catalog._retention import Decision, RetentionPolicy, checked_decisions, collect
 from ckptd.cli._gc_aside import OPTION, STATE, decide_aside, delete_aside
 from ckptd.cli._support import (
     EXIT_BAD,
@@ -154,7 +154,9 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     policy = RetentionPolicy(keep_last=args.keep_last, keep_every=args.keep_every,
                              keep_newer_than_s=args.keep_newer_than, clean_abandoned=not args.keep_abandoned)
     decisions = checked_decisions(cat, job, policy)
-    deleted = collect(cat.storage, decisions, dry_run=args.dry_run)
+    refused: list[Decision] = []  # gs://: steps changed since they were decided (docs/gcs.md, Fencing on gs://)
+    deleted = collect(cat.storage, decisions, dry_run=args.dry_run, save_timeout_s=cat.save_timeout_s, refused=refused)
+    refusals = {r.step: r.reasons[-1] for r in refused}
     asides = decide_aside(cat.storage, cat.storage.join(job), older_than_s=args.delete_aside_older_than,
                           read_only=cat.read_only_for(job))
     asides_deleted = delete_aside(cat.storage, asides, dry_run=args.dry_run)
@@ -168,8 +170,10 @@ def _cmd_gc(args: argparse.Namespace) -> int:
         done = {id(d) for d in deleted}
         for d in decisions:
             # a delete collect left alone (gs://: a multi-host save written in place, its claim's cleanup decides)
-            action = "keep" if d.action != "delete" else verb if id(d) in done else "left"
-            why = "; ".join(d.reasons) + ("" if action != "left" else "; a multi-host save's: its cleanup decides")
+            action = ("keep" if d.action != "delete" else verb if id(d) in done
+                      else "refused" if d.step in refusals else "left")
+            why = "; ".join(d.reasons) + {"left": "; a multi-host save's: its cleanup decides",
+                                          "refused": f"; {refusals.get(d.step)}"}.get(action, "")
             print(f"{d.step:>10} {d.state.value:<12} {action:<13} {why}")
         for a in asides:  # kept unless told otherwise: the evidence of a bad step or a save cut short
             action = verb if a.action == "delete" else "keep"

@@ -5,7 +5,9 @@ not depend on timing (``settled``): ckptd's manifest costs two (the step's listi
 file's CRC32C as stored, and the upload), paid for by Orbax's checks ckptd skips on an object store
 (docs/gcs.md, Requests): the job root's existence check and barrier, the step's check before the one
 Orbax's commit-file path makes anyway, and ckptd's own look for a ``<step>.orbax-checkpoint-tmp`` that
-Orbax never makes there. Each of those checks is three requests: any one coming back fails the test.
+Orbax never makes there. Each of those checks is three requests: any one coming back fails the test. One
+request is added back: ckptd's read of ``<step>/commit_success.txt`` before the save, which keeps Orbax from
+clearing a step another process committed since the manager listed the job (docs/gcs.md, "Fencing on gs://").
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from tests.support.gcs_emulator import GcsEmulator, emulator_env
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._files import CKPTD_MANIFEST
 
-MARGIN = 4  # settled(orbax) - settled(ckptd) with the checks skipped (6 skipped, 2 for the manifest)
+MARGIN = 3  # settled(orbax) - settled(ckptd): 6 skipped, 2 for the manifest, 1 for the committed-step check
 
 
 @pytest.fixture
@@ -52,6 +54,10 @@ def test_a_gcs_save_settles_in_fewer_requests_than_orbax(gcs_emulator: GcsEmulat
     committed = [i for i, r in enumerate(ckptd) if r.startswith("POST") and "JOB/1/commit_success.txt" in r]
     assert committed and manifested[0] < committed[-1]  # the manifest before the commit
     assert not any("orbax-checkpoint-tmp" in r for r in ckptd + orbax)
+    # the committed-step check: one read of the marker (absent), before the save's first write
+    checked = [i for i, r in enumerate(ckptd) if r.startswith("GET ") and "JOB%2F1%2Fcommit_success.txt" in r]
+    first_write = next(i for i, r in enumerate(ckptd) if r.startswith(("POST", "PUT", "DELETE")))
+    assert len(checked) == 1 and checked[0] < first_write
 
     # the job root: Orbax checks it twice (create, then its list of steps); ckptd once
     root = [r for r in ckptd if r.split("?")[0].endswith("/o/JOB") or "prefix=JOB/&" in r]

@@ -40,15 +40,17 @@ from trainer_client.checkpoint_io._iterator_state import ITER_ITEM, IteratorStat
 from trainer_client.checkpoint_io._state_tree import is_value, leaf_name
 from trainer_client.config import client_settings
 from trainer_client.core._durability import sync_tree
+from trainer_client.core._errors import StoredFormatError
 from trainer_client.core._storage import Storage, join_path
 from trainer_client.core._written_crc import ClosedFileSums
-from trainer_client.core.format._files import CKPTD_MANIFEST, DEFAULT_ITEM, TMP_DIR_SUFFIX
+from trainer_client.core.format._files import CKPTD_MANIFEST, COMMIT_MARKER, DEFAULT_ITEM, TMP_DIR_SUFFIX
 from trainer_client.core.format._manifest import build_manifest, write_manifest
 from trainer_client.core.format._snapshot import DataIteratorRecord
 from trainer_client.core.format._steps import CUSTOM_METADATA_KEY
 from trainer_client.core.protocol import ArraySpec, BatchPlan, MeshSpec, PartitionSpecJSON, TrainingMetadata
 
 _log = logging.getLogger(__name__)
+MAX_MARKER_BYTES = 64 * 1024  # Orbax's marker is a line naming the step; read whole in one request
 
 PyTree = Any
 
@@ -213,6 +215,8 @@ class Checkpointer:
         if not self._storage.is_remote and jax.process_index() == 0:  # the manifest's pass, beside the write
             self._sums = ClosedFileSums(self._storage.root, existing_dirs=False)  # the new step's dirs only
         try:
+            if self._committed_on_storage(step):
+                raise StepAlreadyExistsError(f"step {step} is committed on storage")
             self._manager.save(step, args=ocp.args.Composite(**items), custom_metadata=custom, force=True)
         except StepAlreadyExistsError:
             # A committed step of this number is already on storage (saved before an elastic event took the
@@ -229,6 +233,21 @@ class Checkpointer:
             self._drop_sums()  # a committed step that had its manifest already took none
         self.last_save_blocked_s = time.perf_counter() - started
         self.saved_steps.append(step)
+
+    def _committed_on_storage(self, step: int) -> bool:
+        """Whether ``<step>/commit_success.txt`` is on storage now (one read; on ``gs://`` one ranged GET). Orbax's
+        manager knows only the steps it listed when it was opened and saved since; for any other step its save
+        first removes whatever stands at the step's name (the commit-file path's create, or ``force``), so a step
+        another process committed meanwhile (a dead incarnation's late save, another persist of the same
+        snapshot) would be deleted and written again in place (docs/gcs.md, "Fencing on gs://")."""
+        marker = join_path(self._storage.join(str(step)), COMMIT_MARKER)
+        try:
+            self._storage.read_bytes(marker, max_bytes=MAX_MARKER_BYTES)
+        except FileNotFoundError:
+            return False
+        except (ValueError, StoredFormatError):  # something stands there, too large or not a file: not ours to clear
+            pass
+        return True
 
     def _commits_in_place(self) -> bool:
         """Orbax writes the step where it stays and commits it with ``commit_success.txt`` (its default on

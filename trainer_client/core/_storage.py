@@ -232,14 +232,27 @@ class Storage:
             raise UnsafePathError(why)
         return path
 
-    def remove(self, paths: str | list[str], *, recursive: bool = False) -> None:
-        """Delete ``paths`` (files; with ``recursive`` directories and all below them), each ``writable``."""
+    def remove(self, paths: str | list[str], *, recursive: bool = False, if_generation: int | None = None) -> bool:
+        """Delete ``paths`` (files; with ``recursive`` directories and all below them), each ``writable``. With
+        ``if_generation`` (one object on an object store): only while it holds that generation, a DELETE with
+        ``ifGenerationMatch`` (docs/gcs.md, "Fencing on gs://"); False when it was rewritten (412) or is gone."""
         listed = [paths] if isinstance(paths, str) else list(paths)
         for path in listed:
             self.writable(path)
+        if if_generation is not None:
+            if not self.is_remote or len(listed) != 1 or recursive:
+                raise ValueError("a generation precondition deletes one object of an object store")
+            bucket, key, _ = self.fs.split_path(listed[0])
+            with storage_errors(f"cannot delete {self.url_of(listed[0])}"):
+                try:
+                    self.fs.call("DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=str(if_generation))
+                except (FileExistsError, FileNotFoundError):  # gcsfs raises 412 as FileExistsError, 404 as the other
+                    return False
+            return True
         if listed:
             with storage_errors(f"cannot delete {self.url_of(listed[0])}" + (" ..." if len(listed) > 1 else "")):
                 self.fs.rm(listed if len(listed) > 1 else listed[0], recursive=recursive)
+        return True
 
     def rename(self, source: str, target: str) -> None:
         """Move ``source`` to ``target`` on a local root (both ``writable``): ``os.rename``, which refuses to

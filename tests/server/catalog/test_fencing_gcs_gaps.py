@@ -130,7 +130,8 @@ def test_a_verified_step_a_stale_retention_deletes_is_one_the_newer_leader_delet
     assert [d.step for d in stale] == [3]
     lay_save(storage, DEAD, (0,))
     old = Storage(storage.url)
-    done = _interpose(monkeypatch, PartSaves(old, Recorder()), "remove", lambda: _late_part_committed(storage))
+    # paused right before its first deletion (every deletion checks its path first: ``Storage.writable``)
+    done = _interpose(monkeypatch, PartSaves(old, Recorder()), "writable", lambda: _late_part_committed(storage))
     assert [d.step for d in collect(old, stale, job=JOB, writes=lambda _job: True)] == [3]
     assert done == [True] and committed_whole(storage, DEAD)
     newer = [*infos, CheckpointInfo(step=STEP, state=StepState.VERIFIED, path=storage.url_of(storage.join(JOB, "7")),
@@ -217,7 +218,8 @@ def test_a_commit_another_leader_decided_is_not_redone_before_the_save_timeout(
     lay_save(storage, DEAD, (0, 1))
     old = PartSaves(Storage(storage.url), _merging_worker(), sidecar="old-leader")
     new = PartSaves(Storage(storage.url), _merging_worker(), sidecar="new-leader")
-    real, paused = _part_commit.write_manifest, []
+    real = _part_commit.write_manifest
+    paused: list[Any] = []
 
     def pausing(*args: Any, **kwargs: Any) -> None:
         if not paused:

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -135,10 +136,30 @@ def test_gc_reports_a_step_retention_left_alone_as_left_not_deleted(root: Path, 
     # "Fenced writers"): the table must not say such a step was deleted
     from ckptd.cli import _maintenance
 
-    monkeypatch.setattr(_maintenance, "collect", lambda storage, decisions, dry_run=False: [])
+    monkeypatch.setattr(_maintenance, "collect", lambda storage, decisions, dry_run=False, **_kw: [])
     assert main(["gc", f"{root}/llm", "--keep-last", "1"]) == 0
     captured = capsys.readouterr()
     [row] = [line.split() for line in captured.out.splitlines() if line.split()[:1] == ["10"]]
     assert row[2] == "left" and "deleted" not in captured.out
     assert captured.err.strip() == "0 step(s) deleted"
     assert (root / "llm" / "10").is_dir()
+
+
+def test_gc_reports_a_deletion_refused_on_gcs_with_its_reason(root: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    # on gs:// a step changed since it was listed is kept (docs/gcs.md, "Fencing on gs://"): the table says so, and why
+    from dataclasses import replace
+
+    from ckptd.cli import _maintenance
+
+    def refusing(storage: object, decisions: list[Any], dry_run: bool = False, *, refused: list[Any],
+                 **_kw: object) -> list[Any]:
+        refused += [replace(d, reasons=[*d.reasons, "saved again since"]) for d in decisions if d.action == "delete"]
+        return []
+
+    monkeypatch.setattr(_maintenance, "collect", refusing)
+    assert main(["gc", f"{root}/llm", "--keep-last", "1"]) == 0
+    captured = capsys.readouterr()
+    [row] = [line for line in captured.out.splitlines() if line.split()[:1] == ["10"]]
+    assert row.split()[2] == "refused" and row.endswith("; saved again since")
+    assert captured.err.strip() == "0 step(s) deleted"

@@ -10,13 +10,14 @@ from trainer_client.core.protocol._autopilot_event import AutopilotFields
 from trainer_client.core.protocol._base import _Model, _Request
 from trainer_client.core.protocol._wire import MAX_STEP
 
-# What trainer_client's ElasticRunner emits, and what ckptd records itself (``retention_deleted``).
+# What trainer_client's ElasticRunner emits, and what ckptd records itself (``retention_deleted``,
+# ``retention_refused``: a deletion refused on gs:// because the step changed since it was decided, docs/gcs.md).
 # Other kinds matching ``EVENT_KIND_PATTERN`` are stored and served; metrics count them as ``other``.
 EVENT_KINDS = (
     "start", "waiting_for_slices", "slices_ready", "plan_received", "initialized", "restored",
     "first_step_done", "checkpoint_started", "failure_detected", "scale_up_detected", "recovered",
-    "finished", "aborted", "retention_deleted", "replicas_unusable", "replicas_off", "replica_paced",
-    "autopilot_decided",
+    "finished", "aborted", "retention_deleted", "retention_refused", "replicas_unusable", "replicas_off",
+    "replica_paced", "autopilot_decided",
 )
 EVENT_KIND_PATTERN = r"^[a-z][a-z0-9_]{0,63}$"
 MAX_EVENTS_PER_BATCH = 1000
