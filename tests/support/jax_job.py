@@ -73,7 +73,8 @@ def run_job(script: str, base: Path, *extra: str, processes: int = 2, timeout_s:
 # background). argv: pause, then the trainer's own arguments.
 TRAINER = """
 import sys, time
-from trainer_client.runtime import _checkpointing as checkpointing, _memory_tier as memory_tier
+from trainer_client.runtime.saving import _checkpointing as checkpointing
+from trainer_client.runtime.memory import _memory_tier as memory_tier
 pause = float(sys.argv[1])
 write = memory_tier.MemoryTier._write
 save = checkpointing.Checkpointer.save_with_metadata

@@ -29,7 +29,7 @@ from trainer_client.core._identity import identity_notes
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._manifest import Manifest, read_manifest, write_manifest
 from trainer_client.errors import CkptdRequestError
-from trainer_client.runtime import _checkpointing as checkpointing
+from trainer_client.runtime.saving import _checkpointing as checkpointing
 
 RUN = "jobset-7f3a"
 

@@ -29,9 +29,9 @@ from trainer_client.core import protocol as p
 from trainer_client.core._step_plan import plan_for_step
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._snapshot import SNAPSHOT_META_FILE, problems
-from trainer_client.runtime import _restore_loop
 from trainer_client.runtime.elastic._elastic import ElasticContext
 from trainer_client.runtime.memory._memory_tier import MemoryTier
+from trainer_client.runtime.restore import _restore_loop
 from trainer_client.runtime.saving._checkpointing import Checkpointer, training_metadata
 from trainer_client.runtime.saving._data_iterator import planned_state, restore_iterator, state_record
 from trainer_client.runtime.slices._slices import SimulatedSlices, SliceFault

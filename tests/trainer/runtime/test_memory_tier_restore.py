@@ -22,9 +22,10 @@ from tests.trainer.runtime import test_direct_restore as direct_cases
 from trainer_client.core._errors import StoredFormatError
 from trainer_client.core.format._files import SNAPSHOT_DATA_FILE
 from trainer_client.core.format._snapshot import read_meta
-from trainer_client.runtime import _direct_restore, _memory_restore
+from trainer_client.runtime.memory import _memory_restore
 from trainer_client.runtime.memory._memory_restore import restore_snapshot
 from trainer_client.runtime.memory._memory_tier import MemoryTier
+from trainer_client.runtime.restore import _direct_restore
 from trainer_client.runtime.restore._direct_restore import restore_direct
 from trainer_client.runtime.restore._host_pipeline import stream_to_devices
 from trainer_client.runtime.saving._checkpointing import leaf_name, training_metadata

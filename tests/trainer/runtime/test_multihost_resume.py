@@ -22,7 +22,7 @@ from tests.support.kv_store import InProcessKeyValueStore
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.core.protocol import ResumePlan, ResumeRequest
 from trainer_client.errors import NoCheckpointError
-from trainer_client.runtime import _multihost as multihost
+from trainer_client.runtime.multihost import _multihost as multihost
 from trainer_client.runtime.multihost._multihost import Part, ResumeAgreement, decide
 
 _COMMON = PREAMBLE + """

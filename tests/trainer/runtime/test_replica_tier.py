@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trainer_client.errors import CkptdError, MemoryTierFull, NoWholeReplica
-from trainer_client.runtime import _replica_tier
+from trainer_client.runtime.replicas import _replica_tier
 from trainer_client.runtime.replicas._replica_held import Snapshot, let_go
 from trainer_client.runtime.replicas._replica_leaves import device_bytes, staging_room
 from trainer_client.runtime.replicas._replica_tier import ReplicaTier, required_bytes

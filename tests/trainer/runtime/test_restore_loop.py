@@ -12,7 +12,7 @@ import pytest
 
 from trainer_client.core._errors import NoWholeReplica, StoredFormatError
 from trainer_client.core.protocol import MeshSpec, ResumePlan, Tier
-from trainer_client.runtime import _restore_loop
+from trainer_client.runtime.restore import _restore_loop
 from trainer_client.runtime.restore._restore_loop import restore_by_plan, restore_from_plan
 
 REPLICAS, MEMORY, STORAGE = Tier.REPLICAS, Tier.MEMORY, Tier.STORAGE

@@ -23,7 +23,7 @@ from trainer_client.config import ClientSettings
 from trainer_client.core._errors import CkptdError
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._manifest import read_manifest
-from trainer_client.runtime import _elastic_context as elastic_context
+from trainer_client.runtime.elastic import _elastic_context as elastic_context
 from trainer_client.runtime.elastic._elastic import ElasticConfig, ElasticContext, ElasticRunner
 from trainer_client.runtime.elastic._elastic_config import (
     CompilationOptions,
