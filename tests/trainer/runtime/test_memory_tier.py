@@ -238,10 +238,10 @@ def test_a_new_attempts_prepare_never_waits_for_a_spare_still_being_made(
     started, release = threading.Event(), threading.Event()
     real = memory_tier.make_spare
 
-    def slow_spare(spare: Path, nbytes: int, *, touched: bool) -> None:
+    def slow_spare(spare: Path, nbytes: int, *, touched: bool, gate: threading.Event | None = None) -> None:
         started.set()
         release.wait(timeout=60)
-        real(spare, nbytes, touched=touched)
+        real(spare, nbytes, touched=touched, gate=gate)
 
     monkeypatch.setattr(memory_tier, "make_spare", slow_spare)
     mesh = Mesh(np.array(jax.devices()).reshape(-1, 1), ("replica", "data"))  # whatever devices the run has
@@ -261,6 +261,39 @@ def test_a_new_attempts_prepare_never_waits_for_a_spare_still_being_made(
     assert os.fstat(held).st_ino == (second / SNAPSHOT_DATA_FILE).stat().st_ino  # the save wrote into it
     os.close(held)
     assert problems(second) == []
+    tier.close()
+
+
+def test_a_held_spare_touches_no_page_until_released_and_a_save_releases_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a restore runs the spare's page-touching waits (``hold_spare``, before each chunk); ``release_spare``
+    (the first step done) lets it finish, and a save that needs the spare releases it rather than wait forever."""
+    import trainer_client.runtime.memory._memory_spare as memory_spare
+
+    monkeypatch.setattr(memory_spare, "_TOUCH_CHUNK", 64 << 10)  # many chunks: a pause between any two
+    chunks: list[int] = []
+    real_mmap = memory_spare.mmap.mmap
+
+    def counting_mmap(fd: int, length: int, **kwargs: Any) -> Any:
+        chunks.append(kwargs.get("offset", 0))
+        return real_mmap(fd, length, **kwargs)
+
+    monkeypatch.setattr(memory_spare.mmap, "mmap", counting_mmap)
+    mesh = Mesh(np.array(jax.devices()).reshape(-1, 1), ("replica", "data"))
+    state = {"w": jax.device_put(jnp.ones((256, 1024), jnp.float32), NamedSharding(mesh, P("data")))}
+    abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+    tier = MemoryTier(str(tmp_path), "job", max_snapshots=3)
+    tier.hold_spare()  # a restore is running
+    tier.prepare(abstract)  # the first save's spare: allocated, its touching held at the first chunk
+    time.sleep(0.5)
+    assert tier.making_spare() and chunks == []
+    tier.release_spare()  # the first step is done
+    tier.wait_spare()
+    assert not tier.making_spare() and len(chunks) == snapshot_bytes(abstract) // (64 << 10) + 1
+    first = tier.save(1, state, _meta(1, state, mesh), persist=False)  # starts the next spare, touched too
+    tier.hold_spare()
+    second = tier.save(2, state, _meta(2, state, mesh), persist=False)  # waits for it: released, not stuck
+    assert problems(first) == [] and problems(second) == []
     tier.close()
 
 

@@ -177,6 +177,9 @@ class ElasticContext:
         self._data_iterator = data_iterator
         abstract = jax.eval_shape(init_fn)
         specs = specs_fn(abstract)
+        memory = self.runner.saver.memory
+        if memory is not None and self.plan is not None:
+            memory.hold_spare()  # a spare's page-touching waits: the restore and the first step come first
         restored = self._restore(abstract, specs) if self.plan is not None else None
         if isinstance(restored, Restored):  # the tier goes on from the state it restored
             return self._from_replicas(restored)
@@ -329,6 +332,8 @@ class ElasticContext:
         if not self._first_step_done and step > self.start_step:
             jax.block_until_ready(state)
             self._first_step_done = True
+            if self.runner.saver.memory is not None:
+                self.runner.saver.memory.release_spare()
             self.runner.first_step_done(step)
         cfg = self.runner.config
         self.last_step = step

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +48,13 @@ def snapshot_bytes(state: Any) -> int:
     return sum(leaf_bytes(leaf) for leaf in jax.tree_util.tree_leaves(state) if not is_value(leaf))
 
 
-def touch(fd: int, nbytes: int) -> None:
+def touch(fd: int, nbytes: int, gate: threading.Event | None = None) -> None:
     """Fault in every page of the first ``nbytes`` of the file ``fd``: one byte written per page through a
-    shared mapping (the kernel zeroes the rest of the page), a chunk at a time."""
+    shared mapping (the kernel zeroes the rest of the page), a chunk at a time; before each chunk, wait for
+    ``gate`` (a restore running beside it has it closed)."""
     for start in range(0, nbytes, _TOUCH_CHUNK):
+        if gate is not None:
+            gate.wait()
         length = min(_TOUCH_CHUNK, nbytes - start)
         with mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE,
                        offset=start) as view:
@@ -59,10 +63,10 @@ def touch(fd: int, nbytes: int) -> None:
             del pages  # the mapping closes only once no view of it is left
 
 
-def make_spare(spare: Path, nbytes: int, *, touched: bool) -> None:
+def make_spare(spare: Path, nbytes: int, *, touched: bool, gate: threading.Event | None = None) -> None:
     """Allocate ``nbytes`` for the file ``spare`` (written as ``<spare>.part`` and renamed when ready, so a
-    save never takes half of one) and, with ``touched``, fault its pages in. ``OSError`` (e.g. ENOSPC) leaves
-    no file behind."""
+    save never takes half of one) and, with ``touched``, fault its pages in (each chunk once ``gate`` is open).
+    ``OSError`` (e.g. ENOSPC) leaves no file behind."""
     part = spare.with_name(spare.name + ".part")
     try:
         part.unlink(missing_ok=True)  # a leftover, or a link planted there: never written through
@@ -70,7 +74,7 @@ def make_spare(spare: Path, nbytes: int, *, touched: bool) -> None:
         try:
             os.posix_fallocate(fd, 0, nbytes)
             if touched:
-                touch(fd, nbytes)
+                touch(fd, nbytes, gate)
         finally:
             os.close(fd)
         os.replace(part, spare)

@@ -99,6 +99,8 @@ class MemoryTier:
         self._spare = self.dir / f"{SNAPSHOT_SPARE_PREFIX}{os.getpid()}"
         self._spare_thread: threading.Thread | None = None
         self._touch_left = 2  # the spares of the first two saves are touched, not only allocated
+        self._touch_gate = threading.Event()  # closed while a restore runs: the touching waits (``hold_spare``)
+        self._touch_gate.set()
         self._tree: tuple[Any, list[TreeEntry]] | None = None  # the last state's structure and its key paths
         ensure_private_dir(shm_dir)  # UnsafePathError: someone else could write (or owns) the directory
         ensure_private_dir(self.dir)
@@ -184,7 +186,7 @@ class MemoryTier:
         docs/benchmarks.md) goes on beside the restore and the first step, and the next save judges its size."""
         if not self.preallocate or self.making_spare():
             return
-        self.wait_spare()  # a finished thread: joined at once
+        self._join_spare()  # a finished thread: joined at once (a held gate stays held)
         nbytes = snapshot_bytes(state)
         if nbytes and self._spare_bytes() < nbytes:
             self._start_spare(nbytes, None)
@@ -214,12 +216,24 @@ class MemoryTier:
         except FileNotFoundError:  # never made, or dropped by ckptd as stale
             return 0
 
+    def hold_spare(self) -> None:
+        """Pause the touching of a spare file's pages (at the next chunk: 256 MiB at most), for a restore and the
+        first step after it, which come first; ``release_spare``, or any wait for the spare, lets it go on."""
+        self._touch_gate.clear()
+
+    def release_spare(self) -> None:
+        self._touch_gate.set()
+
     def making_spare(self) -> bool:
         """Whether the background allocation of the next snapshot's file is still running."""
         return self._spare_thread is not None and self._spare_thread.is_alive()
 
     def wait_spare(self) -> None:
         """Wait until the background allocation of the next snapshot's file (if any) is done."""
+        self._touch_gate.set()  # a held spare is waited for only once it may go on
+        self._join_spare()
+
+    def _join_spare(self) -> None:
         if self._spare_thread is not None:
             self._spare_thread.join()
             self._spare_thread = None
@@ -235,7 +249,7 @@ class MemoryTier:
             self._spare.unlink(missing_ok=True)  # one too small for this state (prepare)
             if nbytes + self.reserve_bytes > shutil.disk_usage(self.dir).free:
                 return
-            make_spare(self._spare, nbytes, touched=touched)
+            make_spare(self._spare, nbytes, touched=touched, gate=self._touch_gate)
             self.last_spare_s = time.perf_counter() - started
         except OSError as exc:
             _log.info("no spare snapshot file prepared in %s: %s", self.dir, exc)
