@@ -27,14 +27,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from ckptd.catalog._in_place import delete_listed, record_standing
 from ckptd.catalog._job_lock import job_lock
 from ckptd.catalog._lease_records import default_holder
 from ckptd.catalog._worker_client import PersistWorker, PersistWorkerError
 from trainer_client.core import (
-    ListedGenerations,
     Storage,
     StorageError,
-    delete_as_listed,
     listed_generations,
     step_identity,
     sync_paths,
@@ -168,8 +167,9 @@ class PartSaves:
         if claim.save_id != meta.save_id:
             return self.state(job, meta)
         where = step_path_for(self.storage, job, meta.step, meta.save_id)
-        if read_part(self.storage, where, meta.process_index) is not None:
-            return "written"  # an earlier try of this sidecar finished
+        standing = record_standing(self.storage, job, meta, where)
+        if standing is not None:
+            return standing  # an earlier try of this sidecar finished, or another save's record is there
         record = self.worker.write_part(snapshot, self.storage.url_of(self.storage.writable(where)))
         info = PartInfo.model_validate({**record, "sidecar": self.sidecar})
         if self.storage.is_remote:  # written in place: was the save taken over or cleaned meanwhile?
@@ -177,8 +177,14 @@ class PartSaves:
             if read_claim(self.storage, job, meta.step) != claim or read_fate(
                     self.storage, job, meta.step, meta.save_id) == "retire":
                 return "claimed by another save"  # too late: no record of it beside the new save's
-        self.storage.create_new(record_path(where, meta.process_index), record_bytes(info))
-        return "written"
+        path = record_path(where, meta.process_index)
+        if self.storage.create_new(path, record_bytes(info)):
+            return "written"
+        # a record landed first: ours from an earlier try, or a late one of the save taken over (cleared once)
+        standing = record_standing(self.storage, job, meta, where)
+        if standing is None and self.storage.create_new(path, record_bytes(info)):
+            return "written"
+        return standing or "part record of another save in place"
 
     def claims(self, job: str) -> list[int]:
         return claimed_steps(self.storage, job)
@@ -375,29 +381,16 @@ class PartSaves:
                       (claim_file, listed_generations(self.storage, claim_file))] if self.storage.is_remote else None
             if not self._decide(found.job, found.step, found.save_id, "retire"):
                 return False  # decided otherwise, or retired by another party that may still be deleting
-            if listed is not None:
-                return self._delete_listed(found, listed)
-            if self.storage.exists(where):
-                self.storage.remove(where, recursive=True)
-            self.storage.remove(claim_file)
+            refused = delete_listed(self.storage, listed) if listed is not None else None
+            if listed is None:
+                if self.storage.exists(where):
+                    self.storage.remove(where, recursive=True)
+                self.storage.remove(claim_file)
             self.storage.invalidate(self.storage.join(found.job))
-        _log.warning("deleted abandoned save %s of step %s of %s (parts missing: %s)", found.save_id, found.step,
-                     found.job, spans(found.missing))
-        return True
-
-    def _delete_listed(self, found: Abandoned, listed: list[tuple[str, ListedGenerations]]) -> bool:
-        """On ``gs://``: delete the abandoned save's in-place files, then its claim, each object only while it holds
-        the generation listed when the save was checked (docs/gcs.md, "Fencing on gs://"). A decider paused past
-        the save timeout after its decision is redone by the next leader, and the step number may have passed to a
-        new save, committed since: its objects are other objects (or other generations), so nothing of it goes."""
-        for prefix, objects in listed:
-            done = delete_as_listed(self.storage, prefix, objects)
-            if done.refused is not None:
+            if refused is not None:  # what it listed changed since (docs/gcs.md, "Fencing on gs://"): it stands down
                 _log.warning("step %s of %s: the cleanup of abandoned save %s refused: %s", found.step, found.job,
-                             found.save_id, done.refused)
-                self.storage.invalidate(self.storage.join(found.job))
+                             found.save_id, refused)
                 return False
-        self.storage.invalidate(self.storage.join(found.job))
         _log.warning("deleted abandoned save %s of step %s of %s (parts missing: %s)", found.save_id, found.step,
                      found.job, spans(found.missing))
         return True

@@ -8,6 +8,8 @@ the GCS emulator, the interleaving forced in one process:
 * an abandoned step a restarted save began writing again in place is kept;
 * a cleanup of an abandoned multi-host save whose decider paused past the save timeout (so the next leader redid
   it, and the step number passed to a new save, committed since) deletes nothing of the new save;
+* a dead incarnation's part record landing in place after the takeover (its sidecar checked the claim just before)
+  is cleared by the new save's host, as listed, so the new save is committed, not kept out for good;
 * every DELETE names the generation listed, the commit marker first: what real GCS enforces and the emulator does
   not (fake-gcs-server ignores ``ifGenerationMatch`` on a DELETE: measured here too), seen on the wire through a
   recording proxy.
@@ -17,6 +19,7 @@ memory only."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -27,19 +30,29 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import pytest
 
 from bench.gcs_requests import logging_proxy
-from ckptd.catalog import _part_commit
+from ckptd.catalog import _in_place
 from ckptd.catalog._catalog import Catalog
 from ckptd.catalog._events import EventStore, record_retention
 from ckptd.catalog._lease import Lease, LeaseBoard
 from ckptd.catalog._part_commit import PartSaves
 from ckptd.catalog._retention import Decision, RetentionPolicy, collect, decide
+from tests.server.catalog.test_fencing import _meta
+from tests.server.catalog.test_fencing_gcs_gaps import _writing
 from tests.server.catalog.test_forged_parts import Recorder
-from tests.support.fenced_saves import STEP, committed_whole, finalizing_worker, lay_save
+from tests.support.fenced_saves import (
+    STEP,
+    committed_whole,
+    data_file,
+    finalizing_worker,
+    land_part,
+    lay_save,
+    part_record,
+)
 from tests.support.gcs_emulator import GcsEmulator
 from trainer_client.core._generations import listed_generations
 from trainer_client.core._storage import Storage, join_path
 from trainer_client.core.format._files import COMMIT_MARKER
-from trainer_client.core.format._parts import read_claim
+from trainer_client.core.format._parts import read_claim, read_part, take_over_claim
 from trainer_client.core.format._steps import inspect_step
 from trainer_client.core.protocol import CheckpointInfo, StepState
 
@@ -203,7 +216,7 @@ def test_a_cleanup_redone_while_its_decider_was_paused_never_deletes_the_next_sa
         lay_save(storage, live, (0, 1), age_s=0.0)
         return new.commit_ready(JOB) == [STEP] and committed_whole(storage, live)
 
-    real = _part_commit.delete_as_listed
+    real = _in_place.delete_as_listed
     done: list[bool | None] = []
 
     def paused(*args: Any, **kwargs: Any) -> Any:
@@ -212,9 +225,46 @@ def test_a_cleanup_redone_while_its_decider_was_paused_never_deletes_the_next_sa
             done[0] = redone_and_saved_again()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(_part_commit, "delete_as_listed", paused)
+    monkeypatch.setattr(_in_place, "delete_as_listed", paused)
     cleaned = old.clean(found)
     assert committed_whole(storage, live), "the old leader deleted the step the new save committed"
     assert not cleaned and done == [True]
     claim = read_claim(storage, JOB, STEP)
     assert claim is not None and claim.save_id == live
+
+
+def test_a_dead_incarnations_record_landing_after_the_takeover_is_cleared_for_the_new_save(
+        storage: Storage, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host 1's sidecar of the dead incarnation wrote its part of DEAD in place and found the claim still DEAD's;
+    right then the restarted incarnation took the claim over (DEAD retired, its files deleted) and the late record
+    of DEAD landed in ``<job>/7/ckptd_parts/``. The new save's host 1 finds a record of a retired save where its
+    own goes: it deletes that one as listed and creates its own, and step 7 is committed from LIVE's parts."""
+    dead, live = f"aa-{STEP}", f"bb-{STEP}"
+    lay_save(storage, dead, (0,), age_s=20.0)
+    late = PartSaves(Storage(storage.url), _writing(json.loads(part_record(dead, 1))), sidecar="host1-dead")
+    real_create = late.storage.create_new
+    taken: list[bool] = []
+
+    def record_after_the_takeover(path: str, data: bytes) -> bool:
+        if path.endswith("ckptd_parts/process_1.json") and not taken:  # past its check, about to create
+            claim = read_claim(storage, JOB, STEP)
+            taken.append(claim is not None and take_over_claim(Storage(storage.url), JOB, STEP, claim, live, 2))
+        return real_create(path, data)
+
+    monkeypatch.setattr(late.storage, "create_new", record_after_the_takeover)
+    assert late.persist_part(JOB, "/shm/job/7", _meta(dead, time.time() - 30.0)) == "written"
+    step_dir = storage.join(JOB, str(STEP))
+    late_record = read_part(storage, step_dir, 1)
+    assert taken == [True] and late_record is not None and late_record.save_id == dead
+
+    def host1_data() -> None:  # what its worker writes before the record: the part's data file
+        assert storage.create_new(data_file(storage, live, 1), b"part 1 of LIVE")
+
+    host1 = PartSaves(Storage(storage.url), _writing(json.loads(part_record(live, 1)), host1_data),
+                      sidecar="host1-live")
+    assert host1.persist_part(JOB, "/shm/job/7", _meta(live, time.time())) == "written"
+    record = read_part(storage, step_dir, 1)
+    assert record is not None and record.save_id == live
+    land_part(storage, live, 0)
+    assert PartSaves(storage, finalizing_worker()).commit_ready(JOB) == [STEP]
+    assert committed_whole(storage, live)
