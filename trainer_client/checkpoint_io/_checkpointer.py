@@ -16,7 +16,7 @@ fsyncs the files in parallel (docs/benchmarks.md). It is Orbax's own option
 (``PyTreeSaveArgs.ocdbt_target_data_file_size``; ``trainer_client.checkpoint_io._handlers``); plain Orbax
 restores the result as always. On ``gs://`` Orbax's default (400 MiB files) stays.
 
-The trainer runtime saves through this class (restores are ``trainer_client.runtime._checkpointing``'s), and
+The trainer runtime saves through this class (restores are ``trainer_client.runtime.saving._checkpointing``'s), and
 so does ckptd's persist worker when it writes a memory snapshot to storage. After an elastic event the
 manager is replaced, never reused: Orbax's in-memory step cache can keep a failed async save (a known field
 failure).
