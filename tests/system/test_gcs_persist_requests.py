@@ -13,6 +13,7 @@ clearing a step another process committed since the manager listed the job (docs
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -32,11 +33,21 @@ def proxied(gcs_emulator: GcsEmulator, monkeypatch: pytest.MonkeyPatch) -> Itera
     with logging_proxy(gcs_emulator.url) as proxy:
         for key, value in emulator_env(proxy.url).items():
             monkeypatch.setenv(key, value)
-        gcsfs.GCSFileSystem.clear_instance_cache()  # a cached instance still talks to the emulator itself
+        forget_filesystems(gcsfs)  # a cached instance still talks to the emulator itself
         try:
             yield proxy
         finally:
-            gcsfs.GCSFileSystem.clear_instance_cache()
+            forget_filesystems(gcsfs)  # and none made here may go on talking to the proxy, gone after the test
+
+
+def forget_filesystems(gcsfs: Any) -> None:
+    """Drop every gcsfs instance a later call would reuse: fsspec's instance cache, and the one etils' ``epath``
+    (Orbax's paths) keeps for the whole process (``lru_cache``; made here, it would keep the proxy's URL and its
+    own listings for every later test in the process)."""
+    from etils.epath import backend
+
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    backend._FileSystemSpecBackend._get_filesystem.cache_clear()
 
 
 def test_a_gcs_save_settles_in_fewer_requests_than_orbax(gcs_emulator: GcsEmulator, proxied: object) -> None:
