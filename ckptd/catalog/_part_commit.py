@@ -78,6 +78,7 @@ _log = logging.getLogger(__name__)
 # The time one pass over a job's claims may take, commits aside (a commit started is finished): past it the
 # pass moves on to the next job (docs/operations.md, "What each limit defends").
 JOB_BUDGET_S = 5.0
+RECORD_READERS = 16  # part records read at once when a commit reads them all again under the job's lock
 Spent = Callable[[], bool]  # whether the time a caller allowed is spent (asked between records and steps)
 PartState = Literal["committed", "written", "todo", "claimed by another save"]
 CommitOutcome = Literal["committed", "not committed", "out of time"]
@@ -355,7 +356,8 @@ class PartSaves:
         return out
 
     def _held(self, job: str, step: int, save_id: str, count: int, spent: Spent | None = None) -> SaveParts:
-        return save_parts(self.storage, step_path_for(self.storage, job, step, save_id), save_id, count, spent=spent)
+        return save_parts(self.storage, step_path_for(self.storage, job, step, save_id), save_id, count, spent=spent,
+                          readers=RECORD_READERS)
 
     def clean(self, found: Abandoned) -> bool:
         """Delete an abandoned save: its staged (or in place, uncommitted) files, then its claim. Under the
