@@ -78,7 +78,7 @@ _log = logging.getLogger(__name__)
 # The time one pass over a job's claims may take, commits aside (a commit started is finished): past it the
 # pass moves on to the next job (docs/operations.md, "What each limit defends").
 JOB_BUDGET_S = 5.0
-RECORD_READERS = 16  # part records read at once when a commit reads them all again under the job's lock
+RECORD_READERS = 16  # part records read at once by a pass over a save's records and by the commit's re-read
 Spent = Callable[[], bool]  # whether the time a caller allowed is spent (asked between records and steps)
 PartState = Literal["committed", "written", "todo", "claimed by another save"]
 CommitOutcome = Literal["committed", "not committed", "out of time"]
@@ -224,7 +224,7 @@ class PartSaves:
         where = step_path_for(self.storage, job, step, claim.save_id)
         key = (job, step, claim.save_id)
         held = save_parts(self.storage, where, claim.save_id, claim.process_count, first_gap=True,
-                          start=self._checked.get(key, 0), spent=spent)
+                          start=self._checked.get(key, 0), spent=spent, readers=RECORD_READERS)
         if held.stopped is not None:
             self._checked[key] = held.stopped  # the records below it are good
             return "out of time"

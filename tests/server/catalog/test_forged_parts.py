@@ -145,19 +145,20 @@ def test_a_part_record_out_of_bounds_is_refused(tmp_path: Path, update: dict[str
     assert held.bad == [0] and held.absent == [1] and not held.found
 
 
-def test_a_commits_reread_of_every_record_reads_them_at_once_with_the_same_answer(
+def test_a_commits_reads_of_the_records_go_at_once_with_the_same_answer(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Six processes' records: 1 and 4 absent, 3 of another process count, 5 claiming another index; the rest good. Read
-    16 at a time (a commit's re-read under the job's lock) the answer is the one-by-one answer, in process order,
-    and the reads overlap (each waits until another is in flight, or 10 s)."""
+    """Six processes' records: 4 absent, 2 of another process count, 5 claiming another index; the rest good. Read
+    16 at a time (a commit pass, the commit's re-read under the job's lock) the answer is the one-by-one answer, in
+    process order, and the reads overlap (each waits until another is in flight, or 10 s); a pass's first gap and
+    its spent time budget stop the reading where they stopped it one by one."""
     import trainer_client.core.format._parts as parts
 
-    for k, fields in ((0, {}), (2, {}), (3, {"process_count": 5}), (5, {"process_index": 2})):
+    for k, fields in ((0, {}), (1, {}), (2, {"process_count": 5}), (3, {}), (5, {"process_index": 2})):
         forge_part(tmp_path, "job", 7, k, **{"process_count": 6, **fields})
     where = str(tmp_path / "job" / ".ckptd" / "staging" / "7.ab-7")
     storage = Storage(str(tmp_path))
     one_by_one = save_parts(storage, where, "ab-7", 6)
-    assert ([p.process_index for p in one_by_one.found], one_by_one.absent, one_by_one.bad) == ([0, 2], [1, 4], [3, 5])
+    assert ([p.process_index for p in one_by_one.found], one_by_one.absent, one_by_one.bad) == ([0, 1, 3], [4], [2, 5])
 
     real_read, in_flight, overlapped = parts.read_part, [0], threading.Event()
     lock = threading.Lock()
@@ -177,8 +178,15 @@ def test_a_commits_reread_of_every_record_reads_them_at_once_with_the_same_answe
     monkeypatch.setattr(parts, "read_part", read_beside_another)
     at_once = save_parts(storage, where, "ab-7", 6, readers=16)
     assert overlapped.is_set()
-    assert ([p.process_index for p in at_once.found], at_once.absent, at_once.bad) == ([0, 2], [1, 4], [3, 5])
+    assert ([p.process_index for p in at_once.found], at_once.absent, at_once.bad) == ([0, 1, 3], [4], [2, 5])
     assert at_once.whole is False and at_once.stopped is None
+    gap = save_parts(storage, where, "ab-7", 6, first_gap=True, readers=16)
+    assert ([p.process_index for p in gap.found], gap.absent, gap.bad, gap.stopped) == ([0, 1], [], [2], None)
+    later = save_parts(storage, where, "ab-7", 6, first_gap=True, start=3, readers=16)
+    assert ([p.process_index for p in later.found], later.absent, later.bad) == ([3], [4], [])
+    asked: list[bool] = []
+    budget = save_parts(storage, where, "ab-7", 6, readers=1, spent=lambda: asked.append(True) or True)
+    assert ([p.process_index for p in budget.found], budget.stopped, len(asked)) == ([0], 1, 1)
 
 
 def test_a_part_record_within_bounds_is_read(tmp_path: Path) -> None:

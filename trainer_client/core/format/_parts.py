@@ -16,6 +16,7 @@ on, never deleted; the records of a save are listed before any is read (docs/ope
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -272,51 +273,44 @@ def save_parts(storage: Storage, step_path: str, save_id: str, count: int, *, fi
     """The part records of save ``save_id`` (``count`` processes) under ``step_path``, from process ``start``
     on (those below it were found good before: neither read nor in ``found``). The records are listed first,
     so a record that is not there costs no read (a claim of 65,536 processes with no part: one listing).
-    ``first_gap``: stop at the first record absent or bad (all a commit needs to know). ``spent()`` is asked
-    before each read but the first (each call gets somewhere); once it says so, the reading stops there
-    (``stopped``: the records below it were read). ``readers``: records read at once where every one is read
-    (no ``first_gap``, no ``spent``): on GCS a read is a round trip of 20-30 ms, so a commit's re-read of 1,024
-    records one after another would take 20-30 s (docs/gcs.md, "Many hosts on one bucket")."""
+    ``first_gap``: stop at the first record absent or bad (all a commit needs to know). ``readers``: records
+    read at once, in order (on GCS a read is a round trip of 20-30 ms: 1,024 records one after another would
+    take 20-30 s; docs/gcs.md, "Many hosts on one bucket"). ``spent()`` is asked before each batch of reads but
+    the first (each call gets somewhere); once it says so, the reading stops there (``stopped``: the records
+    below it were read)."""
     listed = listed_parts(storage, step_path)
-    if readers > 1 and spent is None and not first_gap:
-        return _all_parts(storage, step_path, save_id, count, listed, start, readers)
     out = SaveParts([], [], [])
-    reads = 0
-    for k in range(start, min(count, MAX_PROCESSES)):
-        if k not in listed:
-            out.absent.append(k)
-        else:
-            if spent is not None and reads and spent():
-                out.stopped = k
-                break
-            reads += 1
-            part = read_part(storage, step_path, k)
-            if part is None or (part.save_id, part.process_index, part.process_count) != (save_id, k, count):
-                out.bad.append(k)
-            else:
-                out.found.append(part)
-        if first_gap and not out.whole:
-            break
-    return out
-
-
-def _all_parts(storage: Storage, step_path: str, save_id: str, count: int, listed: set[int], start: int,
-               readers: int) -> SaveParts:
-    """``save_parts`` reading every listed record, ``readers`` at a time; the same answer, in process order."""
     wanted = range(start, min(count, MAX_PROCESSES))
-    to_read = [k for k in wanted if k in listed]
-    with ThreadPoolExecutor(max_workers=max(1, min(readers, len(to_read))), thread_name_prefix="part-records") as pool:
-        read = dict(zip(to_read, pool.map(lambda k: read_part(storage, step_path, k), to_read), strict=True))
-    out = SaveParts([], [], [])
-    for k in wanted:
-        if k not in listed:
-            out.absent.append(k)
-            continue
-        part = read[k]
-        if part is None or (part.save_id, part.process_index, part.process_count) != (save_id, k, count):
-            out.bad.append(k)
-        else:
-            out.found.append(part)
+    pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="part-records") if readers > 1 else None
+    try:
+        i, reads = 0, 0
+        while i < len(wanted):
+            batch: list[int] = []  # the next listed records, up to the first absent one
+            while i + len(batch) < len(wanted) and len(batch) < readers and wanted[i + len(batch)] in listed:
+                batch.append(wanted[i + len(batch)])
+            if not batch:
+                out.absent.append(wanted[i])
+                i += 1
+            else:
+                if spent is not None and reads and spent():
+                    out.stopped = batch[0]
+                    break
+                reads += len(batch)
+                read = functools.partial(read_part, storage, step_path)
+                got = list(pool.map(read, batch)) if pool is not None and len(batch) > 1 else [read(batch[0])]
+                for k, part in zip(batch, got, strict=True):
+                    i += 1
+                    if part is None or (part.save_id, part.process_index, part.process_count) != (save_id, k, count):
+                        out.bad.append(k)
+                        if first_gap:
+                            break
+                    else:
+                        out.found.append(part)
+            if first_gap and not out.whole:
+                break
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
     return out
 
 
