@@ -28,14 +28,17 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Literal
 
 from trainer_client.config import ClientSettings, client_settings
+from trainer_client.core.protocol import Tier
 from trainer_client.runtime.multihost._job_store import KeyValueStore, job_store
 
 _log = logging.getLogger(__name__)
 
-Answer = Literal["memory", "full", "memory+busy", "full+busy"]
+# a process's answer: its snapshot taken (the memory tier's name) or not ("full": saved through Orbax), with
+# "+busy" when its previous direct save is still being written
+Answer = str
+IN_MEMORY, FULL, BUSY = Tier.MEMORY.value, "full", "+busy"
 
 
 class SaveRoute:
@@ -83,13 +86,13 @@ class SaveRoute:
         """``(every process took its memory snapshot, some process's previous direct save is still being
         written)`` for this save of ``step`` (``in_memory``, ``busy``: this process's). Not all in memory:
         every process saves it through Orbax."""
-        mine: Answer = "memory" if in_memory else "full"
-        answers = self.answers(step, f"{mine}+busy" if busy else mine)  # type: ignore[arg-type]
-        full = [k for k, answer in enumerate(answers) if answer.partition("+")[0] != "memory"]
+        mine = IN_MEMORY if in_memory else FULL
+        answers = self.answers(step, mine + BUSY if busy else mine)
+        full = [k for k, answer in enumerate(answers) if answer.partition("+")[0] != IN_MEMORY]
         if full and in_memory:
             _log.warning("the memory tier of process(es) %s is full: step %s is saved through Orbax by every "
                          "process (its snapshot here stays in memory)", full, step)
-        return not full, any(answer.endswith("+busy") for answer in answers)
+        return not full, any(answer.endswith(BUSY) for answer in answers)
 
 
-__all__ = ["SaveRoute"]
+__all__ = ["BUSY", "FULL", "IN_MEMORY", "Answer", "SaveRoute"]

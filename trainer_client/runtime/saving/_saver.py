@@ -29,7 +29,7 @@ from trainer_client.core.protocol import MEMORY_AND_PERSIST, Tier, TrainingMetad
 from trainer_client.errors import MemoryTierFull
 from trainer_client.runtime.memory._memory_tier import MemoryTier
 from trainer_client.runtime.multihost._job_store import job_incarnation
-from trainer_client.runtime.saving._save_route import SaveRoute
+from trainer_client.runtime.saving._save_route import BUSY, FULL, SaveRoute
 
 _log = logging.getLogger(__name__)
 PyTree = Any
@@ -129,7 +129,7 @@ class Saver:
                 shm_failed = isinstance(exc, OSError) and not isinstance(exc, CkptdError)
                 if not isinstance(exc, MemoryTierFull) and not shm_failed:
                     if persist and self.route is not None:  # the others wait for this process's answer
-                        self.route.tell(step, "full+busy" if self.checkpointer.is_saving() else "full")
+                        self.route.tell(step, FULL + BUSY if self.checkpointer.is_saving() else FULL)
                     raise
                 if not persist:
                     _log.info("memory snapshot of step %s skipped: %s", step, exc)
