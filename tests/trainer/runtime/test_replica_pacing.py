@@ -93,49 +93,39 @@ def test_the_meter_charges_a_snapshot_every_step_it_touched() -> None:
     assert meter.step_s() is None and meter.kinds_measured() == ["pinned_host"]  # copies' costs kept
 
 
-def test_what_the_loop_loses_outside_the_cycles_is_charged_to_the_snapshots() -> None:
-    """A snapshot whose cycle costs 0.1 s while the two steps after its cycle closed run 0.05 s slower (the
-    host memory let go late, say): the meter charges each snapshot what the loop lost in the recent window, not
-    only what its cycles saw; a window that mixes kinds is not used."""
+def _snapshots_with_a_slow_tail(kinds: list[str]) -> PaceMeter:
+    """Idle steps of 1 s, then a snapshot every 10 steps into ``kinds`` in turn: its cycle is one step 0.1 s
+    longer, and the two steps after its cycle closed run 0.05 s slower (the host memory let go late, say)."""
     meter = PaceMeter()
     t = 0.0
-    for _ in range(WARMUP_STEPS + 2):  # idle steps of 1 s: the baseline
+    for _ in range(WARMUP_STEPS + 2):  # the baseline
         meter.boundary(t)
         t += 1.0
     meter.boundary(t)
-    for _ in range(4):  # a snapshot every 10 steps: its cycle is one step 0.1 s longer; the 9 others 0.02 s each
-        meter.copy_started("pinned_host", t)
-        meter.copy_done("pinned_host", t, t + 0.5)
+    for kind in kinds:
+        meter.copy_started(kind, t)
+        meter.copy_done(kind, t, t + 0.5)
         t += 1.1
         meter.boundary(t)
         for extra in (0.05, 0.05, 0, 0, 0, 0, 0, 0, 0):
             t += 1.0 + extra
             meter.boundary(t)
-    costs = meter.costs(100)
+    return meter
+
+
+def test_what_the_loop_loses_outside_the_cycles_is_charged_to_the_snapshots() -> None:
+    """The meter charges each snapshot what the loop lost in the recent window, not only what its cycles saw; a
+    window that mixes kinds (the first snapshots measure each) is not used."""
+    costs = _snapshots_with_a_slow_tail(["pinned_host"] * 4).costs(100)
     assert costs is not None
     step, (kind,) = costs
     assert step == pytest.approx(1.0)  # the idle steps' median: the two slow ones a period are the fewer
     # a cycle alone says 0.1 s; the loop lost 4 x (0.1 + 2 x 0.05) = 0.8 s over 4 snapshots
     assert kind.cost_s == pytest.approx(0.1 + 2 * 0.05)
 
-    mixed = PaceMeter()  # the same with the kinds alternating (the first snapshots measure each): cycles only
-    t = 0.0
-    for _ in range(WARMUP_STEPS + 2):
-        mixed.boundary(t)
-        t += 1.0
-    mixed.boundary(t)
-    for i in range(4):
-        kind_name = ("pinned_host", "unpinned_host")[i % 2]
-        mixed.copy_started(kind_name, t)
-        mixed.copy_done(kind_name, t, t + 0.5)
-        t += 1.1
-        mixed.boundary(t)
-        for extra in (0.05, 0.05, 0, 0, 0, 0, 0, 0, 0):
-            t += 1.0 + extra
-            mixed.boundary(t)
-    mixed_costs = mixed.costs(100)
-    assert mixed_costs is not None
-    assert all(k.cost_s == pytest.approx(0.1) for k in mixed_costs[1])
+    mixed = _snapshots_with_a_slow_tail(["pinned_host", "unpinned_host"] * 2).costs(100)
+    assert mixed is not None
+    assert all(k.cost_s == pytest.approx(0.1) for k in mixed[1])
 
 
 def test_the_runner_measures_each_kind_then_snapshots_at_the_chosen_period() -> None:
