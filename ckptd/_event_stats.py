@@ -1,5 +1,5 @@
 """Counts and running aggregates of a job's events (``EventStats``): what the event summary keeps of folded events
-(``ckptd/catalog/_event_summary.py``) and what the metrics count on arrival (``ckptd/_metrics.py``).
+(``ckptd/events/_event_summary.py``) and what the metrics count on arrival (``ckptd/_metrics.py``).
 
 Below both, so that the metrics read the catalog's figures without importing the catalog. Stored inside the
 summary (``<root>/<job>/.ckptd/events/summary.json``): a field renamed here is a change of that format.

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from ckptd._metrics import Metrics
 from ckptd.catalog._catalog import Catalog
 from ckptd.catalog._commit_tracker import CommitTracker
-from ckptd.catalog._events import EventLimits, EventStore, record_retention
 from ckptd.catalog._lease import LeaseBoard
 from ckptd.catalog._refresher import Refresher
-from ckptd.catalog._retention import Decision, RetentionPolicy, prune
+from ckptd.catalog._retention import Decision, RetentionPolicy, prune, record_retention
 from ckptd.catalog._settings import RetentionSettings, StorageSettings
 from ckptd.catalog._snapshots import SnapshotKeeper
 from ckptd.catalog._worker_client import PersistWorkerClient
 from ckptd.config import Settings
+from ckptd.events._events import EventLimits, EventStore
 from ckptd.peers import PeerService, build_peers
 from trainer_client.core import Storage
 
@@ -99,7 +99,7 @@ def build_sidecar(settings: Settings, catalog: Catalog | None = None) -> Sidecar
         cat.lease = LeaseBoard(cat.storage, storage.lease_ttl_s, read_only=cat.read_only_for,
                                jobs=lambda: [j.name for j in cat.jobs()] if cat.ready.is_set() else [])
     metrics = Metrics()
-    events = EventStore(cat.storage, EventLimits(  # <root>/<job>/.ckptd/events/ (ckptd/catalog/_events.py)
+    events = EventStore(cat.storage, EventLimits(  # <root>/<job>/.ckptd/events/ (ckptd/events/_events.py)
         max_events=kept.events_max_per_job, max_bytes=kept.events_max_bytes_per_job,
         memory_bytes=kept.events_memory_bytes), read_only=cat.read_only_for,  # a read-only job's: on the side
         writes=cat.writes)  # with a lease only the job's leader folds its events (docs/multihost.md, section 7)

@@ -23,12 +23,12 @@ from ckptd._settings_group import PLACEHOLDER_TOKEN_PREFIX, SettingsGroup
 from ckptd.api._settings import AdviceSettings, AuthSettings, LimitSettings, token_problem
 from ckptd.catalog._settings import (
     DEFAULT_PERSIST_NICE,
-    EventSettings,
     MemoryTierSettings,
     RetentionSettings,
     StorageSettings,
 )
 from ckptd.cli._serve_settings import UDS_MODES, ServeSettings
+from ckptd.events._settings import EventSettings
 from ckptd.peers._settings import MAX_HOSTS, PeerSettings
 
 # group -> its settings, in the order `ckptd serve --help` and docs/operations.md ("Settings") list them
@@ -60,7 +60,7 @@ class Settings:
     retention: RetentionSettings  # what the server's retention keeps (ckptd/catalog/_settings.py)
     memory_tier: MemoryTierSettings  # the host-memory tier (ckptd/catalog/_settings.py)
     peer: PeerSettings  # peer copies among hosts (ckptd/peers/_settings.py)
-    events: EventSettings  # the events kept (ckptd/catalog/_settings.py)
+    events: EventSettings  # the events kept (ckptd/events/_settings.py)
     limits: LimitSettings  # bounds on connections and requests (ckptd/api/_settings.py)
     advice: AdviceSettings  # bounds on advice computations (ckptd/api/_settings.py)
 

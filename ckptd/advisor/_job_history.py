@@ -5,7 +5,7 @@ time at which the save began, the step, the slices that saved it; Orbax records 
 committed. From those this module derives the step time (time between saves / steps between them), the
 persist time (save start to commit), the slice count and the job's current save period.
 
-The elastic events trainer_client reports (``ckptd.catalog._events``) give the rest of a recovery, run by
+The elastic events trainer_client reports (``ckptd.events._events``) give the rest of a recovery, run by
 run: the save stall (``checkpoint_started.blocked_seconds``), the restore (``slices_ready`` until
 ``restored``, the resume plan included; from host memory or from storage, as ``restored`` says) and the
 recompile (``restored`` until ``first_step_done``, less one normal step; on the same mesh or a new one, as

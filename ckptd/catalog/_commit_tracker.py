@@ -17,7 +17,7 @@ import time
 
 from ckptd._metrics import Metrics
 from ckptd.catalog._catalog import Catalog
-from ckptd.catalog._events import EventStore
+from ckptd.events._events import EventStore
 from trainer_client.core import StorageError
 from trainer_client.core.format import read_manifest
 from trainer_client.core.protocol import CheckpointInfo, StepState

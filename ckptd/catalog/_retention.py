@@ -4,7 +4,9 @@ being written, never a bad step (quarantined or corrupt steps are kept for inspe
 A good (verified) step is kept when any rule keeps it: one of the newest ``keep_last``; a multiple of
 ``keep_every``; committed less than ``keep_newer_than_s`` ago. With no rule set, every good step is kept.
 An abandoned save (a tmp directory older than the save timeout) is cleaned; a younger one is a save in
-progress and is kept. The decision is a pure function; ``collect`` carries it out on storage.
+progress and is kept. The decision is a pure function; ``collect`` carries it out on storage, and
+``record_retention`` records what it deleted, or refused to, as the jobs' events (the event store below the
+catalog, ``ckptd/events/_events.py``, knows nothing of retention).
 
 A job watched read-only (docs/protocol.md, "Read-only adoption") loses nothing: every step is kept, abandoned
 saves included — ckptd deletes nothing in step directories it may not write into.
@@ -23,16 +25,18 @@ from typing import TYPE_CHECKING, Literal
 from ckptd.catalog._job_lock import job_lock
 from ckptd.catalog._part_commit import JOB_BUDGET_S, PartSaves
 from ckptd.catalog._worker_client import InProcessWorker
+from ckptd.events._events import EventStore
 from trainer_client.core import (
     ListedGenerations,
     Storage,
+    StorageError,
     delete_as_listed,
     join_path,
     listed_generations,
     storage_errors,
 )
 from trainer_client.core.format import CLAIMS_DIR, COMMIT_MARKER, PARTS_DIR, spans, step_path_for
-from trainer_client.core.protocol import CheckpointInfo, StepState
+from trainer_client.core.protocol import CheckpointInfo, ElasticEvent, StepState
 
 if TYPE_CHECKING:
     from ckptd.catalog._catalog import Catalog
@@ -257,5 +261,31 @@ def prune(catalog: Catalog, policy: RetentionPolicy, *, refused: list[Decision] 
     return deleted
 
 
+def record_retention(store: EventStore, deleted: Iterable[Decision], refused: Iterable[Decision] = ()) -> int:
+    """Record the steps retention deleted as ``retention_deleted`` events of their jobs (the steps are
+    gone from storage; the events keep them on the dashboard), and the deletions it refused (on ``gs://``, a
+    step changed since it was decided: docs/gcs.md, "Fencing on gs://") as ``retention_refused``. Ids of
+    deletions are derived from the step directory, so several sidecars deleting the same step record it once;
+    a refusal's from the directory and its time (each refusal is one). Returns the events stored."""
+    by_job: dict[str, list[ElasticEvent]] = {}
+    now = time.time()
+    for kind, decisions, verb in (("retention_deleted", deleted, "deleted"), ("retention_refused", refused, "kept")):
+        for d in decisions:
+            step_dir = d.path.rstrip("/")
+            job, dirname = posixpath.basename(posixpath.dirname(step_dir)), posixpath.basename(step_dir)
+            unique = dirname if kind == "retention_deleted" else f"{dirname}:{now:.6f}"
+            by_job.setdefault(job, []).append(ElasticEvent(
+                kind=kind, time=now, step=d.step, id=f"ckptd:{kind}:{unique}",
+                detail=f"{d.state.value} step {verb} by retention: {'; '.join(d.reasons)}"[:2000],
+            ))
+    stored = 0
+    for job, events in by_job.items():
+        try:
+            stored += len(store.append(job, events, source="ckptd", now=now)[0])
+        except (OSError, StorageError) as exc:  # the deletion happened (or was refused); only its record is missing
+            _log.warning("could not record retention's deletions of %s: %s", job, exc)
+    return stored
+
+
 __all__ = ["READ_ONLY_REASON", "Decision", "RetentionPolicy", "checked_decisions", "clean_abandoned_parts", "collect",
-           "decide", "prune"]
+           "decide", "prune", "record_retention"]

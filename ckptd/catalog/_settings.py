@@ -1,7 +1,7 @@
 """The catalog's settings groups, beside the code that uses them: the storage root and how it is scanned
 (``StorageSettings``: ``Catalog``, ``Refresher``, ``LeaseBoard``), retention (``RetentionSettings``:
-``_retention.py``), the events kept (``EventSettings``: ``_events.py``) and the host-memory tier
-(``MemoryTierSettings``: ``SnapshotKeeper`` in ``_snapshots.py`` and the persist worker).
+``_retention.py``) and the host-memory tier (``MemoryTierSettings``: ``SnapshotKeeper`` in ``_snapshots.py`` and the
+persist worker). The events kept have their group beside the event store (``ckptd/events/_settings.py``).
 
 ``ckptd/config.py`` composes them into ``Settings``; each keeps the ``CKPTD_*`` variable names it always had. This
 module imports nothing of the catalog, so the shared layer can compose it (docs/architecture.md, "Package map").
@@ -99,24 +99,6 @@ class RetentionSettings(SettingsGroup):
     gc_interval_s: float = Field(default=300.0, gt=0, description="how often retention runs in the server")
 
 
-class EventSettings(SettingsGroup):
-    """How many of the trainers' events ckptd keeps, per job on storage and over all jobs in memory."""
-
-    events_max_per_job: int = Field(
-        default=10_000, ge=100, le=10_000_000,
-        description="events kept per job on storage and in memory; older batches are folded into the job's event "
-        "summary (goodput and totals keep counting them) and deleted",
-    )
-    events_max_bytes_per_job: int = Field(
-        default=8 << 20, ge=64 << 10, description="bytes of event files kept per job (folded past it, like the events)",
-    )
-    events_memory_bytes: int = Field(
-        default=64 << 20, ge=1 << 20,
-        description="events held in memory over all jobs (file bytes + 1.5 KiB per event); the jobs used least "
-        "recently are dropped first and read again when asked for",
-    )
-
-
 class MemoryTierSettings(SettingsGroup):
     """The host-memory tier: the shared-memory directory trainers snapshot into, and how its snapshots are written
     to storage (the persist worker)."""
@@ -141,4 +123,4 @@ class MemoryTierSettings(SettingsGroup):
     )
 
 
-__all__ = ["DEFAULT_PERSIST_NICE", "EventSettings", "MemoryTierSettings", "RetentionSettings", "StorageSettings"]
+__all__ = ["DEFAULT_PERSIST_NICE", "MemoryTierSettings", "RetentionSettings", "StorageSettings"]

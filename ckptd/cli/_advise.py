@@ -22,9 +22,9 @@ from pydantic import ValidationError
 from ckptd.advisor._advice_text import render
 from ckptd.advisor._advisor import ASSUMABLE, advise
 from ckptd.advisor._job_history import JobHistory, job_history
-from ckptd.catalog._events import EventStore
 from ckptd.cli._support import add_read_only, open_job
 from ckptd.errors import MissingInputs
+from ckptd.events._events import EventStore
 from trainer_client.core.protocol import AdviceQuery
 
 EXIT_OK, EXIT_BAD, EXIT_USAGE = 0, 1, 2

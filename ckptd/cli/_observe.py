@@ -1,7 +1,7 @@
 """``ckptd events`` and ``ckptd goodput``: a job's elastic events and goodput, straight from storage.
 
 No server needed: the events are on storage next to the checkpoints (``<root>/<job>/.ckptd/events/``,
-``ckptd.catalog._events``), and goodput is computed from them as ``GET /v1/jobs/{job}/goodput`` does
+``ckptd.events._events``), and goodput is computed from them as ``GET /v1/jobs/{job}/goodput`` does
 (``ckptd.advisor._goodput``). ``--json`` prints exactly what the HTTP routes answer. Exit 0 only when there is an
 answer: the job has events (``events``) or a goodput could be computed (``goodput``). The ``events`` table
 leaves out the kinds that come every few steps (``NOISY_KINDS``: a save's ``checkpoint_started``) unless
@@ -20,7 +20,6 @@ from tqdm import tqdm
 
 from ckptd.advisor._goodput import CAUSES
 from ckptd.catalog._catalog import Catalog
-from ckptd.catalog._events import EventStore
 from ckptd.cli._support import (
     EXIT_BAD,
     EXIT_OK,
@@ -33,6 +32,7 @@ from ckptd.cli._support import (
     split_job,
     usage_error,
 )
+from ckptd.events._events import EventStore
 from trainer_client.core import Storage
 from trainer_client.core.protocol import EventList, Goodput, StoredEvent, is_valid_job_name
 

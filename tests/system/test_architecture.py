@@ -44,7 +44,7 @@ CHECKPOINT_IO = "trainer_client.checkpoint_io"  # the Orbax writer (jax-bound): 
 
 # ckptd's settings groups (ckptd/config.py, GROUPS): each module lives beside the part whose settings it holds and
 # belongs to the shared layer, so ckptd.config composes them; they import nothing of the part beside them.
-SETTINGS_GROUPS = ("ckptd._settings_group", "ckptd.api._settings", "ckptd.catalog._settings",
+SETTINGS_GROUPS = ("ckptd._settings_group", "ckptd.api._settings", "ckptd.catalog._settings", "ckptd.events._settings",
                    "ckptd.cli._serve_settings", "ckptd.peers._settings")
 # The package map (docs/architecture.md, "Package map"). Every module of both packages is in exactly one part:
 # the part of its longest prefix below, or, for the modules named, that part (``exact``).
@@ -55,6 +55,7 @@ PARTS: dict[str, tuple[str, ...]] = {
     "trainer_client.runtime": ("trainer_client.runtime",),
     "ckptd.cli": ("ckptd.cli",),
     "ckptd.api": ("ckptd.api",),
+    "ckptd.events": ("ckptd.events",),
     "ckptd.catalog": ("ckptd.catalog",),
     "ckptd.advisor": ("ckptd.advisor",),
     "ckptd.peers": ("ckptd.peers",),
@@ -79,11 +80,13 @@ ALLOWED: dict[str, frozenset[str]] = {
                                          "trainer_client.checkpoint_io"}),
     "ckptd": frozenset({"trainer_client.core"}),
     "ckptd.advisor": frozenset({"ckptd", "trainer_client.core"}),
-    "ckptd.catalog": frozenset({"ckptd.advisor", "ckptd", "trainer_client.core"}),
+    "ckptd.events": frozenset({"ckptd.advisor", "ckptd", "trainer_client.core"}),
+    "ckptd.catalog": frozenset({"ckptd.events", "ckptd", "trainer_client.core"}),
     "ckptd.peers": frozenset({"ckptd", "trainer_client.core"}),
-    "ckptd._sidecar": frozenset({"ckptd.catalog", "ckptd.peers", "ckptd", "trainer_client.core"}),
-    "ckptd.api": frozenset({"ckptd._sidecar", "ckptd.catalog", "ckptd.advisor", "ckptd", "trainer_client.core"}),
-    "ckptd.cli": frozenset({"ckptd.api", "ckptd._sidecar", "ckptd.catalog", "ckptd.advisor", "ckptd",
+    "ckptd._sidecar": frozenset({"ckptd.catalog", "ckptd.events", "ckptd.peers", "ckptd", "trainer_client.core"}),
+    "ckptd.api": frozenset({"ckptd._sidecar", "ckptd.catalog", "ckptd.events", "ckptd.advisor", "ckptd",
+                            "trainer_client.core"}),
+    "ckptd.cli": frozenset({"ckptd.api", "ckptd._sidecar", "ckptd.catalog", "ckptd.events", "ckptd.advisor", "ckptd",
                             "trainer_client.core"}),
     "ckptd.persist_worker": frozenset({"trainer_client.checkpoint_io", "ckptd.catalog", "ckptd",
                                        "trainer_client.core"}),
@@ -344,8 +347,8 @@ def test_the_server_never_imports_jax(graph: list[Import]) -> None:
 
 
 def test_the_catalog_and_advisor_know_no_server_framework_and_the_advisor_no_storage(graph: list[Import]) -> None:
-    """catalog and advisor know nothing of HTTP; the advisor is pure computation (no storage)."""
-    bad = _broken(graph, ("ckptd.catalog", "ckptd.advisor", CHECKPOINT_IO), SERVER_FRAMEWORK)
+    """The catalog, the events and the advisor know nothing of HTTP; the advisor is pure computation (no storage)."""
+    bad = _broken(graph, ("ckptd.catalog", "ckptd.events", "ckptd.advisor", CHECKPOINT_IO), SERVER_FRAMEWORK)
     bad += _broken(graph, ("ckptd.advisor",), ("trainer_client.core._storage",))
     assert not bad, "\n".join(bad)
 

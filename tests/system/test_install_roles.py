@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from ckptd import __version__
-from ckptd.catalog._events import EventStore
+from ckptd.events._events import EventStore
 from tests.support.helpers import free_port
 from tests.support.orbax_steps import training_metadata, write_orbax_jobs
 from tests.support.roles import blocked_modules, role_env

@@ -38,7 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ckptd._metrics import JOB_LABEL
 from ckptd._process_metrics import ProcessTreeCollector
-from ckptd.catalog._events import EventStore
+from ckptd.events._events import EventStore
 from tests.support.helpers import REPO, clean_env, free_port, stop_process, wait_until
 from tests.support.orbax_steps import training_metadata, write_orbax_steps
 from trainer_client.core import protocol as p

@@ -1,6 +1,6 @@
 """The observability routes: trainers report elastic events, operators read them and the job's goodput.
 
-``POST /v1/jobs/{job}/events`` stores a batch on storage (``ckptd.catalog._events``) and counts it in the metrics;
+``POST /v1/jobs/{job}/events`` stores a batch on storage (``ckptd.events._events``) and counts it in the metrics;
 it creates a job only with a token configured and within ``max_jobs``. ``GET /v1/jobs/{job}/events`` (the
 events kept: a bounded window) and ``GET /v1/jobs/{job}/goodput`` (over the whole history, rotated events
 included) read the events back from storage, so every sidecar of a job sees the events all of them stored.

@@ -14,9 +14,9 @@ from fastapi.testclient import TestClient
 from ckptd.advisor._advisor import advise, resolve_inputs
 from ckptd.advisor._job_history import job_history
 from ckptd.catalog._catalog import Catalog
-from ckptd.catalog._events import EventStore
 from ckptd.cli._main import main
 from ckptd.errors import MissingInputs
+from ckptd.events._events import EventStore
 from tests.support.helpers import REPO
 from tests.support.server import app_over
 from trainer_client.core import protocol as p

@@ -26,8 +26,8 @@ from typing import Any
 import httpx
 import pytest
 
-from ckptd.catalog._events import EventStore, record_retention
-from ckptd.catalog._retention import Decision
+from ckptd.catalog._retention import Decision, record_retention
+from ckptd.events._events import EventStore
 from tests.support.chromium import Browser, run_chromium
 from tests.support.server import ServerHandle, start_server
 from trainer_client.core._storage import Storage

@@ -1,4 +1,4 @@
-"""Elastic events on storage (ckptd.catalog._events, POST/GET /v1/jobs/{job}/events), goodput over HTTP, and the
+"""Elastic events on storage (ckptd.events._events, POST/GET /v1/jobs/{job}/events), goodput over HTTP, and the
 metrics fed by events and by the commit tracker (ckptd._metrics, ckptd.catalog._commit_tracker).
 
 The root is written by plain Orbax in a subprocess whose job directory already holds ckptd's events
@@ -24,8 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ckptd.api._app import create_app
 from ckptd.catalog._catalog import Catalog
-from ckptd.catalog._events import EventStore
 from ckptd.config import Settings
+from ckptd.events._events import EventStore
 from tests.support.golden import copy_root
 from tests.support.helpers import clean_env, make_settings, wait_until
 from tests.support.orbax_steps import training_metadata

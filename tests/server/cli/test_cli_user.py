@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from ckptd.catalog._events import EventStore
 from ckptd.cli._main import build_parser, main
+from ckptd.events._events import EventStore
 from tests.support.helpers import clean_env
 from tests.support.orbax_steps import training_metadata, write_orbax_jobs
 from trainer_client.core import protocol as p

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from ckptd.advisor._goodput import compute_goodput
-from ckptd.catalog._events import EventStore
 from ckptd.cli._main import main
+from ckptd.events._events import EventStore
 from tests.support.helpers import clean_env
 from trainer_client.core._storage import Storage
 from trainer_client.core.protocol import ElasticEvent, EventList, Goodput

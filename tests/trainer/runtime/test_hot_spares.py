@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from ckptd.advisor._job_history import job_history
-from ckptd.catalog._events import EventStore
+from ckptd.events._events import EventStore
 from examples.elastic_mlp import TrainLog, make_train_fn
 from tests.support.elastic_runs import (
     JOB,

@@ -1,6 +1,6 @@
 """Events stay bounded: per job on storage and in memory, over all jobs in memory, across a
 restart, and in /metrics; goodput over the whole history survives the rotation that bounds them
-(ckptd.catalog._events, ckptd.catalog._event_summary, ckptd.catalog._goodput_fold).
+(ckptd.events._events, ckptd.events._event_summary, ckptd.events._goodput_fold).
 
 The histories are synthetic but shaped like ElasticRunner's: runs of one or more hosts that start,
 compile, save every 10 steps (each save stalls the loop), lose slices now and then (waiting, restore,
@@ -22,8 +22,8 @@ from fastapi.testclient import TestClient
 from ckptd.advisor._goodput import compute_goodput
 from ckptd.api._app import create_app
 from ckptd.catalog._catalog import Catalog
-from ckptd.catalog._event_summary import SUMMARY_FILE
-from ckptd.catalog._events import EventLimits, EventStore
+from ckptd.events._event_summary import SUMMARY_FILE
+from ckptd.events._events import EventLimits, EventStore
 from tests.support.helpers import make_settings
 from trainer_client.core import protocol as p
 from trainer_client.core._storage import Storage

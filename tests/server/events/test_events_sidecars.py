@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckptd.catalog._event_summary import SUMMARY_FILE
-from ckptd.catalog._events import EventLimits, EventStore
-from tests.server.catalog.test_event_bounds import _FIELDS, history
+from ckptd.events._event_summary import SUMMARY_FILE
+from ckptd.events._events import EventLimits, EventStore
+from tests.server.events.test_event_bounds import _FIELDS, history
 from trainer_client.core import protocol as p
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._files import EVENTS_DIR

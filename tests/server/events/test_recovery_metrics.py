@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from ckptd.catalog._events import EventStore
+from ckptd.events._events import EventStore
 from tests.support.server import app_over
 from trainer_client.core import protocol as p
 from trainer_client.core._storage import Storage

@@ -1,7 +1,7 @@
-"""What one ckptd holds in memory of a job's events, and the limits that bound it (``ckptd.catalog._events``).
+"""What one ckptd holds in memory of a job's events, and the limits that bound it (``ckptd.events._events``).
 
 A job's *window* is the events of its files not yet folded into its summary, plus the summary's carry
-(``ckptd.catalog._event_summary``). ``EventLimits`` bounds each job's window (events and bytes: past them
+(``ckptd.events._event_summary``). ``EventLimits`` bounds each job's window (events and bytes: past them
 the oldest files are folded) and all windows together in memory (``memory_bytes``: file bytes plus
 ``PER_EVENT_MEMORY`` per event, the jobs used least recently are dropped first and read again when asked).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from ckptd.catalog._event_summary import EventSummary, unique_events
+from ckptd.events._event_summary import EventSummary, unique_events
 from trainer_client.core.protocol import Goodput, StoredEvent
 
 PER_EVENT_MEMORY = 1536  # bytes an event takes in memory beyond its JSON (a pydantic model: measured ~1.4 KB)
@@ -24,7 +24,7 @@ class EventLimits:
     max_events: int | None = None
     max_bytes: int | None = None
     memory_bytes: int | None = None
-    stale_s: float = 600.0  # a run silent this long is folded as it stands (ckptd/catalog/_goodput_fold.py)
+    stale_s: float = 600.0  # a run silent this long is folded as it stands (ckptd/events/_goodput_fold.py)
 
     @property
     def rotates(self) -> bool:

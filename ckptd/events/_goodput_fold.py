@@ -1,8 +1,8 @@
 """Goodput over a job's whole history when its oldest events are rotated away: fold, then add up.
 
 ``ckptd.advisor._goodput.compute_goodput`` needs a job's events in one list. ckptd keeps a bounded window of
-them (``ckptd.catalog._events``); the older ones are folded into the job's summary
-(``ckptd.catalog._event_summary``), which keeps the goodput of the folded stretch as a ``FoldedGoodput``.
+them (``ckptd.events._events``); the older ones are folded into the job's summary
+(``ckptd.events._event_summary``), which keeps the goodput of the folded stretch as a ``FoldedGoodput``.
 Goodput over the whole history is that stretch, the gap after it and the window's goodput, added up
 (``combine``). The sum equals one computation over every event when the fold was cut at a moment where
 no interval of badput crosses the cut:

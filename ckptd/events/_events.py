@@ -12,7 +12,7 @@ for the same reason, and no job is named ``.ckptd`` (job names cannot start with
 
 Bounded (docs/operations.md, "Events"): a job keeps at most ``max_events`` events and ``max_bytes`` bytes
 of event files. Past either, the oldest files are folded into the job's summary
-(``summary.json`` in the same directory, ``ckptd.catalog._event_summary``: counts, totals and the goodput
+(``summary.json`` in the same directory, ``ckptd.events._event_summary``: counts, totals and the goodput
 of the folded stretch) and deleted, down to three quarters of the limits; goodput and the totals keep
 covering the whole history. In memory, the windows of the jobs used most recently are kept within
 ``memory_bytes`` (file bytes plus ``PER_EVENT_MEMORY`` per event); a job pushed out is read again
@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import posixpath
 import re
 import secrets
 import threading
@@ -41,9 +40,8 @@ from typing import Literal
 from pydantic import ValidationError
 
 from ckptd._event_stats import EventStats
-from ckptd.catalog._event_summary import SUMMARY_FILE, EventSummary, fold, history_goodput
-from ckptd.catalog._event_window import EventLimits, JobWindow
-from ckptd.catalog._retention import Decision
+from ckptd.events._event_summary import SUMMARY_FILE, EventSummary, fold, history_goodput
+from ckptd.events._event_window import EventLimits, JobWindow
 from trainer_client.core import Storage, StorageError, join_path, storage_failures, write_json_file
 from trainer_client.core.format import EVENTS_DIR, SIDE_EVENTS_DIR
 from trainer_client.core.protocol import CheckpointInfo, ElasticEvent, Goodput, StoredEvent
@@ -370,30 +368,4 @@ class EventStore:
                 self._resident.pop(job, None)
 
 
-def record_retention(store: EventStore, deleted: Iterable[Decision], refused: Iterable[Decision] = ()) -> int:
-    """Record the steps retention deleted as ``retention_deleted`` events of their jobs (the steps are
-    gone from storage; the events keep them on the dashboard), and the deletions it refused (on ``gs://``, a
-    step changed since it was decided: docs/gcs.md, "Fencing on gs://") as ``retention_refused``. Ids of
-    deletions are derived from the step directory, so several sidecars deleting the same step record it once;
-    a refusal's from the directory and its time (each refusal is one). Returns the events stored."""
-    by_job: dict[str, list[ElasticEvent]] = {}
-    now = time.time()
-    for kind, decisions, verb in (("retention_deleted", deleted, "deleted"), ("retention_refused", refused, "kept")):
-        for d in decisions:
-            step_dir = d.path.rstrip("/")
-            job, dirname = posixpath.basename(posixpath.dirname(step_dir)), posixpath.basename(step_dir)
-            unique = dirname if kind == "retention_deleted" else f"{dirname}:{now:.6f}"
-            by_job.setdefault(job, []).append(ElasticEvent(
-                kind=kind, time=now, step=d.step, id=f"ckptd:{kind}:{unique}",
-                detail=f"{d.state.value} step {verb} by retention: {'; '.join(d.reasons)}"[:2000],
-            ))
-    stored = 0
-    for job, events in by_job.items():
-        try:
-            stored += len(store.append(job, events, source="ckptd", now=now)[0])
-        except (OSError, StorageError) as exc:  # the deletion happened (or was refused); only its record is missing
-            _log.warning("could not record retention's deletions of %s: %s", job, exc)
-    return stored
-
-
-__all__ = ["EVENTS_FORMAT", "EventLimits", "EventStore", "record_retention"]
+__all__ = ["EVENTS_FORMAT", "EventLimits", "EventStore"]

@@ -1,13 +1,13 @@
 """What a job's events add up to, kept after the events themselves are rotated away.
 
-ckptd keeps a bounded window of each job's events (``ckptd.catalog._events``: at most
+ckptd keeps a bounded window of each job's events (``ckptd.events._events``: at most
 ``events_max_per_job`` events and ``events_max_bytes_per_job`` bytes). Older batches are *folded* into
 one small object per job, ``<root>/<job>/.ckptd/events/summary.json`` (an ``EventSummary``), then deleted.
 The summary holds:
 
 * ``stats``: counts by kind and running totals of what the events measure — recovery seconds, lost
   steps, save stalls (count, sum, min, max and the most recent values) — over every folded event;
-* ``goodput``: the goodput of the folded stretch of time (``ckptd.catalog._goodput_fold``), so that goodput
+* ``goodput``: the goodput of the folded stretch of time (``ckptd.events._goodput_fold``), so that goodput
   over the job's whole history survives rotation;
 * ``carry``: folded events that could not be folded yet (a run in the middle of an outage at the cut);
   they stay part of the window;
@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ckptd._event_stats import EventStats
 from ckptd.advisor._goodput import compute_goodput
-from ckptd.catalog._goodput_fold import (
+from ckptd.events._goodput_fold import (
     FoldedGoodput,
     as_goodput,
     choose_cut,
