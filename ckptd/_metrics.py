@@ -54,7 +54,7 @@ _STALL = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 
 
 class LeaseRole(Protocol):
-    """What the lease gauges read of one job's lease (``ckptd.catalog._lease.LeaseView``)."""
+    """What the lease gauges read of one job's lease (``ckptd.lease._lease.LeaseView``)."""
 
     @property
     def role(self) -> str: ...

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from ckptd._metrics import Metrics
 from ckptd.catalog._catalog import Catalog
 from ckptd.catalog._commit_tracker import CommitTracker
-from ckptd.catalog._lease import LeaseBoard
 from ckptd.catalog._refresher import Refresher
 from ckptd.catalog._retention import Decision, RetentionPolicy, prune, record_retention
 from ckptd.catalog._settings import RetentionSettings, StorageSettings
@@ -27,6 +26,7 @@ from ckptd.catalog._snapshots import SnapshotKeeper
 from ckptd.catalog._worker_client import PersistWorkerClient
 from ckptd.config import Settings
 from ckptd.events._events import EventLimits, EventStore
+from ckptd.lease._lease import LeaseBoard
 from ckptd.peers import PeerService, build_peers
 from trainer_client.core import Storage
 
@@ -43,7 +43,7 @@ class Sidecar:
     tracker: CommitTracker
     refresher: Refresher
     keeper: SnapshotKeeper | None = None  # with CKPTD_SHM_DIR (ckptd/catalog/_snapshots.py)
-    lease: LeaseBoard | None = None  # with CKPTD_LEASE_TTL_S: which jobs this sidecar writes (ckptd/catalog/_lease.py)
+    lease: LeaseBoard | None = None  # with CKPTD_LEASE_TTL_S: which jobs this sidecar writes (ckptd/lease/_lease.py)
     peers: PeerService | None = None  # with CKPTD_PEER_PORT: copies of the parts among hosts (ckptd/peers)
 
     def start(self) -> None:

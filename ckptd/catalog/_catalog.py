@@ -15,7 +15,7 @@ still holds the content its verdict is about (its identity: ``ckptd/catalog/_ide
 under its number is judged again); quick validation against its manifest when the last one is older than
 ``revalidate_after_s`` (the refresher re-checks each job's newest good step ahead of that). A job watched read-only
 (``read_only``, ``read_only_jobs``) gets its records on the side prefix ``<root>/.ckptd/<job>/``
-(``trainer_client/core/format/_records.py``). With a lease (``ckptd/catalog/_lease.py``) only the job's leader
+(``trainer_client/core/format/_records.py``). With a lease (``ckptd/lease/_lease.py``) only the job's leader
 writes records; the others serve what it wrote.
 """
 
@@ -34,8 +34,8 @@ from ckptd.catalog._integrity import each_step, from_verified_record, quarantine
 from ckptd.catalog._job_admission import JobAdmission
 from ckptd.catalog._job_lock import lock_troubles
 from ckptd.catalog._layouts import Layouts, Recent
-from ckptd.catalog._lease import LeaseBoard
 from ckptd.catalog._step_table import FINAL_STATES, StepTable
+from ckptd.lease._lease import LeaseBoard
 from trainer_client.core import Entry, Storage, StorageError, extent_problems, join_path, mtime_of, validate_step
 from trainer_client.core.format import (
     CKPTD_MANIFEST,

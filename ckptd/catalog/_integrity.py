@@ -254,7 +254,7 @@ def settle(storage: Storage, inspection: StepInspection, *, adopt_after_s: float
 
     A step without a manifest is adopted only once none of its files changed for ``adopt_after_s``: a
     directory copied in by a tool may show its marker before its other files (Orbax writes it last).
-    ``write=False`` (a follower: another sidecar leads the job, ``ckptd/catalog/_lease.py``) writes nothing: the
+    ``write=False`` (a follower: another sidecar leads the job, ``ckptd/lease/_lease.py``) writes nothing: the
     step stays committed, never served, until the leader's verified or quarantine record is there."""
     path = inspection.path
     try:

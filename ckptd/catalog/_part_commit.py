@@ -29,8 +29,8 @@ from typing import Literal
 
 from ckptd.catalog._in_place import delete_listed, record_standing
 from ckptd.catalog._job_lock import job_lock
-from ckptd.catalog._lease_records import default_holder
 from ckptd.catalog._worker_client import PersistWorker, PersistWorkerError
+from ckptd.lease._lease_records import default_holder
 from trainer_client.core import (
     Storage,
     StorageError,

@@ -248,7 +248,7 @@ def prune(catalog: Catalog, policy: RetentionPolicy, *, refused: list[Decision] 
     deleted: list[Decision] = []
     for job in catalog.jobs():
         if catalog.read_only_for(job.name) or not catalog.writes(job.name):
-            continue  # nothing is ever deleted there; another sidecar leads the job (ckptd/catalog/_lease.py)
+            continue  # nothing is ever deleted there; another sidecar leads the job (ckptd/lease/_lease.py)
         catalog.refresh_job(job.name)
         decisions = checked_decisions(catalog, job.name, policy)
         if catalog.writes(job.name):  # asked again: the checks take time, the lease may have passed on meanwhile

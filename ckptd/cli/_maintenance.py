@@ -23,7 +23,6 @@ from typing import Any
 from tqdm import tqdm
 
 from ckptd.catalog._integrity import quarantine, validate_and_quarantine
-from ckptd.catalog._lease import held_lease, lease_directory
 from ckptd.catalog._retention import Decision, RetentionPolicy, checked_decisions, collect
 from ckptd.cli._gc_aside import OPTION, STATE, decide_aside, delete_aside
 from ckptd.cli._support import (
@@ -36,6 +35,7 @@ from ckptd.cli._support import (
     open_storage,
     split_job,
 )
+from ckptd.lease._lease import held_lease, lease_directory
 from trainer_client.core import ArrayIndexError, StoredFormatError, validate_step
 from trainer_client.core.format import decode_all_arrays, read_manifest
 from trainer_client.core.protocol import StepState, is_valid_job_name
@@ -71,7 +71,7 @@ def leader_refusal(target: str, command: str) -> str | None:
     for read_only in (False, True):
         try:
             held = held_lease(storage, lease_directory(storage, job, read_only=read_only))
-        except StoredFormatError as exc:  # forged or damaged: it leads nobody (ckptd/catalog/_lease_records.py)
+        except StoredFormatError as exc:  # forged or damaged: it leads nobody (ckptd/lease/_lease_records.py)
             print(f"ckptd: ignoring the lease of job {job!r}: {exc}", file=sys.stderr)
             continue
         if held is not None:

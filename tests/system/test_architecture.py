@@ -56,6 +56,7 @@ PARTS: dict[str, tuple[str, ...]] = {
     "ckptd.cli": ("ckptd.cli",),
     "ckptd.api": ("ckptd.api",),
     "ckptd.events": ("ckptd.events",),
+    "ckptd.lease": ("ckptd.lease",),
     "ckptd.catalog": ("ckptd.catalog",),
     "ckptd.advisor": ("ckptd.advisor",),
     "ckptd.peers": ("ckptd.peers",),
@@ -81,13 +82,15 @@ ALLOWED: dict[str, frozenset[str]] = {
     "ckptd": frozenset({"trainer_client.core"}),
     "ckptd.advisor": frozenset({"ckptd", "trainer_client.core"}),
     "ckptd.events": frozenset({"ckptd.advisor", "ckptd", "trainer_client.core"}),
-    "ckptd.catalog": frozenset({"ckptd.events", "ckptd", "trainer_client.core"}),
+    "ckptd.lease": frozenset({"trainer_client.core"}),
+    "ckptd.catalog": frozenset({"ckptd.events", "ckptd.lease", "ckptd", "trainer_client.core"}),
     "ckptd.peers": frozenset({"ckptd", "trainer_client.core"}),
-    "ckptd._sidecar": frozenset({"ckptd.catalog", "ckptd.events", "ckptd.peers", "ckptd", "trainer_client.core"}),
-    "ckptd.api": frozenset({"ckptd._sidecar", "ckptd.catalog", "ckptd.events", "ckptd.advisor", "ckptd",
-                            "trainer_client.core"}),
-    "ckptd.cli": frozenset({"ckptd.api", "ckptd._sidecar", "ckptd.catalog", "ckptd.events", "ckptd.advisor", "ckptd",
-                            "trainer_client.core"}),
+    "ckptd._sidecar": frozenset({"ckptd.catalog", "ckptd.events", "ckptd.lease", "ckptd.peers", "ckptd",
+                                 "trainer_client.core"}),
+    "ckptd.api": frozenset({"ckptd._sidecar", "ckptd.catalog", "ckptd.events", "ckptd.lease", "ckptd.advisor",
+                            "ckptd", "trainer_client.core"}),
+    "ckptd.cli": frozenset({"ckptd.api", "ckptd._sidecar", "ckptd.catalog", "ckptd.events", "ckptd.lease",
+                            "ckptd.advisor", "ckptd", "trainer_client.core"}),
     "ckptd.persist_worker": frozenset({"trainer_client.checkpoint_io", "ckptd.catalog", "ckptd",
                                        "trainer_client.core"}),
 }
@@ -347,8 +350,10 @@ def test_the_server_never_imports_jax(graph: list[Import]) -> None:
 
 
 def test_the_catalog_and_advisor_know_no_server_framework_and_the_advisor_no_storage(graph: list[Import]) -> None:
-    """The catalog, the events and the advisor know nothing of HTTP; the advisor is pure computation (no storage)."""
-    bad = _broken(graph, ("ckptd.catalog", "ckptd.events", "ckptd.advisor", CHECKPOINT_IO), SERVER_FRAMEWORK)
+    """The catalog, the events, the lease and the advisor know nothing of HTTP; the advisor is pure computation (no
+    storage)."""
+    bad = _broken(graph, ("ckptd.catalog", "ckptd.events", "ckptd.lease", "ckptd.advisor", CHECKPOINT_IO),
+                  SERVER_FRAMEWORK)
     bad += _broken(graph, ("ckptd.advisor",), ("trainer_client.core._storage",))
     assert not bad, "\n".join(bad)
 

@@ -1,6 +1,6 @@
 """A leader SIGSTOPped mid-cleanup while a follower takes the lease over and commits, then SIGCONTed: nothing
 committed is lost (docs/multihost.md, section 5, "Fenced writers"). Two OS processes, each with its own lease
-(``ckptd/catalog/_lease.py``, a real lease on the root) and its own ``PartSaves``, on a local root and on the GCS
+(``ckptd/lease/_lease.py``, a real lease on the root) and its own ``PartSaves``, on a local root and on the GCS
 emulator:
 
 * the old leader finds save ``aa-7`` abandoned (host 1's part missing past the save timeout), passes its checks
@@ -34,9 +34,9 @@ from typing import Any
 import pytest
 
 from ckptd.catalog import _job_lock, _part_commit
-from ckptd.catalog._lease import Lease, lease_directory
 from ckptd.catalog._part_commit import PartSaves
 from ckptd.catalog._retention import clean_abandoned_parts
+from ckptd.lease._lease import Lease, lease_directory
 from tests.server.catalog.test_fencing_gcs_gaps import _manifest_holds as manifest_holds
 from tests.server.catalog.test_fencing_gcs_gaps import _merging_worker as merging_worker
 from tests.support.fenced_saves import JOB, STEP, committed_whole, finalizing_worker, land_part, lay_save

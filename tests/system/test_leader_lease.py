@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from ckptd.catalog._integrity import FOLLOWER_REASON
-from ckptd.catalog._lease import released_name
+from ckptd.lease._lease import released_name
 from tests.support.chaos_support import CkptdProcess
 from tests.support.gcs_emulator import GcsEmulator  # the gcs_emulator fixture: tests/conftest.py, one per session
 from tests.support.helpers import wait_until

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from ckptd.catalog._lease import MAX_EPOCH, epoch_name
+from ckptd.lease._lease import MAX_EPOCH, epoch_name
 from tests.support.chaos_support import CkptdProcess
 from tests.support.helpers import wait_until
 from tests.support.lease_views import lease_view

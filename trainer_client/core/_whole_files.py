@@ -1,7 +1,7 @@
 """Small files written whole: a reader sees the old file or the new one, never half of either.
 
 Generic storage: ckptd's records in a step (``trainer_client/core/format/_manifest.py``), its event files and
-summaries (``ckptd/events/_events.py``) and its lease files (``ckptd/catalog/_lease.py``) are all written
+summaries (``ckptd/events/_events.py``) and its lease files (``ckptd/lease/_lease.py``) are all written
 through ``write_json_file``, and only where ``Storage.writable`` lets a writer of the root write.
 """
 

@@ -32,10 +32,10 @@ import pytest
 from bench.gcs_requests import logging_proxy
 from ckptd.catalog import _in_place
 from ckptd.catalog._catalog import Catalog
-from ckptd.catalog._lease import Lease, LeaseBoard
 from ckptd.catalog._part_commit import PartSaves
 from ckptd.catalog._retention import Decision, RetentionPolicy, collect, decide, record_retention
 from ckptd.events._events import EventStore
+from ckptd.lease._lease import Lease, LeaseBoard
 from tests.server.catalog.test_fencing import _meta
 from tests.server.catalog.test_fencing_gcs_gaps import _writing
 from tests.server.catalog.test_forged_parts import Recorder

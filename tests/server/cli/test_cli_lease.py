@@ -1,7 +1,7 @@
 """``ckptd validate`` and ``ckptd gc`` on a root where sidecars hold the job's leadership lease
 (docs/multihost.md section 7): they refuse, naming the holder, and write nothing (no adoption manifest, no
 deletion); ``--force`` overrides; a released or expired lease lets them run. The lease is a real one
-(``ckptd.catalog._lease.Lease``) on the job's directory."""
+(``ckptd.lease._lease.Lease``) on the job's directory."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.catalog._lease import Lease, beat_name, epoch_name, lease_directory
 from ckptd.cli._main import main as ckptd_main
+from ckptd.lease._lease import Lease, beat_name, epoch_name, lease_directory
 from tests.support.orbax_steps import write_orbax_steps
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._files import CKPTD_MANIFEST

@@ -1,6 +1,6 @@
 """The leadership lease's files on storage, read as hostile input: names, bounds, records (docs/multihost.md, §7).
 
-``ckptd/catalog/_lease.py`` runs the lease; this module says what its files are called and which of them count.
+``ckptd/lease/_lease.py`` runs the lease; this module says what its files are called and which of them count.
 Anyone who can write the root can plant files in a job's ``.ckptd/leader/`` directory, so every name and
 record read there is checked before it is believed (docs/operations.md, "Several sidecars on one root"):
 

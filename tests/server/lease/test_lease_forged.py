@@ -1,4 +1,4 @@
-"""Forged files in a job's lease directory (ckptd/catalog/_lease_records.py, docs/operations.md "Several sidecars
+"""Forged files in a job's lease directory (ckptd/lease/_lease_records.py, docs/operations.md "Several sidecars
 on one root"): names past the bound or outside the pattern are reported once and ignored, never deleted; no
 takeover creates a name no listing finds; a follower never waits for good (an epoch at the bound, a directory
 at the next epoch's name, an oversized or unreadable beat); ``ckptd gc`` on a forged lease record says so in
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.catalog._lease import MAX_EPOCH, Lease, beat_name, epoch_name, lease_directory, released_name
 from ckptd.cli._maintenance import leader_refusal
+from ckptd.lease._lease import MAX_EPOCH, Lease, beat_name, epoch_name, lease_directory, released_name
 from tests.support.helpers import clean_env
 from tests.support.peak_rss import peak_growth
 from trainer_client.core._storage import Storage
@@ -71,7 +71,7 @@ def test_a_forged_epoch_past_the_bound_is_ignored_and_takeovers_stay_listable(
         (directory / name).write_text(body)
     clock = Clock()
     a, b = _lease(tmp_path, "a", clock), _lease(tmp_path, "b", clock)
-    with caplog.at_level(logging.WARNING, logger="ckptd.catalog._lease"):
+    with caplog.at_level(logging.WARNING, logger="ckptd.lease._lease"):
         leader, _ = _tick_until_led([a, b], clock, most_s=0)  # nothing that counts: epoch 0 at the first tick
         assert leader is a and a.view().epoch == 0 and b.view().as_dict()["holder"] == "a"
         for _ in range(8):
@@ -92,7 +92,7 @@ def test_an_epoch_at_the_bound_is_ignored_once_its_beat_stopped(tmp_path: Path,
     a, b = _lease(tmp_path, "a", clock), _lease(tmp_path, "b", clock)
     _tick_until_led([a, b], clock, most_s=0)
     (_dir(tmp_path) / epoch_name(MAX_EPOCH)).write_text(_record())  # no epoch may follow it
-    with caplog.at_level(logging.ERROR, logger="ckptd.catalog._lease"):
+    with caplog.at_level(logging.ERROR, logger="ckptd.lease._lease"):
         leader, waited = _tick_until_led([a, b], clock, most_s=3 * TTL)  # a steps down: a newer epoch exists
     print(f"[lease] an epoch at the bound: led again after {waited:.0f}s (ttl {TTL:g}s)")
     assert leader.view().epoch == 1 and waited <= 2 * TTL + TTL / 2
@@ -136,7 +136,7 @@ def test_an_oversized_beat_costs_no_memory(tmp_path: Path) -> None:
     (directory / epoch_name(0)).write_text(_record())
     with (directory / beat_name(0)).open("wb") as f:
         f.truncate(768 << 20)
-    result = peak_growth("from ckptd.catalog._lease import Lease\nfrom trainer_client.core._storage import Storage",
+    result = peak_growth("from ckptd.lease._lease import Lease\nfrom trainer_client.core._storage import Storage",
                          "lease = Lease(Storage(args['root']), args['dir'], 'b', 30.0)\nlease.tick()\n"
                          "outcomes.append(lease.view().as_dict())",
                          {"root": str(tmp_path), "dir": str(directory)})

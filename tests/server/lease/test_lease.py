@@ -1,4 +1,4 @@
-"""The leadership lease's edge cases (ckptd/catalog/_lease.py): expiry, self-fencing, the takeover race, and
+"""The leadership lease's edge cases (ckptd/lease/_lease.py): expiry, self-fencing, the takeover race, and
 the create-only write it stands on, locally and on the GCS emulator. Time is a fake monotonic clock shared by
 the sidecars of a test, so expiry is exact and nothing sleeps."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from ckptd.catalog._catalog import Catalog
 from ckptd.catalog._integrity import FOLLOWER_REASON
-from ckptd.catalog._lease import FENCE, Lease, LeaseBoard, beat_name, epoch_name, released_name
+from ckptd.lease._lease import FENCE, Lease, LeaseBoard, beat_name, epoch_name, released_name
 from tests.support.gcs_emulator import GcsEmulator  # the gcs_emulator fixture: tests/conftest.py, one per session
 from tests.support.orbax_steps import write_orbax_steps
 from trainer_client.core._errors import StorageError
@@ -134,7 +134,7 @@ def test_a_leader_that_cannot_renew_fences_itself(tmp_path: Path, monkeypatch: p
     def broken(*_args: object, **_kwargs: object) -> None:
         raise StorageError("storage unavailable")
 
-    monkeypatch.setattr("ckptd.catalog._lease.write_json_file", broken)
+    monkeypatch.setattr("ckptd.lease._lease.write_json_file", broken)
     clock.now += TTL * FENCE / 2
     a.tick()  # the renewal fails: the lease still runs on the last one
     assert a.leads()

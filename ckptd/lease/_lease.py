@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from ckptd.catalog._lease_records import (
+from ckptd.lease._lease_records import (
     LEASE_DIR,
     MAX_EPOCH,
     MAX_LEASE_TTL_S,
