@@ -43,7 +43,7 @@ from bench.gcs_host_parts import write_host_parts
 from ckptd.catalog._commit_pass import CommitPass
 from ckptd.catalog._part_commit import PartSaves
 from ckptd.catalog._snapshots import PART_RETRY_S
-from ckptd.catalog._worker_client import (
+from ckptd.persist._worker_client import (
     PersistSnapshot,
     PersistWorker,
     PersistWorkerClient,

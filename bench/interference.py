@@ -8,7 +8,7 @@ in the background, for each of three savers, the order rotating from repeat to r
   ckptd's manifest and fsync) until committed;
 * ``orbax_zstd``: plain ``ocp.CheckpointManager.save`` with Orbax's defaults (zstd) until finished;
 * ``persist_worker``: the memory tier's way: the state is snapshotted into shared memory, then ckptd's
-  persist worker (``python -m ckptd.catalog._persist_worker --serve``, a child process, as ckptd runs it) writes it
+  persist worker (``python -m ckptd.persist._persist_worker --serve``, a child process, as ckptd runs it) writes it
   to storage while the loop runs.
 
 The slowdown is the median step time during the background save divided by the median step time alone,
@@ -121,7 +121,7 @@ def run_interference(profile: Profile, results: Results, workdir: Path, shm_dir:
         rmtree(tier.dir)  # the earlier repeats' snapshots (nobody marks them persisted here, as ckptd would)
         snapshot = tier.save(n, state, meta, persist=True)
         if worker is None:  # toy profile: the worker in this process (no second jax import)
-            from ckptd.catalog._persist_worker import persist
+            from ckptd.persist._persist_worker import persist
 
             return _in_background(lambda: persist(snapshot, str(d)))
         return _in_background(lambda: worker.persist(snapshot, d))

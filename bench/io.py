@@ -15,7 +15,7 @@ shared 2-core machine hits both sides alike. Figures:
   it (one long-lived ``--serve`` child, started before the repeats; a request per snapshot) from a memory
   snapshot — divided by numpy ``tofile`` + ``fsync`` of the same bytes into the same directory; the worse of
   the two per repeat. Beside it: the worker's first request (process start and the jax/Orbax import
-  included), the one-shot CLI (``python -m ckptd.catalog._persist_worker SNAPSHOT DIR``, a fresh process per
+  included), the one-shot CLI (``python -m ckptd.persist._persist_worker SNAPSHOT DIR``, a fresh process per
   snapshot), the worker called in-process, plain Orbax with its default zstd and with compression off.
 * ``persist_throughput_ratio_vs_disk_limit``: the same persists against the disk's write limit
   (``bench.disk_limit``: the best of 1, 2, 4, 8 parallel writers of the same bytes with fsync, swept once,
@@ -193,7 +193,7 @@ def _save_repeat(i: int, profile: Profile, state: PyTree, views: list[list[np.nd
         d = workdir / f"worker-oneshot-{i}"
         os.sync()
         with timed() as t:
-            done = subprocess.run([sys.executable, "-m", "ckptd.catalog._persist_worker", str(snapshot[0]), str(d)],
+            done = subprocess.run([sys.executable, "-m", "ckptd.persist._persist_worker", str(snapshot[0]), str(d)],
                                   capture_output=True, text=True, check=False, timeout=1800)
         if done.returncode != 0:
             raise RuntimeError(f"persist worker failed: {done.stderr[-2000:]}")
@@ -201,7 +201,7 @@ def _save_repeat(i: int, profile: Profile, state: PyTree, views: list[list[np.nd
         rmtree(d)
 
     def worker_inprocess() -> None:
-        from ckptd.catalog._persist_worker import persist
+        from ckptd.persist._persist_worker import persist
 
         d = workdir / f"worker-inproc-{i}"
         persist_phases.install()

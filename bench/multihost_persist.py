@@ -7,7 +7,7 @@ into two host parts as a 2-process job's processes would hold them (process k: t
 replica 0, one save id), without running a JAX job: the parts are the snapshot format's own records over the
 same bytes. In every repeat, side by side (alternating which goes first), onto a fresh job directory:
 
-* single: one persist worker (a warm ``ckptd.catalog._persist_worker --serve`` child, as ckptd runs it)
+* single: one persist worker (a warm ``ckptd.persist._persist_worker --serve`` child, as ckptd runs it)
   persists the whole snapshot: Orbax's save, ckptd's manifest, the commit;
 * parts: two persist workers (one per host's sidecar) write their parts at the same time through
   ``PartSaves.persist_part`` (claim, part, part record), then the leader's ``commit_ready`` (merge,
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from bench.common import Figure, Profile, Results, alternate, rmtree
 from ckptd.catalog._part_commit import PartSaves
-from ckptd.catalog._worker_client import InProcessWorker, PersistSnapshot, PersistWorker, PersistWorkerClient
+from ckptd.persist._worker_client import InProcessWorker, PersistSnapshot, PersistWorker, PersistWorkerClient
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._files import SNAPSHOT_DATA_FILE, SNAPSHOT_META_FILE
 from trainer_client.core.format._private_files import ensure_private_dir, make_private_dir, write_private
@@ -115,7 +115,7 @@ class _Workers:
             self.workers: list[PersistWorker] = [PersistWorkerClient(nice=0, devices=8, timeout_s=_TIMEOUT_S)
                                                  for _ in range(count)]
         else:
-            from ckptd.catalog._persist_worker import handle
+            from ckptd.persist._persist_worker import handle
             self.workers = [InProcessWorker(handle)] * count
 
     def close(self) -> None:

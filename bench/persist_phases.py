@@ -1,6 +1,6 @@
 """The persist worker as the benchmarks run it (``ServeWorker``), and where a persist's time goes:
 ``python -m bench.persist_phases --serve ...`` is ckptd's persist worker
-(``ckptd.catalog._persist_worker``, unchanged, same arguments) with a timer around each phase, its answers
+(``ckptd.persist._persist_worker``, unchanged, same arguments) with a timer around each phase, its answers
 carrying them under ``phases``; ``install()`` puts the same timers into this process for the in-process
 persist. ``bench.io`` uses it with ``BENCH_PERSIST_PHASES=1`` (docs/benchmarks.md, "persist phases").
 
@@ -23,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ckptd.catalog._worker_client import WORKER_MODULE, PersistSnapshot, PersistWorkerClient
 from ckptd.config import DEFAULT_PERSIST_NICE
+from ckptd.persist._worker_client import WORKER_MODULE, PersistSnapshot, PersistWorkerClient
 
 _events: list[tuple[str, float, float]] = []
 _t0 = [0.0]
@@ -51,7 +51,7 @@ def _timed(owner: Any, name: str, label: str) -> None:
 
 def install() -> None:
     """Time the persist path's phases in this process (idempotent)."""
-    import ckptd.catalog._persist_worker as worker
+    import ckptd.persist._persist_worker as worker
     import trainer_client.checkpoint_io._checkpointer as checkpointing
 
     _timed(worker, "damaged_shards", "check")
@@ -143,7 +143,7 @@ def end(started: Started) -> dict[str, float]:
 
 
 class ServeWorker:
-    """``python -m ckptd.catalog._persist_worker --serve``, as ckptd's SnapshotKeeper runs it: one long-lived child
+    """``python -m ckptd.persist._persist_worker --serve``, as ckptd's SnapshotKeeper runs it: one long-lived child
     for all snapshots, a JSON request line and a JSON answer line per snapshot. With ``phases`` (the default;
     ``BENCH_PERSIST_PHASES=0`` turns it off) the same worker through ``bench.persist_phases``, which times
     each phase of a persist and sends the times with its answer (``last_phases``). ``nice``: ckptd's default
@@ -166,7 +166,7 @@ class ServeWorker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import ckptd.catalog._persist_worker as worker
+    import ckptd.persist._persist_worker as worker
 
     install()
     handle: Callable[..., dict[str, Any]] = worker.handle

@@ -6,7 +6,7 @@ resident memory, CPU seconds, open and maximum file descriptors, start time (Lin
 ``ProcessTreeCollector`` adds what it leaves out, from /proc too:
 
 * ``ckptd_process_threads``: ckptd's OS threads (uvicorn's, the handler pool's, the background ones);
-* ckptd's child processes. The persist worker (``python -m ckptd.catalog._persist_worker``, with jax and
+* ckptd's child processes. The persist worker (``python -m ckptd.persist._persist_worker``, with jax and
   Orbax) runs beside ckptd in the same container, so the container's memory limit must hold both:
   ``ckptd_child_processes`` and ``ckptd_child_resident_memory_bytes`` (the live descendants), and
   ``ckptd_child_cpu_seconds_total`` (the CPU time of every descendant, the exited ones' included, so the

@@ -23,11 +23,11 @@ from ckptd.catalog._refresher import Refresher
 from ckptd.catalog._retention import Decision, RetentionPolicy, prune, record_retention
 from ckptd.catalog._settings import RetentionSettings, StorageSettings
 from ckptd.catalog._snapshots import SnapshotKeeper
-from ckptd.catalog._worker_client import PersistWorkerClient
 from ckptd.config import Settings
 from ckptd.events._events import EventLimits, EventStore
 from ckptd.lease._lease import LeaseBoard
 from ckptd.peers import PeerService, build_peers
+from ckptd.persist._worker_client import PersistWorkerClient
 from trainer_client.core import Storage
 
 

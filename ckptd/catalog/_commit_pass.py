@@ -8,7 +8,7 @@ commit does not depend on any host's memory; it is the only caller of ``PartSave
 one thread, so no two commits of one step run at once in one sidecar (and the lease keeps the other sidecars out).
 
 The merge (``_METADATA``, ``_sharding``, ...) needs jax and Orbax, so it runs in a persist worker child (``python
--m ckptd.catalog._persist_worker --serve``, through ``ckptd.catalog._worker_client``) started lazily, on the first
+-m ckptd.persist._persist_worker --serve``, through ``ckptd.persist._worker_client``) started lazily, on the first
 step that is ready to commit here: a follower, or a leader of jobs without claims, never starts one. Cost: a leader
 (every sidecar when no lease is on) lists each job's claims directory once a pass, beside the refresher's listing.
 
@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from ckptd.catalog._part_commit import JOB_BUDGET_S, PartSaves
-from ckptd.catalog._worker_client import PersistWorker, PersistWorkerClient
+from ckptd.persist._worker_client import PersistWorker, PersistWorkerClient
 from trainer_client.core import Storage, StorageError
 from trainer_client.core.format import CLAIMS_DIR, DEFAULT_SAVE_TIMEOUT_S
 

@@ -1,6 +1,6 @@
 """Multi-host persist and commit on ckptd's side (docs/multihost.md, section 5), jax-free: the persist worker
 child does the Orbax writes (``trainer_client.checkpoint_io._part_writer``, asked through
-``ckptd.catalog._worker_client``); this module decides what to write and when.
+``ckptd.persist._worker_client``); this module decides what to write and when.
 
 Host k's sidecar persists its own part of step S: it claims S for the part's save (``<job>/.ckptd/claims/
 <S>.json``, create-only: one save per step number), has the worker write the part into the step (staged under
@@ -29,8 +29,8 @@ from typing import Literal
 
 from ckptd.catalog._in_place import delete_listed, record_standing
 from ckptd.catalog._job_lock import job_lock
-from ckptd.catalog._worker_client import PersistWorker, PersistWorkerError
 from ckptd.lease._lease_records import default_holder
+from ckptd.persist._worker_client import PersistWorker, PersistWorkerError
 from trainer_client.core import (
     Storage,
     StorageError,
@@ -95,7 +95,7 @@ class Abandoned:
 
 class PartSaves:
     """Persists this host's parts and, where this sidecar leads the job, commits the steps whose parts are all
-    durable. ``worker`` does the Orbax writes (``ckptd.catalog._worker_client``); ``writes(job)``: whether this
+    durable. ``worker`` does the Orbax writes (``ckptd.persist._worker_client``); ``writes(job)``: whether this
     sidecar leads."""
 
     def __init__(self, storage: Storage, worker: PersistWorker, *,

@@ -22,7 +22,7 @@ from functools import partial
 from ckptd.catalog._catalog import Catalog
 from ckptd.catalog._commit_pass import CommitPass
 from ckptd.catalog._job_workers import JobWorkers
-from ckptd.catalog._worker_client import PersistWorker
+from ckptd.persist._worker_client import PersistWorker
 
 _log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Literal
 
 from ckptd.catalog._job_lock import job_lock
 from ckptd.catalog._part_commit import JOB_BUDGET_S, PartSaves
-from ckptd.catalog._worker_client import InProcessWorker
 from ckptd.events._events import EventStore
+from ckptd.persist._worker_client import InProcessWorker
 from trainer_client.core import (
     ListedGenerations,
     Storage,

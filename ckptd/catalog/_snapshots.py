@@ -2,8 +2,8 @@
 memory bounded.
 
 Every few seconds the keeper looks at ``<shm_dir>/<job>/<step>/``. A whole snapshot marked ``persist`` that is not
-on storage yet is written there by a child process (``ckptd.catalog._persist_worker``, asked through
-``ckptd.catalog._worker_client``: Orbax's layout, the manifest before the commit marker; one long-lived child, so jax
+on storage yet is written there by a child process (``ckptd.persist._persist_worker``, asked through
+``ckptd.persist._worker_client``: Orbax's layout, the manifest before the commit marker; one long-lived child, so jax
 and Orbax load once) — whether or not the trainer that made it is still alive. Once the step is committed the
 snapshot is marked persisted and may be evicted; beyond ``max_snapshots`` per job the oldest evictable snapshots are
 dropped, never the newest (a resume may be reading it). A snapshot that is not whole is reported and dropped (it is
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ckptd.catalog._part_commit import PartSaves
 from ckptd.catalog._settings import DEFAULT_PERSIST_NICE
-from ckptd.catalog._worker_client import PersistWorker, PersistWorkerClient, PersistWorkerError, SnapshotDamaged
+from ckptd.persist._worker_client import PersistWorker, PersistWorkerClient, PersistWorkerError, SnapshotDamaged
 from trainer_client.core import Storage, StorageError, UnsafePathError, join_path
 from trainer_client.core.format import (
     COMMIT_MARKER,

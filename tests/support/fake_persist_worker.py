@@ -1,5 +1,5 @@
-"""A stand-in persist worker child for tests of ``ckptd.catalog._worker_client``: reads the same request lines as
-``python -m ckptd.catalog._persist_worker --serve`` (and its flags) and misbehaves as the request's ``snapshot``
+"""A stand-in persist worker child for tests of ``ckptd.persist._worker_client``: reads the same request lines as
+``python -m ckptd.persist._persist_worker --serve`` (and its flags) and misbehaves as the request's ``snapshot``
 says: ``die`` exits, ``nonsense`` answers a line that is no answer, ``hang`` never answers, ``damaged`` and
 ``fail`` answer the failures the worker gives; anything else is persisted to ``<job_url>/<pid>``."""
 

@@ -8,7 +8,7 @@ import json
 import time
 from typing import Any
 
-from ckptd.catalog._worker_client import InProcessWorker
+from ckptd.persist._worker_client import InProcessWorker
 from tests.support.orbax_steps import training_metadata
 from trainer_client.core._storage import Storage, join_path
 from trainer_client.core.format._files import COMMIT_MARKER

@@ -48,8 +48,8 @@ def _client(url: str) -> Any:
 
 def test_hosts_persist_one_step_through_a_bucket_that_refuses(shaper: GcsShaper, gcs_emulator: GcsEmulator,
                                                               tmp_path: Path) -> None:
-    from ckptd.catalog._persist_worker import handle
-    from ckptd.catalog._worker_client import InProcessWorker
+    from ckptd.persist._persist_worker import handle
+    from ckptd.persist._worker_client import InProcessWorker
 
     parts = write_host_parts(tmp_path / "shm", JOB, STEP, HOSTS, rows=ROWS, cols=COLS)
     root = gcs_emulator.gs(f"many-hosts-{uuid.uuid4().hex[:8]}")

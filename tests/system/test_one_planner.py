@@ -51,7 +51,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """trainer/30: saved by trainer_client's Checkpointer (trainer_items/35: as the item ``items``);
     persisted/40: a memory snapshot persisted by
     ckptd's persist worker; plain/50: plain Orbax in another process; maxtext/100: MaxText's layout."""
-    from ckptd.catalog._persist_worker import persist
+    from ckptd.persist._persist_worker import persist
 
     root = tmp_path_factory.mktemp("one-planner")
     mesh = _mesh()

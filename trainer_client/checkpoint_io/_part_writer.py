@@ -1,5 +1,5 @@
 """Writing one host's part of a multi-process step, and committing the step from its parts: Orbax's writes,
-done in ckptd's persist worker child (``ckptd.catalog._persist_worker``), never in ckptd's own process, which
+done in ckptd's persist worker child (``ckptd.persist._persist_worker``), never in ckptd's own process, which
 decides what to write and when (``ckptd.catalog._part_commit``).
 
 A part is exactly what process k of a plain multi-process Orbax save writes into the item (docs/multihost.md,

@@ -17,7 +17,7 @@ import pytest
 
 from ckptd.catalog._part_commit import PartSaves
 from ckptd.catalog._retention import clean_abandoned_parts
-from ckptd.catalog._worker_client import PersistWorkerError
+from ckptd.persist._worker_client import PersistWorkerError
 from tests.server.catalog.test_forged_parts import Recorder
 from tests.support.forged_records import forge_claim, forge_part
 from tests.support.orbax_steps import training_metadata

@@ -30,7 +30,7 @@ import pytest
 from ckptd.catalog import _part_commit
 from ckptd.catalog._part_commit import PartSaves
 from ckptd.catalog._retention import RetentionPolicy, clean_abandoned_parts, collect, decide
-from ckptd.catalog._worker_client import InProcessWorker
+from ckptd.persist._worker_client import InProcessWorker
 from tests.server.catalog.test_fencing import _interpose, _meta
 from tests.server.catalog.test_forged_parts import Recorder
 from tests.support.fenced_saves import (

@@ -125,7 +125,7 @@ def _on_host(state: Any) -> Any:
 @pytest.mark.needs_devices(8)
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_flax_state_saved_by_ckptd_restores_onto_fewer_devices(tmp_path: Path, kind: str) -> None:
-    from ckptd.catalog._persist_worker import persist
+    from ckptd.persist._persist_worker import persist
 
     mesh = jax.make_mesh((4, 2), ("replica", "data"))
     root, job = tmp_path / "root", tmp_path / "root" / "job"

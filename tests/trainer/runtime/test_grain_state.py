@@ -59,7 +59,7 @@ def _plan(root: Path, step: int) -> p.ResumePlan:
 @pytest.mark.parametrize("kind", sorted(PIPELINES))
 @pytest.mark.needs_devices(8)
 def test_the_state_goes_with_a_direct_save_a_snapshot_and_its_persist(tmp_path: Path, kind: str) -> None:
-    from ckptd.catalog._persist_worker import persist
+    from ckptd.persist._persist_worker import persist
 
     make = PIPELINES[kind]
     mesh = jax.make_mesh((4, 2), ("replica", "data"))

@@ -440,7 +440,7 @@ def leaf_sharding(state: Any, name: str) -> Any:
 def test_the_persist_worker_hands_orbax_the_saved_shards_without_a_copy(tmp_path: Path) -> None:
     import tensorstore as ts
 
-    from ckptd.catalog._persist_worker import persist, snapshot_arrays
+    from ckptd.persist._persist_worker import persist, snapshot_arrays
 
     mesh = _mesh()
     state = _state(mesh, seed=5)

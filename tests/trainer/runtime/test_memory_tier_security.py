@@ -20,8 +20,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ckptd.catalog._persist_worker import persist
 from ckptd.catalog._snapshots import SnapshotKeeper
+from ckptd.persist._persist_worker import persist
 from trainer_client.core._errors import StoredFormatError, UnsafePathError
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._files import SNAPSHOT_DATA_FILE, SNAPSHOT_PERSISTED_FILE, SNAPSHOT_SPARE_PREFIX

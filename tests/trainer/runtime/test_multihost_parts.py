@@ -24,10 +24,10 @@ import httpx
 import pytest
 
 from ckptd.catalog._part_commit import PartSaves
-from ckptd.catalog._persist_worker import handle, persist
 from ckptd.catalog._retention import clean_abandoned_parts
 from ckptd.catalog._snapshots import SnapshotKeeper
-from ckptd.catalog._worker_client import InProcessWorker
+from ckptd.persist._persist_worker import handle, persist
+from ckptd.persist._worker_client import InProcessWorker
 from tests.support.chaos_support import CkptdProcess
 from tests.support.helpers import clean_env, wait_until
 from tests.support.jax_job import PREAMBLE, run_job
@@ -148,7 +148,7 @@ def test_the_persist_worker_refuses_a_part(parts: list[Path], tmp_path: Path) ->
 
 
 # The persist worker's own request handling, run in this process (which has jax already): the same code
-# ``ckptd.catalog._persist_worker --serve`` runs, without a child's start-up.
+# ``ckptd.persist._persist_worker --serve`` runs, without a child's start-up.
 _in_process = InProcessWorker(handle)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import ckptd.catalog._persist_worker as worker
+import ckptd.persist._persist_worker as worker
 from trainer_client.core.format._files import SNAPSHOT_DATA_FILE
 from trainer_client.runtime.memory._memory_tier import MemoryTier
 from trainer_client.runtime.saving._checkpointing import training_metadata

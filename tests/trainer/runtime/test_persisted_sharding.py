@@ -59,7 +59,7 @@ def _state(mesh: Mesh) -> Any:
 
 
 def test_a_persisted_step_records_the_trainers_mesh_for_plain_orbax(tmp_path: Path) -> None:
-    from ckptd.catalog._persist_worker import persist
+    from ckptd.persist._persist_worker import persist
 
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("replica", "data"))
     state = _state(mesh)

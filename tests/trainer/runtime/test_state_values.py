@@ -69,7 +69,7 @@ def _assert_exact(restored: dict[str, Any], shift: int = 0) -> None:
 
 @pytest.mark.needs_devices(8)
 def test_values_survive_direct_memory_persist_and_a_restore_onto_fewer_devices(tmp_path: Path) -> None:
-    from ckptd.catalog._persist_worker import persist
+    from ckptd.persist._persist_worker import persist
 
     mesh = jax.make_mesh((4, 2), ("replica", "data"))
     small = jax.make_mesh((2, 2), ("replica", "data"), devices=jax.devices()[:4])

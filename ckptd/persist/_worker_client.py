@@ -1,7 +1,7 @@
 """The one boundary between ckptd and its persist worker child: typed requests and answers, typed errors,
 one client that starts the child and restarts it after a crash.
 
-The child (``python -m ckptd.catalog._persist_worker --serve``) imports jax and Orbax, which ckptd's own process
+The child (``python -m ckptd.persist._persist_worker --serve``) imports jax and Orbax, which ckptd's own process
 never does; it reads one request a line on its stdin and writes one answer a line on its stdout, both JSON
 (never pickle). A request is one of ``PersistSnapshot`` (a whole memory snapshot to a committed step),
 ``WritePart`` (one host's part of a multi-process step) and ``CommitParts`` (the leader's commit of a step from
@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from ckptd.catalog._settings import DEFAULT_PERSIST_NICE
 from trainer_client.core import CkptdError
 
-WORKER_MODULE = "ckptd.catalog._persist_worker"
+WORKER_MODULE = "ckptd.persist._persist_worker"
 
 
 class PersistWorkerError(CkptdError, RuntimeError):

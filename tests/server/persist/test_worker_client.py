@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckptd.catalog._worker_client import (
+from ckptd.persist._worker_client import (
     CommitParts,
     InProcessWorker,
     PersistSnapshot,
@@ -35,7 +35,7 @@ def test_requests_are_told_apart_by_their_fields_and_keep_their_json_form() -> N
 
 def test_the_persist_worker_answers_what_is_no_request_as_failed() -> None:
     pytest.importorskip("jax")
-    from ckptd.catalog._persist_worker import handle
+    from ckptd.persist._persist_worker import handle
 
     answer = WorkerAnswer.model_validate(handle({"snapshot": "/x"}))
     assert not answer.ok and answer.failure == "failed" and "not a request" in (answer.error or "")

@@ -1,7 +1,7 @@
-"""``python -m ckptd.catalog._persist_worker [--serve | SNAPSHOT_DIR JOB_URL]``: write host-memory snapshots to storage.
+"""``python -m ckptd.persist._persist_worker [--serve | SNAPSHOT_DIR JOB_URL]``: write host-memory snapshots to storage.
 
 Runs as a child process of ckptd, because writing Orbax's layout takes Orbax, and Orbax takes jax —
-which ckptd's own process never imports. It answers the typed requests of ``ckptd.catalog._worker_client``
+which ckptd's own process never imports. It answers the typed requests of ``ckptd.persist._worker_client``
 (JSON lines). The child uses jax on the CPU only (it must never claim the host's accelerators) and saves
 the state through the Orbax writer the trainer uses (``trainer_client.checkpoint_io``: the Checkpointer,
 and the part writer of a multi-process step): Orbax's layout, the manifest written before the commit marker,
@@ -47,7 +47,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 from pydantic import ValidationError
 
-from ckptd.catalog._worker_client import CommitParts, WorkerAnswer, WorkerRequest, WritePart, parse_request
+from ckptd.persist._worker_client import CommitParts, WorkerAnswer, WorkerRequest, WritePart, parse_request
 from trainer_client.checkpoint_io import Checkpointer, commit_parts, spec_from_json, write_part
 from trainer_client.core import StoredFormatError, join_path
 from trainer_client.core.format import (
@@ -225,7 +225,7 @@ def _persist_arrays(snapshot: Path, job_url: str, meta: SnapshotMeta, data: np.n
 
 
 def answer(request: WorkerRequest, compression: bool = False) -> WorkerAnswer:
-    """One request (``ckptd.catalog._worker_client``): persist a whole snapshot (answer: the step's URL), write a
+    """One request (``ckptd.persist._worker_client``): persist a whole snapshot (answer: the step's URL), write a
     multi-process job's part (answer: the part record's fields, ``trainer_client.checkpoint_io._part_writer``) or
     commit a step from its parts; a failure is answered with its error, ``damaged`` when the snapshot's bytes
     are (``StoredFormatError``: retrying cannot help)."""
