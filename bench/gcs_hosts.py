@@ -42,7 +42,7 @@ from typing import Any
 from bench.gcs_host_parts import write_host_parts
 from ckptd.catalog._commit_pass import CommitPass
 from ckptd.catalog._part_commit import PartSaves
-from ckptd.catalog._snapshots import PART_RETRY_S
+from ckptd.memory_tier._snapshots import PART_RETRY_S
 from ckptd.persist._worker_client import (
     PersistSnapshot,
     PersistWorker,

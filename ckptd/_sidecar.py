@@ -22,10 +22,10 @@ from ckptd.catalog._commit_tracker import CommitTracker
 from ckptd.catalog._refresher import Refresher
 from ckptd.catalog._retention import Decision, RetentionPolicy, prune, record_retention
 from ckptd.catalog._settings import RetentionSettings, StorageSettings
-from ckptd.catalog._snapshots import SnapshotKeeper
 from ckptd.config import Settings
 from ckptd.events._events import EventLimits, EventStore
 from ckptd.lease._lease import LeaseBoard
+from ckptd.memory_tier._snapshots import SnapshotKeeper
 from ckptd.peers import PeerService, build_peers
 from ckptd.persist._worker_client import PersistWorkerClient
 from trainer_client.core import Storage
@@ -42,7 +42,7 @@ class Sidecar:
     events: EventStore
     tracker: CommitTracker
     refresher: Refresher
-    keeper: SnapshotKeeper | None = None  # with CKPTD_SHM_DIR (ckptd/catalog/_snapshots.py)
+    keeper: SnapshotKeeper | None = None  # with CKPTD_SHM_DIR (ckptd/memory_tier/_snapshots.py)
     lease: LeaseBoard | None = None  # with CKPTD_LEASE_TTL_S: which jobs this sidecar writes (ckptd/lease/_lease.py)
     peers: PeerService | None = None  # with CKPTD_PEER_PORT: copies of the parts among hosts (ckptd/peers)
 
@@ -105,7 +105,7 @@ def build_sidecar(settings: Settings, catalog: Catalog | None = None) -> Sidecar
         writes=cat.writes)  # with a lease only the job's leader folds its events (docs/multihost.md, section 7)
     tracker = CommitTracker(cat, metrics, events, interval_s=storage.refresh_interval_s)
     policy = retention_policy(settings.retention)
-    keeper = (  # the host-memory tier, when a shared-memory directory is configured (ckptd/catalog/_snapshots.py)
+    keeper = (  # the host-memory tier, when a shared-memory directory is configured (ckptd/memory_tier/_snapshots.py)
         SnapshotKeeper(cat.storage, memory.shm_dir, max_snapshots=memory.max_snapshots,
                        compression=memory.persist_compression, nice=memory.persist_nice,
                        devices=memory.persist_devices, writes=cat.writes,

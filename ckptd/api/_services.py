@@ -20,11 +20,11 @@ from ckptd.api._plan_cache import PlanCache
 from ckptd.api._pool_watch import PoolWatch
 from ckptd.catalog._catalog import Catalog
 from ckptd.catalog._commit_tracker import CommitTracker
-from ckptd.catalog._snapshots import SnapshotKeeper
 from ckptd.config import Settings
 from ckptd.errors import InvalidJobName, JobNotFound, NotReady
 from ckptd.events._events import EventStore
 from ckptd.lease._lease import LeaseBoard
+from ckptd.memory_tier._snapshots import SnapshotKeeper
 from trainer_client.core import protocol as p
 
 

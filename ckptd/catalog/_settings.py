@@ -1,7 +1,8 @@
 """The catalog's settings groups, beside the code that uses them: the storage root and how it is scanned
 (``StorageSettings``: ``Catalog``, ``Refresher``, ``LeaseBoard``), retention (``RetentionSettings``:
-``_retention.py``) and the host-memory tier (``MemoryTierSettings``: ``SnapshotKeeper`` in ``_snapshots.py`` and the
-persist worker). The events kept have their group beside the event store (``ckptd/events/_settings.py``).
+``_retention.py``) and the host-memory tier (``MemoryTierSettings``: ``SnapshotKeeper`` in
+``ckptd/memory_tier/_snapshots.py`` and the persist worker). The events kept have their group beside the event
+store (``ckptd/events/_settings.py``).
 
 ``ckptd/config.py`` composes them into ``Settings``; each keeps the ``CKPTD_*`` variable names it always had. This
 module imports nothing of the catalog, so the shared layer can compose it (docs/architecture.md, "Package map").

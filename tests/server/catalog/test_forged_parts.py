@@ -22,7 +22,7 @@ from ckptd.catalog._catalog import Catalog
 from ckptd.catalog._commit_pass import CommitPass
 from ckptd.catalog._part_commit import PartSaves
 from ckptd.catalog._retention import clean_abandoned_parts
-from ckptd.catalog._snapshots import SnapshotKeeper
+from ckptd.memory_tier._snapshots import SnapshotKeeper
 from ckptd.persist._worker_client import InProcessWorker
 from tests.support.forged_records import forge_claim, forge_part, tree_state, write_snapshot
 from tests.support.helpers import SteppingClock, wait_until

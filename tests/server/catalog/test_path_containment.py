@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 from ckptd.api._app import create_app
 from ckptd.catalog._catalog import Catalog
 from ckptd.catalog._job_admission import LINK_OUT_REASON
-from ckptd.catalog._snapshots import SnapshotKeeper
+from ckptd.memory_tier._snapshots import SnapshotKeeper
 from tests.support.golden import copy_root, golden_fixture
 from tests.support.helpers import make_settings
 from tests.support.orbax_steps import write_orbax_jobs

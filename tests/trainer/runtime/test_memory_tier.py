@@ -351,7 +351,7 @@ def test_ckptd_never_evicts_the_newest_snapshot_in_place_of_older_ones_awaiting_
     the newest, memory-only one is the one a resume takes next (a regrow may be restoring it right now), so
     ckptd leaves it rather than evict it as the only evictable one (it did: a regrow's restore found its
     snapshot.json gone)."""
-    from ckptd.catalog._snapshots import SnapshotKeeper
+    from ckptd.memory_tier._snapshots import SnapshotKeeper
     from trainer_client.core._storage import Storage
 
     mesh = _mesh()

@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ckptd.catalog._snapshots import SnapshotKeeper
+from ckptd.memory_tier._snapshots import SnapshotKeeper
 from ckptd.persist._persist_worker import persist
 from trainer_client.core._errors import StoredFormatError, UnsafePathError
 from trainer_client.core._storage import Storage

@@ -25,7 +25,7 @@ import pytest
 
 from ckptd.catalog._part_commit import PartSaves
 from ckptd.catalog._retention import clean_abandoned_parts
-from ckptd.catalog._snapshots import SnapshotKeeper
+from ckptd.memory_tier._snapshots import SnapshotKeeper
 from ckptd.persist._persist_worker import handle, persist
 from ckptd.persist._worker_client import InProcessWorker
 from tests.support.chaos_support import CkptdProcess
