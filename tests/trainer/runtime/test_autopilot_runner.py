@@ -41,12 +41,17 @@ class Clock:
 class Replicas:
     """The replica tier as the autopilot sees it: the pacer's measured costs, scripted."""
 
-    def __init__(self, period: int | None = None, cost_s: float = 0.02, copy_s: float = 5.0) -> None:
+    def __init__(self, period: int | None = None, cost_s: float = 0.02, copy_s: float = 5.0,
+                 host_bytes: int = 0) -> None:
         self.options = ReplicaOptions(period=period)
         self.off_reason: str | None = None
         self.autopilot_period: int | None = None
         self.cycles_closed = 0
         self.kind = KindCosts("pinned_host", copy_s, cost_s)
+        self.host_bytes = host_bytes
+
+    def turn_off(self, reason: str) -> None:
+        self.off_reason = reason
 
     @property
     def paced_period(self) -> int:  # the pacer's choice: the smallest period within the overhead budget
@@ -62,7 +67,7 @@ class Run:
 
     def __init__(self, options: AutopilotOptions, *, replicas: Replicas | None = None, memory_tier: bool = True,
                  checkpoint_period: int | None = None, memory_period: int | None = None,
-                 history: Any = None) -> None:
+                 history: Any = None, **more: Any) -> None:
         self.clock = Clock()
         self.persisted: dict[int, float] = {}
         self.events: list[tuple[str, int | None, dict[str, Any]]] = []
@@ -72,11 +77,12 @@ class Run:
                           storage_busy=lambda: False)
         self.pilot = RunnerAutopilot(options, checkpoint_period=checkpoint_period, memory_period=memory_period,
                                      memory_tier=memory_tier, replicas=replicas, meter=meter, emit=self.emit,
-                                     history=history, job="job")
+                                     history=history, job="job", **more)
         if self.pilot.earlier is not None:
             assert self.pilot.earlier.wait(10)  # asked in the background: answered before the scripted run goes on
         self.step = 0
         self.stall = STALL
+        self.in_force: list[tuple[int, int | None, int, bool]] = []  # per boundary: step, memory, persist, memory on
 
     def emit(self, kind: str, step: int | None = None, detail: str = "", **fields: Any) -> None:
         self.events.append((kind, step, fields))
@@ -90,10 +96,11 @@ class Run:
             self.clock.now += STEP
             self.step += 1
             periods = self.pilot.at_boundary(self.step)
+            self.in_force.append((self.step, periods.memory, periods.persist, periods.memory_tier))
             if self.replicas is not None and self.step % 5 == 0:
                 self.replicas.cycles_closed += 1  # the pacer closes a measurement cycle now and then
             if self.step % periods.persist == 0:
-                self.save("memory+persist" if self.memory_tier else "storage")
+                self.save("memory+persist" if self.memory_tier and periods.memory_tier else "storage")
             elif periods.memory and self.step % periods.memory == 0:
                 self.save("memory")
 
@@ -245,9 +252,6 @@ def test_off_the_periods_are_the_configured_ones() -> None:
     run = Run(AutopilotOptions(enabled=False, mtbf_hours=1.0), replicas=Replicas())
     run.train(600.0)
     assert run.decided() == [] and run.periods() == (None, None, DEFAULT_CHECKPOINT_PERIOD)
-    multi = RunnerAutopilot(AutopilotOptions(mtbf_hours=1.0), checkpoint_period=None, memory_period=None,
-                            memory_tier=True, replicas=None, meter=CostMeter(), emit=run.emit, single_controller=False)
-    assert multi.off_reason is not None and "multi-controller" in multi.off_reason
 
 
 def test_periods_the_user_set_are_left_alone_and_the_others_chosen_around_them() -> None:

@@ -53,7 +53,9 @@ class Decision:
         return f"{self.plan.describe()}{was}: {self.reason}; {self.failures.describe()}"
 
     def fields(self) -> dict[str, object]:
-        """The decision as flat event fields: its periods, its inputs and the expected goodput before and after."""
+        """The decision as flat event fields: its periods, its inputs (the constraints in force among them) and the
+        expected goodput before and after."""
+        limits = self.inputs.constraints
         out: dict[str, object] = {
             "autopilot_changed": self.changed,
             "autopilot_reason": self.reason,
@@ -64,6 +66,11 @@ class Decision:
             "autopilot_failures_seen": self.failures.failures,
             "autopilot_step_s": self.inputs.step_s,
             "autopilot_lost_steps": round(self.plan.expected.lost_steps, 2),
+            # the constraints in force (None: no limit)
+            "autopilot_max_lost_steps": limits.max_lost_steps,
+            "autopilot_host_memory_bytes": limits.host_memory_bytes,
+            "autopilot_storage_bytes_per_s": limits.storage_Bps,
+            "autopilot_storage_requests_per_s": limits.storage_requests_per_s,
         }
         for tier, costs in zip(self.plan.tiers, self.inputs.tiers, strict=True):
             out[f"autopilot_{tier.name}_period"] = tier.period_steps
@@ -71,6 +78,10 @@ class Decision:
             out[f"autopilot_{tier.name}_copy_s"] = round(costs.copy_s, 4)
             out[f"autopilot_{tier.name}_recovery_s"] = round(costs.recovery_s, 4)
             out[f"autopilot_{tier.name}_survives"] = round(costs.survives, 4)
+            out[f"autopilot_{tier.name}_host_bytes"] = costs.host_bytes
+            out[f"autopilot_{tier.name}_write_bytes"] = costs.write_bytes
+            out[f"autopilot_{tier.name}_requests"] = costs.requests
+            out[f"autopilot_{tier.name}_bound"] = tier.bound  # None: Young/Daly's, or the periods kept
         return out
 
 

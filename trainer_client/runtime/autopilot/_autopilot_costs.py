@@ -16,6 +16,11 @@ are its pacer's (``RunnerReplicas.measured``: the loop time a snapshot costs all
 
 ``version`` counts the measurements: a choice needs revising only after a new one (the hot path compares two
 integers).
+
+Besides the times, what the tiers hold and write (``Footprint``, read when a choice is made): the host memory of
+the shared-memory tier at its peak, and what a save writes to storage, its bytes and its arrays; a save's
+requests to storage are not seen by the trainer (ckptd or Orbax make them), so they are estimated from its arrays
+(``estimated_requests``) unless the user gives them.
 """
 
 from __future__ import annotations
@@ -24,14 +29,44 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from trainer_client.core.protocol import MEMORY_AND_PERSIST, Tier
 
+# requests one process's save of a step makes on an object store, as measured on the GCS emulator (docs/gcs.md,
+# "Requests": 101-104 for 8 arrays, about 56 for 2): a fixed part and a part per array. An upper estimate for a
+# multi-host job's parts (docs/gcs.md: ~14 a host of 3 arrays, where this says 64)
+REQUESTS_PER_SAVE = 40
+REQUESTS_PER_ARRAY = 8
 WINDOW = 16  # samples kept of each measure: recent enough to follow a change, enough for a stable median
 STEP_WINDOW = 64
 MIN_STEPS = 3  # step intervals before the step time is known (the first after a start compiles)
 _PENDING_PERSISTS = 8  # persists waited for at once (a snapshot evicted before it was seen persisted is forgotten)
+
+
+def estimated_requests(arrays: int, processes: int = 1) -> float:
+    """Storage requests one save of ``arrays`` arrays makes, every one of ``processes`` processes writing its part."""
+    return float(max(1, processes) * (REQUESTS_PER_SAVE + REQUESTS_PER_ARRAY * max(0, arrays)))
+
+
+def _nothing_held() -> int:
+    return 0
+
+
+def _nothing_saved() -> tuple[int, int] | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What the run's tiers hold and write, as the runner knows it when a choice is made: ``memory_bytes()``, the
+    host memory the shared-memory tier holds at its peak (0: not known yet); ``step_size()``, what a save writes to
+    storage, every host together, as ``(bytes, arrays)`` (None before the first save). The replica tier's host
+    memory is its own (``PacedReplicas.host_bytes``)."""
+
+    memory_bytes: Callable[[], int] = _nothing_held
+    step_size: Callable[[], tuple[int, int] | None] = _nothing_saved
 
 
 class Samples:
@@ -152,4 +187,4 @@ class CostMeter:
         return ((restore.median() or 0.0) if restore else 0.0, (first.median() or 0.0) if first else 0.0)
 
 
-__all__ = ["CostMeter", "Samples"]
+__all__ = ["REQUESTS_PER_ARRAY", "REQUESTS_PER_SAVE", "CostMeter", "Footprint", "Samples", "estimated_requests"]

@@ -12,7 +12,14 @@ the tier it restored from). What the model is given of the run's constraints: a 
 bounds at it: the model chooses the others around it and the runner leaves it alone); ``AutopilotOptions``'
 bounds and bound on steps lost; and the replica tier's overhead budget, whose smallest period (the pacer's 2%
 rule, its period in force) is the replica tier's floor: the autopilot may snapshot less often than the pacer
-would, never more.
+would, never more. The host's memory and the storage's bandwidth and request rate are constraints too: what the
+host-memory tiers may hold together (``AutopilotOptions.host_memory_budget_bytes``, else the host's limit:
+``_host_memory``) against each tier's bytes (a tier that does not fit beside the others is turned off: the replica
+tier for the rest of the run, the shared-memory tier while it does not fit, its saves going to Orbax meanwhile),
+and the storage limits of the options against what a save writes (its bytes, and its requests: ``Footprint``).
+
+In a multi-controller job process 0 chooses and every process applies its choice at the same step
+(``_autopilot_agreement``: agreement points through the job's key-value store); the others measure nothing for it.
 
 Cheap on the hot path: ``at_boundary`` times the step and compares a count of measurements with the one the last
 choice was made at; the model runs at most once per new measurement (a closed replica cycle, a save timed, a
@@ -27,10 +34,11 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from trainer_client.config import ClientSettings
 from trainer_client.core.format._files import SNAPSHOT_PERSISTED_FILE
 from trainer_client.core.planning import (
     Autopilot,
@@ -42,7 +50,9 @@ from trainer_client.core.planning import (
     TierCosts,
 )
 from trainer_client.core.protocol import Tier
-from trainer_client.runtime.autopilot._autopilot_costs import CostMeter
+from trainer_client.runtime.autopilot._autopilot_agreement import AgreedPeriods, PeriodsAgreement, interval_steps
+from trainer_client.runtime.autopilot._autopilot_costs import CostMeter, Footprint, estimated_requests
+from trainer_client.runtime.autopilot._host_memory import HostMemory, host_memory_budget
 from trainer_client.runtime.elastic._elastic_config import AutopilotOptions, ElasticConfig, ReplicaOptions
 from trainer_client.runtime.replicas._replica_pacing import KindCosts
 from trainer_client.runtime.saving._saver import Saver
@@ -63,6 +73,11 @@ class PacedReplicas(Protocol):
 
     @property
     def cycles_closed(self) -> int: ...
+
+    @property
+    def host_bytes(self) -> int: ...
+
+    def turn_off(self, reason: str) -> None: ...
 
     @property
     def paced_period(self) -> int | None: ...
@@ -101,11 +116,21 @@ class _History(Protocol):
     def goodput(self, job: str) -> Any: ...  # CkptdClient's: p.Goodput
 
 
+class _Processes(Protocol):
+    """A multi-controller job's processes (the runner's ``ResumeAgreement``): this one's index, and how many."""
+
+    index: int
+    count: int
+
+
 class RunParts(Protocol):
     """What the autopilot is made from of its runner (``ElasticRunner``)."""
 
     @property
     def config(self) -> ElasticConfig: ...
+
+    @property
+    def settings(self) -> ClientSettings: ...
 
     @property
     def replicas(self) -> PacedReplicas | None: ...
@@ -117,7 +142,7 @@ class RunParts(Protocol):
     def checkpointer(self) -> _Writer: ...
 
     @property
-    def agreement(self) -> object | None: ...
+    def agreement(self) -> _Processes | None: ...
 
     @property
     def client(self) -> _History: ...
@@ -128,24 +153,36 @@ class RunParts(Protocol):
 @dataclass
 class LivePeriods:
     """The periods in force of the saves the step boundary makes: a persistent save every ``persist`` steps (0:
-    none), a memory-only snapshot every ``memory`` (None: none). The replica tier's is its own
+    none), a memory-only snapshot every ``memory`` (None: none), through the memory tier or not (``memory_tier``:
+    off, every save goes to Orbax; the ``Saver`` is told). The replica tier's is its own
     (``RunnerReplicas.autopilot_period``)."""
 
     persist: int
     memory: int | None
+    memory_tier: bool = True
 
 
 class RunnerAutopilot:
     """One run's autopilot: ``at_boundary(step)`` at every step boundary (the periods in force), ``observe`` for
-    every event the runner emits. ``owned``: the tiers whose period it chooses (those the user left unset)."""
+    every event the runner emits. ``owned``: the tiers whose period it chooses (those the user left unset).
+
+    ``agreement``: a multi-controller job's agreement points (None: a single controller). ``footprint``: what the
+    tiers hold and write; ``host_memory``: the host-memory tiers' budget (None: none known); ``use_memory_tier``:
+    told when the shared-memory tier turns off or on (``Saver.use_memory_tier``)."""
 
     def __init__(self, options: AutopilotOptions, *, checkpoint_period: int | None, memory_period: int | None,
                  memory_tier: bool, replicas: PacedReplicas | None, meter: CostMeter,
-                 emit: Callable[..., None], single_controller: bool = True, history: _History | None = None,
-                 job: str = "") -> None:
+                 emit: Callable[..., None], agreement: PeriodsAgreement | None = None,
+                 history: _History | None = None, job: str = "", footprint: Footprint | None = None,
+                 host_memory: HostMemory | None = None,
+                 use_memory_tier: Callable[[bool], None] | None = None) -> None:
         self.options = options
         self.meter = meter
         self.replicas = replicas
+        self.agreement = agreement
+        self.footprint = footprint or Footprint()
+        self.host_memory = host_memory
+        self._use_memory_tier = use_memory_tier
         self._emit = emit
         self._memory_tier = memory_tier
         self._fixed: dict[str, int | None] = {Tier.REPLICAS: replicas.options.period if replicas else None,
@@ -158,19 +195,20 @@ class RunnerAutopilot:
         self.off_reason: str | None = None
         if not options.enabled:
             self.off_reason = "off (AutopilotOptions.enabled=False)"
-        elif not single_controller:
-            self.off_reason = "off: a multi-controller job's processes must save at the same steps"
         elif checkpoint_period == 0:
             self.off_reason = "off: no periodic persistent save (checkpoint_period=0) to plan around"
         elif not self.owned:
             self.off_reason = "off: every period is set"
         if self.off_reason is not None and options.enabled and self.owned:
             _log.info("autopilot %s; the periods stay as configured", self.off_reason)
-        # the job's earlier runs, asked of ckptd where no MTBF is configured: part of the prior (``_history``)
+        # the job's earlier runs, asked of ckptd where no MTBF is configured: part of the prior (``_history``); in
+        # a multi-controller job by the process that chooses only
+        chooses = agreement is None or agreement.leader
         self.earlier = (EarlierRunsAsked(history, job) if history is not None and self.off_reason is None
-                        and options.mtbf_hours is None else None)
+                        and options.mtbf_hours is None and chooses else None)
         self.pilot: Autopilot | None = None
-        self.decisions: list[Decision] = []
+        self.decisions: list[Decision] = []  # the changes this process chose
+        self.agreed: list[AgreedPeriods] = []  # a multi-controller job's: the choices in force, point by point
         self._tiers: tuple[str, ...] = ()  # the tiers the failure history counts shares of
         self._fed_at = meter.clock()  # running time fed to the failure estimate up to here
         self._exposure = 0.0  # before a prior: running time and failures seen, for the run's own prior
@@ -184,14 +222,23 @@ class RunnerAutopilot:
     def for_run(cls, runner: RunParts) -> RunnerAutopilot:
         """The autopilot of an ``ElasticRunner``: its config, its replica tier, the directory its shared-memory
         snapshots go to (where ckptd marks them persisted), its Orbax writer (whether a save is being written)."""
-        config, memory = runner.config, runner.saver.memory
+        config, saver = runner.config, runner.saver
+        memory = saver.memory
         memory_dir = memory.dir if memory is not None else None
         meter = CostMeter(persisted_at=(lambda step: persisted_at(memory_dir, step)) if memory_dir else None,
                           storage_busy=runner.checkpointer.is_saving)
+        processes = runner.agreement
+        agreement = (PeriodsAgreement(processes.index, processes.count, settings=runner.settings)
+                     if processes is not None else None)
+        footprint = Footprint(step_size=lambda: saver.last_size)
+        if memory is not None:
+            footprint = replace(footprint, memory_bytes=lambda: memory.held_bytes)
         return cls(config.autopilot, checkpoint_period=config.checkpoint_period,
                    memory_period=config.memory_tier.memory_period, memory_tier=memory_dir is not None,
-                   replicas=runner.replicas, meter=meter, emit=runner.emit,
-                   single_controller=runner.agreement is None, history=runner.client, job=config.job)
+                   replicas=runner.replicas, meter=meter, emit=runner.emit, agreement=agreement,
+                   history=runner.client, job=config.job, footprint=footprint,
+                   host_memory=host_memory_budget(config.autopilot.host_memory_budget_bytes),
+                   use_memory_tier=saver.use_memory_tier)
 
     # ---- the hot path ------------------------------------------------------------------------------
 
@@ -200,7 +247,11 @@ class RunnerAutopilot:
         self.meter.boundary()
         if self.off_reason is not None:
             return self.periods
-        seen = self.meter.version + self._failures + (self.replicas.cycles_closed if self.replicas else 0)
+        if self.agreement is not None:
+            if self.agreement.due(step):
+                self._agree(step, self.agreement)
+            return self.periods
+        seen = self._measured()
         if seen == self._seen:
             return self.periods
         now = self.meter.clock()
@@ -209,6 +260,10 @@ class RunnerAutopilot:
         self._seen = seen
         self._choose(step, now)
         return self.periods
+
+    def _measured(self) -> int:
+        """A count of what was measured so far: a choice needs making again only when it moved."""
+        return self.meter.version + self._failures + (self.replicas.cycles_closed if self.replicas else 0)
 
     def observe(self, kind: str, step: int | None, fields: Mapping[str, Any]) -> None:
         """An event of the runner: costs for the meter; failures for the estimate (counted when their recovery
@@ -270,8 +325,15 @@ class RunnerAutopilot:
     # ---- the choice ------------------------------------------------------------------------------
 
     def _costs(self, step_s: float) -> list[TierCosts] | None:
-        """Each tier the run has, as measured; None while a tier's save has not been timed yet."""
+        """Each tier the run has, as measured; None while a tier's save has not been timed yet. Where the host-memory
+        tiers do not fit the budget together, those whose period the autopilot owns are optional: the model leaves
+        off what does not fit (only then: a tier the model left off for a moment's goodput would be gone for good)."""
         out: list[TierCosts] = []
+        size = self.footprint.step_size()
+        write_bytes = float(size[0]) if size is not None else 0.0
+        requests = self.options.storage_requests_per_save
+        if requests is None:
+            requests = estimated_requests(size[1], self.agreement.count if self.agreement else 1) if size else 0.0
         replicas = self.replicas
         if replicas is not None and replicas.off_reason is None:
             measured = replicas.measured()
@@ -283,27 +345,33 @@ class RunnerAutopilot:
             # the floor is the pacer's period in force (it moves only with the pacer's own hysteresis), not one
             # recomputed from each new measurement: a floor that jitters would break the periods in force by turns
             paced = replicas.paced_period
-            out.append(self._tier(Tier.REPLICAS, step_s, cost_s, copy_s,
-                                  (paced, "overhead budget") if paced else (1, "bound")))
+            out.append(self._tier(Tier.REPLICAS, step_s, cost_s, copy_s, (paced, "overhead budget") if paced else
+                                  (1, "bound"), host_bytes=replicas.host_bytes))
         memory = self.meter.block[Tier.MEMORY].median()
         if self._memory_tier:
             if memory is None:
                 return None
-            out.append(self._tier(Tier.MEMORY, step_s, memory, memory))
+            out.append(self._tier(Tier.MEMORY, step_s, memory, memory, host_bytes=self.footprint.memory_bytes()))
             persist = self.meter.copy["persist"].median() or 0.0  # the persist is ckptd's: it costs the loop nothing
-            out.append(self._tier(Tier.STORAGE, step_s, 0.0, persist, nested=True))
+            out.append(self._tier(Tier.STORAGE, step_s, 0.0, persist, nested=True, write_bytes=write_bytes,
+                                  requests=requests))
         else:
             storage = self.meter.block[Tier.STORAGE].median()
             if storage is None:
                 return None
-            out.append(self._tier(Tier.STORAGE, step_s, storage, self.meter.copy[Tier.STORAGE].median() or 0.0))
+            out.append(self._tier(Tier.STORAGE, step_s, storage, self.meter.copy[Tier.STORAGE].median() or 0.0,
+                                  write_bytes=write_bytes, requests=requests))
+        budget = self.host_memory.budget_bytes if self.host_memory is not None else None
+        if budget is not None and sum(t.host_bytes for t in out) > budget:
+            out = [replace(t, optional=True) if t.host_bytes and t.name in self.owned else t for t in out]
         return out
 
     def _tier(self, name: str, step_s: float, block_s: float, copy_s: float, floor: tuple[int, str] = (1, "bound"),
-              nested: bool = False) -> TierCosts:
+              nested: bool = False, host_bytes: float = 0.0, write_bytes: float = 0.0,
+              requests: float = 0.0) -> TierCosts:
         """A tier's costs with the bounds on its period: fixed where the user set it (a copy longer than that
         period is waited for or skipped: its cost is in the block measured), else the options' bounds and the
-        tier's own floor."""
+        tier's own floor; with what it holds of the host's memory and what a save writes to storage."""
         restore_s, first_s = self.meter.recovery(name)
         fixed = self._fixed[name] if name not in self.owned else None
         if fixed:
@@ -313,9 +381,25 @@ class RunnerAutopilot:
             low, why = max((low, "bound"), floor)
         return TierCosts(name, block_s=block_s, copy_s=copy_s, restore_s=restore_s, first_step_s=first_s,
                          nested=nested, min_period_s=low * step_s, min_reason=why,
-                         max_period_s=None if high is None else high * step_s)
+                         max_period_s=None if high is None else high * step_s, host_bytes=host_bytes,
+                         write_bytes=write_bytes, requests=requests)
+
+    def _constraints(self) -> Constraints:
+        options = self.options
+        return Constraints(host_memory_bytes=self.host_memory.budget_bytes if self.host_memory is not None else None,
+                           storage_Bps=options.storage_bytes_per_s,
+                           storage_requests_per_s=options.storage_requests_per_s,
+                           max_lost_steps=options.max_lost_steps)
 
     def _choose(self, step: int, now: float) -> None:
+        """A single controller's choice at ``step``: made, applied, and each change reported."""
+        decision = self._decide(step, now)
+        if decision is not None:
+            self._report(step, decision, self._fields(decision))
+
+    def _decide(self, step: int, now: float) -> Decision | None:
+        """Choose again from what is measured now; the decision when it changed the periods (applied), else None
+        (nothing to choose from yet, or the periods in force kept)."""
         self.meter.poll_persists()
         replicas = self.replicas
         paced = replicas.measured() if replicas is not None and replicas.off_reason is None else None
@@ -324,27 +408,101 @@ class RunnerAutopilot:
         self._ran()
         pilot = self._history(tuple(t.name for t in tiers)) if tiers else None
         if step_s is None or tiers is None or pilot is None:
-            return
+            return None
         self._last_choice, self._urgent = now, False
         decision = pilot.decide(step_s, tiers, detect_s=self.meter.detect.median() or 0.0,
-                                constraints=Constraints(max_lost_steps=self.options.max_lost_steps))
+                                constraints=self._constraints())
         if not decision.changed:
             _log.debug("autopilot at step %d: %s", step, decision.describe())
-            return
+            return None
         self.decisions.append(decision)
-        for name, period in zip(self._tiers, decision.plan.periods, strict=True):
-            if name not in self.owned or period is None:
-                continue
-            if name == Tier.REPLICAS and replicas is not None:
-                replicas.autopilot_period = period
-            elif name == Tier.MEMORY:
-                self.periods.memory = period
+        periods = dict(zip(self._tiers, decision.plan.periods, strict=True))
+        if replicas is not None and Tier.REPLICAS in self.owned and Tier.REPLICAS in periods:
+            period = periods[Tier.REPLICAS]
+            if period is None:  # left off: it does not fit the host's memory beside the others
+                replicas.turn_off(f"the autopilot left it off: {'; '.join(decision.plan.notes) or decision.reason}")
             else:
-                self.periods.persist = period
+                replicas.autopilot_period = period
+        if Tier.MEMORY in self.owned and Tier.MEMORY in periods:
+            self._set_memory(periods[Tier.MEMORY])
+        if Tier.STORAGE in self.owned and periods.get(Tier.STORAGE) is not None:
+            persist = periods[Tier.STORAGE]
+            assert persist is not None
+            self.periods.persist = persist
         _log.info("autopilot at step %d: %s", step, decision.describe())
+        return decision
+
+    def _set_memory(self, period: int | None, memory_tier: bool | None = None) -> None:
+        """The shared-memory tier's period (None: off, its saves to Orbax meanwhile), the ``Saver`` told of a turn."""
+        on = period is not None if memory_tier is None else memory_tier
+        self.periods.memory = period
+        if on != self.periods.memory_tier:
+            self.periods.memory_tier = on
+            _log.warning("autopilot: the shared-memory tier %s", "on again" if on else
+                         "off: it does not fit the host's memory beside the other tiers; saves go to Orbax")
+            if self._use_memory_tier is not None:
+                self._use_memory_tier(on)
+
+    def _fields(self, decision: Decision) -> dict[str, Any]:
+        """The ``autopilot_decided`` event's fields: the decision's, where the host-memory budget comes from, and
+        in a multi-controller job the processes that apply it and the one that chose."""
         fields = decision.fields()
         fields["autopilot_reason"] = str(fields["autopilot_reason"])[:2000]
+        fields["autopilot_host_memory_source"] = self.host_memory.source if self.host_memory is not None else None
+        if self.agreement is not None:
+            fields["autopilot_processes"] = self.agreement.count
+            fields["autopilot_decided_by"] = self.agreement.index
+        return fields
+
+    def _report(self, step: int, decision: Decision, fields: dict[str, Any]) -> None:
         self._emit("autopilot_decided", step, decision.describe()[:1900], **fields)
+
+    # ---- a multi-controller job ------------------------------------------------------------------
+
+    def _agree(self, step: int, agreement: PeriodsAgreement) -> None:
+        """An agreement point: the leader chooses (when something new was measured) and publishes the periods in
+        force from here; the others wait for them and apply them. Each change is reported by every process."""
+        first = agreement.points == 0
+        if not agreement.leader:
+            if first:
+                agreement.tell_budget(self.host_memory.budget_bytes if self.host_memory is not None else None)
+            agreed = agreement.receive(step)
+            self.agreed.append(agreed)
+            if Tier.STORAGE in self.owned:
+                self.periods.persist = agreed.persist
+            if Tier.MEMORY in self.owned:
+                self._set_memory(agreed.memory, agreed.memory_tier)
+            if agreed.decision is not None:
+                _log.info("autopilot at step %d, as process 0 chose: %s", step, agreed.detail)
+                self._emit("autopilot_decided", step, agreed.detail[:1900], **agreed.decision)
+            return
+        if first:
+            self._smallest_budget(agreement.budgets())
+        decision: Decision | None = None
+        seen = self._measured()
+        if seen != self._seen:
+            self._seen = seen
+            decision = self._decide(step, self.meter.clock())
+        fields = self._fields(decision) if decision is not None else None
+        agreed = AgreedPeriods(step, step + interval_steps(self.meter.step_s()), self.periods.persist,
+                               self.periods.memory, self.periods.memory_tier, fields,
+                               decision.describe()[:1900] if decision is not None else "")
+        agreement.publish(agreed)
+        self.agreed.append(agreed)
+        if decision is not None and fields is not None:
+            self._report(step, decision, fields)
+
+    def _smallest_budget(self, others: list[float | None]) -> None:
+        """The leader's budget: the smallest host's, so that its choice fits every host."""
+        known = [(b, f"process {k + 1}'s") for k, b in enumerate(others) if b is not None]
+        if self.host_memory is not None:
+            known.append((self.host_memory.budget_bytes, "this process's"))
+        if not known:
+            return
+        budget, whose = min(known, key=lambda k: k[0])
+        if self.host_memory is None or budget < self.host_memory.budget_bytes:
+            source = f"{whose} host, the smallest of {len(others) + 1}"
+            self.host_memory = HostMemory(budget, source)
 
 
 def persisted_at(memory_dir: Path, step: int) -> float | None:

@@ -152,8 +152,9 @@ class AutopilotOptions:
     """The autopilot: the periods of the replica snapshots, the shared-memory snapshots and the persistent saves
     re-chosen during the run from their measured costs and the failures seen (docs/planning.md, "Autopilot in a
     run"). It chooses only the periods left unset (``ReplicaOptions.period``, ``MemoryTierOptions.memory_period``,
-    ``ElasticConfig.checkpoint_period``); one that is set stays as it is and the others are chosen around it. A
-    single-controller run only (every process of a multi-controller job must save at the same steps)."""
+    ``ElasticConfig.checkpoint_period``); one that is set stays as it is and the others are chosen around it. In a
+    multi-controller job process 0 chooses and every process applies its choice at the same step (the options must
+    be the same in every process)."""
 
     enabled: bool = True
     # the job's mean time between failures expected before the run has seen any (the prior, worth one failure);
@@ -171,8 +172,24 @@ class AutopilotOptions:
     replica_bounds: tuple[int, int | None] = (1, None)
     memory_bounds: tuple[int, int | None] = (1, None)
     persist_bounds: tuple[int, int | None] = (1, None)
+    # what the host-memory tiers (replica snapshots, shared-memory snapshots and the spare file kept for the next
+    # one) may hold together on each host; a tier that does not fit beside the others is turned off. None: the
+    # host's memory limit (its cgroup's, else the machine's) less a quarter
+    host_memory_budget_bytes: int | None = None
+    # the storage the job's saves may use on average, every host together (None: no limit): a save's bytes over
+    # the bandwidth, and its requests over the request rate, are the shortest period of the tiers that write
+    storage_bytes_per_s: float | None = None
+    storage_requests_per_s: float | None = None
+    # requests one persistent save makes, every host together; None: estimated from the save's arrays and the
+    # processes (trainer_client/runtime/autopilot/_autopilot_costs.py, ``estimated_requests``)
+    storage_requests_per_save: float | None = None
 
     def __post_init__(self) -> None:
+        for name in ("host_memory_budget_bytes", "storage_bytes_per_s", "storage_requests_per_s",
+                     "storage_requests_per_save"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < float("inf"):
+                raise ValueError(f"AutopilotOptions.{name}={value}: > 0 and finite, or None")
         if self.mtbf_hours is not None and not 0 < self.mtbf_hours < float("inf"):
             raise ValueError(f"AutopilotOptions.mtbf_hours={self.mtbf_hours}: hours > 0, or None (learned)")
         if self.min_failures < 1 or not 0 <= self.min_gain < 1:

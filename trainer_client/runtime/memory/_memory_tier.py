@@ -95,6 +95,7 @@ class MemoryTier:
         self.reserve_bytes = reserve_bytes
         self.preallocate = preallocate and max_snapshots > 1
         self.last_blocked_s: float | None = None
+        self.file_bytes = 0  # the last snapshot's file (its spare's size too): 0 before the first save
         self.last_spare_s: float | None = None  # how long the background allocation of the last spare took
         self._spare = self.dir / f"{SNAPSHOT_SPARE_PREFIX}{os.getpid()}"
         self._spare_thread: threading.Thread | None = None
@@ -105,6 +106,12 @@ class MemoryTier:
         ensure_private_dir(shm_dir)  # UnsafePathError: someone else could write (or owns) the directory
         ensure_private_dir(self.dir)
         drop_leftovers(self.dir)
+
+    @property
+    def held_bytes(self) -> int:
+        """Host memory the tier holds at its peak, as the last save sized it: ``max_snapshots`` snapshot files, the
+        spare file made ahead for the next save among them (it is made only where one fewer is held)."""
+        return self.max_snapshots * self.file_bytes
 
     def _make_room(self, nbytes: int) -> None:
         """Evict down to fewer than ``max_snapshots``; check that ``nbytes`` more fit."""
@@ -174,6 +181,7 @@ class MemoryTier:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         self.last_blocked_s = time.perf_counter() - started
+        self.file_bytes = max(nbytes, offset)
         if self.preallocate:  # sized as this save's bound, which the same state's next save asks for
             self._start_spare(nbytes, final)
         return final

@@ -134,6 +134,25 @@ class RunnerReplicas:
         """Snapshots whose whole cost is measured: a choice made from the costs needs revising only after one."""
         return self.meter.cycles_closed
 
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the tier holds on this host at its peak: two copies of its share (the held one and the next,
+        in flight); 0 before the first snapshot sized it."""
+        return 2 * self._nbytes
+
+    def turn_off(self, reason: str) -> None:
+        """Turn the tier off for the rest of the run (the autopilot's choice: it does not fit the host's memory
+        beside the other tiers): its held snapshot's memory goes back, ``on_off(reason)`` is told."""
+        if self.off_reason is not None:
+            return
+        self.off_reason = f"replica snapshot tier off: {reason}"
+        _log.warning("%s", self.off_reason)
+        if self.tier is not None:
+            self.tier.close()
+            self.tier = None
+        if self._on_off is not None:
+            self._on_off(self.off_reason)
+
     def measured(self) -> tuple[float, KindCosts] | None:
         """The step time and the costs of the memory kind in use (the pacer's choice; with a fixed period, the
         first measured), as measured now (the pacer's window); None before a snapshot's whole cost is known."""

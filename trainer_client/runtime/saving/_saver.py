@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import jax
 
@@ -71,8 +71,29 @@ class StorageWriter(Protocol):
     def reset(self) -> None: ...
 
 
+class StepSize(NamedTuple):
+    """What one save of the state writes to storage, every host together: ``nbytes`` (each array's global bytes,
+    every region once, as Orbax stores it uncompressed) and ``arrays`` (the leaves stored as arrays)."""
+
+    nbytes: int
+    arrays: int
+
+
+def step_size(state: PyTree) -> StepSize:
+    """The ``StepSize`` of ``state`` (a leaf's ``nbytes``: a ``jax.Array``'s is its global size)."""
+    nbytes = arrays = 0
+    for leaf in jax.tree_util.tree_leaves(state):
+        size = getattr(leaf, "nbytes", None)
+        if isinstance(size, int) and size >= 0 and hasattr(leaf, "shape"):
+            nbytes += size
+            arrays += 1
+    return StepSize(nbytes, arrays)
+
+
 class Saver:
-    """Routes saves to the memory tier or to Orbax, and remembers which steps were saved how."""
+    """Routes saves to the memory tier or to Orbax, and remembers which steps were saved how. ``memory_on``: whether
+    saves use the memory tier now (the autopilot turns it off where it does not fit the host's memory:
+    ``use_memory_tier``); off, every save goes to Orbax as without one."""
 
     def __init__(self, checkpointer: StorageWriter, memory: MemoryTier | None, health: HealthWatch | None,
                  route: SaveRoute | None = None, *, settings: ClientSettings | None = None) -> None:
@@ -87,7 +108,19 @@ class Saver:
         self.saved_steps: set[int] = set()
         self.last_tier: str | None = None
         self.last_blocked_s: float | None = None
+        self.last_size: StepSize | None = None  # what the last save wrote (or will have ckptd write)
+        self.memory_on = True
         self._said_away = False  # warned that ckptd is away, since it last answered
+
+    def use_memory_tier(self, on: bool) -> None:
+        """Saves through the memory tier (``on``) or straight to Orbax. Turned off, its spare file's memory goes back
+        now (the snapshots held stay ckptd's, until persisted and evicted). In a multi-process job every process
+        must turn it at the same step (the autopilot's agreed choice): a save's route is agreed as it is."""
+        if on == self.memory_on:
+            return
+        self.memory_on = on
+        if not on and self.memory is not None:
+            self.memory.close()
 
     def save(self, step: int, state: PyTree, meta: TrainingMetadata, *, persist: bool,
              if_busy: Literal["wait", "skip"] = "wait", data_iterator: DataIteratorRecord | None = None) -> str:
@@ -111,7 +144,7 @@ class Saver:
         # processes agree on it (``self.route``): one host's full tier sends every process's save to Orbax.
         full: MemoryTierFull | None = None
         busy: bool | None = None  # whether some process's previous direct save is still being written
-        if self.memory is not None:
+        if self.memory is not None and self.memory_on:
             try:
                 self.memory.save(step, state, meta, persist=persist, data_iterator=data_iterator,
                                  item=self.checkpointer.item)
@@ -155,6 +188,7 @@ class Saver:
             self.last_blocked_s = self.checkpointer.last_save_blocked_s
         self.saved_steps.add(step)
         self.last_tier = tier
+        self.last_size = step_size(state)
         return tier
 
     def wait(self) -> None:
@@ -170,4 +204,4 @@ class Saver:
             self.memory.close()
 
 
-__all__ = ["HealthWatch", "Saver", "StorageWriter"]
+__all__ = ["HealthWatch", "Saver", "StepSize", "StorageWriter", "step_size"]
