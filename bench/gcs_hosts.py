@@ -1,7 +1,7 @@
 """N simulated hosts persisting one step of a multi-host job to one bucket that behaves like GCS under load
 (docs/gcs.md, "Many hosts on one bucket"): ``python -m bench.gcs_hosts --hosts 64,256,1024``.
 
-Each host is what ckptd runs on it: a ``PartSaves`` (``ckptd/catalog/_part_commit.py``) with its own gcsfs client
+Each host is what ckptd runs on it: a ``PartSaves`` (``ckptd/multihost/_part_commit.py``) with its own gcsfs client
 (its own listing cache), persisting its own part of the step (``bench/gcs_host_parts.py``: a real layout at a
 small size) through a persist worker child, as the sidecar's keeper does: claim, the part's Orbax writes, the
 part record; a failed try is tried again after the keeper's ``PART_RETRY_S``. One leader (its own client and
@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.gcs_host_parts import write_host_parts
-from ckptd.catalog._commit_pass import CommitPass
-from ckptd.catalog._part_commit import PartSaves
 from ckptd.memory_tier._snapshots import PART_RETRY_S
+from ckptd.multihost._commit_pass import CommitPass
+from ckptd.multihost._part_commit import PartSaves
 from ckptd.persist._worker_client import (
     PersistSnapshot,
     PersistWorker,

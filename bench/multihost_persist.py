@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from bench.common import Figure, Profile, Results, alternate, rmtree
-from ckptd.catalog._part_commit import PartSaves
+from ckptd.multihost._part_commit import PartSaves
 from ckptd.persist._worker_client import InProcessWorker, PersistSnapshot, PersistWorker, PersistWorkerClient
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._files import SNAPSHOT_DATA_FILE, SNAPSHOT_META_FILE

@@ -10,6 +10,11 @@ hands it to ``create_app`` (``ckptd/api/_app.py``), whose lifespan starts it onc
 at SIGTERM. The HTTP package receives what this module built and wires nothing of its own beyond what its
 routes hold per app (caches, the advice threads); the catalog, config and metrics modules know nothing of
 either. Tests build several sidecars in one process: nothing here is global.
+
+The rooms it wires import only downwards (events, lease and persist, then the catalog, then the multi-host
+commit, then the memory tier), so what crosses upwards is handed in here: the leader's commit pass of multi-host
+steps runs beside the catalog's refresher as a worker of its own (``commit_pass``), and the catalog's retention
+cleans the multi-host saves never completed through the ``clean_parts`` it is given.
 """
 
 from __future__ import annotations
@@ -26,15 +31,18 @@ from ckptd.config import Settings
 from ckptd.events._events import EventLimits, EventStore
 from ckptd.lease._lease import LeaseBoard
 from ckptd.memory_tier._snapshots import SnapshotKeeper
+from ckptd.multihost._abandoned_parts import clean_abandoned_parts
+from ckptd.multihost._commit_pass import CommitPass
 from ckptd.peers import PeerService, build_peers
-from ckptd.persist._worker_client import PersistWorkerClient
+from ckptd.persist._worker_client import PersistWorker, PersistWorkerClient
 from trainer_client.core import Storage
 
 
 @dataclass
 class Sidecar:
-    """The catalog of one root and its workers: the refresher (scans, retention, the leader's commits), the
-    commit tracker (metrics and events from storage), the host-memory tier and the lease, when configured."""
+    """The catalog of one root and its workers: the refresher (scans, retention), the leader's commit pass of
+    multi-host steps, the commit tracker (metrics and events from storage), the host-memory tier and the lease,
+    when configured."""
 
     settings: Settings
     catalog: Catalog
@@ -42,6 +50,7 @@ class Sidecar:
     events: EventStore
     tracker: CommitTracker
     refresher: Refresher
+    commits: CommitPass  # the leader's commits of multi-host steps, over the catalog's jobs (ckptd/multihost)
     keeper: SnapshotKeeper | None = None  # with CKPTD_SHM_DIR (ckptd/memory_tier/_snapshots.py)
     lease: LeaseBoard | None = None  # with CKPTD_LEASE_TTL_S: which jobs this sidecar writes (ckptd/lease/_lease.py)
     peers: PeerService | None = None  # with CKPTD_PEER_PORT: copies of the parts among hosts (ckptd/peers)
@@ -52,6 +61,7 @@ class Sidecar:
         if self.lease is not None:
             self.lease.start()
         self.refresher.start()
+        self.commits.start()
         self.tracker.start()
         if self.peers is not None:
             self.peers.start()
@@ -63,6 +73,7 @@ class Sidecar:
             self.keeper.stop(self.settings.memory_tier.drain_timeout_s)
         self.tracker.stop()
         self.refresher.stop()
+        self.commits.stop()  # one last pass: the keeper's drain may just have written the last parts
         if self.lease is not None:  # last: the other workers are done writing
             self.lease.stop()
 
@@ -82,10 +93,22 @@ def retention_policy(retention: RetentionSettings) -> RetentionPolicy:
 
 
 def _prune_and_record(catalog: Catalog, policy: RetentionPolicy, events: EventStore) -> int:
-    """One retention pass, its deletions and its refused deletions recorded as the jobs' events."""
+    """One retention pass (with the multi-host saves never completed), its deletions and its refused deletions
+    recorded as the jobs' events."""
     refused: list[Decision] = []
-    deleted = prune(catalog, policy, refused=refused)
+    deleted = prune(catalog, policy, refused=refused, clean_parts=lambda job: clean_abandoned_parts(
+        catalog.storage, job, catalog.save_timeout_s, writes=catalog.writes))
     return record_retention(events, deleted, refused)
+
+
+def commit_pass(catalog: Catalog, interval_s: float, worker: PersistWorker | None = None) -> CommitPass:
+    """The leader's commit pass of multi-host steps over every job of ``catalog`` once its first scan is done,
+    committing where it leads (``Catalog.writes``), a commit another sidecar decided redone after the catalog's
+    save timeout; each commit refreshes its job. Not started."""
+    return CommitPass(
+        catalog.storage, jobs=lambda: [j.name for j in catalog.jobs()] if catalog.ready.is_set() else [],
+        writes=catalog.writes, interval_s=interval_s, worker=worker,
+        on_committed=lambda job, _step: catalog.refresh_job(job), redo_after_s=catalog.save_timeout_s)
 
 
 def build_sidecar(settings: Settings, catalog: Catalog | None = None) -> Sidecar:
@@ -118,14 +141,14 @@ def build_sidecar(settings: Settings, catalog: Catalog | None = None) -> Sidecar
         if policy.prunes_good_steps or policy.clean_abandoned else None,
         maintenance_interval_s=settings.retention.gc_interval_s,
         on_refresh=keeper.scan if keeper is not None else None,
-        # the leader's commits
-        commit_worker=PersistWorkerClient(nice=memory.persist_nice, devices=memory.persist_devices),
     )
+    commits = commit_pass(cat, storage.refresh_interval_s,
+                          PersistWorkerClient(nice=memory.persist_nice, devices=memory.persist_devices))
     peers = build_peers(settings.peer, memory, storage.root)
     if peers is not None:
         metrics.watch_peers(peers.snapshot)  # the channel's numbers on /metrics (docs/operations.md)
     return Sidecar(settings=settings, catalog=cat, metrics=metrics, events=events, tracker=tracker,
-                   refresher=refresher, keeper=keeper, lease=cat.lease, peers=peers)
+                   refresher=refresher, commits=commits, keeper=keeper, lease=cat.lease, peers=peers)
 
 
-__all__ = ["Sidecar", "build_sidecar", "open_catalog", "retention_policy"]
+__all__ = ["Sidecar", "build_sidecar", "commit_pass", "open_catalog", "retention_policy"]

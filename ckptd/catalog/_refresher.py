@@ -1,6 +1,10 @@
-"""The refresher: a daemon thread that keeps the catalog in line with storage while ckptd serves, and the
-commit pass of multi-host steps beside it (``ckptd.catalog._commit_pass``: every job the catalog knows, not only
-those in this host's shared memory).
+"""The refresher: a daemon thread that keeps the catalog in line with storage while ckptd serves (and runs
+retention, handed in as ``maintenance``).
+
+The commit pass of multi-host steps runs beside it, on a thread of its own, over every job the catalog knows
+(``ckptd/multihost/_commit_pass.py``), but the refresher neither builds nor starts it: the composition root
+(``ckptd/_sidecar.py``) does, as it does the other workers. A newcomer looking for who commits a multi-host step
+finds it in the multi-host room, and the catalog, below that room, imports nothing of it.
 
 Each job's part of a pass — its scan, the first sight of its new steps, the re-validation of its newest good
 step and the read of that step's layout — runs on ``JobWorkers`` (``ckptd/catalog/_job_workers.py``), at most
@@ -20,9 +24,7 @@ from concurrent.futures import Future, wait
 from functools import partial
 
 from ckptd.catalog._catalog import Catalog
-from ckptd.catalog._commit_pass import CommitPass
 from ckptd.catalog._job_workers import JobWorkers
-from ckptd.persist._worker_client import PersistWorker
 
 _log = logging.getLogger(__name__)
 
@@ -32,9 +34,7 @@ JOB_WORKERS = 4  # jobs scanned at once (each scan settles up to four steps at o
 class Refresher:
     """A daemon thread that rebuilds the catalog once, then refreshes it every ``interval_s`` (listing every
     step again every ``full_every`` passes) and runs ``maintenance`` (retention) every
-    ``maintenance_interval_s``. ``commits``: the commit pass of multi-host steps over the catalog's jobs,
-    committing where ``catalog.writes``, started and stopped with it; its persist worker (``commit_worker``,
-    default: the worker's defaults) starts on the first step ready to commit."""
+    ``maintenance_interval_s``."""
 
     def __init__(
         self,
@@ -45,7 +45,6 @@ class Refresher:
         maintenance_interval_s: float = 300.0,
         on_refresh: Callable[[], object] | None = None,
         full_every: int = 30,
-        commit_worker: PersistWorker | None = None,
         job_workers: int = JOB_WORKERS,
     ) -> None:
         self.catalog = catalog
@@ -55,23 +54,17 @@ class Refresher:
         self.maintenance = maintenance
         self.maintenance_interval_s = maintenance_interval_s
         self._last_maintenance = time.monotonic()
-        self.commits = CommitPass(
-            catalog.storage, jobs=lambda: [j.name for j in catalog.jobs()] if catalog.ready.is_set() else [],
-            writes=catalog.writes, interval_s=interval_s, worker=commit_worker,
-            on_committed=lambda job, _step: catalog.refresh_job(job), redo_after_s=catalog.save_timeout_s)
         self._stop = threading.Event()
         self._jobs = JobWorkers(job_workers)
         self._thread = threading.Thread(target=self._run, name="ckptd-refresher", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
-        self.commits.start()
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
         self._jobs.close()  # a job's pass still running is left to finish, or to end with the process
-        self.commits.stop()
 
     def busy_jobs(self) -> list[str]:
         """The jobs whose pass is running or waits for a worker."""

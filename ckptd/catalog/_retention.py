@@ -23,9 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 from ckptd.catalog._job_lock import job_lock
-from ckptd.catalog._part_commit import JOB_BUDGET_S, PartSaves
 from ckptd.events._events import EventStore
-from ckptd.persist._worker_client import InProcessWorker
 from trainer_client.core import (
     ListedGenerations,
     Storage,
@@ -35,7 +33,7 @@ from trainer_client.core import (
     listed_generations,
     storage_errors,
 )
-from trainer_client.core.format import CLAIMS_DIR, COMMIT_MARKER, PARTS_DIR, spans, step_path_for
+from trainer_client.core.format import CLAIMS_DIR, COMMIT_MARKER, PARTS_DIR
 from trainer_client.core.protocol import CheckpointInfo, ElasticEvent, StepState
 
 if TYPE_CHECKING:
@@ -182,9 +180,10 @@ def _delete_fenced(storage: Storage, d: Decision, listed: ListedGenerations, sav
 
 def _saved_in_place(storage: Storage, d: Decision) -> bool:
     """Whether ``d`` would delete an uncommitted step directory on ``gs://`` that a multi-host save writes in place
-    (its step claimed, or part records in it). Retention leaves it to ``clean_abandoned_parts``, which decides the
-    save's fate first: a leader paused past its checks here would otherwise delete what a newer leader committed
-    since, the same save's late part or a restarted incarnation's save of the step (docs/multihost.md, section 5)."""
+    (its step claimed, or part records in it). Retention leaves it to ``clean_abandoned_parts`` (``prune``'s
+    ``clean_parts``: ckptd/multihost/_abandoned_parts.py), which decides the save's fate first: a leader paused
+    past its checks here would otherwise delete what a newer leader committed since, the same save's late part or a
+    restarted incarnation's save of the step (docs/multihost.md, section 5)."""
     if d.state is StepState.VERIFIED or not storage.is_remote:
         return False
     job_dir, name = posixpath.split(d.path.rstrip("/"))
@@ -216,35 +215,13 @@ def checked_decisions(catalog: Catalog, job: str, policy: RetentionPolicy) -> li
             return decisions
 
 
-def clean_abandoned_parts(storage: Storage, job: str, older_than_s: float, *, budget_s: float = JOB_BUDGET_S,
-                          writes: Callable[[str], bool] = lambda _job: True) -> list[Decision]:
-    """Delete the multi-host saves of ``job`` claimed longer than ``older_than_s`` ago and never committed
-    (a host's part never came): their staged or in-place files, then the claim; and the staged saves whose
-    claim a restarted incarnation took over (``PartSaves.superseded``). Looking for them stops after
-    ``budget_s`` (the rest waits for the next run): a job's forged claims hold up no other job's retention.
-    ``writes(job)``: whether this sidecar still leads, asked again under the job's lock before each deletion."""
-    saves = PartSaves(storage, InProcessWorker(lambda _request: {"ok": False, "error": "retention writes no parts"}),
-                      writes=writes, redo_after_s=older_than_s)
-    out = []
-    deadline = time.monotonic() + budget_s
-    for found in saves.abandoned(job, older_than_s, spent=lambda: time.monotonic() > deadline):
-        with storage_errors(f"cannot delete the abandoned save {found.save_id} of step {found.step}"):
-            if not saves.clean(found):
-                continue
-        out.append(Decision(found.step, step_path_for(storage, job, found.step, found.save_id), StepState.ABANDONED,
-                            "delete", [f"multi-host save {found.save_id} abandoned: parts {spans(found.missing)} "
-                                       "missing after the save timeout"]))
-    for step, save_id in saves.superseded(job, spent=lambda: time.monotonic() > deadline):
-        with storage_errors(f"cannot delete the superseded save {save_id} of step {step}"):
-            if saves.clean_superseded(job, step, save_id):
-                out.append(Decision(step, step_path_for(storage, job, step, save_id), StepState.ABANDONED, "delete",
-                                    [f"multi-host save {save_id} superseded: its step's claim is another save's"]))
-    return out
-
-
-def prune(catalog: Catalog, policy: RetentionPolicy, *, refused: list[Decision] | None = None) -> list[Decision]:
+def prune(catalog: Catalog, policy: RetentionPolicy, *, refused: list[Decision] | None = None,
+          clean_parts: Callable[[str], Iterable[Decision]] | None = None) -> list[Decision]:
     """Apply ``policy`` to every job of a catalog (what the server runs every ``gc_interval_s``); the deletions
-    refused on ``gs://`` (``collect``) are appended to ``refused``."""
+    refused on ``gs://`` (``collect``) are appended to ``refused``. ``clean_parts(job)``: the multi-host saves of
+    ``job`` never completed, deleted (with ``policy.clean_abandoned``, after its steps' deletions). The composition
+    root hands in ``clean_abandoned_parts`` of ``ckptd/multihost/_abandoned_parts.py``: multi-host saves are the
+    room above the catalog, so retention runs their cleanup without importing it."""
     deleted: list[Decision] = []
     for job in catalog.jobs():
         if catalog.read_only_for(job.name) or not catalog.writes(job.name):
@@ -254,9 +231,8 @@ def prune(catalog: Catalog, policy: RetentionPolicy, *, refused: list[Decision] 
         if catalog.writes(job.name):  # asked again: the checks take time, the lease may have passed on meanwhile
             deleted += collect(catalog.storage, decisions, job=job.name, writes=catalog.writes_confirmed,
                                save_timeout_s=catalog.save_timeout_s, refused=refused)
-            if policy.clean_abandoned:  # saves from host parts never completed (docs/multihost.md, section 5)
-                deleted += clean_abandoned_parts(catalog.storage, job.name, catalog.save_timeout_s,
-                                                 writes=catalog.writes)
+            if policy.clean_abandoned and clean_parts is not None:  # saves from host parts never completed
+                deleted += clean_parts(job.name)  # (docs/multihost.md, section 5)
         catalog.refresh_job(job.name)
     return deleted
 
@@ -287,5 +263,5 @@ def record_retention(store: EventStore, deleted: Iterable[Decision], refused: It
     return stored
 
 
-__all__ = ["READ_ONLY_REASON", "Decision", "RetentionPolicy", "checked_decisions", "clean_abandoned_parts", "collect",
-           "decide", "prune", "record_retention"]
+__all__ = ["READ_ONLY_REASON", "Decision", "RetentionPolicy", "checked_decisions", "collect", "decide", "prune",
+           "record_retention"]

@@ -9,8 +9,8 @@ snapshot is marked persisted and may be evicted; beyond ``max_snapshots`` per jo
 dropped, never the newest (a resume may be reading it). A snapshot that is not whole is reported and dropped (it is
 a copy in memory; the storage tier never loses a step this way). One host's part of a multi-process job's step
 (``process_count`` > 1: only that process's shards) marked ``persist`` is written as that process's part of the step
-and the step is committed by the job's leader once every host's part is durable (``ckptd.catalog._part_commit``,
-docs/multihost.md section 5) — by the leader's commit pass (``ckptd.catalog._commit_pass``, beside the refresher),
+and the step is committed by the job's leader once every host's part is durable (``ckptd.multihost._part_commit``,
+docs/multihost.md section 5) — by the leader's commit pass (``ckptd.multihost._commit_pass``, a worker of the sidecar),
 never by this keeper: the leader's host may hold no snapshot of the job at all; the part is marked persisted once
 the step is committed. A part is never dropped as broken for lacking the other hosts' shards; one not marked
 ``persist`` goes beyond ``max_snapshots`` like any snapshot kept in memory only.
@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckptd.catalog._part_commit import PartSaves
 from ckptd.catalog._settings import DEFAULT_PERSIST_NICE
+from ckptd.multihost._part_commit import PartSaves
 from ckptd.persist._worker_client import PersistWorker, PersistWorkerClient, PersistWorkerError, SnapshotDamaged
 from trainer_client.core import Storage, StorageError, UnsafePathError, join_path
 from trainer_client.core.format import (
@@ -89,7 +89,7 @@ class SnapshotKeeper:
         self.storage = storage
         self.worker: PersistWorker = PersistWorkerClient(compression=compression, nice=nice, devices=devices,
                                                          timeout_s=timeout_s)
-        # multi-host parts (written here; committed by ckptd.catalog._commit_pass); ``writes``: Catalog.writes
+        # multi-host parts (written here; committed by ckptd.multihost._commit_pass); ``writes``: Catalog.writes
         self.parts = PartSaves(storage, self.worker, writes=writes or (lambda _job: True))
         self.nice = nice
         self.devices = devices

@@ -59,6 +59,7 @@ PARTS: dict[str, tuple[str, ...]] = {
     "ckptd.lease": ("ckptd.lease",),
     "ckptd.persist": ("ckptd.persist",),
     "ckptd.catalog": ("ckptd.catalog",),
+    "ckptd.multihost": ("ckptd.multihost",),
     "ckptd.memory_tier": ("ckptd.memory_tier",),
     "ckptd.advisor": ("ckptd.advisor",),
     "ckptd.peers": ("ckptd.peers",),
@@ -83,14 +84,16 @@ ALLOWED: dict[str, frozenset[str]] = {
                                          "trainer_client.checkpoint_io"}),
     "ckptd": frozenset({"trainer_client.core"}),
     "ckptd.advisor": frozenset({"ckptd", "trainer_client.core"}),
+    # the rooms of the sidecar, bottom up: events, lease, persist; the catalog; the multi-host commit; the memory tier
     "ckptd.events": frozenset({"ckptd.advisor", "ckptd", "trainer_client.core"}),
     "ckptd.lease": frozenset({"trainer_client.core"}),
     "ckptd.persist": frozenset({"ckptd", "trainer_client.core"}),
-    "ckptd.catalog": frozenset({"ckptd.events", "ckptd.lease", "ckptd.persist", "ckptd", "trainer_client.core"}),
-    "ckptd.memory_tier": frozenset({"ckptd.catalog", "ckptd.persist", "ckptd", "trainer_client.core"}),
+    "ckptd.catalog": frozenset({"ckptd.events", "ckptd.lease", "ckptd", "trainer_client.core"}),
+    "ckptd.multihost": frozenset({"ckptd.catalog", "ckptd.lease", "ckptd.persist", "trainer_client.core"}),
+    "ckptd.memory_tier": frozenset({"ckptd.multihost", "ckptd.persist", "ckptd", "trainer_client.core"}),
     "ckptd.peers": frozenset({"ckptd", "trainer_client.core"}),
-    "ckptd._sidecar": frozenset({"ckptd.catalog", "ckptd.events", "ckptd.lease", "ckptd.persist", "ckptd.memory_tier",
-                                 "ckptd.peers", "ckptd", "trainer_client.core"}),
+    "ckptd._sidecar": frozenset({"ckptd.catalog", "ckptd.events", "ckptd.lease", "ckptd.persist", "ckptd.multihost",
+                                 "ckptd.memory_tier", "ckptd.peers", "ckptd", "trainer_client.core"}),
     "ckptd.api": frozenset({"ckptd._sidecar", "ckptd.catalog", "ckptd.events", "ckptd.lease", "ckptd.memory_tier",
                             "ckptd.advisor", "ckptd", "trainer_client.core"}),
     "ckptd.cli": frozenset({"ckptd.api", "ckptd._sidecar", "ckptd.catalog", "ckptd.events", "ckptd.lease",
@@ -362,10 +365,10 @@ def test_the_server_never_imports_jax(graph: list[Import]) -> None:
 
 
 def test_the_catalog_and_advisor_know_no_server_framework_and_the_advisor_no_storage(graph: list[Import]) -> None:
-    """The catalog, the events, the lease, the persist worker and the advisor know nothing of HTTP; the advisor is
-    pure computation (no storage)."""
-    bad = _broken(graph, ("ckptd.catalog", "ckptd.events", "ckptd.lease", "ckptd.persist", "ckptd.advisor",
-                          CHECKPOINT_IO), SERVER_FRAMEWORK)
+    """The rooms below the API (catalog, events, lease, persist worker, multi-host commit, memory tier) and the
+    advisor know nothing of HTTP; the advisor is pure computation (no storage)."""
+    rooms = ("ckptd.catalog", "ckptd.events", "ckptd.lease", "ckptd.persist", "ckptd.multihost", "ckptd.memory_tier")
+    bad = _broken(graph, (*rooms, "ckptd.advisor", CHECKPOINT_IO), SERVER_FRAMEWORK)
     bad += _broken(graph, ("ckptd.advisor",), ("trainer_client.core._storage",))
     assert not bad, "\n".join(bad)
 

@@ -33,12 +33,13 @@ from typing import Any
 
 import pytest
 
-from ckptd.catalog import _job_lock, _part_commit
-from ckptd.catalog._part_commit import PartSaves
-from ckptd.catalog._retention import clean_abandoned_parts
+from ckptd.catalog import _job_lock
 from ckptd.lease._lease import Lease, lease_directory
-from tests.server.catalog.test_fencing_gcs_gaps import _manifest_holds as manifest_holds
-from tests.server.catalog.test_fencing_gcs_gaps import _merging_worker as merging_worker
+from ckptd.multihost import _part_commit
+from ckptd.multihost._abandoned_parts import clean_abandoned_parts
+from ckptd.multihost._part_commit import PartSaves
+from tests.server.multihost.test_fencing_gcs_gaps import _manifest_holds as manifest_holds
+from tests.server.multihost.test_fencing_gcs_gaps import _merging_worker as merging_worker
 from tests.support.fenced_saves import JOB, STEP, committed_whole, finalizing_worker, land_part, lay_save
 from tests.support.gcs_emulator import GcsEmulator
 from trainer_client.core._storage import Storage

@@ -1,6 +1,6 @@
 """Writing one host's part of a multi-process step, and committing the step from its parts: Orbax's writes,
 done in ckptd's persist worker child (``ckptd.persist._persist_worker``), never in ckptd's own process, which
-decides what to write and when (``ckptd.catalog._part_commit``).
+decides what to write and when (``ckptd.multihost._part_commit``).
 
 A part is exactly what process k of a plain multi-process Orbax save writes into the item (docs/multihost.md,
 section 5): its shards in ``<item>/ocdbt.process_<k>/`` through Orbax's own ``tensorstore_utils.ArrayWriteSpec``

@@ -30,15 +30,15 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import pytest
 
 from bench.gcs_requests import logging_proxy
-from ckptd.catalog import _in_place
 from ckptd.catalog._catalog import Catalog
-from ckptd.catalog._part_commit import PartSaves
 from ckptd.catalog._retention import Decision, RetentionPolicy, collect, decide, record_retention
 from ckptd.events._events import EventStore
 from ckptd.lease._lease import Lease, LeaseBoard
-from tests.server.catalog.test_fencing import _meta
-from tests.server.catalog.test_fencing_gcs_gaps import _writing
-from tests.server.catalog.test_forged_parts import Recorder
+from ckptd.multihost import _in_place
+from ckptd.multihost._part_commit import PartSaves
+from tests.server.multihost.test_fencing import _meta
+from tests.server.multihost.test_fencing_gcs_gaps import _writing
+from tests.server.multihost.test_forged_parts import Recorder
 from tests.support.fenced_saves import (
     STEP,
     committed_whole,

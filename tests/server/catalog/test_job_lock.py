@@ -19,9 +19,9 @@ import pytest
 
 from ckptd.catalog import _job_lock
 from ckptd.catalog._job_lock import job_lock
-from ckptd.catalog._part_commit import PartSaves
+from ckptd.multihost._part_commit import PartSaves
 from ckptd.persist._worker_client import InProcessWorker
-from tests.server.catalog.test_fencing import _hold as _hold_until  # holds the job "job" until told
+from tests.server.multihost.test_fencing import _hold as _hold_until  # holds the job "job" until told
 from tests.support.forged_records import forge_claim, forge_part
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._files import JOB_LOCK

@@ -5,7 +5,7 @@ it — never committed alone (a step missing the other host's shards) nor delete
 save lost); the trainer's ``Saver`` sends a persistent save of such a job to the memory tier, in every
 process (docs/multihost.md). The multi-host persist: each part written as that process's part of a plain
 multi-process Orbax step, committed only with every part there, a commit redone after a crash, a claim of
-another save refused (``ckptd/catalog/_part_commit.py``)."""
+another save refused (``ckptd/multihost/_part_commit.py``)."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from typing import Any
 import httpx
 import pytest
 
-from ckptd.catalog._part_commit import PartSaves
-from ckptd.catalog._retention import clean_abandoned_parts
 from ckptd.memory_tier._snapshots import SnapshotKeeper
+from ckptd.multihost._abandoned_parts import clean_abandoned_parts
+from ckptd.multihost._part_commit import PartSaves
 from ckptd.persist._persist_worker import handle, persist
 from ckptd.persist._worker_client import InProcessWorker
 from tests.support.chaos_support import CkptdProcess
@@ -405,7 +405,7 @@ def test_a_leader_without_the_job_in_its_shared_memory_commits_the_parts_on_stor
 def test_the_commit_pass_commits_only_where_it_leads_and_once(parts: list[Path], tmp_path: Path) -> None:
     """``CommitPass`` over the catalog's jobs (here a list): a follower commits nothing and lists nothing;
     the leader commits step 5 once; the keeper no longer commits (one owner of the commit pass)."""
-    from ckptd.catalog._commit_pass import CommitPass
+    from ckptd.multihost._commit_pass import CommitPass
 
     storage = Storage(str(tmp_path / "root"))
     for part in parts:

@@ -27,9 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from ckptd.catalog._in_place import delete_listed, record_standing
 from ckptd.catalog._job_lock import job_lock
 from ckptd.lease._lease_records import default_holder
+from ckptd.multihost._in_place import delete_listed, record_standing
 from ckptd.persist._worker_client import PersistWorker, PersistWorkerError
 from trainer_client.core import (
     Storage,

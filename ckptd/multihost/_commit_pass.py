@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from ckptd.catalog._part_commit import JOB_BUDGET_S, PartSaves
+from ckptd.multihost._part_commit import JOB_BUDGET_S, PartSaves
 from ckptd.persist._worker_client import PersistWorker, PersistWorkerClient
 from trainer_client.core import Storage, StorageError
 from trainer_client.core.format import CLAIMS_DIR, DEFAULT_SAVE_TIMEOUT_S

@@ -27,12 +27,13 @@ from typing import Any
 
 import pytest
 
-from ckptd.catalog import _part_commit
-from ckptd.catalog._part_commit import PartSaves
-from ckptd.catalog._retention import RetentionPolicy, clean_abandoned_parts, collect, decide
+from ckptd.catalog._retention import RetentionPolicy, collect, decide
+from ckptd.multihost import _part_commit
+from ckptd.multihost._abandoned_parts import clean_abandoned_parts
+from ckptd.multihost._part_commit import PartSaves
 from ckptd.persist._worker_client import InProcessWorker
-from tests.server.catalog.test_fencing import _interpose, _meta
-from tests.server.catalog.test_forged_parts import Recorder
+from tests.server.multihost.test_fencing import _interpose, _meta
+from tests.server.multihost.test_forged_parts import Recorder
 from tests.support.fenced_saves import (
     JOB,
     STEP,

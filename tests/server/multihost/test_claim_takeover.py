@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from ckptd.catalog._part_commit import PartSaves
-from ckptd.catalog._retention import clean_abandoned_parts
+from ckptd.multihost._abandoned_parts import clean_abandoned_parts
+from ckptd.multihost._part_commit import PartSaves
 from ckptd.persist._worker_client import PersistWorkerError
-from tests.server.catalog.test_forged_parts import Recorder
+from tests.server.multihost.test_forged_parts import Recorder
 from tests.support.forged_records import forge_claim, forge_part
 from tests.support.orbax_steps import training_metadata
 from trainer_client.core._storage import Storage

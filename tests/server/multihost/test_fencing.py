@@ -20,10 +20,11 @@ import pytest
 
 from ckptd.catalog import _job_lock
 from ckptd.catalog._job_lock import job_lock
-from ckptd.catalog._part_commit import PartSaves
-from ckptd.catalog._retention import Decision, clean_abandoned_parts, collect
+from ckptd.catalog._retention import Decision, collect
+from ckptd.multihost._abandoned_parts import clean_abandoned_parts
+from ckptd.multihost._part_commit import PartSaves
 from ckptd.persist._worker_client import PersistWorkerError
-from tests.server.catalog.test_forged_parts import Recorder
+from tests.server.multihost.test_forged_parts import Recorder
 from tests.support.fenced_saves import JOB, STEP, committed_whole, data_file, finalizing_worker, land_part, lay_save
 from tests.support.gcs_emulator import GcsEmulator
 from tests.support.orbax_steps import training_metadata

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 
 from ckptd.catalog._catalog import Catalog
-from ckptd.catalog._commit_pass import CommitPass
-from ckptd.catalog._part_commit import PartSaves
-from ckptd.catalog._retention import clean_abandoned_parts
 from ckptd.memory_tier._snapshots import SnapshotKeeper
+from ckptd.multihost._abandoned_parts import clean_abandoned_parts
+from ckptd.multihost._commit_pass import CommitPass
+from ckptd.multihost._part_commit import PartSaves
 from ckptd.persist._worker_client import InProcessWorker
 from tests.support.forged_records import forge_claim, forge_part, tree_state, write_snapshot
 from tests.support.helpers import SteppingClock, wait_until
@@ -234,7 +234,7 @@ def _ready(root: Path, job: str, step: int) -> None:
 
 def test_one_jobs_costly_claims_hold_up_no_other_job_and_are_all_visited(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="ckptd.catalog._part_commit")
+    caplog.set_level(logging.INFO, logger="ckptd.multihost._part_commit")
     root = tmp_path / "root"
     _costly_job(root, "aaa", 400)  # each claim's records read, none committed
     _ready(root, "aaa", 99_999)  # after every costly claim: reached in later passes, never starved
