@@ -241,7 +241,7 @@ class PeerCopier:
         with data, self._connect(address, self.options.timeout_s + 2 * meta.nbytes / rate) as chan:
             answer = offer_part(chan, job, meta, len(raw), held, self.instance)
             refuse_own(answer, self.instance, job, holder)
-            if answer.get("have"):
+            if answer.have:
                 self.stats.holders.setdefault(job, {})[holder] = address
                 return
             started = time.monotonic()

@@ -20,9 +20,10 @@ match ends the request (``PeerError``), and what was received of it is discarded
 peer of another wire version (another magic line) is refused at the first bytes.
 
 Everything read from the wire is hostile until checked: a header longer than ``MAX_HEADER_BYTES``, failing its
-tag or not a JSON object ends the connection, and the caller of ``header_int`` bounds every number it takes. The
-tags prove who sent the bytes; the receiver still checks every shard against the XXH3 checksum the snapshot
-records before the copy is used (``_store``): what the sender's memory held may have decayed.
+tag or not a JSON object ends the connection; the object a header carries is parsed into its typed request or
+answer, every field bounded, by ``_headers`` (this module frames and authenticates it, nothing more). The tags
+prove who sent the bytes; the receiver still checks every shard against the XXH3 checksum the snapshot records
+before the copy is used (``_store``): what the sender's memory held may have decayed.
 """
 
 from __future__ import annotations
@@ -88,14 +89,6 @@ def recv_exact(sock: socket.socket, n: int, deadline: float | None = None, what:
             raise PeerError(f"the peer closed the connection ({len(buf)} of {n} bytes)")
         buf += chunk
     return bytes(buf)
-
-
-def header_int(header: dict[str, Any], key: str, low: int, high: int) -> int:
-    """``header[key]`` as an int within ``[low, high]``, else ``PeerError``."""
-    value = header.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise PeerError(f"{key}: {str(value)[:40]} is not an integer in [{low}, {high}]")
-    return value
 
 
 def listener_handshake(sock: socket.socket, secret: bytes, deadline_s: float) -> Channel:
@@ -211,6 +204,7 @@ class Channel:
             raise PeerError(f"{what} failed its authentication (altered in transit): discarded")
 
     def send_header(self, header: dict[str, Any]) -> None:
+        """A header's JSON object, then its tag (``_headers.send`` sends a typed one)."""
         data = json.dumps(header).encode()
         if len(data) > MAX_HEADER_BYTES:
             raise PeerError(f"header of {len(data)} bytes")
@@ -220,6 +214,8 @@ class Channel:
             self.sock.sendall(struct.pack(">I", len(data)) + data + tagger.digest())
 
     def recv_header(self) -> dict[str, Any]:
+        """The next header's JSON object, checked against its tag: bounded, a JSON object, nothing more (what it
+        says is checked by ``_headers``, which parses it into its request or answer)."""
         (size,) = struct.unpack(">I", recv_exact(self.sock, 4, self.deadline))
         if size > MAX_HEADER_BYTES:
             raise PeerError(f"a header of {size} bytes (at most {MAX_HEADER_BYTES})")
@@ -236,13 +232,6 @@ class Channel:
         if not isinstance(header, dict):
             raise PeerError("a header that is not a JSON object")
         return header
-
-    def expect_ok(self) -> dict[str, Any]:
-        """The peer's answer; ``PeerError`` with its reason unless it says ok."""
-        answer = self.recv_header()
-        if answer.get("ok") is not True:
-            raise PeerError(str(answer.get("error") or "refused")[:500])
-        return answer
 
     def send_bytes(self, data: bytes) -> None:
         """A body held in memory (a part's metadata), then its tag."""
@@ -372,7 +361,6 @@ __all__ = [
     "arm",
     "caller_handshake",
     "connect",
-    "header_int",
     "listener_handshake",
     "lower_this_thread",
     "recv_exact",

@@ -4,46 +4,60 @@
 One function per operation, each on a ``Channel`` already connected and authenticated (``_protocol.connect``):
 ``held`` (the steps whose copies a holder keeps), ``put`` (a part offered, then its bytes sent), ``jobs`` (which
 jobs a holder keeps a host's part of), ``list`` (the newest copy a holder keeps) and ``get`` (a part asked back).
-Its own module because these are the protocol's steps, the same whatever asks for them; when to send what, to
+Each request is a typed header and each answer is parsed into its own (``ckptd/peers/_headers.py``): a field
+missing or out of bounds ends the request with ``PeerError``. Its own module because these are the protocol's
+steps, the same whatever asks for them; when to send what, to
 whom, within which deadline and what a failure costs are the copier's (``ckptd/peers/_copier.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
-from ckptd.peers._protocol import Channel, PeerError, RateLimit, header_int
-from ckptd.peers._server import MAX_JOBS_LISTED, MAX_PART_BYTES, MAX_STEP
-from trainer_client.core.format import MAX_META_BYTES, SnapshotMeta
-from trainer_client.core.protocol import is_valid_job_name
+from ckptd.peers._headers import (
+    Done,
+    GetAnswer,
+    GetRequest,
+    HeldAnswer,
+    HeldRequest,
+    JobsAnswer,
+    JobsRequest,
+    ListAnswer,
+    ListRequest,
+    PutAnswer,
+    PutRequest,
+    expect,
+    send,
+)
+from ckptd.peers._protocol import Channel, PeerError, RateLimit
+from trainer_client.core.format import SnapshotMeta
 
 NEWEST_LISTED = 16  # of a holder's listing, the newest copy is looked for among its last entries only
 
 
-def refuse_own(answer: dict[str, Any], instance: str, job: str, holder: int) -> None:
+def refuse_own(answer: PutAnswer | HeldAnswer, instance: str, job: str, holder: int) -> None:
     """``PeerError`` when the listener that answered is this sidecar's own (``instance``, reached by another
     address): a copy never lands on its origin."""
-    if instance and answer.get("holder") == instance:
+    if instance and answer.holder == instance:
         raise PeerError(f"host {holder}'s listener for {job} is this sidecar's own: a copy never lands on its "
                         "origin")
 
 
-def tell_held(chan: Channel, job: str, meta: SnapshotMeta, held: tuple[int, ...], sender: str) -> dict[str, Any]:
+def tell_held(chan: Channel, job: str, meta: SnapshotMeta, held: tuple[int, ...], sender: str) -> HeldAnswer:
     """Tell a holder of ``job``'s copies of this host's part (``meta``'s host) that this host holds the steps
     ``held`` only (it drops the copies of the others); the answer."""
-    chan.send_header({"op": "held", "job": job, "origin": meta.process_index, "count": meta.process_count,
-                      "held": list(held), "sender": sender})
-    return chan.expect_ok()
+    send(chan, HeldRequest(job=job, origin=meta.process_index, count=meta.process_count, held=list(held),
+                           sender=sender))
+    return expect(chan, HeldAnswer)
 
 
 def offer_part(chan: Channel, job: str, meta: SnapshotMeta, meta_bytes: int, held: tuple[int, ...],
-               sender: str) -> dict[str, Any]:
+               sender: str) -> PutAnswer:
     """Offer a holder this host's part of ``meta.step`` (its ``snapshot.json`` of ``meta_bytes``, its data of
     ``meta.nbytes``); the answer (``have``: the holder keeps that copy already, send nothing)."""
-    chan.send_header({"op": "put", "job": job, "origin": meta.process_index, "count": meta.process_count,
-                      "step": meta.step, "held": list(held), "meta": meta_bytes, "data": meta.nbytes,
-                      "sender": sender})
-    return chan.expect_ok()
+    send(chan, PutRequest(job=job, origin=meta.process_index, count=meta.process_count, step=meta.step,
+                          held=list(held), meta=meta_bytes, data=meta.nbytes, sender=sender))
+    return expect(chan, PutAnswer)
 
 
 def send_part(chan: Channel, raw: bytes, data: BinaryIO, nbytes: int, rate: RateLimit) -> None:
@@ -51,36 +65,31 @@ def send_part(chan: Channel, raw: bytes, data: BinaryIO, nbytes: int, rate: Rate
     returns once the holder says the copy is kept."""
     chan.send_bytes(raw)
     chan.send_file(data, nbytes, rate)
-    chan.expect_ok()
+    expect(chan, Done)
 
 
 def jobs_kept(chan: Channel, index: int, count: int) -> list[str]:
     """The jobs of which the holder keeps copies of host ``index`` of ``count``'s part (at most
-    ``MAX_JOBS_LISTED``, names that are no job's dropped)."""
-    chan.send_header({"op": "jobs", "origin": index, "count": count})
-    jobs = chan.expect_ok().get("jobs")
-    if not isinstance(jobs, list):
-        raise PeerError("jobs: not a list")
-    return [job for job in jobs[:MAX_JOBS_LISTED] if isinstance(job, str) and is_valid_job_name(job)]
+    ``MAX_JOBS_LISTED``, each a job's name)."""
+    send(chan, JobsRequest(origin=index, count=count))
+    return expect(chan, JobsAnswer).jobs
 
 
-def newest_copy(chan: Channel, job: str, index: int, count: int) -> tuple[int, str] | None:
+def newest_copy(chan: Channel, job: str, index: int, count: int) -> tuple[int, str | None] | None:
     """The newest copy the holder keeps of host ``index`` of ``count``'s part of ``job``: (step, save id); None
-    when it keeps none. ``PeerError``, ``ValueError`` or ``TypeError`` when the listing is not one."""
-    chan.send_header({"op": "list", "job": job, "origin": index, "count": count})
-    listed = chan.expect_ok().get("copies")
-    if not isinstance(listed, list) or not listed:
-        return None
-    return max((header_int({"s": s}, "s", 0, MAX_STEP), str(k)) for s, k in listed[-NEWEST_LISTED:])
+    when it keeps none. ``PeerError`` when the listing is not one."""
+    send(chan, ListRequest(job=job, origin=index, count=count))
+    listed = expect(chan, ListAnswer).copies[-NEWEST_LISTED:]
+    return max(listed, key=lambda copy: (copy[0], copy[1] or "")) if listed else None
 
 
 def ask_part(chan: Channel, job: str, step: int, *, origin: int, count: int, save_id: str | None) -> tuple[int, int]:
     """Ask the holder for its copy of host ``origin`` of ``count``'s part of ``step`` (that save, when
     ``save_id``); the sizes the part's ``snapshot.json`` and data come in, each checked against the format's
     bounds (the bytes follow on ``chan``: ``PartStore.receive``)."""
-    chan.send_header({"op": "get", "job": job, "origin": origin, "count": count, "step": step, "save_id": save_id})
-    answer = chan.expect_ok()
-    return header_int(answer, "meta", 1, MAX_META_BYTES), header_int(answer, "data", 0, MAX_PART_BYTES)
+    send(chan, GetRequest(job=job, origin=origin, count=count, step=step, save_id=save_id))
+    answer = expect(chan, GetAnswer)
+    return answer.meta, answer.data
 
 
 __all__ = ["ask_part", "jobs_kept", "newest_copy", "offer_part", "refuse_own", "send_part", "tell_held"]

@@ -12,9 +12,10 @@ request is served in (when they are all busy it is answered ``busy``): callers w
 slot an authenticated peer needs. A caller that fails the handshake is closed without an answer. An
 authenticated request has a deadline too: ``timeout_s`` in all, plus its body's bytes at ``MIN_BYTES_S`` for a
 ``put`` or a ``get`` (a peer that trickles a part holds a slot no longer). Every field of a request is checked
-before anything is written: the job name, the host indexes, the step, and sizes bounded by the snapshot
-format's limits and by the room this host has, charged before a byte is received (``PartStore.reserve``:
-concurrent copies never pass the capacity together).
+before anything is written (each request parsed into its typed header, ``ckptd/peers/_headers.py``): the job
+name, the host indexes, the step, and sizes bounded by the snapshot format's limits and by the room this host
+has, charged before a byte is received (``PartStore.reserve``: concurrent copies never pass the capacity
+together).
 """
 
 from __future__ import annotations
@@ -30,16 +31,27 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptd.peers._protocol import Channel, PeerError, RateLimit, header_int, listener_handshake, lower_this_thread
-from ckptd.peers._settings import MAX_HOSTS
-from ckptd.peers._store import PartStore, check_job
-from trainer_client.core.format import MAX_META_BYTES
+from ckptd.peers._headers import (
+    MAX_JOBS_LISTED,
+    Done,
+    GetAnswer,
+    GetRequest,
+    HeldAnswer,
+    HeldRequest,
+    JobsAnswer,
+    JobsRequest,
+    ListAnswer,
+    ListRequest,
+    PutAnswer,
+    PutRequest,
+    Refusal,
+    receive_request,
+    send,
+)
+from ckptd.peers._protocol import Channel, PeerError, RateLimit, listener_handshake, lower_this_thread
+from ckptd.peers._store import PartStore
 
 _log = logging.getLogger(__name__)
-MAX_STEP = 2**63 - 1
-MAX_PART_BYTES = 1 << 44  # a part's data.bin at most (16 TiB); the room on this host bounds it first
-MAX_HELD = 4096
-MAX_JOBS_LISTED = 256  # jobs named in one answer to ``jobs``
 HANDSHAKE_S = 5.0  # a connection's whole handshake, at most (an honest one takes a round trip)
 MAX_HANDSHAKES = 64  # connections in their handshake at once; a new one takes the oldest one's place
 MIN_BYTES_S = 1 << 20  # a request's body may take its bytes at this rate plus ``timeout_s``, no longer
@@ -134,8 +146,7 @@ class PeerListener:
         if not self._slots.acquire(blocking=False):
             self._refuse(peer, f"busy: {self.max_connections} requests in progress")
             with contextlib.suppress(OSError, PeerError):
-                chan.send_header({"ok": False, "error": f"busy: {self.max_connections} requests in progress, "
-                                                        "try again"})
+                send(chan, Refusal.of(f"busy: {self.max_connections} requests in progress, try again"))
             return None
         return chan
 
@@ -165,84 +176,64 @@ class PeerListener:
     def _answer(self, chan: Channel, peer: Any) -> None:
         try:
             chan.until(time.monotonic() + self.timeout_s)  # the request and a small answer: one timeout in all
-            request = chan.recv_header()
-            op = request.get("op")
-            if op == "put":
+            request = receive_request(chan)
+            if isinstance(request, PutRequest):
                 self._put(chan, request)
-            elif op == "held":
+            elif isinstance(request, HeldRequest):
                 self._held(chan, request)
-            elif op == "get":
+            elif isinstance(request, GetRequest):
                 self._get(chan, request)
-            elif op == "list":
-                job, origin, _ = self._origin(request)
-                chan.send_header({"ok": True, "copies": self.store.listing(job, origin)})
-            elif op == "jobs":  # a sidecar on a new node, its memory empty, asks what to bring back
-                count = header_int(request, "count", 2, MAX_HOSTS)
-                origin = header_int(request, "origin", 0, count - 1)
-                chan.send_header({"ok": True, "jobs": self.store.jobs_holding(origin, count, MAX_JOBS_LISTED)})
-            else:
-                raise PeerError(f"no such operation: {str(op)[:40]!r}")
+            elif isinstance(request, ListRequest):
+                send(chan, ListAnswer(copies=self.store.listing(request.job, request.origin)))
+            else:  # jobs: a sidecar on a new node, its memory empty, asks what to bring back
+                self._jobs(chan, request)
         except (PeerError, OSError, ValueError) as exc:
             self.stats.refused += 1
             self.stats.failed(f"from {peer[0]}: {exc}")
             _log.warning("peer request from %s refused: %s", peer[0], exc)
             with contextlib.suppress(OSError, PeerError):
-                chan.send_header({"ok": False, "error": str(exc)[:500]})
+                send(chan, Refusal.of(exc))
 
-    def _origin(self, request: dict[str, Any]) -> tuple[str, int, int]:
-        job = check_job(request.get("job"))
-        count = header_int(request, "count", 2, MAX_HOSTS)
-        return job, header_int(request, "origin", 0, count - 1), count
-
-    def _not_from_itself(self, request: dict[str, Any]) -> None:
+    def _not_from_itself(self, request: PutRequest | HeldRequest) -> None:
         """``PeerError`` when the request comes from this sidecar's own copier: a peer is never the origin."""
-        if request.get("sender") == self.instance:
+        if request.sender == self.instance:
             raise PeerError("a copy sent by this sidecar to its own listener: a peer is never the origin (its "
                             "address names this host's own listener)")
 
-    def _put(self, chan: Channel, request: dict[str, Any]) -> None:
+    def _put(self, chan: Channel, request: PutRequest) -> None:
         self._not_from_itself(request)
-        job, origin, count = self._origin(request)
-        step = header_int(request, "step", 0, MAX_STEP)
-        meta_bytes = header_int(request, "meta", 1, MAX_META_BYTES)
-        data_bytes = header_int(request, "data", 0, MAX_PART_BYTES)
-        keep = self._keep(request) | {step}
-        self.store.prune(job, origin, keep)  # first: the originals gone make room for the new one
+        job, origin, step = request.job, request.origin, request.step
+        self.store.prune(job, origin, {*request.held, step})  # first: the originals gone make room for the new one
         if self.store.copy_path(job, origin, step).exists():
-            chan.send_header({"ok": True, "have": True, "holder": self.instance})
+            send(chan, PutAnswer(have=True, holder=self.instance))
             return
-        with self.store.reserve(meta_bytes + data_bytes, copy=True):  # charged before the answer, atomically
-            chan.until(time.monotonic() + self.timeout_s + (meta_bytes + data_bytes) / MIN_BYTES_S)
-            chan.send_header({"ok": True, "have": False, "holder": self.instance})
+        nbytes = request.meta + request.data
+        with self.store.reserve(nbytes, copy=True):  # charged before the answer, atomically
+            chan.until(time.monotonic() + self.timeout_s + nbytes / MIN_BYTES_S)
+            send(chan, PutAnswer(have=False, holder=self.instance))
             lower_this_thread(self.nice)  # receiving and checking a copy is background work (a get is a restore)
-            self.store.receive(chan, job, origin=origin, count=count, step=step, meta_bytes=meta_bytes,
-                               data_bytes=data_bytes, own=False)
+            self.store.receive(chan, job, origin=origin, count=request.count, step=step, meta_bytes=request.meta,
+                               data_bytes=request.data, own=False)
         self.stats.received += 1
-        self.stats.received_bytes += data_bytes
-        chan.send_header({"ok": True})
+        self.stats.received_bytes += request.data
+        send(chan, Done())
 
-    def _keep(self, request: dict[str, Any]) -> set[int]:
-        held = request.get("held")
-        if not isinstance(held, list) or len(held) > MAX_HELD:
-            raise PeerError("held: not a list of at most 4096 steps")
-        return {header_int({"step": s}, "step", 0, MAX_STEP) for s in held}
-
-    def _held(self, chan: Channel, request: dict[str, Any]) -> None:
+    def _held(self, chan: Channel, request: HeldRequest) -> None:
         self._not_from_itself(request)
-        job, origin, _ = self._origin(request)
-        dropped = self.store.prune(job, origin, self._keep(request))
-        chan.send_header({"ok": True, "dropped": dropped, "holder": self.instance})
+        dropped = self.store.prune(request.job, request.origin, set(request.held))
+        send(chan, HeldAnswer(dropped=dropped, holder=self.instance))
 
-    def _get(self, chan: Channel, request: dict[str, Any]) -> None:
-        job, origin, _ = self._origin(request)
-        step = header_int(request, "step", 0, MAX_STEP)
-        raw, meta, data = self.store.open_part(self.store.copy_path(job, origin, step))
+    def _jobs(self, chan: Channel, request: JobsRequest) -> None:
+        send(chan, JobsAnswer(jobs=self.store.jobs_holding(request.origin, request.count, MAX_JOBS_LISTED)))
+
+    def _get(self, chan: Channel, request: GetRequest) -> None:
+        step = request.step
+        raw, meta, data = self.store.open_part(self.store.copy_path(request.job, request.origin, step))
         with data:
-            save_id = request.get("save_id")
-            if save_id is not None and meta.save_id != save_id:
-                raise PeerError(f"the copy of step {step} is of save {meta.save_id}, not {str(save_id)[:40]}")
+            if request.save_id is not None and meta.save_id != request.save_id:
+                raise PeerError(f"the copy of step {step} is of save {meta.save_id}, not {request.save_id}")
             chan.until(time.monotonic() + self.timeout_s + (len(raw) + meta.nbytes) / MIN_BYTES_S)
-            chan.send_header({"ok": True, "meta": len(raw), "data": meta.nbytes})
+            send(chan, GetAnswer(meta=len(raw), data=meta.nbytes))
             chan.send_bytes(raw)
             chan.send_file(data, meta.nbytes, RateLimit(None))  # a restore waits for it: not rate-bounded
         self.stats.served += 1

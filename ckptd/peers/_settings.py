@@ -13,8 +13,7 @@ from pydantic import AliasChoices, Field, model_validator
 
 from ckptd._peer_lists import hosts_named, parse_map, parse_peers
 from ckptd._settings_group import PLACEHOLDER_TOKEN_PREFIX, SettingsGroup, read_secret
-
-MAX_HOSTS = 100_000  # hosts of one job at most (Kubernetes' limit on an Indexed Job's completions)
+from trainer_client.core.protocol import MAX_HOSTS  # hosts of one job at most (the wire's bound too)
 
 
 class PeerSettings(SettingsGroup):

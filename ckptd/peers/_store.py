@@ -171,14 +171,14 @@ class PartStore:
         if damaged:
             raise PeerError(f"{len(damaged)} shard(s) arrived damaged: {damaged[:2]}")
 
-    def listing(self, job: str, origin: int) -> list[list[object]]:
-        """``[step, save_id]`` of every intact copy of ``origin``'s parts of ``job``, oldest first."""
-        out: list[list[object]] = []
+    def listing(self, job: str, origin: int) -> list[tuple[int, str | None]]:
+        """``(step, save_id)`` of every intact copy of ``origin``'s parts of ``job``, oldest first."""
+        out: list[tuple[int, str | None]] = []
         for path in self.copies(job, origin):
             with contextlib.suppress(OSError, ValueError, PeerError):
                 if not problems(path):
-                    out.append([int(path.name), SnapshotMeta.model_validate_json(
-                        read_private(path / SNAPSHOT_META_FILE, max_bytes=MAX_META_BYTES)).save_id])
+                    out.append((int(path.name), SnapshotMeta.model_validate_json(
+                        read_private(path / SNAPSHOT_META_FILE, max_bytes=MAX_META_BYTES)).save_id))
         return out
 
     def jobs_holding(self, origin: int, count: int, limit: int) -> list[str]:

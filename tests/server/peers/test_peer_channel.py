@@ -23,6 +23,7 @@ from ckptd._metrics import Metrics
 from ckptd.config import Settings
 from ckptd.peers import PeerService
 from ckptd.peers._directory import holders_of, parse_map
+from ckptd.peers._headers import PutAnswer, expect
 from ckptd.peers._protocol import PeerError, caller_handshake, connect
 from tests.server.peers.conftest import JOB
 from tests.support.helpers import wait_until
@@ -138,7 +139,7 @@ def test_a_sender_killed_mid_copy_leaves_no_copy(pair: tuple[list[PeerService], 
     with connect(s1.address, SECRET.encode(), 5) as chan:
         chan.send_header({"op": "put", "job": JOB, "origin": 0, "count": 2, "step": 7, "held": [7],
                           "meta": 100, "data": 4096})
-        assert chan.expect_ok()["have"] is False
+        assert expect(chan, PutAnswer).have is False
         chan.sock.sendall(b"{" * 50)  # half the metadata, then the connection drops
     wait_until(lambda: s1.listener.stats.refused >= 1, timeout=10)
     assert list(copies_dir(shm1, JOB, 0).iterdir()) == []  # neither the copy nor its staging directory

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ckptd.peers import PeerService
+from ckptd.peers._headers import HeldAnswer, expect
 from ckptd.peers._protocol import MAGIC, PeerError, connect
 from tests.server.peers.conftest import JOB, FlipProxy
 from tests.support.helpers import wait_until
@@ -92,12 +93,12 @@ def test_a_header_altered_in_flight_is_refused(pair: tuple[list[PeerService], li
     request = {"op": "held", "job": JOB, "origin": 0, "count": 2, "held": []}
     with connect(proxy.address, SECRET.encode(), 5) as chan:  # honest: answered
         chan.send_header(request)
-        assert chan.expect_ok()["dropped"] == 0
+        assert expect(chan, HeldAnswer).dropped == 0
     proxy.flip = (direction, 8)  # inside the JSON of the request (C>L) or of its answer (L>C)
     refused = s1.listener.stats.refused
     with connect(proxy.address, SECRET.encode(), 5) as chan, pytest.raises(PeerError, match="authentication"):
         chan.send_header(request)
-        chan.expect_ok()
+        expect(chan, HeldAnswer)
     assert proxy.flipped == 1
     if direction == "C>L":  # the listener refused the request and acted on nothing
         wait_until(lambda: s1.listener.stats.refused > refused, timeout=5)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptd.peers._headers import Done, ListAnswer, PutAnswer, expect
 from ckptd.peers._protocol import MAGIC, NONCE_BYTES, Channel, PeerError, RateLimit, connect
 from ckptd.peers._server import PeerListener
 from ckptd.peers._store import PartStore
@@ -49,9 +50,7 @@ def listed(listener: PeerListener) -> list[object]:
     """A ``list`` request by a peer that holds the secret: the copies held of host 0's part."""
     with connect(address(listener), SECRET.encode(), 10) as chan:
         chan.send_header({"op": "list", "job": JOB, "origin": 0, "count": 2})
-        copies = chan.expect_ok()["copies"]
-    assert isinstance(copies, list)
-    return copies
+        return list(expect(chan, ListAnswer).copies)
 
 
 def listed_when_free(listener: PeerListener, deadline_s: float = 30.0) -> list[object]:
@@ -160,7 +159,7 @@ def test_a_deeply_nested_header_is_refused_like_any_malformed_one(shm: Path, nes
         with connect(address(listener), SECRET.encode(), 10) as chan:
             send_tagged(chan, nested)
             with pytest.raises(PeerError, match="not JSON"):
-                chan.expect_ok()
+                expect(chan, Done)
         wait_until(lambda: any("not JSON" in f for f in listener.stats.failures), timeout=10,
                    what="the listener counting the header as refused")
         assert listed(listener) == []  # and it goes on serving
@@ -184,18 +183,18 @@ def test_concurrent_copies_are_charged_against_the_capacity_before_any_is_receiv
                                   "meta": len(raw), "data": nbytes})
             for k, chan in enumerate(chans):
                 try:
-                    answer = chan.expect_ok()
+                    answer = expect(chan, PutAnswer)
                 except PeerError as exc:
                     refused.append(str(exc))
                     continue
-                assert answer["have"] is False
+                assert answer.have is False
                 accepted.append(chan)
                 jobs.append(f"job{k}")
             for chan in accepted:
                 chan.send_bytes(raw)
                 with (part / "data.bin").open("rb") as data:
                     chan.send_file(data, nbytes, RateLimit(None))
-                chan.expect_ok()
+                expect(chan, Done)
         finally:
             for chan in chans:
                 chan.sock.close()
@@ -209,7 +208,7 @@ def test_concurrent_copies_are_charged_against_the_capacity_before_any_is_receiv
         with connect(address(listener), SECRET.encode(), 10) as chan:
             chan.send_header({"op": "put", "job": again, "origin": 0, "count": 2, "step": 10, "held": [10],
                               "meta": len(raw), "data": nbytes})
-            assert chan.expect_ok()["have"] is False
+            assert expect(chan, PutAnswer).have is False
 
 
 def test_a_peer_that_trickles_a_part_is_cut_off_at_the_requests_deadline(shm: Path, tmp_path: Path) -> None:
@@ -224,7 +223,7 @@ def test_a_peer_that_trickles_a_part_is_cut_off_at_the_requests_deadline(shm: Pa
         with connect(address(listener), SECRET.encode(), 10) as chan:
             chan.send_header({"op": "put", "job": JOB, "origin": 0, "count": 2, "step": 10, "held": [10],
                               "meta": len(raw), "data": nbytes})
-            assert chan.expect_ok()["have"] is False
+            assert expect(chan, PutAnswer).have is False
             chan.send_bytes(raw)
             give_up = time.monotonic() + 60  # before the deadline: the listener never ended it
             with contextlib.suppress(OSError):

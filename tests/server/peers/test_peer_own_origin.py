@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ckptd.peers import PeerService
+from ckptd.peers._headers import PutAnswer, expect
 from ckptd.peers._protocol import PeerError, connect
 from tests.server.peers.conftest import JOB
 from tests.support.helpers import wait_until
@@ -51,5 +52,5 @@ def test_the_listener_refuses_a_copy_from_itself(pair: tuple[list[PeerService], 
         chan.send_header({"op": "put", "job": JOB, "origin": 0, "count": 2, "step": 10, "held": [10],
                           "meta": len(raw), "data": (part / "data.bin").stat().st_size,
                           "sender": s0.listener.instance})
-        chan.expect_ok()
+        expect(chan, PutAnswer)
     assert not copies_dir(shm0, JOB, 0).exists()

@@ -49,7 +49,7 @@ from trainer_client.core.format._files import (
 )
 from trainer_client.core.format._private_files import check_private_dir, open_private, read_private
 from trainer_client.core.format._tree_paths import TreeEntry
-from trainer_client.core.protocol import TrainingMetadata
+from trainer_client.core.protocol import SAVE_ID_PATTERN, TrainingMetadata
 
 SNAPSHOT_FORMAT = "ckptd-snapshot/2"
 MAX_META_BYTES = 64 << 20  # snapshot.json: ~100 bytes per shard; a bigger one is not read
@@ -129,7 +129,7 @@ class SnapshotMeta(_Model):
                                description="the JAX process (jax.process_index()) whose shards these are")
     process_count: int = Field(default=1, ge=1, exclude_if=lambda v: v == 1,
                                description="how many JAX processes the job had (jax.process_count())")
-    save_id: str | None = Field(default=None, exclude_if=lambda v: v is None, pattern=r"^[0-9a-f]{1,32}-[0-9]{1,19}$",
+    save_id: str | None = Field(default=None, exclude_if=lambda v: v is None, pattern=SAVE_ID_PATTERN,
                                 description="<job incarnation>-<step>: equal in every host's part of one save")
 
     _process_in_range = model_validator(mode="after")(process_in_range)

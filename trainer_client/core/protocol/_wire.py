@@ -39,6 +39,10 @@ CURSOR_PATTERN = r"^[0-9]{1,16}\.(?:[0-9a-f]{2}){0,255}$"
 # The largest step: one that JSON carries exactly (a double holds integers up to 2**53; JavaScript, the dashboard
 # and schema-driven tools read numbers as doubles), far beyond any training run.
 MAX_STEP = 2**53 - 1
+# Hosts (JAX processes) of one multi-host job at most: Kubernetes' limit on an Indexed Job's completions.
+MAX_HOSTS = 100_000
+# A multi-host save's id, equal in every host's part of it: "<job incarnation>-<step>" (docs/multihost.md).
+SAVE_ID_PATTERN = r"^[0-9a-f]{1,32}-[0-9]{1,19}$"
 
 
 def is_valid_job_name(name: str) -> bool:
@@ -277,6 +281,7 @@ __all__ = [
     "DEFAULT_PORT",
     "ERROR_STATUS",
     "JOB_NAME_PATTERN",
+    "MAX_HOSTS",
     "MAX_PAGE_LIMIT",
     "MAX_STEP",
     "MEMORY_AND_PERSIST",
@@ -291,6 +296,7 @@ __all__ = [
     "ROUTE_METRICS",
     "ROUTE_READYZ",
     "ROUTE_RESUME",
+    "SAVE_ID_PATTERN",
     "BatchOptions",
     "CheckpointList",
     "ErrorBody",
