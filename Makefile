@@ -10,7 +10,7 @@ export JAX_PLATFORMS ?= cpu
 # hundreds of Python processes, each of which would otherwise compile the project's modules again (~0.3 s)
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: venv venv-run demo test test-device test-all lint typecheck check clean bench chaos soak
+.PHONY: venv venv-run demo test test-ci test-device test-all lint typecheck check clean bench chaos soak
 
 # The virtual environment, created when it is missing and installed again when pyproject.toml changes. What
 # runs the project (`make demo`, `make soak`) needs its server and trainer roles only, `.[server,trainer]`
@@ -46,9 +46,15 @@ bench: venv
 # Two workers by default (the suite keeps ~1.7 of 2 cores busy: ~14.5 min on this 2-core VM, 2026-12-03; three
 # workers gained 3%). TEST_WORKERS=0 runs it in one process. Each test file stays on one worker (its module
 # fixtures run once).
+# `make test` leaves out the long runs (several processes or a benchmark family each: tests/support/long_runs.py);
+# `make test-ci`, what CI runs (.ci/run), adds them; `make test-all` adds the tests marked slow as well.
 TEST_WORKERS ?= 2
+PYTEST_WORKERS = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: venv
-	$(PY) -m pytest -q -m "not slow" $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	$(PY) -m pytest -q -m "not slow and not long" $(PYTEST_WORKERS)
+
+test-ci: venv
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_WORKERS)
 
 # The tests on one real accelerator (docs/operations.md, "Tests on an accelerator"): the runtime and checkpoint_io
 # tests, the device benchmark's and any test marked `device`, in one process at a time (one process may hold the

@@ -21,10 +21,30 @@ from typing import Any
 import pytest
 
 from tests.support.gcs_emulator import gcs_emulator
-from tests.support.helpers import free_port
+from tests.support.helpers import REPO, free_port
+from tests.support.long_runs import LONG_RUNS
 from tests.support.server import ServerHandle, StartServer, start_server
 from tests.support.sockets import no_tcp_reason
 from trainer_client.config import reset_client_settings
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by the marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark ``long`` every test ``LONG_RUNS`` names (tests/support/long_runs.py); a collected file that lacks a
+    function the table names fails the run, naming it."""
+    seen: dict[str, set[str]] = {}
+    for item in items:
+        try:
+            where = item.path.relative_to(REPO).as_posix()
+        except ValueError:
+            continue
+        name = getattr(item, "originalname", None) or item.name
+        seen.setdefault(where, set()).add(name)
+        if name in LONG_RUNS.get(where, ()):
+            item.add_marker(pytest.mark.long)
+    stale = [f"{where}::{name}" for where, names in seen.items() for name in LONG_RUNS.get(where, frozenset()) - names]
+    if stale and not config.getoption("keyword") and not any("::" in arg for arg in config.args):
+        raise pytest.UsageError(f"tests/support/long_runs.py names tests that do not exist: {sorted(stale)}")
 
 
 @pytest.hookimpl(tryfirst=True)
