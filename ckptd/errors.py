@@ -13,7 +13,8 @@ CkptdError                                root (trainer_client/core/_errors.py):
     ├── NotReady                          the catalog is being built
     ├── MissingInputs (ValueError)        the advisor lacks inputs the job's history does not give
     ├── Busy                              too much work now (the advisor's slots are taken, an answer timed out)
-    └── JobLimitReached                   a new job past the ``max_jobs`` setting
+    ├── JobLimitReached                   a new job past the ``max_jobs`` setting
+    └── PeerChannelOff                    a peer fetch asked of a sidecar whose peer channel is off
 ```
 Domain code raises these; only the API (``ckptd/api/_errors.py``) turns them into HTTP: the status of
 each code comes from the wire contract's ``ERROR_STATUS`` table, shared with the client.
@@ -126,6 +127,18 @@ class JobLimitReached(ServiceError):
                          {"max_jobs": limit})
 
 
+class PeerChannelOff(ServiceError):
+    """A trainer asked for its part back from a peer's copy, and this sidecar's peer channel is off (no
+    ``CKPTD_PEER_PORT``, or no ``CKPTD_SHM_DIR`` for it): no copy can come from here; the trainer restores from
+    storage."""
+
+    code = ErrorCode.PEER_CHANNEL_OFF
+
+    def __init__(self) -> None:
+        super().__init__("this ckptd's peer channel is off (CKPTD_PEER_PORT unset, or no CKPTD_SHM_DIR): it brings "
+                         "no part back from a peer; restore from storage")
+
+
 __all__ = [
     "Busy",
     "CkptdError",
@@ -135,6 +148,7 @@ __all__ = [
     "JobNotFound",
     "MissingInputs",
     "NotReady",
+    "PeerChannelOff",
     "PlanningError",
     "Refused",
     "ServiceError",

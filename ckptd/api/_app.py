@@ -29,6 +29,7 @@ from ckptd.api.routes import _dashboard as dashboard
 from ckptd.api.routes import _events as events
 from ckptd.api.routes import _health as health
 from ckptd.api.routes import _jobs as jobs
+from ckptd.api.routes import _peers as peers
 from ckptd.catalog._catalog import Catalog
 from ckptd.config import Settings
 from trainer_client.core import protocol as p
@@ -96,7 +97,7 @@ def create_app(settings: Settings, catalog: Catalog | None = None, *, background
     app.add_middleware(BearerAuth, token=auth.token, needs_token=_needs_token, count=count_request)
 
     for router in (health.router(svc), jobs.router(svc, answers), advice.router(svc), events.router(svc),
-                   dashboard.router()):
+                   peers.router(svc), dashboard.router()):
         app.include_router(router)
     install_docs(app)
     document_errors(app, metrics_require_token=auth.metrics_require_token)

@@ -43,6 +43,11 @@ ROUTE_DOCS: dict[tuple[str, str], tuple[str, str]] = {
     ("POST", p.ROUTE_EVENTS): ("Report events", ""),
     ("GET", p.ROUTE_EVENTS): ("Read events", ""),
     ("GET", p.ROUTE_GOODPUT): ("Goodput", ""),
+    ("POST", p.ROUTE_PEER_FETCH): ("Part back from a peer", "A multi-host job's trainer whose host memory was wiped "
+                                   "asks its host's ckptd to bring its part of a step back from another host's "
+                                   "copy (docs/multihost.md, \"Peer copies\"); answered once the part is back, every "
+                                   "shard checked, or the fetch failed (`ok: false`, why: restore from storage). "
+                                   "409 `PEER_CHANNEL_OFF` when this ckptd's peer channel is off."),
     ("GET", p.ROUTE_DASHBOARD): ("Dashboard", ""),
 }
 

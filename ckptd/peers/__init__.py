@@ -4,9 +4,11 @@ so a host whose memory was wiped gets its part back from a peer instead of from 
 
 ``PeerService`` is what the composition root (``ckptd/_sidecar.py``) builds from the ``PeerSettings`` group
 (``_settings``) when ``CKPTD_PEER_PORT`` is set: the listener (``_server``), the copier and the fetcher
-(``_copier``; the tasks they run, ``_tasks``; the requests they send, ``_requests``), over one ``PartStore`` of
-the host's shared-memory directory and one ``PeerDirectory`` of addresses. The bytes travel on this channel,
-never on the JSON control API.
+(``_copier``; the tasks they run, ``_tasks``; the requests they send, ``_requests``, and their typed headers,
+``_headers``), over one ``PartStore`` of the host's shared-memory directory and one ``PeerDirectory`` of
+addresses. The bytes travel on this channel, never on the JSON control API; what the trainer asks of it (its
+part back from a peer's copy) comes over that API, ``POST /v1/jobs/{job}/peer-fetch``, and is handed to
+``PeerService.fetch``.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from ckptd.catalog._settings import MemoryTierSettings
+from ckptd.memory_tier._settings import MemoryTierSettings
 from ckptd.peers._copier import PeerCopier, PeerOptions
 from ckptd.peers._directory import PeerDirectory, parse_map, parse_peers
 from ckptd.peers._protocol import RateLimit
@@ -25,6 +28,7 @@ from ckptd.peers._server import PeerListener
 from ckptd.peers._settings import PeerSettings
 from ckptd.peers._store import PartStore
 from trainer_client.core import Storage
+from trainer_client.core.protocol import PeerFetchAnswer, PeerFetchRequest
 
 _log = logging.getLogger(__name__)
 
@@ -51,6 +55,12 @@ class PeerService:
     def stop(self) -> None:
         self.copier.stop()
         self.listener.stop()
+
+    def fetch(self, job: str, request: PeerFetchRequest) -> Future[PeerFetchAnswer]:
+        """The trainer's request for its part of ``job`` back from a peer's copy (ckptd's API hands it here): fetched
+        on a task of the fetcher's own, within the fetch's deadline; the future's result is the answer (the part
+        is back, or why not), never an exception."""
+        return self.copier.asked(job, request)
 
     def snapshot(self) -> dict[str, Any]:
         """The channel's numbers (docs/operations.md, "Peer copies")."""

@@ -1,15 +1,17 @@
 """The peer channel's two workers on this host: the copier sends this host's newest whole part of each job to the
 hosts that keep copies of it, and the fetcher brings this host's own part back from one of them when the
-trainer asks (docs/multihost.md, "Peer copies").
+trainer asks, or unasked when this host's memory was wiped (docs/multihost.md, "Peer copies").
 
 The copier runs on a thread of its own, lowered ``nice`` steps below the sidecar (the trainer wins the host's
 cores) and at most at the channel's byte rate (``RateLimit``): a slow or dead peer delays only further copies,
 never a save or a training step (the trainer only writes its snapshot into shared memory). After a copy, and
 whenever this host's own parts change, each holder is told which steps this host still holds, and drops the
-copies of the others (a copy is evicted with its original). The fetcher answers the trainer's requests
-(``trainer_client/core/format/_peer_copies.py``) at once, on a thread of its own; and when this host held parts
-of a job and holds none any more (its memory wiped while the sidecar ran), it brings the newest copy back
-without waiting to be asked, so a restarting trainer finds its part in memory. A sidecar started on a new node
+copies of the others (a copy is evicted with its original). The trainer asks over ckptd's HTTP API
+(``POST /v1/jobs/{job}/peer-fetch``, typed by ``PeerFetchRequest``: ``ckptd/api/routes/_peers.py`` hands it to
+``asked``), and its request is fetched at once on a task of its own, the answer (``PeerFetchAnswer``) given when
+the part is back or the fetch failed; and when this host held parts of a job and holds none any more (its memory
+wiped while the sidecar ran), the fetcher's thread brings the newest copy back without waiting to be asked
+(``refill_pass``), so a restarting trainer finds its part in memory. A sidecar started on a new node
 has seen no part: when its settings give its host index and the host count, it asks its holders which jobs they
 keep its part of (``discover``) and brings those back the same way.
 
@@ -29,9 +31,9 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from pydantic import ValidationError
 
@@ -41,15 +43,8 @@ from ckptd.peers._requests import ask_part, jobs_kept, newest_copy, offer_part, 
 from ckptd.peers._store import PartStore
 from ckptd.peers._tasks import Tasks
 from trainer_client.core import UnsafePathError
-from trainer_client.core.format import (
-    SnapshotMeta,
-    answer_fetch,
-    complete_snapshots,
-    pending_fetches,
-    problems,
-    read_meta,
-)
-from trainer_client.core.protocol import is_valid_job_name
+from trainer_client.core.format import SnapshotMeta, complete_snapshots, problems, read_meta
+from trainer_client.core.protocol import PeerFetchAnswer, PeerFetchRequest, is_valid_job_name
 
 _log = logging.getLogger(__name__)
 RECHECK_S = 5.0  # a holder is asked again after this whether it still keeps the copy (its memory may be wiped)
@@ -115,10 +110,11 @@ class PeerCopier:
         self._fetches = Tasks("ckptd-peer-fetch")
         self._step_locks: dict[tuple[str, int], threading.Lock] = {}  # (job, step) -> held while it is fetched
         self._locks_lock = threading.Lock()
+        self._asked: dict[tuple[str, int], Future[PeerFetchAnswer]] = {}  # (job, step) -> a trainer's, in flight
         self._threads = [threading.Thread(target=self._loop, args=(self.copy_pass, True), name="ckptd-peer-copier",
                                           daemon=True),
-                         threading.Thread(target=self._loop, args=(self.fetch_pass, False), name="ckptd-peer-fetcher",
-                                          daemon=True)]
+                         threading.Thread(target=self._loop, args=(self.refill_pass, False),
+                                          name="ckptd-peer-fetcher", daemon=True)]
 
     def start(self) -> None:
         for thread in self._threads:
@@ -256,36 +252,65 @@ class PeerCopier:
 
     def discover_pass(self) -> None:
         """A task of its own, started from the copier's thread: a holder slow to answer holds up neither a copy
-        nor the answer to a trainer's fetch."""
+        nor a trainer's fetch."""
         if self.options.refill and self.options.host is not None and time.monotonic() >= self._discover[0]:
             before, wait = self._discover
             self._discover = (time.monotonic() + wait, min(DISCOVER_MAX_S, wait * 2))  # before the task can end it
             if not self._copies.start(("discover",), functools.partial(self.discover, *self.options.host)):
                 self._discover = (before, wait)
 
-    def fetch_pass(self) -> None:
+    def refill_pass(self) -> None:
+        """A refill task for each job of which this host held parts and holds none now (every 2 s at most)."""
         for job in sorted(set(self.jobs()) | set(self._known)):  # a wiped job's directory may be gone too
-            for request in pending_fetches(self.store.shm_dir, job):
-                self._fetches.start((job, "fetch", request["step"]), functools.partial(self._answer, job, request))
             if (self.options.refill and job in self._known and time.monotonic() >= self._refill_at.get(job, 0.0)
                     and not self._fetches.busy((job, "refill")) and not self.own_parts(job)):
                 self._refill_at[job] = time.monotonic() + 2.0
                 self._fetches.start((job, "refill"), functools.partial(self.refill, job, *self._known[job]))
 
-    def _answer(self, job: str, request: dict[str, Any]) -> None:
+    def asked(self, job: str, request: PeerFetchRequest) -> Future[PeerFetchAnswer]:
+        """The trainer's request for its part of ``request.step`` of ``job`` back from host ``request.source``'s
+        copy, fetched at once on a task of its own (``fetch``: its deadline, its per-step lock); the future's
+        result is the answer, never an exception. A request for a step whose fetch the trainer asked for already
+        and is still running shares that fetch's answer (a client that asks again after its own timeout waits
+        for the same fetch)."""
+        key = (job, request.step)
+        with self._locks_lock:
+            running = self._asked.get(key)
+            if running is not None and not running.done():
+                return running
+            future: Future[PeerFetchAnswer] = Future()
+            future.set_running_or_notify_cancel()  # started: a caller that goes away cannot cancel it for others
+            self._asked[key] = future
+        if not self._fetches.start((job, "fetch", request.step), functools.partial(self._answer, job, request,
+                                                                                    future)):
+            self._done(job, request, future, f"busy: {self._fetches.limit} peer fetches in progress")
+        return future
+
+    def _answer(self, job: str, request: PeerFetchRequest, future: Future[PeerFetchAnswer]) -> None:
         """One fetch task: the trainer's request, answered whatever happens (within the fetch's deadline)."""
-        error = ""
+        error: str | None = "the fetch failed unexpectedly (the sidecar's log says why)"
         try:
-            self.fetch(job, request["step"], source=request["source"], origin=request["origin"],
-                       count=request["count"], save_id=request["save_id"])
+            self.fetch(job, request.step, source=request.source, origin=request.origin, count=request.count,
+                       save_id=request.save_id)
             self.stats.fetched += 1
+            error = None
         except (PeerError, OSError, ValueError) as exc:
-            self.directory.forget(job, request["source"])  # its address is read again next time
-            error = f"from host {request['source']}: {exc}"
+            self.directory.forget(job, request.source)  # its address is read again next time
+            error = str(exc)
+        finally:
+            self._done(job, request, future, error)
+
+    def _done(self, job: str, request: PeerFetchRequest, future: Future[PeerFetchAnswer], error: str | None) -> None:
+        """The trainer's answer: the part is back (``error`` None), or why not (counted and logged)."""
+        if error is not None:
+            error = f"from host {request.source}: {error}"[:2000]
             self.stats.fetch_failures += 1
-            self.stats.failed(f"fetch of {job} step {request['step']} {error}")
-            _log.warning("fetch of %s step %s %s", job, request["step"], error)
-        answer_fetch(self.store.shm_dir, job, request["step"], ok=not error, error=error)
+            self.stats.failed(f"fetch of {job} step {request.step} {error}")
+            _log.warning("fetch of %s step %s %s", job, request.step, error)
+        with self._locks_lock:
+            if self._asked.get((job, request.step)) is future:
+                del self._asked[(job, request.step)]
+        future.set_result(PeerFetchAnswer(ok=error is None, error=error))
 
     def discover(self, index: int, count: int) -> list[str]:
         """This host is host ``index`` of ``count`` (its settings say) and its memory holds no part of its own
@@ -352,7 +377,10 @@ class PeerCopier:
 
     def fetch(self, job: str, step: int, *, source: int, origin: int, count: int, save_id: str | None) -> Path:
         """This host's part of ``step`` (host ``origin`` of ``count``), brought back from host ``source``'s copy
-        into ``<shm>/<job>/<step>/``, every shard checked; ``PeerError`` when it cannot be."""
+        into ``<shm>/<job>/<step>/``, every shard checked; ``PeerError`` when it cannot be (hosts that cannot be
+        asked included: ``source`` this host itself, an index not below ``count``)."""
+        if not 0 <= origin < count or not 0 <= source < count or source == origin:
+            raise PeerError(f"host {source} cannot hold a copy of host {origin}'s part of a job of {count} hosts")
         with self._locks_lock:
             if len(self._step_locks) > 256:  # those no fetch holds go
                 self._step_locks = {k: v for k, v in self._step_locks.items() if v.locked()}

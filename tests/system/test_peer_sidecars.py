@@ -1,11 +1,13 @@
 """Peer copies between real ``ckptd serve`` processes on 127.0.0.1 (docs/multihost.md, "Peer copies"): the
 holder SIGKILLed in the middle of a copy keeps nothing of it, and once restarted gets the whole copy; a peer
-that stops answering (SIGSTOP) never slows the sender's API, and the copy lands once it answers again."""
+that stops answering (SIGSTOP) never slows the sender's API, and the copy lands once it answers again; a wiped
+host's trainer asks its ckptd's API for its part (``POST /v1/jobs/{job}/peer-fetch``) and gets it back."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -17,6 +19,9 @@ import pytest
 from examples.demo import free_port, start_ckptd
 from tests.support.helpers import wait_until
 from tests.support.peer_parts import SECRET, write_part
+from trainer_client.client._ckptd_client import CkptdClient
+from trainer_client.config import ClientSettings
+from trainer_client.core import protocol as p
 
 JOB = "peerjob"
 BIG_COLS = 1 << 21  # host 0's part: 4 rows x 2Mi f32 = 32 MiB
@@ -25,8 +30,9 @@ BIG_COLS = 1 << 21  # host 0's part: 4 rows x 2Mi f32 = 32 MiB
 class Hosts:
     """Two sidecars with their peer channels on fixed ports (CKPTD_PEERS: JobSet's stable names)."""
 
-    def __init__(self, base: Path, bandwidth: int) -> None:
+    def __init__(self, base: Path, bandwidth: int, *, refill: bool = True) -> None:
         self.base = base
+        self.refill = refill
         self.shm = [base / "shm0", base / "shm1"]
         for shm in self.shm:
             shm.mkdir(mode=0o700)
@@ -39,7 +45,7 @@ class Hosts:
     def start(self, k: int) -> None:
         env = {"CKPTD_PEER_PORT": str(self.peer_ports[k]), "CKPTD_PEER_SECRET": SECRET,
                "CKPTD_PEERS": ",".join(f"{i}=127.0.0.1:{p}" for i, p in enumerate(self.peer_ports)),
-               "CKPTD_PEER_BANDWIDTH_BYTES_S": str(self.bandwidth)}
+               "CKPTD_PEER_BANDWIDTH_BYTES_S": str(self.bandwidth), "CKPTD_PEER_REFILL": str(self.refill).lower()}
         self.procs[k] = start_ckptd(self.base / "root", self.base / f"state{k}", self.shm[k], self.ports[k],
                                     self.base / f"ckptd-{k}.log", env)
 
@@ -133,3 +139,30 @@ def _copy_failures(http: httpx.Client) -> float:
     found = re.search(r"^ckptd_peer_copy_failures(?:_total)? (\S+)$", http.get("/metrics", timeout=25).text, re.M)
     assert found, "no ckptd_peer_copy_failures on /metrics"
     return float(found.group(1))
+
+
+@pytest.mark.timeout(120)
+def test_a_wiped_host_s_trainer_asks_its_ckptd_over_http_and_gets_its_part_back(tmp_path: Path) -> None:
+    hosts = Hosts(tmp_path, bandwidth=1 << 30, refill=False)  # the trainer's request is the only way back
+    try:
+        hosts.start(0)
+        hosts.start(1)
+        write_part(hosts.shm[1], JOB, 10, index=1)
+        original = (write_part(hosts.shm[0], JOB, 10, index=0) / "data.bin").read_bytes()
+        wait_until(lambda: hosts.copy(1, 0, 10).is_dir(), timeout=60, what="host 1's copy of host 0's part")
+        shutil.rmtree(hosts.shm[0] / JOB / "10")  # host 0's memory wiped, its sidecar running
+        url = f"http://127.0.0.1:{hosts.ports[0]}"
+        malformed = httpx.post(url + p.ROUTE_PEER_FETCH.format(job=JOB), timeout=10,
+                               json={"step": 10, "source": 1, "origin": 0, "count": 0})
+        assert malformed.status_code == 422
+        assert p.ErrorBody.model_validate_json(malformed.content).code is p.ErrorCode.INVALID_REQUEST
+        with CkptdClient(ClientSettings(url=url)) as client:
+            answer = client.peer_fetch(JOB, p.PeerFetchRequest(step=10, source=1, origin=0, count=2,
+                                                               save_id="ab-10"))
+        assert answer == p.PeerFetchAnswer(ok=True)
+        back = hosts.shm[0] / JOB / "10"
+        assert (back / "data.bin").read_bytes() == original and (back / "from_peer.json").is_file()
+        log = (tmp_path / "ckptd-0.log").read_text(errors="replace")
+        assert "this host's part brought back from host 1" in log
+    finally:
+        hosts.stop()

@@ -22,9 +22,11 @@ from tests.support.gcs_emulator import GcsEmulator
 from tests.support.helpers import free_port, wait_until
 from tests.support.peer_parts import PeerSidecars, flip_a_bit, write_part
 from tests.system.test_multihost_demo import SHORT, _demo
+from trainer_client.client._ckptd_client import CkptdClient
+from trainer_client.config import ClientSettings
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._files import SNAPSHOT_DATA_FILE
-from trainer_client.core.format._peer_copies import request_fetch, wait_fetch
+from trainer_client.core.protocol import PeerFetchRequest
 
 JOB = "peerjob"
 BIG_COLS = 1 << 21  # host 0's part: 4 rows x 2Mi f32 = 32 MiB
@@ -51,7 +53,7 @@ def registry(gcs: GcsEmulator, hosts: PeerSidecars) -> dict[int, str]:
 
 
 def own_steps(hosts: PeerSidecars, k: int) -> list[str]:
-    """What host ``k`` holds of its own part of the job (steps, staging, fetch records): not the copies it
+    """What host ``k`` holds of its own part of the job (steps, staging): not the copies it
     keeps of other hosts' parts (``.peer-<j>``)."""
     job = hosts.shm[k] / JOB
     return sorted(p.name for p in job.iterdir() if not p.name.startswith(".peer-")) if job.is_dir() else []
@@ -110,10 +112,11 @@ def test_a_copy_damaged_at_the_holder_is_found_at_the_fetch_and_nothing_is_left(
         wait_until(lambda: hosts.copy(1, JOB, 0, 10).is_dir(), timeout=60, what="host 1's copy of host 0's part")
         flip_a_bit(hosts.copy(1, JOB, 0, 10))
         hosts.wipe(0)
-        if asked:  # the agreement's path (ResumeAgreement): the trainer writes a request and waits for the answer
-            request_fetch(hosts.shm[0], JOB, 10, source=1, origin=0, count=2, save_id="ab-10")
-            error = wait_fetch(hosts.shm[0], JOB, 10, timeout_s=30)
-            assert error is not None and "arrived damaged" in error, error
+        if asked:  # the agreement's path (ResumeAgreement): the trainer asks its ckptd's API and waits for the answer
+            with CkptdClient(ClientSettings(url=f"http://127.0.0.1:{hosts.ports[0]}")) as client:
+                answer = client.peer_fetch(JOB, PeerFetchRequest(step=10, source=1, origin=0, count=2,
+                                                                 save_id="ab-10"), timeout_s=30)
+            assert not answer.ok and answer.error is not None and "arrived damaged" in answer.error, answer
         else:
             wait_until(lambda: "bringing peerjob's part back from host 1 failed" in hosts.log(0), timeout=30,
                        what="the damaged copy refused")

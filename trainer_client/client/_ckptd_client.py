@@ -5,6 +5,9 @@ Only a resume needs an answer; when ckptd cannot give one before ``resume_deadli
 storage itself with the same commit rule and the same decision (``trainer_client.core.format._steps`` and
 ``trainer_client.core._resume_decision``), so the plan is the one ckptd would have given. A refusal from ckptd
 (its error body, e.g. ``NOT_ENOUGH_DEVICES``) is an answer, not an outage: it is raised, never bypassed.
+
+A multi-host job's trainer whose host memory was wiped asks the same client for its part back from a peer's copy
+(``peer_fetch``): one typed request that waits for the fetch itself (its own timeout, not the resume's).
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ _log = logging.getLogger(__name__)
 
 # Answers that mean "ckptd cannot answer right now", worth a retry and then the fallback.
 _UNAVAILABLE_STATUSES = {502, 503, 504}
+# How long a peer fetch may take before the trainer gives up on its sidecar (the fetch has a deadline of its own,
+# shorter for any part a peer can send faster than storage: this wait is for a sidecar that never answers).
+PEER_FETCH_TIMEOUT_S = 300.0
 
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -67,17 +73,20 @@ class CkptdClient:
     # ---- raw calls ------------------------------------------------------------------------------
 
     def _request(self, method: str, url: str, answer: type[_M], json: Any = None,
-                 params: dict[str, Any] | None = None, *, conditional: bool = False) -> _M:
+                 params: dict[str, Any] | None = None, *, conditional: bool = False,
+                 timeout: httpx.Timeout | None = None) -> _M:
         """``answer`` parsed from ckptd's reply (straight from the bytes: a plan of 1,000 arrays is ~100 KB).
         ``conditional``: send the ``ETag`` of the last answer to this URL; a ``304`` gives that answer again
-        (a copy), unparsed (docs/protocol.md, "Conditional requests")."""
+        (a copy), unparsed (docs/protocol.md, "Conditional requests"). ``timeout``: this request's, not the
+        client's (``CKPTD_TIMEOUT_S``)."""
 
         @retry(self._policy, retry_on=(CkptdUnavailable,))
         def once() -> _M:
             kept = self._tagged.get(url) if conditional and params is None else None
             headers = {"If-None-Match": kept[0]} if kept is not None else None
             try:
-                response = self._http.request(method, url, json=json, params=params, headers=headers)
+                response = self._http.request(method, url, json=json, params=params, headers=headers,
+                                              timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT)
             except httpx.HTTPError as exc:
                 raise CkptdUnavailable(f"ckptd at {self.settings.url} did not answer: {exc}") from exc
             if response.status_code == 304 and kept is not None and isinstance(kept[1], answer):
@@ -145,6 +154,16 @@ class CkptdClient:
             if refusal_kind(exc.code).nothing_to_resume:  # the refusal table (trainer_client/core/_refusals.py)
                 return None
             raise
+
+    def peer_fetch(self, job: str, request: p.PeerFetchRequest, *,
+                   timeout_s: float = PEER_FETCH_TIMEOUT_S) -> p.PeerFetchAnswer:
+        """Ask this host's ckptd to bring this host's part of ``request.step`` back from host ``request.source``'s
+        copy (docs/multihost.md, "Peer copies"); its answer once the part is back (``ok``) or the fetch failed
+        (``error``). ``CkptdRequestError`` when ckptd refuses the request (``PEER_CHANNEL_OFF``: its peer channel is
+        off), ``CkptdUnavailable`` when it does not answer within ``timeout_s``: either way the part is not back."""
+        return self._request("POST", p.ROUTE_PEER_FETCH.format(job=job), p.PeerFetchAnswer,
+                             json=request.model_dump(mode="json"),
+                             timeout=httpx.Timeout(timeout_s, connect=self.settings.timeout_s))
 
     # ---- the one call that matters after a failure ------------------------------------------------
 

@@ -563,7 +563,7 @@ def test_openapi_documents_every_route(client: TestClient) -> None:
     spec = client.get("/openapi.json").json()
     assert set(spec["paths"]) >= {
         p.ROUTE_HEALTHZ, p.ROUTE_READYZ, p.ROUTE_METRICS, p.ROUTE_JOBS, p.ROUTE_CHECKPOINTS,
-        p.ROUTE_LATEST_GOOD, p.ROUTE_RESUME,
+        p.ROUTE_LATEST_GOOD, p.ROUTE_RESUME, p.ROUTE_PEER_FETCH,
     }
     assert "ErrorBody" in spec["components"]["schemas"]
     assert "409" in spec["paths"][p.ROUTE_RESUME]["post"]["responses"]
@@ -574,7 +574,7 @@ def test_protocol_doc_matches_the_code() -> None:
     table = {m[1]: int(m[2]) for m in re.finditer(r"^\| `([A-Z_]+)`\s*\| (\d{3}) ", doc, re.M)}
     assert table == {code.value: status for code, status in p.ERROR_STATUS.items()}
     for route in (p.ROUTE_HEALTHZ, p.ROUTE_READYZ, p.ROUTE_METRICS, p.ROUTE_JOBS, p.ROUTE_CHECKPOINTS,
-                  p.ROUTE_LATEST_GOOD, p.ROUTE_RESUME):
+                  p.ROUTE_LATEST_GOOD, p.ROUTE_RESUME, p.ROUTE_PEER_FETCH):
         assert f"`{route}`" in doc or f" {route}`" in doc, route
     for state in p.StepState:
         assert f"| `{state.value}`" in doc, state

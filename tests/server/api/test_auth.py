@@ -86,7 +86,8 @@ def file_server(root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 def _v1_requests(url: str) -> list[tuple[str, str, Any]]:
     """(method, path, json body) for every /v1 operation of the server's own OpenAPI, on job ``meta``."""
     spec = httpx.get(f"{url}/openapi.json", timeout=10).json()
-    bodies = {p.ROUTE_RESUME: {"alive_devices": 8}, p.ROUTE_EVENTS: {"events": [{"kind": "start", "time": 1.0}]}}
+    bodies = {p.ROUTE_RESUME: {"alive_devices": 8}, p.ROUTE_EVENTS: {"events": [{"kind": "start", "time": 1.0}]},
+              p.ROUTE_PEER_FETCH: {"step": 10, "source": 1, "origin": 0, "count": 2}}
     out = []
     for path, item in spec["paths"].items():
         if not path.startswith(p.API_PREFIX):

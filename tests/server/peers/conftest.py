@@ -1,21 +1,32 @@
-"""What the peer-channel tests share: two sidecars' ``PeerService``s on 127.0.0.1 (``pair``), their settings, a
-TCP proxy that alters one byte of the stream after the handshake (``FlipProxy``: an attacker on the path
-without the secret, docs/multihost.md, "Peer copies"), and a peer that accepts and never answers (``Tarpit``)."""
+"""What the peer-channel tests share: two sidecars' ``PeerService``s on 127.0.0.1 (``pair``), their settings, ckptd's
+HTTP API over a sidecar with a given peer channel (``api_of``, ``api0``: what a trainer asks its part back through,
+``fetch``), a TCP proxy that alters one byte of the stream after the handshake (``FlipProxy``: an attacker on the
+path without the secret, docs/multihost.md, "Peer copies"), and a peer that accepts and never answers
+(``Tarpit``)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
 
+from ckptd._sidecar import build_sidecar
+from ckptd.api._app import create_app
+from ckptd.catalog._catalog import Catalog
 from ckptd.config import Settings
 from ckptd.peers import PeerService, build_peers
 from ckptd.peers._protocol import MAGIC, NONCE_BYTES
+from tests.support.helpers import make_settings
 from tests.support.peer_parts import SECRET
+from trainer_client.core import Storage
+from trainer_client.core import protocol as p
 
 JOB = "peerjob"
 # bytes of the handshake in each direction: the magic line and a nonce; a nonce and a proof; a proof
@@ -47,6 +58,51 @@ def pair(tmp_path: Path) -> Iterator[tuple[list[PeerService], list[Path]]]:
     yield started, shms
     for s in started:
         s.stop()
+
+
+@contextlib.contextmanager
+def api_of(service: PeerService | None, tmp: Path) -> Iterator[TestClient]:
+    """ckptd's HTTP API over a sidecar whose peer channel is ``service`` (None: off), for the trainer's request
+    ``POST /v1/jobs/{job}/peer-fetch``; requests from several threads are answered concurrently."""
+    root = tmp / "api-root"
+    root.mkdir(exist_ok=True)
+    settings = make_settings(root, tmp / "api-state")
+    catalog = Catalog(Storage(str(root)), ":memory:")
+    sidecar = build_sidecar(settings, catalog)  # no peer channel of its own (no CKPTD_PEER_PORT): given one here
+    sidecar.peers = service
+    try:
+        with TestClient(create_app(settings, catalog, background=False, sidecar=sidecar)) as client:
+            yield client
+    finally:
+        catalog.close()
+
+
+@pytest.fixture
+def api0(pair: tuple[list[PeerService], list[Path]], tmp_path: Path) -> Iterator[TestClient]:
+    """Host 0's ckptd API over its peer channel (``pair``'s first)."""
+    with api_of(pair[0][0], tmp_path) as api:
+        yield api
+
+
+def fetch(api: TestClient, job: str, step: int, *, source: int = 1, origin: int = 0, count: int = 2,
+          save_id: str | None = None) -> p.PeerFetchAnswer:
+    """The trainer of host ``origin`` asks for its part of ``step`` back from host ``source``'s copy; the answer."""
+    asked = p.PeerFetchRequest(step=step, source=source, origin=origin, count=count, save_id=save_id)
+    response = api.post(p.ROUTE_PEER_FETCH.format(job=job), json=asked.model_dump(mode="json"))
+    assert response.status_code == 200, response.text
+    return p.PeerFetchAnswer.model_validate_json(response.content)
+
+
+def plant_holder(service: PeerService, job: str, index: int, address: str) -> None:
+    """Host ``index``'s sidecar of ``job`` registered at ``address`` (what anyone who can write the root can do)."""
+    root = Path(service.listener.store.shm_dir).parent / "root"
+    record = root / job / ".ckptd" / "peers" / f"process_{index}.json"
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"address": address}))
+
+
+def set_options(service: PeerService, **changes: object) -> None:
+    service.copier.options = dataclasses.replace(service.copier.options, **changes)  # type: ignore[arg-type]
 
 
 class FlipProxy:

@@ -1,8 +1,8 @@
 """The peer data channel between two sidecars' ``PeerService``s on 127.0.0.1 (real sockets, real shared-memory
 directories under the test's tmp): a whole part is copied to the host that holds copies of it, evicted with
-its original, brought back into a wiped host's memory checked shard by shard; a damaged copy, a caller
-without the secret and hostile headers are refused and leave nothing behind (docs/multihost.md, "Peer
-copies")."""
+its original, brought back into a wiped host's memory checked shard by shard when its trainer asks over ckptd's
+API (``POST /v1/jobs/{job}/peer-fetch``); a damaged copy, a caller without the secret and hostile headers are
+refused and leave nothing behind (docs/multihost.md, "Peer copies")."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
@@ -25,15 +26,16 @@ from ckptd.peers import PeerService
 from ckptd.peers._directory import holders_of, parse_map
 from ckptd.peers._headers import PutAnswer, expect
 from ckptd.peers._protocol import PeerError, caller_handshake, connect
-from tests.server.peers.conftest import JOB
+from tests.server.peers.conftest import JOB, fetch
 from tests.support.helpers import wait_until
 from tests.support.peer_parts import SECRET, write_part
-from trainer_client.core.format._peer_copies import brought_from, copies_dir, held_copies, request_fetch, wait_fetch
+from trainer_client.core.format._peer_copies import brought_from, copies_dir, held_copies
 from trainer_client.core.format._snapshot import problems
+from trainer_client.core.protocol import PeerFetchAnswer
 
 
 def test_a_whole_part_is_copied_evicted_with_its_original_and_brought_back(
-        pair: tuple[list[PeerService], list[Path]]) -> None:
+        pair: tuple[list[PeerService], list[Path]], api0: TestClient) -> None:
     (s0, s1), (shm0, shm1) = pair
     write_part(shm1, JOB, 10, index=1)  # host 1's sidecar registers its address once it sees its first part
     part = write_part(shm0, JOB, 10, index=0)
@@ -62,16 +64,16 @@ def test_a_whole_part_is_copied_evicted_with_its_original_and_brought_back(
 
     original = (shm0 / JOB / "20" / "data.bin").read_bytes()
     shutil.rmtree(shm0 / JOB)  # host 0's memory wiped: its trainer asks for its part of 20 back from host 1
-    request_fetch(shm0, JOB, 20, source=1, origin=0, count=2, save_id="ab-20")
-    assert wait_fetch(shm0, JOB, 20, timeout_s=30) is None
+    assert fetch(api0, JOB, 20, save_id="ab-20") == PeerFetchAnswer(ok=True)
     assert (shm0 / JOB / "20" / "data.bin").read_bytes() == original and problems(shm0 / JOB / "20") == []
     left = sorted(p.name for p in (shm0 / JOB).iterdir() if not p.name.startswith(".peer-1"))  # host 1's copies
-    assert left == ["20"]  # no request, answer or staging left
+    assert left == ["20"]  # no staging left, nothing else written
     # brought back once: by the sidecar itself when it saw the wipe, or at the request (then held already)
     assert s0.snapshot()["fetched"] >= 1 and s1.snapshot()["copies_served"] == 1
 
 
-def test_a_damaged_copy_is_refused_and_leaves_nothing(pair: tuple[list[PeerService], list[Path]]) -> None:
+def test_a_damaged_copy_is_refused_and_leaves_nothing(pair: tuple[list[PeerService], list[Path]],
+                                                      api0: TestClient) -> None:
     (s0, _), (shm0, shm1) = pair
     # the trainer's request is the only fetch: a refill of the sidecar's own, trying the damaged copy again every
     # 2 s, would leave a staging directory for a moment whenever the check below looked
@@ -86,21 +88,33 @@ def test_a_damaged_copy_is_refused_and_leaves_nothing(pair: tuple[list[PeerServi
         f.seek(100)
         f.write(bytes([byte[0] ^ 1]))
     shutil.rmtree(shm0 / JOB)
-    request_fetch(shm0, JOB, 10, source=1, origin=0, count=2, save_id="ab-10")
-    error = wait_fetch(shm0, JOB, 10, timeout_s=30)
-    assert error is not None and "damaged" in error
+    answer = fetch(api0, JOB, 10, save_id="ab-10")
+    assert not answer.ok and answer.error is not None and "damaged" in answer.error
     assert not (shm0 / JOB / "10").exists()
-    assert [p.name for p in (shm0 / JOB).iterdir() if not p.name.startswith(".peer-fetch")] == []
+    assert list((shm0 / JOB).iterdir()) == []
 
 
-def test_a_fetch_of_a_copy_nobody_holds_fails_fast(pair: tuple[list[PeerService], list[Path]]) -> None:
-    (_, s1), (shm0, shm1) = pair
+def test_a_fetch_of_a_copy_nobody_holds_fails_fast(pair: tuple[list[PeerService], list[Path]],
+                                                    api0: TestClient) -> None:
+    (s0, s1), (_, shm1) = pair
     write_part(shm1, JOB, 10, index=1)
     wait_until(lambda: s1.copier.directory._registered, timeout=10)
-    request_fetch(shm0, JOB, 30, source=1, origin=0, count=2, save_id="ab-30")
     started = time.monotonic()
-    error = wait_fetch(shm0, JOB, 30, timeout_s=30)
-    assert error is not None and "no intact part" in error and time.monotonic() - started < 10
+    answer = fetch(api0, JOB, 30, save_id="ab-30")
+    assert not answer.ok and answer.error is not None and "no intact part" in answer.error
+    assert time.monotonic() - started < 10 and s0.snapshot()["fetch_failures"] == 1
+
+
+def test_a_fetch_from_hosts_that_cannot_be_is_answered_without_asking_anyone(
+        pair: tuple[list[PeerService], list[Path]], api0: TestClient) -> None:
+    """Valid fields each, no meaning together (the source is the asker, an index past the hosts): the request is
+    answered, not refused, and no peer is asked."""
+    (_, s1), (shm0, _) = pair
+    for source, origin, count in ((0, 0, 2), (2, 0, 2), (1, 2, 2)):
+        answer = fetch(api0, JOB, 10, source=source, origin=origin, count=count)
+        assert not answer.ok and answer.error is not None and "cannot hold a copy" in answer.error, answer
+    assert s1.snapshot()["copies_served"] == 0 and s1.listener.stats.refused == 0
+    assert not (shm0 / JOB).exists()
 
 
 def test_callers_without_the_secret_and_hostile_headers_are_refused(

@@ -32,12 +32,11 @@ def into_data(part: Path) -> int:
 
 
 def nothing_received(shm: Path, job: str) -> bool:
-    """No part, copy or staging directory of ``job`` in ``shm`` (the request and answer files of a fetch aside)."""
+    """No part, copy or staging directory of ``job`` in ``shm``."""
     base = shm / job
     if not base.exists():
         return True
-    return all(p.name.startswith(".peer-fetch") or (p.name.startswith(".peer-") and not any(p.iterdir()))
-               for p in base.iterdir())
+    return all(p.name.startswith(".peer-") and not any(p.iterdir()) for p in base.iterdir())
 
 
 def test_a_part_altered_in_flight_is_refused_and_the_honest_path_works(

@@ -10,14 +10,15 @@ import threading
 from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
 
 from ckptd.config import DEFAULT_PERSIST_NICE
 from ckptd.peers import PeerService, _server
 from ckptd.peers._protocol import lower_this_thread
-from tests.server.peers.conftest import JOB
+from tests.server.peers.conftest import JOB, fetch
 from tests.support.helpers import wait_until
 from tests.support.peer_parts import write_part
-from trainer_client.core.format._peer_copies import copies_dir, request_fetch, wait_fetch
+from trainer_client.core.format._peer_copies import copies_dir
 
 
 def _nice() -> int:
@@ -39,7 +40,7 @@ def test_lowering_a_thread_leaves_the_others_alone() -> None:
 
 
 def test_a_received_copy_is_checked_below_the_trainer_and_a_fetch_is_served_at_full_priority(
-        monkeypatch: pytest.MonkeyPatch, pair: tuple[list[PeerService], list[Path]]) -> None:
+        monkeypatch: pytest.MonkeyPatch, pair: tuple[list[PeerService], list[Path]], api0: TestClient) -> None:
     lowered: list[tuple[int, int]] = []  # (steps asked, the thread's nice after)
     real = _server.lower_this_thread
 
@@ -57,7 +58,6 @@ def test_a_received_copy_is_checked_below_the_trainer_and_a_fetch_is_served_at_f
     assert lowered and all(steps == DEFAULT_PERSIST_NICE and nice == min(19, base + steps) for steps, nice in lowered)
     puts = len(lowered)
     shutil.rmtree(shm0 / JOB)  # host 0 restores: host 1 serves the fetch, not lowered
-    request_fetch(shm0, JOB, 10, source=1, origin=0, count=2, save_id="ab-10")
-    assert wait_fetch(shm0, JOB, 10, timeout_s=30) is None
+    assert fetch(api0, JOB, 10, save_id="ab-10").ok
     assert s1.snapshot()["copies_served"] >= 1
     assert len(lowered) == puts

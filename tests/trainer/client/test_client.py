@@ -147,3 +147,20 @@ def test_no_good_step_at_ckptd_but_a_committed_one_on_storage_is_not_a_fresh_sta
     empty, _ = _client(lambda r: httpx.Response(404, json=body), root=str(tmp_path / "elsewhere"))
     with pytest.raises(NoCheckpointError):
         empty.resume("job", p.ResumeRequest(alive_devices=6))
+
+
+def test_a_peer_fetch_is_one_typed_request_that_waits_for_the_fetch_and_a_refusal_is_raised() -> None:
+    """The wiped host's request for its part (docs/multihost.md, "Peer copies"): the request's JSON, the answer
+    parsed, a read timeout of its own (the fetch takes longer than any other request), never the storage fallback;
+    a sidecar whose peer channel is off refuses at once (not retried)."""
+    asked = p.PeerFetchRequest(step=10, source=1, origin=0, count=2, save_id="ab-10")
+    client, seen = _client(lambda r: httpx.Response(200, json={"ok": False, "error": "from host 1: gone"}))
+    assert client.peer_fetch("job", asked, timeout_s=42.0) == p.PeerFetchAnswer(ok=False, error="from host 1: gone")
+    assert [(r.method, r.url.path) for r in seen] == [("POST", "/v1/jobs/job/peer-fetch")]
+    assert json.loads(seen[0].content) == asked.model_dump(mode="json") and seen[0].headers["authorization"]
+    assert seen[0].extensions["timeout"] == {"connect": 0.5, "read": 42.0, "write": 42.0, "pool": 42.0}
+    off = {"code": "PEER_CHANNEL_OFF", "message": "this ckptd's peer channel is off"}
+    client, seen = _client(lambda r: httpx.Response(409, json=off))
+    with pytest.raises(CkptdRequestError) as err:
+        client.peer_fetch("job", asked)
+    assert (err.value.status, err.value.code, len(seen)) == (409, "PEER_CHANNEL_OFF", 1)

@@ -70,9 +70,7 @@ if TYPE_CHECKING:  # the real types for type checkers (``X as X``: re-exported);
     from trainer_client.core.format._parts import step_path_for as step_path_for
     from trainer_client.core.format._parts import take_over_claim as take_over_claim
     from trainer_client.core.format._peer_copies import FROM_PEER_FILE as FROM_PEER_FILE
-    from trainer_client.core.format._peer_copies import answer_fetch as answer_fetch
     from trainer_client.core.format._peer_copies import copies_dir as copies_dir
-    from trainer_client.core.format._peer_copies import pending_fetches as pending_fetches
     from trainer_client.core.format._private_files import check_private_dir as check_private_dir
     from trainer_client.core.format._private_files import ensure_private_dir as ensure_private_dir
     from trainer_client.core.format._private_files import is_real_dir as is_real_dir
@@ -133,7 +131,7 @@ _EXPORTS = {
                                           "incarnation_of", "listed_parts", "make_claim", "read_claim", "read_part",
                                           "record_bytes", "record_path", "report_refused", "save_parts", "spans",
                                           "staged_saves", "step_path_for", "take_over_claim"),
-    "trainer_client.core.format._peer_copies": ("FROM_PEER_FILE", "answer_fetch", "copies_dir", "pending_fetches"),
+    "trainer_client.core.format._peer_copies": ("FROM_PEER_FILE", "copies_dir"),
     "trainer_client.core.format._private_files": ("check_private_dir", "ensure_private_dir", "is_real_dir",
                                                   "make_private_dir", "open_private", "read_private",
                                                   "write_private"),

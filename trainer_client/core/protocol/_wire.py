@@ -1,5 +1,6 @@
 """The HTTP contract: route templates, job names, the stable error codes and the HTTP status of each, the
-one error body, and the requests and answers of the checkpoint routes."""
+one error body, the requests and answers of the checkpoint routes, and the trainer's request for its snapshot
+part back from a peer host's copy (``peer-fetch``)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ ROUTE_RESUME = f"{API_PREFIX}/jobs/{{job}}/resume"
 ROUTE_ADVICE = f"{API_PREFIX}/jobs/{{job}}/advice"
 ROUTE_EVENTS = f"{API_PREFIX}/jobs/{{job}}/events"
 ROUTE_GOODPUT = f"{API_PREFIX}/jobs/{{job}}/goodput"
+ROUTE_PEER_FETCH = f"{API_PREFIX}/jobs/{{job}}/peer-fetch"
 ROUTE_DASHBOARD = "/"
 
 # A job name is one path segment of the root: letters, digits, '.', '_', '-', not starting with '.'.
@@ -91,6 +93,7 @@ class ErrorCode(StrEnum):
     BUSY = "BUSY"
     JOB_LIMIT = "JOB_LIMIT"
     FOREIGN_CHECKPOINT = "FOREIGN_CHECKPOINT"
+    PEER_CHANNEL_OFF = "PEER_CHANNEL_OFF"
 
 
 ERROR_STATUS: dict[ErrorCode, int] = {
@@ -118,6 +121,7 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.BUSY: 503,
     ErrorCode.JOB_LIMIT: 409,
     ErrorCode.FOREIGN_CHECKPOINT: 409,  # the step is another run's, or another process count's: the job's state
+    ErrorCode.PEER_CHANNEL_OFF: 409,  # a peer fetch asked of a ckptd whose peer channel is off: its state
 }
 
 
@@ -274,6 +278,33 @@ class ResumePlan(_Model):
     notes: list[str] = Field(default_factory=list)
 
 
+class PeerFetchRequest(_Request):
+    """Body of ``POST /v1/jobs/{job}/peer-fetch``: the trainer of host ``origin`` of a ``count``-host job, its memory
+    wiped, asks its own host's ckptd to bring its part of ``step`` back from host ``source``'s copy
+    (docs/multihost.md, "Peer copies"). Each field is bounded on its own; hosts that cannot be (``source`` the
+    asker itself, an index not below ``count``) are not refused: the fetch fails, and the answer says why."""
+
+    step: Annotated[int, Field(ge=0, le=MAX_STEP)] = Field(description="the step whose part is brought back")
+    source: Annotated[int, Field(ge=0, lt=MAX_HOSTS)] = Field(description="the host whose sidecar keeps the copy")
+    origin: Annotated[int, Field(ge=0, lt=MAX_HOSTS)] = Field(
+        description="the asking host, whose part it is (its JAX process index)")
+    count: Annotated[int, Field(ge=2, le=MAX_HOSTS)] = Field(description="the job's hosts (its JAX process count)")
+    save_id: Annotated[str, Field(pattern=SAVE_ID_PATTERN)] | None = Field(
+        default=None, description="the save the part must be of (`<job incarnation>-<step>`, equal in every "
+        "host's part of one save); null: whichever save of the step the copy is",
+    )
+
+
+class PeerFetchAnswer(_Model):
+    """The answer to a peer fetch, once it is done or given up (within the fetch's deadline: docs/multihost.md,
+    "Peer copies"): the part is back, or why not (the trainer then restores from storage, as every host does)."""
+
+    ok: bool = Field(description="the part is back in this host's shared memory (`<shm>/<job>/<step>/`), every "
+                     "shard checked against its checksum")
+    error: str | None = Field(default=None, exclude_if=lambda v: v is None,
+                              description="why the part could not be brought back (when not `ok`)")
+
+
 __all__ = [
     "API_PREFIX",
     "CURSOR_PATTERN",
@@ -294,6 +325,7 @@ __all__ = [
     "ROUTE_JOBS",
     "ROUTE_LATEST_GOOD",
     "ROUTE_METRICS",
+    "ROUTE_PEER_FETCH",
     "ROUTE_READYZ",
     "ROUTE_RESUME",
     "SAVE_ID_PATTERN",
@@ -304,6 +336,8 @@ __all__ = [
     "Health",
     "JobInfo",
     "JobList",
+    "PeerFetchAnswer",
+    "PeerFetchRequest",
     "ReplicasHeld",
     "ResumePlan",
     "ResumeRequest",

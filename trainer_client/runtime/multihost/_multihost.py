@@ -18,7 +18,8 @@ exists; the store lives in process 0 and starts empty with every incarnation of 
    (its memory and its peers' wiped) leaves storage the only candidate. It publishes the decision with the
    storage plan and, per host that must fetch its part, the host holding the copy (``decision``);
 3. every process plans from the decision (a memory plan of its own part, brought back first by its sidecar
-   from the peer the decision names when its memory lacks it, or the one storage plan) and restores; then
+   from the peer the decision names when its memory lacks it: asked over ckptd's API through the process's
+   ``CkptdClient``, ``POST /v1/jobs/{job}/peer-fetch``; or the one storage plan) and restores; then
    all exchange how it went (``restored/<k>``): if any memory restore failed (a checksum found wrong, a part
    that could not be brought back), every process restores the storage step instead, so the job never runs
    on mixed steps.
@@ -44,11 +45,11 @@ from trainer_client.core._errors import UnsafePathError
 from trainer_client.core._refusals import refusal_kind, refusal_message, refusal_status
 from trainer_client.core._resume_decision import Candidate, Refusal, memory_snapshot_plan
 from trainer_client.core._resume_decision import decide as decide_resume
-from trainer_client.core.format._peer_copies import brought_from, held_copies, request_fetch, wait_fetch
+from trainer_client.core.format._peer_copies import brought_from, held_copies
 from trainer_client.core.format._snapshot import SnapshotMeta, problems, read_meta
 from trainer_client.core.format._snapshot_dirs import complete_snapshots
-from trainer_client.core.protocol import ResumePlan, ResumeRequest, Tier
-from trainer_client.errors import CkptdRequestError, NoCheckpointError
+from trainer_client.core.protocol import PeerFetchRequest, ResumePlan, ResumeRequest, Tier
+from trainer_client.errors import CkptdError, CkptdRequestError, NoCheckpointError
 from trainer_client.runtime.multihost._job_store import KeyValueStore, job_store
 from trainer_client.runtime.restore._restore_loop import restore_by_plan, restore_from_plan
 
@@ -57,7 +58,6 @@ PyTree = Any
 
 OFFER_TIMEOUT_MS = 120_000  # the slowest process's start (imports, jax.distributed) plus its shm scan
 RESTORE_TIMEOUT_MS = 600_000  # the slowest process's restore (storage: every process reads its shards)
-FETCH_TIMEOUT_S = 300.0  # a part brought back from a peer by this host's sidecar (checked shard by shard)
 
 
 @dataclass(frozen=True)
@@ -237,16 +237,20 @@ class ResumeAgreement:
         return self.storage_plan
 
     def _fetch(self, step: int, save: str, source: int, request: ResumeRequest) -> list[Part]:
-        """Ask this host's sidecar for its part of ``step`` from host ``source``'s copy; this host's parts after
-        it (``_fetch_error`` set when it could not be brought back: the restore then fails over to storage in
-        every process)."""
+        """Ask this host's sidecar, through the client (``POST /v1/jobs/{job}/peer-fetch``), for its part of
+        ``step`` from host ``source``'s copy; this host's parts after it (``_fetch_error`` set when it could not be
+        brought back: the sidecar's answer says why, or it refused, its peer channel off, or did not answer; the
+        restore then fails over to storage in every process)."""
         fetched = time.perf_counter()
-        save_id = json.loads(save)[0]
         error: str | None = "no shared-memory directory"
         if self.shm_dir is not None:
-            request_fetch(self.shm_dir, self.job, step, source=source, origin=self.index, count=self.count,
-                          save_id=save_id)
-            error = wait_fetch(self.shm_dir, self.job, step, FETCH_TIMEOUT_S)
+            try:
+                asked = PeerFetchRequest(step=step, source=source, origin=self.index, count=self.count,
+                                         save_id=json.loads(save)[0])
+                answer = self.client.peer_fetch(self.job, asked)
+                error = None if answer.ok else answer.error or "failed"
+            except (CkptdError, ValidationError) as exc:  # refused (its channel off), no answer, or not askable
+                error = str(exc)
         self.timings["peer_fetch_s"] = time.perf_counter() - fetched
         parts = own_parts(self.shm_dir, self.job, self.index, self.count, request.step)
         if error is None and not any((p.step, p.save) == (step, save) for p in parts):
