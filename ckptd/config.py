@@ -21,14 +21,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ckptd._settings_group import PLACEHOLDER_TOKEN_PREFIX, SettingsGroup
 from ckptd.api._settings import AdviceSettings, AuthSettings, LimitSettings, token_problem
-from ckptd.catalog._settings import (
-    DEFAULT_PERSIST_NICE,
-    MemoryTierSettings,
-    RetentionSettings,
-    StorageSettings,
-)
+from ckptd.catalog._settings import RetentionSettings, StorageSettings
 from ckptd.cli._serve_settings import UDS_MODES, ServeSettings
 from ckptd.events._settings import EventSettings
+from ckptd.memory_tier._settings import DEFAULT_PERSIST_NICE, MemoryTierSettings
 from ckptd.peers._settings import MAX_HOSTS, PeerSettings
 
 # group -> its settings, in the order `ckptd serve --help` and docs/operations.md ("Settings") list them
@@ -58,7 +54,7 @@ class Settings:
     auth: AuthSettings  # the bearer token (ckptd/api/_settings.py)
     storage: StorageSettings  # the root and its catalog (ckptd/catalog/_settings.py)
     retention: RetentionSettings  # what the server's retention keeps (ckptd/catalog/_settings.py)
-    memory_tier: MemoryTierSettings  # the host-memory tier (ckptd/catalog/_settings.py)
+    memory_tier: MemoryTierSettings  # the host-memory tier (ckptd/memory_tier/_settings.py)
     peer: PeerSettings  # peer copies among hosts (ckptd/peers/_settings.py)
     events: EventSettings  # the events kept (ckptd/events/_settings.py)
     limits: LimitSettings  # bounds on connections and requests (ckptd/api/_settings.py)

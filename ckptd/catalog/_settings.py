@@ -1,8 +1,7 @@
 """The catalog's settings groups, beside the code that uses them: the storage root and how it is scanned
-(``StorageSettings``: ``Catalog``, ``Refresher``, ``LeaseBoard``), retention (``RetentionSettings``:
-``_retention.py``) and the host-memory tier (``MemoryTierSettings``: ``SnapshotKeeper`` in
-``ckptd/memory_tier/_snapshots.py`` and the persist worker). The events kept have their group beside the event
-store (``ckptd/events/_settings.py``).
+(``StorageSettings``: ``Catalog``, ``Refresher``, ``LeaseBoard``) and retention (``RetentionSettings``:
+``_retention.py``). The other rooms have theirs beside them: the events kept (``ckptd/events/_settings.py``) and
+the host-memory tier (``ckptd/memory_tier/_settings.py``).
 
 ``ckptd/config.py`` composes them into ``Settings``; each keeps the ``CKPTD_*`` variable names it always had. This
 module imports nothing of the catalog, so the shared layer can compose it (docs/architecture.md, "Package map").
@@ -18,8 +17,6 @@ from pydantic import Field, model_validator
 
 from ckptd._settings_group import SettingsGroup
 from trainer_client.core import protocol as p
-
-DEFAULT_PERSIST_NICE = 10  # how far below ckptd the persist worker runs, unless CKPTD_PERSIST_NICE says otherwise
 
 
 class StorageSettings(SettingsGroup):
@@ -100,28 +97,4 @@ class RetentionSettings(SettingsGroup):
     gc_interval_s: float = Field(default=300.0, gt=0, description="how often retention runs in the server")
 
 
-class MemoryTierSettings(SettingsGroup):
-    """The host-memory tier: the shared-memory directory trainers snapshot into, and how its snapshots are written
-    to storage (the persist worker)."""
-
-    shm_dir: str | None = Field(
-        default=None, description="host-memory tier: the shared-memory directory trainers snapshot into (off: None)"
-    )
-    max_snapshots: int = Field(default=2, ge=1, description="host-memory tier: snapshots kept per job")
-    drain_timeout_s: float = Field(
-        default=20.0, ge=0, le=3600,
-        description="on SIGTERM, how long to keep persisting the memory snapshots trainers asked for (keep it "
-                    "below Kubernetes' terminationGracePeriodSeconds; what is left stays in shared memory)",
-    )
-    persist_compression: bool = Field(default=False, description="zstd when persisting snapshots to storage")
-    persist_devices: int = Field(
-        default=16, ge=1, le=1024,
-        description="fake CPU devices the persist worker writes a snapshot's shards from, in parallel",
-    )
-    persist_nice: int = Field(
-        default=DEFAULT_PERSIST_NICE, ge=0, le=19,
-        description="the persist worker runs this many nice steps below ckptd: the trainer wins the host's cores",
-    )
-
-
-__all__ = ["DEFAULT_PERSIST_NICE", "MemoryTierSettings", "RetentionSettings", "StorageSettings"]
+__all__ = ["RetentionSettings", "StorageSettings"]

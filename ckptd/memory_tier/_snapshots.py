@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckptd.catalog._settings import DEFAULT_PERSIST_NICE
+from ckptd.memory_tier._settings import DEFAULT_PERSIST_NICE
 from ckptd.multihost._part_commit import PartSaves
 from ckptd.persist._worker_client import PersistWorker, PersistWorkerClient, PersistWorkerError, SnapshotDamaged
 from trainer_client.core import Storage, StorageError, UnsafePathError, join_path

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
-from ckptd.catalog._settings import DEFAULT_PERSIST_NICE
+from ckptd.memory_tier._settings import DEFAULT_PERSIST_NICE
 from trainer_client.core import CkptdError
 
 WORKER_MODULE = "ckptd.persist._persist_worker"

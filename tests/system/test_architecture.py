@@ -45,7 +45,7 @@ CHECKPOINT_IO = "trainer_client.checkpoint_io"  # the Orbax writer (jax-bound): 
 # ckptd's settings groups (ckptd/config.py, GROUPS): each module lives beside the part whose settings it holds and
 # belongs to the shared layer, so ckptd.config composes them; they import nothing of the part beside them.
 SETTINGS_GROUPS = ("ckptd._settings_group", "ckptd.api._settings", "ckptd.catalog._settings", "ckptd.events._settings",
-                   "ckptd.cli._serve_settings", "ckptd.peers._settings")
+                   "ckptd.memory_tier._settings", "ckptd.cli._serve_settings", "ckptd.peers._settings")
 # The package map (docs/architecture.md, "Package map"). Every module of both packages is in exactly one part:
 # the part of its longest prefix below, or, for the modules named, that part (``exact``).
 PARTS: dict[str, tuple[str, ...]] = {
