@@ -23,6 +23,9 @@ LONG_RUNS: dict[str, frozenset[str]] = {
     "tests/bench/test_bench_smoke.py": frozenset({
         "test_bench_harness_writes_valid_results",
     }),
+    "tests/server/api/test_auth.py": frozenset({
+        "test_a_token_that_cannot_work_stops_the_server",
+    }),
     "tests/server/api/test_hostile.py": frozenset({
         "test_schemathesis_all_checks_all_phases",
     }),
@@ -46,8 +49,15 @@ LONG_RUNS: dict[str, frozenset[str]] = {
         "test_a_slice_loss_is_restored_from_the_replicas",
         "test_one_slice_on_one_device_waits_for_it_and_goes_on_over_a_unix_socket",
     }),
+    "tests/system/test_doc_snippets.py": frozenset({
+        "test_the_quickstart_script_trains_through_a_slice_loss_in_one_process",
+    }),
     "tests/system/test_forged_ocdbt_server.py": frozenset({
         "test_a_forged_step_and_a_slow_one_hold_up_neither_healthy_jobs_nor_probes_nor_sigterm",
+    }),
+    "tests/system/test_forged_records_server.py": frozenset({
+        "test_a_read_only_sidecar_changes_no_byte_under_any_job",
+        "test_forged_claims_and_parts_write_nothing_outside_the_root_and_stall_nothing",
     }),
     "tests/system/test_gcs_cli_errors.py": frozenset({
         "test_a_missing_bucket_is_one_line_naming_it",
@@ -65,11 +75,19 @@ LONG_RUNS: dict[str, frozenset[str]] = {
     "tests/system/test_maxtext_example.py": frozenset({
         "test_the_maxtext_style_example_resumes_grain_exactly_and_maxtext_restores_its_steps",
     }),
+    "tests/system/test_maxtext_layout.py": frozenset({
+        "test_a_maxtext_job_is_listed_and_validated_quick_and_deep",
+        "test_a_maxtext_step_is_planned_onto_6_of_8_devices_and_restored_exactly",
+        "test_a_step_with_several_array_items_is_planned_and_restored_per_item",
+    }),
     "tests/system/test_multihost_demo.py": frozenset({
         "test_a_host_that_lost_its_memory_gets_its_part_from_its_peer",
     }),
     "tests/system/test_multihost_trainer_kill.py": frozenset({
         "test_short_a_trainer_killed_while_the_sidecars_persist_leaves_one_whole_step_for_all",
+    }),
+    "tests/system/test_one_planner.py": frozenset({
+        "test_the_cli_the_server_and_the_fallback_give_the_same_plan",
     }),
     "tests/system/test_peer_sidecars.py": frozenset({
         "test_a_holder_killed_mid_copy_keeps_nothing_and_gets_the_whole_copy_after_its_restart",
