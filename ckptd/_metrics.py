@@ -7,6 +7,8 @@ Four kinds of sources, so that a scrape of ``GET /metrics`` stays fast (it reads
 * the request path: HTTP requests, resume requests and plan latency, and the elastic events trainers
   report (``POST /v1/jobs/{job}/events``): events by kind, recovery seconds, lost steps, save stalls, and the
   replica tier's pacing and the autopilot's choice as last reported (periods, estimated MTBF, expected goodput);
+* ckptd's own events of the host-memory tier (the keeper's reports, stored through the composition root): memory
+  snapshots due while the job's previous persist still ran, and those superseded by a newer one, not persisted;
 * the background tracker (``ckptd.catalog._commit_tracker``): commits and bytes committed (from the manifests),
   save durations, validation failures, goodput per job — everything that needs storage reads;
 * /proc, read at scrape time (``ckptd._process_metrics``): the memory, CPU, file descriptors and threads of
@@ -154,6 +156,12 @@ class Metrics:
                                   "refused (not a plain file at its path) or held by another process past the bound; "
                                   "no commit, cleanup or retention runs in the job meanwhile", [JOB_LABEL, "reason"],
                                   registry=r)
+        # the host-memory tier's persists falling behind (ckptd's own events; docs/operations.md, "Persists that
+        # fall behind"): counted as this process reports them
+        self.persist_behind = Counter("ckptd_persist_behind", "memory snapshots that became due for persisting "
+                                      "while the job's previous persist was still running", [JOB_LABEL], registry=r)
+        self.persist_overtaken = Counter("ckptd_persist_overtaken", "memory snapshots superseded by a newer one "
+                                         "while waiting to be persisted: not persisted", [JOB_LABEL], registry=r)
         self._history_lock = threading.Lock()
         self._loaded: set[str] = set()  # jobs whose stored history is counted
         self._live: dict[str, EventStats] = {}  # counted on arrival before the job's history was loaded
@@ -178,6 +186,8 @@ class Metrics:
                 self.recoveries.labels(job, recovery_tier(e.restored_from)).inc()
             elif e.kind == "checkpoint_started" and e.blocked_seconds is not None:
                 self.save_stall.labels(job).observe(e.blocked_seconds)
+            elif e.source == "ckptd" and e.kind in ("persist_behind", "persist_overtaken"):
+                (self.persist_behind if e.kind == "persist_behind" else self.persist_overtaken).labels(job).inc()
             self._replica_gauges(job, e)
             self._count_replica_losses(job, e)
             if e.kind == "autopilot_decided":
@@ -280,7 +290,8 @@ class Metrics:
                        self.validation_failures, self.elastic_events, self.recovery_seconds, self.lost_steps,
                        self.recoveries, self.replica_age, self.replica_skips, self.replica_failures,
                        self.replica_bytes, self.replica_period, self.replica_copy_rate, self.replica_expected_lost,
-                       self.replica_overhead, self.autopilot_period, self.autopilot_mtbf, self.autopilot_goodput):
+                       self.replica_overhead, self.autopilot_period, self.autopilot_mtbf, self.autopilot_goodput,
+                       self.persist_behind, self.persist_overtaken):
             names = ((JOB_LABEL, "kind") if metric is self.elastic_events else (JOB_LABEL, "tier")
                      if metric in (self.recoveries, self.autopilot_period) else (JOB_LABEL,))
             stale = {tuple(sample.labels[n] for n in names) for family in metric.collect() for sample in family.samples

@@ -13,12 +13,14 @@ either. Tests build several sidecars in one process: nothing here is global.
 
 The rooms it wires import only downwards (events, lease and persist, then the catalog, then the multi-host
 commit, then the memory tier), so what crosses upwards is handed in here: the leader's commit pass of multi-host
-steps runs beside the catalog's refresher as a worker of its own (``commit_pass``), and the catalog's retention
-cleans the multi-host saves never completed through the ``clean_parts`` it is given.
+steps runs beside the catalog's refresher as a worker of its own (``commit_pass``), the catalog's retention
+cleans the multi-host saves never completed through the ``clean_parts`` it is given, and the memory tier's keeper
+reports its persists falling behind through ``keeper_reports`` (stored as the job's events, counted in the metrics).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ckptd._metrics import Metrics
@@ -36,6 +38,7 @@ from ckptd.multihost._commit_pass import CommitPass
 from ckptd.peers import PeerService, build_peers
 from ckptd.persist._worker_client import PersistWorker, PersistWorkerClient
 from trainer_client.core import Storage
+from trainer_client.core.protocol import ElasticEvent
 
 
 @dataclass
@@ -101,6 +104,15 @@ def _prune_and_record(catalog: Catalog, policy: RetentionPolicy, events: EventSt
     return record_retention(events, deleted, refused)
 
 
+def keeper_reports(events: EventStore, metrics: Metrics) -> Callable[[str, ElasticEvent], None]:
+    """What the memory tier's keeper reports (a persist falling behind: ``persist_behind``, ``persist_overtaken``),
+    stored as the job's event and counted in the metrics (docs/operations.md, "Persists that fall behind")."""
+    def record(job: str, event: ElasticEvent) -> None:
+        stored, _duplicates = events.append(job, [event], source="ckptd")
+        metrics.observe_events(job, stored)
+    return record
+
+
 def commit_pass(catalog: Catalog, interval_s: float, worker: PersistWorker | None = None) -> CommitPass:
     """The leader's commit pass of multi-host steps over every job of ``catalog`` once its first scan is done,
     committing where it leads (``Catalog.writes``), a commit another sidecar decided redone after the catalog's
@@ -132,7 +144,8 @@ def build_sidecar(settings: Settings, catalog: Catalog | None = None) -> Sidecar
         SnapshotKeeper(cat.storage, memory.shm_dir, max_snapshots=memory.max_snapshots,
                        compression=memory.persist_compression, nice=memory.persist_nice,
                        devices=memory.persist_devices, writes=cat.writes,
-                       on_persisted=lambda job, _step: cat.refresh_job(job))
+                       on_persisted=lambda job, _step: cat.refresh_job(job),
+                       on_report=keeper_reports(events, metrics))
         if memory.shm_dir else None
     )
     refresher = Refresher(
@@ -151,4 +164,4 @@ def build_sidecar(settings: Settings, catalog: Catalog | None = None) -> Sidecar
                    refresher=refresher, commits=commits, keeper=keeper, lease=cat.lease, peers=peers)
 
 
-__all__ = ["Sidecar", "build_sidecar", "commit_pass", "open_catalog", "retention_policy"]
+__all__ = ["Sidecar", "build_sidecar", "commit_pass", "keeper_reports", "open_catalog", "retention_policy"]

@@ -14,6 +14,17 @@ docs/multihost.md section 5) — by the leader's commit pass (``ckptd.multihost.
 never by this keeper: the leader's host may hold no snapshot of the job at all; the part is marked persisted once
 the step is committed. A part is never dropped as broken for lacking the other hosts' shards; one not marked
 ``persist`` goes beyond ``max_snapshots`` like any snapshot kept in memory only.
+
+Storage slower than the trainer's saves (a slow storage day, GCS answering 429 and backing off) does not pile
+persists up: one persist runs at a time, and a job has at most one whole snapshot waiting behind it, the newest. A
+snapshot waiting when a newer one marked ``persist`` arrives is superseded (``mark_superseded``): not persisted,
+and from then on evicted like a memory-only snapshot, by the tier's own rules (oldest first, beyond the limit, never
+the newest), not by this decision. The persist running is never cancelled: a step is committed whole or not at
+all. Each time a snapshot becomes due while the job's previous persist still runs (``persist_behind``) or is
+superseded (``persist_overtaken``), ``on_report`` is told (the composition root stores it as the job's event and
+counts it), and the log warns, at most once a minute per job. Parts of multi-process steps are not superseded: a
+step commits only once every host's part of it is written, and one host skipping its part alone would waste every
+other host's; they are persisted in order, and reported when behind alike.
 """
 
 from __future__ import annotations
@@ -41,12 +52,14 @@ from trainer_client.core.format import (
     evict_oldest,
     is_persisted,
     is_real_dir,
+    is_superseded,
     job_dir,
     mark_persisted,
+    mark_superseded,
     problems,
     read_meta,
 )
-from trainer_client.core.protocol import is_valid_job_name
+from trainer_client.core.protocol import ElasticEvent, is_valid_job_name
 
 _log = logging.getLogger(__name__)
 
@@ -65,9 +78,40 @@ class KeeperStats:
     # snapshots marked persist that ckptd may not write (a read-only job, a link out of the root): path -> why;
     # kept in shared memory, never dropped for it (docs/protocol.md, "Read-only adoption")
     held: dict[str, str] = field(default_factory=dict)
+    behind: int = 0  # snapshots that became due while their job's previous persist was still running
+    overtaken: int = 0  # snapshots superseded by a newer one while waiting: not persisted
 
 
 PART_RETRY_S = 30.0  # a host part whose write failed is tried again after this long
+BEHIND_WARN_S = 60.0  # a job's persists falling behind are warned about at most this often
+
+
+@dataclass(frozen=True)
+class _Ask:
+    """One snapshot to persist: a whole one or this host's part of a multi-process step."""
+
+    kind: str  # "whole" or "part"
+    job: str
+    path: Path
+    step: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class _Running:
+    """The persist in flight of a job: which snapshot, since when (monotonic)."""
+
+    ask: _Ask
+    started: float
+
+
+@dataclass
+class _Lag:
+    """A job's persists falling behind, since the last warning about them."""
+
+    warned_at: float | None = None
+    behind: int = 0
+    overtaken: int = 0
 
 
 class SnapshotKeeper:
@@ -85,6 +129,7 @@ class SnapshotKeeper:
         nice: int = DEFAULT_PERSIST_NICE,
         devices: int | None = None,
         writes: Callable[[str], bool] | None = None,
+        on_report: Callable[[str, ElasticEvent], None] | None = None,
     ) -> None:
         self.storage = storage
         self.worker: PersistWorker = PersistWorkerClient(compression=compression, nice=nice, devices=devices,
@@ -97,10 +142,14 @@ class SnapshotKeeper:
         self.max_snapshots = max_snapshots
         self.compression = compression
         self.on_persisted = on_persisted
+        self.on_report = on_report  # a persist falling behind: the job's event (persist_behind, persist_overtaken)
         self.timeout_s = timeout_s
         self.stats = KeeperStats()
-        self._queue: queue.Queue[tuple[str, str, Path] | None] = queue.Queue()
-        self._queued: set[Path] = set()
+        self._queue: queue.Queue[_Ask | None] = queue.Queue()
+        self._queued: set[Path] = set()  # waiting or running
+        self._waiting: dict[str, _Ask] = {}  # per job, the one whole snapshot waiting to be persisted (the newest)
+        self._running: dict[str, _Running] = {}  # per job, the persist in flight
+        self._lags: dict[str, _Lag] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._persist_loop, name="ckptd-persister", daemon=True)
         self._closed = threading.Event()
@@ -178,11 +227,100 @@ class SnapshotKeeper:
             self.stats.evicted += evict_oldest(now_held, self.max_snapshots, never=now_held[-1] if now_held else None)
         self._forget_gone_parts()
 
-    def _enqueue(self, kind: str, job: str, path: Path) -> None:
+    def _enqueue(self, ask: _Ask) -> None:
+        """Queue ``ask`` unless it is queued already. A whole snapshot takes the place of the job's older one
+        waiting (superseded: marked so, never persisted); either is reported when the job's persist in flight
+        has not finished."""
+        reports: list[ElasticEvent] = []
         with self._lock:
-            if path not in self._queued:
-                self._queued.add(path)
-                self._queue.put((kind, job, path))
+            if ask.path in self._queued:
+                return
+            running = self._running.get(ask.job)
+            older = self._waiting.get(ask.job) if ask.kind == "whole" else None
+            if older is not None and older.step > ask.step:  # a newer one waits already: this one is superseded
+                self._supersede(ask, older, running, reports)
+            else:
+                if older is not None:
+                    self._supersede(older, ask, running, reports)
+                self._queued.add(ask.path)
+                if ask.kind == "whole":
+                    self._waiting[ask.job] = ask
+                self._queue.put(ask)
+                if running is not None:
+                    self.stats.behind += 1
+                    reports.append(self._event("persist_behind", ask.step, running, detail=(
+                        f"the snapshot of step {ask.step} is due for persisting while step {running.ask.step} is "
+                        "still being persisted")))
+            warning = self._lagging(ask.job, reports)
+        if warning is not None:
+            _log.warning(*warning)
+        self._tell(ask.job, reports)
+
+    def _supersede(self, older: _Ask, newer: _Ask, running: _Running | None, reports: list[ElasticEvent]) -> None:
+        """Skip ``older`` (waiting, not running) for ``newer``: marked superseded, left in shared memory to the
+        eviction rules. Under the lock."""
+        try:
+            mark_superseded(older.path, newer.step)
+        except FileNotFoundError:
+            pass  # evicted meanwhile: not persisted either way
+        except OSError as exc:  # unmarked, it stays unevictable until a later scan supersedes it again
+            _log.warning("could not mark snapshot %s superseded: %s", older.path, exc)
+        self._queued.discard(older.path)
+        if self._waiting.get(older.job) == older:
+            del self._waiting[older.job]
+        self.stats.overtaken += 1
+        still = f" (step {running.ask.step} was still being persisted)" if running is not None else ""
+        reports.append(self._event("persist_overtaken", older.step, running, superseded_by=newer.step, detail=(
+            f"the snapshot of step {older.step} is not persisted: the newer step {newer.step} is persisted in its "
+            f"place{still}")))
+
+    @staticmethod
+    def _event(kind: str, step: int, running: _Running | None, *, detail: str,
+               superseded_by: int | None = None) -> ElasticEvent:
+        now = time.time()
+        return ElasticEvent(
+            kind=kind, time=now, step=step, id=f"ckptd:{kind}:{step}:{now:.6f}", detail=detail,
+            superseded_by=superseded_by,
+            persisting_step=running.ask.step if running is not None else None,
+            persist_running_seconds=round(time.monotonic() - running.started, 3) if running is not None else None,
+            persist_bytes=running.ask.nbytes if running is not None else None,
+        )
+
+    def _lagging(self, job: str, events: list[ElasticEvent]) -> tuple[object, ...] | None:
+        """Count ``events`` in the job's lag; the warning to log (its format and arguments) at most once every
+        ``BEHIND_WARN_S`` per job, with what happened since the last one. Under the lock."""
+        if not events:
+            return None
+        lag = self._lags.setdefault(job, _Lag())
+        for event in events:
+            if event.kind == "persist_overtaken":
+                lag.overtaken += 1
+            else:
+                lag.behind += 1
+        now = time.monotonic()
+        if lag.warned_at is not None and now - lag.warned_at < BEHIND_WARN_S:
+            return None
+        last = events[-1]
+        running = (f"step {last.persisting_step} has been persisting for {last.persist_running_seconds or 0:.0f}s "
+                   f"({(last.persist_bytes or 0) / 2**20:.1f} MiB)" if last.persisting_step is not None else
+                   "none is running")
+        since = "since ckptd started" if lag.warned_at is None else f"in the last {now - lag.warned_at:.0f}s"
+        warning = ("persists of job %s are falling behind its snapshots (storage slower than the saves?): %s; %d "
+                   "snapshot(s) due while one was still persisting and %d superseded (not persisted) %s; the newest "
+                   "waiting snapshot is persisted next (docs/operations.md, \"Persists that fall behind\")", job,
+                   running, lag.behind, lag.overtaken, since)
+        lag.warned_at, lag.behind, lag.overtaken = now, 0, 0
+        return warning
+
+    def _tell(self, job: str, events: list[ElasticEvent]) -> None:
+        """Hand ``events`` to ``on_report`` (the job's events and metrics); a failure loses the report only."""
+        if self.on_report is None:
+            return
+        for event in events:
+            try:
+                self.on_report(job, event)
+            except Exception as exc:
+                _log.warning("could not record %s of job %s: %s", event.kind, job, exc)
 
     def _consider(self, job: str, path: Path) -> None:
         """Queue one snapshot for persisting, drop it when it is broken, hold it when it is one host's part."""
@@ -202,8 +340,8 @@ class SnapshotKeeper:
         if meta.is_part:
             self._hold_part(job, path, meta)
             return
-        if meta.persist and not is_persisted(path):
-            self._enqueue("whole", job, path)
+        if meta.persist and not is_persisted(path) and not is_superseded(path):
+            self._enqueue(_Ask("whole", job, path, meta.step, meta.nbytes))
 
     def _hold_part(self, job: str, path: Path, meta: SnapshotMeta) -> None:
         """One host's part of a multi-process step: never whole on its own. Marked ``persist``: written as
@@ -226,7 +364,7 @@ class SnapshotKeeper:
             mark_persisted(path, self.storage.url_of(self.parts.final_path(job, meta.step)))
             self.stats.parts.pop(key, None)
         elif state == "todo" and time.monotonic() >= self._part_retry_at.get(path, 0.0):
-            self._enqueue("part", job, path)
+            self._enqueue(_Ask("part", job, path, meta.step, meta.nbytes))
         elif state == "claimed by another save":
             self._note_part(key, f"step {meta.step} is claimed by another save; this part ({meta.save_id}) waits "
                                  "until that save is committed or cleaned as abandoned")
@@ -249,22 +387,29 @@ class SnapshotKeeper:
 
     def _persist_loop(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None or self._closed.is_set():
+            ask = self._queue.get()
+            if ask is None or self._closed.is_set():
                 return
-            kind, job, path = item
+            with self._lock:
+                if ask.kind == "whole":
+                    if self._waiting.get(ask.job) != ask:
+                        continue  # superseded by a newer snapshot while it waited
+                    del self._waiting[ask.job]
+                self._running[ask.job] = _Running(ask, time.monotonic())
+            path = ask.path
             try:
-                if kind == "whole":
-                    self.persist(job, path)
+                if ask.kind == "whole":
+                    self.persist(ask.job, path)
                 else:
-                    self._persist_part(job, path)
+                    self._persist_part(ask.job, path)
             except Exception as exc:  # reported; a later scan tries again
                 self._failed(path, f"{type(exc).__name__}: {exc}")
-                if kind == "part":  # not at every scan: a part that cannot be written fails alike each time
+                if ask.kind == "part":  # not at every scan: a part that cannot be written fails alike each time
                     self._part_retry_at[path] = time.monotonic() + PART_RETRY_S
             finally:
                 with self._lock:
                     self._queued.discard(path)
+                    self._running.pop(ask.job, None)
 
     def persist(self, job: str, path: Path) -> str | None:
         """Write one snapshot to ``<root>/<job>/<step>`` through the persist worker; the step URL or None."""

@@ -419,7 +419,7 @@ def test_the_commit_pass_commits_only_where_it_leads_and_once(parts: list[Path],
     keeper = SnapshotKeeper(storage, str(parts[0].parent.parent), max_snapshots=2)
     keeper.parts.worker = _in_process
     keeper.scan()  # a leader's keeper with the job in its memory: queues parts (step 6's), nothing to commit
-    assert {item[0] for item in list(keeper._queue.queue) if item is not None} <= {"part"}
+    assert {item.kind for item in list(keeper._queue.queue) if item is not None} <= {"part"}
     leads["job"] = True
     assert commits.run_once() == [("job", 5)] == committed
     assert commits.run_once() == [] and commits.commits == 1

@@ -99,8 +99,10 @@ if TYPE_CHECKING:  # the real types for type checkers (``X as X``: re-exported);
     from trainer_client.core.format._snapshot_dirs import evict as evict
     from trainer_client.core.format._snapshot_dirs import evict_oldest as evict_oldest
     from trainer_client.core.format._snapshot_dirs import is_persisted as is_persisted
+    from trainer_client.core.format._snapshot_dirs import is_superseded as is_superseded
     from trainer_client.core.format._snapshot_dirs import job_dir as job_dir
     from trainer_client.core.format._snapshot_dirs import mark_persisted as mark_persisted
+    from trainer_client.core.format._snapshot_dirs import mark_superseded as mark_superseded
     from trainer_client.core.format._snapshot_shards import ShardReader as ShardReader
     from trainer_client.core.format._snapshot_shards import index_bounds as index_bounds
     from trainer_client.core.format._snapshot_shards import shard_grid as shard_grid
@@ -141,7 +143,8 @@ _EXPORTS = {
     "trainer_client.core.format._snapshot": ("MAX_META_BYTES", "ArrayRecord", "SnapshotMeta", "damaged_shards",
                                              "map_data", "problems", "read_meta"),
     "trainer_client.core.format._snapshot_dirs": ("complete_snapshots", "drop_leftovers", "evict", "evict_oldest",
-                                                  "is_persisted", "job_dir", "mark_persisted"),
+                                                  "is_persisted", "is_superseded", "job_dir", "mark_persisted",
+                                                  "mark_superseded"),
     "trainer_client.core.format._snapshot_shards": ("ShardReader", "index_bounds", "shard_grid"),
     "trainer_client.core.format._step_files": ("list_files",),
     "trainer_client.core.format._steps": ("DEFAULT_SAVE_TIMEOUT_S", "StepInspection", "inspect_step",

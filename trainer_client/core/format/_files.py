@@ -46,6 +46,8 @@ SNAPSHOT_DATA_FILE = "data.bin"  # every shard's bytes, each 64-byte aligned
 SNAPSHOT_META_FILE = "snapshot.json"  # the snapshot's description (written last: its presence commits it)
 SNAPSHOT_TREEDEF_FILE = "treedef.pickle"  # the state's tree structure, read only by the process that wrote it
 SNAPSHOT_PERSISTED_FILE = "persisted.json"  # ckptd wrote the snapshot to storage
+# ckptd will not persist it: a newer snapshot marked persist took its place while a persist was still running
+SNAPSHOT_SUPERSEDED_FILE = "superseded.json"
 SNAPSHOT_SPARE_PREFIX = ".spare-"  # + the writer's pid: a preallocated file the writer's next snapshot fills
 
 __all__ = [
@@ -76,6 +78,7 @@ __all__ = [
     "SNAPSHOT_META_FILE",
     "SNAPSHOT_PERSISTED_FILE",
     "SNAPSHOT_SPARE_PREFIX",
+    "SNAPSHOT_SUPERSEDED_FILE",
     "SNAPSHOT_TREEDEF_FILE",
     "STAGING_DIR",
     "STRINGS_FILE",

@@ -13,6 +13,8 @@ snapshot.json    step, training metadata, the state's tree as data (``tree_paths
                  step's ``iter`` item in Grain's own format; in a multi-process job, the writing process's
                  index and the process count: the snapshot is then that host's part of the step only
 persisted.json   written by ckptd once the step is committed on storage (path, time)
+superseded.json  written by ckptd instead when it will not persist the snapshot: a newer one marked persist took
+                 its place while a persist was still running (the newer step, time)
 ```
 
 It is written under ``<step>.tmp-<pid>`` and renamed into place when complete, so a directory named by a

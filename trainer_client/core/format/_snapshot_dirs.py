@@ -6,7 +6,9 @@ Its own module because it is about the snapshots of a job together, over time, w
 The trainer (``MemoryTier``) and ckptd (its snapshot keeper) share these rules: only directories named by a step
 are finished snapshots (``complete_snapshots``; a writer works under ``<step>.tmp-<pid>``), what writers that are
 gone left behind is dropped (``drop_leftovers``), a snapshot ckptd must persist stays until it is marked persisted
-(``mark_persisted``, ``evictable``), and eviction goes oldest first (``evict_oldest``). Both directories are
+(``mark_persisted``, ``evictable``) or superseded (``mark_superseded``: a newer snapshot marked persist took its
+place while a persist was still running; it is then kept only as a memory-only snapshot is), and eviction goes
+oldest first (``evict_oldest``). Both directories are
 checked private before anything in them is believed (``check_job_dir``).
 """
 
@@ -23,7 +25,11 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from trainer_client.core._errors import UnsafePathError
-from trainer_client.core.format._files import SNAPSHOT_PERSISTED_FILE, SNAPSHOT_SPARE_PREFIX
+from trainer_client.core.format._files import (
+    SNAPSHOT_PERSISTED_FILE,
+    SNAPSHOT_SPARE_PREFIX,
+    SNAPSHOT_SUPERSEDED_FILE,
+)
 from trainer_client.core.format._private_files import check_private_dir, is_real_dir, write_private
 from trainer_client.core.format._snapshot import SnapshotMeta, problems, read_meta
 
@@ -137,13 +143,26 @@ def mark_persisted(path: str | os.PathLike[str], step_url: str) -> None:
     write_private(Path(path, SNAPSHOT_PERSISTED_FILE), record)
 
 
+def is_superseded(path: str | os.PathLike[str]) -> bool:
+    return Path(path, SNAPSHOT_SUPERSEDED_FILE).is_file()
+
+
+def mark_superseded(path: str | os.PathLike[str], by_step: int) -> None:
+    """Record that ckptd will not persist the snapshot ``path``: the newer snapshot of step ``by_step``, marked
+    persist too, took its place while a persist was still running. It is evicted like a memory-only snapshot (oldest
+    first, beyond the limit, never the newest), not at once."""
+    record = json.dumps({"by_step": by_step, "superseded_at": time.time()}).encode()
+    write_private(Path(path, SNAPSHOT_SUPERSEDED_FILE), record)
+
+
 def evictable(path: Path) -> bool:
-    """A snapshot may be dropped once nothing still needs it from memory alone."""
+    """A snapshot may be dropped once nothing still needs it from memory alone: it was never to be persisted, it
+    is persisted, or ckptd superseded it with a newer one."""
     try:
         meta = read_meta(path)
     except (OSError, ValueError, ValidationError):
         return True
-    return not meta.persist or is_persisted(path)
+    return not meta.persist or is_persisted(path) or is_superseded(path)
 
 
 def evict(path: Path) -> None:
@@ -171,7 +190,9 @@ __all__ = [
     "evict_oldest",
     "evictable",
     "is_persisted",
+    "is_superseded",
     "job_dir",
     "mark_persisted",
+    "mark_superseded",
     "newest_whole",
 ]

@@ -11,13 +11,15 @@ from trainer_client.core.protocol._base import _Model, _Request
 from trainer_client.core.protocol._wire import MAX_STEP
 
 # What trainer_client's ElasticRunner emits, and what ckptd records itself (``retention_deleted``,
-# ``retention_refused``: a deletion refused on gs:// because the step changed since it was decided, docs/gcs.md).
+# ``retention_refused``: a deletion refused on gs:// because the step changed since it was decided, docs/gcs.md;
+# ``persist_behind``: a memory snapshot became due for persisting while the job's previous persist was still
+# running; ``persist_overtaken``: a snapshot waiting to be persisted was superseded by a newer one, not persisted).
 # Other kinds matching ``EVENT_KIND_PATTERN`` are stored and served; metrics count them as ``other``.
 EVENT_KINDS = (
     "start", "waiting_for_slices", "slices_ready", "plan_received", "initialized", "restored",
     "first_step_done", "checkpoint_started", "failure_detected", "scale_up_detected", "recovered",
     "finished", "aborted", "retention_deleted", "retention_refused", "replicas_unusable", "replicas_off",
-    "replica_paced", "autopilot_decided",
+    "replica_paced", "autopilot_decided", "persist_behind", "persist_overtaken",
 )
 EVENT_KIND_PATTERN = r"^[a-z][a-z0-9_]{0,63}$"
 MAX_EVENTS_PER_BATCH = 1000
@@ -78,6 +80,16 @@ class _EventFields(_Request):
         default=None, description="the training loop's expected overhead at the chosen period (0.02: 2%)")
     replica_expected_lost_steps: Annotated[float, Field(ge=0)] | None = Field(
         default=None, description="steps a failure loses on average at the chosen period")
+    # ckptd's persist of memory snapshots falling behind (persist_behind, persist_overtaken; docs/operations.md,
+    # "Persists that fall behind"); ``step`` is the snapshot due (behind) or skipped (overtaken)
+    persisting_step: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = Field(
+        default=None, description="persist_behind, persist_overtaken: the step whose persist was still running")
+    persist_running_seconds: Annotated[float, Field(ge=0)] | None = Field(
+        default=None, description="persist_behind, persist_overtaken: how long that persist had been running")
+    persist_bytes: Annotated[int, Field(ge=0)] | None = Field(
+        default=None, description="persist_behind, persist_overtaken: the bytes of the snapshot being persisted")
+    superseded_by: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = Field(
+        default=None, description="persist_overtaken: the newer step persisted in the skipped one's place")
 
 
 class ElasticEvent(AutopilotFields, _EventFields):
