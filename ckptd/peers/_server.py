@@ -90,6 +90,7 @@ class PeerListener:
         self._slots = threading.BoundedSemaphore(max_connections)
         self.max_handshakes = max_handshakes
         self._handshaking: OrderedDict[int, socket.socket] = OrderedDict()  # oldest first
+        self._open: dict[int, tuple[threading.Thread, socket.socket]] = {}  # every connection being served
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._warned_at = float("-inf")
@@ -102,10 +103,21 @@ class PeerListener:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop accepting, end the requests in progress (their connections shut: a copy being received is
+        discarded, as any cut-short copy is) and wait for their threads, at most ``timeout_s`` in all: once this
+        returns, no request of this listener writes into the host's shared memory."""
+        deadline = time.monotonic() + timeout_s
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=timeout_s)
         self._sock.close()
+        with self._lock:
+            serving = list(self._open.values())
+        for _, conn in serving:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        for thread, _ in serving:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _accept(self) -> None:
         while not self._stop.is_set():
@@ -124,7 +136,10 @@ class PeerListener:
             if oldest is not None:  # its thread reads the end of the stream, and closes it
                 with contextlib.suppress(OSError):
                     oldest.shutdown(socket.SHUT_RDWR)
-            threading.Thread(target=self._serve, args=(conn, peer, key), name="ckptd-peer-conn", daemon=True).start()
+            thread = threading.Thread(target=self._serve, args=(conn, peer, key), name="ckptd-peer-conn", daemon=True)
+            with self._lock:
+                self._open[key] = (thread, conn)
+            thread.start()
 
     def _authenticate(self, conn: socket.socket, peer: Any, key: int) -> Channel | None:
         """The channel of a caller that proved the secret within the handshake deadline, holding a slot; None
@@ -172,6 +187,8 @@ class PeerListener:
                     self._slots.release()
         finally:
             conn.close()
+            with self._lock:
+                self._open.pop(key, None)
 
     def _answer(self, chan: Channel, peer: Any) -> None:
         try:
