@@ -43,8 +43,7 @@ demo: venv-run
 bench: venv
 	$(PY) -m bench.run
 
-# Two workers by default (the suite keeps ~1.7 of 2 cores busy: ~14.5 min on this 2-core VM, 2026-12-03; three
-# workers gained 3%). TEST_WORKERS=0 runs it in one process. Each test file stays on one worker (its module
+# Two workers by default (three gained 3% on this 2-core VM, 2026-12-03; docs/operations.md, "The test suites"). TEST_WORKERS=0 runs it in one process. Each test file stays on one worker (its module
 # fixtures run once).
 # `make test` leaves out the long runs (several processes or a benchmark family each: tests/support/long_runs.py);
 # `make test-ci`, what CI runs (.ci/run), adds them; `make test-all` adds the tests marked slow as well.
