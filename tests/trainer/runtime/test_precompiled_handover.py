@@ -98,7 +98,7 @@ def test_a_context_never_takes_an_executable_built_for_other_devices() -> None:
     other = build_mesh(SMALL, [0, 1, 2], slices)
     assert not pre.fits(other) and not pre.fits(build_mesh(SMALL, [1, 0, 3], slices))
     with pytest.raises(ValueError, match="different mesh"):
-        ElasticContext(cast(Any, None), other, None, frozenset({0, 1, 2}), precompiled=pre)
+        ElasticContext(cast(Any, None), cast(Any, None), other, None, frozenset({0, 1, 2}), precompiled=pre)
 
 
 def test_a_compile_that_ends_after_the_event_is_not_kept() -> None:

@@ -206,7 +206,7 @@ def test_the_host_pages_are_touched_before_the_first_snapshot(tmp_path: Path, ck
 
     def train(ctx: ElasticContext) -> Any:
         state, step, position = ctx.restore_or_init(init_state, partition_specs)
-        replicas, memory = ctx.runner.replicas, ctx.runner.saver.memory
+        replicas, memory = runner.replicas, runner.saver.memory
         assert replicas is not None and replicas.tier is not None and memory is not None
         reserved.append((replicas.tier.reserved_bytes, required_bytes(state)))
         memory.wait_spare()

@@ -89,14 +89,25 @@ def test_the_groups_given_are_the_ones_the_config_holds() -> None:
 
 
 def test_the_attempts_context_does_not_import_the_runner() -> None:
-    """elastic imports elastic_context, never the other way (not even for type checking): the context sees
-    its runner through ``AttemptRunner``."""
+    """elastic imports elastic_context, never the other way (not even for type checking), and the context takes
+    no runner: it is handed the parts of the run it uses (``AttemptParts``) and its hooks as plain callables
+    (``AttemptHooks``), and reaches through no ``runner``."""
     tree = ast.parse(inspect.getsource(elastic_context))
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert "trainer_client.runtime.elastic._elastic" not in imported
-    private = [node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr.startswith("_")
-               and ast.unparse(node.value).endswith("runner")]
-    assert private == [], f"the context reaches into the runner's private {private}"
+    reached = [ast.unparse(node) for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+               and (node.attr == "runner" or ast.unparse(node.value).endswith("runner"))]
+    assert reached == [], f"the context reaches through a runner: {reached}"
+    assert not hasattr(elastic_context, "AttemptRunner")
+    taken = list(inspect.signature(ElasticContext).parameters)
+    assert taken[:2] == ["parts", "hooks"] and not [name for name in taken if "runner" in name]
+
+
+def _values(value: Any) -> list[Any]:
+    """``value`` with what its frozen dataclasses hold, one level down."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [value, *(getattr(value, f.name) for f in dataclasses.fields(value))]
+    return [value]
 
 
 def _runner(tmp_path: Path, settings: ClientSettings, **options: Any) -> ElasticRunner:
@@ -155,3 +166,31 @@ def test_a_run_id_given_in_code_is_recorded_with_the_step(tmp_path: Path, monkey
     manifest = read_manifest(storage, storage.join("job", "5"))
     assert manifest is not None and manifest.identity is not None and manifest.training is not None
     assert manifest.identity.run_id == "run-in-code" and manifest.training.run_id == "run-in-code"
+
+
+@pytest.mark.needs_devices(8)
+def test_the_attempts_context_holds_the_runs_parts_not_the_runner(tmp_path: Path) -> None:
+    """A real attempt's context: none of its attributes (nor what its parts hold) is the runner; its parts are
+    the runner's own, and the attempt's events still reach the runner through the hooks."""
+    runner = _runner(tmp_path, ClientSettings(url="http://127.0.0.1:9", report_events=False))
+    seen: list[ElasticContext] = []
+
+    def train(ctx: ElasticContext) -> str:
+        seen.append(ctx)
+        return _loop(ctx, 2)
+
+    try:
+        runner.run(train)
+    finally:
+        runner.checkpointer.close()
+    (ctx,) = seen
+    held = [value for attribute in vars(ctx).values() for value in _values(attribute)]
+    assert not [value for value in held if isinstance(value, ElasticRunner)]
+    parts = next(value for value in held if isinstance(value, elastic_context.AttemptParts))
+    assert (parts.config, parts.saver, parts.replicas, parts.precompiler, parts.autopilot, parts.agreement,
+            parts.slices) == (runner.config, runner.saver, runner.replicas, runner.precompiler, runner.autopilot,
+                              runner.agreement, runner.slices)
+    hooks = next(value for value in held if isinstance(value, elastic_context.AttemptHooks))
+    assert all(callable(getattr(hooks, f.name)) for f in dataclasses.fields(hooks))
+    assert [e.kind for e in runner.events if e.kind in {"initialized", "first_step_done", "finished"}] == [
+        "initialized", "first_step_done", "finished"]

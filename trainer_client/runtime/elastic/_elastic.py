@@ -42,7 +42,13 @@ from trainer_client.runtime.compilation._precompile import (
     ensure_compilation_cache,
 )
 from trainer_client.runtime.elastic._elastic_config import ElasticConfig
-from trainer_client.runtime.elastic._elastic_context import ElasticContext, Preempted, RunnerSignal
+from trainer_client.runtime.elastic._elastic_context import (
+    AttemptHooks,
+    AttemptParts,
+    ElasticContext,
+    Preempted,
+    RunnerSignal,
+)
 from trainer_client.runtime.elastic._fault_classification import classify_failure
 from trainer_client.runtime.elastic._recovery import (
     ArraysBefore,
@@ -299,7 +305,8 @@ class ElasticRunner:
             mesh = self._build_mesh(plan.mesh if plan else self._fresh_mesh(active), order)
             self._note_new_mesh(mesh, plan, active)
             # compile-ahead's executable for exactly this mesh, if any (every other one is dropped)
-            ctx = ElasticContext(self, mesh, plan, active, precompiled=self.precompiler.claim(mesh))
+            ctx = ElasticContext(self._attempt_parts(), self._attempt_hooks(), mesh, plan, active,
+                                 precompiled=self.precompiler.claim(mesh))
             self._batch = ctx.batch  # what the step must process on this mesh: the recovery's summary says it
             try:
                 value = train_fn(ctx)
@@ -323,6 +330,17 @@ class ElasticRunner:
             raise _Raise(exc) from None
         self.emit("finished", ctx.last_step)
         return ElasticResult(value, os.getpid(), list(self.events), list(self.recoveries), ctx.last_step)
+
+    def _attempt_parts(self) -> AttemptParts:
+        """The parts of the run an attempt uses, as they are when it starts."""
+        return AttemptParts(config=self.config, settings=self.settings, slices=self.slices, saver=self.saver,
+                            precompiler=self.precompiler, autopilot=self.autopilot, replicas=self.replicas,
+                            agreement=self.agreement)
+
+    def _attempt_hooks(self) -> AttemptHooks:
+        """What an attempt tells the runner or asks of it, as plain callables."""
+        return AttemptHooks(emit=self.emit, resume_plan=self.resume_plan, note_restored=self.note_restored,
+                            first_step_done=self.first_step_done, slices_to_grow=self.slices_to_grow)
 
     def _note_new_mesh(self, mesh: Mesh, plan: ResumePlan | None, active: frozenset[int]) -> None:
         """The open recovery's side after the event: the mesh, the slices, the spares used, the steps lost."""

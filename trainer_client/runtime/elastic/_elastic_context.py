@@ -4,8 +4,10 @@ The mesh and resume plan of the attempt, compile-ahead's executable for exactly 
 ``restore_or_init`` (the plan's step onto this mesh, and the
 data iterator's state saved with it), ``save`` and the ``step_boundary`` hook (periodic saves, injected
 faults, the start of compile-ahead, growing back under ``resize``). The loop around attempts
-(``trainer_client.runtime.elastic._elastic``) imports this module, never the other way: an attempt reaches its runner
-through ``AttemptRunner``, the part of ``ElasticRunner`` it uses.
+(``trainer_client.runtime.elastic._elastic``) imports this module, never the other way, and the context never
+holds the runner: when an attempt starts, the runner hands it the parts of the run it uses (``AttemptParts``:
+the config, the saver, the replica tier, the precompiler, the autopilot, ...) and its hooks as plain callables
+(``AttemptHooks``: ``emit``, ``resume_plan``, ...).
 
 ``Preempted`` is control flow, not an error: like every ``RunnerSignal`` it derives from ``BaseException``
 (as ``KeyboardInterrupt`` does), so a training function's ``except CkptdError`` or ``except Exception``
@@ -18,6 +20,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import jax
@@ -68,59 +71,62 @@ class Preempted(RunnerSignal):
         self.step = step
 
 
-class AttemptRunner(Protocol):
-    """What an attempt uses of the runner that runs it (``ElasticRunner``)."""
+class Emit(Protocol):
+    """The runner's event hook: ``emit(kind, step, detail, **fields)`` records and reports an event."""
 
-    @property
-    def config(self) -> ElasticConfig: ...
+    def __call__(self, kind: str, step: int | None = None, detail: str = "", **fields: Any) -> None: ...
 
-    @property
-    def settings(self) -> ClientSettings: ...
 
-    @property
-    def slices(self) -> SliceProvider: ...
+class AskResumePlan(Protocol):
+    """The runner's question to ckptd (or storage, or the multi-controller agreement): where to resume on the
+    slices ``active``, without the memory tier or the replicas when told so; None when no tier holds a step."""
 
-    @property
-    def saver(self) -> Saver: ...
+    def __call__(self, active: frozenset[int], *, use_memory_tier: bool = True,
+                 use_replicas: bool = True) -> ResumePlan | None: ...
 
-    @property
-    def precompiler(self) -> Precompiler: ...
 
-    @property
-    def agreement(self) -> ResumeAgreement | None: ...
+@dataclass(frozen=True)
+class AttemptParts:
+    """The parts of the run an attempt uses, as the runner (``ElasticRunner``) built them: handed to the
+    attempt's context when the attempt starts; the context never holds the runner itself."""
 
-    @property
-    def replicas(self) -> RunnerReplicas | None: ...
+    config: ElasticConfig
+    settings: ClientSettings
+    slices: SliceProvider
+    saver: Saver
+    precompiler: Precompiler
+    autopilot: RunnerAutopilot
+    replicas: RunnerReplicas | None = None  # the replica snapshot tier, when the run has one
+    agreement: ResumeAgreement | None = None  # a multi-controller job's resume agreement
 
-    @property
-    def autopilot(self) -> RunnerAutopilot: ...
 
-    def emit(self, kind: str, step: int | None = None, detail: str = "", **fields: Any) -> None: ...
+@dataclass(frozen=True)
+class AttemptHooks:
+    """What an attempt tells its runner or asks of it, as plain callables (as pathwaysutils' ``Manager`` takes
+    its callbacks)."""
 
-    def resume_plan(self, active: frozenset[int], *, use_memory_tier: bool = True,
-                    use_replicas: bool = True) -> ResumePlan | None: ...
-
-    def note_restored(self, plan: ResumePlan | None) -> None: ...
-
-    def first_step_done(self, step: int) -> None: ...
-
-    def slices_to_grow(self, active: frozenset[int]) -> frozenset[int]: ...
+    emit: Emit
+    resume_plan: AskResumePlan  # the next plan when the restore of one fails (without that tier)
+    note_restored: Callable[[ResumePlan | None], None]  # the plan restored (None: a fresh start)
+    first_step_done: Callable[[int], None]  # the attempt's first step is done: the recovery ends
+    slices_to_grow: Callable[[frozenset[int]], frozenset[int]]  # slices back that a degraded mesh grows onto
 
 
 class ElasticContext:
     """What one attempt of the training function gets: the mesh, the plan, and the step hooks."""
 
-    def __init__(self, runner: AttemptRunner, mesh: Mesh, plan: ResumePlan | None, active: frozenset[int],
-                 precompiled: Precompiled | None = None):
+    def __init__(self, parts: AttemptParts, hooks: AttemptHooks, mesh: Mesh, plan: ResumePlan | None,
+                 active: frozenset[int], precompiled: Precompiled | None = None):
         if precompiled is not None and not precompiled.fits(mesh):  # never run on other devices than its own
             devices = precompiled.key[2]
             raise ValueError(f"an executable precompiled for devices {devices} given to a different mesh")
         self._precompiled = precompiled
-        self.runner = runner
+        self._parts = parts
+        self._hooks = hooks
         self.mesh = mesh
         self.plan = plan
         self.active_slices = active
-        cfg = runner.config
+        cfg = parts.config
         self.batch: BatchPlan = plan.batch if plan is not None and plan.batch is not None else initial_batch(
             cfg.global_batch, mesh_spec(mesh), cfg.batch.batch_mode
         )
@@ -134,7 +140,7 @@ class ElasticContext:
         self._persisted: set[int] = set()  # steps this attempt saved to storage (or had ckptd persist)
         self._training: TrainingMetadata | None = None  # the attempt's layout, for the replica snapshots
         # a multi-controller job: SIGTERM is a preemption notice
-        self._preemptible = runner.agreement is not None
+        self._preemptible = parts.agreement is not None
 
     def set_precompile(self, hook: PrecompileHook) -> None:
         """Register ``hook(mesh, batch_plan)``: lower and compile the training step for ``mesh``. The runner
@@ -177,7 +183,7 @@ class ElasticContext:
         self._data_iterator = data_iterator
         abstract = jax.eval_shape(init_fn)
         specs = specs_fn(abstract)
-        memory = self.runner.saver.memory
+        memory = self._parts.saver.memory
         if memory is not None and self.plan is not None:
             memory.hold_spare()  # a spare's page-touching waits: the restore and the first step come first
         restored = self._restore(abstract, specs) if self.plan is not None else None
@@ -189,8 +195,8 @@ class ElasticContext:
             )
             state = jax.jit(init_fn, out_shardings=shardings)()
             self.start_step, position = 0, 0
-            self.runner.emit("initialized", 0, f"fresh state on mesh {list(self.mesh.devices.shape)}")
-            self.runner.note_restored(None)
+            self._hooks.emit("initialized", 0, f"fresh state on mesh {list(self.mesh.devices.shape)}")
+            self._hooks.note_restored(None)
         else:
             state, held = restored
             plan = self.plan
@@ -201,13 +207,13 @@ class ElasticContext:
             if data_iterator is not None:  # from the step actually restored (the plan may have fallen back)
                 detail += ", data iterator restored" if restore_iterator(plan, data_iterator, held) else (
                     ", no data iterator state saved with the step: the iterator starts where it is")
-            self.runner.emit("restored", plan.step, detail, tier=Tier(plan.tier).value)
-            self.runner.note_restored(plan)
+            self._hooks.emit("restored", plan.step, detail, tier=Tier(plan.tier).value)
+            self._hooks.note_restored(plan)
         # host pages touched before the first snapshot of each tier, so that it costs what a later one does
-        if self.runner.replicas is not None:
-            self.runner.replicas.prepare(state)
-        if self.runner.saver.memory is not None:
-            self.runner.saver.memory.prepare(state)  # in the background
+        if self._parts.replicas is not None:
+            self._parts.replicas.prepare(state)
+        if self._parts.saver.memory is not None:
+            self._parts.saver.memory.prepare(state)  # in the background
         self.last_step = self.start_step
         return state, self.start_step, position
 
@@ -216,7 +222,7 @@ class ElasticContext:
         every process of a multi-controller job): the replicas' restore, or ``(state, the data iterator's state
         read with a memory snapshot)``; None when the replicas did not read back and no other tier holds a
         step (a fresh start). ``self.plan`` becomes the plan restored."""
-        runner, active, plan = self.runner, self.active_slices, self.plan
+        parts, active, plan = self._parts, self.active_slices, self.plan
         assert plan is not None
         target_for = lambda chosen: target_shardings(abstract, self.mesh, specs, chosen.arrays)  # noqa: E731
         held: list[tuple[ResumePlan, Any]] = []  # a memory snapshot's iterator state, read before its arrays
@@ -230,16 +236,16 @@ class ElasticContext:
             if chosen.tier == Tier.REPLICAS:
                 return self._replicas_restore(chosen, target_for(chosen))
             read_held(chosen)
-            return restore_from_plan(chosen, target_for(chosen), runner.settings.restore_host_bytes)
+            return restore_from_plan(chosen, target_for(chosen), parts.settings.restore_host_bytes)
 
         def without(excluded: frozenset[Tier]) -> ResumePlan | None:  # the next plan: ckptd asked again
-            return runner.resume_plan(active, use_memory_tier=Tier.MEMORY not in excluded,
-                                      use_replicas=Tier.REPLICAS not in excluded)
+            return self._hooks.resume_plan(active, use_memory_tier=Tier.MEMORY not in excluded,
+                                           use_replicas=Tier.REPLICAS not in excluded)
 
         done: tuple[Any, ResumePlan] | None
-        if runner.agreement is not None:
+        if parts.agreement is not None:
             read_held(plan)
-            done = runner.agreement.restore(plan, target_for)
+            done = parts.agreement.restore(plan, target_for)
         else:
             done = restore_by_plan(plan, restore_step, without)
         self.plan = None if done is None else done[1]
@@ -251,20 +257,20 @@ class ElasticContext:
     def _replicas_restore(self, plan: ResumePlan, target: PyTree) -> Restored:
         """The plan's step from the replicas on the slices left (``replica_snapshots``); ``NoWholeReplica`` when
         no whole replica survives (none reads back whole), told as the event ``replicas_unusable``."""
-        replicas = self.runner.replicas
+        replicas = self._parts.replicas
         try:
             if replicas is None:
                 raise NoWholeReplica("this run has no replica snapshot tier")
             return replicas.restore(target, list(self.mesh.devices.flat))
         except NoWholeReplica as exc:  # a slice lost during the restore itself is a slice loss: raised on
-            self.runner.emit("replicas_unusable", plan.step,
+            self._hooks.emit("replicas_unusable", plan.step,
                              f"{type(exc).__name__}: {exc}"[:500] + "; asking for another tier")
             raise
 
     def _from_replicas(self, restored: Restored) -> tuple[PyTree, int, int]:
         """The replicas' step restored, with the data position and iterator state held with it."""
         plan = self.plan
-        replicas = self.runner.replicas
+        replicas = self._parts.replicas
         assert plan is not None and replicas is not None
         self.start_step = restored.step
         position = restored.data_position
@@ -278,8 +284,8 @@ class ElasticContext:
                 detail += ", no data iterator state held with the step: the iterator starts where it is"
         self.plan = plan.model_copy(update={"data_position": position})
         replicas.restored_as(restored.step, self._training_at(restored.step, restored.state, position))
-        self.runner.emit("restored", restored.step, detail, tier=Tier.REPLICAS.value)
-        self.runner.note_restored(self.plan)
+        self._hooks.emit("restored", restored.step, detail, tier=Tier.REPLICAS.value)
+        self._hooks.note_restored(self.plan)
         self.last_step = self.start_step
         return restored.state, self.start_step, position
 
@@ -292,28 +298,28 @@ class ElasticContext:
         (``memory``, ``memory+persist``, ``storage``) or ``skipped``."""
         meta = training_metadata(step, state, data_position=data_position, global_batch=self.global_batch,
                                  mesh=self.mesh, slices=sorted(self.active_slices), batch=self.batch,
-                                 run_id=self.runner.settings.run_id)
-        saver = self.runner.saver
-        with self.runner.precompiler.paused():  # a save's Python must not queue for the GIL behind tracing
+                                 run_id=self._parts.settings.run_id)
+        saver = self._parts.saver
+        with self._parts.precompiler.paused():  # a save's Python must not queue for the GIL behind tracing
             tier = saver.save(step, state, meta, persist=persist, if_busy=if_busy, data_iterator=(
                 state_record(self._data_iterator) if self._data_iterator is not None else None))
         if persist and tier != "skipped":
             self._persisted.add(step)
         self._start_precompile()  # after the attempt's first save: its first-time costs are paid alone
-        replicas = self.runner.replicas
-        self.runner.emit("checkpoint_started", step, f"{tier}, {saver.last_blocked_s or 0.0:.3f}s blocked",
+        replicas = self._parts.replicas
+        self._hooks.emit("checkpoint_started", step, f"{tier}, {saver.last_blocked_s or 0.0:.3f}s blocked",
                          blocked_seconds=saver.last_blocked_s, tier=tier,
                          **(replicas.stats_fields() if replicas is not None else {}))
         return tier
 
     def _start_precompile(self) -> None:
-        cfg = self.runner.config
+        cfg = self._parts.config
         if not self._first_step_done or self._precompile is None or self._precompiling:
             return
         if cfg.compilation.precompile:
             self._precompiling = True  # one pass per attempt
-            devices = self.runner.slices.slice_to_devices
-            self.runner.precompiler.start(self._precompile, mesh_spec(self.mesh), self.active_slices, devices,
+            devices = self._parts.slices.slice_to_devices
+            self._parts.precompiler.start(self._precompile, mesh_spec(self.mesh), self.active_slices, devices,
                                           self.batch, cfg.batch.wire())
 
     # ---- the hook called at the top of every step -----------------------------------------------
@@ -332,23 +338,23 @@ class ElasticContext:
         if not self._first_step_done and step > self.start_step:
             jax.block_until_ready(state)
             self._first_step_done = True
-            if self.runner.saver.memory is not None:
-                self.runner.saver.memory.release_spare()
-            self.runner.first_step_done(step)
-        cfg = self.runner.config
+            if self._parts.saver.memory is not None:
+                self._parts.saver.memory.release_spare()
+            self._hooks.first_step_done(step)
+        cfg = self._parts.config
         self.last_step = step
         later = step > self.start_step
-        replicas = self.runner.replicas
+        replicas = self._parts.replicas
         if replicas is not None:
             replicas.boundary(step)  # timed: the pacer's step time
-        live = self.runner.autopilot.at_boundary(step)  # the periods in force: the config's, or chosen as it runs
+        live = self._parts.autopilot.at_boundary(step)  # the periods in force: the config's, or chosen as it runs
         period = live.persist
         if replicas is not None and replicas.due(step) and (later or replicas.held_step() != step):
             # the iterator's state and the metadata gathered only for a snapshot that is due
             iterator = state_record(self._data_iterator) if self._data_iterator is not None else None
             # dispatched: the copy runs on
             replicas.snapshot(step, state, data_position, iterator, self._training_at(step, state, data_position))
-        self.runner.slices.at_step_boundary(step, self.active_slices)
+        self._parts.slices.at_step_boundary(step, self.active_slices)
         if later and period > 0 and step % period == 0:
             self.save(step, state, data_position, if_busy=cfg.saving.when_save_busy)
         elif later and live.memory and step % live.memory == 0 and cfg.memory_tier.shm_dir:
@@ -364,7 +370,7 @@ class ElasticContext:
         if self._training is None:
             self._training = training_metadata(
                 step, state, data_position=data_position, global_batch=self.global_batch, mesh=self.mesh,
-                slices=sorted(self.active_slices), batch=self.batch, run_id=self.runner.settings.run_id)
+                slices=sorted(self.active_slices), batch=self.batch, run_id=self._parts.settings.run_id)
         return self._training.model_copy(update={"step": step, "data_position": data_position,
                                                  "wall_time": time.time()})
 
@@ -373,27 +379,27 @@ class ElasticContext:
         restored_from_storage = step == self.start_step and plan is not None and plan.tier != Tier.MEMORY
         if step not in self._persisted and not restored_from_storage:
             self.save(step, state, data_position, persist=True)
-        self.runner.saver.wait()
-        self.runner.emit("preempted", step, f"preemption notice: step {step} saved to storage, stopping")
+        self._parts.saver.wait()
+        self._hooks.emit("preempted", step, f"preemption notice: step {step} saved to storage, stopping")
         raise Preempted(step)
 
     def _maybe_scale_up(self, step: int, state: PyTree, data_position: int) -> None:
         now = time.monotonic()
-        if now - self._last_scale_check < self.runner.config.health.scale_up_check_interval_s:
+        if now - self._last_scale_check < self._parts.config.health.scale_up_check_interval_s:
             return
         self._last_scale_check = now
         # what pathwaysutils' monitor thread found healthy among the slices not in use (none while the mesh is
         # whole: those are hot spares): no check here
-        back = self.runner.slices_to_grow(self.active_slices)
+        back = self._hooks.slices_to_grow(self.active_slices)
         if not back:
             return
-        if step not in self.runner.saver.saved_steps:
-            tier = self.save(step, state, data_position, persist=self.runner.saver.memory is None)
+        if step not in self._parts.saver.saved_steps:
+            tier = self.save(step, state, data_position, persist=self._parts.saver.memory is None)
             if tier == "skipped":  # the memory tier is full: the step we grow from goes to storage instead,
                 # or the next attempt would lose the steps since
                 self.save(step, state, data_position, persist=True)
-        self.runner.saver.wait()  # the step we grow from must be whole (in memory) or committed
+        self._parts.saver.wait()  # the step we grow from must be whole (in memory) or committed
         raise ScaleUpSignalError(f"slice(s) {sorted(back)} healthy again at step {step}")
 
 
-__all__ = ["AttemptRunner", "ElasticContext", "Preempted", "RunnerSignal"]
+__all__ = ["AttemptHooks", "AttemptParts", "ElasticContext", "Preempted", "RunnerSignal"]
