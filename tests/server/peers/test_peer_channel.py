@@ -74,14 +74,15 @@ def test_a_whole_part_is_copied_evicted_with_its_original_and_brought_back(
 
 def test_a_damaged_copy_is_refused_and_leaves_nothing(pair: tuple[list[PeerService], list[Path]],
                                                       api0: TestClient) -> None:
-    (s0, _), (shm0, shm1) = pair
+    (s0, s1), (shm0, shm1) = pair
     # the trainer's request is the only fetch: a refill of the sidecar's own, trying the damaged copy again every
     # 2 s, would leave a staging directory for a moment whenever the check below looked
     s0.copier.options = dataclasses.replace(s0.copier.options, refill=False)
     write_part(shm1, JOB, 10, index=1)
     write_part(shm0, JOB, 10, index=0)
     copy = copies_dir(shm1, JOB, 0) / "10"
-    wait_until(lambda: copy.is_dir(), timeout=20)
+    wait_until(lambda: copy.is_dir() and (copies_dir(shm0, JOB, 1) / "10").is_dir(), timeout=20)
+    s1.copier.stop()  # host 1 sends host 0 nothing more (it would send its copy again once host 0's memory is gone)
     with (copy / "data.bin").open("r+b") as f:  # one flipped bit in a shard: sizes still right
         f.seek(100)
         byte = f.read(1)
