@@ -7,7 +7,10 @@ small size) through a persist worker child, as the sidecar's keeper does: claim,
 part record; a failed try is tried again after the keeper's ``PART_RETRY_S``. One leader (its own client and
 worker) runs the commit pass every ``poll_s`` until the step is committed. The bucket is the GCS emulator behind
 ``tests/support/gcs_shaper.py`` (GCS's write and read rates, one write a second per object name, 429/503 past
-them); the hosts' requests pass one door of it and the leader's another, so each is counted apart.
+them); the hosts' requests pass one door of it and the leader's another, so each is counted apart. Each host
+paces its part's writes at its share of the bucket's write budget (``PartSaves``' ``WriteShare``: the bucket's
+write rate over the host count, spread with jitter), as ckptd does by default; ``--no-budget`` runs the hosts
+unpaced, on back-off alone (the figures before the shared budget: docs/gcs.md).
 
 What a run reports (``persist_step``): whether the step was committed, when (from the start of every host's
 persist), the time the bucket's rates themselves allow for the requests the step was admitted
@@ -26,6 +29,7 @@ import os
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # read when gcsfs is imported
 
 import argparse
+import contextlib
 import json
 import queue
 import subprocess
@@ -54,7 +58,7 @@ from trainer_client.core._storage import Storage, join_path
 from trainer_client.core.format._files import COMMIT_MARKER
 from trainer_client.core.format._manifest import read_manifest
 from trainer_client.core.format._parts import read_part, record_path
-from trainer_client.core.format._snapshot import read_meta
+from trainer_client.core.format._snapshot import SnapshotMeta, read_meta
 
 JOB, STEP = "hosts", 100
 Stats = Callable[[], dict[str, Any]]
@@ -108,6 +112,21 @@ class DoorWorker(PersistWorkerClient):
         return ["env", *(f"{k}={v}" for k, v in emulator_env(self.url).items()), *super().command()]
 
 
+def warm_clients(storages: list[Storage], settle_s: float) -> list[Storage]:
+    """``storages``, each having asked storage once (a listing of the root), as a running sidecar's client has long
+    before a persist: the hosts' first requests of the step then do not queue behind the opening of hundreds of
+    connections on this process's one gcsfs event loop (which bunched them, and the bucket refused the bunch).
+    Then ``settle_s`` for the bucket's token buckets to fill again; the caller forgets these requests' counts."""
+    def ask(storage: Storage) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            storage.fs.ls(storage.root)
+
+    with ThreadPoolExecutor(min(32, max(1, len(storages))), thread_name_prefix="warm") as pool:
+        list(pool.map(ask, storages))
+    time.sleep(settle_s)
+    return storages
+
+
 def lost_parts(storage: Storage, job: str, step: int, hosts: int) -> list[int]:
     """The processes whose part the committed step lacks: its record, or a file of it, not in the manifest (all
     of them when the step is not committed)."""
@@ -128,18 +147,21 @@ def lost_parts(storage: Storage, job: str, step: int, hosts: int) -> list[int]:
 def persist_step(parts: list[Path], *, host_storage: Callable[[int], Storage], leader_storage: Storage,
                  host_worker: PersistWorker, leader_worker: PersistWorker, stats: Stats, reset: Callable[[], object],
                  concurrency: int, poll_s: float = 0.5, retry_s: float = PART_RETRY_S,
-                 timeout_s: float = 600.0) -> dict[str, Any]:
+                 timeout_s: float = 600.0, bucket_writes_per_s: float = 0.0) -> dict[str, Any]:
     """Every host persists its part of ``STEP`` of ``JOB`` at once (``concurrency`` at a time), the leader commits;
-    what happened, counted at the shaper (``stats``: its snapshot, ``reset``: forget its counts)."""
+    what happened, counted at the shaper (``stats``: its snapshot, ``reset``: forget its counts).
+    ``bucket_writes_per_s``: the write budget the hosts share (``PartSaves``; 0: unpaced, back-off alone)."""
     hosts = len(parts)
     marks: dict[str, dict[str, Any]] = {}
     leader = CommitPass(leader_storage, jobs=lambda: [JOB], writes=lambda _job: True, interval_s=poll_s,
                         worker=MarkedWorker(leader_worker, lambda: marks.setdefault("commit", stats())))
     failures: list[str] = []
     written: dict[int, float] = {}
+    paced_s: list[float] = []  # each host's waits for its share of the budget, in all
     committed_at: list[float] = []
     done = threading.Event()
     lock = threading.Lock()
+    storages = warm_clients([host_storage(k) for k in range(hosts)], settle_s=1.0)
     reset()
     started = time.perf_counter()
     deadline = started + timeout_s
@@ -156,8 +178,15 @@ def persist_step(parts: list[Path], *, host_storage: Callable[[int], Storage], l
             done.wait(poll_s)
 
     def host(k: int) -> None:
-        saves = PartSaves(host_storage(k), host_worker, sidecar=f"host-{k}")
+        saves = PartSaves(storages[k], host_worker, sidecar=f"host-{k}", bucket_writes_per_s=bucket_writes_per_s)
         meta = read_meta(parts[k])
+        try:
+            try_part(k, saves, meta)
+        finally:
+            with lock:
+                paced_s.append(saves.share.waited_s)
+
+    def try_part(k: int, saves: PartSaves, meta: SnapshotMeta) -> None:
         while time.perf_counter() < deadline:
             try:
                 outcome = saves.persist_part(JOB, str(parts[k]), meta)
@@ -197,6 +226,7 @@ def persist_step(parts: list[Path], *, host_storage: Callable[[int], Storage], l
         "leader_requests": total.get("door:leader:requests", 0) + total.get("door:hosts:requests", 0) - host_requests,
         "admitted_writes": total.get("admitted_writes", 0), "admitted_reads": total.get("admitted_reads", 0),
         "parts_writes": at_parts.get("admitted_writes", 0), "parts_reads": at_parts.get("admitted_reads", 0),
+        "budget_per_s": bucket_writes_per_s, "paced_s_per_host": sum(paced_s) / hosts,
         "refused": {k.split(":", 1)[1]: v for k, v in total.items() if k.startswith(("refused:", "status:"))},
         "refusals": total.get("refused", 0), "written_twice": end["twice_count"], "twice": end["twice"][:10],
         "most_writes_of_one_name": end["most_writes_of_one_name"],
@@ -235,7 +265,9 @@ def _shaper(upstream: str, write_per_s: float, read_per_s: float) -> tuple[subpr
 
 
 def run(hosts_list: list[int], *, workers: int, concurrency: int, rate_scale: float, rows: int, cols: int,
-        poll_s: float, retry_s: float, timeout_s: float) -> list[dict[str, Any]]:
+        poll_s: float, retry_s: float, timeout_s: float, budget: bool = True) -> list[dict[str, Any]]:
+    """Each count's step persisted and committed (``persist_step``); ``budget``: the hosts share the bucket's write
+    rate as their budget (ckptd's default), else they run on back-off alone."""
     import gcsfs
     import httpx
 
@@ -273,7 +305,8 @@ def run(hosts_list: list[int], *, workers: int, concurrency: int, rate_scale: fl
                     host_worker=pool, leader_worker=leader_worker,
                     stats=lambda: dict(http.get(f"{urls['hosts']}/_shaper/stats").json()),
                     reset=lambda: http.post(f"{urls['hosts']}/_shaper/reset"),
-                    concurrency=concurrency or hosts, poll_s=poll_s, retry_s=retry_s, timeout_s=timeout_s)
+                    concurrency=concurrency or hosts, poll_s=poll_s, retry_s=retry_s, timeout_s=timeout_s,
+                    bucket_writes_per_s=limits.write_per_s if budget else 0.0)
                 result = with_bound(result, limits.write_per_s, limits.read_per_s)
                 out.append({**result, "write_per_s": limits.write_per_s, "read_per_s": limits.read_per_s,
                             "workers": workers, "part_bytes": rows * cols * 4 * 2 + cols * 4})
@@ -289,21 +322,23 @@ def run(hosts_list: list[int], *, workers: int, concurrency: int, rate_scale: fl
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    rows = ["hosts | committed | last part s | commit s | bound s (phased) | ratio (phased) | req/host (w+r) | "
-            "leader req | refused (429/503/object) | written twice | failed tries | lost parts",
-            "---|---|---|---|---|---|---|---|---|---|---|---"]
+    rows = ["hosts | budget /s | committed | last part s | commit s | bound s (phased) | ratio (phased) | "
+            "req/host (w+r) | leader req | refused (429/503/object; writes/reads) | written twice | failed tries | "
+            "lost parts", "---|---|---|---|---|---|---|---|---|---|---|---|---"]
 
     def num(value: float | None, form: str) -> str:
         return "-" if value is None else format(value, form)
 
     for r in results:
         refused = r["refused"]
-        rows.append(f"{r['hosts']} | {r['committed']} | {num(r['parts_s'], '.1f')} | {num(r['commit_s'], '.1f')} | "
+        rows.append(f"{r['hosts']} | {r['budget_per_s'] or 'none'} | {r['committed']} | {num(r['parts_s'], '.1f')} | "
+                    f"{num(r['commit_s'], '.1f')} | "
                     f"{r['bound_s']:.1f} ({r['phased_bound_s']:.1f}) | {num(r['commit_over_bound'], '.2f')} "
                     f"({num(r['commit_over_phased_bound'], '.2f')}) | "
                     f"{r['requests_per_host']:.1f} ({r['writes_per_host']:.1f}+{r['reads_per_host']:.1f}) | "
                     f"{r['leader_requests']} | {r['refusals']} ({refused.get('429', 0)}/{refused.get('503', 0)}/"
-                    f"{refused.get('object_rate', 0)}) | {r['written_twice']} | {r['failed_tries']} | "
+                    f"{refused.get('object_rate', 0)}; {refused.get('write_rate', 0)}/{refused.get('read_rate', 0)}) | "
+                    f"{r['written_twice']} | {r['failed_tries']} | "
                     f"{len(r['lost_parts'])}")
     return "\n".join(rows)
 
@@ -347,7 +382,8 @@ def run_gcs_hosts(profile: Any, results: Any) -> None:
     details = {f"{r['hosts']}_hosts": {k: r[k] for k in ("commit_s", "parts_s", "bound_s", "phased_bound_s",
                                                             "commit_over_bound", "commit_over_phased_bound",
                                                             "requests_per_host", "writes_per_host", "reads_per_host",
-                                                            "leader_requests", "refusals")} for r in runs}
+                                                            "leader_requests", "refusals", "refused",
+                                                            "budget_per_s", "paced_s_per_host")} for r in runs}
     ratio = last["commit_over_bound"]
     if ratio is None:  # never committed: it took at least the timeout
         ratio = timeout_s / last["bound_s"] if last["bound_s"] > 0 else timeout_s
@@ -373,11 +409,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll-s", type=float, default=0.5, help="the leader's commit pass interval")
     parser.add_argument("--retry-s", type=float, default=PART_RETRY_S, help="a failed part is tried again after")
     parser.add_argument("--timeout-s", type=float, default=900.0)
+    parser.add_argument("--no-budget", action="store_true",
+                        help="hosts unpaced, on back-off alone (default: they share the bucket's write rate)")
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args(argv)
     results = run([int(h) for h in args.hosts.split(",")], workers=args.workers, concurrency=args.concurrency,
                   rate_scale=args.rate_scale, rows=args.rows, cols=args.cols, poll_s=args.poll_s,
-                  retry_s=args.retry_s, timeout_s=args.timeout_s)
+                  retry_s=args.retry_s, timeout_s=args.timeout_s, budget=not args.no_budget)
     print(table(results))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ckptd._metrics import Metrics
+from ckptd._peer_lists import hosts_named
 from ckptd.catalog._catalog import Catalog
 from ckptd.catalog._commit_tracker import CommitTracker
 from ckptd.catalog._refresher import Refresher
@@ -145,7 +146,8 @@ def build_sidecar(settings: Settings, catalog: Catalog | None = None) -> Sidecar
                        compression=memory.persist_compression, nice=memory.persist_nice,
                        devices=memory.persist_devices, writes=cat.writes,
                        on_persisted=lambda job, _step: cat.refresh_job(job),
-                       on_report=keeper_reports(events, metrics))
+                       on_report=keeper_reports(events, metrics), bucket_writes_per_s=storage.bucket_writes_per_s,
+                       hosts=settings.peer.host_count or hosts_named(settings.peer.peers))
         if memory.shm_dir else None
     )
     refresher = Refresher(

@@ -16,6 +16,7 @@ from pathlib import Path
 from pydantic import Field, model_validator
 
 from ckptd._settings_group import SettingsGroup
+from trainer_client.core import BUCKET_WRITES_PER_S
 from trainer_client.core import protocol as p
 
 
@@ -60,6 +61,13 @@ class StorageSettings(SettingsGroup):
         description="several sidecars on one root (a multi-host job): only the holder of a job's lease on storage "
         "writes its records and runs its retention, the others serve what it wrote; a follower takes over when the "
         "leader's heartbeat stopped this long (off: None, every sidecar writes; docs/multihost.md)",
+    )
+
+    bucket_writes_per_s: float = Field(
+        default=BUCKET_WRITES_PER_S, ge=0, le=1e7,
+        description="gs://: the object writes a second the bucket takes (GCS: about 1,000 to start), shared by the "
+        "hosts of a multi-host job: each host paces its part's writes at this over the host count (CKPTD_HOST_COUNT, "
+        "else the job's process count), spread with jitter; 0: not paced (429/503 are backed off from either way)",
     )
 
     @model_validator(mode="after")

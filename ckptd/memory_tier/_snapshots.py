@@ -40,7 +40,7 @@ from pathlib import Path
 from ckptd.memory_tier._settings import DEFAULT_PERSIST_NICE
 from ckptd.multihost._part_commit import PartSaves
 from ckptd.persist._worker_client import PersistWorker, PersistWorkerClient, PersistWorkerError, SnapshotDamaged
-from trainer_client.core import Storage, StorageError, UnsafePathError, join_path
+from trainer_client.core import BUCKET_WRITES_PER_S, Storage, StorageError, UnsafePathError, join_path
 from trainer_client.core.format import (
     COMMIT_MARKER,
     SnapshotMeta,
@@ -130,12 +130,16 @@ class SnapshotKeeper:
         devices: int | None = None,
         writes: Callable[[str], bool] | None = None,
         on_report: Callable[[str, ElasticEvent], None] | None = None,
+        bucket_writes_per_s: float = BUCKET_WRITES_PER_S,
+        hosts: int | None = None,
     ) -> None:
         self.storage = storage
         self.worker: PersistWorker = PersistWorkerClient(compression=compression, nice=nice, devices=devices,
                                                          timeout_s=timeout_s)
         # multi-host parts (written here; committed by ckptd.multihost._commit_pass); ``writes``: Catalog.writes
-        self.parts = PartSaves(storage, self.worker, writes=writes or (lambda _job: True))
+        # on gs://, paced at its share of the bucket's write budget (the job's hosts: ``hosts``, else a part's count)
+        self.parts = PartSaves(storage, self.worker, writes=writes or (lambda _job: True),
+                               bucket_writes_per_s=bucket_writes_per_s, hosts=hosts)
         self.nice = nice
         self.devices = devices
         self.shm_dir = Path(shm_dir)

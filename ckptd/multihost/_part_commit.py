@@ -15,6 +15,12 @@ part is never committed, so never served; a claim older than ``save_timeout_s`` 
 abandoned and deleted, staged files included, by ``clean_abandoned``. A commit and a cleanup exclude each other
 under the job's flock locally; on ``gs://`` each first decides the save's fate (``format/_fates.py``), so a
 leader paused past its checks never deletes what a newer one committed (docs/multihost.md, "Fenced writers").
+
+On ``gs://`` each host paces its part's writes at its share of the bucket's write budget (``WriteShare``: the
+budget over the job's writers, the host count when the sidecar knows it, else the part's process count): the part
+starts at a point drawn within the process's own N-th of the window its writes take at that share, then writes
+them one after another, so N hosts ask together, evenly, what the bucket takes instead of all at once
+(docs/gcs.md, "Many hosts on one bucket"). The leader's commit is not paced.
 """
 
 from __future__ import annotations
@@ -32,8 +38,10 @@ from ckptd.lease._lease_records import default_holder
 from ckptd.multihost._in_place import delete_listed, record_standing
 from ckptd.persist._worker_client import PersistWorker, PersistWorkerError
 from trainer_client.core import (
+    BUCKET_WRITES_PER_S,
     Storage,
     StorageError,
+    WriteShare,
     listed_generations,
     step_identity,
     sync_paths,
@@ -79,6 +87,8 @@ _log = logging.getLogger(__name__)
 # pass moves on to the next job (docs/operations.md, "What each limit defends").
 JOB_BUDGET_S = 5.0
 RECORD_READERS = 16  # part records read at once by a pass over a save's records and by the commit's re-read
+# the writes of the smallest part: its claim, its OCDBT data file and manifest, its array metadatas, its record
+PART_WRITES = 5
 Spent = Callable[[], bool]  # whether the time a caller allowed is spent (asked between records and steps)
 PartState = Literal["committed", "written", "todo", "claimed by another save"]
 CommitOutcome = Literal["committed", "not committed", "out of time"]
@@ -96,12 +106,16 @@ class Abandoned:
 class PartSaves:
     """Persists this host's parts and, where this sidecar leads the job, commits the steps whose parts are all
     durable. ``worker`` does the Orbax writes (``ckptd.persist._worker_client``); ``writes(job)``: whether this
-    sidecar leads."""
+    sidecar leads. ``bucket_writes_per_s``: the bucket's write budget, shared by the job's writers on ``gs://``
+    (0: not paced); ``hosts``: the job's host count when this sidecar knows it (else a part's process count)."""
 
     def __init__(self, storage: Storage, worker: PersistWorker, *,
                  writes: Callable[[str], bool] = lambda _job: True, sidecar: str = "",
-                 redo_after_s: float = DEFAULT_SAVE_TIMEOUT_S) -> None:
+                 redo_after_s: float = DEFAULT_SAVE_TIMEOUT_S, bucket_writes_per_s: float = BUCKET_WRITES_PER_S,
+                 hosts: int | None = None) -> None:
         self.storage = storage
+        self.share = WriteShare(bucket_writes_per_s if storage.is_remote else 0.0)
+        self.hosts = hosts
         self.redo_after_s = redo_after_s  # gs://: another party's commit or cleanup is redone after this long
         self.worker = worker
         self.writes = writes
@@ -156,6 +170,10 @@ class PartSaves:
         """Claim the step for this save and write this host's part (a redo rewrites it whole); the part
         record is created once it is durable. Returns what happened (``written``, ``committed``, or why not)."""
         assert meta.save_id is not None
+        # this part's writes, one after another: at a point of their window in the bucket's budget, this process's
+        # own share of it (so N hosts' parts go evenly, at the bucket's rate)
+        self.share.spread(self.hosts or meta.process_count, meta.process_index)
+        self.share.take(PART_WRITES)
         claim = make_claim(self.storage, job, meta.step, meta.save_id, meta.process_count)
         if claim is None:
             return "claim unreadable"

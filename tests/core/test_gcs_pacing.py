@@ -17,7 +17,7 @@ from tests.support.gcs_emulator import GcsEmulator
 from tests.support.gcs_shaper import GcsShaper
 from tests.support.gcs_shaping import Limits, ManualClock, RampingRate, TokenBucket
 from trainer_client.core._errors import StorageError
-from trainer_client.core._gcs_pacing import BACKOFF, PACED, Backoff, pace
+from trainer_client.core._gcs_pacing import BACKOFF, PACED, Backoff, WriteShare, pace
 from trainer_client.core._storage import Storage
 
 
@@ -135,3 +135,84 @@ def test_full_jitter_lands_every_write_that_gcsfs_schedule_gives_up(writers: int
         assert gave_up > writers // 5 and landed + gave_up == writers
         landed, gave_up, last = _writers_at_once(writers, rate, _paced_schedule, seed)
         assert (landed, gave_up) == (writers, 0) and last < 1.6 * writers / rate
+
+
+def test_a_share_paces_its_writer_at_the_budget_over_the_writers_each_op_within_its_window() -> None:
+    clock = ManualClock()
+    share = WriteShare(100.0, clock=clock, sleep=lambda s: setattr(clock, "now", clock.now + s),
+                       draw=lambda lo, hi: lo + 0.5 * (hi - lo))
+    share.spread(10)  # 10 writers of 100 writes/s: one write each 0.1 s
+    assert share.interval_s == pytest.approx(0.1)
+    assert share.take() == pytest.approx(0.05)  # the middle of [0, 0.1)
+    assert share.take(3) == pytest.approx(0.05 + 0.15)  # three together: the middle of [0.1, 0.4)
+    assert share.take() == pytest.approx(0.15 + 0.05)  # the middle of [0.4, 0.5)
+    assert clock.now == pytest.approx(0.45) and share.take(3) == pytest.approx(0.05 + 0.15)  # [0.5, 0.8)
+    clock.now += 0.2  # held up to the middle of its next window [0.8, 0.9): it goes at once; the next keeps its place
+    assert share.take() == 0.0 and share.take() == pytest.approx(0.1)  # the middle of [0.9, 1.0)
+    share.spread(10)  # the next burst: its windows from now, whatever the last one left
+    assert share.take() == pytest.approx(0.05)
+    share.spread(10, index=7)  # the 8th of 10 writers: in the 8th tenth of each window, [0.07, 0.08) of [0, 0.1)
+    assert share.take() == pytest.approx(0.075) and share.take(3) == pytest.approx(0.1 - 0.075 + 0.3 * 0.75)
+    assert share.waited_s == pytest.approx(0.05 + 0.2 + 0.2 + 0.2 + 0.1 + 0.05 + 0.075 + 0.25)
+
+
+@pytest.mark.parametrize(("writers", "budget"), [(1, 100.0), (0, 100.0), (64, 0.0)])
+def test_a_writer_alone_or_without_a_budget_is_not_slowed(writers: int, budget: float) -> None:
+    share = WriteShare(budget, sleep=lambda _s: pytest.fail("slowed"))
+    share.spread(writers)
+    assert [share.take(3) for _ in range(100)] == [0.0] * 100 and share.waited_s == 0.0
+
+
+PART_OPS = (1, 3, 1)  # a host's part: the claim; the OCDBT data file, its manifest and the array metadatas; the record
+
+
+def _hosts_save(hosts: int, rate: float, *, paced: bool, seed: int, latency_s: float = 0.02,
+                stratified: bool = True) -> tuple[int, float]:
+    """``hosts`` hosts each writing their part (``PART_OPS``, an op's writes together, ``latency_s`` between ops)
+    at t=0 against one of the shaper's token buckets (``rate``/s, 1 s of burst), every refused write retried on
+    ckptd's back-off; ``paced``: each host takes its ``WriteShare`` of ``rate`` for its part's writes before its
+    first op (``stratified``: it knows its index among the hosts). The refusals, and when the last write landed (a
+    virtual clock)."""
+    rng = random.Random(seed)
+    bucket = TokenBucket(RampingRate(rate), burst_s=1.0)
+    now = [0.0]
+    shares = [WriteShare(rate if paced else 0.0, clock=lambda: now[0], sleep=lambda _s: None, draw=rng.uniform)
+              for _ in range(hosts)]
+    events: list[tuple[float, int, int, int]] = []  # (when, host, op, retry)
+    left = [0] * hosts  # the writes of the host's op not landed yet
+
+    def start(k: int, op: int, at: float) -> None:
+        now[0] = at
+        wait = shares[k].take(sum(PART_OPS)) if op == 0 else 0.0  # the part's window, then its ops one after another
+        left[k] = PART_OPS[op]
+        for _ in range(PART_OPS[op]):
+            heapq.heappush(events, (at + wait, k, op, 0))
+
+    for k in range(hosts):
+        shares[k].spread(hosts, k if stratified else None)
+        start(k, 0, 0.0)
+    refusals, last = 0, 0.0
+    while events:
+        at, k, op, retry = heapq.heappop(events)
+        if not bucket.take(at):
+            refusals += 1
+            heapq.heappush(events, (at + BACKOFF.delay(retry, rng.uniform), k, op, retry + 1))
+            continue
+        last = max(last, at)
+        left[k] -= 1
+        if left[k] == 0 and op + 1 < len(PART_OPS):
+            start(k, op + 1, at + latency_s)
+    return refusals, last
+
+
+@pytest.mark.parametrize(("hosts", "rate"), [(256, 50.0), (1024, 1000.0)])
+def test_hosts_sharing_the_budget_are_not_refused_and_finish_within_the_rate_bound(hosts: int, rate: float) -> None:
+    """A step's parts of N hosts at once: on back-off alone the bucket refuses a multiple of N; each host paced at
+    its share of the bucket's rate (each op at a random point of its window), about none, and the last write lands
+    within 1.2x of what the rate allows (5 writes a host)."""
+    bound = sum(PART_OPS) * hosts / rate
+    for seed in (1, 2, 3):
+        unpaced, _ = _hosts_save(hosts, rate, paced=False, seed=seed)
+        assert unpaced > 5 * hosts  # 256 hosts at 50/s: about 3,000; 1,024 at 1,000/s: about 6,400
+        refusals, last = _hosts_save(hosts, rate, paced=True, seed=seed)
+        assert refusals * 20 <= unpaced and last <= 1.2 * bound, (refusals, unpaced, last, bound)  # 0 to 75

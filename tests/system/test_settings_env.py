@@ -53,6 +53,7 @@ SERVER: dict[str, tuple[str, str, Any]] = {
     "CKPTD_GC_INTERVAL_S": ("60", "gc_interval_s", 60.0),
     "CKPTD_DRAIN_TIMEOUT_S": ("5", "drain_timeout_s", 5.0),
     "CKPTD_LEASE_TTL_S": ("30", "lease_ttl_s", 30.0),
+    "CKPTD_BUCKET_WRITES_PER_S": ("250", "bucket_writes_per_s", 250.0),
     "CKPTD_SHM_DIR": ("/dev/shm/ckptd", "shm_dir", "/dev/shm/ckptd"),
     "CKPTD_MAX_SNAPSHOTS": ("4", "max_snapshots", 4),
     "CKPTD_PEER_PORT": ("9472", "peer_port", 9472),

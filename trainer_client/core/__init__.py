@@ -33,6 +33,8 @@ if TYPE_CHECKING:  # the real types for type checkers (``X as X``: re-exported);
     from trainer_client.core._errors import StoredFormatError as StoredFormatError
     from trainer_client.core._errors import UnsafePathError as UnsafePathError
     from trainer_client.core._extras import needs_extra as needs_extra
+    from trainer_client.core._gcs_pacing import BUCKET_WRITES_PER_S as BUCKET_WRITES_PER_S
+    from trainer_client.core._gcs_pacing import WriteShare as WriteShare
     from trainer_client.core._generations import ListedGenerations as ListedGenerations
     from trainer_client.core._generations import delete_as_listed as delete_as_listed
     from trainer_client.core._generations import listed_generations as listed_generations
@@ -66,6 +68,7 @@ _EXPORTS = {
     "trainer_client.core._errors": ("ArrayIndexError", "CkptdError", "MissingExtra", "PlanningError", "StorageError",
                                     "StoredFormatError", "UnsafePathError"),
     "trainer_client.core._extras": ("needs_extra",),
+    "trainer_client.core._gcs_pacing": ("BUCKET_WRITES_PER_S", "WriteShare"),
     "trainer_client.core._generations": ("ListedGenerations", "delete_as_listed", "listed_generations"),
     "trainer_client.core._identity": ("step_identity",),
     "trainer_client.core._planner": ("format_bytes",),

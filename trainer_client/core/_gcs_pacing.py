@@ -15,6 +15,12 @@ The same 200 writers: all land, the last after 22.6 s (the bucket's rate allows 
 cap left the last of 6,000 writes at once against 1,000/s landing at 17.5 s, an 8 s cap at 10.7 s (gcsfs: 9.7 s;
 the rate allows 5 s). Back-off alone leaves such a tail; pacing the hosts of a job together is what removes it.
 
+``WriteShare`` is that pacing: one writer's share of the bucket's write budget (``CKPTD_BUCKET_WRITES_PER_S``, GCS's
+starting 1,000 writes/s by default) when the writers of a job are known. N host parts of one step: each host's
+sidecar starts its part's writes at a point drawn within its own N-th of the window they take at ``budget / N`` a
+second, so N hosts neither write in lockstep nor ask more together than the bucket takes. A writer alone (N of 1) is
+not paced. Refusals are still backed off from, request by request, as above.
+
 ``pace(fs)`` puts this in front of one gcsfs file system (an instance: every ``Storage`` on it, in this process, is
 paced; other instances keep gcsfs's retry). It calls gcsfs's request without its retry (``__wrapped__``), decides
 what is retriable as gcsfs does (``gcsfs.retry.is_retriable``) and logs each retry as gcsfs does, to its logger
@@ -28,6 +34,7 @@ import asyncio
 import logging
 import random
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +62,7 @@ class Backoff:
 
 
 BACKOFF = Backoff()
+BUCKET_WRITES_PER_S = 1000.0  # GCS's documented starting write rate of one bucket (CKPTD_BUCKET_WRITES_PER_S)
 
 
 def _retriable_types(retry_module: Any) -> tuple[type[BaseException], ...]:
@@ -100,4 +108,53 @@ def pace(fs: object, backoff: Backoff = BACKOFF, *, clock: Callable[[], float] =
     return True
 
 
-__all__ = ["BACKOFF", "Backoff", "pace"]
+class WriteShare:
+    """One writer's share of a bucket's write budget: ``budget_per_s / writers`` writes a second. ``spread(writers,
+    index)`` starts a burst of writes (a part of a step) now and cuts the time from there into windows, one interval
+    (``writers / budget_per_s``) a write, in the order they are taken: ``take(n)`` waits for a point within the next
+    ``n`` writes' window (they then go as the writer makes them: a part's writes come one after another, and an op
+    of several, such as tensorstore's files of a part, cannot be split). The point is drawn within the writer's own
+    N-th of the window (``index`` of ``writers``, with jitter; the whole window when the index is not known). N
+    writers that start together with the same ops fill every interval of the burst with N writes in all, each in
+    its own part of its window: the bucket is asked its rate, evenly, not N writes at once. A writer held up whose
+    window has begun or passed goes at once and catches up, never later than its schedule; what it may write early
+    is bounded by the writes it took. ``writers`` of 1 or less, or a budget of 0: no pacing."""
+
+    def __init__(self, budget_per_s: float, *, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Any] = time.sleep, draw: Callable[[float, float], float] = random.uniform
+                 ) -> None:
+        self.budget_per_s = budget_per_s
+        self.clock, self.sleep, self.draw = clock, sleep, draw
+        self.interval_s = 0.0  # 0: not paced
+        self.waited_s = 0.0  # in all, for the figures
+        self._next = 0.0  # where the next window starts
+        self._stratum = (0, 1)  # (index, writers): the writer's own part of each window
+        self._lock = threading.Lock()
+
+    def spread(self, writers: int, index: int | None = None) -> None:
+        """A burst of writes starts now among ``writers`` writing the bucket at once, this one the ``index``-th
+        of them (None: not known)."""
+        with self._lock:
+            paced = writers > 1 and self.budget_per_s > 0
+            self.interval_s = writers / self.budget_per_s if paced else 0.0
+            self._stratum = (0, 1) if index is None or not paced else (index % writers, writers)
+            self._next = self.clock()
+
+    def take(self, writes: int = 1) -> float:
+        """Wait for the point drawn in the next ``writes`` writes' window; the wait, in seconds."""
+        with self._lock:
+            if self.interval_s <= 0 or writes <= 0:
+                return 0.0
+            now = self.clock()
+            start, window = self._next, writes * self.interval_s
+            self._next = start + window
+            k, n = self._stratum
+            wait = start + window * (k + self.draw(0.0, 1.0)) / n - now
+        if wait > 0:
+            self.sleep(wait)
+            with self._lock:
+                self.waited_s += wait
+        return max(0.0, wait)
+
+
+__all__ = ["BACKOFF", "BUCKET_WRITES_PER_S", "Backoff", "WriteShare", "pace"]
