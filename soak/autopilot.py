@@ -13,7 +13,10 @@ are, not the failure rate, and would hide the autopilot's part.
 Two verdicts, printed and written to ``soak-output/autopilot.json``; exit 0 only when both hold:
 
 * the periods moved the right way: per tier, the median period in force over the second half after the change is
-  no longer than before the change, and at least one is shorter;
+  no longer than before the change, and at least one is shorter. A tier whose period was set by a floor or a limit
+  (``autopilot_<tier>_bound``: its copy's time, the pacer's period, storage's rate) on most of those late steps is
+  left out of this verdict, and listed with the floor: such a period follows the floor (how busy the cores are),
+  not the failure rate, and says nothing of the autopilot's answer to it;
 * the steps lost per failure, on average, are within what the autopilot predicted: the mean over the failures of
   the expected steps lost (``autopilot_lost_steps`` of the decision in force at each) is at least the mean lost.
 """
@@ -77,12 +80,29 @@ def in_force(decided: list[Event], start: int, end: int) -> dict[str, float | No
     return {tier: statistics.median(values) if values else None for tier, values in at.items()}
 
 
+def floor_set(decided: list[Event], start: int, end: int) -> dict[str, str]:
+    """The tiers whose period in force over the steps ``start``..``end`` was set by a floor or a limit (the decision's
+    ``autopilot_<tier>_bound``) on more than half of those steps, each with the floor named most."""
+    named: dict[str, list[str]] = {tier: [] for tier in TIERS}
+    steps = 0
+    for step in range(start, end):
+        last = [e for e in decided if e.step is not None and e.step <= step]
+        if last:
+            steps += 1
+            for tier in TIERS:
+                if bound := last[-1].fields.get(f"autopilot_{tier}_bound"):
+                    named[tier].append(str(bound))
+    return {tier: statistics.mode(names) for tier, names in named.items() if names and len(names) * 2 > steps}
+
+
 def verdicts(result: ElasticResult[Any], steps: int, change_at: int) -> dict[str, Any]:
     """The decisions, the recoveries and the two verdicts (see the module): the periods in force before the change
     against those over the second half of the dense part (the estimate has followed the new rate by then)."""
     decided: list[Event] = [e for e in result.events if e.kind == "autopilot_decided"]
     early, late = in_force(decided, 0, change_at), in_force(decided, (change_at + steps) // 2, steps)
-    pairs = [(a, b) for a, b in ((late[t], early[t]) for t in TIERS) if a is not None and b is not None]
+    floors = floor_set(decided, (change_at + steps) // 2, steps)
+    judged = [t for t in TIERS if t not in floors]
+    pairs = [(a, b) for a, b in ((late[t], early[t]) for t in judged) if a is not None and b is not None]
     moved = bool(pairs) and all(a <= b for a, b in pairs) and any(a < b for a, b in pairs)
     lost, predicted = [], []
     for rec in result.recoveries:
@@ -102,6 +122,7 @@ def verdicts(result: ElasticResult[Any], steps: int, change_at: int) -> dict[str
                         "restored_from": r.restored_from} for r in result.recoveries],
         "periods_before_the_change": early,
         "periods_late_after_it": late,
+        "set_by_a_floor_late": floors,
         "mean_lost_steps": statistics.fmean(lost) if lost else None,
         "mean_predicted_lost_steps": statistics.fmean(predicted) if predicted else None,
         "periods_moved_the_right_way": moved,
@@ -162,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     OUTPUT.parent.mkdir(parents=True, exist_ok=True)
     OUTPUT.write_text(json.dumps(out, indent=2) + "\n")
     print(f"periods in force (median) before the rate rose: {out['periods_before_the_change']}; over the second "
-          f"half after it: {out['periods_late_after_it']}")
+          f"half after it: {out['periods_late_after_it']}; set by a floor then (not judged): "
+          f"{out['set_by_a_floor_late'] or 'none'}")
     print(f"steps lost per failure: {out['mean_lost_steps']} on average, predicted {out['mean_predicted_lost_steps']}")
     print(f"periods moved the right way: {out['periods_moved_the_right_way']}; lost within the prediction: "
           f"{out['lost_within_prediction']} ({out['seconds']} s; {OUTPUT})")

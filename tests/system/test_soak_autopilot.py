@@ -11,10 +11,11 @@ from soak.autopilot import faults, in_force, verdicts
 from trainer_client.runtime.elastic._run_record import ElasticResult, Event, Recovery
 
 
-def _decided(step: int, memory: int, storage: int, lost: float) -> Event:
+def _decided(step: int, memory: int, storage: int, lost: float, storage_bound: str | None = None) -> Event:
     return Event("autopilot_decided", step, float(step), fields={
         "autopilot_memory_period": memory, "autopilot_storage_period": storage, "autopilot_mtbf_s": 5.0,
-        "autopilot_lost_steps": lost, "autopilot_goodput_before": None, "autopilot_goodput_after": 0.9})
+        "autopilot_lost_steps": lost, "autopilot_goodput_before": None, "autopilot_goodput_after": 0.9,
+        "autopilot_storage_bound": storage_bound})
 
 
 def _failure(at: int, lost: int) -> Recovery:
@@ -49,3 +50,24 @@ def test_the_verdicts() -> None:
     assert not out["periods_moved_the_right_way"] and not out["lost_within_prediction"]
     unmoved = verdicts(_result([_decided(10, 8, 16, 5.0)], []), 100, 50)
     assert not unmoved["periods_moved_the_right_way"] and not unmoved["lost_within_prediction"]  # nothing to judge
+
+
+def test_a_period_at_its_floor_late_is_not_judged_and_is_named() -> None:
+    # storage lengthened because its floor (the persist's time) rose: the memory tier's answer is what is judged
+    floor_rose = _result([_decided(10, 8, 16, 5.0), _decided(60, 4, 20, 3.0, storage_bound="copy")], [_failure(70, 2)])
+    out = verdicts(floor_rose, 100, 50)
+    assert out["set_by_a_floor_late"] == {"storage": "copy"}
+    assert out["periods_moved_the_right_way"]
+    # the same lengthening chosen freely still fails
+    assert not verdicts(_result([_decided(10, 8, 16, 5.0), _decided(60, 4, 20, 3.0)], [_failure(70, 2)]), 100,
+                        50)["periods_moved_the_right_way"]
+    # a floor in force only on a few late steps does not take the tier out
+    brief = _result([_decided(10, 8, 16, 5.0), _decided(60, 4, 20, 3.0, storage_bound="copy"),
+                     _decided(80, 4, 20, 3.0)], [_failure(70, 2)])
+    assert verdicts(brief, 100, 50)["set_by_a_floor_late"] == {}
+    # every tier at its floor late: nothing left to judge, not a pass
+    all_floors = _result([_decided(10, 8, 16, 5.0), _decided(60, 4, 20, 3.0, storage_bound="copy")], [])
+    fields = all_floors.events[1].fields
+    fields["autopilot_memory_bound"] = "copy"
+    assert not verdicts(all_floors, 100, 50)["periods_moved_the_right_way"]
+
