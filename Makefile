@@ -65,8 +65,11 @@ DEVICE_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 # machine has the project's own dependencies, not every test's (aiohttp, kubernetes-validate, ...).
 DEVICE_TESTS := tests/trainer/runtime tests/trainer/checkpoint_io tests/bench/test_bench_device.py
 DEVICE_MARKED = $(filter-out $(addsuffix %,$(DEVICE_TESTS)),$(shell grep -rl --include='test_*.py' 'pytest.mark.device' tests))
+# Each test's name and verdict as it ends (-v) and the slowest (--durations): a run cut short by the chip's time
+# limit still says what passed, what failed and where it stopped.
 test-device:
-	env -u JAX_PLATFORMS -u XLA_FLAGS CKPTD_TEST_DEVICE=1 $(DEVICE_PY) -m pytest -q -p no:cacheprovider -m "not slow" $(DEVICE_TESTS)
+	env -u JAX_PLATFORMS -u XLA_FLAGS CKPTD_TEST_DEVICE=1 $(DEVICE_PY) -m pytest -v -rfE --durations=15 -p no:cacheprovider \
+		-m "not slow" $(DEVICE_TESTS)
 	$(if $(strip $(DEVICE_MARKED)),env -u JAX_PLATFORMS -u XLA_FLAGS CKPTD_TEST_DEVICE=1 $(DEVICE_PY) -m pytest -q \
 		-p no:cacheprovider -m device $(DEVICE_MARKED),@echo "no test marked device outside $(DEVICE_TESTS)")
 
