@@ -1,5 +1,5 @@
 """The long runs: tests that start several processes (trainers, sidecars, a GCS emulator) or whole benchmark
-families and take ~7 s or more each on a 2-core machine. `make test` leaves them out so that a newcomer's run takes
+families (or a `ckptd serve` of their own), several seconds each on a 2-core machine. `make test` leaves them out so that a newcomer's run takes
 minutes; `make test-ci` (what CI runs) and `make test-all` run them (README, "Tests").
 
 One table, by file and test function (every parameter of a function alike): ``tests/conftest.py`` marks each test it
@@ -23,17 +23,32 @@ LONG_RUNS: dict[str, frozenset[str]] = {
     "tests/bench/test_bench_smoke.py": frozenset({
         "test_bench_harness_writes_valid_results",
     }),
+    "tests/server/api/test_advice_limits.py": frozenset({
+        "test_resume_and_latest_good_answer_while_hostile_advice_piles_up",
+        "test_sigterm_stops_serve_while_advice_is_in_flight",
+    }),
     "tests/server/api/test_auth.py": frozenset({
         "test_a_token_that_cannot_work_stops_the_server",
+        "test_token_never_in_logs",
     }),
     "tests/server/api/test_hostile.py": frozenset({
         "test_schemathesis_all_checks_all_phases",
+    }),
+    "tests/server/api/test_pending_steps.py": frozenset({
+        "test_committed_steps_being_verified_answer_not_ready_not_absent",
     }),
     "tests/server/api/test_schema_rules.py": frozenset({
         "test_schemathesis_finds_no_valid_request_refused",
     }),
     "tests/server/cli/test_cli_lease.py": frozenset({
+        "test_a_lease_on_the_side_of_a_read_only_job_counts_too",
         "test_a_released_or_expired_lease_does_not_stop_them",
+    }),
+    "tests/server/cli/test_serve_cli.py": frozenset({
+        "test_listening_beyond_loopback_without_a_token_is_warned_about",
+    }),
+    "tests/server/cli/test_serve_uds.py": frozenset({
+        "test_what_is_at_the_path_or_around_it_can_refuse_the_start",
     }),
     "tests/system/test_chaos.py": frozenset({
         "test_ckptd_sigkilled_and_restarted_during_training",
