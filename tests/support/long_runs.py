@@ -1,6 +1,6 @@
-"""The long runs: tests that start several processes (trainers, sidecars, a GCS emulator) or whole benchmark
-families (or a `ckptd serve` of their own), several seconds each on a 2-core machine. `make test` leaves them out so that a newcomer's run takes
-minutes; `make test-ci` (what CI runs) and `make test-all` run them (README, "Tests").
+"""The long runs: tests that start several processes (trainers, sidecars, a GCS emulator, a `ckptd serve` of their
+own) or whole benchmark families, several seconds each on a 2-core machine. `make test` leaves them out so that a
+newcomer's run takes minutes; `make test-ci` (what CI runs) and `make test-all` run them (README, "Development").
 
 One table, by file and test function (every parameter of a function alike): ``tests/conftest.py`` marks each test it
 names ``long`` and fails the collection of a file that no longer has a function the table names, so the table cannot
