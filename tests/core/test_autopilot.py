@@ -9,7 +9,15 @@ from dataclasses import replace
 
 import pytest
 
-from trainer_client.core.planning import FLOOR_MARGIN, Autopilot, FailureHistory, FailurePrior, TierCosts, choose
+from trainer_client.core.planning import (
+    FLOOR_MARGIN,
+    FLOOR_WINDOW,
+    Autopilot,
+    FailureHistory,
+    FailurePrior,
+    TierCosts,
+    choose,
+)
 
 H = 3600.0
 STEP = 0.25
@@ -134,3 +142,37 @@ def test_a_period_at_its_floor_holds_through_a_jittery_step_time() -> None:
     faster = pilot.decide(STEP * 0.8, tiers)
     assert faster.changed and faster.reason.startswith("the periods in force break a constraint: replicas every")
     assert faster.plan.periods[0] == 75
+
+
+def _floor_tiers(copy_steps: float) -> tuple[TierCosts, TierCosts]:
+    """A shared-memory tier and storage persisted from it whose only cost is the persist's time: the storage period
+    is its copy's floor, in whole memory periods (5 steps of 30 ms here), as in ``python -m soak.autopilot``."""
+    return (TierCosts("memory", block_s=0.006, copy_s=0.006),
+            TierCosts("storage", block_s=0.0, copy_s=copy_steps * 0.03, nested=True))
+
+
+def _floor_pilot() -> Autopilot:
+    return Autopilot(FailureHistory(FailurePrior(mtbf_s=2.0, shares=(0.9, 0.1))))
+
+
+@pytest.mark.parametrize("low, high", [(24.6, 25.3), (20.0, 30.0)])
+def test_a_floor_that_moves_with_load_does_not_flip_the_period(low: float, high: float) -> None:
+    """The storage period at its copy's floor, the floor alternating from one decision to the next (1.5% and 1% about
+    25 steps, then 20%): without the floor held, each move claimed a gain (+0.66 point to go from 25 to 30 steps
+    when the floor was 1% over 25, the wait for the copy priced as loop time; +0.36 to come back) or broke the
+    period by turns. Held at its highest over the last decisions, the period changes once, to fit the high floor."""
+    pilot = _floor_pilot()
+    periods = [pilot.decide(0.03, _floor_tiers(low if k % 2 == 0 else high)).plan.periods for k in range(12)]
+    assert periods[0] == (5, 25 if low > 20 else 20)
+    assert len({p[1] for p in periods[1:]}) == 1 and periods[-1][1] is not None and periods[-1][1] >= high
+
+
+def test_a_floor_that_rises_moves_the_period_at_once_and_one_that_falls_after_the_window() -> None:
+    pilot = _floor_pilot()
+    assert pilot.decide(0.03, _floor_tiers(25.0)).plan.periods == (5, 25)
+    risen = pilot.decide(0.03, _floor_tiers(37.5))  # 50% up: far under its floor, lengthened now, whatever the gain
+    assert risen.changed and risen.reason.startswith("the periods in force break a constraint: storage every 25")
+    assert risen.plan.periods == (5, 40)
+    fallen = [pilot.decide(0.03, _floor_tiers(25.0)) for _ in range(FLOOR_WINDOW)]
+    assert all(d.plan.periods == (5, 40) for d in fallen[:-1])  # the risen floor is still in the window
+    assert fallen[-1].changed and fallen[-1].plan.periods == (5, 25)  # out of it: the gain of the shorter period

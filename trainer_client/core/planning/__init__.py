@@ -7,7 +7,7 @@ tier from a ``FailurePrior`` and the failures seen; ``Autopilot`` re-chooses wit
 writes the model down.
 """
 
-from trainer_client.core.planning._autopilot import DEFAULT_MIN_GAIN, FLOOR_MARGIN, Autopilot, Decision
+from trainer_client.core.planning._autopilot import DEFAULT_MIN_GAIN, FLOOR_MARGIN, FLOOR_WINDOW, Autopilot, Decision
 from trainer_client.core.planning._failures import (
     DEFAULT_KEEP,
     EarlierRuns,
@@ -33,6 +33,7 @@ __all__ = [
     "DEFAULT_KEEP",
     "DEFAULT_MIN_GAIN",
     "FLOOR_MARGIN",
+    "FLOOR_WINDOW",
     "IDLE_MULTIPLE",
     "MAX_PERIOD_STEPS",
     "Autopilot",

@@ -7,24 +7,35 @@ is not free (a pacer's measurements start again, the operator sees the run chang
 estimates are noisy. So the choice has hysteresis: the periods in force are re-evaluated on the new inputs, and
 replaced only when the best choice is expected to gain more than ``min_gain`` of goodput (0.1 point by default) or
 when the periods in force break a constraint (a copy no longer fits its period by more than ``FLOOR_MARGIN``, a
-bound on steps lost). Each
+bound on steps lost). A tier's floor (its copy's time, the pacer's period, a storage limit) moves with how busy the
+machine is, and the model prices a period just under its floor as a loop that waits for the copy, so a floor
+jittering across a period's step claimed a large gain each way: the floor the model is given is the highest
+measured (in steps) over the last ``FLOOR_WINDOW`` decisions, within the tier's upper bound. A floor that rises is
+followed at once, one that falls after ``FLOOR_WINDOW`` decisions. Each
 decision carries its inputs and the expected goodput before and after, for the event that reports it. jax-free:
 the runner calls it at step boundaries, the trace harness (bench/autopilot.py) replays failure traces through it.
 """
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from trainer_client.core.planning._failures import FailureEstimate, FailureHistory
 from trainer_client.core.planning._inputs import Constraints, PlanInputs, TierCosts
-from trainer_client.core.planning._periods import Plan, choose, evaluate
+from trainer_client.core.planning._periods import Plan, choose, evaluate, tier_cap, tier_floor
 
 DEFAULT_MIN_GAIN = 0.001  # expected goodput (a fraction): 0.1 point
 # how far below its floor (a copy's time, the pacer's period, a storage limit) a period in force may fall before it
 # counts as broken: a period chosen at its floor flipped with a step time that moved a few percent
 FLOOR_MARGIN = 0.1
+# how many decisions a tier's floor is held for: the model is given the highest floor measured (in steps) over the
+# last this many decisions, so a floor that moves with the machine's load does not move the period back and forth
+# (a floor 1% over a period priced the wait for the copy as loop time: +0.66 point to lengthen it, then +0.36 to
+# shorten it again when the floor was 1.5% under); a floor that rises is followed at once
+FLOOR_WINDOW = 8
 
 
 @dataclass(frozen=True)
@@ -95,6 +106,9 @@ class Autopilot:
         self.history = history
         self.min_gain = min_gain
         self.current: Plan | None = None
+        # per decision, per tier: its floor in steps and what set it (the last FLOOR_WINDOW decisions)
+        self._floors: deque[tuple[tuple[float, str | None], ...]] = deque(maxlen=FLOOR_WINDOW)
+        self._floor_names: tuple[str, ...] = ()
 
     @property
     def periods(self) -> tuple[int | None, ...] | None:
@@ -113,11 +127,32 @@ class Autopilot:
         return PlanInputs(step_s=step_s, tiers=tuple(tiers), mtbf_s=estimate.mtbf_s, detect_s=detect_s,
                           constraints=constraints or Constraints()), estimate
 
+    def held_floors(self, inputs: PlanInputs) -> PlanInputs:
+        """``inputs`` with each tier's floor raised to the highest measured (in steps) over the last
+        ``FLOOR_WINDOW`` decisions, this one's among them, but not over the tier's upper bound: the floor's noise
+        held off. A floor measured now is never lowered, so a period far under it is still a broken constraint."""
+        names = tuple(t.name for t in inputs.tiers)
+        if names != self._floor_names:
+            self._floors.clear()
+            self._floor_names = names
+        step = inputs.step_s
+        now = tuple((floor / step, why) for floor, why in (tier_floor(inputs, i) for i in range(len(names))))
+        self._floors.append(now)
+        tiers = list(inputs.tiers)
+        for i, (steps, _) in enumerate(now):
+            held, why = max((f[i] for f in self._floors), key=lambda f: f[0])
+            held = min(held, tier_cap(inputs, i) / step)
+            if held > steps * (1 + 1e-9) and math.isfinite(held):
+                t = tiers[i]
+                tiers[i] = replace(t, min_period_s=max(t.min_period_s, held * step), min_reason=why or t.min_reason)
+        return replace(inputs, tiers=tuple(tiers))
+
     def decide(self, step_s: float, tiers: Sequence[TierCosts], *, detect_s: float = 0.0,
                constraints: Constraints | None = None) -> Decision:
-        """Choose again; the periods in force change only when the best is worth ``min_gain`` more, or when they
-        break a constraint the best does not."""
+        """Choose again, on the floors held (``held_floors``); the periods in force change only when the best is
+        worth ``min_gain`` more, or when they break a constraint the best does not."""
         inputs, estimate = self.inputs(step_s, tiers, detect_s=detect_s, constraints=constraints)
+        inputs = self.held_floors(inputs)
         best = choose(inputs)
         before = None if self.current is None else evaluate(inputs, self.current.periods, floor_margin=FLOOR_MARGIN)
         if before is None:
@@ -138,4 +173,4 @@ class Autopilot:
                         failures=estimate)
 
 
-__all__ = ["DEFAULT_MIN_GAIN", "FLOOR_MARGIN", "Autopilot", "Decision"]
+__all__ = ["DEFAULT_MIN_GAIN", "FLOOR_MARGIN", "FLOOR_WINDOW", "Autopilot", "Decision"]

@@ -144,6 +144,17 @@ def _floor(inputs: PlanInputs, t: TierCosts) -> tuple[float, str | None]:
     return value, why if value > 0 else None
 
 
+def tier_floor(inputs: PlanInputs, tier: int) -> tuple[float, str | None]:
+    """The shortest period (seconds) tier ``tier`` allows on ``inputs`` (its copy, its lower bound, the storage's
+    limits), and what sets it (None: nothing)."""
+    return _floor(inputs, inputs.tiers[tier])
+
+
+def tier_cap(inputs: PlanInputs, tier: int) -> float:
+    """The longest period (seconds) the run allows tier ``tier`` (inf: no bound)."""
+    return _cap(inputs.tiers[tier])
+
+
 # ---- the first-order optimum ------------------------------------------------------------------------------------
 
 
@@ -344,4 +355,4 @@ def choose(inputs: PlanInputs) -> Plan:
 
 
 __all__ = ["IDLE_MULTIPLE", "MAX_PERIOD_STEPS", "Block", "Expected", "Plan", "TierPlan", "choose", "daly",
-           "evaluate", "young_daly"]
+           "evaluate", "tier_cap", "tier_floor", "young_daly"]
