@@ -128,6 +128,30 @@ def test_what_the_loop_loses_outside_the_cycles_is_charged_to_the_snapshots() ->
     assert all(k.cost_s == pytest.approx(0.1) for k in mixed[1])
 
 
+def test_an_attempts_first_steps_are_not_charged_to_its_snapshots() -> None:
+    """After a recovery (``reset_steps``) the first step compiles or waits for the restore's transfers: seconds that
+    no snapshot cost. With failures every few dozen steps every window holds one; charged to the snapshots, they
+    pushed the pacer's period up as failures came faster."""
+    meter = _snapshots_with_a_slow_tail(["pinned_host"] * 4)
+    meter.reset_steps()
+    t = 1000.0
+    for first in (5.0, 2.0, 1.0, 1.0, 1.0, 1.0):  # the attempt's first steps: a restore, a compile, then steady
+        meter.boundary(t)
+        t += first
+    meter.boundary(t)
+    for _ in range(4):  # the same snapshots as before: 0.1 s in the cycle and 2 x 0.05 s after it
+        meter.copy_started("pinned_host", t)
+        meter.copy_done("pinned_host", t, t + 0.5)
+        t += 1.1
+        meter.boundary(t)
+        for extra in (0.05, 0.05, 0, 0, 0, 0, 0, 0, 0):
+            t += 1.0 + extra
+            meter.boundary(t)
+    costs = meter.costs(100)
+    assert costs is not None
+    assert costs[1][0].cost_s == pytest.approx(0.1 + 2 * 0.05)  # not (6 s over 4 snapshots) more
+
+
 def test_the_runner_measures_each_kind_then_snapshots_at_the_chosen_period() -> None:
     """A paced tier on CPU devices: no snapshot before the steps are timed, then one to each memory kind, then
     a choice reported through ``on_paced`` and snapshots every ``choice.period`` steps."""

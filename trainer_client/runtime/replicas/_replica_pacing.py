@@ -167,6 +167,7 @@ class PaceMeter:
     _restore: dict[str, float] = field(default_factory=dict)  # host -> device bytes per second, by kind
     _recent: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=_RECENT))  # (at, interval)
     _dispatches: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=_RECENT))  # (at, kind)
+    _timed: int = 0  # step intervals since the attempt began: its first ``WARMUP_STEPS`` are no snapshot's loss
     steps: int = 0
     cycles_closed: int = 0  # snapshots whose whole cost is known: a choice needs revising only after a new one
 
@@ -177,7 +178,9 @@ class PaceMeter:
             if self._last is not None:
                 interval = now - self._last
                 self.steps += 1
-                self._recent.append((now, interval))
+                self._timed += 1
+                if self._timed > WARMUP_STEPS:  # an attempt's first steps compile or wait for its restore
+                    self._recent.append((now, interval))
                 touching = [c for c in self._open if c.start < now]
                 for c in touching:
                     c.intervals.append(interval)
@@ -226,6 +229,7 @@ class PaceMeter:
             self._recent.clear()
             self._dispatches.clear()
             self._last = None
+            self._timed = 0
 
     # ---- what is known ------------------------------------------------------------------------------
 
