@@ -28,8 +28,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from trainer_client.config import ClientSettings, client_settings
-from trainer_client.runtime.multihost._job_store import KeyValueStore, job_incarnation, job_store
+from trainer_client.config import ClientSettings
+from trainer_client.runtime.multihost._job_store import JobProcess, KeyValueStore, job_incarnation
 
 AGREE_INTERVAL_S = 30.0  # seconds of the leader's steps between two agreement points
 FIRST_INTERVAL_STEPS = 10  # steps to the next point while the step time is not known
@@ -103,7 +103,7 @@ class AgreedPeriods:
         return cls(step, after, persist, memory, memory_tier, decision, detail)
 
 
-class PeriodsAgreement:
+class PeriodsAgreement(JobProcess):
     """The agreement points of one process of a job of ``process_count`` (process 0 leads). ``incarnation``: the
     job's incarnation (``job_incarnation()`` when not given: the same in every process); ``timeout_ms``: the wait
     for the leader's choice at a point, unless given the ``route_timeout_s`` of ``settings`` (or the process's)."""
@@ -111,27 +111,14 @@ class PeriodsAgreement:
     def __init__(self, process_index: int, process_count: int, *, incarnation: str | None = None,
                  store: KeyValueStore | None = None, timeout_ms: int | None = None,
                  settings: ClientSettings | None = None) -> None:
-        if not 0 <= process_index < process_count:
-            raise ValueError(f"process {process_index} of {process_count}")
-        self.index = process_index
-        self.count = process_count
+        super().__init__(process_index, process_count, store=store, timeout_ms=timeout_ms, settings=settings)
         self._incarnation = incarnation
-        self._store = store
-        if timeout_ms is None:
-            timeout_ms = max(1, round((settings or client_settings()).route_timeout_s * 1000))
-        self.timeout_ms = timeout_ms
         self.points = 0  # agreement points passed
         self.next_step = 0  # the first boundary is the first point
 
     @property
     def leader(self) -> bool:
         return self.index == 0
-
-    @property
-    def store(self) -> KeyValueStore:
-        if self._store is None:
-            self._store = job_store()
-        return self._store
 
     def _key(self, name: str) -> str:
         if self._incarnation is None:

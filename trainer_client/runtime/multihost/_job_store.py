@@ -73,6 +73,30 @@ def job_store() -> KeyValueStore:
     return client
 
 
+class JobProcess:
+    """One process's end of an agreement among the ``process_count`` processes of a job (the resume step, a save's
+    route, the autopilot's periods): its index, the job's store (``job_store()``, looked up when first used, unless
+    one is given: a test's) and ``timeout_ms``, the wait for another process's word (the ``route_timeout_s`` of
+    ``settings``, or of this process's settings, unless given)."""
+
+    def __init__(self, process_index: int, process_count: int, *, store: KeyValueStore | None = None,
+                 timeout_ms: int | None = None, settings: ClientSettings | None = None) -> None:
+        if not 0 <= process_index < process_count:
+            raise ValueError(f"process {process_index} of {process_count}")
+        self.index = process_index
+        self.count = process_count
+        self._store = store
+        if timeout_ms is None:
+            timeout_ms = max(1, round((settings or client_settings()).route_timeout_s * 1000))
+        self.timeout_ms = timeout_ms
+
+    @property
+    def store(self) -> KeyValueStore:
+        if self._store is None:
+            self._store = job_store()
+        return self._store
+
+
 _incarnations: dict[int, str] = {}  # per store (one per jax.distributed start): its incarnation
 
 
@@ -92,4 +116,4 @@ def job_incarnation(store: KeyValueStore | None = None) -> str:
     return known
 
 
-__all__ = ["KeyValueStore", "initialize_multihost", "job_incarnation", "job_store", "preemption_reached"]
+__all__ = ["JobProcess", "KeyValueStore", "initialize_multihost", "job_incarnation", "job_store", "preemption_reached"]

@@ -50,7 +50,7 @@ from trainer_client.core.format._snapshot import SnapshotMeta, problems, read_me
 from trainer_client.core.format._snapshot_dirs import complete_snapshots
 from trainer_client.core.protocol import PeerFetchRequest, ResumePlan, ResumeRequest, Tier
 from trainer_client.errors import CkptdError, CkptdRequestError, NoCheckpointError
-from trainer_client.runtime.multihost._job_store import KeyValueStore, job_store
+from trainer_client.runtime.multihost._job_store import JobProcess, KeyValueStore
 from trainer_client.runtime.restore._restore_loop import restore_by_plan, restore_from_plan
 
 _log = logging.getLogger(__name__)
@@ -162,17 +162,15 @@ def decide(offers: list[list[list[Any]]], storage_step: int | None, copies: list
     return decided
 
 
-class ResumeAgreement:
+class ResumeAgreement(JobProcess):
     """The resume step of one JAX job, agreed by all its processes (one instance per process)."""
 
     def __init__(self, job: str, shm_dir: str | None, client: CkptdClient, *, process_index: int,
                  process_count: int, store: KeyValueStore | None = None) -> None:
+        super().__init__(process_index, process_count, store=store)
         self.job = job
         self.shm_dir = shm_dir
         self.client = client
-        self.index = process_index
-        self.count = process_count
-        self._store = store
         self._round = 0  # every process agrees as often as the others, in the same order: the same keys
         self.decision: dict[str, Any] | None = None
         self.storage_plan: ResumePlan | None = None
@@ -180,12 +178,6 @@ class ResumeAgreement:
         self._planned: ResumePlan | None = None  # process 0's memory plan of the decided step, made once
         self.peer_source: int | None = None  # the host whose copy of this host's part was restored (last round)
         self._fetch_error: Exception | None = None  # why this host's part could not be brought back from a peer
-
-    @property
-    def store(self) -> KeyValueStore:
-        if self._store is None:
-            self._store = job_store()
-        return self._store
 
     def _key(self, name: str) -> str:
         return f"ckptd/resume/{self.job}/{self._round}/{name}"

@@ -29,9 +29,9 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
-from trainer_client.config import ClientSettings, client_settings
+from trainer_client.config import ClientSettings
 from trainer_client.core.protocol import Tier
-from trainer_client.runtime.multihost._job_store import KeyValueStore, job_store
+from trainer_client.runtime.multihost._job_store import JobProcess, KeyValueStore
 
 _log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ Answer = str
 IN_MEMORY, FULL, BUSY = Tier.MEMORY.value, "full", "+busy"
 
 
-class SaveRoute:
+class SaveRoute(JobProcess):
     """The agreement on each persistent save's route among the ``process_count`` processes of one job
     incarnation (``incarnation``: the same in every process, e.g. ``MemoryTier.incarnation``; ``timeout_ms``:
     the wait for each other process's answer, unless given the ``route_timeout_s`` of ``settings``: the
@@ -50,22 +50,9 @@ class SaveRoute:
     def __init__(self, incarnation: str, process_index: int, process_count: int, *,
                  store: KeyValueStore | None = None, timeout_ms: int | None = None,
                  settings: ClientSettings | None = None) -> None:
-        if not 0 <= process_index < process_count:
-            raise ValueError(f"process {process_index} of {process_count}")
+        super().__init__(process_index, process_count, store=store, timeout_ms=timeout_ms, settings=settings)
         self.incarnation = incarnation
-        self.index = process_index
-        self.count = process_count
-        if timeout_ms is None:
-            timeout_ms = max(1, round((settings or client_settings()).route_timeout_s * 1000))
-        self.timeout_ms = timeout_ms
-        self._store = store
         self._agreed: Counter[int] = Counter()  # agreements per step so far, in this process
-
-    @property
-    def store(self) -> KeyValueStore:
-        if self._store is None:
-            self._store = job_store()
-        return self._store
 
     def tell(self, step: int, mine: Answer) -> str:
         """Publish this process's answer for its next save of ``step`` without waiting for the others' (a
