@@ -34,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,16 +68,22 @@ def periods(fields: dict[str, Any]) -> dict[str, int | None]:
     return {tier: fields.get(f"autopilot_{tier}_period") for tier in TIERS}
 
 
+def _in_force_at(decided: list[Event], start: int, end: int) -> Iterator[Event]:
+    """The decision in force at each step ``start``..``end`` that has one."""
+    for step in range(start, end):
+        last = [e for e in decided if e.step is not None and e.step <= step]
+        if last:
+            yield last[-1]
+
+
 def in_force(decided: list[Event], start: int, end: int) -> dict[str, float | None]:
     """Per tier, the median over the steps ``start``..``end`` of the period in force at each (None: no decision
     was in force there)."""
     at: dict[str, list[int]] = {tier: [] for tier in TIERS}
-    for step in range(start, end):
-        last = [e for e in decided if e.step is not None and e.step <= step]
-        if last:
-            for tier, period in periods(last[-1].fields).items():
-                if period is not None:
-                    at[tier].append(period)
+    for decision in _in_force_at(decided, start, end):
+        for tier, period in periods(decision.fields).items():
+            if period is not None:
+                at[tier].append(period)
     return {tier: statistics.median(values) if values else None for tier, values in at.items()}
 
 
@@ -85,13 +92,11 @@ def floor_set(decided: list[Event], start: int, end: int) -> dict[str, str]:
     ``autopilot_<tier>_bound``) on more than half of those steps, each with the floor named most."""
     named: dict[str, list[str]] = {tier: [] for tier in TIERS}
     steps = 0
-    for step in range(start, end):
-        last = [e for e in decided if e.step is not None and e.step <= step]
-        if last:
-            steps += 1
-            for tier in TIERS:
-                if bound := last[-1].fields.get(f"autopilot_{tier}_bound"):
-                    named[tier].append(str(bound))
+    for decision in _in_force_at(decided, start, end):
+        steps += 1
+        for tier in TIERS:
+            if bound := decision.fields.get(f"autopilot_{tier}_bound"):
+                named[tier].append(str(bound))
     return {tier: statistics.mode(names) for tier, names in named.items() if names and len(names) * 2 > steps}
 
 
