@@ -3,8 +3,10 @@
 ``jax.distributed``'s coordination service (run by process 0) holds a key-value store every process of the
 job reaches (``jax._src.distributed.global_state.client``, jaxlib's ``DistributedRuntimeClient``; what works
 in jax 0.10.2 is in docs/multihost.md). It starts empty with every incarnation of the job (it dies with
-process 0), so keys never go stale across restarts. The resume agreement (``runtime/multihost/_multihost.py``) and
-the memory tier's save ids (``runtime/memory/_memory_tier.py``) use it; one module, so neither imports the other.
+process 0), so keys never go stale across restarts. The resume agreement (``runtime/multihost/_multihost.py``), a
+save's route (``runtime/saving/_save_route.py``) and the autopilot's periods (``runtime/autopilot``) agree through
+it, each a ``JobProcess``, and the memory tier's save ids (``runtime/memory/_memory_tier.py``) come from it; one
+module, so none of them imports another.
 
 ``initialize_multihost`` joins a trainer process to its job the way ckptd's recovery needs: a short heartbeat
 timeout (jax's default of 100 s leaves a dead host unnoticed that long before the others abort and the job
