@@ -26,17 +26,14 @@ mesh from its training metadata either way (docs/architecture.md, "One planner")
 
 from __future__ import annotations
 
-import os
-import sys
-
-os.environ["JAX_PLATFORMS"] = "cpu"  # never the host's accelerators
-
 import argparse
 import contextlib
 import gc
 import json
 import logging
 import math
+import os
+import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -283,8 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.nice > 0:  # a persist competes with the trainer for the host's cores: the trainer should win
         os.nice(args.nice)
-    # Before jax makes its CPU client: one device per saved shard. (Called in a process already using jax,
-    # it cannot change: that process's devices will do.)
+    # Before jax makes its clients: the CPU only, never the host's accelerators (the parent's environment says so
+    # too), and one device per saved shard. Set here, not on import: a process that imports this module to persist
+    # in-process (tests, benchmarks) keeps its own platform, and ``persist`` asks for the CPU's devices by name.
+    # (Called in a process already using jax, neither can change: that process's devices will do.)
+    jax.config.update("jax_platforms", "cpu")
     with contextlib.suppress(RuntimeError):
         jax.config.update("jax_num_cpu_devices", max(1, args.devices))
     if args.serve:

@@ -21,6 +21,7 @@ worker's own ``handle``).
 from __future__ import annotations
 
 import contextlib
+import os
 import select
 import subprocess
 import sys
@@ -198,7 +199,7 @@ class PersistWorkerClient(PersistWorker):
         if self._process is None or self._process.poll() is not None:
             try:
                 self._process = subprocess.Popen(self.command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                                 text=True, bufsize=1)
+                                                 text=True, bufsize=1, env={**os.environ, "JAX_PLATFORMS": "cpu"})
             except OSError as exc:
                 raise WorkerUnavailable(f"cannot start the persist worker: {exc}") from exc
         return self._process

@@ -4,6 +4,11 @@ died or was killed for not answering; a closed client starts nothing."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from ckptd.persist._worker_client import (
@@ -20,6 +25,7 @@ from ckptd.persist._worker_client import (
 )
 
 FAKE = "tests.support.fake_persist_worker"
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_requests_are_told_apart_by_their_fields_and_keep_their_json_form() -> None:
@@ -84,3 +90,23 @@ def test_the_child_starts_on_demand_and_again_after_dying_or_hanging() -> None:
         client.close(5.0)
     with pytest.raises(WorkerUnavailable, match="shutting down"):
         client.persist("/shm/job/5", "/root/job")
+
+
+def test_the_child_runs_jax_on_the_cpu_and_importing_the_worker_changes_no_platform(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child never takes the host's accelerator (one program at a time can hold a TPU chip, and the trainer
+    holds it), told so by its environment; a process that imports the worker module to persist in-process keeps
+    its own platform (an import that set ``JAX_PLATFORMS`` moved a chip's test run onto the CPU)."""
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    client = PersistWorkerClient(module=FAKE, nice=0, timeout_s=5.0)
+    try:
+        assert client.persist("platform", "/root/job") == "cpu"
+    finally:
+        client.close(5.0)
+    pytest.importorskip("jax")
+    probe = ("import os; import ckptd.persist._persist_worker; import jax; "
+             "print(os.environ.get('JAX_PLATFORMS'), jax.config.jax_platforms)")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["None", "None"], out.stdout

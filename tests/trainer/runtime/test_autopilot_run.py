@@ -10,7 +10,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from examples.elastic_mlp import TrainLog, make_train_fn
@@ -51,7 +50,7 @@ def test_the_autopilot_chooses_applies_and_reports_the_periods_left_unset(tmp_pa
     assert runner.autopilot.periods.persist == period
     assert runner.replicas is not None and runner.replicas.autopilot_period is None  # the set period is left alone
     # ckptd has them, every field as the runner sent it
-    stored = httpx.get(f"{server.url}{p.ROUTE_EVENTS.format(job=JOB)}", params={"kind": "autopilot_decided"},
-                       timeout=10).json()["events"]
+    with server.client() as http:  # its url: TCP, or a unix socket (make test-device)
+        stored = http.get(p.ROUTE_EVENTS.format(job=JOB), params={"kind": "autopilot_decided"}).json()["events"]
     assert [e["autopilot_storage_period"] for e in stored] == [e.fields["autopilot_storage_period"] for e in decided]
     assert stored[0]["autopilot_mtbf_s"] == pytest.approx(first.fields["autopilot_mtbf_s"])

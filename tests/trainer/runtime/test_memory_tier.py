@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -27,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from examples.elastic_mlp import TrainLog, init_state, make_train_fn, partition_specs
-from tests.support.helpers import REPO
+from tests.support.helpers import REPO, kernel_counts_page_faults, minor_faults
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.core.format._files import SNAPSHOT_DATA_FILE, SNAPSHOT_PERSISTED_FILE
@@ -151,26 +150,13 @@ def test_the_next_snapshot_is_written_into_pages_allocated_ahead(tmp_path: Path)
     assert not list((tmp_path / "single").glob(".spare-*"))
 
 
-def _minor_faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def _faults_counted() -> bool:
-    """Whether this kernel counts a process's minor page faults (gVisor's reports none)."""
-    before = _minor_faults()
-    with mmap.mmap(-1, 64 * mmap.PAGESIZE) as pages:
-        for offset in range(0, len(pages), mmap.PAGESIZE):
-            pages[offset] = 1
-    return _minor_faults() - before >= 32
-
-
 @pytest.fixture
 def shm_path() -> Iterator[Path]:
     """A directory in shared memory (tmpfs: one page fault per page touched; a disk's large folios map more),
     where the kernel counts page faults (what these tests read)."""
     if not Path("/dev/shm").is_dir():
         pytest.skip("no /dev/shm")
-    if not _faults_counted():
+    if not kernel_counts_page_faults():
         pytest.skip("this kernel does not count minor page faults (getrusage's ru_minflt stays 0, as in gVisor)")
     path = Path(tempfile.mkdtemp(prefix="ckptd-test-", dir="/dev/shm"))
     yield path
@@ -181,12 +167,12 @@ def test_a_touched_spare_has_its_pages_faulted_in_and_an_allocated_one_not(shm_p
     tmp_path = shm_path
     nbytes = 16 << 20
     pages = nbytes // mmap.PAGESIZE
-    before = _minor_faults()
+    before = minor_faults()
     make_spare(tmp_path / "allocated", nbytes, touched=False)
-    allocated = _minor_faults() - before
-    before = _minor_faults()
+    allocated = minor_faults() - before
+    before = minor_faults()
     make_spare(tmp_path / "touched", nbytes, touched=True)
-    touched = _minor_faults() - before
+    touched = minor_faults() - before
     assert touched >= pages and allocated < pages // 4, (touched, allocated)
     assert (tmp_path / "touched").stat().st_size == nbytes and not list(tmp_path.glob("*.part"))
     assert (tmp_path / "touched").read_bytes() == bytes(nbytes)
@@ -208,10 +194,10 @@ def test_prepare_touches_the_first_saves_file_before_it_and_evicts_nothing(shm_p
     earlier.close()
 
     tier = MemoryTier(str(tmp_path), "job", max_snapshots=3)
-    before = _minor_faults()
+    before = minor_faults()
     tier.prepare(abstract)  # in the background
     tier.wait_spare()
-    assert _minor_faults() - before >= nbytes // mmap.PAGESIZE  # every page of the spare faulted in
+    assert minor_faults() - before >= nbytes // mmap.PAGESIZE  # every page of the spare faulted in
     spare = tmp_path / "job" / f".spare-{os.getpid()}"
     assert spare.stat().st_size >= nbytes and _snapshots(tmp_path / "job") == ["1"]  # a resume may read step 1
     held = os.open(spare, os.O_RDONLY)
