@@ -24,8 +24,19 @@ from tests.support.gcs_emulator import gcs_emulator
 from tests.support.helpers import REPO, free_port
 from tests.support.long_runs import LONG_RUNS
 from tests.support.server import ServerHandle, StartServer, start_server
-from tests.support.sockets import no_tcp_reason
+from tests.support.sockets import device_mode, no_tcp_reason
 from trainer_client.config import reset_client_settings
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    """``make test-device``: jax's devices, made now, before any test module is imported, so that nothing a module
+    does on import can move the run off the chip (one did: the whole run went to the CPU), and the log says which
+    platform it tested."""
+    if not device_mode():
+        return None
+    import jax
+
+    return f"jax: {jax.default_backend()}, {jax.device_count()} device(s): {jax.devices()[0].device_kind}"
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by the marks
