@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from bench.decoder import SIZES, make_batch, make_state, make_step, mesh_of, tree_bytes
-from trainer_client.runtime.elastic._elastic_config import ReplicaOptions
+from trainer_client.runtime.replicas._options import ReplicaOptions
 from trainer_client.runtime.replicas._replica_snapshots import RunnerReplicas
 
 PyTree = Any

@@ -89,14 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     from bench.decoder import AXES, SIZES, init_fn, make_batch, make_step
     from trainer_client.client._ckptd_client import CkptdClient
     from trainer_client.config import ClientSettings
+    from trainer_client.runtime.compilation._options import CompilationOptions
     from trainer_client.runtime.elastic._elastic import ElasticConfig, ElasticContext, ElasticRunner, Event
-    from trainer_client.runtime.elastic._elastic_config import (
-        CompilationOptions,
-        ElasticOptions,
-        HealthOptions,
-        MemoryTierOptions,
-        ReplicaOptions,
-    )
+    from trainer_client.runtime.elastic._elastic_config import ElasticOptions, HealthOptions
+    from trainer_client.runtime.memory._options import MemoryTierOptions
+    from trainer_client.runtime.replicas._options import ReplicaOptions
     from trainer_client.runtime.slices._jax_faults import InJaxFaults, Op
     from trainer_client.runtime.slices._slices import SimulatedSlices
 

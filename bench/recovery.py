@@ -110,13 +110,10 @@ def _child(argv: list[str]) -> int:
     from examples.elastic_mlp import TrainLog, make_train_fn
     from trainer_client.client._ckptd_client import CkptdClient
     from trainer_client.config import ClientSettings
+    from trainer_client.runtime.compilation._options import CompilationOptions
     from trainer_client.runtime.elastic._elastic import ElasticConfig, ElasticRunner, Event
-    from trainer_client.runtime.elastic._elastic_config import (
-        CompilationOptions,
-        ElasticOptions,
-        HealthOptions,
-        MemoryTierOptions,
-    )
+    from trainer_client.runtime.elastic._elastic_config import ElasticOptions, HealthOptions
+    from trainer_client.runtime.memory._options import MemoryTierOptions
     from trainer_client.runtime.slices._slices import SimulatedSlices, SliceFault
 
     imported = time.time()

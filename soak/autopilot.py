@@ -43,14 +43,11 @@ from examples.demo import free_port, start_ckptd
 from examples.elastic_mlp import TrainLog, make_train_fn
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
+from trainer_client.runtime.autopilot._options import AutopilotOptions
 from trainer_client.runtime.elastic._elastic import ElasticConfig, ElasticResult, ElasticRunner, Event
-from trainer_client.runtime.elastic._elastic_config import (
-    AutopilotOptions,
-    ElasticOptions,
-    HealthOptions,
-    MemoryTierOptions,
-    ReplicaOptions,
-)
+from trainer_client.runtime.elastic._elastic_config import ElasticOptions, HealthOptions
+from trainer_client.runtime.memory._options import MemoryTierOptions
+from trainer_client.runtime.replicas._options import ReplicaOptions
 from trainer_client.runtime.slices._slices import SimulatedSlices, SliceFault
 
 JOB = "autopilot"

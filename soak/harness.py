@@ -37,13 +37,10 @@ from examples.elastic_mlp import TrainLog, make_train_fn
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.runtime.elastic._elastic import ElasticConfig, ElasticContext, ElasticResult, ElasticRunner
-from trainer_client.runtime.elastic._elastic_config import (
-    ElasticOptions,
-    HealthOptions,
-    MemoryTierOptions,
-    ReplicaOptions,
-)
+from trainer_client.runtime.elastic._elastic_config import ElasticOptions, HealthOptions
 from trainer_client.runtime.elastic._recovery import give_back_host_memory
+from trainer_client.runtime.memory._options import MemoryTierOptions
+from trainer_client.runtime.replicas._options import ReplicaOptions
 from trainer_client.runtime.slices._jax_faults import InJaxFaults
 from trainer_client.runtime.slices._slices import SimulatedSlices
 

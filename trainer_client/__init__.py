@@ -38,6 +38,8 @@ if TYPE_CHECKING:  # the real types for type checkers; at run time each name is 
         StoredFormatError,
         UnsafePathError,
     )
+    from trainer_client.runtime.autopilot._options import AutopilotOptions
+    from trainer_client.runtime.compilation._options import CompilationOptions
     from trainer_client.runtime.elastic._elastic import (
         ElasticConfig,
         ElasticContext,
@@ -46,20 +48,18 @@ if TYPE_CHECKING:  # the real types for type checkers; at run time each name is 
         Event,
     )
     from trainer_client.runtime.elastic._elastic_config import (
-        AutopilotOptions,
         BatchScalingOptions,
-        CompilationOptions,
         ElasticOptions,
         HealthOptions,
         MemoryFitOptions,
-        MemoryTierOptions,
-        ReplicaOptions,
-        SaveOptions,
     )
+    from trainer_client.runtime.memory._options import MemoryTierOptions
     from trainer_client.runtime.multihost._job_store import initialize_multihost
     from trainer_client.runtime.orbax_compat._checkpoint_manager import CheckpointManager
     from trainer_client.runtime.orbax_compat._maxtext import MaxTextHooks
+    from trainer_client.runtime.replicas._options import ReplicaOptions
     from trainer_client.runtime.saving._checkpointing import Checkpointer, restore
+    from trainer_client.runtime.saving._options import SaveOptions
     from trainer_client.runtime.slices._jax_faults import InJaxFaults
     from trainer_client.runtime.slices._slices import PathwaysSlices, SimulatedSlices, SliceFault
 
@@ -76,15 +76,15 @@ _LAZY = {
     "ElasticContext": "trainer_client.runtime.elastic._elastic",
     "ElasticRunner": "trainer_client.runtime.elastic._elastic",
     "ElasticResult": "trainer_client.runtime.elastic._elastic",
-    "AutopilotOptions": "trainer_client.runtime.elastic._elastic_config",
+    "AutopilotOptions": "trainer_client.runtime.autopilot._options",
     "BatchScalingOptions": "trainer_client.runtime.elastic._elastic_config",
-    "CompilationOptions": "trainer_client.runtime.elastic._elastic_config",
+    "CompilationOptions": "trainer_client.runtime.compilation._options",
     "ElasticOptions": "trainer_client.runtime.elastic._elastic_config",
     "HealthOptions": "trainer_client.runtime.elastic._elastic_config",
     "MemoryFitOptions": "trainer_client.runtime.elastic._elastic_config",
-    "MemoryTierOptions": "trainer_client.runtime.elastic._elastic_config",
-    "ReplicaOptions": "trainer_client.runtime.elastic._elastic_config",
-    "SaveOptions": "trainer_client.runtime.elastic._elastic_config",
+    "MemoryTierOptions": "trainer_client.runtime.memory._options",
+    "ReplicaOptions": "trainer_client.runtime.replicas._options",
+    "SaveOptions": "trainer_client.runtime.saving._options",
     "Checkpointer": "trainer_client.runtime.saving._checkpointing",
     "CheckpointManager": "trainer_client.runtime.orbax_compat._checkpoint_manager",
     "MaxTextHooks": "trainer_client.runtime.orbax_compat._maxtext",

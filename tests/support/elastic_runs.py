@@ -21,7 +21,7 @@ from examples.elastic_mlp import TrainLog, make_train_fn
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.runtime.elastic._elastic import ElasticConfig, ElasticContext, ElasticResult, ElasticRunner, Event
-from trainer_client.runtime.elastic._elastic_config import ReplicaOptions
+from trainer_client.runtime.replicas._options import ReplicaOptions
 from trainer_client.runtime.slices._jax_faults import InJaxFaults
 from trainer_client.runtime.slices._slices import SimulatedSlices, SliceFault
 

@@ -23,7 +23,7 @@ import pytest
 from tests.system.test_deploy import _one, _only, _pod_spec, _quantity, _trainer
 from tests.system.test_deploy_pathways import HEAD, TRAINER, container, jobset, pod
 from tests.system.test_deploy_pathwaysjob import template
-from trainer_client.runtime.elastic._elastic_config import MemoryTierOptions
+from trainer_client.runtime.memory._options import MemoryTierOptions
 
 BYTES_PER_PARAMETER = 12  # float32 weights + Adam's mu and nu, each in the weights' dtype
 HEAD_TRAINER_OWN = 100e9  # Google's memory figure for the head's user container (xpk), besides the tier

@@ -26,14 +26,11 @@ from trainer_client.client._event_reporter import EventReporter
 from trainer_client.config import ClientSettings
 from trainer_client.core import protocol as p
 from trainer_client.runtime.autopilot._autopilot_runner import EarlierRunsAsked
+from trainer_client.runtime.compilation._options import CompilationOptions
 from trainer_client.runtime.elastic._elastic import ElasticConfig, ElasticRunner
-from trainer_client.runtime.elastic._elastic_config import (
-    CompilationOptions,
-    ElasticOptions,
-    HealthOptions,
-    MemoryTierOptions,
-    ReplicaOptions,
-)
+from trainer_client.runtime.elastic._elastic_config import ElasticOptions, HealthOptions
+from trainer_client.runtime.memory._options import MemoryTierOptions
+from trainer_client.runtime.replicas._options import ReplicaOptions
 from trainer_client.runtime.slices._slices import SimulatedSlices, SliceFault
 
 

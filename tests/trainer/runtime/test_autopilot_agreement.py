@@ -25,7 +25,7 @@ from trainer_client.runtime.autopilot._autopilot_agreement import (
 from trainer_client.runtime.autopilot._autopilot_costs import Footprint
 from trainer_client.runtime.autopilot._autopilot_runner import DEFAULT_CHECKPOINT_PERIOD
 from trainer_client.runtime.autopilot._host_memory import HostMemory
-from trainer_client.runtime.elastic._elastic_config import AutopilotOptions
+from trainer_client.runtime.autopilot._options import AutopilotOptions
 
 H = 3600.0
 GB = 10**9
@@ -123,7 +123,9 @@ _autopilot_agreement.AGREE_INTERVAL_S = 0.3  # points a few steps apart, so that
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.runtime.elastic._elastic import ElasticConfig, ElasticRunner
-from trainer_client.runtime.elastic._elastic_config import AutopilotOptions, CompilationOptions, ElasticOptions
+from trainer_client.runtime.autopilot._options import AutopilotOptions
+from trainer_client.runtime.compilation._options import CompilationOptions
+from trainer_client.runtime.elastic._elastic_config import ElasticOptions
 from trainer_client.runtime.slices._slices import SimulatedSlices
 url, steps = sys.argv[6], int(sys.argv[7])
 # process 1 is told failures come 10,000 times less often: alone it would save far less often than process 0

@@ -20,7 +20,7 @@ from trainer_client.runtime.autopilot._host_memory import (
     host_memory_budget,
     host_memory_limit,
 )
-from trainer_client.runtime.elastic._elastic_config import AutopilotOptions
+from trainer_client.runtime.autopilot._options import AutopilotOptions
 
 GB = 10**9
 GIB = 1 << 30

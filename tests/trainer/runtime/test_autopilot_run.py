@@ -16,8 +16,8 @@ from examples.elastic_mlp import TrainLog, make_train_fn
 from tests.support.elastic_runs import JOB, elastic_runner, every_sample_once, run_to_end
 from trainer_client.core import protocol as p
 from trainer_client.runtime.autopilot._autopilot_runner import DEFAULT_CHECKPOINT_PERIOD
+from trainer_client.runtime.autopilot._options import AutopilotOptions
 from trainer_client.runtime.elastic._elastic import Event
-from trainer_client.runtime.elastic._elastic_config import AutopilotOptions
 from trainer_client.runtime.slices._slices import SliceFault
 
 pytestmark = pytest.mark.needs_devices(8)

@@ -19,7 +19,8 @@ from trainer_client.runtime.autopilot._autopilot_runner import (
     MIN_INTERVAL_S,
     RunnerAutopilot,
 )
-from trainer_client.runtime.elastic._elastic_config import AutopilotOptions, ReplicaOptions
+from trainer_client.runtime.autopilot._options import AutopilotOptions
+from trainer_client.runtime.replicas._options import ReplicaOptions
 from trainer_client.runtime.replicas._replica_pacing import KindCosts, smallest_period
 
 STEP = 2.0  # seconds a step

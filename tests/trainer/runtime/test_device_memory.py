@@ -50,7 +50,7 @@ def test_a_snapshot_s_copy_runs_beside_donating_steps(device: jax.Device) -> Non
     on-device copy, so the next step may donate the state), and donating steps run while the copy to the host is in
     flight; the held snapshot is the state of its step, exactly. 256 MiB: the copy to the host takes far longer than
     an on-device step on any accelerator (its link is slower than its memory), so the copy is still in flight."""
-    from trainer_client.runtime.elastic._elastic_config import ReplicaOptions
+    from trainer_client.runtime.replicas._options import ReplicaOptions
     from trainer_client.runtime.replicas._replica_snapshots import RunnerReplicas
 
     sharding = SingleDeviceSharding(device)

@@ -34,15 +34,12 @@ from trainer_client.core.format._snapshot import problems, read_meta
 from trainer_client.core.protocol import ResumeRequest
 from trainer_client.errors import MemoryTierFull
 from trainer_client.runtime.elastic._elastic import ElasticConfig, ElasticRunner
-from trainer_client.runtime.elastic._elastic_config import (
-    ElasticOptions,
-    HealthOptions,
-    MemoryTierOptions,
-    ReplicaOptions,
-)
+from trainer_client.runtime.elastic._elastic_config import ElasticOptions, HealthOptions
 from trainer_client.runtime.memory._memory_restore import restore_snapshot
 from trainer_client.runtime.memory._memory_spare import make_spare, snapshot_bytes
 from trainer_client.runtime.memory._memory_tier import MemoryTier
+from trainer_client.runtime.memory._options import MemoryTierOptions
+from trainer_client.runtime.replicas._options import ReplicaOptions
 from trainer_client.runtime.restore._direct_restore import restore_direct
 from trainer_client.runtime.saving._checkpointing import Checkpointer, leaf_name, training_metadata
 from trainer_client.runtime.slices._slices import SimulatedSlices, SliceFault

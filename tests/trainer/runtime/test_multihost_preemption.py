@@ -29,7 +29,8 @@ initialize_multihost(f"127.0.0.1:{port}", 2, index, heartbeat_timeout_s=10, init
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.runtime.elastic._elastic import ElasticConfig, ElasticRunner
-from trainer_client.runtime.elastic._elastic_config import CompilationOptions, ElasticOptions
+from trainer_client.runtime.compilation._options import CompilationOptions
+from trainer_client.runtime.elastic._elastic_config import ElasticOptions
 from trainer_client.runtime.slices._slices import SimulatedSlices
 cfg = ElasticConfig(job="job", mesh_axes=("replica", "data"), mesh_shape=(1, 8), global_batch=8, checkpoint_period=0,
                     elastic=ElasticOptions(policy="pause"), compilation=CompilationOptions(precompile=False))

@@ -173,7 +173,9 @@ _RUNNER = PREAMBLE + """
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.runtime.elastic._elastic import ElasticConfig, ElasticRunner
-from trainer_client.runtime.elastic._elastic_config import CompilationOptions, ElasticOptions, MemoryTierOptions
+from trainer_client.runtime.compilation._options import CompilationOptions
+from trainer_client.runtime.elastic._elastic_config import ElasticOptions
+from trainer_client.runtime.memory._options import MemoryTierOptions
 from trainer_client.runtime.slices._slices import SimulatedSlices
 stop = int(sys.argv[7])
 cfg = ElasticConfig(job="job", mesh_axes=("replica", "data"), mesh_shape=(1, 8), global_batch=8, checkpoint_period=0,

@@ -19,9 +19,10 @@ from examples.elastic_mlp import TrainLog, jitted_step, make_train_fn
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.core.protocol import MeshSpec
+from trainer_client.runtime.compilation._options import CompilationOptions
 from trainer_client.runtime.compilation._precompile import likely_next
 from trainer_client.runtime.elastic._elastic import ElasticConfig, ElasticRunner, Event
-from trainer_client.runtime.elastic._elastic_config import CompilationOptions, ElasticOptions, HealthOptions
+from trainer_client.runtime.elastic._elastic_config import ElasticOptions, HealthOptions
 from trainer_client.runtime.slices._slices import SimulatedSlices, SliceFault
 
 pytestmark = pytest.mark.needs_devices(8)

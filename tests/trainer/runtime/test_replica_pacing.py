@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import pytest
 
-from trainer_client.runtime.elastic._elastic_config import ReplicaOptions
+from trainer_client.runtime.replicas._options import ReplicaOptions
 from trainer_client.runtime.replicas._replica_pacing import (
     WARMUP_STEPS,
     KindCosts,

@@ -34,9 +34,9 @@ from tests.support.elastic_runs import (
 )
 from trainer_client.errors import MemoryTierFull
 from trainer_client.runtime.elastic._elastic import ElasticContext, Event
-from trainer_client.runtime.elastic._elastic_config import ReplicaOptions
 from trainer_client.runtime.memory._memory_spare import snapshot_bytes
 from trainer_client.runtime.replicas import _replica_leaves
+from trainer_client.runtime.replicas._options import ReplicaOptions
 from trainer_client.runtime.replicas._replica_tier import required_bytes
 from trainer_client.runtime.slices._jax_faults import InJaxFaults
 from trainer_client.runtime.slices._slices import SliceFault

@@ -23,16 +23,13 @@ from trainer_client.config import ClientSettings
 from trainer_client.core._errors import CkptdError
 from trainer_client.core._storage import Storage
 from trainer_client.core.format._manifest import read_manifest
+from trainer_client.runtime.compilation._options import CompilationOptions
 from trainer_client.runtime.elastic import _elastic_context as elastic_context
 from trainer_client.runtime.elastic._elastic import ElasticConfig, ElasticContext, ElasticRunner
-from trainer_client.runtime.elastic._elastic_config import (
-    CompilationOptions,
-    ElasticOptions,
-    HealthOptions,
-    MemoryTierOptions,
-    SaveOptions,
-)
+from trainer_client.runtime.elastic._elastic_config import ElasticOptions, HealthOptions
 from trainer_client.runtime.elastic._elastic_context import Preempted
+from trainer_client.runtime.memory._options import MemoryTierOptions
+from trainer_client.runtime.saving._options import SaveOptions
 from trainer_client.runtime.slices._slices import SimulatedSlices
 
 MESH: dict[str, Any] = {"job": "job", "mesh_axes": ("replica", "data"), "mesh_shape": (4, 2), "global_batch": 8}

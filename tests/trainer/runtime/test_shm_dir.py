@@ -13,8 +13,10 @@ import pytest
 
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
+from trainer_client.runtime.compilation._options import CompilationOptions
 from trainer_client.runtime.elastic._elastic import ElasticRunner
-from trainer_client.runtime.elastic._elastic_config import CompilationOptions, ElasticConfig, MemoryTierOptions
+from trainer_client.runtime.elastic._elastic_config import ElasticConfig
+from trainer_client.runtime.memory._options import MemoryTierOptions
 from trainer_client.runtime.slices._slices import SimulatedSlices
 
 MESH: dict[str, Any] = {"job": "job", "mesh_axes": ("replica", "data"), "mesh_shape": (4, 2), "global_batch": 8}

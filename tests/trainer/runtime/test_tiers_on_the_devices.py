@@ -18,9 +18,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trainer_client.runtime.elastic._elastic_config import ReplicaOptions
 from trainer_client.runtime.memory._memory_restore import restore_snapshot
 from trainer_client.runtime.memory._memory_tier import MemoryTier
+from trainer_client.runtime.replicas._options import ReplicaOptions
 from trainer_client.runtime.replicas._replica_snapshots import RunnerReplicas
 from trainer_client.runtime.saving._checkpointing import Checkpointer, restore, training_metadata
 

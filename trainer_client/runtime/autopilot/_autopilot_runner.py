@@ -53,7 +53,9 @@ from trainer_client.core.protocol import Tier
 from trainer_client.runtime.autopilot._autopilot_agreement import AgreedPeriods, PeriodsAgreement, interval_steps
 from trainer_client.runtime.autopilot._autopilot_costs import CostMeter, Footprint, estimated_requests
 from trainer_client.runtime.autopilot._host_memory import HostMemory, host_memory_budget
-from trainer_client.runtime.elastic._elastic_config import AutopilotOptions, ElasticConfig, ReplicaOptions
+from trainer_client.runtime.autopilot._options import AutopilotOptions
+from trainer_client.runtime.elastic._elastic_config import ElasticConfig
+from trainer_client.runtime.replicas._options import ReplicaOptions
 from trainer_client.runtime.replicas._replica_pacing import KindCosts
 from trainer_client.runtime.saving._saver import Saver
 

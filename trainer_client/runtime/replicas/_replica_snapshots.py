@@ -24,7 +24,7 @@ import jax
 from trainer_client.core.format._snapshot import DataIteratorRecord
 from trainer_client.core.protocol import ReplicasHeld, TrainingMetadata
 from trainer_client.errors import MemoryTierFull, NoWholeReplica
-from trainer_client.runtime.elastic._elastic_config import ReplicaOptions
+from trainer_client.runtime.replicas._options import ReplicaOptions
 from trainer_client.runtime.replicas._replica_leaves import HOST_KINDS, PINNED, required_bytes
 from trainer_client.runtime.replicas._replica_pacing import KindCosts, PaceChoice, PaceMeter, choose, worth_changing
 from trainer_client.runtime.replicas._replica_tier import ReplicaStats, ReplicaTier, Restored
