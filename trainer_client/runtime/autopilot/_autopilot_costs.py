@@ -15,7 +15,9 @@ are its pacer's (``RunnerReplicas.measured``: the loop time a snapshot costs all
   ``restored``, by the tier it names) and the first step after it (until ``first_step_done``, less a step).
 
 ``version`` counts the measurements: a choice needs revising only after a new one (the hot path compares two
-integers).
+integers). ``CostMeter.measured`` is what the period model is fed of them (``MeasuredCosts``, by name); in a
+multi-controller job every process's are pooled as the slowest's (``MeasuredCosts.slowest``) and carry between
+processes as JSON, checked on reading (``MeasuredCosts.checked``).
 
 Besides the times, what the tiers hold and write (``Footprint``, read when a choice is made): the host memory of
 the shared-memory tier at its peak, and what a save writes to storage, its bytes and its arrays; a save's
@@ -25,10 +27,11 @@ requests to storage are not seen by the trainer (ckptd or Orbax make them), so t
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +46,13 @@ WINDOW = 16  # samples kept of each measure: recent enough to follow a change, e
 STEP_WINDOW = 64
 MIN_STEPS = 3  # step intervals before the step time is known (the first after a start compiles)
 _PENDING_PERSISTS = 8  # persists waited for at once (a snapshot evicted before it was seen persisted is forgotten)
+MAX_SECONDS = 1e7  # a measured time longer than this (about 115 days) is not one
+MAX_BYTES = float(1 << 60)  # nor a host's memory larger than this
+MAX_VERSION = 1 << 53
+# the measures the period model is fed (``MeasuredCosts``): seconds, but ``memory_bytes``
+COST_NAMES = frozenset({"step", "detect", "memory_bytes", "block/memory", "block/storage", "copy/storage",
+                        "copy/persist", *(f"{kind}/{tier.value}" for kind in ("restore", "first_step")
+                                          for tier in Tier)})
 
 
 def estimated_requests(arrays: int, processes: int = 1) -> float:
@@ -67,6 +77,55 @@ class Footprint:
 
     memory_bytes: Callable[[], int] = _nothing_held
     step_size: Callable[[], tuple[int, int] | None] = _nothing_saved
+
+
+@dataclass(frozen=True)
+class MeasuredCosts:
+    """What the period model is fed of one process's measurements (``CostMeter.measured``), by name
+    (``COST_NAMES``): ``step``, the step time; ``block/<memory|storage>`` and ``copy/<storage|persist>``, a save's
+    block and copy; ``restore/<tier>`` and ``first_step/<tier>``, a recovery's; ``detect``, a failure's detection
+    (seconds, medians); ``memory_bytes``, the shared-memory tier's host memory at its peak. A name missing is not
+    measured yet. ``version``: the count of measurements behind them (a choice needs making again only when it
+    moved)."""
+
+    values: Mapping[str, float]
+    version: int = 0
+
+    def get(self, name: str) -> float | None:
+        return self.values.get(name)
+
+    def slowest(self, others: Iterable[MeasuredCosts]) -> MeasuredCosts:
+        """These costs pooled with ``others`` (a job's other processes'): each measure the largest (the job waits
+        for its slowest host; the largest tier must fit), known once every one of them has measured it (a choice
+        is not made from the fast ones alone); the versions added."""
+        values, version = dict(self.values), self.version
+        for other in others:
+            version += other.version
+            values = {name: max(value, other.values[name]) for name, value in values.items() if name in other.values}
+        return MeasuredCosts(values, version)
+
+    def wire(self) -> dict[str, Any]:
+        return {"version": self.version, "values": dict(self.values)}
+
+    @classmethod
+    def checked(cls, value: Any) -> MeasuredCosts:
+        """Costs read from another process (``wire``'s, parsed JSON); ``ValueError`` for anything else: an unknown
+        measure, a value that is not a finite number from 0 to ``MAX_SECONDS`` (``MAX_BYTES`` for bytes)."""
+        if not isinstance(value, dict) or set(value) != {"version", "values"}:
+            raise ValueError("measured costs are an object of version and values")
+        version, values = value["version"], value["values"]
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_VERSION:
+            raise ValueError(f"a count of measurements of {version!r}")
+        if not isinstance(values, dict):
+            raise ValueError(f"measured costs of {values!r:.100}")
+        if unknown := sorted(set(values) - COST_NAMES):
+            raise ValueError(f"unknown measures {unknown[:3]!r:.200}: known are {sorted(COST_NAMES)}")
+        for name, number in values.items():
+            top = MAX_BYTES if name == "memory_bytes" else MAX_SECONDS
+            if (isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number)
+                    or not 0 <= number <= top):
+                raise ValueError(f"measured {name} of {number!r}: not a number from 0 to {top:g}")
+        return cls({name: float(number) for name, number in values.items()}, version)
 
 
 class Samples:
@@ -181,10 +240,18 @@ class CostMeter:
 
     # ---- what is known ---------------------------------------------------------------------------
 
-    def recovery(self, tier: str) -> tuple[float, float]:
-        """A recovery from ``tier``: its restore and its first step (0 for what was not measured yet)."""
-        restore, first = self.restore.get(tier), self.first_step.get(tier)
-        return ((restore.median() or 0.0) if restore else 0.0, (first.median() or 0.0) if first else 0.0)
+    def measured(self, memory_bytes: int = 0) -> MeasuredCosts:
+        """What is known now, with the shared-memory tier's host memory (``Footprint.memory_bytes``; 0: not known)."""
+        windows = {"detect": self.detect, **{f"block/{name}": s for name, s in self.block.items()},
+                   **{f"copy/{name}": s for name, s in self.copy.items()},
+                   **{f"restore/{name}": s for name, s in self.restore.items()},
+                   **{f"first_step/{name}": s for name, s in self.first_step.items()}}
+        values = {name: s.median() for name, s in windows.items()} | {"step": self.step_s()}
+        if memory_bytes > 0:
+            values["memory_bytes"] = float(memory_bytes)
+        return MeasuredCosts({name: float(v) for name, v in values.items() if v is not None and name in COST_NAMES},
+                             self.version)
 
 
-__all__ = ["REQUESTS_PER_ARRAY", "REQUESTS_PER_SAVE", "CostMeter", "Footprint", "Samples", "estimated_requests"]
+__all__ = ["COST_NAMES", "MAX_BYTES", "MAX_SECONDS", "REQUESTS_PER_ARRAY", "REQUESTS_PER_SAVE", "CostMeter",
+           "Footprint", "MeasuredCosts", "Samples", "estimated_requests"]

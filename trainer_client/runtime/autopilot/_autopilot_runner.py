@@ -19,7 +19,8 @@ tier for the rest of the run, the shared-memory tier while it does not fit, its 
 and the storage limits of the options against what a save writes (its bytes, and its requests: ``Footprint``).
 
 In a multi-controller job process 0 chooses and every process applies its choice at the same step
-(``_autopilot_agreement``: agreement points through the job's key-value store); the others measure nothing for it.
+(``_autopilot_agreement``: agreement points through the job's key-value store), from the slowest process's costs:
+the others report theirs at each point.
 
 Cheap on the hot path: ``at_boundary`` times the step and compares a count of measurements with the one the last
 choice was made at; the model runs at most once per new measurement (a closed replica cycle, a save timed, a
@@ -51,7 +52,7 @@ from trainer_client.core.planning import (
 )
 from trainer_client.core.protocol import Tier
 from trainer_client.runtime.autopilot._autopilot_agreement import AgreedPeriods, PeriodsAgreement, interval_steps
-from trainer_client.runtime.autopilot._autopilot_costs import CostMeter, Footprint, estimated_requests
+from trainer_client.runtime.autopilot._autopilot_costs import CostMeter, Footprint, MeasuredCosts, estimated_requests
 from trainer_client.runtime.autopilot._host_memory import HostMemory, host_memory_budget
 from trainer_client.runtime.autopilot._options import AutopilotOptions
 from trainer_client.runtime.elastic._elastic_config import ElasticConfig
@@ -326,10 +327,11 @@ class RunnerAutopilot:
 
     # ---- the choice ------------------------------------------------------------------------------
 
-    def _costs(self, step_s: float) -> list[TierCosts] | None:
-        """Each tier the run has, as measured; None while a tier's save has not been timed yet. Where the host-memory
-        tiers do not fit the budget together, those whose period the autopilot owns are optional: the model leaves
-        off what does not fit (only then: a tier the model left off for a moment's goodput would be gone for good)."""
+    def _costs(self, step_s: float, costs: MeasuredCosts) -> list[TierCosts] | None:
+        """Each tier the run has, as measured (``costs``); None while a tier's save has not been timed yet. Where the
+        host-memory tiers do not fit the budget together, those whose period the autopilot owns are optional: the
+        model leaves off what does not fit (only then: a tier the model left off for a moment's goodput would be gone
+        for good)."""
         out: list[TierCosts] = []
         size = self.footprint.step_size()
         write_bytes = float(size[0]) if size is not None else 0.0
@@ -347,34 +349,36 @@ class RunnerAutopilot:
             # the floor is the pacer's period in force (it moves only with the pacer's own hysteresis), not one
             # recomputed from each new measurement: a floor that jitters would break the periods in force by turns
             paced = replicas.paced_period
-            out.append(self._tier(Tier.REPLICAS, step_s, cost_s, copy_s, (paced, "overhead budget") if paced else
-                                  (1, "bound"), host_bytes=replicas.host_bytes))
-        memory = self.meter.block[Tier.MEMORY].median()
+            out.append(self._tier(Tier.REPLICAS, step_s, costs, cost_s, copy_s, (paced, "overhead budget") if paced
+                                  else (1, "bound"), host_bytes=replicas.host_bytes))
+        memory = costs.get("block/memory")
         if self._memory_tier:
             if memory is None:
                 return None
-            out.append(self._tier(Tier.MEMORY, step_s, memory, memory, host_bytes=self.footprint.memory_bytes()))
-            persist = self.meter.copy["persist"].median() or 0.0  # the persist is ckptd's: it costs the loop nothing
-            out.append(self._tier(Tier.STORAGE, step_s, 0.0, persist, nested=True, write_bytes=write_bytes,
+            out.append(self._tier(Tier.MEMORY, step_s, costs, memory, memory,
+                                  host_bytes=costs.get("memory_bytes") or 0.0))
+            persist = costs.get("copy/persist") or 0.0  # the persist is ckptd's: it costs the loop nothing
+            out.append(self._tier(Tier.STORAGE, step_s, costs, 0.0, persist, nested=True, write_bytes=write_bytes,
                                   requests=requests))
         else:
-            storage = self.meter.block[Tier.STORAGE].median()
+            storage = costs.get("block/storage")
             if storage is None:
                 return None
-            out.append(self._tier(Tier.STORAGE, step_s, storage, self.meter.copy[Tier.STORAGE].median() or 0.0,
+            out.append(self._tier(Tier.STORAGE, step_s, costs, storage, costs.get("copy/storage") or 0.0,
                                   write_bytes=write_bytes, requests=requests))
         budget = self.host_memory.budget_bytes if self.host_memory is not None else None
         if budget is not None and sum(t.host_bytes for t in out) > budget:
             out = [replace(t, optional=True) if t.host_bytes and t.name in self.owned else t for t in out]
         return out
 
-    def _tier(self, name: str, step_s: float, block_s: float, copy_s: float, floor: tuple[int, str] = (1, "bound"),
-              nested: bool = False, host_bytes: float = 0.0, write_bytes: float = 0.0,
-              requests: float = 0.0) -> TierCosts:
+    def _tier(self, name: str, step_s: float, costs: MeasuredCosts, block_s: float, copy_s: float,
+              floor: tuple[int, str] = (1, "bound"), nested: bool = False, host_bytes: float = 0.0,
+              write_bytes: float = 0.0, requests: float = 0.0) -> TierCosts:
         """A tier's costs with the bounds on its period: fixed where the user set it (a copy longer than that
         period is waited for or skipped: its cost is in the block measured), else the options' bounds and the
-        tier's own floor; with what it holds of the host's memory and what a save writes to storage."""
-        restore_s, first_s = self.meter.recovery(name)
+        tier's own floor; with its recovery's (``costs``: 0 while not measured), what it holds of the host's memory
+        and what a save writes to storage."""
+        restore_s, first_s = costs.get(f"restore/{name}") or 0.0, costs.get(f"first_step/{name}") or 0.0
         fixed = self._fixed[name] if name not in self.owned else None
         if fixed:
             low, high, why, copy_s = fixed, fixed, "fixed", min(copy_s, fixed * step_s)
@@ -399,20 +403,25 @@ class RunnerAutopilot:
         if decision is not None:
             self._report(step, decision, self._fields(decision))
 
-    def _decide(self, step: int, now: float) -> Decision | None:
-        """Choose again from what is measured now; the decision when it changed the periods (applied), else None
-        (nothing to choose from yet, or the periods in force kept)."""
+    def _own_costs(self) -> MeasuredCosts:
+        """What this process measured so far (the persists waited for looked at first)."""
         self.meter.poll_persists()
+        return self.meter.measured(self.footprint.memory_bytes())
+
+    def _decide(self, step: int, now: float, costs: MeasuredCosts | None = None) -> Decision | None:
+        """Choose again from ``costs`` (this process's measured now unless given); the decision when it changed the
+        periods (applied), else None (nothing to choose from yet, or the periods in force kept)."""
+        costs = costs if costs is not None else self._own_costs()
         replicas = self.replicas
         paced = replicas.measured() if replicas is not None and replicas.off_reason is None else None
-        step_s = self.meter.step_s() or (paced[0] if paced else None)
-        tiers = self._costs(step_s) if step_s else None
+        step_s = costs.get("step") or (paced[0] if paced else None)
+        tiers = self._costs(step_s, costs) if step_s else None
         self._ran()
         pilot = self._history(tuple(t.name for t in tiers)) if tiers else None
         if step_s is None or tiers is None or pilot is None:
             return None
         self._last_choice, self._urgent = now, False
-        decision = pilot.decide(step_s, tiers, detect_s=self.meter.detect.median() or 0.0,
+        decision = pilot.decide(step_s, tiers, detect_s=costs.get("detect") or 0.0,
                                 constraints=self._constraints())
         if not decision.changed:
             _log.debug("autopilot at step %d: %s", step, decision.describe())
@@ -462,12 +471,12 @@ class RunnerAutopilot:
     # ---- a multi-controller job ------------------------------------------------------------------
 
     def _agree(self, step: int, agreement: PeriodsAgreement) -> None:
-        """An agreement point: the leader chooses (when something new was measured) and publishes the periods in
-        force from here; the others wait for them and apply them. Each change is reported by every process."""
+        """An agreement point: the others report their costs; the leader chooses (when something new was measured,
+        by it or another process) from the slowest process's costs and publishes the periods in force from here;
+        the others wait for them and apply them. Each change is reported by every process."""
         first = agreement.points == 0
         if not agreement.leader:
-            if first:
-                agreement.tell_budget(self.host_memory.budget_bytes if self.host_memory is not None else None)
+            agreement.report(self._own_costs(), self.host_memory.budget_bytes if self.host_memory is not None else None)
             agreed = agreement.receive(step)
             self.agreed.append(agreed)
             if Tier.STORAGE in self.owned:
@@ -478,15 +487,18 @@ class RunnerAutopilot:
                 _log.info("autopilot at step %d, as process 0 chose: %s", step, agreed.detail)
                 self._emit("autopilot_decided", step, agreed.detail[:1900], **agreed.decision)
             return
+        reports = agreement.reports()
         if first:
-            self._smallest_budget(agreement.budgets())
+            self._smallest_budget([r.budget if r is not None else None for r in reports])
+        others = [r.costs for r in reports if r is not None]
+        costs = self._own_costs().slowest(others)
         decision: Decision | None = None
-        seen = self._measured()
+        seen = self._measured() + sum(c.version for c in others)
         if seen != self._seen:
             self._seen = seen
-            decision = self._decide(step, self.meter.clock())
+            decision = self._decide(step, self.meter.clock(), costs)
         fields = self._fields(decision) if decision is not None else None
-        agreed = AgreedPeriods(step, step + interval_steps(self.meter.step_s()), self.periods.persist,
+        agreed = AgreedPeriods(step, step + interval_steps(costs.get("step")), self.periods.persist,
                                self.periods.memory, self.periods.memory_tier, fields,
                                decision.describe()[:1900] if decision is not None else "")
         agreement.publish(agreed)

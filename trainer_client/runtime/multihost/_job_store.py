@@ -34,6 +34,10 @@ class KeyValueStore(Protocol):
 
     def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str: ...
 
+    def key_value_dir_get(self, key: str) -> list[tuple[str, str]]: ...  # every (key, value) under ``key/``
+
+    def key_value_delete(self, key: str) -> None: ...  # ``key`` and every key under ``key/`` (none: nothing)
+
 
 def initialize_multihost(coordinator_address: str, num_processes: int, process_id: int, *,
                          heartbeat_timeout_s: int | None = None, initialization_timeout_s: int = 300,
