@@ -103,22 +103,25 @@ class JobProcess:
         return self._store
 
 
-_incarnations: dict[int, str] = {}  # per store (one per jax.distributed start): its incarnation
+# The store of the job's current jax.distributed start and its incarnation. Held by the store itself, not its
+# id(): a restart's new store could be given a freed one's id, and would then read the old incarnation.
+_incarnation: tuple[KeyValueStore, str] | None = None
 
 
 def job_incarnation(store: KeyValueStore | None = None) -> str:
     """This incarnation of the job: 16 hex digits process 0 draws and publishes (create-only), every other
     process reads (waiting up to ``INCARNATION_TIMEOUT_MS`` for process 0). The same in every process of one
     incarnation, different after every restart of the job."""
+    global _incarnation
     store = job_store() if store is None else store
-    known = _incarnations.get(id(store))
-    if known is None:
-        if jax.process_index() == 0:
-            known = secrets.token_hex(8)
-            store.key_value_set(INCARNATION_KEY, known)
-        else:
-            known = store.blocking_key_value_get(INCARNATION_KEY, INCARNATION_TIMEOUT_MS)
-        _incarnations[id(store)] = known
+    if _incarnation is not None and _incarnation[0] is store:
+        return _incarnation[1]
+    if jax.process_index() == 0:
+        known = secrets.token_hex(8)
+        store.key_value_set(INCARNATION_KEY, known)
+    else:
+        known = store.blocking_key_value_get(INCARNATION_KEY, INCARNATION_TIMEOUT_MS)
+    _incarnation = (store, known)
     return known
 
 
