@@ -128,24 +128,39 @@ EMBED = ("fsdp", "fsdp_transpose", "context", "context_usp_ulysses", "expert")
 MLP = ("tensor", "tensor_sequence", "autoregressive")  # its rule's fsdp_transpose is taken by embed (flax)
 HEADS = ("tensor", "tensor_sequence", "autoregressive")
 LAYERS = "stage"
-def param(key, shape, pspec, step):
-    value = jax.random.normal(jax.random.key(key), shape, jnp.float32) + step
+# the values are drawn on the host and placed on the mesh by device_put, sharded as MaxText's are: each op on a
+# jax array of a new shape (a random draw, a reshard, mu's and nu's arithmetic) would compile a program first
+def param(key, shape, step):
+    return np.random.default_rng(key).standard_normal(shape, dtype=np.float32) + np.float32(step)
+def place(value, pspec):
     return jax.device_put(value, NamedSharding(mesh, pspec))
 def train_state(step):
-    params = {"params": {
-        "token_embedder": {"embedding": param(1, (256, 48), P(VOCAB, EMBED), step)},
+    values = {"params": {
+        "token_embedder": {"embedding": param(1, (256, 48), step)},
         "decoder": {
-            "decoder_norm": {"scale": param(2, (48,), P("tensor"), step)},
+            "decoder_norm": {"scale": param(2, (48,), step)},
             "layers": {
-                "mlp": {"wi_0": {"kernel": param(3, (48, 2, 96), P(EMBED, LAYERS, MLP), step)},
-                        "wo": {"kernel": param(4, (96, 2, 48), P(MLP, LAYERS, EMBED), step)}},
-                "self_attention": {"query": {"kernel": param(5, (48, 2, 4, 12), P(EMBED, LAYERS, HEADS, None),
-                                                               step)}},
+                "mlp": {"wi_0": {"kernel": param(3, (48, 2, 96), step)},
+                        "wo": {"kernel": param(4, (96, 2, 48), step)}},
+                "self_attention": {"query": {"kernel": param(5, (48, 2, 4, 12), step)}},
             },
         },
     }}
-    mu = jax.tree_util.tree_map(lambda x: x * 0.5, params)
-    nu = jax.tree_util.tree_map(lambda x: x * x, params)
+    specs = {"params": {
+        "token_embedder": {"embedding": P(VOCAB, EMBED)},
+        "decoder": {
+            "decoder_norm": {"scale": P("tensor")},
+            "layers": {
+                "mlp": {"wi_0": {"kernel": P(EMBED, LAYERS, MLP)}, "wo": {"kernel": P(MLP, LAYERS, EMBED)}},
+                "self_attention": {"query": {"kernel": P(EMBED, LAYERS, HEADS, None)}},
+            },
+        },
+    }}
+    def on_mesh(tree):
+        return jax.tree_util.tree_map(place, tree, specs)
+    params = on_mesh(values)
+    mu = on_mesh(jax.tree_util.tree_map(lambda x: x * np.float32(0.5), values))
+    nu = on_mesh(jax.tree_util.tree_map(lambda x: x * x, values))
     count = jnp.int32(step)
     return {"step": jnp.int32(step), "params": params,
             "opt_state": [{"count": count, "mu": mu, "nu": nu}, {"count": count}]}

@@ -100,14 +100,14 @@ def test_the_state_goes_with_a_direct_save_a_snapshot_and_its_persist(tmp_path: 
 
 
 def test_a_maxtext_step_resumes_its_grain_iterator_exactly(tmp_path: Path) -> None:
-    """MaxText's iterator state, written by Grain's handler in another process after 200 batches of 16."""
+    """MaxText's iterator state, written by Grain's handler in another process after 20 batches of 16."""
     job = tmp_path / "run" / "checkpoints"
-    write_maxtext_jobs({job: [200]}, batch=16)
-    plan = plan_for_step(Storage(str(tmp_path / "run")), str(job / "200"), p.ResumeRequest(alive_devices=6),
-                         job="checkpoints", step=200)
+    write_maxtext_jobs({job: [20]}, batch=16, period=20)
+    plan = plan_for_step(Storage(str(tmp_path / "run")), str(job / "20"), p.ResumeRequest(alive_devices=6),
+                         job="checkpoints", step=20)
     fresh = iter(grain_data.data_loader(16))
     assert restore_iterator(plan, fresh)
-    expected = _batches(lambda: grain_data.data_loader(16), 200, 2)
+    expected = _batches(lambda: grain_data.data_loader(16), 20, 2)
     assert all(np.array_equal(next(fresh), batch) for batch in expected)
 
 
