@@ -58,6 +58,7 @@ from trainer_client.core.format import (
     mark_superseded,
     problems,
     read_meta,
+    unmark_superseded,
 )
 from trainer_client.core.protocol import ElasticEvent, is_valid_job_name
 
@@ -435,6 +436,7 @@ class SnapshotKeeper:
             if isinstance(exc, SnapshotDamaged):  # damaged in memory: retrying cannot help
                 self.stats.broken += 1
                 evict(path)
+                self._revive_superseded(job, step)
             return None
         if path.exists():
             mark_persisted(path, step_url)
@@ -444,6 +446,26 @@ class SnapshotKeeper:
         if self.on_persisted is not None:
             self.on_persisted(job, step)
         return step_url
+
+    def _revive_superseded(self, job: str, step: int) -> None:
+        """The snapshot of ``step`` was found damaged and dropped: the newest older one still held, superseded and
+        not persisted, is persisted in its place from the next scan on (else the job's newest good snapshot would
+        never reach storage because a damaged one had taken its turn)."""
+        try:
+            held = complete_snapshots(self.shm_dir, job)
+        except (OSError, UnsafePathError) as exc:
+            _log.warning("cannot look for the snapshot step %d superseded in %s: %s", step, job, exc)
+            return
+        for older in reversed(held):
+            if int(older.name) < step and is_superseded(older) and not is_persisted(older):
+                try:
+                    unmark_superseded(older)
+                except OSError as exc:
+                    _log.warning("could not take back the supersession of snapshot %s: %s", older, exc)
+                    return
+                _log.warning("snapshot %s is persisted after all: step %d, which had superseded it, was damaged",
+                             older, step)
+                return
 
     def _persist_part(self, job: str, path: Path) -> None:
         """Write this host's part of a multi-process step (``PartSaves.persist_part``)."""

@@ -217,3 +217,45 @@ def test_the_sidecar_stores_the_reports_as_the_jobs_events_and_counts_them(tmp_p
         assert get("ckptd_elastic_events_total", {"ckpt_job": JOB, "kind": "persist_overtaken"}) == 1.0
     finally:
         catalog.close()
+
+
+class DamagedAt(SlowWorker):
+    """A slow first persist, then the snapshot of ``damaged`` answered as damaged in memory (its checksums fail)."""
+
+    def __init__(self, damaged: int) -> None:
+        super().__init__()
+        self.damaged = damaged
+
+    def answer(self, request: dict[str, Any]) -> dict[str, Any]:
+        if int(Path(request["snapshot"]).name) == self.damaged:
+            self.asked.append(self.damaged)
+            return {"ok": False, "error": "StoredFormatError: shard 0 of w: checksum mismatch", "failure": "damaged"}
+        return super().answer(request)
+
+
+def test_a_superseded_snapshot_is_persisted_after_all_when_the_one_that_took_its_place_is_damaged(
+        tmp_path: Path) -> None:
+    """20 waits behind 10's persist and 30 supersedes it; 30 is then found damaged and dropped: 20, the newest good
+    snapshot, is persisted in its place (not left superseded for ever while storage keeps only 10)."""
+    (tmp_path / "root" / JOB).mkdir(parents=True)
+    shm = tmp_path / "shm"
+    keeper = SnapshotKeeper(Storage(str(tmp_path / "root")), str(shm), max_snapshots=3)
+    worker = DamagedAt(30)
+    keeper.worker = InProcessWorker(worker.answer)
+    keeper.start()
+    try:
+        mark_three(keeper, worker, shm)
+        assert (shm / JOB / "20" / SNAPSHOT_SUPERSEDED_FILE).is_file()
+        worker.release.set()
+        wait_until(lambda: worker.asked == [10, 30] and not (shm / JOB / "30").exists(), timeout=10,
+                   what="step 30 found damaged and dropped")
+        assert not (shm / JOB / "20" / SNAPSHOT_SUPERSEDED_FILE).exists()
+        keeper.scan()
+        wait_until(lambda: (shm / JOB / "20" / SNAPSHOT_PERSISTED_FILE).is_file(), timeout=10,
+                   what="step 20 persisted after all")
+        assert worker.asked == [10, 30, 20] and keeper.stats.broken == 1
+        keeper.scan()  # once
+        assert worker.asked == [10, 30, 20]
+    finally:
+        worker.release.set()
+        keeper.stop(5.0)

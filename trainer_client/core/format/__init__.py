@@ -103,6 +103,7 @@ if TYPE_CHECKING:  # the real types for type checkers (``X as X``: re-exported);
     from trainer_client.core.format._snapshot_dirs import job_dir as job_dir
     from trainer_client.core.format._snapshot_dirs import mark_persisted as mark_persisted
     from trainer_client.core.format._snapshot_dirs import mark_superseded as mark_superseded
+    from trainer_client.core.format._snapshot_dirs import unmark_superseded as unmark_superseded
     from trainer_client.core.format._snapshot_shards import ShardReader as ShardReader
     from trainer_client.core.format._snapshot_shards import index_bounds as index_bounds
     from trainer_client.core.format._snapshot_shards import shard_grid as shard_grid
@@ -144,7 +145,7 @@ _EXPORTS = {
                                              "map_data", "problems", "read_meta"),
     "trainer_client.core.format._snapshot_dirs": ("complete_snapshots", "drop_leftovers", "evict", "evict_oldest",
                                                   "is_persisted", "is_superseded", "job_dir", "mark_persisted",
-                                                  "mark_superseded"),
+                                                  "mark_superseded", "unmark_superseded"),
     "trainer_client.core.format._snapshot_shards": ("ShardReader", "index_bounds", "shard_grid"),
     "trainer_client.core.format._step_files": ("list_files",),
     "trainer_client.core.format._steps": ("DEFAULT_SAVE_TIMEOUT_S", "StepInspection", "inspect_step",

@@ -14,6 +14,7 @@ checked private before anything in them is believed (``check_job_dir``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -153,6 +154,13 @@ def mark_superseded(path: str | os.PathLike[str], by_step: int) -> None:
     first, beyond the limit, never the newest), not at once."""
     record = json.dumps({"by_step": by_step, "superseded_at": time.time()}).encode()
     write_private(Path(path, SNAPSHOT_SUPERSEDED_FILE), record)
+
+
+def unmark_superseded(path: str | os.PathLike[str]) -> None:
+    """Take back ``mark_superseded``: the snapshot that took its place was found damaged and dropped, so this one
+    is to be persisted after all (the mark itself is removed, never what a link in its place points to)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(Path(path, SNAPSHOT_SUPERSEDED_FILE))
 
 
 def evictable(path: Path) -> bool:
