@@ -4,13 +4,16 @@ memory, one storage root. A first job saves step 5 to storage (a plain multi-pro
 memory snapshots of steps 10 and 20 (each host its own part); a restarted job agrees through JAX's key-value
 store (``ResumeAgreement``) and restores. Each step's state differs (``w = arange + step``, ``b = step``), so
 the global sums each process computes after the restore say which step the whole job holds. ckptd is not
-running: process 0's storage answer is the client's storage scan (one test starts it: its sidecar's answer)."""
+running: process 0's storage answer is the client's storage scan (one restart has one: its sidecar's answer).
+The restarts, each on its own copy of the saved hosts, run one after the other in one restarted 2-process job
+(``restarted``): each agrees through its own keys of the job's store and restores as a job started for it would."""
 
 from __future__ import annotations
 
 import json
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -19,6 +22,7 @@ import pytest
 from tests.support.helpers import free_port
 from tests.support.jax_job import PREAMBLE, run_job
 from tests.support.kv_store import InProcessKeyValueStore
+from tests.support.server import start_server
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.core.protocol import ResumePlan, ResumeRequest
 from trainer_client.errors import NoCheckpointError
@@ -48,24 +52,41 @@ for step in (10, 20):
 print("saved", flush=True)
 """
 
+# Every restart of argv[6] ([[name, ckptd url], ...]: the hosts of <base>/<name>), one after the other; the keys of
+# each in the job's store under <name>/ (a job started for it alone would have a store of its own).
 _AFTER = _COMMON + """
+import os
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.core.protocol import ResumeRequest
 from trainer_client.runtime.saving._checkpointing import target_shardings
+from trainer_client.runtime.multihost._job_store import job_store
 from trainer_client.runtime.multihost._multihost import ResumeAgreement
-client = CkptdClient(ClientSettings(url=sys.argv[6], resume_deadline_s=5, timeout_s=2,
-                                    report_events=False), root=root)
-agreement = ResumeAgreement("job", shm, client, process_index=index, process_count=2)
-plan = agreement.plan(ResumeRequest(policy="pause", alive_devices=8, process_count=2))
+class Scoped:
+    def __init__(self, prefix):
+        self.store, self.prefix = job_store(), prefix
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.store.key_value_set(self.prefix + key, value, allow_overwrite=allow_overwrite)
+    def blocking_key_value_get(self, key, timeout_in_ms):
+        return self.store.blocking_key_value_get(self.prefix + key, timeout_in_ms)
 abstract = jax.eval_shape(lambda: state_of(0))
-state, restored = agreement.restore(plan, lambda p: target_shardings(abstract, mesh, specs, p.arrays))
-total = jax.jit(lambda s: (s["w"].sum(), s["b"].sum()), out_shardings=NamedSharding(mesh, P()))(state)
-local = [[list(map(int, (s.index[0].start or 0, s.index[0].stop or 16))), float(np.asarray(s.data).sum())]
-         for s in state["w"].addressable_shards]
-print(json.dumps({"step": restored.step, "tier": restored.tier, "path": restored.path, "source": restored.source,
-                  "agreed": agreement.decision,
-                  "w_sum": float(total[0]), "b_sum": float(total[1]), "local": local}), flush=True)
+total_of = jax.jit(lambda s: (s["w"].sum(), s["b"].sum()), out_shardings=NamedSharding(mesh, P()))
+out = {}
+for name, url in json.loads(sys.argv[6]):
+    here = os.path.join(os.path.dirname(root), name)
+    client = CkptdClient(ClientSettings(url=url, resume_deadline_s=5, timeout_s=2, report_events=False),
+                         root=os.path.join(here, "root"))
+    agreement = ResumeAgreement("job", os.path.join(here, f"shm{index}"), client, process_index=index,
+                                process_count=2, store=Scoped(name + "/"))
+    plan = agreement.plan(ResumeRequest(policy="pause", alive_devices=8, process_count=2))
+    state, restored = agreement.restore(plan, lambda p: target_shardings(abstract, mesh, specs, p.arrays))
+    total = total_of(state)
+    local = [[list(map(int, (s.index[0].start or 0, s.index[0].stop or 16))), float(np.asarray(s.data).sum())]
+             for s in state["w"].addressable_shards]
+    out[name] = {"step": restored.step, "tier": restored.tier, "path": restored.path, "source": restored.source,
+                 "agreed": agreement.decision, "w_sum": float(total[0]), "b_sum": float(total[1]), "local": local}
+    client.close()
+print(json.dumps(out), flush=True)
 """
 
 
@@ -78,15 +99,52 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base
 
 
-def _restart(saved: Path, tmp_path: Path, change: Any = None, ckptd: Any = None) -> list[dict[str, Any]]:
-    """A restarted job on a copy of the saved hosts (``change(base)`` first), with process 0's sidecar
-    ``ckptd(root)`` (a server factory) or none (the client scans storage); what each process restored."""
-    base = tmp_path / "job"
-    shutil.copytree(saved, base, symlinks=True)
-    if change is not None:
-        change(base)
-    url = ckptd(base / "root").url if ckptd is not None else f"http://127.0.0.1:{free_port()}"
-    return [json.loads(line) for line in run_job(_AFTER, base, url)]
+def _wipe_host_1(base: Path) -> None:
+    shutil.rmtree(base / "shm1")
+
+
+def _drop_host_1s_step_20(base: Path) -> None:
+    shutil.rmtree(base / "shm1" / "job" / "20")
+
+
+def _other_save(base: Path) -> None:  # host 1's step 20 as if saved by another incarnation of the job
+    meta = base / "shm1" / "job" / "20" / "snapshot.json"
+    recorded = json.loads(meta.read_text())
+    recorded["save_id"] = "0123456789abcdef-20"
+    meta.write_text(json.dumps(recorded))
+
+
+def _damage(base: Path) -> None:  # intact in size (offered), wrong in bytes (found by the restore's checksums)
+    data = base / "shm1" / "job" / "20" / "data.bin"
+    raw = bytearray(data.read_bytes())
+    raw[0] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+
+# Each restart: what is changed on its copy of the saved hosts first (None: nothing). "ckptd": process 0's sidecar is
+# up (on its copy's root); the others have none (the client scans storage).
+RESTARTS: dict[str, Callable[[Path], None] | None] = {
+    "as_saved": None, "wiped": _wipe_host_1, "ckptd": _wipe_host_1, "different_newest": _drop_host_1s_step_20,
+    "other_save": _other_save, "damaged": _damage}
+
+
+@pytest.fixture(scope="module")
+def restarted(saved: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[dict[str, Any]]]]:
+    """Per restart of ``RESTARTS``: its copy of the saved hosts, and what each process restored."""
+    base = tmp_path_factory.mktemp("restarts")
+    for name, change in RESTARTS.items():
+        shutil.copytree(saved, base / name, symlinks=True)
+        if change is not None:
+            change(base / name)
+    server = start_server(base / "ckptd" / "root", tmp_path_factory.mktemp("ckptd-state"))
+    try:
+        none = f"http://127.0.0.1:{free_port()}"
+        lines = run_job(_AFTER, base, json.dumps([[name, server.url if name == "ckptd" else none]
+                                                  for name in RESTARTS]), timeout_s=300)
+    finally:
+        server.stop()
+    hosts = [json.loads(line) for line in lines]
+    return {name: (base / name, [host[name] for host in hosts]) for name in RESTARTS}
 
 
 def _expected(step: int) -> tuple[float, float]:
@@ -102,8 +160,8 @@ def _assert_same_step(hosts: list[dict[str, Any]], step: int, tier: str) -> None
 
 
 @pytest.mark.needs_tcp
-def test_every_host_restores_the_newest_step_all_hold_in_memory(saved: Path, tmp_path: Path) -> None:
-    hosts = _restart(saved, tmp_path)
+def test_every_host_restores_the_newest_step_all_hold_in_memory(restarted: dict[str, Any]) -> None:
+    _, hosts = restarted["as_saved"]
     _assert_same_step(hosts, 20, "memory")
     assert [Path(h["path"]).parent.parent.name for h in hosts] == ["shm0", "shm1"]  # each from its own part
     # made by the processes from their own memory: neither ckptd's answer nor a storage scan
@@ -112,50 +170,37 @@ def test_every_host_restores_the_newest_step_all_hold_in_memory(saved: Path, tmp
 
 
 @pytest.mark.needs_tcp
-def test_a_host_whose_memory_was_wiped_sends_every_host_to_storage(saved: Path, tmp_path: Path) -> None:
-    hosts = _restart(saved, tmp_path, lambda base: shutil.rmtree(base / "shm1"))
+def test_a_host_whose_memory_was_wiped_sends_every_host_to_storage(restarted: dict[str, Any]) -> None:
+    base, hosts = restarted["wiped"]
     _assert_same_step(hosts, 5, "storage")
-    assert {h["path"] for h in hosts} == {str(tmp_path / "job" / "root" / "job" / "5")}
+    assert {h["path"] for h in hosts} == {str(base / "root" / "job" / "5")}
     assert [h["source"] for h in hosts] == ["storage_scan", "storage_scan"]  # no sidecar up: process 0 scanned
 
 
 @pytest.mark.needs_tcp
-def test_with_ckptd_up_every_host_restores_the_step_process_0s_sidecar_names(
-        saved: Path, tmp_path: Path, ckptd_server: Any) -> None:
-    hosts = _restart(saved, tmp_path, lambda base: shutil.rmtree(base / "shm1"), ckptd_server)
+def test_with_ckptd_up_every_host_restores_the_step_process_0s_sidecar_names(restarted: dict[str, Any]) -> None:
+    _, hosts = restarted["ckptd"]  # host 1's memory wiped, as above
     _assert_same_step(hosts, 5, "storage")
     assert [h["source"] for h in hosts] == ["ckptd", "ckptd"]  # ckptd adopted the plain Orbax step: one answer
 
 
 @pytest.mark.needs_tcp
-def test_hosts_holding_different_newest_steps_agree_on_the_newest_common_one(saved: Path, tmp_path: Path) -> None:
-    hosts = _restart(saved, tmp_path, lambda base: shutil.rmtree(base / "shm1" / "job" / "20"))
+def test_hosts_holding_different_newest_steps_agree_on_the_newest_common_one(restarted: dict[str, Any]) -> None:
+    _, hosts = restarted["different_newest"]
     _assert_same_step(hosts, 10, "memory")  # host 0 holds 20 and 10, host 1 only 10
 
 
 @pytest.mark.needs_tcp
-def test_parts_of_one_step_from_different_saves_are_not_a_whole(saved: Path, tmp_path: Path) -> None:
-    def other_save(base: Path) -> None:  # host 1's step 20 as if saved by another incarnation of the job
-        meta = base / "shm1" / "job" / "20" / "snapshot.json"
-        recorded = json.loads(meta.read_text())
-        recorded["save_id"] = "0123456789abcdef-20"
-        meta.write_text(json.dumps(recorded))
-
+def test_parts_of_one_step_from_different_saves_are_not_a_whole(saved: Path, restarted: dict[str, Any]) -> None:
     ids = {json.loads((saved / f"shm{k}" / "job" / "20" / "snapshot.json").read_text())["save_id"] for k in (0, 1)}
     assert len(ids) == 1 and ids.pop().endswith("-20")  # one save: one id in every host's part
-    hosts = _restart(saved, tmp_path, other_save)
+    _, hosts = restarted["other_save"]  # host 1's part of 20 recorded as another save's (_other_save)
     _assert_same_step(hosts, 10, "memory")
 
 
 @pytest.mark.needs_tcp
-def test_a_part_found_damaged_at_restore_sends_every_host_to_storage(saved: Path, tmp_path: Path) -> None:
-    def damage(base: Path) -> None:  # intact in size (offered), wrong in bytes (found by the restore's checksums)
-        data = base / "shm1" / "job" / "20" / "data.bin"
-        raw = bytearray(data.read_bytes())
-        raw[0] ^= 0xFF
-        data.write_bytes(bytes(raw))
-
-    hosts = _restart(saved, tmp_path, damage)
+def test_a_part_found_damaged_at_restore_sends_every_host_to_storage(restarted: dict[str, Any]) -> None:
+    _, hosts = restarted["damaged"]  # host 1's part of 20 with a byte flipped (_damage)
     assert [h["agreed"]["tier"] for h in hosts] == ["memory", "memory"]  # agreed on 20, then host 1 failed it
     _assert_same_step(hosts, 5, "storage")  # no host runs on step 20 while another runs on 5
 
