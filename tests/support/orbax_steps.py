@@ -307,6 +307,8 @@ def shard(tree):
             return x
         return jax.device_put(x, NamedSharding(mesh, P(*["data" if d == 16 else None for d in x.shape])))
     return jax.tree_util.tree_map(put, tree)
+def on_host(tree):
+    return jax.tree_util.tree_map(lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, tree)
 class Mlp(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -319,16 +321,25 @@ class NnxMlp(nnx.Module):
 mgr = ocp.CheckpointManager(spec["job"])
 leaves = {}
 for step in spec["steps"]:
+    # made and updated by one compiled program (op by op, each operation on each shape compiled one of its own),
+    # then placed on the mesh from the host; the TrainState's step stays the Python int Flax keeps
     if spec["kind"] == "linen":
         model = Mlp()
-        state = train_state.TrainState.create(apply_fn=model.apply, tx=optax.adam(1e-2),
-                                              params=model.init(jax.random.key(step), jnp.ones((1, 8)))["params"])
-        state = shard(state).apply_gradients(grads=jax.tree_util.tree_map(jnp.ones_like, state.params))
+        def trained(key):
+            state = train_state.TrainState.create(apply_fn=model.apply, tx=optax.adam(1e-2),
+                                                  params=model.init(key, jnp.ones((1, 8)))["params"])
+            return state.apply_gradients(grads=jax.tree_util.tree_map(jnp.ones_like, state.params))
+        state = jax.jit(trained)(jax.random.key(step))
+        state = shard(on_host(state.replace(step=int(state.step))))
     else:
-        model = NnxMlp(nnx.Rngs(step))
-        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-        optimizer.update(model, jax.tree_util.tree_map(jnp.ones_like, nnx.state(model, nnx.Param)))
-        state = shard({"model": nnx.state(model), "optimizer": nnx.state(optimizer)})
+        @nnx.jit
+        def trained():
+            model = NnxMlp(nnx.Rngs(step))
+            optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+            optimizer.update(model, jax.tree_util.tree_map(jnp.ones_like, nnx.state(model, nnx.Param)))
+            return model, optimizer
+        model, optimizer = trained()
+        state = shard(on_host({"model": nnx.state(model), "optimizer": nnx.state(optimizer)}))
     mgr.save(step, args=ocp.args.StandardSave(state))
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
         name = ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
