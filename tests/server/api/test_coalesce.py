@@ -14,6 +14,7 @@ import pytest
 
 from ckptd.api._coalesce import Coalescer
 from ckptd.api._plan_cache import PlanCache
+from tests.support.golden import copy_root, golden_fixture
 from tests.support.helpers import wait_until
 from tests.support.orbax_steps import write_orbax_jobs
 from trainer_client.core import protocol as p
@@ -130,11 +131,13 @@ def test_a_caller_that_goes_away_does_not_cancel_the_round_for_the_others() -> N
 # ---- in the server ----------------------------------------------------------------------------------
 
 
+golden_root = golden_fixture(lambda root: write_orbax_jobs({root / "train": [10, 20]}), name="golden_root")
+
+
 @pytest.fixture
-def root(tmp_path: Path) -> Path:
-    root = tmp_path / "root"
-    write_orbax_jobs({root / "train": [10, 20]})
-    return root
+def root(golden_root: Path, tmp_path: Path) -> Path:
+    """This test's own copy of the module's root (job ``train``, steps 10 and 20): it may serve and damage it."""
+    return copy_root(golden_root, tmp_path)
 
 
 def _slow_first_plan(monkeypatch: pytest.MonkeyPatch, started: threading.Event, release: threading.Event) -> None:
