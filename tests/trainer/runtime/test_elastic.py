@@ -20,6 +20,7 @@ import pytest
 from examples.elastic_mlp import TrainLog, init_state, make_train_fn, partition_specs, train_step
 from tests.support.elastic_runs import BATCH, JOB, elastic_runner, leaves, run_to_end
 from tests.support.helpers import wait_until
+from tests.support.server import start_server
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.config import ClientSettings
 from trainer_client.errors import ElasticRetriesExhausted
@@ -36,14 +37,26 @@ _run = run_to_end
 _leaves = leaves
 
 
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[np.ndarray]]:
+    """A pause run of 40 steps without failures, against a ckptd of its own: its process and final state (on the
+    host), which every pause run below that loses a slice must end on (read only)."""
+    root = tmp_path_factory.mktemp("clean")
+    server = start_server(root, tmp_path_factory.mktemp("clean-state"))
+    try:
+        result = _run(_runner(root, server.url, "pause", []), make_train_fn(40, TrainLog()))
+    finally:
+        server.stop()
+    return result.pid, _leaves(result.value)
+
+
 @pytest.mark.parametrize("replicas", [True, False], ids=["replicas", "no-replicas"])
 @pytest.mark.needs_devices(8)
 def test_pause_policy_is_bitwise_equal_to_a_run_without_failures(tmp_path: Path, ckptd_server: Any,
+                                                                 clean: tuple[int, list[np.ndarray]],
                                                                  replicas: bool) -> None:
-    clean_root, failing_root = tmp_path / "clean", tmp_path / "failing"
-    clean_server = ckptd_server(clean_root.mkdir() or clean_root)
-    clean = _run(_runner(clean_root, clean_server.url, "pause", []), make_train_fn(40, TrainLog()))
-
+    clean_pid, clean_state = clean
+    failing_root = tmp_path / "failing"
     failing_server = ckptd_server(failing_root.mkdir() or failing_root)
     log = TrainLog()
     failed = _run(
@@ -52,7 +65,7 @@ def test_pause_policy_is_bitwise_equal_to_a_run_without_failures(tmp_path: Path,
         make_train_fn(40, log),
     )
 
-    assert failed.pid == clean.pid == os.getpid()
+    assert failed.pid == clean_pid == os.getpid()
     assert len(failed.recoveries) == 1
     rec = failed.recoveries[0]
     assert (rec.kind, rec.failed_at_step) == ("slice_down", 25)
@@ -67,7 +80,7 @@ def test_pause_policy_is_bitwise_equal_to_a_run_without_failures(tmp_path: Path,
     # pause planned only once every slice was back (whether it had to wait depends on the machine's speed)
     after = next(e for e in failed.events[kinds.index("failure_detected"):] if e.kind == "slices_ready")
     assert after.detail == "slices [0, 1, 2, 3]"
-    for a, b in zip(_leaves(clean.value), _leaves(failed.value), strict=True):
+    for a, b in zip(clean_state, _leaves(failed.value), strict=True):
         assert a.dtype == b.dtype and np.array_equal(a, b), "pause run diverged from the failure-free run"
     assert log.losses[39] < log.losses[0]
 
