@@ -11,7 +11,6 @@ from __future__ import annotations
 import multiprocessing
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -19,6 +18,7 @@ from ckptd.multihost._abandoned_parts import clean_abandoned_parts
 from ckptd.multihost._part_commit import PartSaves
 from ckptd.persist._worker_client import PersistWorkerError
 from tests.server.multihost.test_forged_parts import Recorder
+from tests.support.claim_race import race
 from tests.support.forged_records import forge_claim, forge_part
 from tests.support.orbax_steps import training_metadata
 from trainer_client.core._storage import Storage
@@ -96,18 +96,12 @@ def test_a_claim_changed_since_it_was_read_is_not_replaced(tmp_path: Path) -> No
     assert claim is not None and claim.save_id == f"cc-{STEP}"
 
 
-def _race(root: str, stale_json: str, save_id: str, start: Any, won: Any) -> None:
-    stale = Claim.model_validate_json(stale_json)
-    start.wait()
-    won.put((save_id, take_over_claim(Storage(root), "job", STEP, stale, save_id, 2)))
-
-
 def test_of_racing_takers_in_separate_processes_exactly_one_replaces_the_claim(tmp_path: Path) -> None:
     stale = dead_save(tmp_path)
     ctx = multiprocessing.get_context("spawn")
     start, won = ctx.Barrier(6), ctx.Queue()
-    takers = [ctx.Process(target=_race, args=(str(tmp_path), stale.model_dump_json(), f"{n:02x}c-{STEP}", start, won))
-              for n in range(6)]
+    takers = [ctx.Process(target=race, args=(str(tmp_path), "job", STEP, stale.model_dump_json(), f"{n:02x}c-{STEP}",
+                                             start, won)) for n in range(6)]
     for p in takers:
         p.start()
     results = dict(won.get(timeout=60) for _ in takers)
