@@ -267,8 +267,9 @@ def test_every_sample_is_consumed_exactly_once_across_a_shrink_and_a_regrow(
     assert isinstance(slices, SimulatedSlices)
 
     def hook(step: int) -> None:
-        if step == 22:
+        if step == 22:  # back, and seen by pathwaysutils' monitor before the next step however fast the steps are
             slices.bring_back(1)
+            wait_until(lambda: 1 in runner.manager.available_inactive_slices, what="the monitor to see slice 1")
 
     log = TrainLog()
     result = _run(runner, make_train_fn(40, log, step_hook=hook))
