@@ -157,6 +157,8 @@ def build_sidecar(settings: Settings, catalog: Catalog | None = None) -> Sidecar
         maintenance_interval_s=settings.retention.gc_interval_s,
         on_refresh=keeper.scan if keeper is not None else None,
     )
+    # the commit pass has a persist worker child of its own, started on its first commit: a multi-host commit
+    # (a few small writes) never waits behind the keeper's persist of a whole snapshot (seconds to minutes)
     commits = commit_pass(cat, storage.refresh_interval_s,
                           PersistWorkerClient(nice=memory.persist_nice, devices=memory.persist_devices))
     peers = build_peers(settings.peer, memory, storage.root)
