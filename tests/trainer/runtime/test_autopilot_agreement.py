@@ -165,6 +165,8 @@ def test_a_report_that_is_not_what_a_process_writes_is_refused(caplog: pytest.Lo
                       (_report(budget="lots"), "budget of 'lots'"),
                       (_report(budget=0), "budget of 0"),
                       (_report(budget=float("inf")), "budget of inf"),
+                      (_report(values={"step": 10**400}), "step of 1000"),  # no float holds it: not an OverflowError
+                      (_report(budget=10**400), "budget of 1000"),
                       ('{"read": 1}', "an object of read, budget and costs"),
                       ("[" * 10_000 + "]" * 10_000, "characters"),
                       ("[" * 5_000 + "]" * 5_000, "nested too deep"),

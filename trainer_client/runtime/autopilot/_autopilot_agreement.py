@@ -153,7 +153,7 @@ class ProcessReport:
         if isinstance(read, bool) or not isinstance(read, int) or not 0 <= read <= published:
             raise ValueError(f"a report of {read!r} points read, of {published} published")
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
-                                   or not math.isfinite(budget) or not 0 < budget <= MAX_BYTES):
+                                   or not 0 < budget <= MAX_BYTES or not math.isfinite(budget)):
             raise ValueError(f"a host-memory budget of {budget!r} bytes")
         return cls(read, None if budget is None else float(budget), MeasuredCosts.checked(value["costs"]))
 

@@ -122,8 +122,10 @@ class MeasuredCosts:
             raise ValueError(f"unknown measures {unknown[:3]!r:.200}: known are {sorted(COST_NAMES)}")
         for name, number in values.items():
             top = MAX_BYTES if name == "memory_bytes" else MAX_SECONDS
-            if (isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number)
-                    or not 0 <= number <= top):
+            # the range first: it refuses NaN and infinities, and an integer too large for a float, which
+            # math.isfinite would raise OverflowError on
+            if (isinstance(number, bool) or not isinstance(number, (int, float)) or not 0 <= number <= top
+                    or not math.isfinite(number)):
                 raise ValueError(f"measured {name} of {number!r}: not a number from 0 to {top:g}")
         return cls({name: float(number) for name, number in values.items()}, version)
 
