@@ -292,6 +292,8 @@ def _crc(data: bytes) -> str:
     ({"save_id": DEAD, "process_count": 2, "created_at": 50.0}, "unreadable"),  # a claim naming the save itself
     ({"fate": "commit", "by": "x"}, "unreadable"),
     ({"fate": "commit", "by": "x", "at": "NaN"}, "unreadable"),
+    ({"fate": "commit", "by": "x", "at": 10**400}, "unreadable"),  # too large for a float: not an OverflowError
+    ({"save_id": LIVE, "process_count": 2, "created_at": -(10**400)}, "unreadable"),
     ({"fate": "commit", "by": 3, "at": 1.0}, "unreadable"),
     ({"fate": "keep", "by": "x", "at": 1.0}, "unreadable"),
     ([1, 2], "unreadable"),

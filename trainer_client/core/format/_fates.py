@@ -72,9 +72,13 @@ def read_fate_record(storage: Storage, job: str, step: int, save_id: str) -> Fat
         if "fate" in record or not isinstance(record.get("save_id"), str) or record["save_id"] == save_id:
             return "unreadable"
         by, at = record["save_id"], record.get("created_at")  # the previous release's takeover: its new claim
-    if not isinstance(by, str) or isinstance(at, bool) or not isinstance(at, int | float) or not math.isfinite(at):
+    if not isinstance(by, str) or isinstance(at, bool) or not isinstance(at, int | float):
         return "unreadable"
-    return FateRecord(fate, by, float(at))
+    try:
+        when = float(at)
+    except OverflowError:  # an integer no float holds (JSON allows any number of digits)
+        return "unreadable"
+    return FateRecord(fate, by, when) if math.isfinite(when) else "unreadable"
 
 
 def read_fate(storage: Storage, job: str, step: int, save_id: str) -> Fate | Literal["unreadable"] | None:
