@@ -7,17 +7,20 @@ advise`` given the same inputs answers with the same first-order periods (one mo
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ckptd.advisor._advisor import advise
 from trainer_client.core import protocol as p
+from trainer_client.core.format._files import SNAPSHOT_PERSISTED_FILE
 from trainer_client.runtime.autopilot._autopilot_costs import CostMeter
 from trainer_client.runtime.autopilot._autopilot_runner import (
     DEFAULT_CHECKPOINT_PERIOD,
     MIN_INTERVAL_S,
     RunnerAutopilot,
+    persisted_at,
 )
 from trainer_client.runtime.autopilot._options import AutopilotOptions
 from trainer_client.runtime.replicas._options import ReplicaOptions
@@ -338,3 +341,17 @@ def test_ckptd_advise_given_the_same_inputs_chooses_the_same_periods() -> None:
     plan = decision.plan
     assert plan.tier("storage").period_steps == run.pilot.periods.persist
     assert max(1, round(plan.block("memory").period_s / STEP)) == run.pilot.periods.memory
+
+
+@pytest.mark.parametrize("raw", [b'{"persisted_at": 1' + b"0" * 400 + b"}", b'{"persisted_at": Infinity}',
+                                 b'{"persisted_at": NaN}', b'{"persisted_at": "x"}', b"[1]"])
+def test_a_persisted_mark_whose_time_is_no_finite_number_is_not_a_persist(tmp_path: Path, raw: bytes) -> None:
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / SNAPSHOT_PERSISTED_FILE).write_bytes(raw)
+    assert persisted_at(tmp_path, 7) is None  # not an OverflowError, nor an infinite cost measured
+
+
+def test_a_persisted_mark_gives_its_time(tmp_path: Path) -> None:
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / SNAPSHOT_PERSISTED_FILE).write_bytes(b'{"path": "x", "persisted_at": 12.5}')
+    assert persisted_at(tmp_path, 7) == 12.5

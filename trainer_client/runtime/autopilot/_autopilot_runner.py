@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -523,9 +524,10 @@ def persisted_at(memory_dir: Path, step: int) -> float | None:
     """When ckptd marked the shared-memory snapshot of ``step`` persisted (wall time, its ``persisted.json``); None
     while it has not (or the snapshot is gone)."""
     try:
-        return float(json.loads(Path(memory_dir, str(step), SNAPSHOT_PERSISTED_FILE).read_bytes())["persisted_at"])
-    except (OSError, ValueError, KeyError, TypeError):
+        at = float(json.loads(Path(memory_dir, str(step), SNAPSHOT_PERSISTED_FILE).read_bytes())["persisted_at"])
+    except (OSError, ValueError, KeyError, TypeError, OverflowError):  # OverflowError: an integer no float holds
         return None
+    return at if math.isfinite(at) else None  # an infinite time would be measured as the persist's cost
 
 
 __all__ = ["DEFAULT_CHECKPOINT_PERIOD", "LivePeriods", "PacedReplicas", "RunParts", "RunnerAutopilot", "persisted_at"]
