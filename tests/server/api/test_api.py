@@ -400,6 +400,28 @@ def test_invalid_resume_bodies_are_422(client: TestClient, content: bytes, conte
         assert body.detail is not None and isinstance(body.detail["errors"], list) and body.detail["errors"]
 
 
+@pytest.mark.parametrize("body", [
+    {"device_memory_bytes": 10**20, "memory_headroom_bytes": 10**400},  # no float holds either
+    {"device_memory_bytes": 10**400, "memory_headroom_bytes": 10**20},
+    {"device_memory_bytes": 10**400},
+    {"memory_headroom_bytes": 10**400},
+    {"device_memory_bytes": p.MAX_DEVICE_BYTES + 1},
+])
+def test_device_memory_no_float_holds_is_422_not_a_500(client: TestClient, body: dict[str, int]) -> None:
+    for job in ("plain", "meta", "tp"):  # tp: the plan would print the sizes of a state that does not fit
+        resp = client.post(f"/v1/jobs/{job}/resume", content=json.dumps({"alive_devices": 8, **body}),
+                           headers={"content-type": "application/json"})
+        assert_error(resp, p.ErrorCode.INVALID_REQUEST)
+
+
+def test_device_memory_at_the_bound_is_planned(client: TestClient) -> None:
+    resp = resume(client, "tp", alive_devices=8, device_memory_bytes=p.MAX_DEVICE_BYTES)
+    assert resp.status_code == 200, resp.text
+    body = assert_error(resume(client, "tp", alive_devices=8, device_memory_bytes=p.MAX_DEVICE_BYTES,
+                               memory_headroom_bytes=p.MAX_DEVICE_BYTES), p.ErrorCode.DOES_NOT_FIT)
+    assert "8192.00 TiB headroom" in body.message
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=10)
     | st.floats(allow_nan=False, allow_infinity=False),

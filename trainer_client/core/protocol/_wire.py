@@ -41,6 +41,9 @@ CURSOR_PATTERN = r"^[0-9]{1,16}\.(?:[0-9a-f]{2}){0,255}$"
 # The largest step: one that JSON carries exactly (a double holds integers up to 2**53; JavaScript, the dashboard
 # and schema-driven tools read numbers as doubles), far beyond any training run.
 MAX_STEP = 2**53 - 1
+# The most memory one device may be said to have, or to keep free (bytes): an integer a double holds exactly,
+# ~8 PiB, far beyond any accelerator; the plan's messages print these as floats.
+MAX_DEVICE_BYTES = 2**53 - 1
 # Hosts (JAX processes) of one multi-host job at most: Kubernetes' limit on an Indexed Job's completions.
 MAX_HOSTS = 100_000
 # A multi-host save's id, equal in every host's part of it: "<job incarnation>-<step>" (docs/multihost.md).
@@ -207,10 +210,10 @@ class ResumeRequest(_Request):
         "names no slice (slices_used, idle_slices empty, with a note) when these hold another number of devices",
     )
     step: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = None
-    device_memory_bytes: Annotated[int, Field(ge=1)] | None = Field(
+    device_memory_bytes: Annotated[int, Field(ge=1, le=MAX_DEVICE_BYTES)] | None = Field(
         default=None, description="memory of one device; when given the plan checks the state fits"
     )
-    memory_headroom_bytes: Annotated[int, Field(ge=0)] = Field(
+    memory_headroom_bytes: Annotated[int, Field(ge=0, le=MAX_DEVICE_BYTES)] = Field(
         default=0, description="per-device memory to leave free (activations, compiled programs)"
     )
     batch: BatchOptions = Field(default_factory=BatchOptions)
@@ -312,6 +315,7 @@ __all__ = [
     "DEFAULT_PORT",
     "ERROR_STATUS",
     "JOB_NAME_PATTERN",
+    "MAX_DEVICE_BYTES",
     "MAX_HOSTS",
     "MAX_PAGE_LIMIT",
     "MAX_STEP",
