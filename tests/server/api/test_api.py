@@ -26,7 +26,7 @@ from tests.support.orbax_steps import model_parallel_metadata, training_metadata
 from trainer_client.client._ckptd_client import CkptdClient
 from trainer_client.core import protocol as p
 from trainer_client.core._storage import Storage
-from trainer_client.core.format._files import CHECKPOINT_METADATA, TMP_DIR_SUFFIX
+from trainer_client.core.format._files import CHECKPOINT_METADATA, EVENTS_DIR, TMP_DIR_SUFFIX
 from trainer_client.errors import StorageError
 
 TOKEN = "s3cret"
@@ -600,3 +600,40 @@ def test_protocol_doc_matches_the_code() -> None:
         assert f"`{route}`" in doc or f" {route}`" in doc, route
     for state in p.StepState:
         assert f"| `{state.value}`" in doc, state
+
+
+# ---- numbers no float holds, in events -------------------------------------------------------------
+
+_HUGE = 10**400  # JSON allows any number of digits
+
+
+@pytest.mark.parametrize("field", [{"lost_steps": _HUGE}, {"replica_bytes_held": _HUGE}, {"persist_bytes": _HUGE},
+                                   {"pid": _HUGE}, {"mesh_after": [2, _HUGE]}, {"replica_skips": _HUGE},
+                                   {"autopilot_failures_seen": _HUGE}, {"lost_steps": p.MAX_COUNT + 1}])
+def test_an_event_count_no_float_holds_is_422_and_goodput_still_answers(private_client: tuple[TestClient, Path],
+                                                                         field: dict[str, Any]) -> None:
+    client, _ = private_client
+    event = {"kind": "recovered", "time": 100.0, "step": 3, "id": "r:1", "run": "r", **field}
+    resp = client.post("/v1/jobs/plain/events", content=json.dumps({"events": [event]}),
+                       headers={"content-type": "application/json"})
+    assert_error(resp, p.ErrorCode.INVALID_REQUEST)
+    assert client.get("/v1/jobs/plain/goodput").status_code == 200
+    assert client.get("/metrics").status_code == 200
+
+
+def test_a_stored_event_count_no_float_holds_makes_its_file_unreadable(golden_root: Path, tmp_path: Path) -> None:
+    root = _populate(golden_root, tmp_path / "root")
+    events = root / "plain" / EVENTS_DIR
+    events.mkdir(parents=True)
+    good = {"kind": "start", "time": 50.0, "received_at": 50.0, "id": "a", "run": "r"}
+    bad = {"kind": "recovered", "time": 100.0, "step": 3, "received_at": 100.0, "id": "b", "run": "r",
+           "lost_steps": _HUGE}
+    for k, event in enumerate((good, bad)):
+        (events / f"0000000000000000{k + 1}-1-00000{k + 1}-abcd.json").write_text(json.dumps(
+            {"format": "ckptd-events/1", "job": "plain", "received_at": 1.0, "events": [event]}))
+    (tmp_path / "state").mkdir()
+    with TestClient(_app(root, tmp_path / "state", make_settings)) as c:
+        resp = c.get("/v1/jobs/plain/goodput")
+        assert resp.status_code == 200, resp.text  # the forged file is skipped, not an OverflowError
+        assert [e["id"] for e in c.get("/v1/jobs/plain/events").json()["events"]] == ["a"]
+        assert c.get("/metrics").status_code == 200

@@ -36,7 +36,7 @@ class AutopilotFields(_Request):
     autopilot_mtbf_s: _Seconds = Field(default=None, description="the job's estimated mean time between failures")
     autopilot_mtbf_source: Literal["prior", "history"] | None = Field(
         default=None, description="whether the estimate stands mostly on the prior or on the failures seen")
-    autopilot_failures_seen: Annotated[int, Field(ge=0)] | None = Field(
+    autopilot_failures_seen: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = Field(
         default=None, description="failures the estimate has seen (this run's)")
     autopilot_step_s: _Seconds = Field(default=None, description="the step time measured")
     autopilot_lost_steps: _Seconds = Field(default=None, description="steps a failure is expected to lose")
@@ -50,9 +50,9 @@ class AutopilotFields(_Request):
         default=None, description="the storage bandwidth the job's saves may use, every host together")
     autopilot_storage_requests_per_s: _Amount = Field(
         default=None, description="the storage requests per second the job's saves may make, every host together")
-    autopilot_processes: Annotated[int, Field(ge=1)] | None = Field(
+    autopilot_processes: Annotated[int, Field(ge=1, le=MAX_STEP)] | None = Field(
         default=None, description="the processes that apply these periods from this step (a multi-controller job's)")
-    autopilot_decided_by: Annotated[int, Field(ge=0)] | None = Field(
+    autopilot_decided_by: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = Field(
         default=None, description="the process whose measurements chose them (0 in a multi-controller job)")
     # per tier (replicas, memory: shared memory, storage): the period chosen and the costs it was chosen from
     autopilot_replicas_period: _Period = Field(default=None, description="replicas: a save every this many steps")

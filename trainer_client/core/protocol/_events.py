@@ -23,6 +23,11 @@ EVENT_KINDS = (
 )
 EVENT_KIND_PATTERN = r"^[a-z][a-z0-9_]{0,63}$"
 MAX_EVENTS_PER_BATCH = 1000
+# A count or a size in an event (steps lost, snapshots skipped, bytes, a pid): at most an integer JSON carries
+# exactly. JSON allows any number of digits, and an unbounded one would reach float() (metrics, goodput) and
+# fail there as an OverflowError, after the event was stored.
+MAX_COUNT = 2**53 - 1
+_Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 
 
 class _EventFields(_Request):
@@ -36,15 +41,15 @@ class _EventFields(_Request):
     id: str | None = Field(default=None, max_length=200, description="unique per event; resends are deduplicated")
     run: str | None = Field(default=None, max_length=200, description="the run (process) that emitted it")
     host: str | None = Field(default=None, max_length=255)
-    pid: Annotated[int, Field(ge=0)] | None = None
+    pid: _Count | None = None
     recovery_seconds: Annotated[float, Field(ge=0)] | None = Field(
         default=None, description="recovered: failure detected until the first step on the new mesh")
-    lost_steps: Annotated[int, Field(ge=0)] | None = Field(
+    lost_steps: _Count | None = Field(
         default=None, description="recovered: steps computed since the restored step, done again")
     restored_step: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = None
-    mesh_before: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=16)
-    mesh_after: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=16)
-    spares_used: list[Annotated[int, Field(ge=0)]] | None = Field(
+    mesh_before: list[_Count] | None = Field(default=None, max_length=16)
+    mesh_after: list[_Count] | None = Field(default=None, max_length=16)
+    spares_used: list[_Count] | None = Field(
         default=None, max_length=1024,
         description="recovered: the hot spare slices that took lost slices' places (the mesh kept its shape)")
     blocked_seconds: Annotated[float, Field(ge=0)] | None = Field(
@@ -60,11 +65,11 @@ class _EventFields(_Request):
     replica_held_step: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = None
     replica_age_seconds: Annotated[float, Field(ge=0)] | None = Field(
         default=None, description="seconds since the held replica snapshot was dispatched")
-    replica_skips: Annotated[int, Field(ge=0)] | None = Field(
+    replica_skips: _Count | None = Field(
         default=None, description="snapshots skipped so far because one was still in flight")
-    replica_failures: Annotated[int, Field(ge=0)] | None = Field(
+    replica_failures: _Count | None = Field(
         default=None, description="snapshots dropped so far because their copy failed (a slice lost mid-copy)")
-    replica_bytes_held: Annotated[int, Field(ge=0)] | None = Field(
+    replica_bytes_held: _Count | None = Field(
         default=None, description="this host's bytes of the held replica snapshot")
     # the replica tier's pacing (replica_paced, checkpoint_started, recovered; docs/concepts.md, "Pacing the
     # replica tier")
@@ -86,7 +91,7 @@ class _EventFields(_Request):
         default=None, description="persist_behind, persist_overtaken: the step whose persist was still running")
     persist_running_seconds: Annotated[float, Field(ge=0)] | None = Field(
         default=None, description="persist_behind, persist_overtaken: how long that persist had been running")
-    persist_bytes: Annotated[int, Field(ge=0)] | None = Field(
+    persist_bytes: _Count | None = Field(
         default=None, description="persist_behind, persist_overtaken: the bytes of the snapshot being persisted")
     superseded_by: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = Field(
         default=None, description="persist_overtaken: the newer step persisted in the skipped one's place")
@@ -169,6 +174,7 @@ class Goodput(_Model):
 __all__ = [
     "EVENT_KINDS",
     "EVENT_KIND_PATTERN",
+    "MAX_COUNT",
     "MAX_EVENTS_PER_BATCH",
     "ElasticEvent",
     "EventAck",
