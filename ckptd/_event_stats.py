@@ -8,13 +8,17 @@ summary (``<root>/<job>/.ckptd/events/summary.json``): a field renamed here is a
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trainer_client.core.protocol import EVENT_KINDS, StoredEvent
+from trainer_client.core.protocol import EVENT_KINDS, MAX_COUNT, StoredEvent
 
 RECENT_VALUES = 256  # most recent values kept per statistic (medians, histograms to rebuild)
 _KNOWN_KINDS = frozenset(EVENT_KINDS)
+# A count read back from the summary on storage (anyone who can write the root can write one): the metrics
+# count it in, as floats (an integer no float holds would fail there as an OverflowError at every scrape).
+_Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 
 
 class Stat(BaseModel):
@@ -22,7 +26,7 @@ class Stat(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    count: int = 0
+    count: _Count = 0
     total: float = 0.0
     min: float | None = None
     max: float | None = None
@@ -66,14 +70,14 @@ class EventStats(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    events: int = 0
+    events: _Count = 0
     first_time: float | None = None
     last_time: float | None = None
-    kinds: dict[str, int] = Field(default_factory=dict)
+    kinds: dict[str, _Count] = Field(default_factory=dict)
     recovery_seconds: Stat = Field(default_factory=Stat, description="recovered: failure until the first step after")
     lost_steps: Stat = Field(default_factory=Stat, description="recovered: steps done again")
     save_stall_seconds: Stat = Field(default_factory=Stat, description="checkpoint_started: loop blocked by the save")
-    recovered_from: dict[str, int] = Field(default_factory=dict,
+    recovered_from: dict[str, _Count] = Field(default_factory=dict,
                                            description="recovered: how many restored from each tier (recovery_tier)")
 
     def add(self, events: Iterable[StoredEvent]) -> EventStats:

@@ -305,6 +305,9 @@ class Metrics:
                 del self._replica_runs[key]
 
 
+_OBSERVED_ONE_BY_ONE = 100_000  # at most, where the histogram's values cannot be reached
+
+
 def _replay(histogram: Histogram, stored: Stat, live: Stat) -> None:
     """Observe the stored values not observed yet: the recent ones exactly, older ones at their mean."""
     recent = list((Multiset(stored.recent) - Multiset(live.recent)).elements())
@@ -312,9 +315,23 @@ def _replay(histogram: Histogram, stored: Stat, live: Stat) -> None:
     for value in recent:
         histogram.observe(value)
     if older > 0:
-        mean = max(0.0, (stored.total - live.total - sum(recent)) / older)
-        for _ in range(older):
-            histogram.observe(mean)
+        _observe_many(histogram, max(0.0, (stored.total - live.total - sum(recent)) / older), older)
+
+
+def _observe_many(histogram: Histogram, value: float, times: int) -> None:
+    """``times`` observations of ``value`` at once: a count from storage (a long history, or one anyone who can
+    write the root wrote) costs one step, not a loop of that many. Through the histogram's own values, as its
+    ``observe`` adds one; observed one by one should prometheus_client ever lay them out otherwise."""
+    total, buckets, bounds = (getattr(histogram, name, None) for name in ("_sum", "_buckets", "_upper_bounds"))
+    if total is None or buckets is None or bounds is None or len(buckets) != len(bounds):
+        for _ in range(min(times, _OBSERVED_ONE_BY_ONE)):
+            histogram.observe(value)
+        return
+    total.inc(value * times)
+    for bucket, bound in zip(buckets, bounds, strict=True):
+        if value <= bound:
+            bucket.inc(times)
+            break
 
 
 # the peer channel's counters: (metric, key of PeerService.snapshot(), help)

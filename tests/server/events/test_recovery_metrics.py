@@ -4,6 +4,7 @@ nothing twice."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,10 +12,12 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from ckptd.events._event_summary import SUMMARY_FILE
 from ckptd.events._events import EventStore
 from tests.support.server import app_over
 from trainer_client.core import protocol as p
 from trainer_client.core._storage import Storage
+from trainer_client.core.format._files import EVENTS_DIR
 
 T0 = 1_700_000_000.0
 
@@ -83,3 +86,39 @@ def test_a_restarted_ckptd_rebuilds_its_recovery_metrics_from_storage(restarted:
     m = _samples(restarted)
     assert _value(m, "ckptd_recovery_seconds_count") == 5
     assert _value(m, "ckptd_lost_steps_total") == 18
+
+
+def _with_summary(root: Path, stats: dict[str, object]) -> None:
+    """A summary on storage as anyone who can write the root may write it (nothing folded: ``through`` empty)."""
+    (root / "llm" / EVENTS_DIR / SUMMARY_FILE).write_text(json.dumps(
+        {"format": "ckptd-events-summary/1", "job": "llm", "stats": stats}))
+
+
+@pytest.mark.parametrize("stats", [
+    {"recovery_seconds": {"count": 10**400, "total": 1.0}},  # an integer no float holds
+    {"kinds": {"recovered": 10**400}},
+    {"recovered_from": {"memory": 10**400}},
+    {"save_stall_seconds": {"count": p.MAX_COUNT + 1}},
+    {"kinds": {"recovered": -1}},
+])
+def test_a_summary_whose_counts_no_float_holds_is_unreadable_not_a_failed_scrape(
+        root: Path, tmp_path: Path, stats: dict[str, object]) -> None:
+    _with_summary(root, stats)
+    with TestClient(app_over(root, tmp_path)) as client:
+        client.app.state.tracker.poll(goodput=True)  # type: ignore[attr-defined]
+        resp = client.get("/metrics")
+        assert resp.status_code == 200, resp.text
+        m = _samples(client)
+    assert _value(m, "ckptd_recovery_seconds_count") == 3  # the events stored; the summary is skipped
+    assert _value(m, "ckptd_elastic_events_total", kind="recovered") == 3
+
+
+def test_a_long_history_in_the_summary_is_counted_at_once(root: Path, tmp_path: Path) -> None:
+    n = 10**12  # a count within the bound, replayed at its mean: one step, not 10**12 observations
+    _with_summary(root, {"recovery_seconds": {"count": n, "total": 3.0 * n}})
+    with TestClient(app_over(root, tmp_path)) as client:
+        client.app.state.tracker.poll(goodput=True)  # type: ignore[attr-defined]
+        m = _samples(client)
+    assert _value(m, "ckptd_recovery_seconds_count") == n + 3
+    assert _value(m, "ckptd_recovery_seconds_sum") == pytest.approx(3.0 * n + 36)
+    assert _value(m, "ckptd_recovery_seconds_bucket", le="5.0") == n + 2  # 3 s each, and 2 s and 4 s
