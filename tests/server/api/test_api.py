@@ -637,3 +637,30 @@ def test_a_stored_event_count_no_float_holds_makes_its_file_unreadable(golden_ro
         assert resp.status_code == 200, resp.text  # the forged file is skipped, not an OverflowError
         assert [e["id"] for e in c.get("/v1/jobs/plain/events").json()["events"]] == ["a"]
         assert c.get("/metrics").status_code == 200
+
+
+@pytest.mark.parametrize("field", ["wall_time", "lr_scale"])
+def test_training_metadata_with_an_infinite_number_makes_its_step_unusable_not_the_job(
+        golden_root: Path, tmp_path: Path, field: str) -> None:
+    root = _populate(golden_root, tmp_path / "root")
+    metadata = root / "meta" / "10" / CHECKPOINT_METADATA
+    doc = json.loads(metadata.read_text())
+    training = doc["custom_metadata"]["ckptd"]
+    if field == "lr_scale":
+        training["batch"] = {"mode": "keep_global_batch", "base_global_batch": 64, "global_batch": 64,
+                             "accumulation_steps": 1, "micro_batch": 64, "per_device_batch": 8,
+                             "max_per_device_batch": 8, "data_parallel_size": 8}
+        training["batch"][field] = "@@"
+    else:
+        training[field] = "@@"
+    metadata.write_text(json.dumps(doc).replace('"@@"', "1e400"))  # JSON's own way to an infinite float
+    (tmp_path / "state").mkdir()
+    with TestClient(_app(root, tmp_path / "state", make_settings)) as c:
+        listed = c.get("/v1/jobs/meta/checkpoints")
+        assert listed.status_code == 200, listed.text
+        states = {cp["step"]: cp["state"] for cp in listed.json()["checkpoints"]}
+        assert states[20] == "verified" and states[10] not in ("verified", "committed")
+        plan = resume(c, "meta", alive_devices=8)
+        assert plan.status_code == 200, plan.text
+        assert plan.json()["step"] == 20
+        assert c.get("/v1/jobs/meta/goodput").status_code == 200

@@ -6,7 +6,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from trainer_client.core.protocol._base import _Model
 
@@ -57,6 +57,9 @@ class BatchPlan(_Model):
     both carry over from plan to plan so shrinking and growing never drift.
     """
 
+    # finite only, as in TrainingMetadata, which holds one
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
     mode: Literal["keep_global_batch", "scale_batch"]
     base_global_batch: int = Field(ge=1)
     global_batch: int = Field(ge=1)
@@ -72,6 +75,11 @@ class BatchPlan(_Model):
 
 class TrainingMetadata(_Model):
     """What trainer_client records with every step (in Orbax's custom metadata, key ``ckptd``)."""
+
+    # Its numbers are finite: anyone who can write the root can write a step's metadata, and an infinite time
+    # (``1e400`` in JSON) would be kept by the catalog as JSON ``null``, which no longer parses: every listing of
+    # the job would fail. Such metadata is unreadable instead (the step is corrupt).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     step: int
     data_position: int = Field(description="global sample index the next step reads from")
