@@ -61,7 +61,12 @@ def _load(store: EventStore, job: str, since: float | None) -> list[StoredEvent]
 
 
 def _when(t: float) -> str:
-    return datetime.fromtimestamp(t).isoformat(sep=" ", timespec="milliseconds")
+    """An event's time as local date and time; as the number it is past the dates the platform has (a time
+    of 1e300 or an infinite one, from anyone who can post events or write the root)."""
+    try:
+        return datetime.fromtimestamp(t).isoformat(sep=" ", timespec="milliseconds")
+    except (OverflowError, ValueError, OSError):
+        return f"{t:.6g}"
 
 
 def render_events(events: list[StoredEvent]) -> str:

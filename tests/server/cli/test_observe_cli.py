@@ -98,3 +98,13 @@ def test_the_installed_command_runs_them(root: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert Goodput.model_validate_json(out.stdout).goodput == pytest.approx(0.6)
     assert "reading events" not in out.stderr  # no progress bar when stderr is not a terminal
+
+
+@pytest.mark.parametrize("when", [1e18, 1e300, float("inf")])  # past any date (POST events takes each)
+def test_events_prints_a_time_past_any_date_as_its_number(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          when: float) -> None:
+    EventStore(Storage(str(tmp_path))).append("llm", [ElasticEvent(kind="start", time=T0, run="r", id="1"),
+                                                      ElasticEvent(kind="finished", time=when, run="r", id="2")])
+    code, out, _ = _run(capsys, "events", f"{tmp_path}/llm")
+    assert code == 0
+    assert f"{when:.6g}" in out.splitlines()[2] and "finished" in out.splitlines()[2]
