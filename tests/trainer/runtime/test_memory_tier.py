@@ -608,3 +608,17 @@ def test_a_save_costs_the_loop_the_copy_whether_or_not_ckptd_answers(
         assert (tmp_path / "root" / "job" / "20").is_dir()
     finally:
         checkpointer.close()
+
+
+@pytest.mark.parametrize("pid", [2**31, 2**63, 10**30])
+def test_a_leftover_named_by_a_number_no_pid_is_dropped_not_an_overflow(tmp_path: Path, pid: int) -> None:
+    from trainer_client.core.format._snapshot_dirs import drop_leftovers
+
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / f".spare-{pid}").write_bytes(b"x")
+    (job / f"7.tmp-{pid}").mkdir()
+    MemoryTier(str(tmp_path), "job")  # the trainer's start: no process has that pid
+    assert sorted(p.name for p in job.iterdir()) == []
+    (job / f"7.tmp-{pid}").mkdir()
+    assert drop_leftovers(job) == 1

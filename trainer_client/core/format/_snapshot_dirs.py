@@ -45,7 +45,7 @@ def job_dir(shm_dir: str | os.PathLike[str], job: str) -> Path:
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: a number no pid is (a name anyone could write)
         return False
     except PermissionError:
         return True
