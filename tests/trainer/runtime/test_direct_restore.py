@@ -264,3 +264,26 @@ def test_a_step_saved_by_two_processes_is_read_back_by_each(tmp_path: Path) -> N
     result = validate_step(Storage(str(tmp_path / "job")), str(tmp_path / "job" / "1"), "quick")
     assert result.ok, result.problems
     assert not list((tmp_path / "job" / "1").glob("*.tmp-*"))
+
+
+class _OneArrayIndex:
+    """An index holding one ``.zarray`` document (what ``_ZarrArray.open`` reads of it)."""
+
+    def __init__(self, zarray: str) -> None:
+        self.zarray = zarray.encode()
+
+    def read(self, key: str) -> bytes:
+        return self.zarray
+
+
+@pytest.mark.parametrize(("dtype", "fill"), [("<f4", "1" + "0" * 400), ("<i4", "1" + "0" * 400), ("<i4", "1e400"),
+                                             ("|i1", "300"), ("<i4", "NaN"), ("bfloat16", "-1" + "0" * 400)])
+def test_a_fill_value_its_dtype_cannot_hold_leaves_the_restore_to_orbax(dtype: str, fill: str) -> None:
+    from trainer_client.runtime.restore._direct_restore import _ZarrArray
+
+    doc = ('{"zarr_format": 2, "compressor": null, "filters": null, "order": "C", "shape": [4], "chunks": [4], '
+           f'"dtype": "{dtype}", "fill_value": {fill}}}')
+    with pytest.raises(DirectRestoreUnsupported, match="fill value"):  # not an OverflowError mid-restore
+        _ZarrArray.open(_OneArrayIndex(doc), "w")  # type: ignore[arg-type]
+    fine = doc.replace(f'"fill_value": {fill}', '"fill_value": 0')
+    assert _ZarrArray.open(_OneArrayIndex(fine), "w").fill == 0  # type: ignore[arg-type]

@@ -84,6 +84,11 @@ class _ZarrArray:
         fill = meta.get("fill_value")
         if not (fill is None or (isinstance(fill, int | float) and not isinstance(fill, bool))):
             raise DirectRestoreUnsupported(f"{name}: fill value {fill!r} is not read directly")
+        if fill is not None:
+            try:  # as a missing chunk's elements are set: a value the dtype cannot hold (an integer of 400 digits,
+                np.empty((), dtype)[...] = fill  # infinity in an integer array) is refused here, not mid-restore
+            except (OverflowError, ValueError, TypeError):
+                raise DirectRestoreUnsupported(f"{name}: fill value {fill!r:.40} is not a {dtype}") from None
         return cls(name, tuple(meta["shape"]), tuple(meta["chunks"]), dtype, meta.get("dimension_separator", "."),
                    fill, index)
 
