@@ -110,6 +110,10 @@ ZARRAY = {"shape": [4, 8], "chunks": [4, 4], "dtype": "<f4", "compressor": {"id"
     (ZARRAY, {"0.0": 40, "0.2": 40}, "outside params.w's chunk grid [1, 2]"),
     (ZARRAY, {"0.0": 5000}, "more than a chunk of params.w (64 bytes raw) compresses to"),
     ({**ZARRAY, "compressor": None}, {"0.0": 64, "0.1": 40}, "an uncompressed chunk of params.w is 64"),
+    # a shape no float holds (JSON allows any number of digits): its grid is counted exactly, no OverflowError
+    ({**ZARRAY, "shape": [10**400, 8]}, {"0.0": 40, "0.2": 40}, f"outside params.w's chunk grid [{10**400 // 4}, 2]"),
+    ({**ZARRAY, "shape": [10**400, 8]}, {"0.0": 40, f"{10**400 // 4 - 1}.1": 40}, None),
+    ({**ZARRAY, "shape": [2**53 + 1, 8], "chunks": [1, 4]}, {f"{2**53}.0": 40, "0.1": 64}, None),
 ])
 def test_chunks_past_what_the_zarr_metadata_allows_are_contradictions(
         zarray: dict[str, Any], chunks: dict[str, int], said: str | None) -> None:
