@@ -639,21 +639,24 @@ def test_a_stored_event_count_no_float_holds_makes_its_file_unreadable(golden_ro
         assert c.get("/metrics").status_code == 200
 
 
-@pytest.mark.parametrize("field", ["wall_time", "lr_scale"])
+@pytest.mark.parametrize(("field", "value"), [("wall_time", "1e400"), ("lr_scale", "1e400"),
+                                              ("base_global_batch", "1" + "0" * 400),
+                                              ("max_per_device_batch", "1" + "0" * 400),
+                                              ("data_parallel_size", str(p.MAX_COUNT + 1))])
 def test_training_metadata_with_an_infinite_number_makes_its_step_unusable_not_the_job(
-        golden_root: Path, tmp_path: Path, field: str) -> None:
+        golden_root: Path, tmp_path: Path, field: str, value: str) -> None:
     root = _populate(golden_root, tmp_path / "root")
     metadata = root / "meta" / "10" / CHECKPOINT_METADATA
     doc = json.loads(metadata.read_text())
     training = doc["custom_metadata"]["ckptd"]
-    if field == "lr_scale":
+    if field != "wall_time":
         training["batch"] = {"mode": "keep_global_batch", "base_global_batch": 64, "global_batch": 64,
                              "accumulation_steps": 1, "micro_batch": 64, "per_device_batch": 8,
                              "max_per_device_batch": 8, "data_parallel_size": 8}
         training["batch"][field] = "@@"
     else:
         training[field] = "@@"
-    metadata.write_text(json.dumps(doc).replace('"@@"', "1e400"))  # JSON's own way to an infinite float
+    metadata.write_text(json.dumps(doc).replace('"@@"', value))  # 1e400: JSON's own way to an infinite float
     (tmp_path / "state").mkdir()
     with TestClient(_app(root, tmp_path / "state", make_settings)) as c:
         listed = c.get("/v1/jobs/meta/checkpoints")
@@ -663,4 +666,5 @@ def test_training_metadata_with_an_infinite_number_makes_its_step_unusable_not_t
         plan = resume(c, "meta", alive_devices=8)
         assert plan.status_code == 200, plan.text
         assert plan.json()["step"] == 20
+        assert resume(c, "meta", alive_devices=6, step=10).status_code == 409  # the step is not usable: no 500
         assert c.get("/v1/jobs/meta/goodput").status_code == 200

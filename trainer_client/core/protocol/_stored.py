@@ -48,6 +48,12 @@ class ArraySpec(_Model):
     changed: bool = False
 
 
+# A batch size or a count of devices or microbatches: at most an integer a double holds exactly. A resize plans
+# from the saved ones in floats (the learning-rate scale, the steps of accumulation), where an integer of 400
+# digits (JSON has no limit) would be an OverflowError.
+_Size = Annotated[int, Field(ge=1, le=2**53 - 1)]
+
+
 class BatchPlan(_Model):
     """How the batch is processed on a mesh: what a resume plan says and every step records.
 
@@ -61,13 +67,13 @@ class BatchPlan(_Model):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     mode: Literal["keep_global_batch", "scale_batch"]
-    base_global_batch: int = Field(ge=1)
-    global_batch: int = Field(ge=1)
-    accumulation_steps: int = Field(ge=1)
-    micro_batch: int = Field(ge=1)
-    per_device_batch: int = Field(ge=1)
-    max_per_device_batch: int = Field(ge=1)
-    data_parallel_size: int = Field(ge=1)
+    base_global_batch: _Size
+    global_batch: _Size
+    accumulation_steps: _Size
+    micro_batch: _Size
+    per_device_batch: _Size
+    max_per_device_batch: _Size
+    data_parallel_size: _Size
     lr_scale: float = 1.0
     exact: bool = True
     note: str = ""
