@@ -64,7 +64,10 @@ def format_bytes(n: int | float | None) -> str:
     """``1536`` -> ``"1.50 KiB"``; None -> ``"unknown"``."""
     if n is None:
         return "unknown"
-    value = float(n)
+    try:
+        value = float(n)
+    except OverflowError:  # an integer no float holds: a size from a shape of 400 digits (or of 40 huge ones)
+        return f"~10^{len(str(abs(int(n)))) - 1} B"
     for unit in ("B", "KiB", "MiB", "GiB"):
         if value < 1024:
             return f"{value:.0f} B" if unit == "B" else f"{value:.2f} {unit}"

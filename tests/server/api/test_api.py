@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from collections.abc import Callable, Iterator
@@ -668,3 +669,21 @@ def test_training_metadata_with_an_infinite_number_makes_its_step_unusable_not_t
         assert plan.json()["step"] == 20
         assert resume(c, "meta", alive_devices=6, step=10).status_code == 409  # the step is not usable: no 500
         assert c.get("/v1/jobs/meta/goodput").status_code == 200
+
+
+@pytest.mark.parametrize("shape", [[10**400], [2**53] * 40])  # bytes no float holds, per device
+def test_a_declared_array_too_large_for_a_float_is_a_does_not_fit_not_a_500(golden_root: Path, tmp_path: Path,
+                                                                            shape: list[int]) -> None:
+    root = _populate(golden_root, tmp_path / "root")
+    metadata = root / "meta" / "10" / CHECKPOINT_METADATA
+    doc = json.loads(metadata.read_text())
+    doc["custom_metadata"]["ckptd"]["arrays"]["opt.huge"] = {"shape": shape, "dtype": "float32",
+                                                             "partition_spec": [None] * len(shape)}
+    metadata.write_text(json.dumps(doc))
+    (tmp_path / "state").mkdir()
+    with TestClient(_app(root, tmp_path / "state", make_settings)) as c:
+        for alive in (8, 6):
+            body = assert_error(resume(c, "meta", alive_devices=alive, step=10, device_memory_bytes=10**12),
+                                p.ErrorCode.DOES_NOT_FIT)
+            # the array is not sharded: each device would hold all of it (and the rest of the state)
+            assert f"needs ~10^{len(str(math.prod(shape) * 4)) - 1} B per device" in body.message
