@@ -19,8 +19,8 @@ from ckptd.peers._store import PartStore
 from tests.server.peers.conftest import JOB, peers_of, settings
 from tests.support.helpers import wait_until
 from tests.support.peer_parts import SECRET, write_part
-from trainer_client.core.format._peer_copies import brought_from, copies_dir
-from trainer_client.core.format._private_files import ensure_private_dir
+from trainer_client.core.format._peer_copies import FROM_PEER_FILE, brought_from, copies_dir
+from trainer_client.core.format._private_files import ensure_private_dir, write_private
 from trainer_client.core.format._snapshot import problems
 
 
@@ -135,3 +135,14 @@ def test_a_peer_port_without_a_shared_memory_directory_says_the_channel_is_off(
                                  peer_secret=SECRET)) is None
     [line] = [r for r in caplog.records if "CKPTD_PEER_PORT" in r.getMessage()]
     assert line.levelno == logging.WARNING and "CKPTD_SHM_DIR" in line.getMessage() and "off" in line.getMessage()
+
+
+@pytest.mark.parametrize("body", [b'{"host": 1e400}', b'{"host": Infinity}', b'{"host": NaN}', b'{"host": -1}',
+                                  b'{"host": true}', b'{"host": 1' + b"0" * 400 + b"}", b'{"host": "1"}', b"[1]"])
+def test_a_from_peer_mark_that_names_no_host_is_none(tmp_path: Path, body: bytes) -> None:
+    part = ensure_private_dir(tmp_path / "20")
+    write_private(part / FROM_PEER_FILE, body)
+    assert brought_from(part) is None  # not an OverflowError out of the restore that asks
+    (part / FROM_PEER_FILE).unlink()
+    write_private(part / FROM_PEER_FILE, b'{"host": 3}')
+    assert brought_from(part) == 3

@@ -28,6 +28,7 @@ from trainer_client.core._errors import UnsafePathError
 from trainer_client.core.format._private_files import check_private_dir, is_real_dir, read_private
 from trainer_client.core.format._snapshot import SnapshotMeta, problems, read_meta
 from trainer_client.core.format._snapshot_dirs import check_job_dir
+from trainer_client.core.protocol import MAX_HOSTS
 
 COPY_PREFIX = ".peer-"
 _COPY_DIR = re.compile(r"^\.peer-([0-9]{1,6})$")
@@ -40,9 +41,11 @@ def brought_from(part: str | Path) -> int | None:
     """The host a part was brought back from (its ``from_peer.json``), or None for a part written here."""
     try:
         body = json.loads(read_private(Path(part) / FROM_PEER_FILE, max_bytes=MAX_RECORD_BYTES))
-        return int(body["host"])
+        host = body["host"]
     except (OSError, ValueError, KeyError, TypeError, UnsafePathError):
         return None
+    # a host index as written (an integer); not int() of whatever is there: int(1e400) is an OverflowError
+    return host if isinstance(host, int) and not isinstance(host, bool) and 0 <= host < MAX_HOSTS else None
 
 
 def copies_dir(shm_dir: str | Path, job: str, origin: int) -> Path:
