@@ -622,6 +622,20 @@ def test_an_event_count_no_float_holds_is_422_and_goodput_still_answers(private_
     assert client.get("/metrics").status_code == 200
 
 
+@pytest.mark.parametrize("field", ['"time": 1e400', '"time": 100.0, "t": -1e400', '"time": 100.0, "t": NaN',
+                                   '"time": 100.0, "recovery_seconds": Infinity',
+                                   '"time": 100.0, "blocked_seconds": 1e400'])
+def test_an_event_at_an_infinite_time_or_of_infinite_seconds_is_422(private_client: tuple[TestClient, Path],
+                                                                    field: str) -> None:
+    """Seconds are finite: an event at time 1e400 (JSON's way to an infinite float) counted in no goodput window
+    and skewed every figure after it."""
+    client, _ = private_client
+    body = '{"events": [{"kind": "recovered", "step": 3, "id": "r:1", "run": "r", ' + field + "}]}"
+    resp = client.post("/v1/jobs/plain/events", content=body, headers={"content-type": "application/json"})
+    assert_error(resp, p.ErrorCode.INVALID_REQUEST)
+    assert client.get("/v1/jobs/plain/events").json()["events"] == []
+
+
 def test_a_stored_event_count_no_float_holds_makes_its_file_unreadable(golden_root: Path, tmp_path: Path) -> None:
     root = _populate(golden_root, tmp_path / "root")
     events = root / "plain" / EVENTS_DIR

@@ -34,15 +34,18 @@ class _EventFields(_Request):
     """The fields of every kind of event but ``autopilot_decided``'s own (``ElasticEvent``)."""
 
     kind: str = Field(pattern=EVENT_KIND_PATTERN, description="what happened (see EVENT_KINDS)")
-    time: Annotated[float, Field(ge=0)] = Field(description="wall-clock time of the event (Unix seconds)")
+    # seconds are finite: an event at an infinite time (JSON's 1e400) would count in no goodput window
+    time: Annotated[float, Field(ge=0, allow_inf_nan=False)] = Field(
+        description="wall-clock time of the event (Unix seconds)")
     step: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = None
-    t: float | None = Field(default=None, description="seconds since the run started (monotonic clock)")
+    t: Annotated[float, Field(allow_inf_nan=False)] | None = Field(
+        default=None, description="seconds since the run started (monotonic clock)")
     detail: str = Field(default="", max_length=2000)
     id: str | None = Field(default=None, max_length=200, description="unique per event; resends are deduplicated")
     run: str | None = Field(default=None, max_length=200, description="the run (process) that emitted it")
     host: str | None = Field(default=None, max_length=255)
     pid: _Count | None = None
-    recovery_seconds: Annotated[float, Field(ge=0)] | None = Field(
+    recovery_seconds: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = Field(
         default=None, description="recovered: failure detected until the first step on the new mesh")
     lost_steps: _Count | None = Field(
         default=None, description="recovered: steps computed since the restored step, done again")
@@ -52,7 +55,7 @@ class _EventFields(_Request):
     spares_used: list[_Count] | None = Field(
         default=None, max_length=1024,
         description="recovered: the hot spare slices that took lost slices' places (the mesh kept its shape)")
-    blocked_seconds: Annotated[float, Field(ge=0)] | None = Field(
+    blocked_seconds: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = Field(
         default=None, description="checkpoint_started: how long the training loop was blocked by the save")
     tier: Literal["replicas", "memory", "memory+persist", "storage", "skipped"] | None = Field(
         default=None, description="checkpoint_started: where the save went; restored: where the state came from "
