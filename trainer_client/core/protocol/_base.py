@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+# The largest integer a number of the contract may be: one JSON carries exactly (a double holds integers up to
+# 2**53; JavaScript, the dashboard and schema-driven tools read numbers as doubles). JSON itself allows any number
+# of digits, and an unbounded integer reaches float() somewhere (metrics, goodput, plans, messages) and fails there
+# as an OverflowError. Steps, counts, sizes and memory bytes are all bounded by it.
+MAX_EXACT_INT = 2**53 - 1
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -32,4 +38,4 @@ class _Request(_Model):
         return _integral_floats_as_ints(data)
 
 
-__all__: list[str] = []
+__all__ = ["MAX_EXACT_INT"]

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from pydantic import ConfigDict, Field
 
 from trainer_client.core.protocol._autopilot_event import AutopilotFields
-from trainer_client.core.protocol._base import _Model, _Request
+from trainer_client.core.protocol._base import MAX_EXACT_INT, _Model, _Request
 from trainer_client.core.protocol._wire import MAX_STEP
 
 # What trainer_client's ElasticRunner emits, and what ckptd records itself (``retention_deleted``,
@@ -23,10 +23,9 @@ EVENT_KINDS = (
 )
 EVENT_KIND_PATTERN = r"^[a-z][a-z0-9_]{0,63}$"
 MAX_EVENTS_PER_BATCH = 1000
-# A count or a size in an event (steps lost, snapshots skipped, bytes, a pid): at most an integer JSON carries
-# exactly. JSON allows any number of digits, and an unbounded one would reach float() (metrics, goodput) and
-# fail there as an OverflowError, after the event was stored.
-MAX_COUNT = 2**53 - 1
+# A count or a size in an event (steps lost, snapshots skipped, bytes, a pid): metrics and goodput read it as a
+# float, after the event was stored.
+MAX_COUNT = MAX_EXACT_INT
 _Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 
 

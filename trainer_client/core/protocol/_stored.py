@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field
 
-from trainer_client.core.protocol._base import _Model
+from trainer_client.core.protocol._base import MAX_EXACT_INT, _Model
 
 
 class StepState(StrEnum):
@@ -48,10 +48,9 @@ class ArraySpec(_Model):
     changed: bool = False
 
 
-# A batch size or a count of devices or microbatches: at most an integer a double holds exactly. A resize plans
-# from the saved ones in floats (the learning-rate scale, the steps of accumulation), where an integer of 400
-# digits (JSON has no limit) would be an OverflowError.
-_Size = Annotated[int, Field(ge=1, le=2**53 - 1)]
+# A batch size or a count of devices or microbatches: a resize plans from the saved ones in floats (the
+# learning-rate scale, the steps of accumulation).
+_Size = Annotated[int, Field(ge=1, le=MAX_EXACT_INT)]
 
 
 class BatchPlan(_Model):

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from trainer_client.core.protocol._base import _Model, _Request
+from trainer_client.core.protocol._base import MAX_EXACT_INT, _Model, _Request
 from trainer_client.core.protocol._stored import ArraySpec, BatchPlan, CheckpointInfo, MeshSpec, TrainingMetadata
 
 # ckptd's default port, on both sides (ckptd/config.py, trainer_client/config.py): clear of libtpu's
@@ -38,12 +38,10 @@ DEFAULT_PAGE_LIMIT = 100  # a cursor without a limit
 MAX_PAGE_LIMIT = 1000
 # A cursor is opaque to clients; any string of this form is one (the step, '.', the directory name in hex).
 CURSOR_PATTERN = r"^[0-9]{1,16}\.(?:[0-9a-f]{2}){0,255}$"
-# The largest step: one that JSON carries exactly (a double holds integers up to 2**53; JavaScript, the dashboard
-# and schema-driven tools read numbers as doubles), far beyond any training run.
-MAX_STEP = 2**53 - 1
-# The most memory one device may be said to have, or to keep free (bytes): an integer a double holds exactly,
-# ~8 PiB, far beyond any accelerator; the plan's messages print these as floats.
-MAX_DEVICE_BYTES = 2**53 - 1
+MAX_STEP = MAX_EXACT_INT  # far beyond any training run
+# The most memory one device may be said to have, or to keep free (bytes): ~8 PiB, far beyond any accelerator;
+# the plan's messages print these as floats.
+MAX_DEVICE_BYTES = MAX_EXACT_INT
 # Hosts (JAX processes) of one multi-host job at most: Kubernetes' limit on an Indexed Job's completions.
 MAX_HOSTS = 100_000
 # A multi-host save's id, equal in every host's part of it: "<job incarnation>-<step>" (docs/multihost.md).
