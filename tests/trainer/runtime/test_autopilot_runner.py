@@ -15,12 +15,12 @@ import pytest
 from ckptd.advisor._advisor import advise
 from trainer_client.core import protocol as p
 from trainer_client.core.format._files import SNAPSHOT_PERSISTED_FILE
+from trainer_client.core.format._snapshot_dirs import persisted_time
 from trainer_client.runtime.autopilot._autopilot_costs import CostMeter
 from trainer_client.runtime.autopilot._autopilot_runner import (
     DEFAULT_CHECKPOINT_PERIOD,
     MIN_INTERVAL_S,
     RunnerAutopilot,
-    persisted_at,
 )
 from trainer_client.runtime.autopilot._options import AutopilotOptions
 from trainer_client.runtime.replicas._options import ReplicaOptions
@@ -344,14 +344,15 @@ def test_ckptd_advise_given_the_same_inputs_chooses_the_same_periods() -> None:
 
 
 @pytest.mark.parametrize("raw", [b'{"persisted_at": 1' + b"0" * 400 + b"}", b'{"persisted_at": Infinity}',
-                                 b'{"persisted_at": NaN}', b'{"persisted_at": "x"}', b"[1]"])
+                                 b'{"persisted_at": NaN}', b'{"persisted_at": "x"}', b"[1]",
+                                 b'{"persisted_at": true}', b" " * (1 << 20)])
 def test_a_persisted_mark_whose_time_is_no_finite_number_is_not_a_persist(tmp_path: Path, raw: bytes) -> None:
     (tmp_path / "7").mkdir()
     (tmp_path / "7" / SNAPSHOT_PERSISTED_FILE).write_bytes(raw)
-    assert persisted_at(tmp_path, 7) is None  # not an OverflowError, nor an infinite cost measured
+    assert persisted_time(tmp_path / "7") is None  # not an OverflowError, nor an infinite cost measured
 
 
 def test_a_persisted_mark_gives_its_time(tmp_path: Path) -> None:
     (tmp_path / "7").mkdir()
     (tmp_path / "7" / SNAPSHOT_PERSISTED_FILE).write_bytes(b'{"path": "x", "persisted_at": 12.5}')
-    assert persisted_at(tmp_path, 7) == 12.5
+    assert persisted_time(tmp_path / "7") == 12.5

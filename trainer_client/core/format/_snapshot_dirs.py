@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -31,7 +32,7 @@ from trainer_client.core.format._files import (
     SNAPSHOT_SPARE_PREFIX,
     SNAPSHOT_SUPERSEDED_FILE,
 )
-from trainer_client.core.format._private_files import check_private_dir, is_real_dir, write_private
+from trainer_client.core.format._private_files import check_private_dir, is_real_dir, read_private, write_private
 from trainer_client.core.format._snapshot import SnapshotMeta, problems, read_meta
 
 _log = logging.getLogger(__name__)
@@ -142,6 +143,21 @@ def is_persisted(path: str | os.PathLike[str]) -> bool:
 def mark_persisted(path: str | os.PathLike[str], step_url: str) -> None:
     record = json.dumps({"path": step_url, "persisted_at": time.time()}).encode()
     write_private(Path(path, SNAPSHOT_PERSISTED_FILE), record)
+
+
+_MAX_MARK_BYTES = 64 << 10  # a persisted mark is a path and a time
+
+
+def persisted_time(path: str | os.PathLike[str]) -> float | None:
+    """When ckptd marked the snapshot ``path`` persisted (wall time, ``mark_persisted``'s); None while it has not,
+    or when the mark holds no finite time (anyone who can write the directory can write one: an integer no float
+    holds, or an infinite time, would otherwise be an OverflowError or an infinite persist cost)."""
+    try:
+        at = json.loads(read_private(Path(path, SNAPSHOT_PERSISTED_FILE), max_bytes=_MAX_MARK_BYTES))["persisted_at"]
+        at = float(at) if isinstance(at, int | float) and not isinstance(at, bool) else None
+    except (OSError, ValueError, KeyError, TypeError, OverflowError, UnsafePathError):
+        return None
+    return at if at is not None and math.isfinite(at) else None
 
 
 def is_superseded(path: str | os.PathLike[str]) -> bool:

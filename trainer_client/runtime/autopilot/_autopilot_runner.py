@@ -31,9 +31,7 @@ recovery) and at most every ``MIN_INTERVAL_S`` but right after a recovery. Each 
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -41,7 +39,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from trainer_client.config import ClientSettings
-from trainer_client.core.format._files import SNAPSHOT_PERSISTED_FILE
+from trainer_client.core.format._snapshot_dirs import persisted_time
 from trainer_client.core.planning import (
     Autopilot,
     Constraints,
@@ -229,8 +227,9 @@ class RunnerAutopilot:
         config, saver = runner.config, runner.saver
         memory = saver.memory
         memory_dir = memory.dir if memory is not None else None
-        meter = CostMeter(persisted_at=(lambda step: persisted_at(memory_dir, step)) if memory_dir else None,
-                          storage_busy=runner.checkpointer.is_saving)
+        meter = CostMeter(
+            persisted_at=(lambda step: persisted_time(Path(memory_dir, str(step)))) if memory_dir else None,
+            storage_busy=runner.checkpointer.is_saving)
         processes = runner.agreement
         agreement = (PeriodsAgreement(processes.index, processes.count, settings=runner.settings)
                      if processes is not None else None)
@@ -520,14 +519,4 @@ class RunnerAutopilot:
             self.host_memory = HostMemory(budget, source)
 
 
-def persisted_at(memory_dir: Path, step: int) -> float | None:
-    """When ckptd marked the shared-memory snapshot of ``step`` persisted (wall time, its ``persisted.json``); None
-    while it has not (or the snapshot is gone)."""
-    try:
-        at = float(json.loads(Path(memory_dir, str(step), SNAPSHOT_PERSISTED_FILE).read_bytes())["persisted_at"])
-    except (OSError, ValueError, KeyError, TypeError, OverflowError):  # OverflowError: an integer no float holds
-        return None
-    return at if math.isfinite(at) else None  # an infinite time would be measured as the persist's cost
-
-
-__all__ = ["DEFAULT_CHECKPOINT_PERIOD", "LivePeriods", "PacedReplicas", "RunParts", "RunnerAutopilot", "persisted_at"]
+__all__ = ["DEFAULT_CHECKPOINT_PERIOD", "LivePeriods", "PacedReplicas", "RunParts", "RunnerAutopilot"]
